@@ -1,0 +1,5 @@
+"""Placeholder."""
+
+
+def register(subparsers):
+    return None

@@ -1,0 +1,166 @@
+"""`DenseCausalKVCache`: one preallocated ``[B, cache_size, H, D]`` K and V buffer per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.spec import (
+    GROWTH,
+    HEAD_SLICE,
+    INT_INDICES,
+    PINNED_SINK,
+    RECENT_WINDOW,
+    CacheCapabilities,
+    CausalAttentionKVView,
+    KVCacheSpec,
+    check_recent_window,
+    check_write,
+    concat_segments,
+)
+from causalkv.caches.stream import StreamState
+
+__all__ = ["DenseCausalKVCache"]
+
+
+class DenseCausalKVCache:
+    """Rolling causal KV cache with a sink, a pinned shot sink and head-slice writes.
+
+    Storage: ``k_cache``/``v_cache`` of shape ``[B, capacity, H, D]``. Slots ``[0, n_retained)``
+    hold the retained tokens compacted in ascending global position, so slot = rank of the
+    position among the retained ones. An advance compacts the survivors to the left (one
+    copy of the kept tokens, like the reference runtime's roll) and writes the new chunk
+    after them. Which positions survive is decided by `StreamState` on Python ints.
+    """
+
+    capabilities = CacheCapabilities.of(PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES)
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.spec = spec
+        shape = (spec.batch_size, spec.cache_size, spec.num_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.state = StreamState.from_spec(spec)
+
+    # ---- contract properties ----------------------------------------------------------
+    @property
+    def num_cache_heads(self) -> int:
+        return self.spec.num_heads
+
+    @property
+    def global_end(self) -> int:
+        return self.state.global_end
+
+    def resident_nbytes(self) -> int:
+        """Bytes of the K and V buffers (preallocated, so constant until growth)."""
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    # ---- writes -----------------------------------------------------------------------
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "kv_cache",
+    ) -> CausalAttentionKVView:
+        """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
+
+        ``current_chunk_start`` equal to the current chunk's start rewrites it in place;
+        equal to ``global_end`` advances the stream. Anything else raises CacheWriteError
+        and leaves the cache unchanged.
+        """
+        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
+        check_recent_window(recent_window_tokens)
+        n = key.shape[1]
+        kind = self.state.classify(current_chunk_start, n, debug_name)
+        if kind == "advance":
+            new_state = self.state.advanced(n, debug_name)
+            self._relayout(new_state, fresh_heads=(h0, h1))
+            self.state = new_state
+        slot = iv.rank(self.state.retained, self.state.cur_start)
+        self.k_cache[:, slot : slot + n, h0:h1].copy_(key)
+        self.v_cache[:, slot : slot + n, h0:h1].copy_(value)
+        return self._view(h0, h1, recent_window_tokens)
+
+    def get_attention_kv(
+        self,
+        *,
+        cache_head_start: int | None = None,
+        num_heads: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> CausalAttentionKVView:
+        h0 = cache_head_start or 0
+        h1 = self.spec.num_heads if num_heads is None else h0 + num_heads
+        check_recent_window(recent_window_tokens)
+        return self._view(h0, h1, recent_window_tokens)
+
+    def _relayout(self, new: StreamState, fresh_heads: tuple[int, int]) -> None:
+        """Move the survivors of ``self.state.retained`` into their slots under ``new``."""
+        old_retained = self.state.retained
+        if new.capacity > self.k_cache.shape[1]:
+            self._grow(new.capacity)
+        survivors = iv.intersect(old_retained, new.retained)
+        for a, b in survivors:
+            src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
+            if src != dst:
+                for buf in (self.k_cache, self.v_cache):
+                    buf[:, dst : dst + (b - a)] = buf[:, src : src + (b - a)].clone()
+        h0, h1 = fresh_heads
+        if (h0, h1) != (0, self.spec.num_heads):
+            # Heads outside the write's slice are zero until their own write arrives.
+            slot = iv.rank(new.retained, new.cur_start)
+            self.k_cache[:, slot : slot + new.cur_n].zero_()
+            self.v_cache[:, slot : slot + new.cur_n].zero_()
+
+    def _grow(self, capacity: int) -> None:
+        b, old, h, d = self.k_cache.shape
+        for name in ("k_cache", "v_cache"):
+            buf = getattr(self, name)
+            grown = torch.zeros((b, capacity, h, d), dtype=buf.dtype, device=buf.device)
+            grown[:, :old] = buf
+            setattr(self, name, grown)
+
+    # ---- views ------------------------------------------------------------------------
+    def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:
+        st = self.state
+        visible = st.visible(recent_window_tokens)
+        slot_runs = iv.to_slots(st.retained, visible)
+        pieces = [(self.k_cache[:, a:b, h0:h1], self.v_cache[:, a:b, h0:h1]) for a, b in slot_runs]
+        if not pieces:
+            empty = self.k_cache[:, :0, h0:h1]
+            k, v = empty, empty
+        else:
+            k, v = concat_segments(pieces)
+        local_start = iv.rank(st.retained, st.cur_start) if st.cur_start is not None else 0
+        vis_end = visible[-1][1] if visible else 0
+        return CausalAttentionKVView(
+            k=k,
+            v=v,
+            segments=lambda: iter(pieces),
+            position_ranges=visible,
+            local_start_index=local_start,
+            local_end_index=local_start + st.cur_n,
+            visible_local_end=iv.rank(st.retained, vis_end),
+            visible_global_end=vis_end,
+            device=self.k_cache.device,
+        )
+
+    # ---- control ----------------------------------------------------------------------
+    def pin_current_chunk(self, current_num_tokens: int) -> None:
+        """Pin the first ``min(sink_tokens, n)`` tokens of the last ``n`` written as the shot sink.
+
+        A later pin replaces this one; ``n <= 0`` (or ``sink_tokens <= 0``) clears the pin.
+        """
+        self.state = self.state.pinned_to(current_num_tokens)
+
+    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
+        return self.state.would_see_only_current(num_new_tokens)
+
+    def reset_indices(self) -> None:
+        """Forget the stream (new request). The buffers are kept and overwritten later."""
+        self.state = StreamState.from_spec(self.spec)
+        if self.k_cache.shape[1] != self.spec.cache_size:
+            self.__init__(self.spec)  # drop growth

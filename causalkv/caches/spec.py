@@ -1,0 +1,382 @@
+"""The cache contract: spec, view, capabilities, errors and the `CausalKVCache` protocol.
+
+Layout convention for this package: cache tensors are ``[B, S, H, D]`` (batch, tokens,
+heads, head_dim), matching the reference runtime's ``[B, seq, heads, dim]`` K/V layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from causalkv.caches.intervals import Intervals, count, to_positions
+
+__all__ = [
+    "CacheCapabilities",
+    "CacheWriteError",
+    "CausalAttentionKVView",
+    "CausalKVCache",
+    "KVCacheSpec",
+    "PINNED_SINK",
+    "HEAD_SLICE",
+    "RECENT_WINDOW",
+    "GROWTH",
+    "INT_INDICES",
+    "QUANT_QVG",
+]
+
+PINNED_SINK = "pinned_sink"
+HEAD_SLICE = "head_slice"
+RECENT_WINDOW = "recent_window"
+GROWTH = "growth"
+INT_INDICES = "int_indices"
+QUANT_QVG = "quant:qvg"
+
+
+class CacheWriteError(ValueError):
+    """A write (or pin) that breaks the cache contract. The cache is left exactly as it was."""
+
+
+@dataclass(frozen=True)
+class CacheCapabilities:
+    """The named features a cache implementation supports.
+
+    Features are plain strings so that third-party caches can declare new ones; the
+    built-in names are the module constants (``PINNED_SINK``, ``HEAD_SLICE``,
+    ``RECENT_WINDOW``, ``GROWTH``, ``INT_INDICES``, ``QUANT_QVG``).
+    """
+
+    features: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def of(cls, *features: str) -> CacheCapabilities:
+        return cls(frozenset(features))
+
+    def __contains__(self, feature: object) -> bool:
+        return feature in self.features
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.features))
+
+    def missing(self, requirements: Iterable[str]) -> frozenset[str]:
+        """The requirements this cache does not cover (empty when it qualifies)."""
+        return frozenset(requirements) - self.features
+
+    def covers(self, requirements: Iterable[str]) -> bool:
+        return not self.missing(requirements)
+
+    def __str__(self) -> str:
+        return ", ".join(sorted(self.features)) or "(none)"
+
+
+def _dtype_nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and policy of one layer's causal KV cache.
+
+    Args:
+        batch_size: B.
+        num_heads: H, the heads this cache holds (a head-sharded rank holds its slice only).
+        head_dim: D.
+        cache_size: tokens retained at most (sink and pinned shot sink included).
+        sink_tokens: tokens of the sink when no shot sink is pinned (``[0, sink_tokens)``),
+            and the most tokens a pin keeps.
+        global_sink_tokens: the sink kept at the stream start while a shot sink is pinned.
+        attention_window_size: tokens attention sees at most (sink included);
+            ``None`` means ``cache_size``.
+        dtype, device: of the stored K/V; writes must match exactly.
+        use_int_indices: accepted for config compatibility with the reference runtime;
+            causalkv keeps every cursor as a Python int, so the hot path never syncs.
+        allow_growth: grow the buffer instead of failing when sink plus a chunk exceed
+            ``cache_size``.
+    """
+
+    batch_size: int
+    num_heads: int
+    head_dim: int
+    cache_size: int
+    sink_tokens: int = 0
+    global_sink_tokens: int = 0
+    attention_window_size: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    device: str | torch.device = "cpu"
+    use_int_indices: bool = False
+    allow_growth: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
+        for name in ("sink_tokens", "global_sink_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVCacheSpec.{name} must be an int >= 0, got {value!r}")
+            if value > self.cache_size:
+                raise ValueError(
+                    f"KVCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
+                    f"raise cache_size or lower {name}"
+                )
+        if self.global_sink_tokens > self.sink_tokens:
+            raise ValueError(
+                f"KVCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
+                f"sink_tokens={self.sink_tokens}"
+            )
+        w = self.attention_window_size
+        if w is not None:
+            if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+                raise ValueError(f"KVCacheSpec.attention_window_size must be a positive int or None, got {w!r}")
+            if w > self.cache_size:
+                raise ValueError(
+                    f"KVCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
+                )
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        torch.device(self.device)  # raises on a malformed device string
+
+    @property
+    def window(self) -> int:
+        """The attention window in tokens (``attention_window_size`` or ``cache_size``)."""
+        return self.cache_size if self.attention_window_size is None else self.attention_window_size
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def element_size(self) -> int:
+        return _dtype_nbytes(self.dtype)
+
+    def dense_nbytes(self, tokens: int | None = None) -> int:
+        """Bytes of K and V for ``tokens`` tokens (default ``cache_size``) in ``dtype``."""
+        t = self.cache_size if tokens is None else tokens
+        return 2 * self.batch_size * t * self.num_heads * self.head_dim * self.element_size
+
+
+KVSegment = tuple[torch.Tensor, torch.Tensor]
+
+
+class CausalAttentionKVView:
+    """What attention sees: the visible K/V in ascending global position.
+
+    Attributes:
+        k, v: ``[B, visible, h, D]`` (``h`` = heads of the write's head slice). A cache may
+            build them lazily: they are materialized on first access only.
+        positions: int64 ``[visible]``, the global positions of the visible tokens.
+        position_ranges: the same as half-open ``(start, end)`` runs.
+        local_start_index, local_end_index: slots of the current chunk in the cache's
+            token buffer (reference-runtime cursors).
+        visible_local_end: slot just past the newest visible token.
+        visible_global_end: global position just past the newest visible token.
+    """
+
+    __slots__ = (
+        "_k",
+        "_v",
+        "_materialize",
+        "_segments",
+        "position_ranges",
+        "local_start_index",
+        "local_end_index",
+        "visible_local_end",
+        "visible_global_end",
+        "_positions",
+        "_device",
+    )
+
+    def __init__(
+        self,
+        *,
+        position_ranges: Intervals,
+        local_start_index: int,
+        local_end_index: int,
+        visible_local_end: int,
+        visible_global_end: int,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        segments: Callable[[], Iterator[KVSegment]] | None = None,
+        materialize: Callable[[], KVSegment] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if (k is None) != (v is None):
+            raise ValueError("CausalAttentionKVView needs both k and v, or neither")
+        if k is None and materialize is None:
+            raise ValueError("CausalAttentionKVView needs k/v or a materialize callable")
+        self._k, self._v = k, v
+        self._materialize = materialize
+        self._segments = segments
+        self.position_ranges = tuple(position_ranges)
+        self.local_start_index = local_start_index
+        self.local_end_index = local_end_index
+        self.visible_local_end = visible_local_end
+        self.visible_global_end = visible_global_end
+        self._positions: torch.Tensor | None = None
+        self._device = device if device is not None else (k.device if k is not None else None)
+
+    def _ensure(self) -> None:
+        if self._k is None:
+            assert self._materialize is not None
+            self._k, self._v = self._materialize()
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._k is not None
+
+    @property
+    def k(self) -> torch.Tensor:
+        self._ensure()
+        return self._k  # type: ignore[return-value]
+
+    @property
+    def v(self) -> torch.Tensor:
+        self._ensure()
+        return self._v  # type: ignore[return-value]
+
+    @property
+    def num_visible(self) -> int:
+        return count(self.position_ranges)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            self._positions = to_positions(self.position_ranges, device=self._device)
+        return self._positions
+
+    def iter_segments(self) -> Iterator[KVSegment]:
+        """Yield the visible K/V as ``([B, s, h, D], [B, s, h, D])`` pieces in order.
+
+        Dense caches yield slices of their buffer; the packed cache dequantizes one
+        segment at a time, so a consumer (``causalkv.caches.attend``) never holds the whole
+        window densely.
+        """
+        if self._k is None and self._segments is not None:
+            yield from self._segments()
+        else:
+            yield self.k, self.v
+
+    def __repr__(self) -> str:
+        return (
+            f"CausalAttentionKVView(positions={list(self.position_ranges)}, "
+            f"local=[{self.local_start_index}, {self.local_end_index}), "
+            f"visible_local_end={self.visible_local_end}, "
+            f"visible_global_end={self.visible_global_end}, materialized={self.is_materialized})"
+        )
+
+
+@runtime_checkable
+class CausalKVCache(Protocol):
+    """The contract every causal KV cache honours (see docs/caches.md)."""
+
+    spec: KVCacheSpec
+
+    @property
+    def capabilities(self) -> CacheCapabilities: ...
+
+    @property
+    def num_cache_heads(self) -> int: ...
+
+    @property
+    def global_end(self) -> int: ...
+
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "kv_cache",
+    ) -> CausalAttentionKVView:
+        """Write ``key``/``value`` ``[B, n, h, D]`` for the chunk starting at
+        ``current_chunk_start`` (rewrite or advance) and return the attention view."""
+        ...
+
+    def get_attention_kv(
+        self,
+        *,
+        cache_head_start: int | None = None,
+        num_heads: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> CausalAttentionKVView:
+        """The view of the current state without writing."""
+        ...
+
+    def reset_indices(self) -> None: ...
+
+    def pin_current_chunk(self, current_num_tokens: int) -> None: ...
+
+    def can_direct_current_attention(self, num_new_tokens: int) -> bool: ...
+
+    def resident_nbytes(self) -> int: ...
+
+
+def check_write(
+    spec: KVCacheSpec,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache_head_start: int | None,
+    debug_name: str,
+) -> tuple[int, int]:
+    """Validate a write's tensors against ``spec``; return the head slice ``(h0, h1)``.
+
+    Raises CacheWriteError naming the offending value.
+    """
+    for label, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise CacheWriteError(f"{debug_name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise CacheWriteError(
+                f"{debug_name}: {label} must be [B, n, h, D], got shape {tuple(t.shape)}"
+            )
+    if key.shape != value.shape:
+        raise CacheWriteError(
+            f"{debug_name}: key shape {tuple(key.shape)} != value shape {tuple(value.shape)}"
+        )
+    b, n, h, d = key.shape
+    if b != spec.batch_size:
+        raise CacheWriteError(f"{debug_name}: batch {b} does not match spec batch_size={spec.batch_size}")
+    if d != spec.head_dim:
+        raise CacheWriteError(f"{debug_name}: head_dim {d} does not match spec head_dim={spec.head_dim}")
+    if n <= 0:
+        raise CacheWriteError(f"{debug_name}: a write needs at least one token, got n={n}")
+    for label, t in (("key", key), ("value", value)):
+        if t.dtype != spec.dtype:
+            raise CacheWriteError(
+                f"{debug_name}: {label} dtype {t.dtype} does not match spec dtype {spec.dtype}; "
+                f"cast with .to({spec.dtype})"
+            )
+        if t.device != spec.torch_device and not (
+            t.device.type == spec.torch_device.type and spec.torch_device.index is None
+        ):
+            raise CacheWriteError(
+                f"{debug_name}: {label} is on {t.device}, the cache lives on {spec.torch_device}"
+            )
+    h0 = 0 if cache_head_start is None else cache_head_start
+    if not isinstance(h0, int) or isinstance(h0, bool) or h0 < 0 or h0 + h > spec.num_heads:
+        raise CacheWriteError(
+            f"{debug_name}: head slice [{h0}, {h0 + h if isinstance(h0, int) else '?'}) is outside "
+            f"the cache's heads [0, {spec.num_heads})"
+        )
+    return h0, h0 + h
+
+
+def check_recent_window(recent_window_tokens: int | None) -> None:
+    if recent_window_tokens is not None and (
+        not isinstance(recent_window_tokens, int) or recent_window_tokens < 0
+    ):
+        raise ValueError(
+            f"recent_window_tokens must be an int >= 0 or None, got {recent_window_tokens!r}"
+        )
+
+
+def concat_segments(segments: Sequence[KVSegment]) -> KVSegment:
+    if len(segments) == 1:
+        return segments[0]
+    return torch.cat([s[0] for s in segments], dim=1), torch.cat([s[1] for s in segments], dim=1)

@@ -1,0 +1,148 @@
+"""Which global positions a causal cache retains and shows: one state machine for all caches.
+
+`StreamState` implements the token-position half of the cache contract (ARCHITECTURE.md):
+write classification (rewrite / advance / error), rolling eviction that keeps the sink and
+the pinned shot sink, pins, and the visible set. It never touches tensors. Every cache
+delegates here, so the dense and the packed cache agree on positions by construction and
+differ only in how they store the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.intervals import EMPTY, Intervals
+from causalkv.caches.spec import CacheWriteError, KVCacheSpec
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """Immutable snapshot of a cache's token bookkeeping (plain ints).
+
+    Attributes:
+        global_end: tokens written so far; the next advance must start here.
+        cur_start, cur_n: the current (last written) chunk; ``cur_start`` is None when empty.
+        pinned: the pinned shot-sink range, or None.
+        retained: the positions the cache holds.
+        capacity: token slots (``cache_size``, larger after growth).
+    """
+
+    sink_tokens: int
+    global_sink_tokens: int
+    window: int
+    capacity: int
+    allow_growth: bool
+    global_end: int = 0
+    cur_start: int | None = None
+    cur_n: int = 0
+    pinned: tuple[int, int] | None = None
+    retained: Intervals = EMPTY
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec) -> StreamState:
+        return cls(
+            sink_tokens=spec.sink_tokens,
+            global_sink_tokens=spec.global_sink_tokens,
+            window=spec.window,
+            capacity=spec.cache_size,
+            allow_growth=spec.allow_growth,
+        )
+
+    # ---- sets -------------------------------------------------------------------------
+    def sink_prefix_end(self) -> int:
+        """End of the stream-start sink: ``global_sink_tokens`` while pinned, else ``sink_tokens``."""
+        return self.global_sink_tokens if self.pinned is not None else self.sink_tokens
+
+    def sink(self, end: int | None = None) -> Intervals:
+        """Sink positions among ``[0, end)`` (default ``global_end``): prefix plus pinned range."""
+        end = self.global_end if end is None else end
+        runs = [(0, self.sink_prefix_end())]
+        if self.pinned is not None:
+            runs.append(self.pinned)
+        return iv.clip(iv.normalize(runs), 0, end)
+
+    def visible(self, recent_window_tokens: int | None = None) -> Intervals:
+        """Positions attention sees: sink, pinned range, newest retained tokens in the window."""
+        if self.cur_start is None:
+            return EMPTY
+        sink = self.sink()
+        tail_start = min(self.sink_prefix_end(), self.global_end)
+        if recent_window_tokens is not None:
+            tail_start = max(tail_start, self.cur_start - recent_window_tokens)
+        candidates = iv.clip(iv.subtract(self.retained, sink), tail_start, self.global_end)
+        tail = iv.newest(candidates, self.window - iv.count(sink))
+        return iv.union(sink, tail)
+
+    # ---- transitions (pure: return a new state or raise) --------------------------------
+    def classify(self, start: int, n: int, debug_name: str) -> str:
+        """``"rewrite"`` or ``"advance"``; CacheWriteError otherwise."""
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise CacheWriteError(
+                f"{debug_name}: current_chunk_start must be an int, got {type(start).__name__}"
+            )
+        if self.cur_start is not None and start == self.cur_start:
+            if n != self.cur_n:
+                raise CacheWriteError(
+                    f"{debug_name}: rewrite of chunk at {start} changed size: {n} tokens, "
+                    f"the chunk has {self.cur_n}"
+                )
+            return "rewrite"
+        if start == self.global_end:
+            return "advance"
+        raise CacheWriteError(
+            f"{debug_name}: non-sequential write current_start={start} "
+            f"global_end={self.global_end} cur={self.cur_start}"
+        )
+
+    def advanced(self, n: int, debug_name: str) -> StreamState:
+        """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""
+        end = self.global_end + n
+        chunk: Intervals = ((self.global_end, end),)
+        sink = self.sink(end)
+        kept = iv.union(sink, chunk)
+        capacity = self.capacity
+        if iv.count(kept) > capacity:
+            if not self.allow_growth:
+                raise CacheWriteError(
+                    f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
+                    f"fit cache_size={capacity}; raise cache_size or set allow_growth=True"
+                )
+            capacity = iv.count(kept)
+        old = iv.union(self.retained, chunk)
+        ordinary = iv.subtract(old, sink)
+        retained = iv.union(sink, iv.newest(ordinary, capacity - iv.count(sink)))
+        return replace(
+            self, global_end=end, cur_start=self.global_end, cur_n=n, retained=retained,
+            capacity=capacity,
+        )
+
+    def pinned_to(self, current_num_tokens: int) -> StreamState:
+        """The state after ``pin_current_chunk(current_num_tokens)``."""
+        n = current_num_tokens
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise CacheWriteError(f"pin_current_chunk: current_num_tokens must be an int, got {n!r}")
+        if self.sink_tokens <= 0 or n <= 0:
+            return replace(self, pinned=None)
+        if n > self.global_end:
+            raise CacheWriteError(
+                f"pin_current_chunk({n}): only {self.global_end} tokens were written"
+            )
+        start = self.global_end - n
+        rng = (start, start + min(self.sink_tokens, n))
+        if not iv.contains(self.retained, (rng,)):
+            raise CacheWriteError(
+                f"pin_current_chunk({n}): range [{rng[0]}, {rng[1]}) is no longer retained "
+                f"(retained {iv.describe(self.retained)}); pin right after writing the chunk"
+            )
+        return replace(self, pinned=rng)
+
+    def would_see_only_current(self, num_new_tokens: int) -> bool:
+        """True when an advance of ``num_new_tokens`` would leave attention seeing that chunk only."""
+        if num_new_tokens <= 0:
+            return False
+        try:
+            nxt = self.advanced(num_new_tokens, "can_direct_current_attention")
+        except CacheWriteError:
+            return False
+        return nxt.visible() == ((self.global_end, nxt.global_end),)

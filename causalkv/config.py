@@ -1,0 +1,87 @@
+"""`ModelConfig` and `ServerArgs`: what the resolver and the stages read, before any weights load.
+
+A leaf module (it imports only the QVG args), so hooks, plugins, stages and the runtime can
+all share these records without import cycles. The runtime re-exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+
+__all__ = ["ModelConfig", "ServerArgs"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A causal video model's shape and streaming policy.
+
+    Attributes:
+        name: preset name or the folder it was read from.
+        model_class: diffusers ``_class_name`` of the pipeline (``model_index.json``); stages
+            are matched on it (or on the preset name).
+        num_layers, num_heads, head_dim: transformer self-attention geometry.
+        tokens_per_frame: latent tokens per latent frame after patchify.
+        frames_per_chunk: latent frames generated per chunk.
+        sink_frames: sink in latent frames (LongLive 2.0: the pinned shot sink's size too).
+        global_sink_frames: frames of the stream-start sink kept while a shot sink is pinned
+            (defaults to ``sink_frames``).
+        window_frames: frames attention sees at most (sink included).
+        cache_frames: frames the cache retains (defaults to ``window_frames``).
+        recent_window_frames: LingBot-World recent-window sampling (frames before the chunk).
+        timesteps: denoising timesteps before the shift (FACTS.md: 1000, 750, 500, 250).
+        shift: flow-matching shift.
+        context_noise: timestep of the context pass that writes the clean K/V.
+        rope_offset_frames_per_shot: RoPE frame offset added per shot (LongLive 2.0).
+        path: the model folder, or None for a preset not yet materialized.
+    """
+
+    name: str
+    model_class: str
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    tokens_per_frame: int
+    frames_per_chunk: int
+    sink_frames: int = 0
+    global_sink_frames: int | None = None
+    window_frames: int = 21
+    cache_frames: int | None = None
+    recent_window_frames: int | None = None
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    shift: float = 5.0
+    context_noise: float = 0.0
+    rope_offset_frames_per_shot: int = 0
+    path: str | None = None
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_frame * self.frames_per_chunk
+
+
+@dataclass
+class ServerArgs:
+    """Per-request and per-server options that shape resolution and generation.
+
+    Attributes:
+        kv_cache_quant_config: QVG settings (``bits=None`` = off).
+        sink_frames, window_frames, recent_window_frames: overrides of the model config.
+        multi_shot: LongLive 2.0 scene cuts pin a shot sink (needs ``pinned_sink``).
+        heads_sharded: ranks sharing the heads (> 1 needs ``head_slice``).
+        cache: force a cache factory by name (None: let resolution choose).
+        seed, dtype, device: generation settings.
+        guidance_scale: classifier-free guidance (> 1 runs a negative branch with its own cache).
+    """
+
+    kv_cache_quant_config: QVGKVQuantArgs = field(default_factory=QVGKVQuantArgs)
+    sink_frames: int | None = None
+    window_frames: int | None = None
+    recent_window_frames: int | None = None
+    multi_shot: bool = False
+    heads_sharded: int = 1
+    cache: str | None = None
+    seed: int = 0
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    guidance_scale: float = 1.0

@@ -1,0 +1,5 @@
+"""Placeholder: replaced by the plugin issue."""
+
+
+def register(subparsers):
+    return None

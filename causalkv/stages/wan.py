@@ -1,0 +1,15 @@
+"""`WanCausalDMDStage`."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from causalkv.stages.base import CausalDenoisingStage
+
+
+class WanCausalDMDStage(CausalDenoisingStage):
+    stage_name: ClassVar[str] = "self-forcing-wan"
+
+    @classmethod
+    def _supports_qvg_kv_cache_quantization(cls) -> bool:
+        return True
