@@ -35,7 +35,12 @@ class DenseCausalKVCache:
 
     capabilities = CacheCapabilities.of(PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES)
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, quant: object | None = None) -> None:
+        if quant is not None and getattr(quant, "enabled", False):
+            raise ValueError(
+                "DenseCausalKVCache stores bf16 only; for QVG quantization use "
+                "QVGPackedCausalKVCache (cache 'qvg') or --kv-cache-quant off"
+            )
         self.spec = spec
         shape = (spec.batch_size, spec.cache_size, spec.num_heads, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
