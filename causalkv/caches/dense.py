@@ -139,16 +139,15 @@ class DenseCausalKVCache:
             k, v = empty, empty
         else:
             k, v = concat_segments(pieces)
-        local_start = iv.rank(st.retained, st.cur_start) if st.cur_start is not None else 0
-        vis_end = visible[-1][1] if visible else 0
+        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
         return CausalAttentionKVView(
             k=k,
             v=v,
             segments=lambda: iter(pieces),
             position_ranges=visible,
             local_start_index=local_start,
-            local_end_index=local_start + st.cur_n,
-            visible_local_end=iv.rank(st.retained, vis_end),
+            local_end_index=local_end,
+            visible_local_end=vis_local_end,
             visible_global_end=vis_end,
             device=self.k_cache.device,
         )

@@ -54,13 +54,18 @@ class StreamState:
         """End of the stream-start sink: ``global_sink_tokens`` while pinned, else ``sink_tokens``."""
         return self.global_sink_tokens if self.pinned is not None else self.sink_tokens
 
-    def sink(self, end: int | None = None) -> Intervals:
-        """Sink positions among ``[0, end)`` (default ``global_end``): prefix plus pinned range."""
-        end = self.global_end if end is None else end
+    def sink(self, held: Intervals | None = None) -> Intervals:
+        """Sink positions still held: prefix plus pinned range, within ``held`` (default retained).
+
+        Intersecting with what is held matters after a pin is cleared: the stream-start
+        sink ``[0, sink_tokens)`` is the sink again, but the part of it beyond
+        ``global_sink_tokens`` may have rolled out while the pin was in place.
+        """
+        held = self.retained if held is None else held
         runs = [(0, self.sink_prefix_end())]
         if self.pinned is not None:
             runs.append(self.pinned)
-        return iv.clip(iv.normalize(runs), 0, end)
+        return iv.intersect(iv.normalize(runs), held)
 
     def visible(self, recent_window_tokens: int | None = None) -> Intervals:
         """Positions attention sees: sink, pinned range, newest retained tokens in the window."""
@@ -73,6 +78,15 @@ class StreamState:
         candidates = iv.clip(iv.subtract(self.retained, sink), tail_start, self.global_end)
         tail = iv.newest(candidates, self.window - iv.count(sink))
         return iv.union(sink, tail)
+
+    def cursors(self, visible: Intervals) -> tuple[int, int, int, int]:
+        """Reference-runtime cursors for a view of ``visible``, in compact retained slots.
+
+        Returns ``(local_start_index, local_end_index, visible_local_end, visible_global_end)``.
+        """
+        local_start = iv.rank(self.retained, self.cur_start) if self.cur_start is not None else 0
+        vis_end = visible[-1][1] if visible else 0
+        return local_start, local_start + self.cur_n, iv.rank(self.retained, vis_end), vis_end
 
     # ---- transitions (pure: return a new state or raise) --------------------------------
     def classify(self, start: int, n: int, debug_name: str) -> str:
@@ -99,7 +113,7 @@ class StreamState:
         """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""
         end = self.global_end + n
         chunk: Intervals = ((self.global_end, end),)
-        sink = self.sink(end)
+        sink = self.sink(iv.union(self.retained, chunk))
         kept = iv.union(sink, chunk)
         capacity = self.capacity
         if iv.count(kept) > capacity:

@@ -1,0 +1,441 @@
+"""`QVGPackedCausalKVCache`: the causal cache contract over chunk segments, cold ones PRQ-packed.
+
+Storage is a list of segments in ascending global position. A segment covers a run of
+global positions and holds its K/V either densely (``[B, len, H, D]`` in the spec dtype) or
+packed by the QVG codec (one `PackedSegment` for K and one for V, ``[B, H, len, D]``).
+
+Which positions are retained and visible is decided by the same `StreamState` as the
+dense cache, so views agree on positions by construction; with quantization off every
+segment stays dense and views are bit-for-bit those of `DenseCausalKVCache`.
+
+Packing policy, applied once per advance (a segment is quantized at most once):
+
+- the current chunk and the newest ``keep_recent_chunks`` completed chunks stay dense;
+- with ``sink=True`` the sink stays dense: with ``sink_span="chunk"`` every chunk that
+  touches the sink (stream-start sink or pinned shot sink) stays dense whole, with
+  ``"tokens"`` only the sink's own tokens do; the ``sink_keep_chunks`` chunks after the
+  stream-start sink stay dense too;
+- every other completed chunk is packed, ``span_chunks`` consecutive chunks at a time
+  (one codebook per span; 1 = the reference behaviour);
+- a segment whose positions all rolled out is freed; a dense segment that lost some is
+  trimmed; a packed one is kept whole until all of it rolled out.
+
+Views are lazy: ``view.k``/``view.v`` materialize the window on first access (packed
+segments dequantized straight into the output), while `causalkv.caches.attend` walks
+``view.iter_segments()`` and so holds one dequantized segment at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.spec import (
+    GROWTH,
+    HEAD_SLICE,
+    INT_INDICES,
+    PINNED_SINK,
+    QUANT_QVG,
+    RECENT_WINDOW,
+    CacheCapabilities,
+    CausalAttentionKVView,
+    KVCacheSpec,
+    KVSegment,
+    check_recent_window,
+    check_write,
+)
+from causalkv.caches.stream import StreamState
+
+__all__ = ["QVGPackedCausalKVCache", "Segment"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run ``[start, end)`` of global positions and its K/V storage.
+
+    Exactly one of (``k``, ``v``) dense ``[B, len, H, D]`` or (``pk``, ``pv``) packed
+    ``[B, H, len, D]`` is set. ``first_chunk``/``last_chunk`` are the indices of the chunks
+    it came from (a packed span covers several).
+    """
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    pk: object | None = None
+    pv: object | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.pk is not None
+
+    @property
+    def run(self) -> Intervals:
+        return ((self.start, self.end),)
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed:
+            return int(self.pk.nbytes + self.pv.nbytes)  # type: ignore[attr-defined]
+        return self.k.nbytes + self.v.nbytes  # type: ignore[union-attr]
+
+    def dense_slice(self, a: int, b: int) -> Segment:
+        """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
+        lo, hi = a - self.start, b - self.start
+        return replace(
+            self, start=a, end=b,
+            k=self.k[:, lo:hi].clone(), v=self.v[:, lo:hi].clone(),  # type: ignore[index]
+        )
+
+
+class QVGPackedCausalKVCache:
+    """Causal KV cache whose cold chunks are packed with QVG/PRQ (see module docstring).
+
+    Args:
+        spec: the layer's cache spec (same as the dense cache).
+        quant: QVG settings; ``None`` or ``bits=None`` keeps every segment dense.
+        offload: keep packed segments in CPU memory (pinned when the cache is on a GPU)
+            and move them back transparently when a view reads them.
+        seed: k-means seed (the reference runtime's 1234); each packed segment is seeded
+            with ``seed`` so packing is reproducible and the global RNG is untouched.
+
+    Attributes:
+        quantize_calls: how many times the codec packed a K/V pair (tests assert that no
+            segment is packed twice).
+        peak_transient_nbytes: the largest dense K+V temporary built from packed data in
+            one go (one segment when streaming, the window when materialized).
+    """
+
+    capabilities = CacheCapabilities.of(
+        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG
+    )
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        quant: QVGKVQuantArgs | None = None,
+        *,
+        offload: bool = False,
+        seed: int = 1234,
+    ) -> None:
+        quant = (quant or QVGKVQuantArgs()).validate()
+        if quant.enabled and spec.head_dim % quant.block_size != 0:
+            raise ValueError(
+                f"QVG block_size={quant.block_size} does not divide head_dim={spec.head_dim}; "
+                f"choose --kv-cache-quant-block-size among the divisors of {spec.head_dim}"
+            )
+        if quant.enabled and not spec.dtype.is_floating_point:
+            raise ValueError(f"QVG packs floating-point K/V, the spec dtype is {spec.dtype}")
+        self.spec = spec
+        self.quant = quant
+        self.offload = offload
+        self.seed = seed
+        self.state = StreamState.from_spec(spec)
+        self.segments: list[Segment] = []
+        self.quantize_calls = 0
+        self.peak_transient_nbytes = 0
+
+    # ---- contract properties ----------------------------------------------------------
+    @property
+    def num_cache_heads(self) -> int:
+        return self.spec.num_heads
+
+    @property
+    def global_end(self) -> int:
+        return self.state.global_end
+
+    def resident_nbytes(self) -> int:
+        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes."""
+        return sum(s.nbytes for s in self.segments)
+
+    def packed_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.packed]
+
+    # ---- writes -----------------------------------------------------------------------
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "kv_cache",
+    ) -> CausalAttentionKVView:
+        """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
+
+        Same contract as `DenseCausalKVCache.update_and_get_attention_kv`. An advance may
+        pack older chunks; if packing fails (say, non-finite values in a cold chunk) the
+        error propagates and the cache is left as it was.
+        """
+        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
+        check_recent_window(recent_window_tokens)
+        n = key.shape[1]
+        kind = self.state.classify(current_chunk_start, n, debug_name)
+        if kind == "advance":
+            new_state = self.state.advanced(n, debug_name)
+            segments = self._advanced_segments(new_state)
+            self.state, self.segments = new_state, segments
+        current = self.segments[-1]
+        current.k[:, :, h0:h1].copy_(key)  # type: ignore[index]
+        current.v[:, :, h0:h1].copy_(value)  # type: ignore[index]
+        return self._view(h0, h1, recent_window_tokens)
+
+    def get_attention_kv(
+        self,
+        *,
+        cache_head_start: int | None = None,
+        num_heads: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> CausalAttentionKVView:
+        h0 = cache_head_start or 0
+        h1 = self.spec.num_heads if num_heads is None else h0 + num_heads
+        check_recent_window(recent_window_tokens)
+        return self._view(h0, h1, recent_window_tokens)
+
+    def _advanced_segments(self, new: StreamState) -> list[Segment]:
+        """The segment list after advancing to ``new`` (pure: ``self`` is not touched)."""
+        kept: list[Segment] = []
+        for seg in self.segments:
+            live = iv.intersect(seg.run, new.retained)
+            if not live:
+                continue
+            if seg.packed or live == seg.run:
+                kept.append(seg)
+            else:
+                kept.extend(seg.dense_slice(a, b) for a, b in live)
+        new_chunk = self.segments[-1].last_chunk + 1 if self.segments else 0
+        if self.quant.enabled:
+            kept = self._pack_cold(kept, new, current_chunk=new_chunk)
+        spec = self.spec
+        shape = (spec.batch_size, new.cur_n, spec.num_heads, spec.head_dim)
+        kept.append(
+            Segment(
+                start=new.cur_start, end=new.global_end,  # type: ignore[arg-type]
+                first_chunk=new_chunk, last_chunk=new_chunk,
+                k=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+                v=torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+            )
+        )
+        return kept
+
+    def _protected(self, new: StreamState, current_chunk: int) -> tuple[set[int], Intervals]:
+        """Chunks kept dense whole, and positions kept dense (``sink_span="tokens"``)."""
+        q = self.quant
+        chunks: set[int] = set(range(current_chunk - q.keep_recent_chunks, current_chunk))
+        tokens: Intervals = iv.EMPTY
+        if q.sink:
+            sink = new.sink()
+            prefix_end = min(new.sink_prefix_end(), new.global_end)
+            sink_chunks = {
+                s.first_chunk for s in self.segments if iv.intersect(s.run, sink)
+            } | {s.last_chunk for s in self.segments if iv.intersect(s.run, sink)}
+            prefix_chunks = [
+                s.last_chunk for s in self.segments if prefix_end and s.start < prefix_end
+            ]
+            if q.sink_span == "chunk":
+                chunks |= sink_chunks
+            else:
+                tokens = sink
+            after = (max(prefix_chunks) + 1) if prefix_chunks else 0
+            chunks |= set(range(after, after + q.sink_keep_chunks))
+        return chunks, tokens
+
+    def _pack_cold(self, segs: list[Segment], new: StreamState, current_chunk: int) -> list[Segment]:
+        keep_chunks, keep_tokens = self._protected(new, current_chunk)
+        out: list[Segment] = []
+        pending: list[Segment] = []  # consecutive packable dense pieces of one span
+
+        def flush(force: bool) -> None:
+            chunks = {c for s in pending for c in range(s.first_chunk, s.last_chunk + 1)}
+            if pending and (force or len(chunks) >= self.quant.span_chunks):
+                if len(chunks) >= self.quant.span_chunks:
+                    out.append(self._pack(pending))
+                else:
+                    out.extend(pending)
+                pending.clear()
+
+        for seg in segs:
+            if seg.packed or any(
+                c in keep_chunks for c in range(seg.first_chunk, seg.last_chunk + 1)
+            ):
+                flush(force=True)
+                out.append(seg)
+                continue
+            for a, b in _split(seg.run, keep_tokens):
+                piece = seg if (a, b) == (seg.start, seg.end) else seg.dense_slice(a, b)
+                if iv.intersect(((a, b),), keep_tokens):
+                    flush(force=True)
+                    out.append(piece)
+                    continue
+                if pending and pending[-1].end != a:
+                    flush(force=True)
+                pending.append(piece)
+                flush(force=False)
+        flush(force=True)
+        return out
+
+    def _pack(self, pieces: list[Segment]) -> Segment:
+        from causalkv.caches.qvg.codec import quantize
+
+        k = torch.cat([p.k for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].k
+        v = torch.cat([p.v for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].v
+        pk = quantize(k.permute(0, 2, 1, 3), self.quant, seed=self.seed)  # type: ignore[union-attr]
+        pv = quantize(v.permute(0, 2, 1, 3), self.quant, seed=self.seed)  # type: ignore[union-attr]
+        self.quantize_calls += 1
+        if self.offload:
+            pk, pv = _offload(pk), _offload(pv)
+        return Segment(
+            start=pieces[0].start, end=pieces[-1].end,
+            first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
+            pk=pk, pv=pv,
+        )
+
+    # ---- views ------------------------------------------------------------------------
+    def _pieces(self, visible: Intervals) -> list[tuple[Segment, Intervals]]:
+        pieces = []
+        for seg in self.segments:
+            runs = iv.intersect(seg.run, visible)
+            if runs:
+                pieces.append((seg, runs))
+        return pieces
+
+    def _dense_pieces(
+        self, seg: Segment, runs: Intervals, h0: int, h1: int
+    ) -> KVSegment:
+        """Visible K/V ``[B, count(runs), h, D]`` of one segment (dequantized if packed)."""
+        if not seg.packed:
+            parts = [(seg.k[:, a - seg.start : b - seg.start, h0:h1],  # type: ignore[index]
+                      seg.v[:, a - seg.start : b - seg.start, h0:h1]) for a, b in runs]  # type: ignore[index]
+        else:
+            k_full, v_full = self._dequantize(seg, h0, h1)
+            self.peak_transient_nbytes = max(
+                self.peak_transient_nbytes, k_full.nbytes + v_full.nbytes
+            )
+            parts = [(k_full[:, a - seg.start : b - seg.start],
+                      v_full[:, a - seg.start : b - seg.start]) for a, b in runs]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+    def _dequantize(
+        self, seg: Segment, h0: int, h1: int, out: KVSegment | None = None
+    ) -> KVSegment:
+        """K/V ``[B, len, h, D]`` of a packed segment, written into ``out`` when given."""
+        from causalkv.caches.qvg.codec import dequantize
+
+        res = []
+        for i, packed in enumerate((seg.pk, seg.pv)):
+            packed = _select_heads(_onload(packed, self.spec.torch_device), h0, h1)
+            target = None if out is None else out[i].permute(0, 2, 1, 3)
+            res.append(dequantize(packed, dtype=self.spec.dtype, out=target).permute(0, 2, 1, 3))
+        return res[0], res[1]
+
+    def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:
+        st = self.state
+        visible = st.visible(recent_window_tokens)
+        pieces = self._pieces(visible)
+        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
+
+        def segments() -> Iterator[KVSegment]:
+            for seg, runs in pieces:
+                yield self._dense_pieces(seg, runs, h0, h1)
+
+        def materialize() -> KVSegment:
+            return self._materialize(pieces, h0, h1, iv.count(visible))
+
+        all_dense = all(not seg.packed for seg, _ in pieces)
+        k = v = None
+        if all_dense:  # nothing to dequantize: build k/v now, exactly like the dense cache
+            k, v = materialize()
+        return CausalAttentionKVView(
+            k=k,
+            v=v,
+            segments=segments,
+            materialize=materialize,
+            position_ranges=visible,
+            local_start_index=local_start,
+            local_end_index=local_end,
+            visible_local_end=vis_local_end,
+            visible_global_end=vis_end,
+            device=self.spec.torch_device,
+        )
+
+    def _materialize(
+        self, pieces: list[tuple[Segment, Intervals]], h0: int, h1: int, total: int
+    ) -> KVSegment:
+        spec = self.spec
+        if not pieces:
+            empty = torch.zeros(
+                (spec.batch_size, 0, h1 - h0, spec.head_dim), dtype=spec.dtype, device=spec.device
+            )
+            return empty, empty
+        if len(pieces) == 1 and not pieces[0][0].packed:
+            return self._dense_pieces(pieces[0][0], pieces[0][1], h0, h1)
+        shape = (spec.batch_size, total, h1 - h0, spec.head_dim)
+        k = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        v = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        at = 0
+        for seg, runs in pieces:
+            m = iv.count(runs)
+            if seg.packed and runs == seg.run:  # dequantize straight into the window
+                self._dequantize(seg, h0, h1, out=(k[:, at : at + m], v[:, at : at + m]))
+            else:
+                pk, pv = self._dense_pieces(seg, runs, h0, h1)
+                k[:, at : at + m].copy_(pk)
+                v[:, at : at + m].copy_(pv)
+            at += m
+        if any(seg.packed for seg, _ in pieces):
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        return k, v
+
+    # ---- control ----------------------------------------------------------------------
+    def pin_current_chunk(self, current_num_tokens: int) -> None:
+        """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
+
+        A range that is already packed stays packed; a dense one stays dense while pinned
+        (with ``sink=True``) and is packed like any cold chunk once a later pin releases it.
+        """
+        self.state = self.state.pinned_to(current_num_tokens)
+
+    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
+        return self.state.would_see_only_current(num_new_tokens)
+
+    def reset_indices(self) -> None:
+        """Forget the stream (new request) and free every segment."""
+        self.state = StreamState.from_spec(self.spec)
+        self.segments = []
+
+
+def _split(run: Intervals, keep: Intervals) -> Intervals:
+    """``run`` cut at the boundaries of ``keep``: alternating kept / not-kept pieces, in order."""
+    inside = iv.intersect(run, keep)
+    return tuple(sorted(inside + iv.subtract(run, keep))) if inside else run
+
+
+def _select_heads(packed: object, h0: int, h1: int) -> object:
+    if h0 == 0 and h1 == packed.shape[1]:  # type: ignore[attr-defined]
+        return packed
+    return packed.select_heads(h0, h1)  # type: ignore[attr-defined]
+
+
+def _offload(packed: object) -> object:
+    moved = packed.to("cpu")  # type: ignore[attr-defined]
+    if packed.device.type == "cuda":  # type: ignore[attr-defined]
+        moved = moved.pin_memory()  # type: ignore[attr-defined]
+    return moved
+
+
+def _onload(packed: object, device: torch.device) -> object:
+    if packed.device == device or (  # type: ignore[attr-defined]
+        packed.device.type == device.type and device.index is None  # type: ignore[attr-defined]
+    ):
+        return packed
+    return packed.to(device, non_blocking=True)  # type: ignore[attr-defined]
