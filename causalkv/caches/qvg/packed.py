@@ -54,7 +54,7 @@ from causalkv.caches.stream import StreamState
 __all__ = ["QVGPackedCausalKVCache", "Segment"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Segment:
     """A run ``[start, end)`` of global positions and its K/V storage.
 
