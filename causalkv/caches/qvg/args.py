@@ -15,7 +15,7 @@ __all__ = ["QVGKVQuantArgs", "QUANT_CHOICES", "add_cli_args"]
 
 QUANT_CHOICES = ("off", "int4", "int2")
 _BITS_BY_NAME = {"off": None, "int4": 4, "int2": 2, "none": None, None: None}
-_SINK_SPANS = ("chunk", "tokens")
+_SINK_SPANS = ("chunk", "full")
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,11 @@ class QVGKVQuantArgs:
         kmeans_iters: Lloyd iterations per stage.
         asymmetric: store a zero point per block (else symmetric codes ``-q..q``).
         keep_recent_chunks: completed chunks kept in bf16 besides the current one.
-        sink: keep the sink in bf16 (True) or pack it like any cold chunk (False).
-        sink_span: ``"chunk"``: the sink is kept whole-chunk aligned; ``"tokens"``: only the
-            sink's own tokens.
-        sink_keep_chunks: extra chunks after the sink kept in bf16.
+        sink: quantize the attention sink too (True, the reference default); False keeps
+            every chunk that holds sink tokens (stream-start sink or pinned shot sink) in bf16.
+        sink_span: how sink chunks are packed when ``sink``: ``"chunk"`` one segment per
+            chunk, ``"full"`` the whole sink as one span (one codebook).
+        sink_keep_chunks: leading sink chunks kept in bf16 forever.
         grid: 2-bit residual grid: ``"reference"`` (symmetric codes -1..1, scale = absmax,
             or a zero point when asymmetric) or ``"mse4"`` (all four levels
             ``{-1.5,-0.5,0.5,1.5} * s`` with an error-minimizing scale). Beyond the reference.
@@ -95,7 +96,8 @@ class QVGKVQuantArgs:
             f"iters={self.kmeans_iters}",
             "asym" if self.asymmetric else "sym",
             f"keep_recent={self.keep_recent_chunks}",
-            f"sink={'bf16' if self.sink else 'packed'}/{self.sink_span}+{self.sink_keep_chunks}",
+            f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
+            f"sink_keep={self.sink_keep_chunks}",
         ]
         if self.grid != "reference":
             parts.append(f"grid={self.grid}")
@@ -163,13 +165,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-quant-keep-recent", type=int, default=d.keep_recent_chunks,
                    help=f"completed chunks kept in bf16 (default: {d.keep_recent_chunks})")
     g.add_argument("--kv-cache-quant-sink-keep", type=int, default=d.sink_keep_chunks,
-                   help=f"chunks after the sink kept in bf16 (default: {d.sink_keep_chunks})")
+                   help=f"leading sink chunks kept in bf16 forever (default: {d.sink_keep_chunks})")
     g.add_argument("--kv-cache-quant-asymmetric", action="store_true",
                    help="store a zero point per residual block")
     g.add_argument("--kv-cache-quant-sink", type=int, choices=(0, 1), default=1,
-                   help="1: keep the sink in bf16; 0: pack it (default: 1)")
+                   help="1: quantize the attention sink too; 0: keep sink chunks in bf16 (default: 1)")
     g.add_argument("--kv-cache-quant-sink-span", choices=_SINK_SPANS, default=d.sink_span,
-                   help="keep whole chunks of the sink (chunk) or only its tokens (tokens)")
+                   help="pack the sink per chunk (chunk) or as one span (full) (default: chunk)")
     g.add_argument("--kv-cache-quant-grid", choices=("reference", "mse4"), default=d.grid,
                    help="2-bit residual grid (beyond the reference; default: reference)")
     g.add_argument("--kv-cache-quant-span-chunks", type=int, default=d.span_chunks,

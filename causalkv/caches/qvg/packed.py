@@ -11,10 +11,10 @@ segment stays dense and views are bit-for-bit those of `DenseCausalKVCache`.
 Packing policy, applied once per advance (a segment is quantized at most once):
 
 - the current chunk and the newest ``keep_recent_chunks`` completed chunks stay dense;
-- with ``sink=True`` the sink stays dense: with ``sink_span="chunk"`` every chunk that
-  touches the sink (stream-start sink or pinned shot sink) stays dense whole, with
-  ``"tokens"`` only the sink's own tokens do; the ``sink_keep_chunks`` chunks after the
-  stream-start sink stay dense too;
+- sink chunks (those holding stream-start sink or pinned shot-sink tokens) are packed too
+  with ``sink=True`` (the reference default), one segment per chunk (``sink_span="chunk"``)
+  or the whole sink as one span once all of it is cold (``"full"``); the leading
+  ``sink_keep_chunks`` sink chunks stay dense forever; ``sink=False`` keeps sink chunks dense;
 - every other completed chunk is packed, ``span_chunks`` consecutive chunks at a time
   (one codebook per span; 1 = the reference behaviour);
 - a segment whose positions all rolled out is freed; a dense segment that lost some is
@@ -226,60 +226,59 @@ class QVGPackedCausalKVCache:
         )
         return kept
 
-    def _protected(self, new: StreamState, current_chunk: int) -> tuple[set[int], Intervals]:
-        """Chunks kept dense whole, and positions kept dense (``sink_span="tokens"``)."""
+    def _policy(self, new: StreamState, current_chunk: int) -> tuple[set[int], list[frozenset[int]]]:
+        """Chunks that stay dense now, and the sink groups packed as one span (``"full"``)."""
         q = self.quant
-        chunks: set[int] = set(range(current_chunk - q.keep_recent_chunks, current_chunk))
-        tokens: Intervals = iv.EMPTY
-        if q.sink:
-            sink = new.sink()
-            prefix_end = min(new.sink_prefix_end(), new.global_end)
-            sink_chunks = {
-                s.first_chunk for s in self.segments if iv.intersect(s.run, sink)
-            } | {s.last_chunk for s in self.segments if iv.intersect(s.run, sink)}
-            prefix_chunks = [
-                s.last_chunk for s in self.segments if prefix_end and s.start < prefix_end
-            ]
-            if q.sink_span == "chunk":
-                chunks |= sink_chunks
-            else:
-                tokens = sink
-            after = (max(prefix_chunks) + 1) if prefix_chunks else 0
-            chunks |= set(range(after, after + q.sink_keep_chunks))
-        return chunks, tokens
+        keep: set[int] = set(range(current_chunk - q.keep_recent_chunks, current_chunk))
+        prefix_end = new.sink_prefix_end()
+        prefix = sorted(
+            c for s in self.segments if s.start < prefix_end
+            for c in range(s.first_chunk, s.last_chunk + 1)
+        )
+        if new.cur_start < prefix_end:  # the sink is still being written: its group is open
+            prefix.append(current_chunk)
+        pinned = sorted(
+            c for s in self.segments if new.pinned and iv.intersect(s.run, (new.pinned,))
+            for c in range(s.first_chunk, s.last_chunk + 1)
+        )
+        keep |= set(prefix[: q.sink_keep_chunks])
+        if not q.sink:
+            return keep | set(prefix) | set(pinned), []
+        groups = [frozenset(g) for g in (prefix, pinned) if g] if q.sink_span == "full" else []
+        return keep, groups
 
     def _pack_cold(self, segs: list[Segment], new: StreamState, current_chunk: int) -> list[Segment]:
-        keep_chunks, keep_tokens = self._protected(new, current_chunk)
+        """Pack the cold dense segments of ``segs`` (see the module docstring's policy)."""
+        keep, groups = self._policy(new, current_chunk)
         out: list[Segment] = []
-        pending: list[Segment] = []  # consecutive packable dense pieces of one span
+        pending: list[Segment] = []  # adjacent packable dense segments of one group
+        pending_group: frozenset[int] | None = None
 
-        def flush(force: bool) -> None:
-            chunks = {c for s in pending for c in range(s.first_chunk, s.last_chunk + 1)}
-            if pending and (force or len(chunks) >= self.quant.span_chunks):
-                if len(chunks) >= self.quant.span_chunks:
-                    out.append(self._pack(pending))
-                else:
-                    out.extend(pending)
-                pending.clear()
+        def chunks_of(seg: Segment) -> set[int]:
+            return set(range(seg.first_chunk, seg.last_chunk + 1))
+
+        def flush_dense() -> None:
+            out.extend(pending)
+            pending.clear()
 
         for seg in segs:
-            if seg.packed or any(
-                c in keep_chunks for c in range(seg.first_chunk, seg.last_chunk + 1)
-            ):
-                flush(force=True)
+            chunks = chunks_of(seg)
+            if seg.packed or chunks & keep:
+                flush_dense()
                 out.append(seg)
                 continue
-            for a, b in _split(seg.run, keep_tokens):
-                piece = seg if (a, b) == (seg.start, seg.end) else seg.dense_slice(a, b)
-                if iv.intersect(((a, b),), keep_tokens):
-                    flush(force=True)
-                    out.append(piece)
-                    continue
-                if pending and pending[-1].end != a:
-                    flush(force=True)
-                pending.append(piece)
-                flush(force=False)
-        flush(force=True)
+            group = next((g for g in groups if chunks & g), None)
+            if pending and (group != pending_group or pending[-1].end != seg.start):
+                flush_dense()
+            pending.append(seg)
+            pending_group = group
+            have = set().union(*(chunks_of(p) for p in pending))
+            if (group is not None and have >= group) or (
+                group is None and len(have) >= self.quant.span_chunks
+            ):
+                out.append(self._pack(pending))
+                pending.clear()
+        flush_dense()
         return out
 
     def _pack(self, pieces: list[Segment]) -> Segment:
@@ -400,8 +399,9 @@ class QVGPackedCausalKVCache:
     def pin_current_chunk(self, current_num_tokens: int) -> None:
         """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
 
-        A range that is already packed stays packed; a dense one stays dense while pinned
-        (with ``sink=True``) and is packed like any cold chunk once a later pin releases it.
+        Pinning moves no data: a packed range stays packed. A dense pinned chunk is packed
+        when cold like any chunk with ``sink=True`` (the reference default); with
+        ``sink=False`` it stays dense while pinned and is packed once a later pin releases it.
         """
         self.state = self.state.pinned_to(current_num_tokens)
 
@@ -412,12 +412,6 @@ class QVGPackedCausalKVCache:
         """Forget the stream (new request) and free every segment."""
         self.state = StreamState.from_spec(self.spec)
         self.segments = []
-
-
-def _split(run: Intervals, keep: Intervals) -> Intervals:
-    """``run`` cut at the boundaries of ``keep``: alternating kept / not-kept pieces, in order."""
-    inside = iv.intersect(run, keep)
-    return tuple(sorted(inside + iv.subtract(run, keep))) if inside else run
 
 
 def _select_heads(packed: object, h0: int, h1: int) -> object:

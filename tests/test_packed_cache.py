@@ -1,0 +1,258 @@
+"""QVGPackedCausalKVCache: packing policy, codec oracle, pins on packed chunks, streaming attention.
+
+Oracles used here:
+- positions: the dense cache (itself proven against the token-position oracle);
+- packed values: the codec's own round trip ``dequantize(quantize(chunk))`` of exactly the
+  chunk that was written (the cache must add no error of its own and pack each chunk once);
+- bytes: the sum of what each segment stores, and the bits-per-element formula of ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import attention as attn
+from causalkv.caches.qvg import codec
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+
+N = 16  # tokens per chunk
+D = 32
+H = 2
+
+
+def spec(**kw) -> KVCacheSpec:
+    base = dict(batch_size=1, num_heads=H, head_dim=D, cache_size=6 * N, sink_tokens=N,
+                global_sink_tokens=N, dtype=torch.bfloat16)
+    base.update(kw)
+    return KVCacheSpec(**base)
+
+
+def quant(**kw) -> QVGKVQuantArgs:
+    base = dict(bits=2, centroids=8, block_size=16)
+    base.update(kw)
+    return QVGKVQuantArgs(**base).validate()
+
+
+def chunk(i: int, n: int = N, heads: int = H, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + i)
+    k = torch.randn(1, n, heads, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, n, heads, D, generator=g).to(torch.bfloat16)
+    return k, v
+
+
+def roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
+    """The codec oracle for a chunk ``[B, n, H, D]`` packed alone."""
+    return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q, seed=1234)).permute(0, 2, 1, 3)
+
+
+def write(cache, i: int, n: int = N, **kw):
+    k, v = chunk(i, n)
+    return cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n, **kw)
+
+
+def test_bad_quant_settings_fail_at_construction():
+    with pytest.raises(ValueError, match=r"block_size=48.*head_dim=32"):
+        QVGPackedCausalKVCache(spec(), quant(block_size=48))
+    with pytest.raises(ValueError, match="256"):
+        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(bits=2, centroids=300))
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):
+        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(bits=3))
+
+
+def test_capabilities_cover_the_dense_features_and_qvg():
+    caps = QVGPackedCausalKVCache.capabilities
+    assert caps.covers(DenseCausalKVCache.capabilities.features)
+    assert "quant:qvg" in caps and "quant:qvg" not in DenseCausalKVCache.capabilities
+
+
+def test_packing_policy_and_codec_oracle(monkeypatch):
+    calls = []
+    real = codec.quantize
+    monkeypatch.setattr(codec, "quantize", lambda x, a, **kw: calls.append(x.shape) or real(x, a, **kw))
+    q = quant(keep_recent_chunks=1)
+    cache = QVGPackedCausalKVCache(spec(), q)
+    dense = DenseCausalKVCache(spec())
+    for i in range(10):
+        view = write(cache, i)
+        ref = write(dense, i)
+        assert view.position_ranges == ref.position_ranges
+    # window of 6 chunks: the sink chunk 0 and chunks 5..7 packed (sink=True quantizes the sink
+    # too, as the reference does), 8 (recent) and 9 (current) dense
+    layout = [(s.start // N, s.packed) for s in cache.segments]
+    assert layout == [(0, True), (5, True), (6, True), (7, True), (8, False), (9, False)]
+    # chunks 0..7 were each packed exactly once (K and V per call); 1..4 rolled out since
+    assert cache.quantize_calls == 8
+    assert len(calls) == 16
+    # packed values are the codec's round trip of exactly what was written; dense ones exact
+    k_view = view.k
+    for idx, (a, b) in enumerate([(0, N), (5 * N, 6 * N), (8 * N, 9 * N), (9 * N, 10 * N)]):
+        sl = slice(*[view.positions.tolist().index(p) for p in (a, b - 1)])
+        got = k_view[:, sl.start : sl.stop + 1]
+        want = chunk(a // N)[0]
+        if idx <= 1:
+            want = roundtrip(want, q)
+        assert torch.equal(got, want), (a, b)
+
+
+def test_resident_bytes_exact_and_flat():
+    q = quant()
+    cache = QVGPackedCausalKVCache(spec(), q)
+    sizes = []
+    for i in range(14):
+        write(cache, i)
+        expect = 0
+        for s in cache.segments:
+            if s.packed:
+                expect += s.pk.nbytes + s.pv.nbytes
+            else:
+                expect += 2 * (s.end - s.start) * H * D * 2
+        assert cache.resident_nbytes() == expect
+        sizes.append(cache.resident_nbytes())
+    assert len(set(sizes[6:])) == 1  # window full: constant from then on
+    dense_bytes = DenseCausalKVCache(spec()).resident_nbytes()
+    assert sizes[-1] < dense_bytes
+
+
+def test_pin_on_packed_chunk_stays_packed_and_is_retained():
+    q = quant(keep_recent_chunks=0)
+    s = spec(sink_tokens=N, global_sink_tokens=N // 2, cache_size=5 * N)
+    cache = QVGPackedCausalKVCache(s, q)
+    dense = DenseCausalKVCache(s)
+    for i in range(3):
+        write(cache, i)
+        write(dense, i)
+    assert cache.segments[1].packed  # chunk 1 is cold and keep_recent=0
+    calls = cache.quantize_calls
+    # pin the start of the previous (packed) chunk: the last 2N tokens begin at chunk 1
+    cache.pin_current_chunk(2 * N)
+    dense.pin_current_chunk(2 * N)
+    for i in range(3, 12):
+        view = write(cache, i)
+        ref = write(dense, i)
+        assert view.position_ranges == ref.position_ranges
+    assert (N, 2 * N) in [r for r in view.position_ranges] or any(
+        a <= N and b >= 2 * N for a, b in view.position_ranges
+    )
+    pinned = [seg for seg in cache.segments if seg.start == N]
+    assert len(pinned) == 1 and pinned[0].packed
+    assert cache.quantize_calls == calls + 9  # chunks 2..10 packed once each, chunk 1 never again
+    # the pinned packed values are still the codec round trip of chunk 1
+    pos = view.positions.tolist()
+    got = view.k[:, pos.index(N) : pos.index(N) + N]
+    assert torch.equal(got, roundtrip(chunk(1)[0], q))
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_pin_shorter_than_chunk(sink):
+    """sink=False: the pinned chunk stays bf16 while pinned; sink=True: it is packed when cold.
+
+    Either way only the pinned half chunk is retained once the window moved on, and a later
+    pin releases it so it rolls out.
+    """
+    q = quant(keep_recent_chunks=0, sink=sink)
+    s = spec(sink_tokens=N // 2, global_sink_tokens=N // 4, cache_size=4 * N)
+    cache = QVGPackedCausalKVCache(s, q)
+    dense = DenseCausalKVCache(s)
+    for i in range(2):
+        write(cache, i)
+        write(dense, i)
+    cache.pin_current_chunk(N)
+    dense.pin_current_chunk(N)
+    for i in range(2, 9):
+        view = write(cache, i)
+        assert view.position_ranges == write(dense, i).position_ranges
+    assert (N, N + N // 2) in view.position_ranges
+    held = [(seg.start, seg.end, seg.packed) for seg in cache.segments if seg.start < 2 * N]
+    pos = view.positions.tolist()
+    got = view.k[:, pos.index(N) : pos.index(N) + N // 2]
+    if sink:
+        assert (N, 2 * N, True) in held  # packed whole, kept until all of it rolled out
+        assert torch.equal(got, roundtrip(chunk(1)[0], q)[:, : N // 2])
+    else:
+        assert (N, N + N // 2, False) in held  # dense, trimmed to the pinned tokens
+        assert torch.equal(got, chunk(1)[0][:, : N // 2])
+    cache.pin_current_chunk(N)  # pin chunk 8: chunk 1's half is released and rolls out
+    dense.pin_current_chunk(N)
+    view = write(cache, 9)
+    assert view.position_ranges == write(dense, 9).position_ranges
+    assert all(seg.end <= N or seg.start >= 2 * N for seg in cache.segments)  # chunk 1 freed
+
+
+def test_sink_span_full_and_sink_keep_chunks():
+    s = spec(sink_tokens=2 * N, global_sink_tokens=2 * N, cache_size=8 * N)
+    full = QVGPackedCausalKVCache(s, quant(keep_recent_chunks=0, sink_span="full"))
+    keep = QVGPackedCausalKVCache(s, quant(keep_recent_chunks=0, sink_keep_chunks=1))
+    write(full, 0)
+    write(full, 1)
+    assert full.quantize_calls == 0  # chunk 0 waits for the rest of the sink
+    write(full, 2)
+    assert [(g.start, g.end) for g in full.packed_segments()] == [(0, 2 * N)]
+    assert full.quantize_calls == 1
+    for i in range(6):
+        write(keep, i)
+    layout = [(g.start // N, g.packed) for g in keep.segments]
+    assert layout == [(0, False), (1, True), (2, True), (3, True), (4, True), (5, False)]
+
+
+def test_head_slice_ranks_on_packed_cache():
+    q = quant()
+    full = QVGPackedCausalKVCache(spec(), q)
+    split = QVGPackedCausalKVCache(spec(), q)
+    for i in range(9):
+        k, v = chunk(i)
+        full.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+        va = split.update_and_get_attention_kv(
+            key=k[:, :, :1], value=v[:, :, :1], current_chunk_start=i * N, cache_head_start=0)
+        vb = split.update_and_get_attention_kv(
+            key=k[:, :, 1:], value=v[:, :, 1:], current_chunk_start=i * N, cache_head_start=1)
+    ref = full.get_attention_kv()
+    assert va.k.shape[2] == 1 and vb.k.shape[2] == 1
+    assert torch.equal(torch.cat([va.k, vb.k], dim=2), ref.k)
+    assert torch.equal(torch.cat([va.v, vb.v], dim=2), ref.v)
+
+
+def test_streaming_attention_matches_dense_and_holds_one_segment():
+    q = quant(bits=4)
+    cache = QVGPackedCausalKVCache(spec(), q)
+    for i in range(9):
+        view = write(cache, i)
+    assert not view.is_materialized
+    query = torch.randn(1, N, H, D).to(torch.bfloat16)
+    cache.peak_transient_nbytes = 0
+    out = attn.attend(query, view)
+    assert not view.is_materialized
+    one_segment = 2 * N * H * D * 2
+    assert cache.peak_transient_nbytes == one_segment
+    ref = attn.attend_dense(query.float(), view.k.float(), view.v.float())
+    assert view.is_materialized
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_offload_roundtrip_equal():
+    q = quant()
+    a = QVGPackedCausalKVCache(spec(), q)
+    b = QVGPackedCausalKVCache(spec(), q, offload=True)
+    for i in range(8):
+        va, vb = write(a, i), write(b, i)
+    assert torch.equal(va.k, vb.k) and torch.equal(va.v, vb.v)
+    assert all(seg.pk.device.type == "cpu" for seg in b.packed_segments())
+
+
+def test_failed_pack_leaves_cache_unchanged():
+    q = quant(keep_recent_chunks=0)
+    cache = QVGPackedCausalKVCache(spec(), q)
+    write(cache, 0)
+    k, v = chunk(1)
+    k[0, 3, 0, 5] = float("nan")
+    cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=N)
+    before = (cache.state, list(cache.segments), cache.quantize_calls)
+    k2, v2 = chunk(2)
+    with pytest.raises(ValueError, match="NaN|nan|non-finite"):
+        cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=2 * N)
+    assert (cache.state, cache.segments, cache.quantize_calls) == before
+    with pytest.raises(CacheWriteError):
+        cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=5 * N)
+    assert (cache.state, cache.segments) == before[:2]
