@@ -1,0 +1,114 @@
+"""The hook specifications: what a causalkv plugin may implement.
+
+Implement any of these in a module or class, mark each with ``@causalkv.hooks.hookimpl``,
+and expose the module under the ``causalkv`` entry-point group (docs/plugins.md). Every
+argument is optional in an implementation: pluggy passes only the ones you name.
+
+Load time (before any weights load): ``causalkv_register_stages`` and
+``causalkv_register_cache_factories`` fill the registries; ``resolve()`` then calls
+``causalkv_select_cache_factory``. Run time: the runtime calls ``causalkv_configure_stage``
+after building a stage and ``causalkv_chunk_done`` after each generated chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from causalkv.hooks.markers import hookspec
+from causalkv.hooks.records import CacheFactory, StageRegistration
+
+if TYPE_CHECKING:
+    from causalkv.config import ModelConfig, ServerArgs
+    from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = [
+    "causalkv_chunk_done",
+    "causalkv_configure_stage",
+    "causalkv_register_cache_factories",
+    "causalkv_register_stages",
+    "causalkv_select_cache_factory",
+]
+
+
+@hookspec
+def causalkv_register_stages() -> Iterable[StageRegistration] | None:
+    """Register denoising stages and the models they serve.
+
+    Called: once each time the registries are collected (``resolve()``,
+    ``causalkv plugins``), before any model weights load. Every implementation runs.
+
+    Returns:
+        An iterable of `StageRegistration` (or None). Stage classes given as
+        ``"module:Class"`` strings are imported only when a stage is chosen or listed.
+        Two stages with the same name, or two stages serving the same model at the same
+        priority, raise ``PluginConflictError`` naming both plugins.
+    """
+
+
+@hookspec
+def causalkv_register_cache_factories() -> Iterable[CacheFactory] | None:
+    """Register KV-cache implementations and their capabilities.
+
+    Called: once each time the registries are collected, before any weights load. Every
+    implementation runs.
+
+    Returns:
+        An iterable of `CacheFactory` (or None). A cache given as ``"module:Class"`` is
+        imported only when it is built. Two caches with the same name raise
+        ``PluginConflictError`` naming both plugins.
+    """
+
+
+@hookspec(firstresult=True)
+def causalkv_select_cache_factory(
+    stage: type[CausalDenoisingStage],
+    requirements: frozenset[str],
+    candidates: tuple[CacheFactory, ...],
+) -> CacheFactory | str | None:
+    """Choose the cache for a stage among the factories that qualify. First result wins.
+
+    Called: by ``resolve()`` once the stage is chosen and at least one cache covers the
+    requirements, unless the user forced a cache (``ServerArgs.cache`` / ``--cache``).
+
+    Args:
+        stage: the chosen `CausalDenoisingStage` subclass.
+        requirements: the cache features the stage needs under the server args, e.g.
+            ``frozenset({"quant:qvg", "pinned_sink"})``.
+        candidates: the qualifying factories, highest priority first (the default pick is
+            ``candidates[0]``).
+
+    Returns:
+        One of ``candidates`` (or its name) to choose it; None to leave the choice to the
+        next implementation and finally to priority order. Returning anything else makes
+        ``resolve()`` fail naming the candidates.
+    """
+
+
+@hookspec
+def causalkv_configure_stage(
+    stage: CausalDenoisingStage, model: ModelConfig, server_args: ServerArgs
+) -> Mapping[str, Any] | None:
+    """Per-model overrides for a freshly built stage (sink, window, and so on).
+
+    Called: by the runtime right after it builds ``stage`` for ``model``, before the first
+    chunk. Every implementation runs; an implementation may set attributes on ``stage``.
+
+    Returns:
+        None, or a mapping of `ModelConfig` field overrides such as
+        ``{"sink_frames": 3, "window_frames": 12}``. ``causalkv.plugin.configure_stage``
+        merges the mappings (an implementation called earlier, i.e. ``tryfirst`` or
+        registered later, wins a key) and rejects unknown field names.
+    """
+
+
+@hookspec
+def causalkv_chunk_done(
+    stage: CausalDenoisingStage, chunk_index: int, stats: Mapping[str, Any]
+) -> None:
+    """Event: a chunk finished denoising (for metrics and progress).
+
+    Called: by the runtime after each chunk's context pass, with the 0-based
+    ``chunk_index`` and a ``stats`` dict (e.g. ``seconds``, ``frames``, ``cache_bytes``).
+    Every implementation runs; return values are ignored. Do not mutate ``stats``.
+    """

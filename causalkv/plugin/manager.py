@@ -1,0 +1,148 @@
+"""The plugin manager: a factory for fresh managers and a lazily built process-wide default."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint
+
+import pluggy
+
+from causalkv.hooks import NAME, specs
+from causalkv.plugin import builtin
+from causalkv.plugin.errors import PluginLoadFailure
+from causalkv.plugin.loader import PluginSettings, load_entry_points, register_checked
+
+__all__ = [
+    "CausalKVPluginManager",
+    "PluginInfo",
+    "get_plugin_manager",
+    "make_plugin_manager",
+    "reset_plugin_manager",
+]
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered plugin, as ``causalkv plugins`` lists it.
+
+    Attributes:
+        name: the plugin name (entry-point name; ``causalkv.builtin`` for the built-in one).
+        version: its distribution's version, or None (a plugin registered in-process).
+        distribution: its distribution's name, or None.
+        hooks: the causalkv hooks it implements, sorted.
+        builtin: True for causalkv's own plugin.
+    """
+
+    name: str
+    version: str | None
+    distribution: str | None
+    hooks: tuple[str, ...]
+    builtin: bool
+
+
+class CausalKVPluginManager(pluggy.PluginManager):
+    """A pluggy manager for project ``causalkv`` that remembers load reports.
+
+    Attributes:
+        load_failures: plugins that failed to import or validate, and were skipped.
+        distributions: plugin name -> ``"<dist> <version>"`` for entry-point plugins.
+        missing_allowed: names in ``CAUSALKV_PLUGINS`` that matched no installed plugin.
+        settings: the env var controls this manager was built under.
+    """
+
+    def __init__(self, settings: PluginSettings | None = None) -> None:
+        super().__init__(NAME)
+        self.add_hookspecs(specs)
+        self.settings = settings or PluginSettings()
+        self.load_failures: list[PluginLoadFailure] = []
+        self.distributions: dict[str, str] = {}
+        self.missing_allowed: tuple[str, ...] = ()
+
+    def register_plugin(self, plugin: object, name: str | None = None) -> str:
+        """Register an in-process plugin, validating it like an entry-point plugin.
+
+        Raises pluggy's `PluginValidationError` (rather than soft-failing) for a plugin you
+        register yourself, e.g. in a test. Returns the name it was registered under.
+        """
+        name = name or self.get_canonical_name(plugin)
+        failure = register_checked(self, plugin, name, None)
+        if failure is not None:
+            raise pluggy.PluginValidationError(plugin, str(failure))
+        return name
+
+    def plugin_infos(self) -> list[PluginInfo]:
+        """Registered plugins: the built-in one first, then by name."""
+        infos = []
+        for name, plugin in self.list_name_plugin():
+            if plugin is None:  # a blocked name
+                continue
+            hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
+            dist = self.distributions.get(name)
+            dist_name, _, version = dist.rpartition(" ") if dist else (None, None, None)
+            is_builtin = plugin is builtin
+            if is_builtin:
+                from causalkv import __version__
+
+                dist_name, version = NAME, __version__
+            infos.append(PluginInfo(name, version or None, dist_name or None, hooks, is_builtin))
+        infos.sort(key=lambda info: (not info.builtin, info.name))
+        return infos
+
+
+def _stderr_report(failure: PluginLoadFailure) -> None:
+    print(f"{NAME}: {failure}", file=sys.stderr)
+
+
+def make_plugin_manager(
+    *,
+    autoload: bool = True,
+    env: Mapping[str, str] | None = None,
+    entry_points: Iterable[EntryPoint] | None = None,
+    report: Callable[[PluginLoadFailure], None] | None = _stderr_report,
+) -> CausalKVPluginManager:
+    """A fresh manager: the hookspecs, the built-in plugin, then the installed plugins.
+
+    Args:
+        autoload: load entry points of group ``causalkv`` (also subject to
+            ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD``). Tests pass False.
+        env: where the ``CAUSALKV_*`` controls are read (default ``os.environ``).
+        entry_points: use these instead of the installed ones (tests).
+        report: called with each plugin that failed to load (default: a line on stderr).
+    """
+    settings = PluginSettings.from_env(os.environ if env is None else env)
+    pm = CausalKVPluginManager(settings)
+    for name in sorted(settings.block):
+        pm.set_blocked(name)
+    if settings.trace:
+        pm.trace.root.setwriter(lambda line: sys.stderr.write(line))
+        pm.enable_tracing()
+    if not pm.is_blocked(builtin.BUILTIN_PLUGIN_NAME):
+        pm.register(builtin, name=builtin.BUILTIN_PLUGIN_NAME)
+    if autoload and settings.autoload:
+        load_entry_points(pm, settings, entry_points=entry_points, report=report)
+    return pm
+
+
+_default: CausalKVPluginManager | None = None
+_lock = threading.Lock()
+
+
+def get_plugin_manager() -> CausalKVPluginManager:
+    """The process-wide manager, built (with autoload) on first use."""
+    global _default
+    if _default is None:
+        with _lock:
+            if _default is None:
+                _default = make_plugin_manager()
+    return _default
+
+
+def reset_plugin_manager() -> None:
+    """Forget the process-wide manager; the next `get_plugin_manager()` rebuilds it."""
+    global _default
+    with _lock:
+        _default = None

@@ -1,0 +1,391 @@
+"""Load-time resolution: the stage for a model and a cache that serves what it needs.
+
+Runs before any weights load: it reads at most a ``model_index.json`` and imports the
+chosen stage's module (never a cache module).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.hooks import CacheFactory, StageRegistration
+from causalkv.plugin.errors import ResolutionError
+from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = ["ModelRef", "Resolution", "model_ref", "resolve"]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What resolution knows about the model before loading it.
+
+    Attributes:
+        name: the preset name, the folder path, or ``ModelConfig.name``.
+        model_class: the diffusers ``_class_name`` (None for a bare preset name).
+        keys: names matched against ``StageRegistration.models``, in preference order.
+        config: the `ModelConfig` when one was given, else None.
+        source: how the model was read (for the reasons).
+    """
+
+    name: str
+    model_class: str | None
+    keys: tuple[str, ...]
+    config: ModelConfig | None
+    source: str
+
+    @property
+    def label(self) -> str:
+        if self.model_class and self.model_class != self.name:
+            return f"{self.name} ({self.model_class})"
+        return self.name
+
+
+def model_ref(model: str | Path | ModelConfig) -> ModelRef:
+    """Read a preset name, a diffusers-format folder or a `ModelConfig` (no weights load)."""
+    if isinstance(model, ModelConfig):
+        keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
+        return ModelRef(model.name, model.model_class, keys, model, "model config")
+    if not isinstance(model, (str, Path)):
+        raise TypeError(
+            f"model must be a preset name, a model folder or a ModelConfig, got {model!r}"
+        )
+    path = Path(model)
+    if path.is_file() and path.name == "model_index.json":
+        path = path.parent
+    if path.is_dir():
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise ResolutionError(
+                f"{path} is a folder without model_index.json: pass a diffusers-format "
+                f"model folder, or a served model name (causalkv plugins lists them)"
+            )
+        try:
+            class_name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ResolutionError(f"{index}: cannot read it as JSON ({exc})") from exc
+        if not isinstance(class_name, str) or not class_name:
+            raise ResolutionError(
+                f"{index} has no '_class_name': it is not a diffusers pipeline index"
+            )
+        return ModelRef(str(path), class_name, (class_name,), None, f"{index} _class_name")
+    if isinstance(model, Path) or path.exists() or "/" in str(model):
+        raise ResolutionError(
+            f"model folder {str(model)!r} does not exist (or is not a folder); pass a "
+            f"diffusers-format folder with model_index.json, or a served model name"
+        )
+    return ModelRef(str(model), None, (str(model),), None, "model name")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of `resolve`: what to build, and why.
+
+    Attributes:
+        stage: the chosen `CausalDenoisingStage` subclass.
+        cache_factory: the chosen cache factory (not built, its module not imported).
+        requirements: cache features the stage needs under the server args.
+        reasons: human-readable lines explaining each choice.
+        model_name: preset name, folder path or ``ModelConfig.name``.
+        model_class: diffusers ``_class_name``, or None for a bare preset name.
+        stage_registration: the registration that won.
+        stage_plugin, cache_plugin: the plugins that registered the stage and the cache.
+        model_config: the `ModelConfig` resolution was given, else None.
+    """
+
+    stage: type[CausalDenoisingStage]
+    cache_factory: CacheFactory
+    requirements: frozenset[str]
+    reasons: tuple[str, ...]
+    model_name: str
+    model_class: str | None
+    stage_registration: StageRegistration | None = None
+    stage_plugin: str | None = None
+    cache_plugin: str | None = None
+    model_config: ModelConfig | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable summary (``causalkv resolve --json``)."""
+        reg = self.stage_registration
+        return {
+            "model": self.model_name,
+            "model_class": self.model_class,
+            "stage": {
+                "name": reg.name if reg else self.stage.stage_name,
+                "class": f"{self.stage.__module__}:{self.stage.__qualname__}",
+                "plugin": self.stage_plugin,
+                "priority": reg.priority if reg else None,
+            },
+            "cache": {
+                "name": self.cache_factory.name,
+                "target": self.cache_factory.target,
+                "capabilities": list(self.cache_factory.capabilities),
+                "priority": self.cache_factory.priority,
+                "plugin": self.cache_plugin,
+            },
+            "requirements": sorted(self.requirements),
+            "reasons": list(self.reasons),
+        }
+
+
+def _describe_requirement(feature: str, args: ServerArgs, ref: ModelRef, stage: str) -> str:
+    quant = args.kv_cache_quant_config
+    if feature == "quant:qvg":
+        return f"quant:qvg (--kv-cache-quant int{quant.bits})"
+    if feature == "pinned_sink" and args.multi_shot:
+        return "pinned_sink (--multi-shot)"
+    if feature == "head_slice" and args.heads_sharded > 1:
+        return f"head_slice (--heads-sharded {args.heads_sharded})"
+    if feature == "recent_window":
+        if args.recent_window_frames is not None:
+            return f"recent_window (--recent-window-frames {args.recent_window_frames})"
+        if ref.config is not None and ref.config.recent_window_frames is not None:
+            return f"recent_window (model recent_window_frames={ref.config.recent_window_frames})"
+    return f"{feature} (declared by stage {stage})"
+
+
+def _load_stage(entry: StageEntry) -> type[CausalDenoisingStage]:
+    from causalkv.stages.base import CausalDenoisingStage
+
+    reg = entry.registration
+    try:
+        cls = reg.load()
+    except ImportError as exc:
+        raise ImportError(
+            f"stage {reg.name!r} (plugin {entry.plugin!r}) cannot be imported from "
+            f"{reg.target!r}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
+        raise TypeError(
+            f"stage {reg.name!r} (plugin {entry.plugin!r}): {reg.target!r} is {cls!r}, not a "
+            f"subclass of causalkv.stages.base.CausalDenoisingStage"
+        )
+    return cls
+
+
+def _supports(entry: StageEntry, feature: str) -> bool:
+    """Does the stage declare ``feature`` ("qvg" or "multi_shot")? False if it cannot load."""
+    try:
+        cls = _load_stage(entry)
+    except (ImportError, TypeError):
+        return False
+    if feature == "qvg":
+        return cls._supports_qvg_kv_cache_quantization()
+    return cls.supports_multi_shot()
+
+
+def _stage_list(entries: list[StageEntry]) -> str:
+    return "; ".join(
+        f"{e.name} (plugin {e.plugin}, priority {e.registration.priority}, serves "
+        f"{', '.join(e.registration.models)})"
+        for e in entries
+    )
+
+
+def _pick_stage(
+    registry: Registry, ref: ModelRef, stage_name: str | None
+) -> tuple[StageEntry, list[StageEntry]]:
+    """The winning stage entry and every entry serving the model (best first)."""
+    serving: list[StageEntry] = []
+    seen: set[int] = set()
+    for key in ref.keys:  # model_class before name: a class match wins a priority tie
+        for e in registry.serving(key):
+            if id(e) not in seen:
+                seen.add(id(e))
+                serving.append(e)
+    serving.sort(key=lambda e: -e.registration.priority)  # stable: keeps the key preference
+    if stage_name is not None:
+        entry = registry.stage(stage_name)
+        if entry is None:
+            names = ", ".join(e.name for e in registry.stages) or "(none)"
+            raise ResolutionError(f"no stage named {stage_name!r}. Choose one of: {names}")
+        if id(entry) not in seen:
+            choices = ", ".join(e.name for e in serving) or "(none)"
+            raise ResolutionError(
+                f"stage {stage_name!r} does not serve {ref.label} (it serves "
+                f"{', '.join(entry.registration.models)}). Stages serving it: {choices}"
+            )
+        return entry, serving
+    if not serving:
+        served = ", ".join(registry.served_models()) or "(none: no plugin registers a stage)"
+        raise ResolutionError(
+            f"no registered stage serves model {ref.label}. Served models: {served}. "
+            f"Install or enable a plugin that registers a stage for it (causalkv plugins "
+            f"lists what is loaded)."
+        )
+    return serving[0], serving
+
+
+def _check_stage(
+    cls: type[CausalDenoisingStage],
+    entry: StageEntry,
+    serving: list[StageEntry],
+    registry: Registry,
+    ref: ModelRef,
+    args: ServerArgs,
+) -> None:
+    if args.kv_cache_quant_config.enabled and not cls._supports_qvg_kv_cache_quantization():
+        able = [e for e in serving if e is not entry and _supports(e, "qvg")]
+        fix = (
+            f"Registered stages serving {ref.label} that support it: {_stage_list(able)}; "
+            f"pick one with --stage NAME, or run with --kv-cache-quant off."
+            if able
+            else f"No registered stage serving {ref.label} supports it: run with "
+            f"--kv-cache-quant off."
+        )
+        raise ValueError(
+            f"{cls.__name__} does not support QVG KV-cache quantization "
+            f"(stage {entry.name!r}, plugin {entry.plugin!r}). {fix}"
+        )
+    if args.multi_shot and not cls.supports_multi_shot():
+        able = [e for e in registry.stages if _supports(e, "multi_shot")]
+        here = [e for e in able if e in serving]
+        fix = (
+            f"Stages serving {ref.label} that do: {_stage_list(here)}; pick one with --stage NAME"
+            if here
+            else f"Stages that do (none serves {ref.label}): {_stage_list(able) or '(none)'}"
+        )
+        raise ValueError(
+            f"{cls.__name__} (stage {entry.name!r}) does not support multi-shot generation "
+            f"(a pinned shot sink per scene cut). {fix}; or drop --multi-shot."
+        )
+
+
+def _missing(entry: CacheEntry, requirements: frozenset[str]) -> str:
+    return ", ".join(sorted(entry.factory.capabilities.missing(requirements)))
+
+
+def _cache_label(entry: CacheEntry) -> str:
+    return f"cache {entry.name} (plugin {entry.plugin}, priority {entry.factory.priority})"
+
+
+def _pick_cache(
+    pm: pluggy.PluginManager,
+    registry: Registry,
+    cls: type[CausalDenoisingStage],
+    stage: str,
+    requirements: frozenset[str],
+    args: ServerArgs,
+) -> tuple[CacheEntry, str]:
+    req = ", ".join(sorted(requirements)) or "none"
+    covers = req if requirements else "the requirements (none)"
+    qualifying = [e for e in registry.caches if e.factory.capabilities.covers(requirements)]
+    qualifying.sort(key=lambda e: -e.factory.priority)
+    qualifying_ids = {id(e) for e in qualifying}
+    lacking = [e for e in registry.caches if id(e) not in qualifying_ids]
+    lack_text = "; ".join(f"{e.name} lacks {_missing(e, requirements)}" for e in lacking)
+    if args.cache is not None:
+        entry = registry.cache(args.cache)
+        if entry is None:
+            names = ", ".join(e.name for e in registry.caches) or "(none)"
+            raise ResolutionError(f"no cache named {args.cache!r}. Choose one of: {names}")
+        if id(entry) not in qualifying_ids:
+            ok = ", ".join(e.name for e in qualifying) or "(none)"
+            raise ResolutionError(
+                f"cache {args.cache!r} lacks {_missing(entry, requirements)}, which stage "
+                f"{stage} needs (requirements: {req}). Caches that qualify: {ok}"
+            )
+        return entry, f"{_cache_label(entry)}: forced by --cache; covers {covers}"
+    if not qualifying:
+        detail = lack_text or "no cache is registered"
+        raise ResolutionError(
+            f"no registered cache covers the requirements of stage {stage} ({req}): "
+            f"{detail}. Drop the flag that needs the missing feature, or install a plugin "
+            f"whose cache provides it."
+        )
+    chosen = pm.hook.causalkv_select_cache_factory(
+        stage=cls, requirements=requirements, candidates=tuple(e.factory for e in qualifying)
+    )
+    names = ", ".join(f"{e.name} ({e.factory.priority})" for e in qualifying)
+    tail = f"; {lack_text}" if lack_text else ""
+    if chosen is not None:
+        chosen_name = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
+        entry = next((e for e in qualifying if e.name == chosen_name), None)
+        if entry is None:
+            raise ResolutionError(
+                f"causalkv_select_cache_factory returned {chosen!r}, which is not one of the "
+                f"qualifying caches for stage {stage}: {', '.join(e.name for e in qualifying)}"
+            )
+        return entry, (
+            f"{_cache_label(entry)}: chosen by causalkv_select_cache_factory among "
+            f"qualifying {names}{tail}"
+        )
+    entry = qualifying[0]
+    how = (
+        f"highest priority among qualifying {names}"
+        if len(qualifying) > 1
+        else "the only cache that does"
+    )
+    return entry, f"{_cache_label(entry)}: covers {covers}; {how}{tail}"
+
+
+def resolve(
+    model: str | Path | ModelConfig,
+    server_args: ServerArgs | None = None,
+    *,
+    pm: pluggy.PluginManager | None = None,
+    stage: str | None = None,
+) -> Resolution:
+    """Choose the stage for ``model`` and a cache that serves what it needs.
+
+    Args:
+        model: a preset or model name (``"tiny-wan"``), a diffusers-format folder (its
+            ``model_index.json`` ``_class_name`` is matched), or a `ModelConfig` (matched on
+            ``model_class``, then ``name``).
+        server_args: flags that shape the requirements (default `ServerArgs()`).
+        pm: the plugin manager (default: the process-wide one).
+        stage: force a stage by registration name (it must serve the model).
+
+    Raises:
+        ResolutionError: unknown model (lists the served ones), unknown or unqualified
+            forced stage/cache, or no cache covering the requirements (names, per cache,
+            the capability it lacks).
+        ValueError: QVG requested on a stage without QVG support (the message starts with
+            ``"<StageClass> does not support QVG KV-cache quantization"``), or multi-shot
+            on a stage without it.
+        PluginConflictError: plugins claim the same stage, model priority or cache name.
+    """
+    if pm is None:
+        from causalkv.plugin.manager import get_plugin_manager
+
+        pm = get_plugin_manager()
+    args = server_args if server_args is not None else ServerArgs()
+    ref = model_ref(model)
+    registry = collect(pm)
+    entry, serving = _pick_stage(registry, ref, stage)
+    cls = _load_stage(entry)
+    reg = entry.registration
+    reasons = [f"model {ref.label}: matched by {ref.source}"]
+    matched = next(k for k in ref.keys if k in reg.models)
+    how = "forced by --stage" if stage is not None else f"priority {reg.priority}"
+    others = [e for e in serving if e is not entry]
+    also = f"; also serving: {_stage_list(others)}" if others else ""
+    reasons.append(
+        f"stage {reg.name} ({cls.__name__}, plugin {entry.plugin}) serves {matched} ({how}){also}"
+    )
+    _check_stage(cls, entry, serving, registry, ref, args)
+    requirements = frozenset(cls.required_cache_features(args, ref.config))
+    described = [_describe_requirement(f, args, ref, reg.name) for f in sorted(requirements)]
+    reasons.append(f"requirements: {', '.join(described) or 'none'}")
+    cache_entry, why = _pick_cache(pm, registry, cls, reg.name, requirements, args)
+    reasons.append(why)
+    return Resolution(
+        stage=cls,
+        cache_factory=cache_entry.factory,
+        requirements=requirements,
+        reasons=tuple(reasons),
+        model_name=ref.name,
+        model_class=ref.model_class,
+        stage_registration=reg,
+        stage_plugin=entry.plugin,
+        cache_plugin=cache_entry.plugin,
+        model_config=ref.config,
+    )

@@ -1,0 +1,47 @@
+"""Helpers for testing plugins: a fresh manager and a temporary plugin.
+
+    from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
+
+    def test_my_cache_is_chosen():
+        pm = fresh_plugin_manager()
+        with temporary_plugin(pm, my_plugin_module):
+            assert resolve("tiny-wan", pm=pm).cache_factory.name == "my-cache"
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from causalkv.plugin.manager import CausalKVPluginManager, make_plugin_manager
+
+__all__ = ["fresh_plugin_manager", "temporary_plugin"]
+
+_counter = itertools.count()
+
+
+def fresh_plugin_manager(*, builtin: bool = True) -> CausalKVPluginManager:
+    """A new manager with the hookspecs and (by default) the built-in plugin, no autoload.
+
+    Installed plugins and the ``CAUSALKV_*`` env vars are ignored, so tests see only what
+    they register.
+    """
+    env = {} if builtin else {"CAUSALKV_DISABLE_PLUGINS": "causalkv.builtin"}
+    return make_plugin_manager(autoload=False, env=env)
+
+
+@contextmanager
+def temporary_plugin(
+    pm: CausalKVPluginManager, plugin: object, name: str | None = None
+) -> Iterator[str]:
+    """Register ``plugin`` under a unique name for the ``with`` block; unregister in finally.
+
+    Yields the name. Validation errors (a misspelled hook, a wrong argument name) raise.
+    """
+    name = name or f"temporary-plugin-{next(_counter)}"
+    pm.register_plugin(plugin, name=name)
+    try:
+        yield name
+    finally:
+        pm.unregister(name=name)

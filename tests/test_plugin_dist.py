@@ -1,0 +1,141 @@
+"""End to end: a real plugin distribution, pip-installed from tests/plugin_dist (no network).
+
+The distribution ``causalkv-example-plugin`` declares three entry points in group
+``causalkv``: ``example`` (a stage and a cache), ``broken`` (its import raises) and
+``misspelled`` (a hook name matching no hookspec). It is installed once per module with
+``pip install --no-deps --no-build-isolation --no-index --target <tmp>``; each scenario runs
+the ``plugins``/``resolve`` subcommands in a fresh interpreter whose PYTHONPATH holds the
+target, so discovery goes through importlib.metadata exactly as for an installed plugin.
+(The runner builds a parser with `causalkv.plugin.cli.register` only, so the other
+subcommands' imports do not slow these subprocesses down.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DIST = Path(__file__).parent / "plugin_dist" / "causalkv-example-plugin"
+ENTRY_POINTS = {"example", "broken", "misspelled"}
+RUNNER = (
+    "import argparse, sys\n"
+    "from causalkv.plugin import cli\n"
+    "parser = argparse.ArgumentParser(prog='causalkv')\n"
+    "cli.register(parser.add_subparsers())\n"
+    "args = parser.parse_args(sys.argv[1:])\n"
+    "sys.exit(args.func(args))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The pip --target folder holding the installed example distribution."""
+    root = tmp_path_factory.mktemp("plugin-dist")
+    src = root / "src"
+    # build from a copy: pip's in-tree build would leave build/ and *.egg-info in tests/
+    shutil.copytree(DIST, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    return target
+
+
+def causalkv(site: Path, *argv: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALKV_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    env.update(env_vars)
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, *argv],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+
+
+def plugins(site: Path, **env_vars: str) -> tuple[dict, str]:
+    out = causalkv(site, "plugins", "--json", **env_vars)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+def test_installed_distribution_declares_the_entry_points(site):
+    info = next(site.glob("causalkv_example_plugin-0.1.0.dist-info"))
+    text = (info / "entry_points.txt").read_text()
+    assert "[causalkv]" in text
+    assert {line.split("=")[0].strip() for line in text.splitlines() if "=" in line} == ENTRY_POINTS
+
+
+def test_discovery_loads_the_plugin_and_reports_broken_ones(site):
+    report, err = plugins(site)
+    assert report["plugins"] == [{
+        "name": "example",
+        "version": "0.1.0",
+        "distribution": "causalkv-example-plugin",
+        "hooks": ["causalkv_register_cache_factories", "causalkv_register_stages"],
+        "builtin": False,
+    }]
+    stage = next(s for s in report["stages"] if s["name"] == "example-stage")
+    assert stage["plugin"] == "example" and stage["models"] == ["tiny-example", "ExamplePipeline"]
+    assert stage["features_needed"]["always"] == ["example:ring"]
+    cache = next(c for c in report["caches"] if c["name"] == "example-ring")
+    assert cache["plugin"] == "example" and "example:ring" in cache["capabilities"]
+    failures = {f["name"]: f for f in report["failures"]}
+    assert set(failures) == {"broken", "misspelled"}
+    assert failures["broken"]["distribution"] == "causalkv-example-plugin 0.1.0"
+    assert failures["broken"]["error"] == (
+        "ImportError: causalkv_example_plugin.broken fails to import on purpose"
+    )
+    assert failures["misspelled"]["error"].startswith(
+        "PluginValidationError: unknown hook(s) causalkv_register_stage;"
+    )
+    # reported on stderr, naming plugin, distribution and error
+    assert ("causalkv: plugin 'broken' (from causalkv-example-plugin 0.1.0) failed to load and "
+            "was skipped: ImportError:") in err
+    assert "plugin 'misspelled' (from causalkv-example-plugin 0.1.0)" in err
+
+
+def test_resolution_uses_the_discovered_stage_and_cache(site):
+    out = causalkv(site, "resolve", "tiny-example", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["stage"]["class"] == "causalkv_example_plugin.stage:ExampleStage"
+    assert d["stage"]["plugin"] == "example"
+    assert d["cache"]["name"] == "example-ring"  # the only cache with example:ring
+    assert d["requirements"] == ["example:ring"]
+    # ExampleStage keeps the base class's answer: no QVG
+    q = causalkv(site, "resolve", "ExamplePipeline", "--kv-cache-quant", "int4")
+    assert q.returncode == 2 and q.stdout == ""
+    assert "causalkv resolve: error: ExampleStage does not support QVG KV-cache quantization" in q.stderr
+
+
+def test_allow_list_loads_only_the_listed_plugin(site):
+    report, err = plugins(site, CAUSALKV_PLUGINS="example,not-installed")
+    assert [p["name"] for p in report["plugins"]] == ["example"]
+    assert report["failures"] == [] and "failed to load" not in err
+    assert report["missing_allowed"] == ["not-installed"]
+    report, _ = plugins(site, CAUSALKV_PLUGINS="broken")
+    assert report["plugins"] == [] and [f["name"] for f in report["failures"]] == ["broken"]
+
+
+def test_block_list_by_plugin_and_by_distribution(site):
+    report, err = plugins(site, CAUSALKV_DISABLE_PLUGINS="broken,misspelled")
+    assert [p["name"] for p in report["plugins"]] == ["example"]
+    assert report["failures"] == [] and err == ""
+    report, _ = plugins(site, CAUSALKV_DISABLE_PLUGINS="causalkv-example-plugin")
+    assert report["plugins"] == [] and report["failures"] == []
+    assert "example-stage" not in {s["name"] for s in report["stages"]}
+
+
+def test_autoload_off_loads_no_installed_plugin(site):
+    report, err = plugins(site, CAUSALKV_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert report["plugins"] == [] and report["failures"] == [] and err == ""
+    out = causalkv(site, "resolve", "tiny-example", CAUSALKV_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert out.returncode == 2
+    assert "no registered stage serves model tiny-example" in out.stderr

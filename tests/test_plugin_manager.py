@@ -1,0 +1,426 @@
+"""Plugin manager, discovery controls, soft failure, conflicts, and the run-time hooks.
+
+Each test builds a fresh manager without autoload and registers temporary plugins that are
+unregistered in ``finally`` (`causalkv.plugin.testing.temporary_plugin`).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import replace
+from importlib.metadata import EntryPoint
+
+import pluggy
+import pytest
+
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
+from causalkv.plugin import (
+    PluginConflictError,
+    collect,
+    configure_stage,
+    get_plugin_manager,
+    make_plugin_manager,
+    reset_plugin_manager,
+    resolve,
+)
+from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
+from causalkv.plugin.loader import PluginSettings
+from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
+from causalkv.stages.longlive import LongLiveStage
+
+BUILTIN_CACHES = ("dense", "qvg")
+
+
+@pytest.fixture
+def pm():
+    return fresh_plugin_manager()
+
+
+class StagesPlugin:
+    """A plugin returning fixed stage and cache records."""
+
+    def __init__(self, stages=(), caches=()):
+        self.stages, self.caches = list(stages), list(caches)
+
+    @hookimpl
+    def causalkv_register_stages(self):
+        return self.stages
+
+    @hookimpl
+    def causalkv_register_cache_factories(self):
+        return self.caches
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(mod, key, value)
+    return mod
+
+
+def _ep(name: str, module: str) -> EntryPoint:
+    return EntryPoint(name=name, value=module, group="causalkv")
+
+
+# --- the manager and the built-in plugin ---------------------------------------------------
+
+
+def test_builtin_plugin_registers_through_the_public_hooks(pm):
+    infos = pm.plugin_infos()
+    assert [i.name for i in infos] == [BUILTIN_PLUGIN_NAME]
+    assert infos[0].builtin and infos[0].distribution == "causalkv"
+    assert infos[0].hooks == ("causalkv_register_cache_factories", "causalkv_register_stages")
+    reg = collect(pm)
+    assert [e.name for e in reg.stages] == [
+        "self-forcing-wan",
+        "longlive",
+        "longlive2",
+        "lingbot-world",
+    ]
+    assert [e.name for e in reg.caches] == list(BUILTIN_CACHES)
+    assert {e.plugin for e in (*reg.stages, *reg.caches)} == {BUILTIN_PLUGIN_NAME}
+    dense, qvg = reg.cache("dense").factory, reg.cache("qvg").factory
+    assert (dense.priority, qvg.priority) == (10, 0)
+    assert qvg.capabilities.missing(dense.capabilities.features) == frozenset()
+    assert qvg.capabilities.features - dense.capabilities.features == {"quant:qvg"}
+
+
+def test_builtin_stage_table():
+    table = {s.name: (s.stage, s.models) for s in STAGES}
+    assert table == {
+        "self-forcing-wan": (
+            "causalkv.stages.wan:WanCausalDMDStage",
+            ("tiny-wan", "SelfForcingWanPipeline", "CausVidPipeline", "WanPipeline"),
+        ),
+        "longlive": ("causalkv.stages.longlive:LongLiveStage", ("tiny-longlive", "LongLivePipeline")),
+        "longlive2": (
+            "causalkv.stages.longlive2:LongLive2Stage",
+            ("tiny-longlive2", "LongLive2Pipeline"),
+        ),
+        "lingbot-world": (
+            "causalkv.stages.lingbot:LingBotWorldStage",
+            ("tiny-lingbot", "LingBotWorldPipeline"),
+        ),
+    }
+
+
+def test_default_manager_is_lazy_and_process_wide(monkeypatch):
+    monkeypatch.setenv("CAUSALKV_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reset_plugin_manager()
+    try:
+        first = get_plugin_manager()
+        assert get_plugin_manager() is first
+        assert first.has_plugin(BUILTIN_PLUGIN_NAME)
+        reset_plugin_manager()
+        assert get_plugin_manager() is not first
+    finally:
+        reset_plugin_manager()
+
+
+def test_temporary_plugin_is_unregistered_even_on_error(pm):
+    plugin = StagesPlugin(stages=[StageRegistration("tmp", LongLiveStage, ["tmp-model"])])
+    with pytest.raises(RuntimeError, match="boom"):
+        with temporary_plugin(pm, plugin) as name:
+            assert pm.get_plugin(name) is plugin
+            raise RuntimeError("boom")
+    assert not pm.is_registered(plugin)
+    assert collect(pm).stage("tmp") is None
+
+
+def test_register_plugin_rejects_unknown_hook_names(pm):
+    class Typo:
+        @hookimpl
+        def causalkv_register_stage(self):  # missing "s"
+            return []
+
+    with pytest.raises(pluggy.PluginValidationError, match="unknown hook.*causalkv_register_stage"):
+        pm.register_plugin(Typo(), name="typo")
+    assert not pm.has_plugin("typo")
+
+
+# --- env controls and entry-point loading ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, PluginSettings(None, frozenset(), True, False)),
+        ({"CAUSALKV_PLUGINS": "a, b,,"}, PluginSettings(frozenset({"a", "b"}), frozenset(), True, False)),
+        ({"CAUSALKV_PLUGINS": ""}, PluginSettings(frozenset(), frozenset(), True, False)),
+        ({"CAUSALKV_DISABLE_PLUGINS": "x"}, PluginSettings(None, frozenset({"x"}), True, False)),
+        ({"CAUSALKV_DISABLE_PLUGIN_AUTOLOAD": "1"}, PluginSettings(None, frozenset(), False, False)),
+        ({"CAUSALKV_DISABLE_PLUGIN_AUTOLOAD": "0"}, PluginSettings(None, frozenset(), True, False)),
+        ({"CAUSALKV_TRACE_PLUGINS": "true"}, PluginSettings(None, frozenset(), True, True)),
+    ],
+)
+def test_settings_from_env(env, expected):
+    assert PluginSettings.from_env(env) == expected
+
+
+@pytest.fixture
+def fake_plugins(monkeypatch):
+    """Three importable plugin modules and one entry point whose module does not exist."""
+    mods = {}
+    for name in ("alpha", "beta"):
+        stage = StageRegistration(f"{name}-stage", LongLiveStage, [f"{name}-model"])
+
+        def register(stage=stage):
+            return [stage]
+
+        mods[name] = _module(
+            f"causalkv_tests_plugin_{name}", causalkv_register_stages=hookimpl(register)
+        )
+        monkeypatch.setitem(sys.modules, mods[name].__name__, mods[name])
+
+    def causalkv_register_stages(unexpected_argument):
+        return []
+
+    bad = _module("causalkv_tests_plugin_badargs", causalkv_register_stages=hookimpl(causalkv_register_stages))
+    monkeypatch.setitem(sys.modules, bad.__name__, bad)
+    return [
+        _ep("alpha", "causalkv_tests_plugin_alpha"),
+        _ep("beta", "causalkv_tests_plugin_beta"),
+        _ep("badargs", "causalkv_tests_plugin_badargs"),
+        _ep("missing", "causalkv_tests_plugin_does_not_exist"),
+    ]
+
+
+def _load(env, eps):
+    reports = []
+    pm = make_plugin_manager(env=env, entry_points=eps, report=reports.append)
+    names = sorted(
+        n for n, p in pm.list_name_plugin() if p is not None and n != BUILTIN_PLUGIN_NAME
+    )
+    return pm, names, reports
+
+
+def test_broken_plugins_are_reported_and_skipped(fake_plugins):
+    pm, names, reports = _load({}, fake_plugins)
+    assert names == ["alpha", "beta"]
+    assert reports == pm.load_failures
+    by_name = {f.name: f for f in reports}
+    assert set(by_name) == {"badargs", "missing"}
+    assert by_name["missing"].error.startswith("ModuleNotFoundError:")
+    assert "causalkv_tests_plugin_does_not_exist" in by_name["missing"].error
+    assert by_name["badargs"].error.startswith("PluginValidationError:")
+    assert "unexpected_argument" in by_name["badargs"].error
+    assert "failed to load and was skipped" in str(by_name["missing"])
+    # the others work
+    assert resolve("beta-model", pm=pm).stage is LongLiveStage
+
+
+def test_allow_list_loads_only_listed_plugins(fake_plugins):
+    pm, names, reports = _load({"CAUSALKV_PLUGINS": "beta,gamma"}, fake_plugins)
+    assert names == ["beta"]
+    assert reports == []
+    assert pm.missing_allowed == ("gamma",)
+    _, names, _ = _load({"CAUSALKV_PLUGINS": ""}, fake_plugins)
+    assert names == []
+
+
+def test_block_list_skips_listed_plugins_and_can_block_builtin(fake_plugins):
+    pm, names, reports = _load({"CAUSALKV_DISABLE_PLUGINS": "alpha,missing,badargs"}, fake_plugins)
+    assert names == ["beta"]
+    assert reports == []
+    assert pm.is_blocked("alpha")
+    pm, names, _ = _load({"CAUSALKV_DISABLE_PLUGINS": BUILTIN_PLUGIN_NAME, "CAUSALKV_PLUGINS": "alpha"}, fake_plugins)
+    assert not pm.has_plugin(BUILTIN_PLUGIN_NAME)
+    assert names == ["alpha"]
+    assert collect(pm).caches == ()
+
+
+def test_autoload_off_loads_no_entry_points(fake_plugins):
+    _, names, reports = _load({"CAUSALKV_DISABLE_PLUGIN_AUTOLOAD": "1"}, fake_plugins)
+    assert names == [] and reports == []
+    pm = make_plugin_manager(autoload=False, env={}, entry_points=fake_plugins)
+    assert [n for n, _ in pm.list_name_plugin()] == [BUILTIN_PLUGIN_NAME]
+
+
+def test_two_distributions_claiming_one_plugin_name_conflict(fake_plugins):
+    twice = [fake_plugins[0], _ep("alpha", "causalkv_tests_plugin_beta")]
+    with pytest.raises(PluginConflictError, match="plugin name 'alpha' is claimed twice"):
+        make_plugin_manager(env={}, entry_points=twice)
+
+
+def test_trace_env_var_traces_hook_calls_to_stderr(capsys):
+    pm = make_plugin_manager(autoload=False, env={"CAUSALKV_TRACE_PLUGINS": "1"})
+    resolve("tiny-wan", pm=pm)
+    err = capsys.readouterr().err
+    assert f"causalkv_register_stages (plugin {BUILTIN_PLUGIN_NAME})" in err
+    assert f"causalkv_register_cache_factories (plugin {BUILTIN_PLUGIN_NAME})" in err
+    assert "causalkv_select_cache_factory" in err
+    quiet = make_plugin_manager(autoload=False, env={})
+    resolve("tiny-wan", pm=quiet)
+    assert capsys.readouterr().err == ""
+
+
+# --- registration hooks and conflicts -------------------------------------------------------
+
+
+def test_causalkv_register_stages_adds_a_model(pm):
+    plugin = StagesPlugin(stages=[StageRegistration("extra", LongLiveStage, ["ExtraPipeline"])])
+    with temporary_plugin(pm, plugin, name="extra-plugin"):
+        entry = collect(pm).stage("extra")
+        assert entry.plugin == "extra-plugin"
+        assert resolve("ExtraPipeline", pm=pm).stage is LongLiveStage
+    assert collect(pm).stage("extra") is None
+
+
+def test_causalkv_register_cache_factories_adds_a_cache(pm):
+    factory = CacheFactory("mine", "causalkv.caches.dense:DenseCausalKVCache", ["growth"], 20)
+    with temporary_plugin(pm, StagesPlugin(caches=[factory]), name="mine-plugin"):
+        entry = collect(pm).cache("mine")
+        assert entry.factory is factory and entry.plugin == "mine-plugin"
+        # priority 20 beats dense's 10 when nothing is required
+        assert resolve("tiny-wan", pm=pm).cache_factory is factory
+
+
+def test_registration_hooks_accept_a_single_record_or_none(pm):
+    class Single:
+        @hookimpl
+        def causalkv_register_stages(self):
+            return StageRegistration("single", LongLiveStage, "single-model")
+
+        @hookimpl
+        def causalkv_register_cache_factories(self):
+            return None
+
+    with temporary_plugin(pm, Single()):
+        assert collect(pm).stage("single").registration.models == ("single-model",)
+
+
+def test_registration_hook_returning_junk_names_the_plugin(pm):
+    with temporary_plugin(pm, StagesPlugin(stages=[("not", "a", "record")]), name="junk"):
+        with pytest.raises(TypeError, match="plugin 'junk': causalkv_register_stages.*StageRegistration"):
+            collect(pm)
+
+
+def test_registration_hook_raising_names_the_plugin(pm):
+    class Raising:
+        @hookimpl
+        def causalkv_register_cache_factories(self):
+            raise KeyError("oops")
+
+    with temporary_plugin(pm, Raising(), name="raiser"):
+        with pytest.raises(RuntimeError, match="plugin 'raiser': causalkv_register_cache_factories"):
+            collect(pm)
+
+
+def test_conflict_same_stage_name_names_both_plugins(pm):
+    dup = StagesPlugin(stages=[StageRegistration("longlive", LongLiveStage, ["OtherPipeline"])])
+    with temporary_plugin(pm, dup, name="copycat"):
+        with pytest.raises(PluginConflictError) as info:
+            collect(pm)
+    msg = str(info.value)
+    assert "stage 'longlive'" in msg
+    assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'copycat'" in msg
+    assert "CAUSALKV_DISABLE_PLUGINS=copycat" in msg
+
+
+def test_conflict_same_model_same_priority_names_both_plugins(pm):
+    same = StagesPlugin(stages=[StageRegistration("wan2", LongLiveStage, ["WanPipeline"])])
+    with temporary_plugin(pm, same, name="wan-fork"):
+        with pytest.raises(PluginConflictError) as info:
+            resolve("WanPipeline", pm=pm)
+    msg = str(info.value)
+    assert "model 'WanPipeline' is served at priority 0" in msg
+    assert "'self-forcing-wan'" in msg and "'wan2'" in msg
+    assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'wan-fork'" in msg
+
+
+def test_same_model_at_a_higher_priority_wins_without_conflict(pm):
+    better = StagesPlugin(stages=[StageRegistration("wan2", LongLiveStage, ["WanPipeline"], 1)])
+    with temporary_plugin(pm, better, name="wan-fork"):
+        res = resolve("WanPipeline", pm=pm)
+        assert res.stage is LongLiveStage and res.stage_plugin == "wan-fork"
+        assert "also serving: self-forcing-wan" in res.reasons[1]
+        # the other models of the built-in stage are untouched
+        assert resolve("tiny-wan", pm=pm).stage_registration.name == "self-forcing-wan"
+
+
+def test_conflict_same_cache_name_names_both_plugins(pm):
+    dup = StagesPlugin(caches=[CacheFactory("dense", "x.y:Z", ["growth"])])
+    with temporary_plugin(pm, dup, name="dense-fork"):
+        with pytest.raises(PluginConflictError) as info:
+            collect(pm)
+    msg = str(info.value)
+    assert "cache 'dense'" in msg
+    assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'dense-fork'" in msg
+
+
+# --- run-time hooks ----------------------------------------------------------------------------
+
+
+MODEL = ModelConfig(
+    name="tiny", model_class="WanPipeline", num_layers=2, num_heads=2, head_dim=8,
+    tokens_per_frame=4, frames_per_chunk=3, sink_frames=1, window_frames=6,
+)
+
+
+def test_causalkv_configure_stage_merges_overrides(pm):
+    seen = []
+
+    class Late:
+        @hookimpl
+        def causalkv_configure_stage(self, stage, model):
+            seen.append(("late", stage, model.name))
+            return {"sink_frames": 2, "window_frames": 9}
+
+    class First:
+        @hookimpl(tryfirst=True)
+        def causalkv_configure_stage(self, server_args):
+            seen.append(("first", server_args.multi_shot))
+            return {"window_frames": 12}
+
+    class Silent:
+        @hookimpl
+        def causalkv_configure_stage(self, stage):
+            stage.tag = "configured"  # implementations may also set attributes
+
+    stage = types.SimpleNamespace(name="a built stage")
+    with temporary_plugin(pm, Silent()), temporary_plugin(pm, Late()), temporary_plugin(pm, First()):
+        overrides = configure_stage(pm, stage, MODEL, ServerArgs(multi_shot=True))
+    # the tryfirst implementation is called first and wins "window_frames"
+    assert overrides == {"sink_frames": 2, "window_frames": 12}
+    assert seen == [("first", True), ("late", stage, "tiny")]
+    assert stage.tag == "configured"
+    assert replace(MODEL, **overrides).window_frames == 12
+
+
+def test_causalkv_configure_stage_rejects_unknown_fields(pm):
+    class Bad:
+        @hookimpl
+        def causalkv_configure_stage(self):
+            return {"window": 3}
+
+    with temporary_plugin(pm, Bad()):
+        with pytest.raises(ValueError, match="unknown ModelConfig field.*window.*window_frames"):
+            configure_stage(pm, types.SimpleNamespace(), MODEL, ServerArgs())
+
+
+def test_causalkv_chunk_done_reaches_every_plugin(pm):
+    events = []
+
+    class Metrics:
+        @hookimpl
+        def causalkv_chunk_done(self, stage, chunk_index, stats):
+            events.append(("metrics", stage.name, chunk_index, stats["frames"]))
+
+    class Progress:
+        @hookimpl
+        def causalkv_chunk_done(self, chunk_index):
+            events.append(("progress", chunk_index))
+
+    stage = types.SimpleNamespace(name="a built stage")
+    with temporary_plugin(pm, Metrics()), temporary_plugin(pm, Progress()):
+        for i in range(3):
+            pm.hook.causalkv_chunk_done(stage=stage, chunk_index=i, stats={"frames": 3 * (i + 1)})
+    assert sorted(events, key=str) == sorted(
+        [("metrics", "a built stage", i, 3 * (i + 1)) for i in range(3)]
+        + [("progress", i) for i in range(3)],
+        key=str,
+    )
+    pm.hook.causalkv_chunk_done(stage=stage, chunk_index=3, stats={})  # plugins gone
+    assert len(events) == 6
