@@ -1,0 +1,45 @@
+"""The reference host runtime: model config, loading (diffusers/transformers), generation, CLI.
+
+    from causalkv.runtime import GenerateOptions, generate
+    metrics, run = generate(GenerateOptions(model="tiny-longlive2", prompts=["a", "b"]))
+
+Submodules: `model_config` (reading a model folder or preset), `presets` (tiny models with
+random weights), `attention` (causal processors for diffusers' Wan transformer), `text`
+(UMT5 prompt encoding), `loading`, `video`, `generate`, `cli`.
+"""
+
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.runtime.generate import (
+    DEFAULT_PROMPT,
+    GenerateOptions,
+    GenerationRun,
+    Plan,
+    build_stage,
+    generate,
+    latent_psnr_db,
+    plan_generation,
+    run_plan,
+    split_prompts,
+)
+from causalkv.runtime.model_config import ModelFolderError, ModelInfo, load_model_info
+from causalkv.runtime.presets import PRESETS, materialize_preset
+
+__all__ = [
+    "DEFAULT_PROMPT",
+    "PRESETS",
+    "GenerateOptions",
+    "GenerationRun",
+    "ModelConfig",
+    "ModelFolderError",
+    "ModelInfo",
+    "Plan",
+    "ServerArgs",
+    "build_stage",
+    "generate",
+    "latent_psnr_db",
+    "load_model_info",
+    "materialize_preset",
+    "plan_generation",
+    "run_plan",
+    "split_prompts",
+]

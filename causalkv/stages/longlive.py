@@ -1,15 +1,82 @@
-"""`LongLiveStage`."""
+"""`LongLiveStage`: LongLive 1.0, a frame sink and interactive prompt switches.
+
+LongLive keeps a frame sink (3 frames) and a short window (12 frames incl. the sink). When
+the prompt changes between chunks it re-caches: the cross-attention K/V are reset and the
+frames the next chunk would attend to (the sink and the newest frames in the window) are
+run again at ``context_noise`` with the new prompt, so their cached K/V follow the new
+text. In cache terms: every layer's cache is reset and those frames are written again in
+ascending order, one piece per original chunk (so the sink is written first and stays the
+sink); their RoPE positions stay those of the original frames.
+"""
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import ClassVar
 
+import torch
+
+from causalkv.caches.intervals import to_positions
 from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = ["LongLiveStage"]
 
 
 class LongLiveStage(CausalDenoisingStage):
+    """LongLive 1.0: the base loop plus re-caching the visible frames on a prompt switch."""
+
     stage_name: ClassVar[str] = "longlive"
 
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
+
+    def _reset_stream(self) -> None:
+        super()._reset_stream()
+        self._last_prompt: str | None = None
+        #: chunk indices at which a prompt switch re-cached the stream
+        self.recache_events: list[int] = []
+
+    def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
+        previous, self._last_prompt = self._last_prompt, prompt
+        if previous is None or previous == prompt or not self._cache_frames:
+            return
+        self.recache(prompt, latents)
+        self.recache_events.append(chunk_index)
+
+    def recache_frames(self) -> list[tuple[int, int]]:
+        """``(frame, rope_frame)`` of the frames the caches show now, ascending."""
+        view = self.caches.kv[0].get_attention_kv(
+            recent_window_tokens=self.settings.recent_window_tokens
+        )
+        tpf = self.settings.tokens_per_frame
+        slots = sorted({int(p) // tpf for p in to_positions(view.position_ranges).tolist()})
+        return [self._cache_frames[s] for s in slots]
+
+    @torch.no_grad()
+    def recache(self, prompt: str, latents: torch.Tensor) -> None:
+        """Re-write the visible frames' K/V with ``prompt`` (``latents``: clean ``[B, C, F, h, w]``)."""
+        frames = self.recache_frames()
+        for cs in self.cache_sets():
+            cs.reset()
+        self._reset_stream_positions()
+        fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
+        for _, group in groupby(frames, key=lambda fr: fr[0] // fpc):
+            piece = list(group)
+            idx = [f for f, _ in piece]
+            x = latents[:, :, idx[0] : idx[-1] + 1]
+            if x.shape[2] != len(idx):
+                raise RuntimeError(f"re-cache piece {idx} is not contiguous")
+            rope0 = piece[0][1]
+            x_ctx = x
+            if self.context_noise > 0:
+                s = self.context_noise / 1000.0
+                gen = torch.Generator(device="cpu").manual_seed(self.server_args.seed + idx[0])
+                x_ctx = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
+            self._forward(self.caches, prompt, x_ctx, self.context_noise, self._token_end, rope0)
+            self._token_end += len(idx) * tpf
+            self._cache_frames.extend(piece)
+
+    def _reset_stream_positions(self) -> None:
+        self._token_end = 0
+        self._cache_frames = []

@@ -1,0 +1,164 @@
+"""Loading a model folder's components with diffusers and transformers ``from_pretrained``.
+
+- transformer: diffusers ``WanTransformer3DModel``, wrapped in `CausalWanTransformer`
+  (causal processors installed; weights untouched);
+- text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
+- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift;
+- vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from causalkv.runtime.attention import CausalWanTransformer
+from causalkv.runtime.model_config import ModelInfo
+from causalkv.runtime.text import PromptEncoder
+
+__all__ = [
+    "Components",
+    "cast_keeping_fp32_modules",
+    "load_components",
+    "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype"]
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or a torch dtype) -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"dtype must be one of ['bfloat16', 'float16', 'float32'], got {name!r}"
+        ) from None
+
+
+def make_scheduler(shift: float) -> Any:
+    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def load_wan_transformer(
+    path: str | Path, dtype: torch.dtype = torch.float32, *, cls: Any = None
+) -> torch.nn.Module:
+    """``WanTransformer3DModel.from_pretrained(path)`` in ``dtype``, fp32 modules kept fp32.
+
+    diffusers refuses to load a model that declares ``_keep_in_fp32_modules`` (Wan does)
+    when ``accelerate`` is not installed. Without accelerate the declaration is lifted for
+    the duration of the call, the checkpoint loads in float32, and
+    `cast_keeping_fp32_modules` applies the same dtype policy afterwards.
+    """
+    if cls is None:
+        from diffusers import WanTransformer3DModel as cls
+    if _has_accelerate():
+        return cls.from_pretrained(path, torch_dtype=dtype)
+    keep = cls.__dict__.get("_keep_in_fp32_modules", _MISSING)
+    declared = getattr(cls, "_keep_in_fp32_modules", None)
+    cls._keep_in_fp32_modules = None
+    try:
+        model = cls.from_pretrained(path, torch_dtype=torch.float32, low_cpu_mem_usage=False)
+    finally:
+        if keep is _MISSING:
+            del cls._keep_in_fp32_modules
+        else:
+            cls._keep_in_fp32_modules = keep
+    return cast_keeping_fp32_modules(model, dtype, keep=declared)
+
+
+_MISSING = object()
+
+
+def cast_keeping_fp32_modules(
+    model: torch.nn.Module, dtype: torch.dtype, *, keep: Sequence[str] | None = None
+) -> torch.nn.Module:
+    """Cast ``model``'s parameters to ``dtype`` except those of ``_keep_in_fp32_modules``.
+
+    What diffusers' ``from_pretrained(torch_dtype=...)`` does, without needing
+    ``accelerate``: a parameter stays float32 when a component of its dotted name is listed
+    in the model's ``_keep_in_fp32_modules`` (Wan: rope, time_embedder, scale_shift_table,
+    norm1/2/3). Buffers (RoPE tables) are left as they are.
+    """
+    if dtype == torch.float32:
+        return model
+    names = keep if keep is not None else getattr(model, "_keep_in_fp32_modules", None)
+    kept = set(names or ())
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and not kept.intersection(name.split(".")):
+            param.data = param.data.to(dtype)
+    return model
+
+
+@dataclass
+class Components:
+    """The loaded model: causal transformer, prompt encoder, scheduler, model folder."""
+
+    info: ModelInfo
+    folder: Path
+    transformer: CausalWanTransformer
+    prompt_encoder: PromptEncoder
+    scheduler: Any
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_components(
+    info: ModelInfo, folder: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+) -> Components:
+    """Load transformer, text encoder and tokenizer from ``folder`` with ``from_pretrained``."""
+    from transformers import AutoTokenizer, UMT5EncoderModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of tiny checkpoints are noise
+    folder = Path(folder)
+    torch_dtype = parse_dtype(dtype)
+    dev = torch.device(device)
+    model = load_wan_transformer(folder / "transformer", torch_dtype)
+    model = model.to(dev).eval()
+    text_encoder = UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+    text_encoder = text_encoder.to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    prompt_encoder = PromptEncoder(
+        tokenizer, text_encoder, max_length=info.text_max_length, device=dev, dtype=torch_dtype
+    )
+    return Components(
+        info=info,
+        folder=folder,
+        transformer=CausalWanTransformer(model),
+        prompt_encoder=prompt_encoder,
+        scheduler=make_scheduler(info.config.shift),
+        dtype=torch_dtype,
+        device=dev,
+    )
+
+
+def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
+    """diffusers ``AutoencoderKLWan`` from ``folder/vae`` (float32: decoding is done once)."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(
+        Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate()
+    )
+    return vae.to(device).eval()

@@ -1,0 +1,279 @@
+"""Reading a causal Wan model's configuration from a diffusers-format folder or a preset.
+
+A model folder is a diffusers Wan pipeline folder plus one small causalkv file::
+
+    model_index.json            _class_name picks the stage (e.g. "SelfForcingWanPipeline")
+    transformer/config.json     WanTransformer3DModel (+ weights)
+    vae/config.json             AutoencoderKLWan (+ weights)
+    text_encoder/config.json    UMT5EncoderModel (+ weights)
+    tokenizer/                  the UMT5 tokenizer files
+    causalkv.json               frames per chunk, sink, window, ... (optional for known classes)
+
+Everything here reads JSON only: `load_model_info` runs before any weights load, so bad
+input is refused in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from causalkv.config import ModelConfig
+
+__all__ = [
+    "CAUSALKV_FILE",
+    "CLASS_DEFAULTS",
+    "REQUIRED_FILES",
+    "ModelFolderError",
+    "ModelInfo",
+    "load_model_info",
+    "model_info_from_dicts",
+]
+
+#: the causalkv settings file inside a model folder
+CAUSALKV_FILE = "causalkv.json"
+
+#: files a model folder must have (weights are checked by from_pretrained itself)
+REQUIRED_FILES = (
+    "model_index.json",
+    "transformer/config.json",
+    "vae/config.json",
+    "text_encoder/config.json",
+    "tokenizer",
+)
+
+#: causalkv.json keys and their defaults when a key is absent
+_STREAM_DEFAULTS: dict[str, Any] = {
+    "frames_per_chunk": 3,
+    "sink_frames": 0,
+    "global_sink_frames": None,
+    "window_frames": 21,
+    "cache_frames": None,
+    "recent_window_frames": None,
+    "timesteps": [1000.0, 750.0, 500.0, 250.0],
+    "shift": 5.0,
+    "context_noise": 0.0,
+    "rope_offset_frames_per_shot": 0,
+    "height": 480,
+    "width": 832,
+    "text_max_length": 512,
+    "default_frames": 21,
+    "fps": 16,
+    "guidance_scale": 1.0,
+    "negative_prompt": "",
+}
+
+#: per-pipeline defaults (FACTS.md) used when causalkv.json is absent or omits a key
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SelfForcingWanPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
+    "CausVidPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
+    "WanPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
+    "LongLivePipeline": {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12},
+    "LongLive2Pipeline": {
+        "frames_per_chunk": 8,
+        "sink_frames": 8,
+        "global_sink_frames": 8,
+        "window_frames": 32,
+        "rope_offset_frames_per_shot": 8,
+        "height": 704,
+        "width": 1280,
+        "default_frames": 32,
+    },
+    "LingBotWorldPipeline": {
+        "frames_per_chunk": 3,
+        "sink_frames": 3,
+        "window_frames": 45,
+        "recent_window_frames": 12,
+    },
+}
+
+
+class ModelFolderError(ValueError):
+    """A model name that is neither a preset nor a usable model folder."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's `ModelConfig` plus what the runtime needs to load and run it.
+
+    Attributes:
+        config: the shared `causalkv.config.ModelConfig` (resolution reads it).
+        path: the model folder (for a preset: its cache folder, maybe not created yet).
+        preset: the preset name, or None for a user folder.
+        height, width: video size in pixels; latent size = pixels / ``vae_scale_spatial``.
+        latent_channels: C of the latents (transformer ``in_channels``).
+        vae_scale_spatial, vae_scale_temporal: VAE compression factors.
+        text_max_length: prompt tokens (Wan: 512).
+        default_frames: latent frames generated when ``--frames`` is not given.
+        fps: frame rate of the written video.
+        guidance_scale: default classifier-free guidance (LongLive 2.0; 1 = off).
+        negative_prompt: text of the negative CFG branch.
+    """
+
+    config: ModelConfig
+    path: Path | None
+    preset: str | None
+    height: int
+    width: int
+    latent_channels: int
+    vae_scale_spatial: int
+    vae_scale_temporal: int
+    text_max_length: int
+    default_frames: int
+    fps: int
+    guidance_scale: float
+    negative_prompt: str
+
+    @property
+    def latent_height(self) -> int:
+        return self.height // self.vae_scale_spatial
+
+    @property
+    def latent_width(self) -> int:
+        return self.width // self.vae_scale_spatial
+
+    def video_frames(self, latent_frames: int) -> int:
+        """Decoded frames for ``latent_frames`` latents (Wan's causal VAE: 1 + s*(F-1))."""
+        return 1 + self.vae_scale_temporal * (latent_frames - 1)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFolderError(f"{path} is not valid JSON: {exc}") from None
+
+
+def model_info_from_dicts(
+    name: str,
+    model_index: Mapping[str, Any],
+    transformer: Mapping[str, Any],
+    vae: Mapping[str, Any],
+    causalkv: Mapping[str, Any] | None,
+    *,
+    path: Path | None = None,
+    preset: str | None = None,
+) -> ModelInfo:
+    """Build a `ModelInfo` from the parsed config files (see the module docstring).
+
+    Raises ModelFolderError for an unknown key in ``causalkv.json``, a missing
+    ``_class_name``, or a resolution the VAE and patch size cannot divide.
+    """
+    where = str(path) if path is not None else name
+    model_class = model_index.get("_class_name")
+    if not isinstance(model_class, str) or not model_class:
+        raise ModelFolderError(f"{where}: model_index.json has no _class_name")
+    user = dict(causalkv or {})
+    unknown = sorted(set(user) - set(_STREAM_DEFAULTS))
+    if unknown:
+        raise ModelFolderError(
+            f"{where}: unknown key(s) {unknown} in {CAUSALKV_FILE}; valid keys: {sorted(_STREAM_DEFAULTS)}"
+        )
+    if causalkv is None and model_class not in CLASS_DEFAULTS:
+        raise ModelFolderError(
+            f"{where}: no {CAUSALKV_FILE} and no built-in defaults for pipeline {model_class!r} "
+            f"(known: {sorted(CLASS_DEFAULTS)}); write {CAUSALKV_FILE} with frames_per_chunk, "
+            "sink_frames and window_frames"
+        )
+    s = {**_STREAM_DEFAULTS, **CLASS_DEFAULTS.get(model_class, {}), **user}
+    try:
+        patch = tuple(int(p) for p in transformer.get("patch_size", (1, 2, 2)))
+        num_layers = int(transformer["num_layers"])
+        num_heads = int(transformer["num_attention_heads"])
+        head_dim = int(transformer["attention_head_dim"])
+        in_channels = int(transformer.get("in_channels", 16))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFolderError(f"{where}: transformer/config.json lacks a field: {exc}") from None
+    dim_mult = vae.get("dim_mult", [1, 2, 4, 4])
+    temporal = vae.get("temperal_downsample", [False, True, True])
+    spatial_scale = int(vae.get("scale_factor_spatial") or 2 ** (len(dim_mult) - 1))
+    temporal_scale = int(vae.get("scale_factor_temporal") or 2 ** sum(bool(t) for t in temporal))
+    height, width = int(s["height"]), int(s["width"])
+    for label, px, p in (("height", height, patch[1]), ("width", width, patch[2])):
+        if px <= 0 or px % (spatial_scale * p):
+            raise ModelFolderError(
+                f"{where}: {label}={px} must be a positive multiple of {spatial_scale * p} "
+                f"(VAE scale {spatial_scale} x patch {p})"
+            )
+    tpf = (height // spatial_scale // patch[1]) * (width // spatial_scale // patch[2])
+    config = ModelConfig(
+        name=name,
+        model_class=model_class,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        tokens_per_frame=tpf,
+        frames_per_chunk=int(s["frames_per_chunk"]),
+        sink_frames=int(s["sink_frames"]),
+        global_sink_frames=None if s["global_sink_frames"] is None else int(s["global_sink_frames"]),
+        window_frames=int(s["window_frames"]),
+        cache_frames=None if s["cache_frames"] is None else int(s["cache_frames"]),
+        recent_window_frames=None
+        if s["recent_window_frames"] is None
+        else int(s["recent_window_frames"]),
+        timesteps=tuple(float(t) for t in s["timesteps"]),
+        shift=float(s["shift"]),
+        context_noise=float(s["context_noise"]),
+        rope_offset_frames_per_shot=int(s["rope_offset_frames_per_shot"]),
+        path=str(path) if path is not None else None,
+    )
+    return ModelInfo(
+        config=config,
+        path=path,
+        preset=preset,
+        height=height,
+        width=width,
+        latent_channels=in_channels,
+        vae_scale_spatial=spatial_scale,
+        vae_scale_temporal=temporal_scale,
+        text_max_length=int(s["text_max_length"]),
+        default_frames=int(s["default_frames"]),
+        fps=int(s["fps"]),
+        guidance_scale=float(s["guidance_scale"]),
+        negative_prompt=str(s["negative_prompt"]),
+    )
+
+
+def read_model_folder(path: str | Path) -> ModelInfo:
+    """`ModelInfo` of a diffusers-format model folder (JSON only, no weights)."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelFolderError(f"model folder {str(folder)!r} does not exist")
+    missing = [f for f in REQUIRED_FILES if not (folder / f).exists()]
+    if missing:
+        raise ModelFolderError(
+            f"model folder {str(folder)!r} is missing {', '.join(missing)}; a model folder is a "
+            "diffusers Wan pipeline folder (model_index.json, transformer/, vae/, text_encoder/, "
+            f"tokenizer/) plus an optional {CAUSALKV_FILE} (see docs/usage.md)"
+        )
+    causalkv_path = folder / CAUSALKV_FILE
+    return model_info_from_dicts(
+        str(folder),
+        _read_json(folder / "model_index.json"),
+        _read_json(folder / "transformer" / "config.json"),
+        _read_json(folder / "vae" / "config.json"),
+        _read_json(causalkv_path) if causalkv_path.exists() else None,
+        path=folder,
+    )
+
+
+def load_model_info(model: str | Path) -> ModelInfo:
+    """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
+
+    Raises ModelFolderError naming the presets when ``model`` is neither.
+    """
+    from causalkv.runtime.presets import PRESETS, preset_info
+
+    name = str(model)
+    if name in PRESETS:
+        return preset_info(name)
+    folder = Path(name).expanduser()
+    if folder.exists():
+        return read_model_folder(folder)
+    raise ModelFolderError(
+        f"unknown model {name!r}: not a preset (choose one of: {', '.join(PRESETS)}) and not a "
+        "model folder; pass --model PRESET or --model /path/to/diffusers-wan-folder"
+    )

@@ -1,0 +1,99 @@
+"""Prompt encoding with a transformers UMT5 encoder, and a tokenizer that needs no download.
+
+`PromptEncoder` follows diffusers' Wan pipeline: tokenize to ``max_length`` with padding,
+run the UMT5 encoder, keep the real tokens and zero the padding, so an embedding is
+``[1, max_length, d_model]``. Embeddings are memoized per text.
+
+`build_byte_tokenizer` makes a byte-level tokenizer from code (the `tokenizers` library, no
+vocabulary file to download): 256 byte symbols plus ``<pad>``, ``</s>``, ``<unk>``, with
+``</s>`` appended like T5. The tiny presets save it with ``save_pretrained`` and load it
+back with ``AutoTokenizer.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE"]
+
+_SPECIALS = ("<pad>", "</s>", "<unk>")
+#: vocabulary size of `build_byte_tokenizer` (3 specials + 256 bytes)
+BYTE_TOKENIZER_VOCAB_SIZE = len(_SPECIALS) + 256
+
+
+def build_byte_tokenizer(model_max_length: int = 512) -> Any:
+    """A byte-level ``PreTrainedTokenizerFast`` built in code (no files, no network)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    eos = vocab["</s>"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
+
+
+class PromptEncoder:
+    """Text -> prompt embeddings ``[1, max_length, d_model]`` (Wan pipeline semantics).
+
+    Args:
+        tokenizer: a transformers tokenizer (UMT5's, or `build_byte_tokenizer`'s).
+        text_encoder: a transformers ``UMT5EncoderModel``.
+        max_length: text tokens (Wan: 512); shorter prompts are zero-padded.
+        device, dtype: of the returned embeddings.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        text_encoder: torch.nn.Module,
+        *,
+        max_length: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder.eval()
+        self.max_length = max_length
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._memo: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, text: str) -> torch.Tensor:
+        hit = self._memo.get(text)
+        if hit is not None:
+            return hit
+        enc = self.tokenizer(
+            [text.strip()],
+            padding="max_length",
+            max_length=self.max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        te_device = next(self.text_encoder.parameters()).device
+        hidden = self.text_encoder(ids.to(te_device), attention_mask=mask.to(te_device)).last_hidden_state
+        n = int(mask.sum())  # once per prompt, not on the chunk loop's hot path
+        out = torch.zeros_like(hidden)
+        out[:, :n] = hidden[:, :n]
+        out = out.to(device=self.device, dtype=self.dtype)
+        self._memo[text] = out
+        return out

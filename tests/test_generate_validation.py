@@ -1,0 +1,84 @@
+"""Bad input is refused by `plan_generation` before any weights load, with a clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_runtime_fixtures import causalkv_home, make_options, pm  # noqa: F401
+
+from causalkv.caches.spec import PINNED_SINK, RECENT_WINDOW
+from causalkv.runtime.generate import plan_generation, split_prompts
+from causalkv.runtime.presets import preset_dir
+from causalkv.stages.longlive2 import SCENE_CUT_PREFIX
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        ("tiny-wan", {"frames": 10}, r"frames=10 is not divisible by frames per chunk=3 of tiny-wan; pass --frames 9 or 12"),
+        ("tiny-wan", {"frames": 0}, r"frames must be a positive int, got 0"),
+        ("tiny-wna", {}, r"unknown model 'tiny-wna': not a preset \(choose one of: tiny-wan"),
+        ("tiny-wan", {"prompts": []}, r"the prompt list is empty; pass at least one --prompt"),
+        ("tiny-wan", {"prompts": ["  "]}, r"prompts must be non-empty text, got '  '"),
+        ("tiny-longlive", {"sink_frames": -1}, r"sink frames must be an int >= 0, got -1 \(--sink-frames\)"),
+        ("tiny-wan", {"window_frames": 2}, r"window of 2 frames is smaller than a chunk of 3 frames; pass --window-frames >= 3"),
+        ("tiny-longlive", {"window_frames": 5}, r"cannot hold the sink \(3\) plus a chunk of 3 frames; pass --window-frames >= 6"),
+        ("tiny-lingbot", {"recent_window_frames": -3}, r"recent_window_tokens|recent window frames must be an int >= 0"),
+        ("tiny-wan", {"prompts": ["a", "b", "c", "d", "e"], "frames": 12}, r"5 prompts need at least 5 chunks, the request has 4"),
+    ],
+)
+def test_bad_input_is_refused_before_any_weights_load(
+    causalkv_home: str, pm, model: str, kwargs: dict, message: str  # noqa: F811
+) -> None:
+    prompts = kwargs.pop("prompts", None)
+    options = make_options(model, frames=kwargs.pop("frames", None), **kwargs)
+    if prompts is not None:
+        options.prompts = prompts
+    with pytest.raises(ValueError, match=message):
+        plan_generation(options, pm=pm)
+    assert not preset_dir(model).exists(), "no preset may be materialized for a refused request"
+
+
+def test_folder_missing_files_is_refused(causalkv_home: str, pm, tmp_path: Path) -> None:  # noqa: F811
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    with pytest.raises(ValueError, match=r"is missing transformer/config.json, vae/config.json, "
+                       r"text_encoder/config.json, tokenizer"):
+        plan_generation(make_options(str(tmp_path)), pm=pm)
+
+
+def test_multi_shot_window_must_hold_both_sinks(causalkv_home: str, pm) -> None:  # noqa: F811
+    # tiny-longlive2: global sink 2 + shot sink 2 + chunk 2 = 6 frames > window 5
+    options = make_options("tiny-longlive2", prompts=["a", "b"], window_frames=5)
+    with pytest.raises(ValueError, match=r"global sink \(2\) plus a pinned shot sink \(2\) plus a chunk"):
+        plan_generation(options, pm=pm)
+
+
+def test_multi_shot_is_automatic_for_longlive2(causalkv_home: str, pm) -> None:  # noqa: F811
+    plan = plan_generation(make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=8), pm=pm)
+    assert plan.server_args.multi_shot
+    assert PINNED_SINK in plan.resolution.requirements
+    assert plan.chunk_prompts == ["a forest", "a forest", SCENE_CUT_PREFIX + "a city", "a city"]
+    assert plan.server_args.guidance_scale == 3.0  # the preset's default
+    # one prompt: no multi-shot, no pinned-sink requirement
+    single = plan_generation(make_options("tiny-longlive2", frames=8), pm=pm)
+    assert not single.server_args.multi_shot and PINNED_SINK not in single.resolution.requirements
+    # other stages: several prompts are prompt switches, not scene cuts
+    wan = plan_generation(make_options("tiny-wan", prompts=["a", "b"], frames=6), pm=pm)
+    assert not wan.server_args.multi_shot and wan.chunk_prompts == ["a", "b"]
+
+
+def test_lingbot_requires_recent_window(causalkv_home: str, pm) -> None:  # noqa: F811
+    plan = plan_generation(make_options("tiny-lingbot"), pm=pm)
+    assert RECENT_WINDOW in plan.resolution.requirements
+    assert plan.settings.recent_window_frames == 3
+
+
+def test_split_prompts_spreads_chunks_evenly() -> None:
+    assert split_prompts(["a", "b"], 5, scene_cuts=False) == ["a", "a", "a", "b", "b"]
+    assert split_prompts(["a", "b", "c"], 3, scene_cuts=True) == [
+        "a", SCENE_CUT_PREFIX + "b", SCENE_CUT_PREFIX + "c"
+    ]
+    # a prompt that already carries the prefix is not prefixed twice
+    assert split_prompts(["a", SCENE_CUT_PREFIX + "b"], 2, scene_cuts=True)[1] == SCENE_CUT_PREFIX + "b"

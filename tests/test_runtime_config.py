@@ -1,0 +1,107 @@
+"""Model config reading: presets, diffusers-format folders, causalkv.json, bad folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_runtime_fixtures import causalkv_home  # noqa: F401
+
+from causalkv.runtime.model_config import (
+    ModelFolderError,
+    load_model_info,
+    model_info_from_dicts,
+    read_model_folder,
+)
+from causalkv.runtime.presets import PRESETS, materialize_preset, preset_dir, preset_info
+
+WAN21_TRANSFORMER = {"patch_size": [1, 2, 2], "num_layers": 30, "num_attention_heads": 12,
+                     "attention_head_dim": 128, "in_channels": 16}
+WAN21_VAE = {"dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True]}
+
+
+def test_wan21_tokens_per_frame_matches_facts() -> None:
+    # FACTS.md: Wan 2.1 1.3B at 480x832 -> 1560 tokens per latent frame (30 x 52 patches)
+    info = model_info_from_dicts(
+        "wan", {"_class_name": "SelfForcingWanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None
+    )
+    cfg = info.config
+    assert cfg.tokens_per_frame == (480 // 8 // 2) * (832 // 8 // 2) == 1560
+    assert (cfg.num_layers, cfg.num_heads, cfg.head_dim) == (30, 12, 128)
+    assert (cfg.frames_per_chunk, cfg.sink_frames, cfg.window_frames) == (3, 0, 21)
+    assert cfg.timesteps == (1000.0, 750.0, 500.0, 250.0) and cfg.shift == 5.0
+
+
+def test_longlive2_class_defaults_match_facts() -> None:
+    # FACTS.md: LongLive 2.0 (Wan 2.2 TI2V, VAE x16) at 704x1280 -> 880 tokens per frame,
+    # 8 frames per chunk, 8 global + 8 shot sink, window 32, RoPE offset 8 per shot
+    vae = {"dim_mult": [1, 2, 4, 4], "scale_factor_spatial": 16, "scale_factor_temporal": 4}
+    transformer = {**WAN21_TRANSFORMER, "num_attention_heads": 24, "in_channels": 48}
+    info = model_info_from_dicts("ll2", {"_class_name": "LongLive2Pipeline"}, transformer, vae, None)
+    cfg = info.config
+    assert cfg.tokens_per_frame == (704 // 16 // 2) * (1280 // 16 // 2) == 880
+    assert (cfg.frames_per_chunk, cfg.sink_frames, cfg.global_sink_frames) == (8, 8, 8)
+    assert (cfg.window_frames, cfg.rope_offset_frames_per_shot) == (32, 8)
+
+
+def test_causalkv_json_overrides_class_defaults() -> None:
+    info = model_info_from_dicts(
+        "lb", {"_class_name": "LingBotWorldPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+        {"sink_frames": 9, "window_frames": 18},
+    )
+    assert (info.config.sink_frames, info.config.window_frames) == (9, 18)
+    assert info.config.recent_window_frames == 12  # class default kept
+
+
+def test_unknown_causalkv_key_is_refused() -> None:
+    with pytest.raises(ModelFolderError, match=r"unknown key\(s\) \['sink'\].*valid keys"):
+        model_info_from_dicts(
+            "x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, {"sink": 3}
+        )
+
+
+def test_unknown_pipeline_without_causalkv_json_is_refused() -> None:
+    with pytest.raises(ModelFolderError, match="no causalkv.json and no built-in defaults"):
+        model_info_from_dicts("x", {"_class_name": "MyPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None)
+
+
+def test_resolution_not_divisible_is_refused() -> None:
+    with pytest.raises(ModelFolderError, match="height=100 must be a positive multiple of 16"):
+        model_info_from_dicts(
+            "x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, {"height": 100}
+        )
+
+
+def test_unknown_model_names_the_presets(causalkv_home: str) -> None:  # noqa: F811
+    with pytest.raises(ModelFolderError, match="unknown model 'tiny-nope'.*tiny-wan, tiny-longlive"):
+        load_model_info("tiny-nope")
+
+
+def test_folder_missing_files_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    (tmp_path / "transformer").mkdir()
+    with pytest.raises(ModelFolderError, match="is missing transformer/config.json, vae/config.json"):
+        load_model_info(str(tmp_path))
+
+
+def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:  # noqa: F811
+    for name in PRESETS:
+        info = preset_info(name)
+        assert info.config.head_dim % 64 == 0, "QVG's default block_size 64 must divide head_dim"
+        assert info.config.tokens_per_frame == 16
+    folder = materialize_preset("tiny-longlive2")
+    assert folder == preset_dir("tiny-longlive2")
+    on_disk = read_model_folder(folder)
+    expected = preset_info("tiny-longlive2")
+    assert on_disk.config.model_class == "LongLive2Pipeline"
+    for field in ("frames_per_chunk", "sink_frames", "global_sink_frames", "window_frames",
+                  "tokens_per_frame", "num_layers", "num_heads", "head_dim",
+                  "rope_offset_frames_per_shot"):
+        assert getattr(on_disk.config, field) == getattr(expected.config, field), field
+    assert on_disk.guidance_scale == expected.guidance_scale == 3.0
+    assert "RANDOM" in (folder / "README.md").read_text()
+    # a second call reuses the folder (weights are created once)
+    stamp = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
+    materialize_preset("tiny-longlive2")
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == stamp

@@ -1,0 +1,148 @@
+"""End to end on the tiny presets: every built-in stage x quant off/int2, LongLive 2.0
+multi-shot with scene cuts, LongLive re-caching, LingBot recent windows, determinism and
+dense / QVG-off equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_fixtures import causalkv_home, make_options, plan_and_run, pm  # noqa: F401
+
+from causalkv.caches.dense import DenseCausalKVCache
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.hooks import hookimpl
+from causalkv.plugin.testing import temporary_plugin
+from causalkv.stages import LingBotWorldStage, LongLive2Stage, LongLiveStage, WanCausalDMDStage
+
+STAGES = {
+    "tiny-wan": WanCausalDMDStage,
+    "tiny-longlive": LongLiveStage,
+    "tiny-longlive2": LongLive2Stage,
+    "tiny-lingbot": LingBotWorldStage,
+}
+
+
+@pytest.mark.parametrize("quant", ["off", "int2"])
+@pytest.mark.parametrize("preset", list(STAGES))
+def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, preset: str, quant: str) -> None:  # noqa: F811
+    plan, run = plan_and_run(make_options(preset, quant=quant), pm)
+    stage = run.stage
+    assert type(stage) is STAGES[preset]
+    cache_cls = DenseCausalKVCache if quant == "off" else QVGPackedCausalKVCache
+    assert plan.resolution.cache_factory.name == ("dense" if quant == "off" else "qvg")
+    assert all(type(c) is cache_cls for c in stage.caches.kv)
+    info = plan.info
+    assert run.latents.shape == (1, 4, info.default_frames, 8, 8)
+    assert torch.isfinite(run.latents).all()
+    tpc = plan.settings.tokens_per_chunk
+    assert [s["token_start"] for s in run.chunk_stats] == [i * tpc for i in range(plan.num_chunks)]
+    assert stage.caches.kv[0].global_end == plan.num_chunks * tpc
+    if quant == "int2":
+        assert all(c.quant.bits == 2 for c in stage.caches.kv)
+
+
+def test_int2_holds_less_kv_than_dense(causalkv_home: str, pm) -> None:  # noqa: F811
+    # tiny-wan, 4 chunks, window 3 chunks: with keep_recent_chunks=1 the oldest retained chunk is packed
+    _, dense = plan_and_run(make_options("tiny-wan"), pm)
+    _, packed = plan_and_run(make_options("tiny-wan", quant="int2"), pm)
+    # dense preallocates K+V for the whole cache: layers x 2 x 144 tokens x 2 heads x 64 x 4 bytes
+    assert dense.kv_resident_bytes_max == 2 * 2 * 144 * 2 * 64 * 4
+    assert packed.kv_resident_bytes_final < dense.kv_resident_bytes_final
+    assert not torch.equal(packed.latents, dense.latents)
+
+
+def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) -> None:  # noqa: F811
+    # 16 frames = 8 chunks of 2 frames (32 tokens); shot B starts at chunk 4 = tokens [128, 160)
+    options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=16, quant="int2")
+    plan, run = plan_and_run(options, pm)
+    stage = run.stage
+    assert plan.server_args.multi_shot and stage.pinned_chunks == [4]
+    assert stage.negative_caches is not None  # CFG 3.0: its own negative cache
+    assert all(type(c) is QVGPackedCausalKVCache for c in stage.negative_caches.kv)
+    # RoPE: shot 1 is offset by 2 frames
+    assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 2, 4, 6, 10, 12, 14, 16]
+    # window 8 frames = 128 tokens. The last chunk [224, 256) sees the global sink [0, 32),
+    # the pinned shot sink [128, 160) and the newest 128 - 64 = 64 other tokens [192, 256);
+    # without the pin it would see [0, 32) + [160, 256).
+    for cs in stage.cache_sets():
+        for cache in cs.kv:
+            assert cache.get_attention_kv().position_ranges == ((0, 32), (128, 160), (192, 256))
+    assert torch.isfinite(run.latents).all()
+
+
+def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) -> None:  # noqa: F811
+    # 24 frames = 12 chunks; shot B opens at chunk 6 = tokens [192, 224); at the end
+    # (global_end 384), 12 - 6 = 6 chunks after the cut, the shot sink is still pinned
+    options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=24)
+    _, run = plan_and_run(options, pm)
+    view = run.stage.caches.kv[0].get_attention_kv()
+    # window 8 frames = 128 tokens: 32 global + 32 pinned + newest 64 ordinary tokens
+    assert view.position_ranges == ((0, 32), (192, 224), (320, 384))
+
+
+def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, pm) -> None:  # noqa: F811
+    for preset, prompts, frames in (("tiny-wan", None, 12), ("tiny-longlive2", ["a", "b"], 12)):
+        _, dense = plan_and_run(make_options(preset, prompts=prompts, frames=frames), pm)
+        _, qvg = plan_and_run(make_options(preset, prompts=prompts, frames=frames, cache="qvg"), pm)
+        assert all(type(c) is QVGPackedCausalKVCache for c in qvg.stage.caches.kv)
+        assert torch.equal(dense.latents, qvg.latents), preset
+
+
+def test_same_seed_same_latents_other_seed_differs(causalkv_home: str, pm) -> None:  # noqa: F811
+    _, a = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
+    _, b = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
+    _, c = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=8), pm)
+    assert torch.equal(a.latents, b.latents)
+    assert not torch.allclose(a.latents, c.latents)
+
+
+def test_bfloat16_default_dtype_runs(causalkv_home: str, pm) -> None:  # noqa: F811
+    plan, run = plan_and_run(make_options("tiny-wan", frames=6, dtype="bfloat16", quant="int2"), pm)
+    assert run.stage.caches.kv[0].spec.dtype == torch.bfloat16
+    assert torch.isfinite(run.latents).all() and run.latents.dtype == torch.float32
+
+
+def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, pm) -> None:  # noqa: F811
+    # 15 frames = 5 chunks of 48 tokens, prompts split 2/2/1: switches at chunks 2 and 4.
+    # Sink 3 frames (1 chunk), window 9 frames (3 chunks). At the switch before chunk 4 the
+    # caches show chunk 0 (sink) and chunks 2-3: 3 chunks = 144 tokens are re-cached, so
+    # chunk 4 starts at cache position 144 (not 192), still at RoPE frame 12.
+    options = make_options("tiny-longlive", prompts=["a", "b", "c"], frames=15)
+    _, run = plan_and_run(options, pm)
+    stage = run.stage
+    assert stage.recache_events == [2, 4]
+    assert [s["token_start"] for s in run.chunk_stats] == [0, 48, 96, 144, 144]
+    assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 3, 6, 9, 12]
+    assert [f for f, _ in stage._cache_frames] == [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert stage.caches.kv[0].global_end == 144 + 48
+
+
+def test_lingbot_recent_window_limits_what_a_chunk_sees(causalkv_home: str, pm) -> None:  # noqa: F811
+    # sink 48 tokens, window 192, recent window 3 frames = 48 tokens before the chunk:
+    # chunk k sees [0, 48) + [max(48, 48k - 48), 48k + 48)
+    _, run = plan_and_run(make_options("tiny-lingbot"), pm)
+    assert [s["visible_tokens"] for s in run.chunk_stats] == [48, 96, 144, 144]
+    _, wide = plan_and_run(make_options("tiny-lingbot", recent_window_frames=6), pm)
+    assert [s["visible_tokens"] for s in wide.chunk_stats] == [48, 96, 144, 192]
+    assert not torch.equal(run.latents[:, :, 9:], wide.latents[:, :, 9:])
+    assert torch.equal(run.latents[:, :, :9], wide.latents[:, :, :9])
+
+
+def test_plugin_hooks_configure_the_stage_and_see_every_chunk(causalkv_home: str, pm) -> None:  # noqa: F811
+    seen: list[tuple[str, int, int]] = []
+
+    class Plugin:
+        @hookimpl
+        def causalkv_configure_stage(self, stage, model, server_args):
+            return {"window_frames": 6}
+
+        @hookimpl
+        def causalkv_chunk_done(self, stage, chunk_index, stats):
+            seen.append((stage.stage_name, chunk_index, stats["visible_tokens"]))
+
+    with temporary_plugin(pm, Plugin()):
+        _, run = plan_and_run(make_options("tiny-wan"), pm)
+    assert run.stage.settings.window_frames == 6
+    # window 6 frames = 96 tokens: every chunk from the second on sees 2 chunks
+    assert seen == [("self-forcing-wan", 0, 48), ("self-forcing-wan", 1, 96),
+                    ("self-forcing-wan", 2, 96), ("self-forcing-wan", 3, 96)]
