@@ -50,24 +50,24 @@ def attend(
         return attend_dense(query, first[0], first[1], scale=scale)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     q = query.transpose(1, 2).float() * scale  # [B, h, n, D]
-    m = l = acc = None
+    m = denom = acc = None
     for k_seg, v_seg in _chain(first, second, segments):
         s = q @ k_seg.transpose(1, 2).float().transpose(-1, -2)  # [B, h, n, s]
         m_seg = s.amax(dim=-1, keepdim=True)
         if m is None:
             m_new = m_seg
             p = torch.exp(s - m_new)
-            l = p.sum(dim=-1, keepdim=True)
+            denom = p.sum(dim=-1, keepdim=True)
             acc = p @ v_seg.transpose(1, 2).float()
         else:
             m_new = torch.maximum(m, m_seg)
             alpha = torch.exp(m - m_new)
             p = torch.exp(s - m_new)
-            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            denom = denom * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + p @ v_seg.transpose(1, 2).float()
         m = m_new
         del s, p
-    out = acc / l
+    out = acc / denom
     return out.transpose(1, 2).to(query.dtype)
 
 

@@ -367,6 +367,18 @@ def check_write(
     return h0, h0 + h
 
 
+def read_heads(spec: KVCacheSpec, cache_head_start: int | None, num_heads: int | None) -> tuple[int, int]:
+    """The head slice ``(h0, h1)`` of a read (`get_attention_kv`); CacheWriteError if outside."""
+    h0 = cache_head_start or 0
+    h1 = spec.num_heads if num_heads is None else h0 + num_heads
+    if not 0 <= h0 < h1 <= spec.num_heads:  # slicing would silently clip
+        raise CacheWriteError(
+            f"get_attention_kv: head slice [{h0}, {h1}) is outside the cache's heads "
+            f"[0, {spec.num_heads})"
+        )
+    return h0, h1
+
+
 def check_recent_window(recent_window_tokens: int | None) -> None:
     if recent_window_tokens is not None and (
         not isinstance(recent_window_tokens, int) or recent_window_tokens < 0

@@ -48,6 +48,7 @@ from causalkv.caches.spec import (
     KVSegment,
     check_recent_window,
     check_write,
+    read_heads,
 )
 from causalkv.caches.stream import StreamState
 
@@ -195,8 +196,7 @@ class QVGPackedCausalKVCache:
         num_heads: int | None = None,
         recent_window_tokens: int | None = None,
     ) -> CausalAttentionKVView:
-        h0 = cache_head_start or 0
-        h1 = self.spec.num_heads if num_heads is None else h0 + num_heads
+        h0, h1 = read_heads(self.spec, cache_head_start, num_heads)
         check_recent_window(recent_window_tokens)
         return self._view(h0, h1, recent_window_tokens)
 

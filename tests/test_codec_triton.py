@@ -1,0 +1,149 @@
+"""Every Triton kernel of the PRQ codec against the PyTorch path, on the CPU (TRITON_INTERPRET=1).
+
+``TRITON_INTERPRET`` only takes effect if it is set before triton is first imported, and it
+must not leak into other test modules of the same worker. So, in a normal run, this module
+holds one test that re-runs this very file in a fresh interpreter with
+``TRITON_INTERPRET=1``; there (and only there) the kernel-by-kernel cases are defined.
+Shapes stay small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from causalkv.caches.qvg import QVGKVQuantArgs, dequantize, quantize
+from causalkv.caches.qvg import torch_impl as ti
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BF16_ULP = 2.0**-7  # bf16 spacing relative to the value's power of two
+
+
+if not INTERPRETED:
+
+    def test_triton_kernels_under_the_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env.pop("PYTEST_XDIST_WORKER", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, tail
+        assert " passed" in tail and "skipped" not in tail, tail
+
+
+if INTERPRETED:  # the cases, run only in the interpreted child process
+
+    @pytest.fixture(scope="module")
+    def tr():
+        from causalkv.caches.qvg import triton_impl
+
+        return triton_impl
+
+
+    def _data(BH=3, S=70, D=48, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(BH, S, D, generator=g)
+
+
+    def test_assign_kernel_matches_torch(tr):
+        x = _data()
+        c = x[:, :20].clone() + 0.01
+        want = ti.kmeans_assign(x, c)
+        got = tr.kmeans_assign(x, c)
+        assert got.dtype == torch.int64 and got.shape == want.shape
+        # same nearest centroid, or (summation-order near-tie) an equally near one
+        d = ((x.unsqueeze(2) - c.unsqueeze(1)) ** 2).sum(-1)  # [BH, S, K]
+        dg = torch.gather(d, 2, got.unsqueeze(-1)).squeeze(-1)
+        dw = torch.gather(d, 2, want.unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(dg, dw, rtol=1e-5, atol=1e-5)
+        assert (got == want).float().mean() > 0.99
+
+
+    def test_update_kernel_matches_torch_and_keeps_empty_clusters(tr):
+        x = _data(S=90)
+        c = torch.randn(3, 20, 48) * 5
+        ids = ti.kmeans_assign(x, c[:, :12])  # clusters 12..19 stay empty
+        want = ti.kmeans_update(x, ids, c)
+        got = tr.kmeans_update(x, ids, c)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[:, 12:], c[:, 12:])
+
+
+    @pytest.mark.parametrize(
+        "bits,block,grid,asym",
+        [(2, 16, "reference", False), (4, 16, "reference", False), (2, 16, "mse4", False),
+         (4, 24, "mse4", False), (2, 8, "reference", True), (4, 16, "reference", True)],
+    )
+    def test_quantize_pack_kernel_matches_torch(tr, bits, block, grid, asym):
+        g = torch.Generator().manual_seed(bits * 100 + block)
+        N, D = 50, 48
+        r = torch.randn(N, D, generator=g)
+        scale = torch.rand(N, D // block, generator=g) * 0.8 + 0.05
+        scale[3, 0] = 0.0  # a zero block scale: codes 0
+        zeros = (torch.randint(-3, 3, (N, D // block), generator=g).to(torch.int8) if asym else None)
+        want = ti.quantize_pack(r, scale, zeros, bits=bits, block=block, grid=grid)
+        got = tr.quantize_pack(r, scale, zeros, bits=bits, block=block, grid=grid)
+        assert torch.equal(got, want)
+
+
+    @pytest.mark.parametrize(
+        "args",
+        [QVGKVQuantArgs(bits=2, centroids=16, block_size=16),
+         QVGKVQuantArgs(bits=4, centroids=16, block_size=24, grid="mse4"),
+         QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True),
+         QVGKVQuantArgs(bits=2, centroids=8, block_size=8, stages=2)],
+        ids=["int2", "int4-mse4", "int2-asym", "int2-2stage"],
+    )
+    def test_fused_dequantize_kernel_matches_torch(tr, args):
+        x = torch.randn(2, 2, 40, 48).to(torch.bfloat16)
+        x[0, 1, 3, :args.block_size] = 0  # an all-zero input block
+        p = quantize(x, args, backend="torch")
+        want32 = dequantize(p, dtype=torch.float32, backend="torch")
+        got32 = dequantize(p, dtype=torch.float32, backend="triton")
+        assert torch.allclose(got32, want32, rtol=2.0**-22, atol=0)  # both: fp32 c + level * s
+        assert (got32[0, 1, 3, :args.block_size] == 0).all()
+        # bf16: the interpreter's float32 -> bf16 cast truncates where the GPU rounds: <= 1 ulp
+        got = dequantize(p, backend="triton")
+        assert ((got.float() - want32).abs() <= want32.abs() * BF16_ULP).all()
+        big = torch.full((2, 50, 2, 48), 3.0, dtype=torch.float32)
+        view = big.permute(0, 2, 1, 3)[:, :, 5:45]
+        assert dequantize(p, out=view, backend="triton") is view
+        assert torch.equal(view, got32)
+        assert (big[:, :5] == 3).all() and (big[:, 45:] == 3).all()
+
+
+    def test_triton_quantize_end_to_end_matches_torch(tr):
+        """Same seed, same init: the Triton pipeline reproduces the PyTorch one (up to the rare
+        float summation near-tie) and is itself deterministic."""
+        g = torch.Generator().manual_seed(5)
+        x = (torch.randn(1, 2, 64, 32, generator=g) * 2).to(torch.bfloat16)
+        args = QVGKVQuantArgs(bits=2, centroids=16, block_size=16, grid="mse4")
+        pt = quantize(x, args, backend="torch")
+        pa = quantize(x, args, backend="triton")
+        pb = quantize(x, args, backend="triton")
+        assert torch.equal(pa.codes, pb.codes) and torch.equal(pa.ids[0], pb.ids[0])
+        assert (pa.ids[0] == pt.ids[0]).float().mean() > 0.95
+        assert (pa.codes == pt.codes).float().mean() > 0.95
+        yt = dequantize(pt, dtype=torch.float32).double()
+        ya = dequantize(pa, dtype=torch.float32, backend="triton").double()
+        x64 = x.double()
+        et, ea = (yt - x64).norm() / x64.norm(), (ya - x64).norm() / x64.norm()
+        assert abs(float(ea - et)) <= 0.02 * float(et)
+
+
+    def test_env_var_forces_the_backend(tr, monkeypatch):
+        x = torch.randn(1, 1, 20, 16).to(torch.bfloat16)
+        args = QVGKVQuantArgs(bits=4, centroids=4, block_size=16)
+        monkeypatch.setenv("CAUSALKV_QVG_BACKEND", "triton")
+        calls = []
+        real = tr.dequantize_into
+        monkeypatch.setattr(tr, "dequantize_into", lambda p, o: (calls.append(1), real(p, o)))
+        p = quantize(x, args)
+        dequantize(p)
+        assert calls == [1]

@@ -1,0 +1,92 @@
+"""QVGKVQuantArgs: reference defaults, dict keys, CLI flags and validation messages (FACTS.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from causalkv.caches.qvg import QVGKVQuantArgs, add_cli_args, from_namespace
+
+
+def _parse(*argv: str) -> QVGKVQuantArgs:
+    return from_namespace(add_cli_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+
+def test_reference_defaults():
+    a = QVGKVQuantArgs()
+    assert (a.bits, a.centroids, a.block_size, a.stages, a.kmeans_iters) == (None, 128, 64, 1, 2)
+    assert (a.asymmetric, a.keep_recent_chunks, a.sink, a.sink_span, a.sink_keep_chunks) == (
+        False, 1, True, "chunk", 0)
+    assert not a.enabled and a.describe() == "off"
+    assert QVGKVQuantArgs(bits=2).enabled
+
+
+def test_from_dict_reads_the_reference_keys():
+    a = QVGKVQuantArgs.from_dict({
+        "kv_cache_quant": "int4",
+        "kv_cache_quant_centroids": 64,
+        "kv_cache_quant_block_size": 32,
+        "kv_cache_quant_stages": 2,
+        "kv_cache_quant_iters": 5,
+        "kv_cache_quant_keep_recent": 3,
+        "kv_cache_quant_sink_keep": 1,
+        "kv_cache_quant_asymmetric": 1,
+        "kv_cache_quant_sink": 0,
+        "kv_cache_quant_sink_span": "full",
+        "unrelated_key": 123,
+    })
+    assert a == QVGKVQuantArgs(bits=4, centroids=64, block_size=32, stages=2, kmeans_iters=5,
+                               keep_recent_chunks=3, sink_keep_chunks=1, asymmetric=True,
+                               sink=False, sink_span="full")
+    assert QVGKVQuantArgs.from_dict({"kv_cache_quant": "off"}) == QVGKVQuantArgs()
+    assert QVGKVQuantArgs.from_dict({"kv_cache_quant": 2}).bits == 2
+
+
+def test_flags():
+    assert _parse() == QVGKVQuantArgs()
+    a = _parse("--kv-cache-quant", "int2", "--kv-cache-quant-centroids", "256",
+               "--kv-cache-quant-block-size", "16", "--kv-cache-quant-stages", "2",
+               "--kv-cache-quant-iters", "4", "--kv-cache-quant-keep-recent", "2",
+               "--kv-cache-quant-sink-keep", "1", "--kv-cache-quant-asymmetric",
+               "--kv-cache-quant-sink", "0")
+    assert a == QVGKVQuantArgs(bits=2, centroids=256, block_size=16, stages=2, kmeans_iters=4,
+                               keep_recent_chunks=2, sink_keep_chunks=1, asymmetric=True,
+                               sink=False)
+    assert _parse("--kv-cache-quant", "int4", "--kv-cache-quant-grid", "mse4").grid == "mse4"
+    with pytest.raises(SystemExit):
+        add_cli_args(argparse.ArgumentParser()).parse_args(["--kv-cache-quant", "int8"])
+    with pytest.raises(SystemExit):
+        add_cli_args(argparse.ArgumentParser()).parse_args(["--kv-cache-quant-sink", "2"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(bits=3), "kv-cache-quant bits must be 2 or 4"),
+        (dict(bits=2, centroids=0), "kv-cache-quant-centroids must be > 0"),
+        (dict(bits=2, block_size=-1), "kv-cache-quant-block-size must be > 0"),
+        (dict(bits=2, stages=0), "kv-cache-quant-stages must be > 0"),
+        (dict(bits=2, kmeans_iters=0), "kv-cache-quant-iters must be > 0"),
+        (dict(bits=2, centroids=257), "kv-cache-quant-centroids must be <= 256"),
+        (dict(bits=2, keep_recent_chunks=-1), "kv-cache-quant-keep-recent must be >= 0"),
+        (dict(bits=2, sink_span="frames"), "kv-cache-quant-sink-span must be one of"),
+        (dict(bits=2, grid="nf4"), "kv-cache-quant-grid must be one of"),
+    ],
+)
+def test_validate_messages(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        QVGKVQuantArgs(**kwargs).validate()
+
+
+def test_bad_quant_name_message():
+    with pytest.raises(ValueError) as e:
+        QVGKVQuantArgs.from_dict({"kv_cache_quant": "int8"})
+    assert str(e.value) == "kv-cache-quant must be one of ['off', 'int4', 'int2'], got 'int8'"
+
+
+def test_describe():
+    text = QVGKVQuantArgs(bits=2, grid="mse4", block_size=16).describe()
+    assert text.startswith("qvg(int2, centroids=128, block=16, stages=1, iters=2, sym,")
+    assert "grid=mse4" in text
+    assert "grid" not in QVGKVQuantArgs(bits=4).describe()
