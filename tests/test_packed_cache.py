@@ -256,3 +256,32 @@ def test_failed_pack_leaves_cache_unchanged():
     with pytest.raises(CacheWriteError):
         cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=5 * N)
     assert (cache.state, cache.segments) == before[:2]
+
+
+def test_codebook_chunks_share_centroids_and_count_them_once():
+    q = quant(keep_recent_chunks=0, codebook_chunks=3)
+    s = spec(sink_tokens=0, global_sink_tokens=0, cache_size=8 * N)
+    cache = QVGPackedCausalKVCache(s, q)
+    for i in range(7):
+        view = write(cache, i)
+    packed = cache.packed_segments()
+    assert [g.start // N for g in packed] == [0, 1, 2, 3, 4, 5]
+    books = [g.pk.centroids[0] for g in packed]
+    assert books[0] is books[1] is books[2] and books[3] is books[4] is books[5]
+    assert books[2] is not books[3]
+    # oracle: chunk 1 is the codec's round trip with chunk 0's codebook, stored once
+    want = codec.dequantize(codec.quantize(
+        chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].pk.centroids)).permute(0, 2, 1, 3)
+    pos = view.positions.tolist()
+    assert torch.equal(view.k[:, pos.index(N) : pos.index(N) + N], want)
+    per_book = sum(c.nbytes for c in packed[0].pk.centroids + packed[0].pv.centroids)
+    dense_bytes = 2 * N * H * D * 2
+    stored = sum(g.pk.nbytes + g.pv.nbytes for g in packed)
+    assert cache.resident_nbytes() == dense_bytes + stored - 4 * per_book  # 2 books, 6 users
+
+
+def test_codebooks_argument_validated():
+    q = quant()
+    x = chunk(0)[0].permute(0, 2, 1, 3)
+    with pytest.raises(ValueError, match="codebooks must be 1 bf16"):
+        codec.quantize(x, q, codebooks=[torch.zeros(1, H, 4, D)])

@@ -40,6 +40,9 @@ class QVGKVQuantArgs:
             ``{-1.5,-0.5,0.5,1.5} * s`` with an error-minimizing scale). Beyond the reference.
         span_chunks: cold chunks packed together as one segment (shares the codebook across
             chunks; beyond the reference, 1 = reference behaviour).
+        codebook_chunks: consecutive cold chunks that share one k-means codebook, each still
+            packed as soon as it is cold: the first runs k-means, the next ones only assign
+            to its centroids, which are stored once (beyond the reference, 1 = reference).
     """
 
     bits: int | None = None
@@ -54,6 +57,7 @@ class QVGKVQuantArgs:
     sink_keep_chunks: int = 0
     grid: str = "reference"
     span_chunks: int = 1
+    codebook_chunks: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +67,9 @@ class QVGKVQuantArgs:
         """Raise ValueError with the reference runtime's messages; return self."""
         if self.bits is not None and self.bits not in (2, 4):
             raise ValueError("kv-cache-quant bits must be 2 or 4")
-        for name in ("centroids", "block_size", "stages", "kmeans_iters", "span_chunks"):
+        for name in (
+            "centroids", "block_size", "stages", "kmeans_iters", "span_chunks", "codebook_chunks"
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 flag = {"kmeans_iters": "iters"}.get(name, name).replace("_", "-")
@@ -103,6 +109,8 @@ class QVGKVQuantArgs:
             parts.append(f"grid={self.grid}")
         if self.span_chunks != 1:
             parts.append(f"span={self.span_chunks}")
+        if self.codebook_chunks != 1:
+            parts.append(f"codebook_chunks={self.codebook_chunks}")
         return "qvg(" + ", ".join(parts) + ")"
 
     def to_dict(self) -> dict[str, Any]:
@@ -130,6 +138,7 @@ class QVGKVQuantArgs:
             "kv_cache_quant_sink_span": "sink_span",
             "kv_cache_quant_grid": "grid",
             "kv_cache_quant_span_chunks": "span_chunks",
+            "kv_cache_quant_codebook_chunks": "codebook_chunks",
         }
         names = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {}
@@ -176,6 +185,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="2-bit residual grid (beyond the reference; default: reference)")
     g.add_argument("--kv-cache-quant-span-chunks", type=int, default=d.span_chunks,
                    help="cold chunks packed as one segment sharing a codebook (default: 1)")
+    g.add_argument("--kv-cache-quant-codebook-chunks", type=int, default=d.codebook_chunks,
+                   help="consecutive cold chunks sharing one k-means codebook, each packed "
+                        "when cold (beyond the reference; default: 1)")
     return parser
 
 

@@ -330,12 +330,22 @@ def _check_args(args: QVGKVQuantArgs, D: int) -> None:
 
 
 def quantize(
-    x: torch.Tensor, args: QVGKVQuantArgs, *, seed: int = 1234, backend: str | None = None
+    x: torch.Tensor,
+    args: QVGKVQuantArgs,
+    *,
+    seed: int = 1234,
+    backend: str | None = None,
+    codebooks: list[torch.Tensor] | None = None,
 ) -> PackedSegment:
     """PRQ-pack ``x [B, H, S, D]`` (any float dtype, any strides) with ``args``.
 
     Deterministic: the same input, args, seed and backend give identical bytes; the global
     RNG is untouched (the k-means initialization draws from its own seeded generator).
+
+    ``codebooks`` (one ``[B, H, K, D]`` bf16 tensor per stage, e.g. ``other.centroids`` of
+    an earlier segment) skips k-means: tokens are assigned to those centroids and the
+    returned segment references the very same tensors, so segments sharing a codebook
+    store it once (the cache counts shared tensors once).
 
     Raises:
         ValueError: quantization off, bad shape, ``D % block_size != 0``, more than 256
@@ -347,6 +357,15 @@ def quantize(
         raise ValueError(f"quantize: expected a floating-point tensor, got {x.dtype}")
     B, H, S, D = (int(v) for v in x.shape)
     _check_args(args, D)
+    if codebooks is not None:
+        if len(codebooks) != args.stages or any(
+            c.dim() != 4 or tuple(c.shape[:2]) != (B, H) or c.shape[3] != D
+            or c.dtype != torch.bfloat16 for c in codebooks
+        ):
+            raise ValueError(
+                f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
+                f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}"
+            )
     if B * H * S == 0:
         raise ValueError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
     amax = float(x.abs().amax())  # NaN/inf propagate: one sync covers both checks
@@ -370,7 +389,16 @@ def quantize(
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     resid = xf
     centroids, ids = [], []
-    for _ in range(args.stages):
+    for stage in range(args.stages):
+        if codebooks is not None:
+            shared = codebooks[stage]
+            Ks = int(shared.shape[2])
+            c32 = shared.reshape(BH, Ks, D).float() * math.ldexp(1.0, -norm_exp)
+            a = impl.kmeans_assign(resid, c32)
+            resid = resid - torch.gather(c32, 1, a.unsqueeze(-1).expand(BH, S, D))
+            centroids.append(shared)
+            ids.append(a.to(torch.uint8).view(B, H, S))
+            continue
         # K distinct tokens per (batch, head), drawn from the private generator on the CPU so
         # every device starts from the same centroids.
         pick = torch.rand(BH, S, generator=gen).argsort(dim=1)[:, :K].to(x.device)

@@ -142,6 +142,8 @@ class QVGPackedCausalKVCache:
         self.segments: list[Segment] = []
         self.quantize_calls = 0
         self.peak_transient_nbytes = 0
+        # (K codebooks, V codebooks, chunks packed with them) for ``codebook_chunks > 1``
+        self._codebook: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
 
     # ---- contract properties ----------------------------------------------------------
     @property
@@ -153,8 +155,24 @@ class QVGPackedCausalKVCache:
         return self.state.global_end
 
     def resident_nbytes(self) -> int:
-        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes."""
-        return sum(s.nbytes for s in self.segments)
+        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
+
+        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
+        tensor referenced by each of them and is counted once.
+        """
+        total, seen = 0, set()
+        for seg in self.segments:
+            if not seg.packed:
+                total += seg.nbytes
+                continue
+            for packed in (seg.pk, seg.pv):
+                total += packed.nbytes  # type: ignore[attr-defined]
+                for c in packed.centroids:  # type: ignore[attr-defined]
+                    key = (c.device, c.data_ptr())
+                    if key in seen:
+                        total -= c.nbytes
+                    seen.add(key)
+        return total
 
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]
@@ -182,7 +200,12 @@ class QVGPackedCausalKVCache:
         kind = self.state.classify(current_chunk_start, n, debug_name)
         if kind == "advance":
             new_state = self.state.advanced(n, debug_name)
-            segments = self._advanced_segments(new_state)
+            counters = (self.quantize_calls, self._codebook)
+            try:
+                segments = self._advanced_segments(new_state)
+            except BaseException:
+                self.quantize_calls, self._codebook = counters
+                raise
             self.state, self.segments = new_state, segments
         current = self.segments[-1]
         current.k[:, :, h0:h1].copy_(key)  # type: ignore[index]
@@ -201,7 +224,11 @@ class QVGPackedCausalKVCache:
         return self._view(h0, h1, recent_window_tokens)
 
     def _advanced_segments(self, new: StreamState) -> list[Segment]:
-        """The segment list after advancing to ``new`` (pure: ``self`` is not touched)."""
+        """The segment list after advancing to ``new``.
+
+        ``self.segments`` and ``self.state`` are not touched; only the packing counters and
+        the open codebook are, which the caller restores if this raises.
+        """
         kept: list[Segment] = []
         for seg in self.segments:
             live = iv.intersect(seg.run, new.retained)
@@ -212,6 +239,10 @@ class QVGPackedCausalKVCache:
             else:
                 kept.extend(seg.dense_slice(a, b) for a, b in live)
         new_chunk = self.segments[-1].last_chunk + 1 if self.segments else 0
+        if self._codebook is not None and not any(
+            seg.packed and seg.pk.centroids[0] is self._codebook[0][0] for seg in kept  # type: ignore[attr-defined]
+        ):
+            self._codebook = None  # every segment using it rolled out: start a fresh one
         if self.quant.enabled:
             kept = self._pack_cold(kept, new, current_chunk=new_chunk)
         spec = self.spec
@@ -286,8 +317,15 @@ class QVGPackedCausalKVCache:
 
         k = torch.cat([p.k for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].k
         v = torch.cat([p.v for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].v
-        pk = quantize(k.permute(0, 2, 1, 3), self.quant, seed=self.seed)  # type: ignore[union-attr]
-        pv = quantize(v.permute(0, 2, 1, 3), self.quant, seed=self.seed)  # type: ignore[union-attr]
+        chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
+        book = self._codebook
+        if book is not None and book[2] + chunks > self.quant.codebook_chunks:
+            book = None
+        pk = quantize(k.permute(0, 2, 1, 3), self.quant, seed=self.seed,  # type: ignore[union-attr]
+                      codebooks=book[0] if book else None)
+        pv = quantize(v.permute(0, 2, 1, 3), self.quant, seed=self.seed,  # type: ignore[union-attr]
+                      codebooks=book[1] if book else None)
+        self._codebook = (pk.centroids, pv.centroids, (book[2] if book else 0) + chunks)
         self.quantize_calls += 1
         if self.offload:
             pk, pv = _offload(pk), _offload(pv)
@@ -412,6 +450,7 @@ class QVGPackedCausalKVCache:
         """Forget the stream (new request) and free every segment."""
         self.state = StreamState.from_spec(self.spec)
         self.segments = []
+        self._codebook = None
 
 
 def _select_heads(packed: object, h0: int, h1: int) -> object:
