@@ -1,0 +1,238 @@
+"""Packed vs dense causal KV cache, side by side in one run.
+
+For LingBot-World-like and LongLive-2.0-like streams (real tokens per frame and frames per
+chunk, reduced head count) this drives a `DenseCausalKVCache` and a `QVGPackedCausalKVCache`
+with the same chunks and reports, per QVG setting:
+
+- resident bytes of the dense cache / the packed cache once the window is full (ratio);
+- bf16 size / stored size of the packed segments alone (ratio);
+- relative error ||packed view - dense view|| / ||dense view|| of the visible K and V;
+- time per advance, packed / dense (ratio, measured in the same loop);
+- peak temporary bytes of attention: materialized window vs segment streaming, each as a
+  multiple of one chunk's dense K+V.
+
+Then a LongLive-2.0-like stream with scene cuts runs ``--long-chunks`` chunks at int2 and
+shows resident bytes staying flat once the window is full.
+
+Data: `stream_kv` below. Each head has a few cluster centres (token vectors cluster, as
+video tokens of similar content do), a slow drift of those centres over chunks (frames
+change gradually), token noise, and a handful of outlier channels with 8x the scale (the
+channel outliers known from LLM and video K caches). Keys and values use independent draws.
+
+Run: ``python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches.attention import attend
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    name: str
+    tokens_per_frame: int
+    frames_per_chunk: int
+    sink_frames: int
+    global_sink_frames: int
+    window_frames: int
+    heads: int = 2
+    head_dim: int = 128
+    scene_cut_every: int = 0  # pin a shot sink every N chunks (LongLive 2.0)
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens_per_frame * self.frames_per_chunk
+
+    def spec(self) -> KVCacheSpec:
+        tpf = self.tokens_per_frame
+        return KVCacheSpec(
+            batch_size=1, num_heads=self.heads, head_dim=self.head_dim,
+            cache_size=self.window_frames * tpf, sink_tokens=self.sink_frames * tpf,
+            global_sink_tokens=self.global_sink_frames * tpf, dtype=torch.bfloat16,
+        )
+
+
+CONFIGS = [
+    StreamConfig("lingbot-world", 1560, 3, 3, 3, 45),
+    StreamConfig("longlive2", 880, 8, 8, 8, 32, scene_cut_every=4),
+]
+
+
+def settings() -> list[tuple[str, QVGKVQuantArgs]]:
+    return [
+        ("int2 reference", QVGKVQuantArgs(bits=2)),
+        ("int4 reference", QVGKVQuantArgs(bits=4)),
+        # beyond the reference: amortize the bf16 centroids over more tokens
+        ("int2 span=5", QVGKVQuantArgs(bits=2, span_chunks=5)),
+        ("int2 cb=4 c64 mse4", QVGKVQuantArgs(bits=2, codebook_chunks=4, centroids=64, grid="mse4")),
+        ("int2 cb=3 c96 mse4", QVGKVQuantArgs(bits=2, codebook_chunks=3, centroids=96, grid="mse4")),
+    ]
+
+
+@dataclass
+class StreamKV:
+    """Deterministic structured K/V chunks ``[1, n, H, D]`` (see module docstring)."""
+
+    heads: int
+    head_dim: int
+    seed: int = 0
+    clusters: int = 24
+    outliers: int = 4
+    centres: dict = field(default_factory=dict)
+
+    def chunk(self, index: int, n: int, which: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 7919 + which)
+        centres = torch.randn(self.heads, self.clusters, self.head_dim, generator=g)
+        drift = torch.randn(self.heads, self.clusters, self.head_dim, generator=g) * 0.02
+        scale = torch.ones(self.head_dim)
+        scale[torch.randperm(self.head_dim, generator=g)[: self.outliers]] = 8.0
+        g.manual_seed(self.seed * 104729 + index * 2 + which)
+        assign = torch.randint(0, self.clusters, (self.heads, n), generator=g)
+        c = centres + drift * index
+        x = torch.gather(c, 1, assign[..., None].expand(-1, -1, self.head_dim))
+        x = x + 0.3 * torch.randn(self.heads, n, self.head_dim, generator=g)
+        return (x * scale).permute(1, 0, 2)[None].to(torch.bfloat16)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
+    spec = cfg.spec()
+    dense, packed = DenseCausalKVCache(spec), QVGPackedCausalKVCache(spec, q)
+    data = StreamKV(cfg.heads, cfg.head_dim)
+    t_dense = t_packed = 0.0
+    n = cfg.chunk
+    for i in range(chunks):
+        k, v = data.chunk(i, n, 0), data.chunk(i, n, 1)
+        for cache in (dense, packed):
+            t0 = time.perf_counter()
+            view = cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+            dt = time.perf_counter() - t0
+            if cache is dense:
+                t_dense += dt
+                ref = view
+            else:
+                t_packed += dt
+                out = view
+            if cfg.scene_cut_every and i % cfg.scene_cut_every == 0 and i > 0:
+                cache.pin_current_chunk(n)
+    packed_bf16 = sum(2 * (s.end - s.start) * cfg.heads * cfg.head_dim * 2 for s in packed.packed_segments())
+    dense_held = sum(s.nbytes for s in packed.segments if not s.packed)
+    packed_stored = packed.resident_nbytes() - dense_held  # shared codebooks counted once
+    one_chunk = 2 * n * cfg.heads * cfg.head_dim * 2
+    query = data.chunk(chunks, 256, 2)
+    packed.peak_transient_nbytes = 0
+    attend(query, out)  # streams segment by segment
+    streaming_peak = packed.peak_transient_nbytes
+    k_err, v_err = rel_err(out.k, ref.k), rel_err(out.v, ref.v)  # materializes the window
+    materialized_peak = out.k.nbytes + out.v.nbytes
+    assert out.position_ranges == ref.position_ranges
+    return {
+        "config": cfg.name,
+        "setting": q.describe(),
+        "chunks": chunks,
+        "resident_dense_bytes": dense.resident_nbytes(),
+        "resident_packed_bytes": packed.resident_nbytes(),
+        "window_ratio": dense.resident_nbytes() / packed.resident_nbytes(),
+        "packed_segment_ratio": packed_bf16 / packed_stored if packed_stored else float("nan"),
+        "k_rel_err": k_err,
+        "v_rel_err": v_err,
+        "advance_time_ratio": t_packed / t_dense,
+        "advance_ms_dense": 1e3 * t_dense / chunks,
+        "advance_ms_packed": 1e3 * t_packed / chunks,
+        "materialized_peak_segments": materialized_peak / one_chunk,
+        "streaming_peak_segments": streaming_peak / one_chunk,
+        "quantize_calls": packed.quantize_calls,
+    }
+
+
+def run_long(chunks: int, tokens_per_frame: int) -> dict:
+    cfg = StreamConfig("longlive2-long", tokens_per_frame, 8, 8, 8, 32, heads=2, scene_cut_every=4)
+    spec = cfg.spec()
+    cache = QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2, centroids=64))  # S = 880 here
+    data = StreamKV(cfg.heads, cfg.head_dim)
+    n = cfg.chunk
+    sizes = []
+    k, v = data.chunk(0, n, 0), data.chunk(0, n, 1)
+    t0 = time.perf_counter()
+    for i in range(chunks):
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+        if i % cfg.scene_cut_every == 0 and i > 0:
+            cache.pin_current_chunk(n)
+        sizes.append(cache.resident_nbytes())
+    full = cfg.window_frames // cfg.frames_per_chunk + 2
+    tail = sizes[full:]
+    return {
+        "config": cfg.name,
+        "chunks": chunks,
+        "tokens_per_chunk": n,
+        "resident_bytes_first_full": tail[0] if tail else None,
+        "resident_bytes_min_after_full": min(tail) if tail else None,
+        "resident_bytes_max_after_full": max(tail) if tail else None,
+        "resident_bytes_final": sizes[-1],
+        "flat": bool(tail) and max(tail) == min(tail),
+        "seconds": time.perf_counter() - t0,
+        "quantize_calls": cache.quantize_calls,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", type=int, default=60, help="chunks per stream (default 60)")
+    p.add_argument("--long-chunks", type=int, default=1000,
+                   help="chunks of the long LongLive-2.0-like int2 run (default 1000; 0 skips)")
+    p.add_argument("--long-tokens-per-frame", type=int, default=110,
+                   help="tokens per frame of the long run (default 110 = 880/8, to keep it short)")
+    p.add_argument("--config", choices=[c.name for c in CONFIGS], action="append",
+                   help="run only these stream configs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    rows = []
+    for cfg in CONFIGS:
+        if args.config and cfg.name not in args.config:
+            continue
+        for label, q in settings():
+            row = run_stream(cfg, q, args.chunks)
+            row["label"] = label
+            rows.append(row)
+            if not args.json:
+                print(
+                    f"{cfg.name:14s} {label:18s} window {row['window_ratio']:5.2f}x  "
+                    f"packed {row['packed_segment_ratio']:5.2f}x  "
+                    f"err K {row['k_rel_err']:.4f} V {row['v_rel_err']:.4f}  "
+                    f"advance {row['advance_time_ratio']:5.2f}x dense "
+                    f"({row['advance_ms_packed']:.1f} vs {row['advance_ms_dense']:.1f} ms)  "
+                    f"peak tmp: materialized {row['materialized_peak_segments']:.2f} / "
+                    f"streaming {row['streaming_peak_segments']:.2f} segments",
+                    flush=True,
+                )
+    long = run_long(args.long_chunks, args.long_tokens_per_frame) if args.long_chunks else None
+    if args.json:
+        json.dump({"streams": rows, "long": long}, sys.stdout, indent=2)
+        print()
+    elif long:
+        print(
+            f"{long['config']}: {long['chunks']} chunks x {long['tokens_per_chunk']} tokens int2 in "
+            f"{long['seconds']:.1f} s; resident bytes after the window filled: "
+            f"min {long['resident_bytes_min_after_full']} max {long['resident_bytes_max_after_full']} "
+            f"({'flat' if long['flat'] else 'NOT flat'})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
