@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.base import StreamCache
 from causalkv.caches.spec import (
     GROWTH,
     HEAD_SLICE,
@@ -14,17 +15,14 @@ from causalkv.caches.spec import (
     CacheCapabilities,
     CausalAttentionKVView,
     KVCacheSpec,
-    check_recent_window,
-    check_write,
     concat_segments,
-    read_heads,
 )
 from causalkv.caches.stream import StreamState
 
 __all__ = ["DenseCausalKVCache"]
 
 
-class DenseCausalKVCache:
+class DenseCausalKVCache(StreamCache):
     """Rolling causal KV cache with a sink, a pinned shot sink and head-slice writes.
 
     Storage: ``k_cache``/``v_cache`` of shape ``[B, capacity, H, D]``. Slots ``[0, n_retained)``
@@ -48,59 +46,20 @@ class DenseCausalKVCache:
         self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.state = StreamState.from_spec(spec)
 
-    # ---- contract properties ----------------------------------------------------------
-    @property
-    def num_cache_heads(self) -> int:
-        return self.spec.num_heads
-
-    @property
-    def global_end(self) -> int:
-        return self.state.global_end
-
     def resident_nbytes(self) -> int:
         """Bytes of the K and V buffers (preallocated, so constant until growth)."""
         return self.k_cache.nbytes + self.v_cache.nbytes
 
-    # ---- writes -----------------------------------------------------------------------
-    def update_and_get_attention_kv(
-        self,
-        *,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        current_chunk_start: int,
-        cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-        debug_name: str = "kv_cache",
-    ) -> CausalAttentionKVView:
-        """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
+    # ---- storage ------------------------------------------------------------------
+    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
+        self._relayout(new, fresh_heads=heads)
+        self.state = new
 
-        ``current_chunk_start`` equal to the current chunk's start rewrites it in place;
-        equal to ``global_end`` advances the stream. Anything else raises CacheWriteError
-        and leaves the cache unchanged.
-        """
-        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
-        check_recent_window(recent_window_tokens)
-        n = key.shape[1]
-        kind = self.state.classify(current_chunk_start, n, debug_name)
-        if kind == "advance":
-            new_state = self.state.advanced(n, debug_name)
-            self._relayout(new_state, fresh_heads=(h0, h1))
-            self.state = new_state
+    def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
         slot = iv.rank(self.state.retained, self.state.cur_start)
+        n = key.shape[1]
         self.k_cache[:, slot : slot + n, h0:h1].copy_(key)
         self.v_cache[:, slot : slot + n, h0:h1].copy_(value)
-        return self._view(h0, h1, recent_window_tokens)
-
-    def get_attention_kv(
-        self,
-        *,
-        cache_head_start: int | None = None,
-        num_heads: int | None = None,
-        recent_window_tokens: int | None = None,
-    ) -> CausalAttentionKVView:
-        h0, h1 = read_heads(self.spec, cache_head_start, num_heads)
-        check_recent_window(recent_window_tokens)
-        return self._view(h0, h1, recent_window_tokens)
 
     def _relayout(self, new: StreamState, fresh_heads: tuple[int, int]) -> None:
         """Move the survivors of ``self.state.retained`` into their slots under ``new``."""
@@ -153,16 +112,6 @@ class DenseCausalKVCache:
         )
 
     # ---- control ----------------------------------------------------------------------
-    def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """Pin the first ``min(sink_tokens, n)`` tokens of the last ``n`` written as the shot sink.
-
-        A later pin replaces this one; ``n <= 0`` (or ``sink_tokens <= 0``) clears the pin.
-        """
-        self.state = self.state.pinned_to(current_num_tokens)
-
-    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
-        return self.state.would_see_only_current(num_new_tokens)
-
     def reset_indices(self) -> None:
         """Forget the stream (new request). The buffers are kept and overwritten later."""
         self.state = StreamState.from_spec(self.spec)

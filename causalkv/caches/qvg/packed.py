@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.base import StreamCache
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.spec import (
@@ -46,9 +47,6 @@ from causalkv.caches.spec import (
     CausalAttentionKVView,
     KVCacheSpec,
     KVSegment,
-    check_recent_window,
-    check_write,
-    read_heads,
 )
 from causalkv.caches.stream import StreamState
 
@@ -96,7 +94,7 @@ class Segment:
         )
 
 
-class QVGPackedCausalKVCache:
+class QVGPackedCausalKVCache(StreamCache):
     """Causal KV cache whose cold chunks are packed with QVG/PRQ (see module docstring).
 
     Args:
@@ -145,15 +143,6 @@ class QVGPackedCausalKVCache:
         # (K codebooks, V codebooks, chunks packed with them) for ``codebook_chunks > 1``
         self._codebook: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
 
-    # ---- contract properties ----------------------------------------------------------
-    @property
-    def num_cache_heads(self) -> int:
-        return self.spec.num_heads
-
-    @property
-    def global_end(self) -> int:
-        return self.state.global_end
-
     def resident_nbytes(self) -> int:
         """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
 
@@ -177,51 +166,21 @@ class QVGPackedCausalKVCache:
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]
 
-    # ---- writes -----------------------------------------------------------------------
-    def update_and_get_attention_kv(
-        self,
-        *,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        current_chunk_start: int,
-        cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-        debug_name: str = "kv_cache",
-    ) -> CausalAttentionKVView:
-        """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
+    # ---- storage ------------------------------------------------------------------
+    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
+        """Evict, pack cold chunks and append the new chunk; restore counters on failure."""
+        counters = (self.quantize_calls, self._codebook)
+        try:
+            segments = self._advanced_segments(new)
+        except BaseException:
+            self.quantize_calls, self._codebook = counters
+            raise
+        self.state, self.segments = new, segments
 
-        Same contract as `DenseCausalKVCache.update_and_get_attention_kv`. An advance may
-        pack older chunks; if packing fails (say, non-finite values in a cold chunk) the
-        error propagates and the cache is left as it was.
-        """
-        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
-        check_recent_window(recent_window_tokens)
-        n = key.shape[1]
-        kind = self.state.classify(current_chunk_start, n, debug_name)
-        if kind == "advance":
-            new_state = self.state.advanced(n, debug_name)
-            counters = (self.quantize_calls, self._codebook)
-            try:
-                segments = self._advanced_segments(new_state)
-            except BaseException:
-                self.quantize_calls, self._codebook = counters
-                raise
-            self.state, self.segments = new_state, segments
-        current = self.segments[-1]
+    def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
+        current = self.segments[-1]  # the current chunk is always the last, dense segment
         current.k[:, :, h0:h1].copy_(key)  # type: ignore[index]
         current.v[:, :, h0:h1].copy_(value)  # type: ignore[index]
-        return self._view(h0, h1, recent_window_tokens)
-
-    def get_attention_kv(
-        self,
-        *,
-        cache_head_start: int | None = None,
-        num_heads: int | None = None,
-        recent_window_tokens: int | None = None,
-    ) -> CausalAttentionKVView:
-        h0, h1 = read_heads(self.spec, cache_head_start, num_heads)
-        check_recent_window(recent_window_tokens)
-        return self._view(h0, h1, recent_window_tokens)
 
     def _advanced_segments(self, new: StreamState) -> list[Segment]:
         """The segment list after advancing to ``new``.
@@ -434,18 +393,6 @@ class QVGPackedCausalKVCache:
         return k, v
 
     # ---- control ----------------------------------------------------------------------
-    def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
-
-        Pinning moves no data: a packed range stays packed. A dense pinned chunk is packed
-        when cold like any chunk with ``sink=True`` (the reference default); with
-        ``sink=False`` it stays dense while pinned and is packed once a later pin releases it.
-        """
-        self.state = self.state.pinned_to(current_num_tokens)
-
-    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
-        return self.state.would_see_only_current(num_new_tokens)
-
     def reset_indices(self) -> None:
         """Forget the stream (new request) and free every segment."""
         self.state = StreamState.from_spec(self.spec)

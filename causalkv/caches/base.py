@@ -1,0 +1,104 @@
+"""`StreamCache`: the contract plumbing every causal cache shares.
+
+Validation, write classification (rewrite / advance / error), reads, pins and
+`can_direct_current_attention` live here once, over a `StreamState`. A cache implements only
+its storage: `_advance` (make room for a new chunk and commit the new state), `_write_current`
+(copy the chunk's K/V into the current chunk's storage) and `_view` (build the view).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from causalkv.caches.spec import (
+    CausalAttentionKVView,
+    KVCacheSpec,
+    check_recent_window,
+    check_write,
+    read_heads,
+)
+from causalkv.caches.stream import StreamState
+
+__all__ = ["StreamCache"]
+
+
+class StreamCache(ABC):
+    """Base of the built-in caches; see `causalkv.caches.spec.CausalKVCache` for the contract."""
+
+    spec: KVCacheSpec
+    state: StreamState
+
+    @property
+    def num_cache_heads(self) -> int:
+        return self.spec.num_heads
+
+    @property
+    def global_end(self) -> int:
+        return self.state.global_end
+
+    def update_and_get_attention_kv(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "kv_cache",
+    ) -> CausalAttentionKVView:
+        """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
+
+        ``current_chunk_start`` equal to the current chunk's start rewrites it in place;
+        equal to ``global_end`` advances the stream (evicting and, for a packed cache,
+        packing). Anything else raises CacheWriteError and leaves the cache unchanged.
+        """
+        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
+        check_recent_window(recent_window_tokens)
+        n = key.shape[1]
+        if self.state.classify(current_chunk_start, n, debug_name) == "advance":
+            self._advance(self.state.advanced(n, debug_name), (h0, h1))
+        self._write_current(key, value, h0, h1)
+        return self._view(h0, h1, recent_window_tokens)
+
+    def get_attention_kv(
+        self,
+        *,
+        cache_head_start: int | None = None,
+        num_heads: int | None = None,
+        recent_window_tokens: int | None = None,
+    ) -> CausalAttentionKVView:
+        """The view of heads ``[h0, h0 + num_heads)`` without writing."""
+        h0, h1 = read_heads(self.spec, cache_head_start, num_heads)
+        check_recent_window(recent_window_tokens)
+        return self._view(h0, h1, recent_window_tokens)
+
+    def pin_current_chunk(self, current_num_tokens: int) -> None:
+        """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
+
+        A later pin replaces this one (the old range rolls out like any other); ``n <= 0``
+        or ``sink_tokens <= 0`` clears the pin. Pinning moves no data.
+        """
+        self.state = self.state.pinned_to(current_num_tokens)
+
+    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
+        """True when advancing by ``num_new_tokens`` leaves attention seeing that chunk only."""
+        return self.state.would_see_only_current(num_new_tokens)
+
+    # ---- storage hooks --------------------------------------------------------------
+    @abstractmethod
+    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
+        """Move storage to ``new`` (evict, make room for its current chunk) and commit it.
+
+        Must leave the cache unchanged if it raises. The new chunk's heads outside
+        ``heads`` must read as zeros until written.
+        """
+
+    @abstractmethod
+    def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
+        """Copy the chunk's ``[B, n, h, D]`` K/V into heads ``[h0, h1)`` of the current chunk."""
+
+    @abstractmethod
+    def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:
+        """The view of heads ``[h0, h1)`` over ``self.state.visible(recent_window_tokens)``."""
