@@ -8,6 +8,7 @@ vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,12 +138,50 @@ def quantize_pack(
     return pack_fields(v, bits)
 
 
+_TILE_ELEMS = 1 << 21  # outputs per dequantize tile: few ops per call, temporaries of a few MB
+_WORKSPACE = threading.local()  # per-thread reusable CPU temporaries, see `_scratch`
+_LUT_WORD = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+
+
+def _tiles(B: int, H: int, S: int, D: int) -> list[tuple[int, int, int, int, int]]:
+    """``(b, h0, h1, s0, s1)`` tiles of about ``_TILE_ELEMS`` outputs each; every tile is one
+    contiguous run of the ``B*H*S`` packed rows (one head's token range, or whole heads)."""
+    rows = max(1, _TILE_ELEMS // D)
+    tiles = []
+    for b in range(B):
+        if S >= rows:
+            n = -(-S // rows)
+            step = -(-S // n)
+            tiles += [(b, h, h + 1, s, min(s + step, S)) for h in range(H) for s in range(0, S, step)]
+        else:
+            hh = rows // S
+            tiles += [(b, h, min(h + hh, H), 0, S) for h in range(0, H, hh)]
+    return tiles
+
+
+def _scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D ``[n]`` temporary. On the CPU it is kept per thread and reused across calls:
+    a fresh multi-MB allocation costs a page fault per 4 KiB, more than the work done in it
+    (tile-sized, so at most a few MB per buffer)."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=dtype, device=device)
+    bufs = _WORKSPACE.__dict__.setdefault("bufs", {})
+    buf = bufs.get((name, dtype))
+    if buf is None or buf.numel() < n:
+        buf = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
+    return buf[:n]
+
+
 def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype).
 
-    Per stage one row gather from a ``[(B*H*K*nb) + 1, block]`` centroid table (the extra zero
-    row serves all-zero input blocks), then one ``addcmul`` of the unpacked int8 levels with the
-    decoded scales, written straight into ``out``.
+    Tiled over tokens so every temporary stays small (and, on the CPU, is reused across
+    calls). Per tile: the decoded block scales (a ``[256]`` table lookup of the e4m3 bytes),
+    one row gather per stage from a ``[(B*H*K*nb) + 1, block]`` centroid table (the extra zero
+    row serves all-zero input blocks), one gather from a level table that maps each code byte
+    (or byte pair) to all its levels at once, then one ``addcmul`` of levels and scales onto
+    the centroids, written straight into ``out`` (its rows when contiguous, else the strided
+    tile view).
     """
     from causalkv.caches.qvg.codec import ZERO_BLOCK_SCALE_BYTE, scale_table
 
@@ -155,75 +194,112 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     # stages sum their centroids in float32 like the Triton kernel.
     native = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and packed.stages == 1)
     work = out.dtype if native else torch.float32
+    flat = out.view(N, nb, bs) if out.dtype == work and out.is_contiguous() else None
 
+    s_table = scale_table(packed.scale_exp, dev).to(work)
     sb = packed.scales.reshape(N, nb).view(torch.uint8)
-    s = scale_table(packed.scale_exp, dev).to(work).index_select(0, sb.reshape(-1).to(torch.int32))
-    s = s.view(N, nb, 1)
-    zero_rows = BH * K * nb
-    row = (torch.arange(BH, device=dev) * (K * nb)).view(BH, 1, 1) + torch.arange(nb, device=dev)
-    sentinel = (sb == ZERO_BLOCK_SCALE_BYTE).view(BH, S, nb)
-
-    direct = out.dtype == work and out.is_contiguous()
-    acc = out.view(N, nb, bs) if direct else torch.empty(N, nb, bs, dtype=work, device=dev)
-    for st, (cent, ids) in enumerate(zip(packed.centroids, packed.ids)):
-        table = torch.cat(
-            [cent.reshape(BH * K * nb, bs).to(work), torch.zeros(1, bs, dtype=work, device=dev)]
+    zero_row = BH * K * nb
+    rowoff = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * (K * nb)
+    rowoff = rowoff + torch.arange(nb, device=dev, dtype=torch.int32)
+    stages = [
+        (
+            torch.cat(
+                [cent.reshape(zero_row, bs).to(work), torch.zeros(1, bs, dtype=work, device=dev)]
+            ),
+            ids.reshape(BH, S, 1),
         )
-        idx = row + ids.reshape(BH, S, 1).to(torch.int64) * nb
-        idx = torch.where(sentinel, zero_rows, idx).view(-1)
-        if st == 0:
-            torch.index_select(table, 0, idx, out=acc.view(N * nb, bs))
+        for cent, ids in zip(packed.centroids, packed.ids)
+    ]
+    zeros = None if packed.zeros is None else packed.zeros.reshape(N, nb, 1)
+
+    # Levels: one table lookup per code byte, or per byte pair when a pair's levels fit in
+    # 16 bytes and every block holds whole pairs.
+    per = 8 // bits
+    bpb = bs // per  # code bytes per block
+    itemsize = torch.empty((), dtype=work).element_size()
+    pair = bpb % 2 == 0 and 2 * per * itemsize <= 16
+    lut = _lut(bits, packed.grid == "mse4", work, pair, dev)
+    codes = packed.codes.reshape(N, nb * bpb)
+    if pair:
+        codes = codes.view(torch.uint16)
+    width = codes.shape[1]  # table lookups per token
+
+    tiles = _tiles(B, H, S, D)
+    rows = max((h1 - h0) * (s1 - s0) for _, h0, h1, s0, s1 in tiles)
+    # The 1-D index_select loop is serial; with intra-op threads a gather over a stride-0
+    # [rows, table] expansion of the table splits the lookups across them.
+    threaded = torch.get_num_threads() > 1
+    idx_dtype = torch.int64 if threaded else torch.int32
+    lut_rows = lut.expand(rows, lut.numel())
+    for b, h0, h1, s0, s1 in tiles:
+        hh, ss = h1 - h0, s1 - s0
+        n0 = (b * H + h0) * S + s0
+        t = hh * ss
+        n1 = n0 + t
+        sb_t = sb[n0:n1]
+        zero_t = _scratch("zero", t * nb, torch.bool, dev).view(t, nb)
+        torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t)
+        sbi = _scratch("sbi", t * nb, torch.int32, dev).view(t, nb)
+        sbi.copy_(sb_t)
+        s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_scratch("s", t * nb, work, dev))
+        s_t = s_t.view(t, nb, 1)
+
+        acc = _scratch("acc", t * nb * bs, work, dev).view(t * nb, bs)
+        for st, (table, ids) in enumerate(stages):
+            cidx = _scratch("cidx", t * nb, torch.int32, dev)
+            bh0 = b * H + h0
+            torch.add(rowoff[bh0 : bh0 + hh], ids[bh0 : bh0 + hh, s0:s1], alpha=nb,
+                      out=cidx.view(hh, ss, nb))
+            cidx.view(t, nb).masked_fill_(zero_t, zero_row)
+            if st == 0:
+                torch.index_select(table, 0, cidx, out=acc)
+            else:
+                acc += torch.index_select(
+                    table, 0, cidx, out=_scratch("c", t * nb * bs, work, dev).view(t * nb, bs)
+                )
+        acc = acc.view(t, nb, bs)
+
+        code_idx = _scratch("code_idx", t * width, idx_dtype, dev).view(t, width)
+        code_idx.copy_(codes[n0:n1])
+        lv = _scratch("levels", t * width, lut.dtype, dev)
+        if threaded:
+            torch.gather(lut_rows[:t], 1, code_idx, out=lv.view(t, width))
         else:
-            acc += table.index_select(0, idx).view(N, nb, bs)
+            torch.index_select(lut, 0, code_idx.view(-1), out=lv)
+        lv = lv.view(work).view(t, nb, bs)
+        if zeros is not None:  # v - z: integers below 2^8 in magnitude, exact in bf16
+            z = _scratch("z", t * nb, work, dev).view(t, nb, 1)
+            lv = lv.sub_(z.copy_(zeros[n0:n1]))
 
-    codes = packed.codes.reshape(N, D * bits // 8)
-    if work == torch.bfloat16:  # one table gather: byte -> its 8 // bits levels in bf16
-        if bits == 4 and codes.shape[1] % 2 == 0:  # two bytes -> four levels (one int64)
-            lut = _level_lut16(packed.grid == "mse4", dev)
-            idx = codes.view(torch.int16).reshape(-1).to(torch.int32) & 0xFFFF
-        else:
-            lut = _level_lut(bits, packed.grid == "mse4", dev)
-            idx = codes.reshape(-1).to(torch.int32)
-        levels = lut.index_select(0, idx).view(torch.bfloat16)
-    else:
-        levels = unpack_levels(codes, bits, odd=packed.grid == "mse4")
-    levels = levels.view(N, nb, bs)
-    if packed.zeros is not None:  # v - z: integers below 2^8 in magnitude, exact in bf16
-        z = packed.zeros.reshape(N, nb, 1)
-        levels = levels.to(work) - z.to(work)
-    if direct:
-        acc.addcmul_(levels, s)
-    elif out.dtype == work:  # strided view: write straight into it
-        shape5 = (B, H, S, nb, bs)
-        torch.addcmul(
-            acc.view(shape5), levels.view(shape5), s.view(B, H, S, nb, 1),
-            out=out.unflatten(-1, (nb, bs)),
-        )
-    else:  # e.g. float16 out: compute in float32, cast once
-        acc.addcmul_(levels, s)
-        out.copy_(acc.view(B, H, S, D))
+        if flat is not None:  # contiguous out of the work dtype: write its rows
+            torch.addcmul(acc, lv, s_t, out=flat[n0:n1])
+            continue
+        shape4 = (hh, ss, nb, bs)
+        dst = out[b, h0:h1, s0:s1].unflatten(-1, (nb, bs))
+        if out.dtype == work:  # strided view: write straight into it
+            torch.addcmul(acc.view(shape4), lv.view(shape4), s_t.view(hh, ss, nb, 1), out=dst)
+        else:  # e.g. float16 out: compute in float32, cast once
+            acc.addcmul_(lv, s_t)
+            dst.copy_(acc.view(shape4))
 
 
-_LUTS: dict[tuple[int, bool, str], torch.Tensor] = {}
+_LUTS: dict[tuple, torch.Tensor] = {}
+
+
+def _lut(bits: int, odd: bool, dtype: torch.dtype, pair: bool, device: torch.device) -> torch.Tensor:
+    """``[256]`` (or ``[65536]`` for little-endian byte pairs): every code byte's levels in
+    ``dtype``, bit-packed into one word (int16/int32/int64/complex128) per entry."""
+    key = (bits, odd, dtype, pair, str(device))
+    if key not in _LUTS:
+        n = 65536 if pair else 256
+        byte = torch.arange(n, dtype=torch.int32)
+        byte = byte.to(torch.int16).view(torch.uint8) if pair else byte.to(torch.uint8)
+        levels = unpack_levels(byte.view(n, -1), bits, odd=odd).to(dtype).contiguous()
+        word = _LUT_WORD[levels.shape[1] * levels.element_size()]
+        _LUTS[key] = levels.view(word).view(n).to(device)
+    return _LUTS[key]
 
 
 def _level_lut(bits: int, odd: bool, device: torch.device) -> torch.Tensor:
     """``[256]`` int64 (2 bits) / int32 (4 bits): the bf16 levels of every code byte, bit-packed."""
-    key = (bits, odd, str(device))
-    if key not in _LUTS:
-        per = 8 // bits
-        byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        levels = unpack_levels(byte, bits, odd=odd).view(256, per).to(torch.bfloat16)
-        lut = levels.contiguous().view(torch.int64 if per == 4 else torch.int32).view(256)
-        _LUTS[key] = lut.to(device)
-    return _LUTS[key]
-
-
-def _level_lut16(odd: bool, device: torch.device) -> torch.Tensor:
-    """``[65536]`` int64: the four bf16 4-bit levels of every little-endian byte pair."""
-    key = (16, odd, str(device))
-    if key not in _LUTS:
-        pair = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.uint8)
-        levels = unpack_levels(pair.view(65536, 2), 4, odd=odd).to(torch.bfloat16)
-        _LUTS[key] = levels.contiguous().view(torch.int64).view(65536).to(device)
-    return _LUTS[key]
+    return _lut(bits, odd, torch.bfloat16, False, device)
