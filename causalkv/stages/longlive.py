@@ -16,7 +16,6 @@ from typing import ClassVar
 
 import torch
 
-from causalkv.caches.intervals import to_positions
 from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["LongLiveStage"]
@@ -50,7 +49,7 @@ class LongLiveStage(CausalDenoisingStage):
             recent_window_tokens=self.settings.recent_window_tokens
         )
         tpf = self.settings.tokens_per_frame
-        slots = sorted({int(p) // tpf for p in to_positions(view.position_ranges).tolist()})
+        slots = sorted({f for a, b in view.position_ranges for f in range(a // tpf, (b - 1) // tpf + 1)})
         return [self._cache_frames[s] for s in slots]
 
     @torch.no_grad()
