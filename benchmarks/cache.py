@@ -147,7 +147,7 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
         "resident_dense_bytes": dense.resident_nbytes(),
         "resident_packed_bytes": packed.resident_nbytes(),
         "window_ratio": dense.resident_nbytes() / packed.resident_nbytes(),
-        "packed_segment_ratio": packed_bf16 / packed_stored if packed_stored else float("nan"),
+        "packed_segment_ratio": packed_bf16 / packed_stored if packed_stored else None,
         "k_rel_err": k_err,
         "v_rel_err": v_err,
         "advance_time_ratio": t_packed / t_dense,
@@ -189,6 +189,10 @@ def run_long(chunks: int, tokens_per_frame: int) -> dict:
     }
 
 
+def _ratio(x: float | None) -> str:
+    return "  none" if x is None else f"{x:5.2f}x"  # none: no segment was packed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, default=60, help="chunks per stream (default 60)")
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(
                     f"{cfg.name:14s} {label:18s} window {row['window_ratio']:5.2f}x  "
-                    f"packed {row['packed_segment_ratio']:5.2f}x  "
+                    f"packed {_ratio(row['packed_segment_ratio'])}  "
                     f"err K {row['k_rel_err']:.4f} V {row['v_rel_err']:.4f}  "
                     f"advance {row['advance_time_ratio']:5.2f}x dense "
                     f"({row['advance_ms_packed']:.1f} vs {row['advance_ms_dense']:.1f} ms)  "
