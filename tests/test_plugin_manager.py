@@ -27,7 +27,7 @@ from causalkv.plugin import (
 )
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
 from causalkv.plugin.loader import PluginSettings
-from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
+from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
 from causalkv.stages.longlive import LongLiveStage
 
 BUILTIN_CACHES = ("dense", "qvg")
@@ -38,19 +38,7 @@ def pm():
     return fresh_plugin_manager()
 
 
-class StagesPlugin:
-    """A plugin returning fixed stage and cache records."""
-
-    def __init__(self, stages=(), caches=()):
-        self.stages, self.caches = list(stages), list(caches)
-
-    @hookimpl
-    def causalkv_register_stages(self):
-        return self.stages
-
-    @hookimpl
-    def causalkv_register_cache_factories(self):
-        return self.caches
+StagesPlugin = RecordsPlugin
 
 
 def _module(name: str, **attrs) -> types.ModuleType:

@@ -13,7 +13,7 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
 from causalkv.plugin.builtin import STAGES
-from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
+from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage
 from causalkv.stages.longlive import LongLiveStage
@@ -61,17 +61,7 @@ class RingStage(CausalDenoisingStage):
         return super().required_cache_features(server_args, model) | {"ring:buffer"}
 
 
-class Plugin:
-    def __init__(self, stages=(), caches=()):
-        self.stages, self.caches = list(stages), list(caches)
-
-    @hookimpl
-    def causalkv_register_stages(self):
-        return self.stages
-
-    @hookimpl
-    def causalkv_register_cache_factories(self):
-        return self.caches
+Plugin = RecordsPlugin
 
 
 # --- the matrix: every built-in stage x quant off/int4/int2 x multi-shot on/off ---------------

@@ -14,9 +14,10 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from causalkv.hooks import hookimpl
 from causalkv.plugin.manager import CausalKVPluginManager, make_plugin_manager
 
-__all__ = ["fresh_plugin_manager", "temporary_plugin"]
+__all__ = ["RecordsPlugin", "fresh_plugin_manager", "temporary_plugin"]
 
 _counter = itertools.count()
 
@@ -45,3 +46,22 @@ def temporary_plugin(
         yield name
     finally:
         pm.unregister(name=name)
+
+
+class RecordsPlugin:
+    """A plugin object returning fixed stage registrations and cache factories.
+
+    ``temporary_plugin(pm, RecordsPlugin(stages=[StageRegistration(...)]))`` registers a stage
+    for one test without writing a module.
+    """
+
+    def __init__(self, stages: object = (), caches: object = ()) -> None:
+        self.stages, self.caches = list(stages), list(caches)  # type: ignore[call-overload]
+
+    @hookimpl
+    def causalkv_register_stages(self) -> list:
+        return self.stages
+
+    @hookimpl
+    def causalkv_register_cache_factories(self) -> list:
+        return self.caches
