@@ -8,8 +8,9 @@ with the same chunks and reports, per QVG setting:
 - bf16 size / stored size of the packed segments alone (ratio);
 - relative error ||packed view - dense view|| / ||dense view|| of the visible K and V;
 - time per advance, packed / dense (ratio, measured in the same loop);
-- peak temporary bytes of attention: materialized window vs segment streaming, each as a
-  multiple of one chunk's dense K+V.
+- peak temporary bytes of attention over the window for a chunk of queries: the materialized
+  window's K+V vs segment streaming (`AttendStats`: one dequantized segment plus one query
+  block's partial output), each as a multiple of one chunk's dense K+V.
 
 Then a LongLive-2.0-like stream with scene cuts runs ``--long-chunks`` chunks at int2 and
 shows resident bytes staying flat once the window is full.
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
-from causalkv.caches.attention import attend
+from causalkv.caches.attention import AttendStats, attend, attend_dense
 from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
@@ -133,12 +134,13 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
     dense_held = sum(s.nbytes for s in packed.segments if not s.packed)
     packed_stored = packed.resident_nbytes() - dense_held  # shared codebooks counted once
     one_chunk = 2 * n * cfg.heads * cfg.head_dim * 2
-    query = data.chunk(chunks, 256, 2)
-    packed.peak_transient_nbytes = 0
-    attend(query, out)  # streams segment by segment
-    streaming_peak = packed.peak_transient_nbytes
+    query = data.chunk(chunks, n, 2)  # a whole chunk of queries, as in generation
+    stats = AttendStats()
+    streamed = attend(query, out, stats=stats)  # streams segment by segment
+    streaming_peak = stats.peak_transient_nbytes
     k_err, v_err = rel_err(out.k, ref.k), rel_err(out.v, ref.v)  # materializes the window
     materialized_peak = out.k.nbytes + out.v.nbytes
+    attn_err = rel_err(streamed, attend_dense(query, out.k, out.v))
     assert out.position_ranges == ref.position_ranges
     return {
         "config": cfg.name,
@@ -156,6 +158,7 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
         "materialized_peak_segments": materialized_peak / one_chunk,
         "streaming_peak_segments": streaming_peak / one_chunk,
         "quantize_calls": packed.quantize_calls,
+        "streaming_vs_materialized_attention_rel_err": attn_err,
     }
 
 

@@ -231,6 +231,24 @@ def test_streaming_attention_matches_dense_and_holds_one_segment():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_streaming_attention_stats_bound_the_transient_memory():
+    cache = QVGPackedCausalKVCache(spec(), quant(bits=4))
+    for i in range(9):
+        view = write(cache, i)
+    stats = attn.AttendStats()
+    query = torch.randn(1, 2, H, D).to(torch.bfloat16)  # few queries: the decode-like case
+    out = attn.attend(query, view, stats=stats)
+    one_segment = 2 * N * H * D * 2
+    assert stats.segments == len(cache.segments) == 6
+    assert stats.peak_segment_nbytes == one_segment
+    # segment K+V, plus the block's output in bf16 and fp32 (2 x 2 x H x D x 6 B) and its
+    # log-sum-exp and merge weights (5 x 2 x H x 4 B)
+    assert stats.peak_transient_nbytes == one_segment + 2 * H * D * 6 + 5 * 2 * H * 4
+    assert stats.peak_transient_nbytes <= 1.25 * one_segment
+    ref = attn.attend_dense(query.float(), view.k.float(), view.v.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_offload_roundtrip_equal():
     q = quant()
     a = QVGPackedCausalKVCache(spec(), q)
