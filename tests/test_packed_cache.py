@@ -303,3 +303,15 @@ def test_codebooks_argument_validated():
     x = chunk(0)[0].permute(0, 2, 1, 3)
     with pytest.raises(ValueError, match="codebooks must be 1 bf16"):
         codec.quantize(x, q, codebooks=[torch.zeros(1, H, 4, D)])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_partial_attention_paths_return_output_and_logsumexp(fused):
+    """Both per-segment paths (CPU flash kernel, fp32 fallback used off the CPU) against fp64."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, n, D, generator=g).to(torch.bfloat16) for n in (8, 40, 40))
+    out, lse = attn._partial(q, k, v, D**-0.5, fused=fused)
+    s = (q.double() @ k.double().transpose(-1, -2)) * D**-0.5
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-2, rtol=1e-3)
+    ref = torch.softmax(s, -1) @ v.double()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)

@@ -56,10 +56,13 @@ def attend_dense(
 
 
 def _partial(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, h, m, D], lse [B, h, m] fp32)`` of queries ``q [B, h, m, D]`` over ``k, v``."""
-    if q.device.type == "cpu" and q.dtype == k.dtype:
+    """``(out [B, h, m, D], lse [B, h, m] fp32)`` of queries ``q [B, h, m, D]`` over ``k, v``.
+
+    ``fused``: PyTorch's CPU flash kernel; otherwise fp32 scores for the block (small blocks).
+    """
+    if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
         return out, lse
     s = (q @ k.transpose(-1, -2)).float() * scale  # [B, h, m, s]
@@ -90,7 +93,8 @@ def attend(
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q = query.transpose(1, 2)  # [B, h, n, D], a view
-    block = CPU_QUERY_BLOCK if query.device.type == "cpu" else FALLBACK_QUERY_BLOCK
+    fused = query.device.type == "cpu"
+    block = CPU_QUERY_BLOCK if fused else FALLBACK_QUERY_BLOCK
     acc = torch.zeros((b, h, n, d), dtype=torch.float32, device=query.device)
     lse_run = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=query.device)
     st = stats if stats is not None else AttendStats()
@@ -101,7 +105,7 @@ def attend(
         st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg_bytes)
         for q0 in range(0, n, block):
             q1 = min(n, q0 + block)
-            out, lse = _partial(q[:, :, q0:q1], k.to(q.dtype), v.to(q.dtype), scale)
+            out, lse = _partial(q[:, :, q0:q1], k.to(q.dtype), v.to(q.dtype), scale, fused=fused)
             run = lse_run[:, :, q0:q1]
             m = torch.maximum(run, lse)
             w_old, w_new = torch.exp(run - m), torch.exp(lse - m)
