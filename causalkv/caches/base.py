@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from causalkv.caches.intervals import Intervals
 from causalkv.caches.spec import (
     CausalAttentionKVView,
     KVCacheSpec,
@@ -85,6 +86,19 @@ class StreamCache(ABC):
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when advancing by ``num_new_tokens`` leaves attention seeing that chunk only."""
         return self.state.would_see_only_current(num_new_tokens)
+
+    def _make_view(self, visible: Intervals, **storage: object) -> CausalAttentionKVView:
+        """A view of ``visible`` carrying the reference cursors; ``storage`` is the view's
+        ``k``/``v``/``segments``/``materialize``/``device`` arguments."""
+        local_start, local_end, vis_local_end, vis_end = self.state.cursors(visible)
+        return CausalAttentionKVView(
+            position_ranges=visible,
+            local_start_index=local_start,
+            local_end_index=local_end,
+            visible_local_end=vis_local_end,
+            visible_global_end=vis_end,
+            **storage,  # type: ignore[arg-type]
+        )
 
     # ---- storage hooks --------------------------------------------------------------
     @abstractmethod

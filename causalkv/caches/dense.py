@@ -98,17 +98,8 @@ class DenseCausalKVCache(StreamCache):
             k, v = empty, empty
         else:
             k, v = concat_segments(pieces)
-        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
-        return CausalAttentionKVView(
-            k=k,
-            v=v,
-            segments=lambda: iter(pieces),
-            position_ranges=visible,
-            local_start_index=local_start,
-            local_end_index=local_end,
-            visible_local_end=vis_local_end,
-            visible_global_end=vis_end,
-            device=self.k_cache.device,
+        return self._make_view(
+            visible, k=k, v=v, segments=lambda: iter(pieces), device=self.k_cache.device
         )
 
     # ---- control ----------------------------------------------------------------------

@@ -190,6 +190,14 @@ def _stage_list(entries: list[StageEntry]) -> str:
     )
 
 
+def _named(kind: str, name: str, entry: Any, entries: Any) -> Any:
+    """``entry`` (the registry's lookup of ``name``), or a ResolutionError listing the choices."""
+    if entry is None:
+        names = ", ".join(e.name for e in entries) or "(none)"
+        raise ResolutionError(f"no {kind} named {name!r}. Choose one of: {names}")
+    return entry
+
+
 def _pick_stage(
     registry: Registry, ref: ModelRef, stage_name: str | None
 ) -> tuple[StageEntry, list[StageEntry]]:
@@ -203,10 +211,7 @@ def _pick_stage(
                 serving.append(e)
     serving.sort(key=lambda e: -e.registration.priority)  # stable: keeps the key preference
     if stage_name is not None:
-        entry = registry.stage(stage_name)
-        if entry is None:
-            names = ", ".join(e.name for e in registry.stages) or "(none)"
-            raise ResolutionError(f"no stage named {stage_name!r}. Choose one of: {names}")
+        entry = _named("stage", stage_name, registry.stage(stage_name), registry.stages)
         if id(entry) not in seen:
             choices = ", ".join(e.name for e in serving) or "(none)"
             raise ResolutionError(
@@ -283,10 +288,7 @@ def _pick_cache(
     lacking = [e for e in registry.caches if id(e) not in qualifying_ids]
     lack_text = "; ".join(f"{e.name} lacks {_missing(e, requirements)}" for e in lacking)
     if args.cache is not None:
-        entry = registry.cache(args.cache)
-        if entry is None:
-            names = ", ".join(e.name for e in registry.caches) or "(none)"
-            raise ResolutionError(f"no cache named {args.cache!r}. Choose one of: {names}")
+        entry = _named("cache", args.cache, registry.cache(args.cache), registry.caches)
         if id(entry) not in qualifying_ids:
             ok = ", ".join(e.name for e in qualifying) or "(none)"
             raise ResolutionError(

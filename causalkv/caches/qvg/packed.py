@@ -338,7 +338,6 @@ class QVGPackedCausalKVCache(StreamCache):
         st = self.state
         visible = st.visible(recent_window_tokens)
         pieces = self._pieces(visible)
-        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
 
         def segments() -> Iterator[KVSegment]:
             for seg, runs in pieces:
@@ -351,16 +350,8 @@ class QVGPackedCausalKVCache(StreamCache):
         k = v = None
         if all_dense:  # nothing to dequantize: build k/v now, exactly like the dense cache
             k, v = materialize()
-        return CausalAttentionKVView(
-            k=k,
-            v=v,
-            segments=segments,
-            materialize=materialize,
-            position_ranges=visible,
-            local_start_index=local_start,
-            local_end_index=local_end,
-            visible_local_end=vis_local_end,
-            visible_global_end=vis_end,
+        return self._make_view(
+            visible, k=k, v=v, segments=segments, materialize=materialize,
             device=self.spec.torch_device,
         )
 
