@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from test_runtime_fixtures import causalkv_home  # noqa: F401
 
 from causalkv.runtime.model_config import (
     ModelFolderError,
@@ -62,7 +62,7 @@ def test_unknown_causalkv_key_is_refused() -> None:
 
 
 def test_unknown_pipeline_without_causalkv_json_is_refused() -> None:
-    with pytest.raises(ModelFolderError, match="no causalkv.json and no built-in defaults"):
+    with pytest.raises(ModelFolderError, match="no causalkv.json and no registered stage serves pipeline 'MyPipeline'"):
         model_info_from_dicts("x", {"_class_name": "MyPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None)
 
 
@@ -73,7 +73,7 @@ def test_resolution_not_divisible_is_refused() -> None:
         )
 
 
-def test_unknown_model_names_the_presets(causalkv_home: str) -> None:  # noqa: F811
+def test_unknown_model_names_the_presets(causalkv_home: str) -> None:
     with pytest.raises(ModelFolderError, match="unknown model 'tiny-nope'.*tiny-wan, tiny-longlive"):
         load_model_info("tiny-nope")
 
@@ -85,7 +85,7 @@ def test_folder_missing_files_is_refused(tmp_path: Path) -> None:
         load_model_info(str(tmp_path))
 
 
-def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:  # noqa: F811
+def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:
     for name in PRESETS:
         info = preset_info(name)
         assert info.config.head_dim % 64 == 0, "QVG's default block_size 64 must divide head_dim"
@@ -105,3 +105,10 @@ def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home
     stamp = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
     materialize_preset("tiny-longlive2")
     assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_fixture_home_is_temporary(causalkv_home: str) -> None:
+    from causalkv.runtime.presets import causalkv_home as home
+
+    assert str(home()) == causalkv_home
+    assert os.path.basename(causalkv_home).startswith("causalkv-home")
