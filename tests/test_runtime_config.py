@@ -22,7 +22,7 @@ WAN21_VAE = {"dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True
 
 
 def test_wan21_tokens_per_frame_matches_facts() -> None:
-    # FACTS.md: Wan 2.1 1.3B at 480x832 -> 1560 tokens per latent frame (30 x 52 patches)
+    # docs/design.md: Wan 2.1 1.3B at 480x832 -> 1560 tokens per latent frame (30 x 52 patches)
     info = model_info_from_dicts(
         "wan", {"_class_name": "SelfForcingWanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None
     )
@@ -34,7 +34,7 @@ def test_wan21_tokens_per_frame_matches_facts() -> None:
 
 
 def test_longlive2_class_defaults_match_facts() -> None:
-    # FACTS.md: LongLive 2.0 (Wan 2.2 TI2V, VAE x16) at 704x1280 -> 880 tokens per frame,
+    # docs/design.md: LongLive 2.0 (Wan 2.2 TI2V, VAE x16) at 704x1280 -> 880 tokens per frame,
     # 8 frames per chunk, 8 global + 8 shot sink, window 32, RoPE offset 8 per shot
     vae = {"dim_mult": [1, 2, 4, 4], "scale_factor_spatial": 16, "scale_factor_temporal": 4}
     transformer = {**WAN21_TRANSFORMER, "num_attention_heads": 24, "in_channels": 48}
@@ -112,3 +112,20 @@ def test_fixture_home_is_temporary(causalkv_home: str) -> None:
 
     assert str(home()) == causalkv_home
     assert os.path.basename(causalkv_home).startswith("causalkv-home")
+
+
+def test_sglang_override_keys_set_sink_and_window() -> None:
+    # sglang's realtime_causal_sink_size / realtime_causal_kv_cache_num_frames (frames) win
+    info = model_info_from_dicts(
+        "lb", {"_class_name": "LingBotWorldCausalDMDPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+        {"realtime_causal_sink_size": 9, "realtime_causal_kv_cache_num_frames": 18,
+         "sink_frames": 3},
+    )
+    assert (info.config.sink_frames, info.config.window_frames) == (9, 18)
+    assert info.config.recent_window_frames == 12  # the LingBot family's default
+    with pytest.raises(ModelFolderError, match="realtime_causal_kv_cache_num_frames must be positive"):
+        model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+                              {"realtime_causal_kv_cache_num_frames": 0})
+    with pytest.raises(ModelFolderError, match="realtime_causal_sink_size must be non-negative"):
+        model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+                              {"realtime_causal_sink_size": -1})

@@ -64,6 +64,16 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "fps": 16,
     "guidance_scale": 1.0,
     "negative_prompt": "",
+    # sglang's names (its pipeline-config / request overrides), in frames; they win when set
+    "realtime_causal_sink_size": None,
+    "realtime_causal_kv_cache_num_frames": None,
+}
+
+SGLANG_KEYS_POSITIVE = "realtime_causal_kv_cache_num_frames"
+#: sglang override key -> the causalkv.json key it sets (the KV-cache frames are the window)
+SGLANG_KEYS = {
+    "realtime_causal_sink_size": "sink_frames",
+    "realtime_causal_kv_cache_num_frames": "window_frames",
 }
 
 
@@ -171,6 +181,14 @@ def model_info_from_dicts(
             "with frames_per_chunk, sink_frames and window_frames"
         )
     s = {**_STREAM_DEFAULTS, **(defaults or {}), **user}
+    for key, target in SGLANG_KEYS.items():
+        value = s[key]
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < (key == SGLANG_KEYS_POSITIVE):
+            what = "positive" if key == SGLANG_KEYS_POSITIVE else "non-negative"
+            raise ModelFolderError(f"{where}: {key} must be {what}, got {value!r}")
+        s[target] = value
     try:
         patch = tuple(int(p) for p in transformer.get("patch_size", (1, 2, 2)))
         num_layers = int(transformer["num_layers"])
