@@ -9,6 +9,8 @@ Oracles used here:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.packed import PackedKV, QVGPackedCausalKVCache, centroids_for
 
 N = 16  # tokens per chunk
 D = 32
@@ -44,7 +46,9 @@ def chunk(i: int, n: int = N, heads: int = H, seed: int = 0) -> tuple[torch.Tens
 
 
 def roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
-    """The codec oracle for a chunk ``[B, n, H, D]`` packed alone."""
+    """The codec oracle for a chunk ``[B, n, H, D]`` packed alone, with the centroids the
+    cache's rule gives its ``n`` tokens (`test_centroid_rule` pins the rule's values)."""
+    q = replace(q, centroids=centroids_for(x.shape[1], q.centroids))
     return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q, seed=1234)).permute(0, 2, 1, 3)
 
 
@@ -105,8 +109,8 @@ def test_resident_bytes_exact_and_flat():
         write(cache, i)
         expect = 0
         for s in cache.segments:
-            if s.packed:
-                expect += s.pk.nbytes + s.pv.nbytes
+            if isinstance(s.storage, PackedKV):
+                expect += s.storage.k.nbytes + s.storage.v.nbytes
             else:
                 expect += 2 * (s.end - s.start) * H * D * 2
         assert cache.resident_nbytes() == expect
@@ -256,7 +260,7 @@ def test_offload_roundtrip_equal():
     for i in range(8):
         va, vb = write(a, i), write(b, i)
     assert torch.equal(va.k, vb.k) and torch.equal(va.v, vb.v)
-    assert all(seg.pk.device.type == "cpu" for seg in b.packed_segments())
+    assert all(seg.storage.device.type == "cpu" for seg in b.packed_segments())
 
 
 def test_failed_pack_leaves_cache_unchanged():
@@ -284,17 +288,17 @@ def test_codebook_chunks_share_centroids_and_count_them_once():
         view = write(cache, i)
     packed = cache.packed_segments()
     assert [g.start // N for g in packed] == [0, 1, 2, 3, 4, 5]
-    books = [g.pk.centroids[0] for g in packed]
+    books = [g.storage.k.centroids[0] for g in packed]
     assert books[0] is books[1] is books[2] and books[3] is books[4] is books[5]
     assert books[2] is not books[3]
     # oracle: chunk 1 is the codec's round trip with chunk 0's codebook, stored once
     want = codec.dequantize(codec.quantize(
-        chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].pk.centroids)).permute(0, 2, 1, 3)
+        chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].storage.k.centroids)).permute(0, 2, 1, 3)
     pos = view.positions.tolist()
     assert torch.equal(view.k[:, pos.index(N) : pos.index(N) + N], want)
-    per_book = sum(c.nbytes for c in packed[0].pk.centroids + packed[0].pv.centroids)
+    per_book = sum(c.nbytes for c in packed[0].storage.k.centroids + packed[0].storage.v.centroids)
     dense_bytes = 2 * N * H * D * 2
-    stored = sum(g.pk.nbytes + g.pv.nbytes for g in packed)
+    stored = sum(g.storage.nbytes for g in packed)
     assert cache.resident_nbytes() == dense_bytes + stored - 4 * per_book  # 2 books, 6 users
 
 
