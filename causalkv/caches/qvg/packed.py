@@ -290,8 +290,8 @@ class QVGPackedCausalKVCache(StreamCache):
             and move them back transparently when a view reads them.
         seed: k-means seed (the reference runtime's 1234); each packed segment is seeded
             with ``seed`` so packing is reproducible and the global RNG is untouched.
-        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); 1 packs every
-            span with ``min(quant.centroids, tokens)`` centroids as the codec alone would.
+        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`, default 32);
+            1 allows up to one centroid per token (never more than ``quant.centroids``).
 
     Attributes:
         segments: the storage, ascending global position; the last one is the current chunk.
