@@ -436,8 +436,8 @@ class QVGPackedCausalKVCache(StreamCache):
             c for s in self.segments if s.start < prefix_end
             for c in range(s.first_chunk, s.last_chunk + 1)
         )
-        if new.cur_start is not None and new.cur_start < prefix_end:
-            prefix.append(current_chunk)  # the sink is still being written: its group is open
+        if new.cur_start < prefix_end:  # the sink is still being written: its group is open
+            prefix.append(current_chunk)
         pinned = sorted(
             c for s in self.segments if new.pinned and iv.intersect(s.run, (new.pinned,))
             for c in range(s.first_chunk, s.last_chunk + 1)
