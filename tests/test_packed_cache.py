@@ -4,7 +4,7 @@ Oracles used here:
 - positions: the dense cache (itself proven against the token-position oracle);
 - packed values: the codec's own round trip ``dequantize(quantize(chunk))`` of exactly the
   chunk that was written (the cache must add no error of its own and pack each chunk once);
-- bytes: the sum of what each segment stores, and the bits-per-element formula of ARCHITECTURE.md.
+- bytes: the sum of what each segment stores, and the bits-per-element formula of docs/design.md.
 """
 
 from __future__ import annotations
