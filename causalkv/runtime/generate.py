@@ -359,8 +359,24 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_per_chunk": [int(st["kv_resident_bytes"]) for st in run.chunk_stats],
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
+        "kv_packing": packing_summary(run.stage),
         **run.stage.report(),
     }
+
+
+def packing_summary(stage: CausalDenoisingStage) -> dict[str, Any] | None:
+    """What the stage's packed caches did, all layers and branches summed: chunks packed, chunks
+    kept dense by reason (``"recent"``, ``"not smaller than dense"``, ...), centroids used.
+    None when no cache reports packing (a dense cache)."""
+    reports = [
+        cache.packing_report()
+        for cs in stage.cache_sets()
+        for cache in cs.kv
+        if callable(getattr(cache, "packing_report", None))
+    ]
+    if not reports:
+        return None
+    return type(reports[0]).merge(reports).to_dict()
 
 
 def describe_plan(plan: Plan) -> list[str]:
