@@ -455,15 +455,17 @@ def test_scale_exponent_is_per_head():
 
 
 @pytest.mark.parametrize("name", ["int2-sampled", "int2-asym-2stage", "int4-mse4"])
-def test_all_heads_in_one_batch_equal_one_head_at_a_time(name, monkeypatch):
-    """The CPU packs one head at a time, CUDA all heads in one batch of kernels: both give
-    the same bytes (every operation is per head)."""
+def test_any_grouping_of_heads_gives_the_same_bytes(name, monkeypatch):
+    """`quantize` runs groups of heads through batched kernels (a few on the CPU, all of
+    them on CUDA): one head at a time and all heads at once give the same bytes."""
     from causalkv.caches.qvg import codec
 
     args = SPLIT_ARGS[name]
     x = heads_of_different_scales()
+    monkeypatch.setattr(codec, "_head_group", lambda device, n, S: 1)
     one = quantize(x, args, seed=2)
-    monkeypatch.setattr(codec, "_head_group", lambda device, n: n)
-    batched = quantize(x, args, seed=2)
-    assert_same_segment(batched, one)
-    assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1), one.select_heads(1, 4))
+    for group in (3, 10):
+        monkeypatch.setattr(codec, "_head_group", lambda device, n, S, g=group: min(g, n))
+        assert_same_segment(quantize(x, args, seed=2), one)
+        assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1),
+                            one.select_heads(1, 4))

@@ -431,9 +431,13 @@ def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.T
     return torch.index_select(c.reshape(G * K, D), 0, flat, out=out).view(G, S, D)
 
 
-def _head_group(device: torch.device, BH: int) -> int:
-    """Heads per batch of kernels in `quantize`: 1 on the CPU, all of them elsewhere."""
-    return 1 if device.type == "cpu" else BH
+_CPU_GROUP_ROWS = 1 << 14
+
+
+def _head_group(device: torch.device, BH: int, S: int) -> int:
+    """Heads per batch of kernels in `quantize`: on the CPU about ``2^14`` tokens' worth
+    (cache-sized temporaries, few enough ops), elsewhere all of them."""
+    return max(1, min(BH, _CPU_GROUP_ROWS // S)) if device.type == "cpu" else BH
 
 
 def quantize(
@@ -513,13 +517,12 @@ def quantize(
     ids = [torch.empty(B, H, S, dtype=torch.uint8, device=dev) for _ in range(args.stages)]
     cents = (list(codebooks) if codebooks is not None else
              [torch.empty(B, H, K, D, dtype=torch.bfloat16, device=dev) for _ in range(args.stages)])
-    # On the CPU one head at a time (temporaries stay cache-sized, and a head sees the same
-    # calls and shapes whatever the other heads are); elsewhere all heads in one batch.
-    group = _head_group(dev, BH)
-    xr = None if group == 1 else x.reshape(BH, S, D)
+    # Groups of heads (every operation is per head, so the grouping does not change a bit).
+    group = _head_group(dev, BH, S)
     for g0 in range(0, BH, group):
         g1 = min(g0 + group, BH)
-        xg = x[g0 // H, g0 % H].unsqueeze(0) if xr is None else xr[g0:g1]
+        xg = (x[g0 // H, g0 % H].unsqueeze(0) if group == 1 else
+              torch.stack([x[i // H, i % H] for i in range(g0, g1)]) if B > 1 else x[0, g0:g1])
         out = _quantize_heads(
             xg, norm[g0:g1], args, impl, seed=seed,
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],

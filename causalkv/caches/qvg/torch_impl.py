@@ -51,18 +51,18 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
             dist = torch.baddbmm(cn3[a:b], x[a:b], c[a:b].transpose(1, 2), alpha=-2.0)
             out[a:b] = dist.argmin(dim=2)
         return out
-    rev = (K - torch.arange(K, dtype=torch.int16)).view(K, 1)  # first index of the min
-    step = max(1, _ASSIGN_TILE // K)
-    for i in range(BH):
-        for s0 in range(0, S, step):
-            s1 = min(s0 + step, S)
-            n = s1 - s0
-            dist = torch.addmm(cn[i].view(K, 1), c[i], x[i, s0:s1].t(), alpha=-2.0,
-                               out=_scratch("assign.dist", K * n, torch.float32, x.device).view(K, n))
-            eq = torch.eq(dist, dist.amin(0), out=_scratch("assign.eq", K * n, torch.bool,
-                                                            x.device).view(K, n))
-            w = torch.mul(eq, rev, out=_scratch("assign.w", K * n, torch.int16, x.device).view(K, n))
-            torch.sub(K, w.amax(0), out=out[i, s0:s1])
+    rev = (K - torch.arange(K, dtype=torch.int16)).view(1, K, 1)  # first index of the min
+    cn3 = cn.unsqueeze(2)  # [BH, K, 1]
+    step = max(1, _ASSIGN_TILE // (K * BH))
+    for s0 in range(0, S, step):
+        s1 = min(s0 + step, S)
+        n = BH * K * (s1 - s0)
+        dist = torch.baddbmm(cn3, c, x[:, s0:s1].transpose(1, 2), alpha=-2.0,
+                             out=_scratch("assign.dist", n, torch.float32, x.device).view(BH, K, -1))
+        eq = torch.eq(dist, dist.amin(1, keepdim=True),
+                      out=_scratch("assign.eq", n, torch.bool, x.device).view(dist.shape))
+        w = torch.mul(eq, rev, out=_scratch("assign.w", n, torch.int16, x.device).view(dist.shape))
+        torch.sub(K, w.amax(1), out=out[:, s0:s1])
     return out
 
 
