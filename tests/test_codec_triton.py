@@ -203,5 +203,5 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
                    for c in res["checks"])
         assert [(t["bits"], t["shape"]) for t in res["throughput"]] == [(2, [1, 2, 64, 64]),
                                                                         (4, [1, 2, 64, 64])]
-        assert all(t["dequant_out_gbps"] > 0 and t["copy_gbps"] > 0 for t in res["throughput"])
+        assert all(t["dequant_ms"] > 0 and t["copy_ms"] > 0 for t in res["throughput"])
         assert mod.main(["--device", "cuda"]) == 2 or __import__("torch").cuda.is_available()
