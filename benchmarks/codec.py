@@ -342,26 +342,35 @@ def throughput(S: int, reps: int) -> dict:
     return out
 
 
-def run(quick: bool, reps: int) -> dict:
+def run(quick: bool, reps: int, parts: str = "all") -> dict:
     frames, H, S_tp = (1, 2, 1560) if quick else (3, 4, 14040)
     k, v = structured_kv(H=H, frames=frames)
-    g = torch.Generator().manual_seed(1)
-    gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-    gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-    peers = probe_peers()
-    rows = quality({"structured": (k, v), "gaussian": (gk, gv)}, peers)
-    return {
+    res: dict = {
         "schema": SCHEMA,
         "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
                    "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "peers": peers,
-        "quality": rows,
-        "targets": targets(rows),
-        "throughput": throughput(S_tp, 3 if quick else reps),
+        "peers": {}, "quality": [], "targets": [], "throughput": None,
     }
+    if parts in ("all", "quality"):
+        g = torch.Generator().manual_seed(1)
+        gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+        gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+        res["peers"] = probe_peers()
+        res["quality"] = quality({"structured": (k, v), "gaussian": (gk, gv)}, res["peers"])
+        res["targets"] = targets(res["quality"])
+    if parts in ("all", "throughput"):
+        res["throughput"] = throughput(S_tp, 3 if quick else reps)
+    return res
 
 
 def print_tables(res: dict) -> None:
+    if res["quality"]:
+        print_quality(res)
+    if res["throughput"]:
+        print_throughput(res["throughput"])
+
+
+def print_quality(res: dict) -> None:
     print(f"quality: [B, H, S, D] = {res['config']['shape']}  (rel = ||x^-x||/||x||; bits/el "
           "as counted, peers with a 16-bit scale + zero per group of 64; stored = actual)")
     for name, info in res["peers"].items():
@@ -384,7 +393,9 @@ def print_tables(res: dict) -> None:
         print(f"  {t['tensor']} int{t['bits']} {t['peer']:<8} {t['peer_bits_per_element']:.3f} b "
               f"{t['peer_rel_err']:.4f} vs {t['prq_method']} {t['prq_bits_per_element']} b "
               f"{t['prq_rel_err']}: {mark}")
-    tp = res["throughput"]
+
+
+def print_throughput(tp: dict) -> None:
     print(f"\nthroughput on this CPU: {tp['shape']} bf16, {tp['threads']} threads, "
           f"load average {tp['load_avg_1min']} (new vs old = commit 3d118d4, same run)")
     for bits in (2, 4):
@@ -402,9 +413,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the figures as JSON to PATH ('-' or no PATH: stdout, no tables)")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--reps", type=int, default=7, help="timing repetitions (median)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); 1 avoids thread barriers "
+                         "stalling on a CPU shared with other jobs")
+    ap.add_argument("--only", choices=("quality", "throughput"), default=None,
+                    help="run one part only (the other part's JSON keys stay empty)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    res = run(a.quick, a.reps)
+    res = run(a.quick, a.reps, a.only or "all")
     if a.json == "-":
         print(json.dumps(res, indent=1))
         return 0

@@ -431,11 +431,11 @@ def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.T
     return torch.index_select(c.reshape(G * K, D), 0, flat, out=out).view(G, S, D)
 
 
-_CPU_GROUP_ROWS = 1 << 14
+_CPU_GROUP_ROWS = 1 << 15
 
 
 def _head_group(device: torch.device, BH: int, S: int) -> int:
-    """Heads per batch of kernels in `quantize`: on the CPU about ``2^14`` tokens' worth
+    """Heads per batch of kernels in `quantize`: on the CPU about ``2^15`` tokens' worth
     (cache-sized temporaries, few enough ops), elsewhere all of them."""
     return max(1, min(BH, _CPU_GROUP_ROWS // S)) if device.type == "cpu" else BH
 

@@ -66,7 +66,7 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_ASSIGN_TILE = 1 << 19  # distances per assignment tile (2 MB of float32)
+_ASSIGN_TILE = 1 << 21  # distances per assignment tile (8 MB of float32)
 
 
 def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
