@@ -40,6 +40,23 @@ Targets (``targets`` in the JSON): for every peer row on the structured data (K 
 4 bits), the lowest-error PRQ row with at most the peer's counted bits per element and a
 lower error.
 
+JSON (``--json``), schema ``causalkv.codec-bench/1`` (keys are stable; a part skipped with
+``--only`` leaves its keys empty)::
+
+    {"schema", "config": {"shape", "group", "quick", "torch", "threads"},
+     "peers": {"hqq" | "torchao" | "quanto": {"package", "available", "version", "reason"}},
+     "quality": [{"data": "structured" | "gaussian", "tensor": "K" | "V", "bits": 2 | 4,
+                  "method", "family": "baseline" | "peer" | "prq",
+                  "bits_per_element" (as counted), "bits_stored", "rel_err", "snr_db"}],
+     "targets": [{"data", "tensor", "bits", "peer", "peer_bits_per_element", "peer_rel_err",
+                  "prq_method", "prq_bits_per_element", "prq_rel_err", "met"}],
+     "throughput": null | {"shape", "threads", "load_avg_1min",
+                           "int2" | "int4": {"quantize_gbps", "quantize_gbps_old",
+                                             "quantize_speedup", "dequantize_into_gbps",
+                                             "dequantize_into_gbps_old", "copy_into_gbps",
+                                             "dequantize_into_over_copy",
+                                             "dequantize_into_over_copy_old"}}}
+
 Throughput: quantize and dequantize-into-a-buffer of ``[1, 12, S, 128]`` bf16 (GB/s of the
 bf16 segment), next to ``copy_`` into a buffer of the same size, and the same operations of
 the codec as of commit 3d118d4 (`benchmarks/_codec_v0.py`, a frozen copy) in the same run,
