@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: run test lint bench venv clean
 
@@ -16,6 +17,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The benchmark peers (extra `bench`), apart from `make test`'s environment.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -e '.[bench]'
+	$(BIN)/python -m pip check
+	touch $(BENCH_STAMP)
+
 run: $(STAMP)
 	$(BIN)/causalkv generate --output out/tiny-wan.mp4 --metrics out/tiny-wan-metrics.json
 
@@ -26,7 +33,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/plugins.py
