@@ -391,7 +391,7 @@ class PackedSegment:
 
 
 # ---------------------------------------------------------------------------------------------
-# Byte accounting (ARCHITECTURE.md "QVG")
+# Byte accounting (docs/design.md, "Memory math")
 # ---------------------------------------------------------------------------------------------
 def packed_nbytes_formula(shape: tuple[int, int, int, int], args: QVGKVQuantArgs) -> int:
     """Stored bytes of a segment ``shape = (B, H, S, D)`` packed with ``args``.
