@@ -275,9 +275,9 @@ def run_plan(
     observers = ObserverHook(pm, "causalkv_chunk_done", strict=strict_plugins)
 
     def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
-        observers(stage=stage, chunk_index=i, stats=stats)
-        if on_chunk_done is not None:
+        if on_chunk_done is not None:  # the caller's count first: the chunk is done
             on_chunk_done(i, stats)
+        observers(stage=stage, chunk_index=i, stats=stats)
 
     result = stage.generate(
         noise, plan.chunk_prompts, generator=generator, on_chunk_done=chunk_done, on_forward=on_forward

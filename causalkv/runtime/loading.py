@@ -114,6 +114,17 @@ def cast_keeping_fp32_modules(
     return model
 
 
+def _all_weights_loaded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, unless the checkpoint lacked some of its parameters (diffusers leaves them on
+    the meta device, where the first ``.to(device)`` would fail): ValueError naming one."""
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameter(s) of the config are missing from the weights, e.g. {missing[0]!r}"
+        )
+    return model
+
+
 @contextmanager
 def reading_component(folder: Path, component: str, *, preset: str | None = None) -> Iterator[None]:
     """Turn a failure to read ``folder/component`` (corrupt config or weights, missing file,
@@ -159,10 +170,12 @@ def load_components(
     torch_dtype = parse_dtype(dtype)
     dev = torch.device(device)
     with reading_component(folder, "transformer", preset=info.preset):
-        model = load_wan_transformer(folder / "transformer", torch_dtype)
+        model = _all_weights_loaded(load_wan_transformer(folder / "transformer", torch_dtype))
     model = model.to(dev).eval()
     with reading_component(folder, "text_encoder", preset=info.preset):
-        text_encoder = UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+        text_encoder = _all_weights_loaded(
+            UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+        )
     text_encoder = text_encoder.to(dev).eval()
     with reading_component(folder, "tokenizer", preset=info.preset):
         tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
@@ -185,7 +198,7 @@ def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
     from diffusers import AutoencoderKLWan
 
     with reading_component(Path(folder), "vae"):
-        vae = AutoencoderKLWan.from_pretrained(
+        vae = _all_weights_loaded(AutoencoderKLWan.from_pretrained(
             Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate()
-        )
+        ))
     return vae.to(device).eval()
