@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,98 @@ def causalkv_lines(err: str) -> list[str]:
 
 def files(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+PAUSE_AT_FIRST_CHUNK = """
+import pathlib, sys, time
+from causalkv.cli import main
+from causalkv.hooks import hookimpl
+from causalkv.plugin import get_plugin_manager
+
+class Pause:
+    @hookimpl
+    def causalkv_chunk_done(self, chunk_index):
+        if chunk_index == 0:
+            pathlib.Path(sys.argv[1]).touch()
+            time.sleep(300)
+
+get_plugin_manager().register_plugin(Pause(), "pause")
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class Children:
+    """Two ``causalkv generate`` processes started together in one empty CAUSALKV_HOME, so both
+    build tiny-wan at the same time: ``pipe`` has its stdout closed after its first line (like
+    ``| head -1``) and runs to the end; ``sigint`` gets SIGINT while it pauses after chunk 0
+    of 3. They start with the module's first test and run while the in-process tests do;
+    `results` waits for them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.home = tmp, tmp / "home"
+        self.home.mkdir()
+        env = {**os.environ, "CAUSALKV_HOME": str(self.home), "PYTHONPATH": str(ROOT)}
+        env.pop("CAUSALKV_PLUGINS", None)
+        base = ["generate", "--quiet", "--dtype", "float32"]
+        self.outs = {name: tmp / name for name in ("pipe", "sigint")}
+        for d in self.outs.values():
+            d.mkdir()
+        self.marker = tmp / "paused"
+        argv = {
+            "pipe": [sys.executable, "-m", "causalkv", *base, "--frames", "3",
+                     "--output", str(self.outs["pipe"] / "v.gif"), "--metrics", str(self.outs["pipe"] / "m.json")],
+            "sigint": [sys.executable, "-c", PAUSE_AT_FIRST_CHUNK, str(self.marker), *base, "--frames", "9",
+                       "--output", str(self.outs["sigint"] / "v.mp4"), "--metrics", str(self.outs["sigint"] / "m.json")],
+        }
+        self.logs = {name: open(tmp / f"{name}.stderr", "w+") for name in argv}  # noqa: SIM115
+        self.procs = {
+            name: subprocess.Popen(
+                cmd, env=env, text=True, stderr=self.logs[name],
+                stdout=subprocess.PIPE if name == "pipe" else subprocess.DEVNULL,
+            )
+            for name, cmd in argv.items()
+        }
+        self.first_line = ""
+        self._driver = threading.Thread(target=self._drive, daemon=True)
+        self._driver.start()
+
+    def _drive(self) -> None:
+        pipe = self.procs["pipe"].stdout
+        assert pipe is not None
+        self.first_line = pipe.readline()
+        pipe.close()  # the reader goes away
+        deadline = time.monotonic() + 400
+        while not self.marker.exists() and self.procs["sigint"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.marker.exists():
+            self.procs["sigint"].send_signal(signal.SIGINT)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        self._driver.join(timeout=450)
+        out = {}
+        for name, p in self.procs.items():
+            p.wait(timeout=400)
+            self.logs[name].seek(0)
+            out[name] = {"rc": p.returncode, "stderr": self.logs[name].read(), "out": self.outs[name]}
+        return out
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in self.logs.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Children]:
+    c = Children(tmp_path_factory.mktemp("children"))
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 # ---- faults found before the weights load ------------------------------------------------------
@@ -525,93 +618,29 @@ def test_half_written_preset_and_dead_build_are_replaced(
     assert presets.materialize_preset("tiny-wan", pm=pm) == folder and len(written) == 1  # kept
 
 
-PAUSE_AT_FIRST_CHUNK = """
-import pathlib, sys, time
-from causalkv.cli import main
-from causalkv.hooks import hookimpl
-from causalkv.plugin import get_plugin_manager
-
-class Pause:
-    @hookimpl
-    def causalkv_chunk_done(self, chunk_index):
-        if chunk_index == 0:
-            pathlib.Path(sys.argv[1]).touch()
-            time.sleep(300)
-
-get_plugin_manager().register_plugin(Pause(), "pause")
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-@pytest.fixture(scope="module")
-def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Two ``causalkv generate`` processes started together in one empty CAUSALKV_HOME, so both
-    build tiny-wan at the same time: ``pipe`` has its stdout closed after its first line and
-    runs to the end, ``sigint`` gets SIGINT while it pauses after chunk 0 of 3."""
-    tmp = tmp_path_factory.mktemp("children")
-    home = tmp / "home"
-    home.mkdir()
-    env = {**os.environ, "CAUSALKV_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    env.pop("CAUSALKV_PLUGINS", None)
-    base = ["generate", "--quiet", "--dtype", "float32"]
-    outs = {name: tmp / name for name in ("pipe", "sigint")}
-    for d in outs.values():
-        d.mkdir()
-    marker = tmp / "paused"
-    argv = {
-        "pipe": [sys.executable, "-m", "causalkv", *base, "--frames", "3", "--output", str(outs["pipe"] / "v.gif"),
-                 "--metrics", str(outs["pipe"] / "m.json")],
-        "sigint": [sys.executable, "-c", PAUSE_AT_FIRST_CHUNK, str(marker), *base, "--frames", "9",
-                   "--output", str(outs["sigint"] / "v.mp4"), "--metrics", str(outs["sigint"] / "m.json")],
-    }
-    procs = {
-        name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-        for name, cmd in argv.items()
-    }
-    try:
-        first_line = procs["pipe"].stdout.readline()
-        procs["pipe"].stdout.close()  # the reader goes away, like `| head -1`
-        deadline = time.monotonic() + 400
-        while not marker.exists() and procs["sigint"].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if marker.exists():
-            procs["sigint"].send_signal(signal.SIGINT)
-        results = {}
-        for name, p in procs.items():
-            _out, err = p.communicate(timeout=400)
-            results[name] = {"rc": p.returncode, "stdout": _out or "", "stderr": err, "out": outs[name]}
-        results["pipe"]["first_line"] = first_line
-        results["home"] = home
-        yield results
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_concurrent_processes_build_one_complete_preset(children: dict[str, Any]) -> None:
+def test_concurrent_processes_build_one_complete_preset(children: Children) -> None:
     # both built or waited for the preset, then loaded it: one ran to the end, the other
     # reached its first chunk (the interruption message counts it)
-    assert children["pipe"]["rc"] == 0, children["pipe"]["stderr"]
-    assert "interrupted after chunk 1 of 3" in children["sigint"]["stderr"]
-    parent = children["home"] / "presets"
+    r = children.results()
+    assert r["pipe"]["rc"] == 0, r["pipe"]["stderr"]
+    assert "interrupted after chunk 1 of 3" in r["sigint"]["stderr"]
+    parent = children.home / "presets"
     assert {p.name for p in parent.iterdir()} == {"tiny-wan", ".tiny-wan.lock"}
     assert presets.is_complete_preset(parent / "tiny-wan")
     assert (parent / "tiny-wan" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
 
 
-def test_closed_stdout_still_writes_the_metrics(children: dict[str, Any]) -> None:
-    r = children["pipe"]
-    assert r["first_line"].startswith("model: tiny-wan")
+def test_closed_stdout_still_writes_the_metrics(children: Children) -> None:
+    r = children.results()["pipe"]
+    assert children.first_line.startswith("model: tiny-wan")
     assert r["rc"] == 0 and "Traceback" not in r["stderr"] and "BrokenPipe" not in r["stderr"]
     metrics = json.loads((r["out"] / "m.json").read_text())
     assert metrics["chunks"] == 1 and metrics["output"] == str(r["out"] / "v.gif")
     assert files(r["out"]) == {"v.gif", "m.json"}
 
 
-def test_sigint_exits_130_and_writes_nothing(children: dict[str, Any]) -> None:
-    r = children["sigint"]
+def test_sigint_exits_130_and_writes_nothing(children: Children) -> None:
+    r = children.results()["sigint"]
     assert r["rc"] == 130, r["stderr"]
     assert causalkv_lines(r["stderr"]) == ["causalkv generate: interrupted after chunk 1 of 3; nothing written"]
     assert "Traceback" not in r["stderr"] and "KeyboardInterrupt" not in r["stderr"]

@@ -49,6 +49,7 @@ __all__ = [
     "compare_unquantized",
     "generate",
     "latent_psnr_db",
+    "latents_metadata",
     "plan_generation",
     "run_plan",
     "run_report",
