@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from causalkv import quant_config as qvg_args
 from causalkv.config import DTYPES, ServerArgs
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, ConfigError
 
 __all__ = ["add_generate_args", "options_from_args", "register", "run_generate"]
 
@@ -57,14 +55,29 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
     qvg_args.add_cli_args(parser)
     parser.add_argument("--output", default=None, metavar="FILE",
-                        help="video file (.mp4 via imageio-ffmpeg, .gif; default: "
-                        "out/<model>.mp4)")
+                        help=f"video file; the installed encoders write {_video_formats()} "
+                        "(default: out/<model>.mp4). Written atomically; if it cannot be written "
+                        "after all, the latents are kept in NAME.latents.safetensors beside it")
     parser.add_argument("--no-video", action="store_true", help="skip decoding and writing the video")
-    parser.add_argument("--metrics", default=None, metavar="FILE", help="write the metrics JSON here")
+    parser.add_argument("--metrics", default=None, metavar="FILE",
+                        help="write the metrics JSON here (atomically)")
+    parser.add_argument("--save-latents", default=None, metavar="FILE.safetensors",
+                        help="also save the generated latents [B, C, F, h, w] (float32, key 'latents')")
+    parser.add_argument("--strict-plugins", action="store_true",
+                        help="a causalkv_chunk_done plugin that raises stops the run (exit 2) "
+                        "instead of being reported once and skipped")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (exit codes: docs/usage.md)")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run with kv-cache-quant off (same seed) and report latent_psnr_db")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _video_formats() -> str:
+    from causalkv.runtime.video import video_formats
+
+    return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
 
 
 def register(subparsers: Any) -> None:
@@ -96,6 +109,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
         device=args.device,
     )
     output = None
+    if args.no_video and args.output is not None:
+        raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
     if not args.no_video:
         output = args.output or str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
@@ -109,27 +124,34 @@ def options_from_args(args: argparse.Namespace) -> Any:
         compare_bf16=args.compare_bf16,
         output=output,
         quiet=args.quiet,
+        metrics=getattr(args, "metrics", None),
+        save_latents=getattr(args, "save_latents", None),
+        strict_plugins=bool(getattr(args, "strict_plugins", False)),
     )
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Entry of ``causalkv generate``: 0 on success, 2 on bad input (message on stderr)."""
-    from causalkv.runtime.generate import generate
+    """Entry of ``causalkv generate``: the exit status (`causalkv.cli.faults`: 0 done, 1
+    unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr."""
+    from causalkv.cli.faults import Progress, Stdout, run_guarded
 
-    try:
+    out, progress = Stdout(), Progress()
+
+    def body() -> int:
+        from causalkv.runtime.generate import generate
+
         options = options_from_args(args)
-        metrics, _run = generate(options, log=print)
-    except CausalKVError as exc:
-        print(f"causalkv generate: error: {exc}", file=sys.stderr)
-        return 2
-    s = metrics["seconds_per_chunk"]
-    print(
-        f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
-        f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
-    )
-    if args.metrics:
-        path = Path(args.metrics)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
-        print(f"metrics: {path}")
-    return 0
+        metrics, _run = generate(
+            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done
+        )
+        s = metrics["seconds_per_chunk"]
+        out(
+            f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
+            f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
+        )
+        if options.metrics is not None:
+            out(f"metrics: {options.metrics}")
+        out.flush()
+        return 0
+
+    return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)

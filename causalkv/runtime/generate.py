@@ -29,8 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
+from causalkv.runtime.checks import check_before_load
 from causalkv.runtime.loading import Components, load_components, load_vae
 from causalkv.runtime.model_config import ModelInfo, load_model_info
+from causalkv.runtime.outputs import keep_latents, save_latents, write_json_atomic
+from causalkv.runtime.plugin_faults import ObserverHook, configure_stage_checked
 from causalkv.runtime.presets import materialize_preset
 from causalkv.stages.base import CausalDenoisingStage, ForwardRecord, StreamSettings
 
@@ -46,6 +49,7 @@ __all__ = [
     "compare_unquantized",
     "generate",
     "latent_psnr_db",
+    "latents_metadata",
     "plan_generation",
     "run_plan",
     "run_report",
@@ -71,6 +75,11 @@ class GenerateOptions:
         compare_bf16: also run with quantization off (same seed) and report latent PSNR.
         output: the video file (None: do not decode).
         quiet: no progress bar.
+        metrics: write the metrics JSON here (atomically; None: do not write).
+        save_latents: save the latents ``[B, C, F, h, w]`` to this ``.safetensors`` file.
+        strict_plugins: a ``causalkv_chunk_done`` implementation that raises stops the run
+            (`causalkv.runtime.plugin_faults.PluginHookError`) instead of being reported
+            once and skipped.
     """
 
     model: str = "tiny-wan"
@@ -83,6 +92,9 @@ class GenerateOptions:
     compare_bf16: bool = False
     output: str | Path | None = None
     quiet: bool = False
+    metrics: str | Path | None = None
+    save_latents: str | Path | None = None
+    strict_plugins: bool = False
 
 
 @dataclass
@@ -141,8 +153,10 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
 
     Multi-shot is automatic: with more than one prompt and a stage that supports it
     (LongLive 2.0) the request is resolved again with ``multi_shot=True`` (the cache must
-    then support a pinned shot sink). Raises a `causalkv.errors.CausalKVError` (a
-    ValueError) naming the bad value and the fix.
+    then support a pinned shot sink). Everything else knowable without weights is checked
+    too (`causalkv.runtime.checks.check_before_load`: RoPE limit, device and dtype, output
+    paths and formats, the model folder's files). Raises a `causalkv.errors.CausalKVError`
+    (a ValueError) naming the bad value and the fix.
     """
     from causalkv.plugin import get_plugin_manager, resolve
 
@@ -161,7 +175,7 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
     negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
-    return Plan(
+    plan = Plan(
         info=info,
         server_args=args,
         resolution=res,
@@ -172,6 +186,8 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
         stage_name=options.stage,
         negative_prompt=negative,
     )
+    check_before_load(plan, options, pm=pm)
+    return plan
 
 
 def model_folder(info: ModelInfo, *, pm: Any = None) -> Path:
@@ -209,10 +225,8 @@ def build_stage(
         negative_prompt=negative_prompt,
         name=name,
     )
-    if pm is not None:
-        from causalkv.plugin import configure_stage
-
-        stage.apply_overrides(configure_stage(pm, stage, model, server_args))
+    if pm is not None:  # a raising implementation: PluginHookError naming the plugin
+        configure_stage_checked(pm, stage, model, server_args)
     return stage
 
 
@@ -231,12 +245,15 @@ def run_plan(
     resolution: Resolution | None = None,
     on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
     on_forward: Callable[[ForwardRecord], None] | None = None,
+    strict_plugins: bool = False,
 ) -> GenerationRun:
     """Load (unless ``components`` are given), build the stage, run the chunk loop.
 
     ``server_args``/``resolution`` replace the plan's (`compare_unquantized` reruns with
     the quantization off). The initial noise and every re-noising draw come from one CPU
-    generator seeded with ``server_args.seed``.
+    generator seeded with ``server_args.seed``. A ``causalkv_chunk_done`` implementation
+    that raises is reported once on stderr and skipped for the rest of the run, or, with
+    ``strict_plugins``, stops it (`causalkv.runtime.plugin_faults.ObserverHook`).
     """
     from causalkv.plugin import get_plugin_manager
 
@@ -256,11 +273,12 @@ def run_plan(
     info = plan.info
     shape = (1, info.latent_channels, plan.num_frames, info.latent_height, info.latent_width)
     noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(components.device)
+    observers = ObserverHook(pm, "causalkv_chunk_done", strict=strict_plugins)
 
     def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
-        pm.hook.causalkv_chunk_done(stage=stage, chunk_index=i, stats=stats)
-        if on_chunk_done is not None:
+        if on_chunk_done is not None:  # the caller's count first: the chunk is done
             on_chunk_done(i, stats)
+        observers(stage=stage, chunk_index=i, stats=stats)
 
     result = stage.generate(
         noise, plan.chunk_prompts, generator=generator, on_chunk_done=chunk_done, on_forward=on_forward
@@ -307,14 +325,31 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
     }
 
 
+def latents_metadata(plan: Plan) -> dict[str, str]:
+    """What a saved latents file records about its run (safetensors header strings)."""
+    res, args = plan.resolution, plan.server_args
+    return {
+        "model": plan.model.name, "stage": res.stage_name, "cache": res.cache_factory.name,
+        "kv_cache_quant": args.kv_cache_quant_config.describe(), "seed": str(args.seed),
+        "frames": str(plan.num_frames), "fps": str(plan.info.fps), "layout": "B,C,F,h,w",
+    }
+
+
 def write_outputs(plan: Plan, run: GenerationRun, output: str | Path, *, pm: Any = None) -> dict[str, Any]:
-    """Decode the run's latents with the model's VAE and write the video; its metrics."""
+    """Decode the run's latents with the model's VAE and write the video; its metrics.
+
+    The video is written atomically. If decoding or writing fails, the latents are saved to
+    ``NAME.latents.safetensors`` next to ``output`` and `OutputWriteError` names that file.
+    """
     from causalkv.runtime.video import decode_latents, write_video
 
     device = run.components.device if run.components is not None else plan.server_args.device
-    vae = load_vae(model_folder(plan.info, pm=pm), device=device)
-    frames = decode_latents(vae, run.latents)
-    written = write_video(frames, output, fps=plan.info.fps)
+    try:
+        vae = load_vae(model_folder(plan.info, pm=pm), device=device)
+        frames = decode_latents(vae, run.latents)
+        written = write_video(frames, output, fps=plan.info.fps)
+    except Exception as exc:  # noqa: BLE001 - a finished generation is kept whatever failed
+        raise keep_latents(output, run.latents, exc, metadata=latents_metadata(plan)) from exc
     return {
         "output": str(written),
         "video_frames": int(frames.shape[0]),
@@ -409,11 +444,15 @@ def generate(
     *,
     pm: Any = None,
     log: Callable[[str], None] | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], GenerationRun]:
     """Plan, load and run, optionally compare with an unquantized run, write, report.
 
     Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
-    reasons, where the video went).
+    reasons, where the video went); ``on_plan`` the validated plan, ``on_chunk_done`` each
+    chunk of the main run (the command line counts them for its interruption message). With ``options.save_latents`` the latents are saved
+    after the run; with ``options.metrics`` the metrics JSON is written last (atomically).
     """
     from causalkv.plugin import get_plugin_manager
 
@@ -421,14 +460,25 @@ def generate(
     pm = pm if pm is not None else get_plugin_manager()
     t_start = time.perf_counter()
     plan = plan_generation(options, pm=pm)
+    if on_plan is not None:
+        on_plan(plan)
     for line in describe_plan(plan):
         say(line)
     bar = _progress(plan.num_chunks, options.quiet)
+
+    def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
+        bar.update(1)
+        if on_chunk_done is not None:
+            on_chunk_done(i, stats)
+
     try:
-        run = run_plan(plan, pm=pm, on_chunk_done=lambda i, st: bar.update(1))
+        run = run_plan(plan, pm=pm, on_chunk_done=chunk_done, strict_plugins=options.strict_plugins)
     finally:
         bar.close()
     metrics = run_report(plan, run)
+    if options.save_latents is not None:
+        metrics["latents"] = str(save_latents(options.save_latents, run.latents, latents_metadata(plan)))
+        say(f"latents: {metrics['latents']}")
     if options.compare_bf16:
         say("reference run: kv-cache-quant off, same seed")
         metrics.update(compare_unquantized(plan, run, pm=pm))
@@ -444,4 +494,6 @@ def generate(
         w, h = metrics["video_size"][1], metrics["video_size"][0]
         say(f"wrote {metrics['output']} ({metrics['video_frames']} frames, {w}x{h})")
     metrics["seconds_total"] = time.perf_counter() - t_start
+    if options.metrics is not None:
+        write_json_atomic(options.metrics, metrics)
     return metrics, run
