@@ -269,3 +269,30 @@ def test_shot_flags_build_the_request() -> None:
         _options("--prompt", "a", "--shot-prompt", "b")
     with pytest.raises(ConfigError, match="comma-separated chunk counts"):
         _options("--shot-durations", "3,x")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt", "a", "--shot-prompt", "b"], "with --prompt or with --shot-prompt, not both"),
+        (["--model", "tiny-lingbot", "--motion", "m,s,s"], "--motion has 3 letters for 4 chunks"),
+        (["--model", "tiny-lingbot", "--motion", "m,q,s,s"], "one letter per chunk"),
+        (["--model", "tiny-longlive2", "--shot-prompt", "a", "--shot-prompt", "b",
+          "--shot-durations", "1"], "1 durations [1] for 2 shots"),
+        (["--model", "tiny-longlive2", "--shot-prompt", "a", "--shot-durations", "0"],
+         "shot durations must be positive chunk counts, got 0"),
+        (["--model", "tiny-longlive2", "--multi-shot-rope-offset", "-1"], "RoPE offset must be a finite number >= 0"),
+        (["--model", "tiny-wan", "--shot-durations", "2,2", "--prompt", "a", "--prompt", "b"],
+         "shot flags"),
+        (["--model", "tiny-wan", "--motion", "m,m,m,m"], "--motion applies to LingBot-World"),
+    ],
+)
+def test_bad_request_flags_exit_2(
+    causalkv_home: str, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    from causalkv.cli import main
+
+    rc = main(["generate", "--quiet", "--no-video", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and err.count("\n") == 1
