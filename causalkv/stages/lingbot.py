@@ -97,11 +97,12 @@ class LingBotWorldStage(CausalDenoisingStage):
         num_frames: int,
         chunk_prompts: Sequence[str] | None = None,
     ) -> StreamSettings:
-        """The base checks; with a motion signal, the model must configure the interactive
-        window and its moving/still windows must fit the attention window."""
+        """The base checks; with a motion signal, one letter per chunk, the model must
+        configure the interactive window and its moving/still windows must fit the window."""
         settings = super().check_request(model, server_args, num_frames, chunk_prompts)
         if server_args.motion is None:
             return settings
+        cls.check_request_fields(server_args, num_frames // settings.frames_per_chunk)
         if model.moving_window_frames is None:
             raise ConfigError(
                 f"--motion needs an interactive window, but {model.name} sets no "
