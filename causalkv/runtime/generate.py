@@ -143,8 +143,8 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     (LongLive 2.0), unless multi-shot sinks are off or the sink is empty, the request is
     resolved again with ``multi_shot=True`` (the cache must then support a pinned shot
     sink). The stage's `plan_chunks` expands the prompts with the request's shot fields
-    (``server_args.shots``) and checks its motion signal (``server_args.motion``). Raises a `causalkv.errors.CausalKVError` (a
-    ValueError) naming the bad value and the fix.
+    (``server_args.shots``) and checks its motion signal (``server_args.motion``). Raises a
+    `causalkv.errors.CausalKVError` (a ValueError) naming the bad value and the fix.
     """
     from causalkv.plugin import get_plugin_manager, resolve
 
