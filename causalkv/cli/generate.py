@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from causalkv import quant_config as qvg_args
-from causalkv.config import DTYPES, ServerArgs
+from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, DTYPES, ServerArgs, ShotRequest, parse_motion
 from causalkv.errors import CausalKVError, ConfigError
 
-__all__ = ["add_generate_args", "options_from_args", "register", "run_generate"]
+__all__ = ["add_generate_args", "add_request_args", "options_from_args", "register", "run_generate"]
 
 
 def _preset_names() -> str:
@@ -36,6 +36,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="prompt of one shot; repeat for several shots (frames split evenly, shots after "
         f"the first are scene cuts). Default: {DEFAULT_PROMPT!r}",
     )
+    add_request_args(parser)
     parser.add_argument("--negative-prompt", default=None, help="negative CFG prompt (model default)")
     parser.add_argument("--frames", type=int, default=None,
                         help="latent frames, a multiple of the model's frames per chunk "
@@ -78,6 +79,58 @@ def _video_formats() -> str:
     from causalkv.runtime.video import video_formats
 
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
+def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The shot flags (LongLive 2.0) and the motion signal (LingBot-World)."""
+    parser.add_argument(
+        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
+        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
+    )
+    parser.add_argument(
+        "--shot-durations", default=None, metavar="N,N,...",
+        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
+        "count; chunks left over go to the last shot)",
+    )
+    parser.add_argument(
+        "--chunks-per-shot", type=int, default=0, metavar="N",
+        help="chunks of every shot when --shot-durations is not given (default 0: even split, "
+        "the first shots one chunk longer)",
+    )
+    parser.add_argument(
+        "--scene-cut-prefix", default=DEFAULT_SCENE_CUT_PREFIX, metavar="TEXT",
+        help=f"text before the prompt of each shot's first chunk (default {DEFAULT_SCENE_CUT_PREFIX!r}; "
+        "may be empty)",
+    )
+    parser.add_argument(
+        "--no-multi-shot-sink", dest="multi_shot_sink", action="store_false",
+        help="do not pin each shot's first chunk as its sink",
+    )
+    parser.add_argument(
+        "--multi-shot-rope-offset", type=float, default=None, metavar="FRAMES",
+        help="RoPE frames added per shot index (float >= 0; default: the model's)",
+    )
+    parser.add_argument(
+        "--motion", default=None, metavar="m,s,...",
+        help="LingBot-World camera motion per chunk: m (moves) or s (still), one letter per "
+        "chunk; drives the moving/still recent KV window",
+    )
+    return parser
+
+
+def _shot_durations(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {text!r}"
+        ) from None
+
+
+def _request_prompts(args: argparse.Namespace) -> list[str] | None:
+    if args.prompts is not None and args.shot_prompts is not None:
+        raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")
+    return args.shot_prompts if args.shot_prompts is not None else args.prompts
 
 
 def register(subparsers: Any) -> None:
@@ -98,6 +151,14 @@ def options_from_args(args: argparse.Namespace) -> Any:
     """`GenerateOptions` from parsed ``generate`` arguments (validates the QVG flags)."""
     from causalkv.runtime.generate import DEFAULT_PROMPT, GenerateOptions
 
+    prompts = _request_prompts(args)
+    shots = ShotRequest(
+        durations=_shot_durations(args.shot_durations),
+        chunks_per_shot=args.chunks_per_shot,
+        scene_cut_prefix=args.scene_cut_prefix,
+        multi_shot_sink=args.multi_shot_sink,
+        multi_shot_rope_offset=args.multi_shot_rope_offset,
+    )
     server_args = ServerArgs(
         kv_cache_quant_config=qvg_args.from_namespace(args),
         sink_frames=args.sink_frames,
@@ -107,6 +168,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        shots=shots,
+        motion=None if args.motion is None else parse_motion(args.motion),
     )
     output = None
     if args.no_video and args.output is not None:
@@ -115,7 +178,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         output = args.output or str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
         model=args.model,
-        prompts=args.prompts if args.prompts is not None else [DEFAULT_PROMPT],
+        prompts=prompts if prompts is not None else [DEFAULT_PROMPT],
         frames=args.frames,
         server_args=server_args,
         guidance_scale=args.guidance_scale,

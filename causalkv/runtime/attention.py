@@ -38,23 +38,28 @@ __all__ = [
     "apply_rotary",
     "install_causal_processors",
     "rope_at_frame_offset",
+    "rope_temporal_at",
 ]
 
 
 def rope_at_frame_offset(
-    rope: torch.nn.Module, num_frames: int, height: int, width: int, frame_offset: int
+    rope: torch.nn.Module, num_frames: int, height: int, width: int, frame_offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wan's 3-D RoPE tables for latent frames ``[frame_offset, frame_offset + num_frames)``.
 
     ``rope`` is the model's ``WanRotaryPosEmbed``; ``height``/``width`` are latent sizes
-    (before patchify). Equals rows ``[f0 * hw, (f0 + F) * hw)`` of ``rope`` applied to a video
-    of ``f0 + F`` frames (``hw`` = patches per frame).
+    (before patchify). For an integer ``frame_offset`` this equals rows ``[f0 * hw, (f0 + F)
+    * hw)`` of ``rope`` applied to a video of ``f0 + F`` frames (``hw`` = patches per frame),
+    read from its precomputed tables. A fractional ``frame_offset`` (LongLive 2.0's per-shot
+    offset) is a continuous position: the temporal part is ``cos``/``sin`` of ``position x
+    frequency`` computed in float64 (`rope_temporal_at`), the spatial parts are the tables'.
 
-    Returns ``(cos, sin)``, each ``[1, F * h' * w', 1, D]`` (float64 on CPU).
+    Returns ``(cos, sin)``, each ``[1, F * h' * w', 1, D]`` (float32 on the tables' device).
     """
     p_t, p_h, p_w = rope.patch_size
     ppf, pph, ppw = num_frames // p_t, height // p_h, width // p_w
-    f0 = frame_offset // p_t
+    integral = float(frame_offset).is_integer()
+    f0 = int(frame_offset) // p_t if integral else float(frame_offset) / p_t
     if f0 < 0:
         raise ValueError(f"RoPE frame offset must be >= 0, got {frame_offset}")
     if f0 + ppf > rope.max_seq_len:
@@ -63,16 +68,33 @@ def rope_at_frame_offset(
             "generate fewer frames or raise rope_max_seq_len in transformer/config.json"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    temporal = None if integral else rope_temporal_at(rope, f0 + torch.arange(ppf, dtype=torch.float64))
     tables = []
-    for freqs in (rope.freqs_cos, rope.freqs_sin):
+    for k, freqs in enumerate((rope.freqs_cos, rope.freqs_sin)):
         f_t, f_h, f_w = freqs.split(split, dim=1)
+        t_rows = f_t[f0 : f0 + ppf] if temporal is None else temporal[k].to(f_t.device, f_t.dtype)
         parts = [
-            f_t[f0 : f0 + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
+            t_rows.view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
             f_h[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
             f_w[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1),
         ]
         tables.append(torch.cat(parts, dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
     return tables[0], tables[1]
+
+
+def rope_temporal_at(rope: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temporal RoPE ``(cos, sin)`` ``[P, t_dim]`` (float64) at (fractional) ``positions`` ``[P]``.
+
+    The formula of diffusers' ``get_1d_rotary_pos_embed`` (``use_real``,
+    ``repeat_interleave_real``) that builds ``WanRotaryPosEmbed``'s tables: frequency
+    ``theta ** (-2i / t_dim)`` (``theta`` = the module's ``theta``, Wan's 10000 when it has
+    none), angle = position x frequency, each cos/sin repeated twice.
+    """
+    dim = int(rope.t_dim)
+    theta = float(getattr(rope, "theta", 10000.0))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(positions.to(torch.float64), freqs)
+    return angles.cos().repeat_interleave(2, dim=1), angles.sin().repeat_interleave(2, dim=1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -270,7 +292,7 @@ class CausalWanTransformer:
         kv_caches: Sequence[CausalKVCache],
         cross_caches: Sequence[CrossAttentionKVCache],
         token_start: int,
-        rope_frame_start: int,
+        rope_frame_start: float,
         recent_window_tokens: int | None = None,
     ) -> torch.Tensor:
         b, c, f, h, w = latents.shape

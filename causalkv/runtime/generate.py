@@ -152,11 +152,14 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     """Read the model config, resolve stage and cache, validate the request (no weights).
 
     Multi-shot is automatic: with more than one prompt and a stage that supports it
-    (LongLive 2.0) the request is resolved again with ``multi_shot=True`` (the cache must
-    then support a pinned shot sink). Everything else knowable without weights is checked
-    too (`causalkv.runtime.checks.check_before_load`: RoPE limit, device and dtype, output
-    paths and formats, the model folder's files). Raises a `causalkv.errors.CausalKVError`
-    (a ValueError) naming the bad value and the fix.
+    (LongLive 2.0), unless multi-shot sinks are off or the sink is empty, the request is
+    resolved again with ``multi_shot=True`` (the cache must then support a pinned shot
+    sink). The stage's `plan_chunks` expands the prompts with the request's shot fields
+    (``server_args.shots``) and checks its motion signal (``server_args.motion``).
+    Everything else knowable without weights is checked too
+    (`causalkv.runtime.checks.check_before_load`: RoPE limit, device and dtype, output paths
+    and formats, the model folder's files). Raises a `causalkv.errors.CausalKVError` (a
+    ValueError) naming the bad value and the fix.
     """
     from causalkv.plugin import get_plugin_manager, resolve
 
@@ -168,7 +171,7 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     args = replace(options.server_args, guidance_scale=float(guidance))
     num_frames = options.frames if options.frames is not None else info.default_frames
     res = resolve(model, args, pm=pm, stage=options.stage)
-    if len(prompts) > 1 and res.stage.supports_multi_shot() and not args.multi_shot:
+    if _wants_multi_shot(res.stage, model, args, len(prompts)):
         args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage)
     settings = res.stage.check_request(model, args, num_frames)
@@ -188,6 +191,16 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     )
     check_before_load(plan, options, pm=pm)
     return plan
+
+
+def _wants_multi_shot(
+    stage: type[CausalDenoisingStage], model: ModelConfig, args: ServerArgs, num_shots: int
+) -> bool:
+    """Several shots on a multi-shot stage pin shot sinks, unless the request turned
+    multi-shot sinks off (``--no-multi-shot-sink``) or the sink is empty."""
+    if args.multi_shot or num_shots < 2 or not stage.supports_multi_shot():
+        return False
+    return args.shots.multi_shot_sink and stage.stream_settings(model, args).sink_frames > 0
 
 
 def model_folder(info: ModelInfo, *, pm: Any = None) -> Path:
@@ -211,6 +224,9 @@ def build_stage(
 ) -> CausalDenoisingStage:
     """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
 
+    The sampler is the stage's own (``stage_cls.make_scheduler(model)``; the base stage's is
+    the flow-matching Euler scheduler ``components.scheduler`` also holds).
+
     With a plugin manager, ``causalkv_configure_stage`` runs on the built stage: attributes
     its implementations set stay, and the `ModelConfig` overrides they return are applied
     to the same stage before its caches are allocated (once, on first use).
@@ -219,7 +235,7 @@ def build_stage(
         model,
         server_args,
         denoiser=components.transformer,
-        scheduler=components.scheduler,
+        scheduler=stage_cls.make_scheduler(model),
         cache_factory=cache_factory,
         encode_prompt=components.prompt_encoder,
         negative_prompt=negative_prompt,

@@ -3,7 +3,9 @@
 - transformer: diffusers ``WanTransformer3DModel``, wrapped in `CausalWanTransformer`
   (causal processors installed; weights untouched);
 - text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
-- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift;
+- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift (the base
+  stage's sampler; a stage may declare its own with ``make_scheduler(model)``, which the
+  host uses when it builds the stage);
 - vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
 """
 
