@@ -64,6 +64,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run with kv-cache-quant off (same seed) and report latent_psnr_db")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="sequence parallel on N local processes (torchrun; gloo on CPU, "
+                        "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
+                        "from torchrun and N, if given, must match its --nproc-per-node")
     return parser
 
 
@@ -94,6 +98,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        heads_sharded=_world_size(args),
     )
     output = None
     if not args.no_video:
@@ -112,16 +117,52 @@ def options_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
+    from causalkv.errors import ConfigError, check_int
+    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None:
+        check_int("--nproc-per-node", nproc, minimum=1)
+    if not launched_by_torchrun():
+        return 1 if nproc is None else nproc
+    _rank, world, _local, local_world = env_world()
+    if nproc is not None and nproc != local_world:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} does not match torchrun's {local_world} processes on this "
+            "node; drop --nproc-per-node under torchrun or pass the same value"
+        )
+    return world
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    """Entry of ``causalkv generate``: 0 on success, 2 on bad input (message on stderr)."""
-    from causalkv.runtime.generate import generate
+    """Entry of ``causalkv generate``: 0 on success, 2 on bad input (message on stderr).
+
+    With ``--nproc-per-node N > 1`` outside torchrun the request is planned here (every bad
+    input is refused before any process starts) and the command re-executes itself under
+    ``python -m torch.distributed.run --standalone --nproc-per-node N``; its exit status is
+    torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
+    process group and rank 0 alone prints, writes the video and the metrics.
+    """
+    from causalkv.runtime.distributed import launched_by_torchrun
 
     try:
         options = options_from_args(args)
-        metrics, _run = generate(options, log=print)
+        if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
+            return _launch(args, options)
+        if launched_by_torchrun():
+            from causalkv.runtime.distributed import init_parallel
+
+            main_rank = init_parallel(options.server_args.device).is_main
+        else:
+            main_rank = True
+        metrics, _run = _generate_and_leave(options)
     except CausalKVError as exc:
         print(f"causalkv generate: error: {exc}", file=sys.stderr)
         return 2
+    if not main_rank:
+        return 0
     s = metrics["seconds_per_chunk"]
     print(
         f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
@@ -133,3 +174,28 @@ def run_generate(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
         print(f"metrics: {path}")
     return 0
+
+
+def _generate_and_leave(options: Any) -> Any:
+    """`generate` (logging on rank 0), then leave the process group if one was joined."""
+    from causalkv.runtime.distributed import shutdown
+    from causalkv.runtime.generate import generate
+
+    try:
+        return generate(options, log=print)
+    finally:
+        shutdown()
+
+
+def _launch(args: argparse.Namespace, options: Any) -> int:
+    """Plan on this process (errors before any rank starts), then run the same command
+    under torchrun on ``--nproc-per-node`` local ranks; torchrun's exit status."""
+    from causalkv.runtime.distributed import run_under_torchrun
+    from causalkv.runtime.generate import plan_generation
+
+    plan_generation(options)
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+    print(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)", flush=True)
+    return run_under_torchrun(options.server_args.heads_sharded, argv)

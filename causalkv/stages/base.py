@@ -168,8 +168,10 @@ class StreamSettings:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        head_offset: int = 0,
     ) -> KVCacheSpec:
-        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``)."""
+        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
+        ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
         tpf = self.tokens_per_frame
         return KVCacheSpec(
             batch_size=batch_size,
@@ -181,6 +183,7 @@ class StreamSettings:
             attention_window_size=self.window_frames * tpf,
             dtype=dtype,
             device=device,
+            head_offset=head_offset,
         )
 
 
@@ -434,6 +437,7 @@ class CausalDenoisingStage:
             head_dim=self.denoiser.head_dim,
             dtype=self.denoiser.dtype,
             device=self.denoiser.device,
+            head_offset=getattr(self.denoiser, "head_offset", 0),
         )
         kv = [self.cache_factory.build(spec, self.quant) for _ in range(self.denoiser.num_layers)]
         cross = [CrossAttentionKVCache() for _ in range(self.denoiser.num_layers)]
