@@ -26,8 +26,9 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,13 @@ __all__ = [
     "heads_to_seq",
     "init_parallel",
     "launched_by_torchrun",
+    "local_main_first",
     "seq_to_heads",
     "shutdown",
     "torchrun_command",
 ]
+
+T = TypeVar("T")
 
 #: seconds a collective waits for the other ranks before it fails (gloo and nccl)
 DEFAULT_TIMEOUT_S = 60.0
@@ -230,6 +234,17 @@ def heads_to_seq(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     dist.all_to_all_single(recv, send, group=ctx.group)
     # recv[i] = our tokens of rank i's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s_full // n, n * h, d)
+
+
+def local_main_first(fn: Callable[[], T]) -> T:
+    """``fn()`` on each node's local rank 0 first, then on the other ranks (after a barrier),
+    so files ``fn`` creates (a preset folder) are written once; plain ``fn()`` on one process."""
+    ctx = current()
+    if ctx is None or ctx.world_size <= 1:
+        return fn()
+    result = fn() if ctx.local_rank == 0 else None
+    dist.barrier(group=ctx.group)
+    return fn() if ctx.local_rank != 0 else result  # type: ignore[return-value]
 
 
 def gather_ints(value: int, ctx: ParallelContext) -> list[int]:

@@ -229,8 +229,11 @@ def build_stage(
 
 def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     """Load the plan's model components (a preset folder is built on first use)."""
+    from causalkv.runtime.distributed import local_main_first
+
     args = plan.server_args
-    return load_components(plan.info, model_folder(plan.info, pm=pm), dtype=args.dtype, device=args.device)
+    folder = local_main_first(lambda: model_folder(plan.info, pm=pm))  # ranks share one preset folder
+    return load_components(plan.info, folder, dtype=args.dtype, device=args.device)
 
 
 def run_plan(
