@@ -37,6 +37,8 @@ from causalkv.errors import ConfigError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "EXCHANGE",
+    "ExchangeCounter",
     "ParallelContext",
     "backend_for",
     "check_parallel_request",
@@ -97,6 +99,22 @@ class ParallelContext:
 
 
 _CURRENT: ParallelContext | None = None
+
+
+@dataclass
+class ExchangeCounter:
+    """Bytes this rank sent to other ranks through `seq_to_heads` / `heads_to_seq`
+    (``(N - 1) / N`` of each send buffer; the rest stays on the rank), and the call count."""
+
+    bytes_sent: int = 0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = self.calls = 0
+
+
+#: the process-wide counter (benchmarks/parallel.py reads it per chunk)
+EXCHANGE = ExchangeCounter()
 
 
 def current() -> ParallelContext | None:
@@ -210,6 +228,11 @@ def shutdown() -> None:
 
 
 # ---- the Ulysses exchange ----------------------------------------------------------------------
+def _count(send: torch.Tensor, n: int) -> None:
+    EXCHANGE.bytes_sent += send.numel() * send.element_size() * (n - 1) // n
+    EXCHANGE.calls += 1
+
+
 def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """``[B, S/N, H, D]`` (this rank's tokens) -> ``[B, S, H/N, D]`` (this rank's heads).
 
@@ -221,6 +244,7 @@ def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=ctx.group)
+    _count(send, n)
     # recv[i] = rank i's tokens of our heads
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
 
@@ -232,6 +256,7 @@ def heads_to_seq(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     send = x.reshape(b, n, s_full // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=ctx.group)
+    _count(send, n)
     # recv[i] = our tokens of rank i's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s_full // n, n * h, d)
 
