@@ -170,8 +170,9 @@ def check_parallel_request(
 
     Raises `ConfigError` when ``world_size`` does not divide the head count (each rank caches
     ``H / N`` heads) or the chunk's tokens (each rank takes ``S / N`` of them; nothing is
-    padded), when the device has no backend, or when ``local_ranks`` (default:
-    ``world_size``) processes need more CUDA devices than there are.
+    padded), when the device has no backend, or when ``local_ranks`` processes need more CUDA
+    devices than there are (default: torchrun's ``LOCAL_WORLD_SIZE`` in a worker, else
+    ``world_size``: one node).
     """
     if world_size <= 1:
         return
@@ -188,7 +189,9 @@ def check_parallel_request(
             f"{tokens_per_chunk}"
         )
     backend_for(device)
-    check_devices(device, world_size if local_ranks is None else local_ranks)
+    if local_ranks is None:  # a torchrun worker: the processes of its node; else one node
+        local_ranks = env_world()[3] if launched_by_torchrun() else world_size
+    check_devices(device, local_ranks)
 
 
 def init_parallel(device: str | torch.device = "cpu", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
