@@ -54,7 +54,9 @@ __all__ = [
 class ChunkDenoiser(Protocol):
     """A transformer run causally over per-layer caches (the runtime's `CausalWanTransformer`).
 
-    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``.
+    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``; a
+    head-sharded denoiser (one rank of a sequence-parallel job) also has ``head_offset``, the
+    global index of its first head (read when the caches are built; 0 when absent).
     """
 
     num_layers: int
