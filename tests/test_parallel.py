@@ -112,12 +112,12 @@ from causalkv.hooks import hookimpl
 
 @hookimpl
 def causalkv_chunk_done(stage, chunk_index, stats):
-    if os.environ.get("RANK") == os.environ.get("FAIL_RANK") and chunk_index == 1:
-        raise RuntimeError("rank " + os.environ["RANK"] + " failed on purpose after chunk 1")
+    if os.environ.get("RANK") == os.environ.get("FAIL_RANK") and chunk_index == 0:
+        raise RuntimeError("rank " + os.environ["RANK"] + " failed on purpose after chunk 0")
 '''
 
 
-def test_a_failing_rank_ends_the_job_with_its_error(causalkv_home: str, single, tmp_path: Path) -> None:
+def test_a_failing_rank_ends_the_job_with_its_error(causalkv_home: str, tmp_path: Path) -> None:
     # an installed plugin (entry point in group "causalkv") whose hook raises on rank 1 only
     site = tmp_path / "site"
     (site / "fail_rank_plugin-0.1.dist-info").mkdir(parents=True)
@@ -128,13 +128,14 @@ def test_a_failing_rank_ends_the_job_with_its_error(causalkv_home: str, single, 
     env = _env(causalkv_home, str(site))
     env.update(FAIL_RANK="1", CAUSALKV_PLUGINS="fail_rank")
     cmd = [sys.executable, "-m", "causalkv", "generate", "--model", "tiny-wan", "--dtype", "float32",
-           "--no-video", "--quiet", "--nproc-per-node", str(WORLD)]
+           "--frames", "6", "--no-video", "--quiet", "--nproc-per-node", str(WORLD)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     elapsed = time.perf_counter() - t0
     assert proc.returncode != 0
-    assert "rank 1 failed on purpose after chunk 1" in proc.stderr
-    # torchrun stops rank 0 as soon as rank 1 dies: no collective runs into its timeout
+    assert "rank 1 failed on purpose after chunk 0" in proc.stderr
+    # rank 0 waits in chunk 1's all-to-all; torchrun stops it as soon as rank 1 dies, so no
+    # collective runs into its timeout
     assert "timed out" not in proc.stderr.lower()
     print(f"failing job ended in {elapsed:.1f} s with exit status {proc.returncode}")
 
