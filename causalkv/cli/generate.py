@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run with kv-cache-quant off (same seed) and report latent_psnr_db")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="sequence parallel on N local processes (torchrun; gloo on CPU, "
+                        "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
+                        "from torchrun and N, if given, must match its --nproc-per-node")
     return parser
 
 
@@ -170,6 +175,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         device=args.device,
         shots=shots,
         motion=None if args.motion is None else parse_motion(args.motion),
+        heads_sharded=_world_size(args),
     )
     output = None
     if args.no_video and args.output is not None:
@@ -193,20 +199,53 @@ def options_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
+    from causalkv.errors import ConfigError, check_int
+    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None:
+        check_int("--nproc-per-node", nproc, minimum=1)
+    if not launched_by_torchrun():
+        return 1 if nproc is None else nproc
+    _rank, world, _local, local_world = env_world()
+    if nproc is not None and nproc != local_world:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} does not match torchrun's {local_world} processes on this "
+            "node; drop --nproc-per-node under torchrun or pass the same value"
+        )
+    return world
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Entry of ``causalkv generate``: the exit status (`causalkv.cli.faults`: 0 done, 1
-    unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr."""
+    unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr.
+
+    With ``--nproc-per-node N > 1`` outside torchrun the request is planned here (every bad
+    input is refused before any process starts) and the command re-executes itself under
+    ``python -m torch.distributed.run --standalone --nproc-per-node N``; its exit status is
+    torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
+    process group and rank 0 alone prints, writes the video and the metrics.
+    """
     from causalkv.cli.faults import Progress, Stdout, run_guarded
 
     out, progress = Stdout(), Progress()
 
     def body() -> int:
-        from causalkv.runtime.generate import generate
+        from causalkv.runtime.distributed import launched_by_torchrun
 
         options = options_from_args(args)
-        metrics, _run = generate(
-            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done
-        )
+        if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
+            return _launch(args, options)
+        main_rank = True
+        if launched_by_torchrun():
+            from causalkv.runtime.distributed import init_parallel
+
+            main_rank = init_parallel(options.server_args.device).is_main
+        metrics, _run = _generate_and_leave(options, out, progress)
+        if not main_rank:
+            return 0
         s = metrics["seconds_per_chunk"]
         out(
             f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
@@ -218,3 +257,30 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
 
     return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
+
+
+def _generate_and_leave(options: Any, out: Any, progress: Any) -> Any:
+    """`generate` (logging on rank 0), then leave the process group if one was joined."""
+    from causalkv.runtime.distributed import shutdown
+    from causalkv.runtime.generate import generate
+
+    try:
+        return generate(
+            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done
+        )
+    finally:
+        shutdown()
+
+
+def _launch(args: argparse.Namespace, options: Any) -> int:
+    """Plan on this process (errors before any rank starts), then run the same command
+    under torchrun on ``--nproc-per-node`` local ranks; torchrun's exit status."""
+    from causalkv.runtime.distributed import run_under_torchrun
+    from causalkv.runtime.generate import plan_generation
+
+    plan_generation(options)
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+    print(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)", flush=True)
+    return run_under_torchrun(options.server_args.heads_sharded, argv)

@@ -16,6 +16,12 @@ Per call state (which caches, the token start, the RoPE tables) lives in one `Ca
 shared by all processors of a model; `CausalWanTransformer.__call__` fills it.
 
 Layouts: hidden states ``[B, S, H*D]``; q/k/v ``[B, S, H, D]``; RoPE tables ``[1, S, 1, D]``.
+
+Sequence parallel (`CausalWanTransformer.enable_sequence_parallel`, N ranks): each rank's
+hidden states hold ``S/N`` tokens; the self-attention processor exchanges q/k/v to
+``[B, S, H/N, D]`` (every token, this rank's heads) with one all-to-all, rotates them with the
+whole chunk's RoPE table, writes and reads the rank's caches (``H/N`` heads) and exchanges the
+output back to ``[B, S/N, H, D]``. Cross-attention runs on the rank's tokens unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from causalkv.caches.attention import attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
+from causalkv.runtime.distributed import ParallelContext, heads_to_seq, seq_to_heads
 
 __all__ = [
     "CachedWanCrossAttnProcessor",
@@ -119,6 +126,7 @@ class CausalCallState:
         rope: ``(cos, sin)`` ``[1, S, 1, D]`` for the chunk's frames.
         recent_window_tokens: LingBot-World recent window, or None.
         active: False outside `CausalWanTransformer.__call__` (the processors refuse to run).
+        parallel: the sequence-parallel context (None: one process).
     """
 
     kv_caches: Sequence[CausalKVCache] = ()
@@ -127,6 +135,7 @@ class CausalCallState:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     recent_window_tokens: int | None = None
     active: bool = False
+    parallel: ParallelContext | None = None
     #: views returned by the last call's writes, per layer (for inspection in tests)
     last_positions: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
@@ -165,6 +174,10 @@ class CausalWanSelfAttnProcessor:
         query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
         key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
         value = _heads(attn, attn.to_v(hidden_states))
+        par = st.parallel
+        if par is not None:  # [B, S/N, H, D] -> [B, S, H/N, D]: one all-to-all for q, k and v
+            qkv = seq_to_heads(torch.cat((query, key, value), dim=-1), par)
+            query, key, value = qkv.chunk(3, dim=-1)
         assert st.rope is not None
         cos, sin = st.rope
         if cos.shape[1] != query.shape[1]:
@@ -184,6 +197,8 @@ class CausalWanSelfAttnProcessor:
         )
         st.last_positions[self.layer_index] = tuple(view.position_ranges)
         out = attend(query.to(dtype), view).to(query.dtype)
+        if par is not None:  # [B, S, H/N, D] -> [B, S/N, H, D]
+            out = heads_to_seq(out, par)
         out = out.flatten(2, 3)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -261,6 +276,10 @@ class CausalWanTransformer:
 
     Implements the stages' ``ChunkDenoiser`` call: latents ``[B, C, F, h, w]`` in, flow
     prediction ``[B, C, F, h, w]`` (float32) out.
+
+    ``num_heads`` is the number of heads this process attends over and caches, the global
+    ones ``[head_offset, head_offset + num_heads)`` (all of them on one process; ``H/N`` after
+    `enable_sequence_parallel`).
     """
 
     def __init__(self, transformer: torch.nn.Module) -> None:
@@ -268,6 +287,8 @@ class CausalWanTransformer:
         cfg = transformer.config
         self.num_layers: int = int(cfg.num_layers)
         self.num_heads: int = int(cfg.num_attention_heads)
+        self.head_offset: int = 0
+        self.world_size: int = 1
         self.head_dim: int = int(cfg.attention_head_dim)
         self.patch_size: tuple[int, int, int] = tuple(cfg.patch_size)  # type: ignore[assignment]
         self.in_channels: int = int(cfg.in_channels)
@@ -276,6 +297,23 @@ class CausalWanTransformer:
         self.dtype: torch.dtype = param.dtype
         self.device: torch.device = param.device
         self.state = install_causal_processors(transformer)
+
+    def enable_sequence_parallel(self, ctx: ParallelContext) -> None:
+        """Run as one rank of ``ctx``: the sequence is split across ranks (diffusers'
+        context-parallel hooks), this rank attends over and caches heads ``ctx.head_slice(H)``.
+
+        Call once, before the stage allocates its caches (their spec reads ``num_heads`` and
+        ``head_offset``). Every rank must make the same calls with the same latents.
+        """
+        from causalkv.runtime.distributed import enable_sequence_parallel
+
+        if self.state.parallel is not None:
+            raise RuntimeError("sequence parallelism is already enabled on this transformer")
+        start, stop = ctx.head_slice(int(self.model.config.num_attention_heads))
+        if ctx.world_size > 1:
+            enable_sequence_parallel(self.model, ctx)
+        self.num_heads, self.head_offset, self.world_size = stop - start, start, ctx.world_size
+        self.state.parallel = ctx if ctx.world_size > 1 else None
 
     def tokens_per_frame(self, height: int, width: int) -> int:
         """Tokens per latent frame of latent size ``height`` x ``width``."""

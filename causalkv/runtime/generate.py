@@ -12,6 +12,12 @@
 4. `write_outputs` decodes and writes the video; `run_report` assembles the metrics, with
    the stage's own entries (`CausalDenoisingStage.report`).
 
+Sequence parallel (``server_args.heads_sharded = N > 1``, N torchrun ranks): the plan refuses
+what cannot be split (`causalkv.runtime.distributed.check_parallel_request`), `run_plan`
+joins the process group and makes the transformer one rank of it before the stage allocates
+its caches (each rank caches ``H/N`` heads), every rank runs the same loop and ends with the
+same latents; `generate` logs and writes the video on rank 0 only.
+
 The host imports no model-specific module: everything a model family adds comes from its
 stage and registration.
 """
@@ -175,6 +181,11 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
         args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage)
     settings = res.stage.check_request(model, args, num_frames)
+    if args.heads_sharded > 1:
+        from causalkv.runtime.distributed import check_parallel_request
+
+        check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
+                               tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
     chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
     negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
@@ -248,8 +259,11 @@ def build_stage(
 
 def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     """Load the plan's model components (a preset folder is built on first use)."""
+    from causalkv.runtime.distributed import local_main_first
+
     args = plan.server_args
-    return load_components(plan.info, model_folder(plan.info, pm=pm), dtype=args.dtype, device=args.device)
+    folder = local_main_first(lambda: model_folder(plan.info, pm=pm))  # ranks share one preset folder
+    return load_components(plan.info, folder, dtype=args.dtype, device=args.device)
 
 
 def run_plan(
@@ -277,10 +291,13 @@ def run_plan(
     args = server_args if server_args is not None else plan.server_args
     res = resolution if resolution is not None else plan.resolution
     load_seconds = 0.0
+    parallel = _join_ranks(args)
     if components is None:
         t0 = time.perf_counter()
         components = load_for_plan(plan, pm=pm)
         load_seconds = time.perf_counter() - t0
+    if parallel is not None and components.transformer.world_size == 1:
+        components.transformer.enable_sequence_parallel(parallel)
     stage = build_stage(
         res.stage, res.cache_factory, plan.model, args, components,
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
@@ -307,6 +324,33 @@ def run_plan(
         components=components,
         load_seconds=load_seconds,
     )
+
+
+def _join_ranks(args: ServerArgs) -> Any:
+    """The `ParallelContext` of a sequence-parallel request (joins torchrun's process group
+    on first use), None on one process. `ConfigError` when the ranks do not match the request."""
+    if args.heads_sharded <= 1:
+        return None
+    from causalkv.errors import ConfigError
+    from causalkv.runtime.distributed import current, init_parallel, launched_by_torchrun
+
+    ctx = current()
+    if ctx is None and launched_by_torchrun():
+        ctx = init_parallel(args.device)
+    if ctx is None or ctx.world_size != args.heads_sharded:
+        have = 1 if ctx is None else ctx.world_size
+        raise ConfigError(
+            f"heads_sharded={args.heads_sharded} needs as many torchrun ranks, this job has {have}; "
+            f"run `causalkv generate --nproc-per-node {args.heads_sharded} ...` or torchrun"
+        )
+    return ctx
+
+
+def _is_main_rank() -> bool:
+    from causalkv.runtime.distributed import current
+
+    ctx = current()
+    return ctx is None or ctx.is_main
 
 
 def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | None:
@@ -411,6 +455,7 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
         "kv_packing": packing_summary(run.stage),
+        **_rank_metrics(run),
         **run.stage.report(),
     }
 
@@ -428,6 +473,22 @@ def packing_summary(stage: CausalDenoisingStage) -> dict[str, Any] | None:
     if not reports:
         return None
     return type(reports[0]).merge(reports).to_dict()
+def _rank_metrics(run: GenerationRun) -> dict[str, Any]:
+    """``world_size`` and the KV bytes of every rank (``kv_resident_bytes_max`` is this
+    rank's; one collective on a sequence-parallel run, so every rank must call it)."""
+    from causalkv.runtime.distributed import current, gather_ints
+
+    ctx = current()
+    world = int(getattr(run.stage.denoiser, "world_size", 1))
+    per_rank = [run.kv_resident_bytes_max]
+    if ctx is not None and world > 1:
+        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
+    return {
+        "world_size": world,
+        "kv_heads_per_rank": int(run.stage.denoiser.num_heads),
+        "kv_resident_bytes_max_per_rank": per_rank,
+        "kv_resident_bytes_max_total": sum(per_rank),
+    }
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -467,12 +528,17 @@ def generate(
 
     Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
     reasons, where the video went); ``on_plan`` the validated plan, ``on_chunk_done`` each
-    chunk of the main run (the command line counts them for its interruption message). With ``options.save_latents`` the latents are saved
-    after the run; with ``options.metrics`` the metrics JSON is written last (atomically).
+    chunk of the main run (the command line counts them for its interruption message). With
+    ``options.save_latents`` the latents are saved after the run; with ``options.metrics``
+    the metrics JSON is written last (atomically). On a sequence-parallel run only rank 0
+    logs and writes files.
     """
     from causalkv.plugin import get_plugin_manager
 
-    say = log or (lambda _line: None)
+    def say(line: str) -> None:  # rank 0 alone logs
+        if log is not None and _is_main_rank():
+            log(line)
+
     pm = pm if pm is not None else get_plugin_manager()
     t_start = time.perf_counter()
     plan = plan_generation(options, pm=pm)
@@ -480,7 +546,7 @@ def generate(
         on_plan(plan)
     for line in describe_plan(plan):
         say(line)
-    bar = _progress(plan.num_chunks, options.quiet)
+    bar = _progress(plan.num_chunks, options.quiet or not _is_main_rank())
 
     def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
         bar.update(1)
@@ -492,7 +558,7 @@ def generate(
     finally:
         bar.close()
     metrics = run_report(plan, run)
-    if options.save_latents is not None:
+    if options.save_latents is not None and _is_main_rank():
         metrics["latents"] = str(save_latents(options.save_latents, run.latents, latents_metadata(plan)))
         say(f"latents: {metrics['latents']}")
     if options.compare_bf16:
@@ -505,11 +571,11 @@ def generate(
             + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
             f"{metrics['reference_kv_resident_bytes_max']:,}"
         )
-    if options.output is not None:
+    if options.output is not None and _is_main_rank():
         metrics.update(write_outputs(plan, run, options.output, pm=pm))
         w, h = metrics["video_size"][1], metrics["video_size"][0]
         say(f"wrote {metrics['output']} ({metrics['video_frames']} frames, {w}x{h})")
     metrics["seconds_total"] = time.perf_counter() - t_start
-    if options.metrics is not None:
+    if options.metrics is not None and _is_main_rank():
         write_json_atomic(options.metrics, metrics)
     return metrics, run

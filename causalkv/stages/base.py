@@ -54,7 +54,9 @@ __all__ = [
 class ChunkDenoiser(Protocol):
     """A transformer run causally over per-layer caches (the runtime's `CausalWanTransformer`).
 
-    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``.
+    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``; a
+    head-sharded denoiser (one rank of a sequence-parallel job) also has ``head_offset``, the
+    global index of its first head (read when the caches are built; 0 when absent).
     """
 
     num_layers: int
@@ -168,8 +170,10 @@ class StreamSettings:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        head_offset: int = 0,
     ) -> KVCacheSpec:
-        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``)."""
+        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
+        ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
         tpf = self.tokens_per_frame
         return KVCacheSpec(
             batch_size=batch_size,
@@ -181,6 +185,7 @@ class StreamSettings:
             attention_window_size=self.window_frames * tpf,
             dtype=dtype,
             device=device,
+            head_offset=head_offset,
         )
 
 
@@ -468,6 +473,7 @@ class CausalDenoisingStage:
             head_dim=self.denoiser.head_dim,
             dtype=self.denoiser.dtype,
             device=self.denoiser.device,
+            head_offset=getattr(self.denoiser, "head_offset", 0),
         )
         kv = [self.cache_factory.build(spec, self.quant) for _ in range(self.denoiser.num_layers)]
         cross = [CrossAttentionKVCache() for _ in range(self.denoiser.num_layers)]
