@@ -118,7 +118,9 @@ def causalkv_chunk_done(stage, chunk_index, stats):
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(causalkv_home: str, tmp_path: Path) -> None:
-    # an installed plugin (entry point in group "causalkv") whose hook raises on rank 1 only
+    # an installed plugin (entry point in group "causalkv") whose hook raises on rank 1 only;
+    # --strict-plugins makes an observer's failure fatal (without it the hook is skipped and
+    # the run completes, tests/test_cli_faults.py)
     site = tmp_path / "site"
     (site / "fail_rank_plugin-0.1.dist-info").mkdir(parents=True)
     (site / "fail_rank_plugin.py").write_text(FAIL_PLUGIN)
@@ -128,7 +130,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(causalkv_home: str, tmp_path
     env = _env(causalkv_home, str(site))
     env.update(FAIL_RANK="1", CAUSALKV_PLUGINS="fail_rank")
     cmd = [sys.executable, "-m", "causalkv", "generate", "--model", "tiny-wan", "--dtype", "float32",
-           "--frames", "6", "--no-video", "--quiet", "--nproc-per-node", str(WORLD)]
+           "--frames", "6", "--no-video", "--quiet", "--strict-plugins", "--nproc-per-node", str(WORLD)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     elapsed = time.perf_counter() - t0

@@ -23,6 +23,7 @@ folder), one line naming the value and the fix.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -136,28 +137,13 @@ def _transformer_config(info: ModelInfo, pm: Any) -> dict[str, Any]:
 
 
 def rope_frame_ends(plan: Plan) -> list[int]:
-    """The end (exclusive, in latent frames) of each chunk's RoPE frames, as the stage's
-    chunk loop will compute them: ``chunk start + frames per chunk + rope_frame_offset``.
-
-    The stage's per-chunk policy (``begin_chunk``, ``rope_frame_offset``) runs on an empty
-    probe stage that has no caches and no model, so a stage that needs more than its
-    config and stream state to place RoPE (a stage of a plugin) is given no offset here; its
-    chunk loop still refuses a position beyond the limit when it reaches it.
-    """
+    """The end (exclusive, in latent frames, rounded up) of each chunk's RoPE frames, as the
+    stage's chunk loop will place them (`CausalDenoisingStage.planned_rope_frame_starts`)."""
     fpc = plan.settings.frames_per_chunk
-    stage_cls = plan.resolution.stage
-    probe = stage_cls.__new__(stage_cls)
-    probe.name, probe.model, probe.server_args = "probe", plan.model, plan.server_args
-    probe.settings, probe._cache_sets = plan.settings, None
-    ends = []
-    try:
-        probe._reset_stream()
-        for i, prompt in enumerate(plan.chunk_prompts):
-            probe.begin_chunk(i, prompt, None)  # no frames cached yet: no cache work
-            ends.append(i * fpc + int(probe.rope_frame_offset(i, prompt)) + fpc)
-    except Exception:  # noqa: BLE001 - a policy that needs a built stage: no offsets known
-        ends = [(i + 1) * fpc for i in range(plan.num_chunks)]
-    return ends
+    starts = plan.resolution.stage.planned_rope_frame_starts(
+        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
+    )
+    return [math.ceil(start) + fpc for start in starts]
 
 
 def _physical_memory_bytes() -> int | None:

@@ -520,6 +520,19 @@ class CausalDenoisingStage:
         return getattr(self.cache_factory, "name", type(self.cache_factory).__name__)
 
     # ---- per-chunk policy (subclasses override) ------------------------------------------
+    @classmethod
+    def planned_rope_frame_starts(
+        cls,
+        model: ModelConfig,
+        server_args: ServerArgs,
+        settings: StreamSettings,
+        chunk_prompts: Sequence[str],
+    ) -> list[float]:
+        """The RoPE start frame of each chunk, known before any weights load (the host checks
+        them against the model's RoPE limit). Must agree with `rope_frame_offset` in the
+        chunk loop; here: the chunk's own first frame."""
+        return [float(i * settings.frames_per_chunk) for i in range(len(chunk_prompts))]
+
     def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
         """Frames added to the RoPE position of the chunk's frames (0 here; may be fractional)."""
         return 0

@@ -324,6 +324,21 @@ class LongLive2Stage(CausalDenoisingStage):
         self.layout = layout_of(chunk_prompts, self.server_args)
         return super().generate(noise, chunk_prompts, **kwargs)
 
+    @classmethod
+    def planned_rope_frame_starts(
+        cls,
+        model: ModelConfig,
+        server_args: ServerArgs,
+        settings: Any,
+        chunk_prompts: Sequence[str],
+    ) -> list[float]:
+        """Chunk start plus shot index x the per-shot RoPE offset (as `rope_frame_offset`)."""
+        off = server_args.shots.multi_shot_rope_offset
+        per_shot = float(model.rope_offset_frames_per_shot if off is None else off)
+        shots = layout_of(chunk_prompts, server_args).shot_indices
+        fpc = settings.frames_per_chunk
+        return [i * fpc + shot * per_shot for i, shot in enumerate(shots)]
+
     def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
         shot = self.layout.shot_indices[chunk_index] if self.layout is not None else 0
         offset = shot * self.rope_offset_per_shot
