@@ -42,7 +42,7 @@ test: $(STAMP)
 
 # The bridge against the released sglang: our tests, then sglang's own unit tests with the hooks on.
 test-sglang: $(SGL_STAMP)
-	HF_HUB_OFFLINE=1 $(SGL_BIN)/python -m tests.sglang.run
+	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
