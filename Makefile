@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Second environment: the released sglang (CPU-only import set) next to causalkv, for tests/sglang.
+# Second environment: the released sglang (CPU-only import set) next to causalkv, for tests/sglang_bridge.
 SGL_VENV ?= .venv-sglang
 SGL_BIN := $(SGL_VENV)/bin
 SGL_STAMP := $(SGL_VENV)/.installed
@@ -42,7 +42,7 @@ test: $(STAMP)
 
 # The bridge against the released sglang: our tests, then sglang's own unit tests with the hooks on.
 test-sglang: $(SGL_STAMP)
-	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang/run.py
+	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks

@@ -1,7 +1,7 @@
 """`QVGPackedCausalKVCache(policy="sglang")`: sglang's packing rule in causalkv's own cache.
 
 Runs in the main environment (no sglang needed); the bridge's cache uses the same rule
-(`causalkv.sglang.policy`) and is tested against sglang itself in tests/sglang.
+(`causalkv.sglang.policy`) and is tested against sglang itself in tests/sglang_bridge.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One pytest process, with `ckv_sglang_pytest` loaded first (it applies causalkv's
 sglang's own plugin lifecycle). sglang's test files run from the installed package, minus the
 tests in `DESELECTED` that assert the very refusal the bridge removes.
 
-    .venv-sglang/bin/python tests/sglang/run.py [extra pytest args]
+    .venv-sglang/bin/python tests/sglang_bridge/run.py [extra pytest args]
 """
 
 from __future__ import annotations

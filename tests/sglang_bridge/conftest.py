@@ -1,4 +1,4 @@
-"""tests/sglang runs in the sglang environment only (`make test-sglang`, `tests/sglang/run.py`).
+"""tests/sglang_bridge runs in the sglang environment only (`make test-sglang`, its run.py).
 
 The main environment has no sglang: there these modules are not collected (they run in the
 same `make test`, in .venv-sglang, right after the main suite).
