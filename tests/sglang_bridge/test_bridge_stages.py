@@ -186,20 +186,26 @@ def test_bridge_off_brings_the_seed_errors_back():
 
 # ---- a chunk loop through LongLive 2.0's own forward -------------------------------------
 class _DiT:
-    """Stands in for the DiT: per block it makes the causal self-attention call sglang's
-    CausalWan attention makes (``can_direct_current_attention``, then
-    ``update_and_get_attention_kv`` with ``cache_head_start``) and attends over the view."""
+    """Stands in for the DiT around sglang's own causal self-attention layer: per block, a
+    fixed projection to q/k/v, then sglang's ``CausalWanSelfAttention`` (its rotary embedding,
+    its ``can_direct_current_attention`` / ``update_and_get_attention_kv`` call site and its
+    torch-SDPA attention over the cache view), then a fixed output projection."""
 
     independent_first_frame = False
     num_attention_heads = HEADS
     attention_head_dim = HEAD_DIM
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, blocks: int) -> None:
+        from sglang.multimodal_gen.runtime.models.dits.causal_wanvideo import (
+            CausalWanSelfAttention,
+        )
+
         g = torch.Generator().manual_seed(1)
         self.proj = torch.randn(3, channels, HEADS * HEAD_DIM, generator=g) / channels**0.5
         self.out = torch.randn(HEADS * HEAD_DIM, channels, generator=g) / HEAD_DIM
+        self.attn = [CausalWanSelfAttention(dim=HEADS * HEAD_DIM, num_heads=HEADS)
+                     for _ in range(blocks)]
         self.config = SimpleNamespace(patch_size=(1, 1, 1))
-        self.views: list[int] = []
 
     def forward(self, x, prompt_embeds, timestep, kv_cache=None, crossattn_cache=None,
                 current_start=0, start_frame=0):
@@ -207,19 +213,13 @@ class _DiT:
         tokens = x.float().flatten(2).transpose(1, 2)  # [B, n, C]
         q, k, v = (tokens @ p for p in self.proj)
         q, k, v = (z.unflatten(2, (HEADS, HEAD_DIM)).to(torch.bfloat16) for z in (q, k, v))
+        pos = torch.arange(current_start, current_start + q.shape[1], dtype=torch.float32)
+        freqs = pos[:, None] / 10000 ** (torch.arange(HEAD_DIM // 2) / (HEAD_DIM // 2))
         out = torch.zeros_like(tokens)
-        for cache in kv_cache:
-            if cache.can_direct_current_attention(k.shape[1]):
-                kk, vv = k, v
-            else:
-                view = cache.update_and_get_attention_kv(
-                    key=k, value=v, current_chunk_start=current_start, cache_head_start=0,
-                    debug_name="CausalWan KV cache")
-                kk, vv = view.k, view.v
-                self.views.append(kk.shape[1])
-            att = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2).float(), kk.transpose(1, 2).float(), vv.transpose(1, 2).float())
-            out = out + att.transpose(1, 2).flatten(2) @ self.out
+        for attn, cache in zip(self.attn, kv_cache):
+            y = attn(q, k, v, (freqs.cos(), freqs.sin()), None, kv_cache=cache,
+                     current_start=current_start)
+            out = out + y.float().flatten(2) @ self.out
         return out.transpose(1, 2).reshape(b, c, t, h, w).to(x.dtype)
 
     __call__ = forward
@@ -234,10 +234,15 @@ class _Scheduler:
 
 
 def _longlive2_run(quant, monkeypatch):
+    from sglang.multimodal_gen.runtime.server_args import server_args as sgl_server_args
+
     monkeypatch.setattr(causal_denoising, "get_local_torch_device", lambda: torch.device("cpu"))
+    # sglang's attention layer picks its backend from the global server args: torch SDPA
+    monkeypatch.setattr(sgl_server_args, "_global_server_args", SimpleNamespace(
+        attention_backend="torch_sdpa", is_arg_explicitly_set=lambda name: True))
     stage = LongLive2CausalDenoisingStage.__new__(LongLive2CausalDenoisingStage)
     channels, frames_per_block, blocks, hw = 4, 2, 6, 4
-    stage.transformer = _DiT(channels)
+    stage.transformer = _DiT(channels, blocks=2)
     stage.num_transformer_blocks = 2
     stage.num_frames_per_block = frames_per_block
     stage.sliding_window_num_frames = 4 * frames_per_block
@@ -275,8 +280,9 @@ def _longlive2_run(quant, monkeypatch):
 
 def test_longlive2_forward_chunk_loop_on_the_bridge_caches(monkeypatch):
     """sglang's LongLive 2.0 forward (blocks, denoise steps, context updates, scene-cut pins,
-    global sink) on the bridge's caches: int2 without packing equals sglang's dense cache
-    exactly, int2 with packing pins, compresses and stays close."""
+    global sink) through sglang's own causal self-attention layer on the bridge's caches:
+    int2 with nothing packed yet equals sglang's dense cache bit for bit; int2 with packing
+    pins, compresses and stays close."""
     dense_stage, dense = _longlive2_run(QVGKVQuantArgs(), monkeypatch)
     assert type(dense_stage.causal_kv_cache[0]) is CausalSelfAttentionKVCache
     unpacked_stage, unpacked = _longlive2_run(
@@ -285,7 +291,6 @@ def test_longlive2_forward_chunk_loop_on_the_bridge_caches(monkeypatch):
     assert type(cache) is SGLangQVGKVCache and cache.global_sink_tokens == 2 * 16
     assert cache.packed_chunks() == 0
     assert torch.equal(unpacked, dense)
-    assert unpacked_stage.transformer.views == dense_stage.transformer.views
     packed_stage, packed = _longlive2_run(QVGKVQuantArgs(bits=2, block_size=16, centroids=8),
                                           monkeypatch)
     cache = packed_stage.causal_kv_cache[0]
