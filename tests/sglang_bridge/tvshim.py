@@ -40,7 +40,7 @@ def install() -> bool:
         pass
     lib = torch.library.Library("torchvision", "FRAGMENT")
     for name, schema in _SCHEMAS.items():
-        if not torch._C._dispatch_has_kernel(f"torchvision::{name}") and not _op_exists(name):
+        if not _op_exists(name):
             lib.define(schema)
     _LIBS.append(lib)
     return True
