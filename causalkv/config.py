@@ -1,16 +1,20 @@
 """`ModelConfig` and `ServerArgs`: what the resolver and the stages read, before any weights load.
 
-A leaf module (it imports only the QVG args), so hooks, plugins, stages and the runtime can
-all share these records without import cycles. The runtime re-exports them.
+A torch-free leaf module (it imports only the QVG settings), so hooks, plugins, stages and
+the runtime share these records without import cycles and a plugin author imports it without
+loading torch. The runtime re-exports them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.errors import ConfigError, check_int
+from causalkv.quant_config import QVGKVQuantArgs
 
-__all__ = ["ModelConfig", "ServerArgs"]
+__all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class ModelConfig:
         window_frames: frames attention sees at most (sink included).
         cache_frames: frames the cache retains (defaults to ``window_frames``).
         recent_window_frames: LingBot-World recent-window sampling (frames before the chunk).
-        timesteps: denoising timesteps before the shift (FACTS.md: 1000, 750, 500, 250).
+        timesteps: denoising timesteps before the shift (Self-Forcing: 1000, 750, 500, 250).
         shift: flow-matching shift.
         context_noise: timestep of the context pass that writes the clean K/V.
         rope_offset_frames_per_shot: RoPE frame offset added per shot (LongLive 2.0).
@@ -60,9 +64,16 @@ class ModelConfig:
         return self.tokens_per_frame * self.frames_per_chunk
 
 
+#: dtypes a request may name
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 @dataclass
 class ServerArgs:
     """Per-request and per-server options that shape resolution and generation.
+
+    Validated on construction (`ConfigError`, a ValueError, naming the value and the flag);
+    derive a changed copy with ``dataclasses.replace`` so the copy is validated too.
 
     Attributes:
         kv_cache_quant_config: QVG settings (``bits=None`` = off).
@@ -85,3 +96,40 @@ class ServerArgs:
     dtype: str = "bfloat16"
     device: str = "cpu"
     guidance_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_cache_quant_config, QVGKVQuantArgs):
+            raise ConfigError(
+                f"kv_cache_quant_config must be a QVGKVQuantArgs, got {self.kv_cache_quant_config!r}"
+            )
+        for name, flag, minimum in (
+            ("sink_frames", "--sink-frames", 0),
+            ("window_frames", "--window-frames", 1),
+            ("recent_window_frames", "--recent-window-frames", 0),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(flag, value, minimum=minimum, hint="or leave it unset for the model's value")
+        check_int("--heads-sharded", self.heads_sharded, minimum=1)
+        check_int("--seed", self.seed)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        g = self.guidance_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+            raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")
+        if self.cache is not None and (not isinstance(self.cache, str) or not self.cache):
+            raise ConfigError(f"cache must be a cache name or None, got {self.cache!r} (--cache)")
+
+
+def check_prompts(prompts: str | Sequence[str]) -> list[str]:
+    """The prompts as a list; `ConfigError` if it is empty or holds an empty prompt.
+
+    The one prompt check of the package (requests, per-chunk prompt lists, shots).
+    """
+    items = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not items:
+        raise ConfigError("the prompt list is empty; pass at least one --prompt TEXT")
+    for p in items:
+        if not isinstance(p, str) or not p.strip():
+            raise ConfigError(f"prompts must be non-empty text, got {p!r}; fix the --prompt value")
+    return items

@@ -1,4 +1,4 @@
-"""Shared test settings: hypothesis profiles.
+"""Shared test settings and fixtures: hypothesis profiles, ``causalkv_home``, ``pm``.
 
 Profiles (``HYPOTHESIS_PROFILE=<name>`` picks one; ``CI`` set forces ``ci``; default ``ci``):
 
@@ -10,11 +10,37 @@ Profiles (``HYPOTHESIS_PROFILE=<name>`` picks one; ``CI`` set forces ``ci``; def
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from causalkv.plugin.testing import fresh_plugin_manager
 
 for _name in ("ci", "dev"):
     settings.register_profile(
         _name, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
     )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session", autouse=False)
+def causalkv_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A session-wide temporary CAUSALKV_HOME (presets are created there once)."""
+    home = str(tmp_path_factory.mktemp("causalkv-home"))
+    old = os.environ.get("CAUSALKV_HOME")
+    os.environ["CAUSALKV_HOME"] = home
+    try:
+        yield home
+    finally:
+        if old is None:
+            os.environ.pop("CAUSALKV_HOME", None)
+        else:
+            os.environ["CAUSALKV_HOME"] = old
+
+
+@pytest.fixture
+def pm() -> Any:
+    """A fresh plugin manager: the built-in plugin only, no autoload."""
+    return fresh_plugin_manager()

@@ -1,6 +1,6 @@
 """An independent token-position oracle for the causal KV cache contract, and a driver.
 
-Part 1, `OracleCache`: the contract of ARCHITECTURE.md / docs/caches.md written again in
+Part 1, `OracleCache`: the contract of docs/design.md / docs/caches.md written again in
 plain Python over *sets of ints*, one token at a time. It shares no code with
 ``causalkv.caches.stream`` or ``causalkv.caches.intervals`` (it must not import them), so a
 bug there cannot hide in here. It tracks which positions the cache retains and, per

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-from test_runtime_fixtures import causalkv_home, make_options, plan_and_run, pm  # noqa: F401
+from runtime_helpers import make_options, plan_and_run
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
 from causalkv.caches.cross import CrossAttentionKVCache
@@ -50,7 +50,7 @@ def visible_mask(num_tokens: int, chunk: int, sink: int, window: int, recent: in
     return mask
 
 
-def test_rope_at_offset_equals_rows_of_the_full_table(causalkv_home: str) -> None:  # noqa: F811
+def test_rope_at_offset_equals_rows_of_the_full_table(causalkv_home: str) -> None:
     model = load_wan_transformer(materialize_preset("tiny-wan") / "transformer")
     hw = 4 * 4  # 8x8 latents, patch 2x2
     full_cos, full_sin = model.rope(torch.zeros(1, 4, 9, 8, 8))
@@ -72,7 +72,7 @@ def test_rope_at_offset_equals_rows_of_the_full_table(causalkv_home: str) -> Non
     ],
 )
 def test_chunked_generation_equals_block_causal_full_forward(
-    causalkv_home: str, pm, preset: str, frames: int, overrides: dict  # noqa: F811
+    causalkv_home: str, pm, preset: str, frames: int, overrides: dict
 ) -> None:
     records: list[ForwardRecord] = []
     plan, run = plan_and_run(
@@ -111,7 +111,7 @@ def test_chunked_generation_equals_block_causal_full_forward(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"chunk {i}")
 
 
-def test_oracle_mask_actually_evicts(causalkv_home: str) -> None:  # noqa: F811
+def test_oracle_mask_actually_evicts(causalkv_home: str) -> None:
     # the mask of tiny-wan (no sink, window 9 frames = 144 tokens, chunk 48 tokens):
     # chunk 3 [144, 192) sees [48, 192) and not chunk 0
     mask = visible_mask(192, 48, 0, 144, None)
@@ -120,7 +120,7 @@ def test_oracle_mask_actually_evicts(causalkv_home: str) -> None:  # noqa: F811
     assert lingbot[150, :48].all() and not lingbot[150, 48:96].any() and lingbot[150, 96:192].all()
 
 
-def test_processor_writes_advance_then_rewrite(causalkv_home: str) -> None:  # noqa: F811
+def test_processor_writes_advance_then_rewrite(causalkv_home: str) -> None:
     model = load_wan_transformer(materialize_preset("tiny-wan") / "transformer")
     tr = CausalWanTransformer(model)
     spec = KVCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=144, dtype=torch.float32)

@@ -116,11 +116,6 @@ def test_cursors_and_indices_are_python_ints_and_writes_never_sync(monkeypatch):
     assert type(cache.global_end) is int
 
 
-def test_use_int_indices_is_accepted():
-    spec = KVCacheSpec(1, 1, 4, 4, use_int_indices=True, dtype=torch.float32)
-    assert write(DenseCausalKVCache(spec), 0, 2).positions.tolist() == [0, 1]
-
-
 def test_empty_cache_view():
     cache = DenseCausalKVCache(SPEC)
     view = cache.get_attention_kv()

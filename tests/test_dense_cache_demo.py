@@ -108,7 +108,7 @@ def test_demo_default_shows_the_shot_sink_release(capsys):
 def test_demo_full_scale_line_matches_facts(capsys):
     main(["demo", "--chunks", "1"])
     out = capsys.readouterr().out
-    # FACTS.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens = 10.4 GB
+    # docs/design.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens = 10.4 GB
     assert "28,160 tokens: 10.4 GB of K/V (368,640 B per token)" in out
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_runtime_fixtures import causalkv_home  # noqa: F401
 
 from causalkv.cli import main
 from causalkv.runtime import video
@@ -19,7 +18,7 @@ REQUIRED_METRICS = {"stage", "cache", "chunks", "seconds_per_chunk", "kv_residen
 
 
 def test_generate_writes_mp4_and_metrics_with_compare(
-    causalkv_home: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]  # noqa: F811
+    causalkv_home: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, metrics_path = tmp_path / "v.mp4", tmp_path / "m.json"
     rc = main(["generate", "--model", "tiny-wan", "--frames", "12", "--dtype", "float32",
@@ -48,13 +47,13 @@ def test_generate_writes_mp4_and_metrics_with_compare(
         (["--frames", "7"], "frames=7 is not divisible by frames per chunk=3"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--model", "tiny-longlive", "--window-frames", "2"], "smaller than a chunk of 3 frames"),
-        (["--model", "tiny-longlive", "--sink-frames", "-2"], "sink frames must be an int >= 0, got -2"),
+        (["--model", "tiny-longlive", "--sink-frames", "-2"], "--sink-frames must be an int >= 0, got -2"),
         (["--prompt", ""], "prompts must be non-empty text"),
         (["--kv-cache-quant-centroids", "0"], "kv-cache-quant-centroids must be > 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(
-    causalkv_home: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str  # noqa: F811
+    causalkv_home: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     rc = main(["generate", "--quiet", "--output", str(tmp_path / "x.mp4"), *argv])
     err = capsys.readouterr().err

@@ -78,7 +78,7 @@ def test_plugins_json_lists_plugins_stages_and_caches(capsys):
     assert "--kv-cache-quant" not in stages["plain"]["features_needed"]
     ll2 = stages["longlive2"]
     assert ll2["qvg"] is True and ll2["multi_shot"] is True
-    assert ll2["models"] == ["tiny-longlive2", "LongLive2Pipeline"]
+    assert ll2["models"] == ["LongLive2Pipeline", "tiny-longlive2"]
     assert ll2["features_needed"] == {
         "always": [],
         "--kv-cache-quant": ["quant:qvg"],
@@ -146,7 +146,7 @@ def test_resolve_json_and_flags(capsys):
          "cache 'dense' lacks quant:qvg"),
         (["resolve", "tiny-wan", "--kv-cache-quant", "int4", "--kv-cache-quant-centroids", "300"],
          "kv-cache-quant-centroids must be <= 256"),
-        (["resolve", "tiny-wan", "--heads-sharded", "0"], "--heads-sharded must be >= 1"),
+        (["resolve", "tiny-wan", "--heads-sharded", "0"], "--heads-sharded must be a positive int, got 0"),
     ],
 )
 def test_resolve_failure_exits_2_with_the_error_on_stderr(capsys, argv, message):

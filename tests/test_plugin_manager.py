@@ -18,6 +18,7 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import (
     PluginConflictError,
+    ResolutionError,
     collect,
     configure_stage,
     get_plugin_manager,
@@ -27,15 +28,10 @@ from causalkv.plugin import (
 )
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
 from causalkv.plugin.loader import PluginSettings
-from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
+from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
 from causalkv.stages.longlive import LongLiveStage
 
 BUILTIN_CACHES = ("dense", "qvg")
-
-
-@pytest.fixture
-def pm():
-    return fresh_plugin_manager()
 
 
 StagesPlugin = RecordsPlugin
@@ -76,20 +72,21 @@ def test_builtin_plugin_registers_through_the_public_hooks(pm):
 
 
 def test_builtin_stage_table():
-    table = {s.name: (s.stage, s.models) for s in STAGES}
+    table = {s.name: (s.target, s.served) for s in STAGES}
     assert table == {
         "self-forcing-wan": (
             "causalkv.stages.wan:WanCausalDMDStage",
-            ("tiny-wan", "SelfForcingWanPipeline", "CausVidPipeline", "WanPipeline"),
+            ("SelfForcingWanPipeline", "CausVidPipeline", "WanPipeline", "WanCausalDMDPipeline",
+             "tiny-wan"),
         ),
-        "longlive": ("causalkv.stages.longlive:LongLiveStage", ("tiny-longlive", "LongLivePipeline")),
+        "longlive": ("causalkv.stages.longlive:LongLiveStage", ("LongLivePipeline", "tiny-longlive")),
         "longlive2": (
             "causalkv.stages.longlive2:LongLive2Stage",
-            ("tiny-longlive2", "LongLive2Pipeline"),
+            ("LongLive2Pipeline", "tiny-longlive2"),
         ),
         "lingbot-world": (
             "causalkv.stages.lingbot:LingBotWorldStage",
-            ("tiny-lingbot", "LingBotWorldPipeline"),
+            ("LingBotWorldPipeline", "LingBotWorldCausalDMDPipeline", "tiny-lingbot"),
         ),
     }
 
@@ -114,7 +111,7 @@ def test_temporary_plugin_is_unregistered_even_on_error(pm):
             assert pm.get_plugin(name) is plugin
             raise RuntimeError("boom")
     assert not pm.is_registered(plugin)
-    assert collect(pm).stage("tmp") is None
+    assert "tmp" not in [e.name for e in collect(pm).stages]
 
 
 def test_register_plugin_rejects_unknown_hook_names(pm):
@@ -253,7 +250,8 @@ def test_causalkv_register_stages_adds_a_model(pm):
         entry = collect(pm).stage("extra")
         assert entry.plugin == "extra-plugin"
         assert resolve("ExtraPipeline", pm=pm).stage is LongLiveStage
-    assert collect(pm).stage("extra") is None
+    with pytest.raises(ResolutionError, match="no stage named 'extra'. Choose one of: self-forcing-wan"):
+        collect(pm).stage("extra")
 
 
 def test_causalkv_register_cache_factories_adds_a_cache(pm):

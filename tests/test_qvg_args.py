@@ -1,4 +1,4 @@
-"""QVGKVQuantArgs: reference defaults, dict keys, CLI flags and validation messages (FACTS.md)."""
+"""QVGKVQuantArgs: reference defaults, dict keys, CLI flags and validation messages (the reference runtime's, docs/qvg.md)."""
 
 from __future__ import annotations
 

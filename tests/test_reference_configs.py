@@ -1,4 +1,4 @@
-"""The reference configurations of FACTS.md at reduced token counts.
+"""The reference configurations of docs/design.md ("Models") at reduced token counts.
 
 Each stream runs the way a causal stage drives a layer's cache: per chunk, 4 denoising steps
 (the first advances, the others rewrite) and a context pass that rewrites the clean K/V, so

@@ -13,7 +13,7 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
 from causalkv.plugin.builtin import STAGES
-from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
+from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage
 from causalkv.stages.longlive import LongLiveStage
@@ -30,11 +30,6 @@ EXPECTED_CLASS = {
 #: LongLive 2.0 is the multi-shot model (scene cuts pin a shot sink)
 MULTI_SHOT_STAGES = {"longlive2"}
 QUANT_BITS = {"off": None, "int4": 4, "int2": 2}
-
-
-@pytest.fixture
-def pm():
-    return fresh_plugin_manager()
 
 
 def _args(quant: str = "off", **kw) -> ServerArgs:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from test_runtime_fixtures import causalkv_home  # noqa: F401
 
 from causalkv.runtime.model_config import (
     ModelFolderError,
@@ -22,7 +22,7 @@ WAN21_VAE = {"dim_mult": [1, 2, 4, 4], "temperal_downsample": [False, True, True
 
 
 def test_wan21_tokens_per_frame_matches_facts() -> None:
-    # FACTS.md: Wan 2.1 1.3B at 480x832 -> 1560 tokens per latent frame (30 x 52 patches)
+    # docs/design.md: Wan 2.1 1.3B at 480x832 -> 1560 tokens per latent frame (30 x 52 patches)
     info = model_info_from_dicts(
         "wan", {"_class_name": "SelfForcingWanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None
     )
@@ -34,7 +34,7 @@ def test_wan21_tokens_per_frame_matches_facts() -> None:
 
 
 def test_longlive2_class_defaults_match_facts() -> None:
-    # FACTS.md: LongLive 2.0 (Wan 2.2 TI2V, VAE x16) at 704x1280 -> 880 tokens per frame,
+    # docs/design.md: LongLive 2.0 (Wan 2.2 TI2V, VAE x16) at 704x1280 -> 880 tokens per frame,
     # 8 frames per chunk, 8 global + 8 shot sink, window 32, RoPE offset 8 per shot
     vae = {"dim_mult": [1, 2, 4, 4], "scale_factor_spatial": 16, "scale_factor_temporal": 4}
     transformer = {**WAN21_TRANSFORMER, "num_attention_heads": 24, "in_channels": 48}
@@ -62,7 +62,7 @@ def test_unknown_causalkv_key_is_refused() -> None:
 
 
 def test_unknown_pipeline_without_causalkv_json_is_refused() -> None:
-    with pytest.raises(ModelFolderError, match="no causalkv.json and no built-in defaults"):
+    with pytest.raises(ModelFolderError, match="no causalkv.json and no registered stage serves pipeline 'MyPipeline'"):
         model_info_from_dicts("x", {"_class_name": "MyPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, None)
 
 
@@ -73,7 +73,7 @@ def test_resolution_not_divisible_is_refused() -> None:
         )
 
 
-def test_unknown_model_names_the_presets(causalkv_home: str) -> None:  # noqa: F811
+def test_unknown_model_names_the_presets(causalkv_home: str) -> None:
     with pytest.raises(ModelFolderError, match="unknown model 'tiny-nope'.*tiny-wan, tiny-longlive"):
         load_model_info("tiny-nope")
 
@@ -85,7 +85,7 @@ def test_folder_missing_files_is_refused(tmp_path: Path) -> None:
         load_model_info(str(tmp_path))
 
 
-def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:  # noqa: F811
+def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:
     for name in PRESETS:
         info = preset_info(name)
         assert info.config.head_dim % 64 == 0, "QVG's default block_size 64 must divide head_dim"
@@ -105,3 +105,27 @@ def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home
     stamp = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
     materialize_preset("tiny-longlive2")
     assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_fixture_home_is_temporary(causalkv_home: str) -> None:
+    from causalkv.runtime.presets import causalkv_home as home
+
+    assert str(home()) == causalkv_home
+    assert os.path.basename(causalkv_home).startswith("causalkv-home")
+
+
+def test_sglang_override_keys_set_sink_and_window() -> None:
+    # sglang's realtime_causal_sink_size / realtime_causal_kv_cache_num_frames (frames) win
+    info = model_info_from_dicts(
+        "lb", {"_class_name": "LingBotWorldCausalDMDPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+        {"realtime_causal_sink_size": 9, "realtime_causal_kv_cache_num_frames": 18,
+         "sink_frames": 3},
+    )
+    assert (info.config.sink_frames, info.config.window_frames) == (9, 18)
+    assert info.config.recent_window_frames == 12  # the LingBot family's default
+    with pytest.raises(ModelFolderError, match="realtime_causal_kv_cache_num_frames must be positive"):
+        model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+                              {"realtime_causal_kv_cache_num_frames": 0})
+    with pytest.raises(ModelFolderError, match="realtime_causal_sink_size must be non-negative"):
+        model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
+                              {"realtime_causal_sink_size": -1})

@@ -4,14 +4,17 @@ dense / QVG-off equivalence."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from test_runtime_fixtures import causalkv_home, make_options, plan_and_run, pm  # noqa: F401
+from runtime_helpers import make_options, plan_and_run
 
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
+from causalkv.runtime.generate import plan_generation, run_plan
 from causalkv.stages import LingBotWorldStage, LongLive2Stage, LongLiveStage, WanCausalDMDStage
 
 STAGES = {
@@ -24,7 +27,7 @@ STAGES = {
 
 @pytest.mark.parametrize("quant", ["off", "int2"])
 @pytest.mark.parametrize("preset", list(STAGES))
-def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, preset: str, quant: str) -> None:  # noqa: F811
+def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, preset: str, quant: str) -> None:
     plan, run = plan_and_run(make_options(preset, quant=quant), pm)
     stage = run.stage
     assert type(stage) is STAGES[preset]
@@ -41,7 +44,7 @@ def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, pres
         assert all(c.quant.bits == 2 for c in stage.caches.kv)
 
 
-def test_int2_holds_less_kv_than_dense(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_int2_holds_less_kv_than_dense(causalkv_home: str, pm) -> None:
     # tiny-wan, 4 chunks, window 3 chunks: with keep_recent_chunks=1 the oldest retained chunk is packed
     _, dense = plan_and_run(make_options("tiny-wan"), pm)
     _, packed = plan_and_run(make_options("tiny-wan", quant="int2"), pm)
@@ -51,7 +54,7 @@ def test_int2_holds_less_kv_than_dense(causalkv_home: str, pm) -> None:  # noqa:
     assert not torch.equal(packed.latents, dense.latents)
 
 
-def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) -> None:
     # 16 frames = 8 chunks of 2 frames (32 tokens); shot B starts at chunk 4 = tokens [128, 160)
     options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=16, quant="int2")
     plan, run = plan_and_run(options, pm)
@@ -70,7 +73,7 @@ def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) 
     assert torch.isfinite(run.latents).all()
 
 
-def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) -> None:
     # 24 frames = 12 chunks; shot B opens at chunk 6 = tokens [192, 224); at the end
     # (global_end 384), 12 - 6 = 6 chunks after the cut, the shot sink is still pinned
     options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=24)
@@ -80,7 +83,7 @@ def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) ->
     assert view.position_ranges == ((0, 32), (192, 224), (320, 384))
 
 
-def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, pm) -> None:
     for preset, prompts, frames in (("tiny-wan", None, 12), ("tiny-longlive2", ["a", "b"], 12)):
         _, dense = plan_and_run(make_options(preset, prompts=prompts, frames=frames), pm)
         _, qvg = plan_and_run(make_options(preset, prompts=prompts, frames=frames, cache="qvg"), pm)
@@ -88,7 +91,7 @@ def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, p
         assert torch.equal(dense.latents, qvg.latents), preset
 
 
-def test_same_seed_same_latents_other_seed_differs(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_same_seed_same_latents_other_seed_differs(causalkv_home: str, pm) -> None:
     _, a = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
     _, b = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
     _, c = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=8), pm)
@@ -96,13 +99,13 @@ def test_same_seed_same_latents_other_seed_differs(causalkv_home: str, pm) -> No
     assert not torch.allclose(a.latents, c.latents)
 
 
-def test_bfloat16_default_dtype_runs(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_bfloat16_default_dtype_runs(causalkv_home: str, pm) -> None:
     plan, run = plan_and_run(make_options("tiny-wan", frames=6, dtype="bfloat16", quant="int2"), pm)
     assert run.stage.caches.kv[0].spec.dtype == torch.bfloat16
     assert torch.isfinite(run.latents).all() and run.latents.dtype == torch.float32
 
 
-def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, pm) -> None:
     # 15 frames = 5 chunks of 48 tokens, prompts split 2/2/1: switches at chunks 2 and 4.
     # Sink 3 frames (1 chunk), window 9 frames (3 chunks). At the switch before chunk 4 the
     # caches show chunk 0 (sink) and chunks 2-3: 3 chunks = 144 tokens are re-cached, so
@@ -117,7 +120,7 @@ def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, 
     assert stage.caches.kv[0].global_end == 144 + 48
 
 
-def test_lingbot_recent_window_limits_what_a_chunk_sees(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_lingbot_recent_window_limits_what_a_chunk_sees(causalkv_home: str, pm) -> None:
     # sink 48 tokens, window 192, recent window 3 frames = 48 tokens before the chunk:
     # chunk k sees [0, 48) + [max(48, 48k - 48), 48k + 48)
     _, run = plan_and_run(make_options("tiny-lingbot"), pm)
@@ -128,7 +131,7 @@ def test_lingbot_recent_window_limits_what_a_chunk_sees(causalkv_home: str, pm) 
     assert torch.equal(run.latents[:, :, :9], wide.latents[:, :, :9])
 
 
-def test_plugin_hooks_configure_the_stage_and_see_every_chunk(causalkv_home: str, pm) -> None:  # noqa: F811
+def test_plugin_hooks_configure_the_stage_and_see_every_chunk(causalkv_home: str, pm) -> None:
     seen: list[tuple[str, int, int]] = []
 
     class Plugin:
@@ -138,7 +141,7 @@ def test_plugin_hooks_configure_the_stage_and_see_every_chunk(causalkv_home: str
 
         @hookimpl
         def causalkv_chunk_done(self, stage, chunk_index, stats):
-            seen.append((stage.stage_name, chunk_index, stats["visible_tokens"]))
+            seen.append((stage.name, chunk_index, stats["visible_tokens"]))
 
     with temporary_plugin(pm, Plugin()):
         _, run = plan_and_run(make_options("tiny-wan"), pm)
@@ -146,3 +149,49 @@ def test_plugin_hooks_configure_the_stage_and_see_every_chunk(causalkv_home: str
     # window 6 frames = 96 tokens: every chunk from the second on sees 2 chunks
     assert seen == [("self-forcing-wan", 0, 48), ("self-forcing-wan", 1, 96),
                     ("self-forcing-wan", 2, 96), ("self-forcing-wan", 3, 96)]
+
+
+def test_attribute_and_override_plugins_both_apply_to_one_stage(causalkv_home: str, pm) -> None:
+    """One plugin sets an attribute, another returns overrides: both take effect on the one
+    stage the host builds, whose caches are allocated once, with the overridden window."""
+    built: list[object] = []
+    factory_builds: list[int] = []
+
+    class SetsAttribute:
+        @hookimpl
+        def causalkv_configure_stage(self, stage):
+            built.append(stage)
+            stage.negative_prompt = "set by a plugin"
+
+    class ReturnsOverrides:
+        @hookimpl
+        def causalkv_configure_stage(self, stage):
+            built.append(stage)
+            return {"window_frames": 6}
+
+    plan = plan_generation(make_options("tiny-wan"), pm=pm)
+    real = plan.resolution.cache_factory
+
+    class CountingFactory:
+        name = real.name
+
+        def build(self, spec, quant=None):
+            factory_builds.append(spec.attention_window_size)
+            return real.build(spec, quant)
+
+    with temporary_plugin(pm, SetsAttribute()), temporary_plugin(pm, ReturnsOverrides()):
+        run = run_plan(plan, pm=pm, resolution=replace(plan.resolution, cache_factory=CountingFactory()))
+    stage = run.stage
+    assert len(built) == 2 and all(s is stage for s in built)
+    assert stage.negative_prompt == "set by a plugin"
+    assert stage.settings.window_frames == 6
+    tpf = plan.settings.tokens_per_frame
+    assert factory_builds == [6 * tpf] * plan.model.num_layers  # one cache per layer, once
+    assert [st["visible_tokens"] for st in run.chunk_stats] == [48, 96, 96, 96]
+
+
+def test_overrides_after_the_caches_exist_are_refused(causalkv_home: str, pm) -> None:
+    _, run = plan_and_run(make_options("tiny-wan"), pm)
+    with pytest.raises(RuntimeError, match="already allocated"):
+        run.stage.apply_overrides({"window_frames": 6})
+    assert run.stage.settings.window_frames == 9

@@ -1,7 +1,12 @@
-"""Causal KV caches: one contract (docs/caches.md), a dense rolling cache and a QVG packed cache."""
+"""Causal KV caches: one contract (docs/caches.md), a dense rolling cache and a QVG packed cache.
 
+    from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
+"""
+
+from causalkv.caches.attention import AttendStats, attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.dense import DenseCausalKVCache
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import (
     GROWTH,
     HEAD_SLICE,
@@ -23,6 +28,7 @@ __all__ = [
     "PINNED_SINK",
     "QUANT_QVG",
     "RECENT_WINDOW",
+    "AttendStats",
     "CacheCapabilities",
     "CacheWriteError",
     "CausalAttentionKVView",
@@ -30,4 +36,6 @@ __all__ = [
     "CrossAttentionKVCache",
     "DenseCausalKVCache",
     "KVCacheSpec",
+    "QVGPackedCausalKVCache",
+    "attend",
 ]

@@ -1,4 +1,4 @@
-"""``causalkv demo``: walk a LongLive-2.0-like stream through the dense rolling KV cache.
+"""The cache walkthrough behind ``causalkv demo``: a LongLive-2.0-like stream through the dense cache.
 
 No model and no weights: each chunk is written the way a causal stage writes one layer's
 cache (4 denoising steps, the first advancing, then a context pass rewriting the clean
@@ -9,7 +9,6 @@ chunk was pinned, the pinned range, the resident bytes and a one-character-per-f
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,14 +18,14 @@ from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.intervals import describe
 from causalkv.caches.spec import KVCacheSpec
 
-__all__ = ["ChunkReport", "DemoConfig", "register", "run_demo", "format_report"]
+__all__ = ["ChunkReport", "DemoConfig", "format_report", "run_demo"]
 
 FORWARDS_PER_CHUNK = 5  # 4 denoising steps + the context pass
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """LongLive 2.0 in miniature (FACTS.md: 8-frame chunks, 8-frame global sink, 8-frame
+    """LongLive 2.0 in miniature (8-frame chunks, 8-frame global sink, 8-frame
     shot sink, 32-frame window), with ``tokens_per_frame`` instead of 880."""
 
     chunks: int = 9
@@ -183,44 +182,3 @@ def full_scale_line(config: DemoConfig) -> str:
         f"{config.window_frames}-frame cache holds {tokens:,} tokens: {total / 1e9:.1f} GB of K/V "
         f"({total // tokens:,} B per token)."
     )
-
-
-def _cuts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(
-            f"--cuts takes comma-separated chunk indices such as 3,6; got {text!r}"
-        ) from e
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
-    return value
-
-
-def _main(args: argparse.Namespace) -> int:
-    config = DemoConfig(chunks=args.chunks, tokens_per_frame=args.tokens_per_frame, cuts=args.cuts)
-    print(format_report(config, run_demo(config)))
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``demo`` subcommand."""
-    defaults = DemoConfig()
-    parser = subparsers.add_parser(
-        "demo",
-        help="walk a LongLive-2.0-like stream through the dense KV cache (fast, no model)",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
-    parser.add_argument("--chunks", type=_positive, default=defaults.chunks,
-                        help=f"chunks to generate (default {defaults.chunks})")
-    parser.add_argument("--tokens-per-frame", type=_positive, default=defaults.tokens_per_frame,
-                        help=f"tokens per latent frame (default {defaults.tokens_per_frame}; "
-                        "880 in LongLive 2.0)")
-    parser.add_argument("--cuts", type=_cuts, default=defaults.cuts,
-                        help="comma-separated scene-cut chunk indices (default "
-                        + ",".join(map(str, defaults.cuts)) + ")")
-    parser.set_defaults(func=_main)

@@ -6,13 +6,23 @@ heads, head_dim), matching the reference runtime's ``[B, seq, heads, dim]`` K/V 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from causalkv.caches.intervals import Intervals, count, to_positions
+from causalkv.capabilities import (
+    GROWTH,
+    HEAD_SLICE,
+    INT_INDICES,
+    PINNED_SINK,
+    QUANT_QVG,
+    RECENT_WINDOW,
+    CacheCapabilities,
+)
+from causalkv.errors import CausalKVError, ConfigError, check_int
 
 __all__ = [
     "CacheCapabilities",
@@ -28,52 +38,12 @@ __all__ = [
     "QUANT_QVG",
 ]
 
-PINNED_SINK = "pinned_sink"
-HEAD_SLICE = "head_slice"
-RECENT_WINDOW = "recent_window"
-GROWTH = "growth"
-INT_INDICES = "int_indices"
-QUANT_QVG = "quant:qvg"
-
-
-class CacheWriteError(ValueError):
-    """A write (or pin) that breaks the cache contract. The cache is left exactly as it was."""
-
-
-@dataclass(frozen=True)
-class CacheCapabilities:
-    """The named features a cache implementation supports.
-
-    Features are plain strings so that third-party caches can declare new ones; the
-    built-in names are the module constants (``PINNED_SINK``, ``HEAD_SLICE``,
-    ``RECENT_WINDOW``, ``GROWTH``, ``INT_INDICES``, ``QUANT_QVG``).
-    """
-
-    features: frozenset[str] = field(default_factory=frozenset)
-
-    @classmethod
-    def of(cls, *features: str) -> CacheCapabilities:
-        return cls(frozenset(features))
-
-    def __contains__(self, feature: object) -> bool:
-        return feature in self.features
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.features))
-
-    def missing(self, requirements: Iterable[str]) -> frozenset[str]:
-        """The requirements this cache does not cover (empty when it qualifies)."""
-        return frozenset(requirements) - self.features
-
-    def covers(self, requirements: Iterable[str]) -> bool:
-        return not self.missing(requirements)
-
-    def __str__(self) -> str:
-        return ", ".join(sorted(self.features)) or "(none)"
-
-
 def _dtype_nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class CacheWriteError(CausalKVError, ValueError):
+    """A write (or pin) that breaks the cache contract. The cache is left exactly as it was."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +61,6 @@ class KVCacheSpec:
         attention_window_size: tokens attention sees at most (sink included);
             ``None`` means ``cache_size``.
         dtype, device: of the stored K/V; writes must match exactly.
-        use_int_indices: accepted for config compatibility with the reference runtime;
-            causalkv keeps every cursor as a Python int, so the hot path never syncs.
         allow_growth: grow the buffer instead of failing when sink plus a chunk exceed
             ``cache_size``.
     """
@@ -106,38 +74,32 @@ class KVCacheSpec:
     attention_window_size: int | None = None
     dtype: torch.dtype = torch.bfloat16
     device: str | torch.device = "cpu"
-    use_int_indices: bool = False
     allow_growth: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
+            check_int(f"KVCacheSpec.{name}", getattr(self, name), minimum=1)
         for name in ("sink_tokens", "global_sink_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"KVCacheSpec.{name} must be an int >= 0, got {value!r}")
+            value = check_int(f"KVCacheSpec.{name}", getattr(self, name))
             if value > self.cache_size:
-                raise ValueError(
+                raise ConfigError(
                     f"KVCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
                     f"raise cache_size or lower {name}"
                 )
         if self.global_sink_tokens > self.sink_tokens:
-            raise ValueError(
+            raise ConfigError(
                 f"KVCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
                 f"sink_tokens={self.sink_tokens}"
             )
         w = self.attention_window_size
         if w is not None:
-            if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
-                raise ValueError(f"KVCacheSpec.attention_window_size must be a positive int or None, got {w!r}")
+            check_int("KVCacheSpec.attention_window_size", w, minimum=1, hint="or None")
             if w > self.cache_size:
-                raise ValueError(
+                raise ConfigError(
                     f"KVCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
                 )
         if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"KVCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+            raise ConfigError(f"KVCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
 
     @property
@@ -383,7 +345,7 @@ def check_recent_window(recent_window_tokens: int | None) -> None:
     if recent_window_tokens is not None and (
         not isinstance(recent_window_tokens, int) or recent_window_tokens < 0
     ):
-        raise ValueError(
+        raise CacheWriteError(
             f"recent_window_tokens must be an int >= 0 or None, got {recent_window_tokens!r}"
         )
 

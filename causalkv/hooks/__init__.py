@@ -1,7 +1,7 @@
 """The causalkv plugin contract: the one name, the pluggy markers, records and hookspecs.
 
-No logic and no heavy imports live here (torch only under TYPE_CHECKING), so that
-``import causalkv.hooks`` stays cheap. Plugin authors need only this module::
+No logic and no heavy imports live here (torch only under TYPE_CHECKING): ``import
+causalkv.hooks`` never loads torch. Plugin authors need only this module::
 
     from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 
@@ -11,7 +11,7 @@ No logic and no heavy imports live here (torch only under TYPE_CHECKING), so tha
 """
 
 from causalkv.hooks.markers import ENTRY_POINT_GROUP, ENV_PREFIX, NAME, hookimpl, hookspec
-from causalkv.hooks.records import CacheFactory, StageRegistration, import_object
+from causalkv.hooks.records import CacheFactory, Preset, StageRegistration, import_object
 from causalkv.hooks.specs import (
     causalkv_chunk_done,
     causalkv_configure_stage,
@@ -35,6 +35,7 @@ __all__ = [
     "HOOK_NAMES",
     "NAME",
     "CacheFactory",
+    "Preset",
     "StageRegistration",
     "causalkv_chunk_done",
     "causalkv_configure_stage",

@@ -1,22 +1,26 @@
-"""Records the registration hooks return: `StageRegistration` and `CacheFactory`.
+"""Records the registration hooks return: `StageRegistration` (with its `Preset`s) and `CacheFactory`.
 
-Plain frozen dataclasses with no heavy imports: a ``"module:Class"`` string is imported only
-by ``load()``, so registering a stage or cache costs nothing until resolution picks it.
+Plain frozen dataclasses, torch-free: a ``"module:Class"`` string is imported only by ``load()``.
+A `StageRegistration` is the one place that describes a model family to the host: the stage
+class, the model names it serves, the model-config defaults of those models, and tiny presets.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from causalkv.capabilities import CacheCapabilities
+
 if TYPE_CHECKING:
-    from causalkv.caches.qvg.args import QVGKVQuantArgs
-    from causalkv.caches.spec import CacheCapabilities, CausalKVCache, KVCacheSpec
+    from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+    from causalkv.quant_config import QVGKVQuantArgs
     from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["CacheFactory", "StageRegistration", "import_object"]
+__all__ = ["CacheFactory", "Preset", "StageRegistration", "import_object"]
 
 
 def import_object(path: str) -> Any:
@@ -38,121 +42,165 @@ def import_object(path: str) -> Any:
     return obj
 
 
-def _describe_target(target: object) -> str:
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", None)
-    qualname = getattr(target, "__qualname__", None)
-    if module and qualname:
-        return f"{module}:{qualname}"
-    return repr(target)
+def _target(obj: object) -> str:
+    """``"module:Qualname"`` of a class or callable (a string is returned as is)."""
+    if isinstance(obj, str):
+        return obj
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(obj)
 
 
-def _names(value: str | Iterable[str], what: str, owner: str) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else tuple(value)
-    for item in items:
-        if not isinstance(item, str) or not item:
-            raise TypeError(f"{owner}: {what} must be non-empty strings, got {item!r}")
-    return items
+def _load(obj: Any) -> Any:
+    return import_object(obj) if isinstance(obj, str) else obj
+
+
+def _check_name(owner: str, name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{owner}.name must be a non-empty string, got {name!r}")
+
+
+def _check_priority(owner: str, priority: object) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"{owner}: priority must be an int, got {priority!r}")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A tiny model of a family, with seeded random weights, that a host can build locally.
+
+    Attributes:
+        name: the model name users pass (``"tiny-lingbot"``); the stage serves it.
+        settings: the model folder's ``causalkv.json`` (frames per chunk, sink, window, ...;
+            the host's docs list the keys).
+        seed: the weights' seed.
+        description: one line for ``--help`` and the folder's README.
+        transformer: overrides of the host's tiny transformer config (e.g. more heads).
+    """
+
+    name: str
+    settings: Mapping[str, Any]
+    seed: int = 0
+    description: str = ""
+    transformer: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_name("Preset", self.name)
+        object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
+        object.__setattr__(self, "transformer", MappingProxyType(dict(self.transformer)))
 
 
 @dataclass(frozen=True)
 class StageRegistration:
-    """A denoising stage and the models it serves.
+    """A model family: its denoising stage, the models it serves, their defaults and presets.
 
     Attributes:
-        name: unique stage name (``causalkv plugins`` lists it; ``--stage`` picks it).
+        name: unique stage name, used everywhere (``--stage``, the run header, metrics).
         stage: a `CausalDenoisingStage` subclass, or a ``"module:Class"`` string imported
             only when the stage is chosen or listed.
-        models: model names this stage serves: diffusers ``_class_name`` values from a model
-            folder's ``model_index.json`` (``"WanPipeline"``) and/or preset names
-            (``"tiny-wan"``). A single string is accepted and stored as a 1-tuple.
-        priority: among stages serving the same model, the highest priority wins; two
-            stages serving one model at the same priority are a conflict.
+        models: model names served: diffusers ``_class_name`` values of ``model_index.json``
+            (``"WanPipeline"``) and/or plain names. Preset names are served too. A single
+            string is stored as a 1-tuple.
+        priority: among stages serving the same model, the highest wins; two stages serving
+            one model at the same priority are a conflict.
+        defaults: model-config defaults (``causalkv.json`` keys) of the served models, used
+            where a model folder's ``causalkv.json`` is absent or omits a key.
+        presets: tiny models of this family (`Preset`); ``models[0]`` is their pipeline class.
     """
 
     name: str
     stage: type[CausalDenoisingStage] | str
     models: tuple[str, ...]
     priority: int = 0
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    presets: tuple[Preset, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"StageRegistration.name must be a non-empty string, got {self.name!r}")
+        _check_name("StageRegistration", self.name)
+        owner = f"StageRegistration {self.name!r}"
         if not isinstance(self.stage, (str, type)):
-            raise TypeError(
-                f"StageRegistration {self.name!r}: stage must be a class or a 'module:Class' "
-                f"string, got {self.stage!r}"
-            )
-        object.__setattr__(
-            self, "models", _names(self.models, "models", f"StageRegistration {self.name!r}")
-        )
-        if not isinstance(self.priority, int):
-            raise TypeError(f"StageRegistration {self.name!r}: priority must be an int")
+            raise TypeError(f"{owner}: stage must be a class or a 'module:Class' string, got {self.stage!r}")
+        models = (self.models,) if isinstance(self.models, str) else tuple(self.models)
+        if not models or not all(isinstance(m, str) and m for m in models):
+            raise TypeError(f"{owner}: models must be non-empty strings, got {self.models!r}")
+        presets = tuple(self.presets)
+        if not all(isinstance(p, Preset) for p in presets):
+            raise TypeError(f"{owner}: presets must be Preset records, got {self.presets!r}")
+        object.__setattr__(self, "models", models)
+        object.__setattr__(self, "presets", presets)
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        _check_priority(owner, self.priority)
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every name this stage serves: ``models`` then the preset names."""
+        return self.models + tuple(p.name for p in self.presets)
 
     @property
     def target(self) -> str:
         """``"module:Class"`` of the stage, without importing it."""
-        return _describe_target(self.stage)
+        return _target(self.stage)
 
     def load(self) -> type[CausalDenoisingStage]:
         """The stage class (imports a ``"module:Class"`` string on first use)."""
-        if isinstance(self.stage, str):
-            return import_object(self.stage)
-        return self.stage
+        return _load(self.stage)
 
 
 @dataclass(frozen=True)
 class CacheFactory:
-    """A KV-cache implementation and the features it supports.
+    """A KV-cache implementation.
 
     Attributes:
         name: unique cache name (``--cache NAME`` forces it).
-        cache: a cache class, a ``"module:Class"`` string imported only when the cache is
-            built, or any callable ``(spec: KVCacheSpec, quant: QVGKVQuantArgs | None) ->
-            cache``. Every cache class takes ``(spec, quant=None)``.
-        capabilities: a `causalkv.caches.spec.CacheCapabilities`, or an iterable of feature
-            strings converted to one (``"pinned_sink"``, ``"head_slice"``,
-            ``"recent_window"``, ``"growth"``, ``"int_indices"``, ``"quant:qvg"``, or a
-            feature of your own).
-        priority: among the caches that qualify, the highest priority wins unless a
+        cache: a cache class, a ``"module:Class"`` string imported only when needed, or any
+            callable ``(spec: KVCacheSpec, quant: QVGKVQuantArgs | None) -> cache``.
+        capabilities: what it supports. None (the default) reads the cache class's own
+            ``capabilities`` attribute (at once for a class, on first `features()` call for a
+            ``"module:Class"`` string), so a cache declares them in one place; a
+            `CacheCapabilities` or an iterable of feature strings overrides that.
+        priority: among the caches that qualify, the highest wins unless a
             ``causalkv_select_cache_factory`` hook chooses.
     """
 
     name: str
     cache: type | str | Callable[..., Any]
-    capabilities: CacheCapabilities
+    capabilities: CacheCapabilities | Iterable[str] | None = None
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"CacheFactory.name must be a non-empty string, got {self.name!r}")
+        _check_name("CacheFactory", self.name)
+        owner = f"CacheFactory {self.name!r}"
         if not (isinstance(self.cache, str) or callable(self.cache)):
-            raise TypeError(
-                f"CacheFactory {self.name!r}: cache must be a class, a 'module:Class' string "
-                f"or a callable, got {self.cache!r}"
-            )
-        if not isinstance(self.priority, int):
-            raise TypeError(f"CacheFactory {self.name!r}: priority must be an int")
+            raise TypeError(f"{owner}: cache must be a class, a 'module:Class' string or a callable, got {self.cache!r}")
+        _check_priority(owner, self.priority)
         caps = self.capabilities
-        if not hasattr(caps, "features"):
-            # the contract lives in causalkv.caches.spec (which imports torch): import it
-            # only when a record is built, never when causalkv.hooks is imported
-            from causalkv.caches.spec import CacheCapabilities
+        if caps is None and isinstance(self.cache, type):
+            object.__setattr__(self, "capabilities", self.features())  # declared by the class
+        elif caps is not None and not isinstance(caps, CacheCapabilities):
+            items = (caps,) if isinstance(caps, str) else tuple(caps)
+            if not all(isinstance(f, str) and f for f in items):
+                raise TypeError(f"{owner}: capabilities must be non-empty strings, got {caps!r}")
+            object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(items)))
 
-            features = _names(caps, "capabilities", f"CacheFactory {self.name!r}")
-            object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(features)))
+    def features(self) -> CacheCapabilities:
+        """The capabilities: given ones, else the loaded class's ``capabilities`` attribute."""
+        if isinstance(self.capabilities, CacheCapabilities):
+            return self.capabilities
+        caps = getattr(self.load(), "capabilities", None)
+        if not isinstance(caps, CacheCapabilities):
+            raise TypeError(
+                f"CacheFactory {self.name!r}: {self.target} declares no `capabilities` "
+                f"(a causalkv.capabilities.CacheCapabilities); pass capabilities=..."
+            )
+        return caps
 
     @property
     def target(self) -> str:
         """``"module:Class"`` (or a repr of the callable), without importing it."""
-        return _describe_target(self.cache)
+        return _target(self.cache)
 
     def load(self) -> Callable[..., Any]:
         """The cache class or callable (imports a ``"module:Class"`` string on demand)."""
-        if isinstance(self.cache, str):
-            return import_object(self.cache)
-        return self.cache
+        return _load(self.cache)
 
     def build(self, spec: KVCacheSpec, quant: QVGKVQuantArgs | None = None) -> CausalKVCache:
         """Build one layer's cache: ``load()(spec, quant)``."""

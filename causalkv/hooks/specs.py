@@ -6,8 +6,9 @@ argument is optional in an implementation: pluggy passes only the ones you name.
 
 Load time (before any weights load): ``causalkv_register_stages`` and
 ``causalkv_register_cache_factories`` fill the registries; ``resolve()`` then calls
-``causalkv_select_cache_factory``. Run time: the runtime calls ``causalkv_configure_stage``
-after building a stage and ``causalkv_chunk_done`` after each generated chunk.
+``causalkv_select_cache_factory``. Run time: the host calls ``causalkv_configure_stage``
+once per built stage, before its caches are allocated, and ``causalkv_chunk_done`` after
+each generated chunk.
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ def causalkv_configure_stage(
 ) -> Mapping[str, Any] | None:
     """Per-model overrides for a freshly built stage (sink, window, and so on).
 
-    Called: by the runtime right after it builds ``stage`` for ``model``, before the first
-    chunk. Every implementation runs; an implementation may set attributes on ``stage``.
+    Called: by the host right after it builds ``stage`` for ``model``, before the stage
+    allocates its KV caches and before the first chunk. Every implementation runs; an
+    implementation may set attributes on ``stage`` and may return overrides: both take
+    effect on that one stage (`causalkv.plugin.configure_stage`), whose caches are then
+    allocated once with the overridden settings.
 
     Returns:
         None, or a mapping of `ModelConfig` field overrides such as
-        ``{"sink_frames": 3, "window_frames": 12}``. ``causalkv.plugin.configure_stage``
-        merges the mappings (an implementation called earlier, i.e. ``tryfirst`` or
-        registered later, wins a key) and rejects unknown field names.
+        ``{"sink_frames": 3, "window_frames": 12}``. The mappings are merged (an
+        implementation called earlier, i.e. ``tryfirst`` or registered later, wins a key)
+        and unknown field names are refused.
     """
 
 

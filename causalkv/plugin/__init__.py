@@ -8,7 +8,12 @@ The contract plugin authors implement is `causalkv.hooks`; docs/plugins.md is th
 """
 
 from causalkv.plugin.configure import configure_stage
-from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure, ResolutionError
+from causalkv.plugin.errors import (
+    PluginConflictError,
+    PluginLoadFailure,
+    ResolutionError,
+    UnsupportedRequestError,
+)
 from causalkv.plugin.manager import (
     CausalKVPluginManager,
     PluginInfo,
@@ -30,6 +35,7 @@ __all__ = [
     "Resolution",
     "ResolutionError",
     "StageEntry",
+    "UnsupportedRequestError",
     "collect",
     "configure_stage",
     "get_plugin_manager",

@@ -4,24 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PluginConflictError", "PluginLoadFailure", "ResolutionError"]
+from causalkv.errors import CausalKVError
+
+__all__ = ["PluginConflictError", "PluginLoadFailure", "ResolutionError", "UnsupportedRequestError"]
 
 
-class PluginConflictError(RuntimeError):
+class PluginConflictError(CausalKVError, RuntimeError):
     """Two plugins claim the same thing (stage name, cache name, or model at one priority).
 
-    A hard error: the message names both plugins and what they claim, and how to resolve it
-    (uninstall or block one with ``CAUSALKV_DISABLE_PLUGINS``, or change a priority).
+    The message names both plugins and the fix (uninstall or block one with
+    ``CAUSALKV_DISABLE_PLUGINS``, or change a priority).
     """
 
 
-class ResolutionError(ValueError):
-    """No stage serves the model, or no registered cache qualifies (the message lists choices)."""
+class ResolutionError(CausalKVError, ValueError):
+    """No stage serves the model, an unknown name, or no cache qualifies (lists the choices)."""
+
+
+class UnsupportedRequestError(CausalKVError, ValueError):
+    """The chosen stage cannot serve the request (QVG or multi-shot it does not declare).
+
+    The message starts with the reference runtime's text (``"<StageClass> does not support
+    QVG KV-cache quantization"``) and names the stages that would serve it.
+    """
 
 
 @dataclass(frozen=True)
 class PluginLoadFailure:
-    """A plugin that failed to import or failed pluggy's validation, and was skipped.
+    """A plugin that failed to import or failed validation, and was skipped.
 
     Attributes:
         name: the entry-point (plugin) name.

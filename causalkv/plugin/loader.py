@@ -7,7 +7,7 @@ Env vars (the prefix is ``causalkv.hooks.ENV_PREFIX``):
 - ``CAUSALKV_DISABLE_PLUGINS``: comma-separated block list (plugin or distribution names;
   ``causalkv.builtin`` blocks the built-in plugin).
 - ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points at all.
-- ``CAUSALKV_TRACE_PLUGINS=1``: trace every hook call to stderr.
+- ``CAUSALKV_TRACE_PLUGINS=1``: print every hook call and its result to stderr.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 from pluggy import PluginValidationError
@@ -34,6 +34,7 @@ __all__ = [
     "PluginSettings",
     "discover_entry_points",
     "load_entry_points",
+    "register_checked",
 ]
 
 ENV_ALLOW = f"{ENV_PREFIX}_PLUGINS"
@@ -53,6 +54,14 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _dist(ep: EntryPoint) -> tuple[str | None, str | None]:
+    """``(distribution name, "<name> <version>")`` of an entry point, or ``(None, None)``."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], f"{dist.metadata['Name']} {dist.version}"
+
+
 @dataclass(frozen=True)
 class PluginSettings:
     """The plugin-loading controls read from the environment.
@@ -61,7 +70,7 @@ class PluginSettings:
         allow: names allowed to load (None: every installed plugin).
         block: names never loaded.
         autoload: load entry points at all.
-        trace: trace hook calls to stderr.
+        trace: print hook calls to stderr.
     """
 
     allow: frozenset[str] | None = None
@@ -79,49 +88,23 @@ class PluginSettings:
             trace=env.get(ENV_TRACE, "").strip().lower() in _TRUE,
         )
 
-    def _matches(self, names: frozenset[str], ep: EntryPoint) -> bool:
-        dist = _dist_name(ep)
-        wanted = {_norm(n) for n in names}
-        return _norm(ep.name) in wanted or (dist is not None and _norm(dist) in wanted)
-
     def wants(self, ep: EntryPoint) -> bool:
         """Is this entry point allowed and not blocked?"""
-        if self._matches(self.block, ep):
-            return False
-        return self.allow is None or self._matches(self.allow, ep)
+        keys = {_norm(ep.name)} | ({_norm(d)} if (d := _dist(ep)[0]) else set())
 
+        def hit(names: frozenset[str]) -> bool:
+            return bool(keys & {_norm(n) for n in names})
 
-def _dist_name(ep: EntryPoint) -> str | None:
-    dist = getattr(ep, "dist", None)
-    return None if dist is None else dist.metadata["Name"]
-
-
-def _dist_label(ep: EntryPoint) -> str | None:
-    dist = getattr(ep, "dist", None)
-    return None if dist is None else f"{dist.metadata['Name']} {dist.version}"
+        return not hit(self.block) and (self.allow is None or hit(self.allow))
 
 
 def discover_entry_points() -> tuple[EntryPoint, ...]:
-    """The installed entry points of group ``causalkv`` (one per distribution and name)."""
-    from importlib.metadata import entry_points
-
+    """The installed entry points of group ``causalkv``."""
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
 
 
 def _fmt(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _unknown_hooks(pm: CausalKVPluginManager, plugin: object) -> list[str]:
-    """Hook implementations of ``plugin`` that match no causalkv hookspec (typos)."""
-    unknown = []
-    for caller in pm.get_hookcallers(plugin) or ():
-        if caller.has_spec():
-            continue
-        for impl in caller.get_hookimpls():
-            if impl.plugin is plugin and not impl.opts.get("optionalhook"):
-                unknown.append(caller.name)
-    return unknown
 
 
 def register_checked(
@@ -143,17 +126,22 @@ def register_checked(
         )
     try:
         pm.register(plugin, name=name)
-    except PluginValidationError as exc:
+    except (PluginValidationError, ValueError) as exc:  # ValueError: object registered twice
         return PluginLoadFailure(name, distribution, _fmt(exc))
-    except ValueError as exc:  # pluggy: the same object is already registered under another name
-        return PluginLoadFailure(name, distribution, _fmt(exc))
-    unknown = _unknown_hooks(pm, plugin)
+    unknown = sorted(
+        {
+            c.name
+            for c in pm.get_hookcallers(plugin) or ()
+            if not c.has_spec()
+            and any(i.plugin is plugin and not i.opts.get("optionalhook") for i in c.get_hookimpls())
+        }
+    )
     if unknown:
         pm.unregister(plugin)
         return PluginLoadFailure(
             name,
             distribution,
-            f"PluginValidationError: unknown hook(s) {', '.join(sorted(set(unknown)))}; "
+            f"PluginValidationError: unknown hook(s) {', '.join(unknown)}; "
             f"causalkv hooks are: {', '.join(HOOK_NAMES)}",
         )
     if distribution is not None:
@@ -182,23 +170,20 @@ def load_entry_points(
     for ep in eps:
         if ep.group != ENTRY_POINT_GROUP or not settings.wants(ep) or pm.is_blocked(ep.name):
             continue
-        seen.add(_norm(ep.name))
-        dist_name = _dist_name(ep)
-        if dist_name is not None:
-            seen.add(_norm(dist_name))
-        distribution = _dist_label(ep)
+        dist_name, distribution = _dist(ep)
+        seen |= {_norm(ep.name)} | ({_norm(dist_name)} if dist_name else set())
         try:
-            plugin = ep.load()
+            failure = register_checked(pm, ep.load(), ep.name, distribution)
+        except PluginConflictError:
+            raise
         except Exception as exc:  # a broken plugin must not take the host down
-            failure: PluginLoadFailure | None = PluginLoadFailure(ep.name, distribution, _fmt(exc))
-        else:
-            failure = register_checked(pm, plugin, ep.name, distribution)
-        if failure is not None:
-            pm.load_failures.append(failure)
-            if report is not None:
-                report(failure)
+            failure = PluginLoadFailure(ep.name, distribution, _fmt(exc))
+        if failure is None:
+            loaded += 1
             continue
-        loaded += 1
+        pm.load_failures.append(failure)
+        if report is not None:
+            report(failure)
     if settings.allow is not None:
         pm.missing_allowed = tuple(sorted(n for n in settings.allow if _norm(n) not in seen))
     return loaded

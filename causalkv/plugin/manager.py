@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint
+from typing import Any
 
 import pluggy
 
@@ -31,8 +32,7 @@ class PluginInfo:
 
     Attributes:
         name: the plugin name (entry-point name; ``causalkv.builtin`` for the built-in one).
-        version: its distribution's version, or None (a plugin registered in-process).
-        distribution: its distribution's name, or None.
+        version, distribution: its distribution's, or None (a plugin registered in-process).
         hooks: the causalkv hooks it implements, sorted.
         builtin: True for causalkv's own plugin.
     """
@@ -76,25 +76,39 @@ class CausalKVPluginManager(pluggy.PluginManager):
 
     def plugin_infos(self) -> list[PluginInfo]:
         """Registered plugins: the built-in one first, then by name."""
+        from causalkv import __version__
+
         infos = []
         for name, plugin in self.list_name_plugin():
             if plugin is None:  # a blocked name
                 continue
             hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
-            dist = self.distributions.get(name)
-            dist_name, _, version = dist.rpartition(" ") if dist else (None, None, None)
-            is_builtin = plugin is builtin
-            if is_builtin:
-                from causalkv import __version__
-
+            if plugin is builtin:
                 dist_name, version = NAME, __version__
-            infos.append(PluginInfo(name, version or None, dist_name or None, hooks, is_builtin))
+            else:
+                dist_name, _, version = (self.distributions.get(name) or "").rpartition(" ")
+            infos.append(PluginInfo(name, version or None, dist_name or None, hooks, plugin is builtin))
         infos.sort(key=lambda info: (not info.builtin, info.name))
         return infos
 
 
 def _stderr_report(failure: PluginLoadFailure) -> None:
     print(f"{NAME}: {failure}", file=sys.stderr)
+
+
+def _trace(pm: pluggy.PluginManager) -> None:
+    """Print each hook call and its outcome to stderr, through pluggy's monitoring API."""
+
+    def before(hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        plugins = ", ".join(i.plugin_name for i in impls) or "no implementation"
+        print(f"{NAME} trace: {hook_name} (plugin {plugins}) {sorted(kwargs)}", file=sys.stderr)
+
+    def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        exc = outcome.exception
+        result = f"raised {exc!r}" if exc is not None else f"-> {outcome.get_result()!r}"
+        print(f"{NAME} trace: {hook_name} {result}", file=sys.stderr)
+
+    pm.add_hookcall_monitoring(before, after)
 
 
 def make_plugin_manager(
@@ -118,8 +132,7 @@ def make_plugin_manager(
     for name in sorted(settings.block):
         pm.set_blocked(name)
     if settings.trace:
-        pm.trace.root.setwriter(lambda line: sys.stderr.write(line))
-        pm.enable_tracing()
+        _trace(pm)
     if not pm.is_blocked(builtin.BUILTIN_PLUGIN_NAME):
         pm.register(builtin, name=builtin.BUILTIN_PLUGIN_NAME)
     if autoload and settings.autoload:
@@ -134,11 +147,10 @@ _lock = threading.Lock()
 def get_plugin_manager() -> CausalKVPluginManager:
     """The process-wide manager, built (with autoload) on first use."""
     global _default
-    if _default is None:
-        with _lock:
-            if _default is None:
-                _default = make_plugin_manager()
-    return _default
+    with _lock:
+        if _default is None:
+            _default = make_plugin_manager()
+        return _default
 
 
 def reset_plugin_manager() -> None:

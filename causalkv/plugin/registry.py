@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from causalkv.hooks import CacheFactory, StageRegistration
-from causalkv.plugin.errors import PluginConflictError
+from causalkv.hooks import CacheFactory, Preset, StageRegistration
+from causalkv.plugin.errors import PluginConflictError, ResolutionError
 from causalkv.plugin.loader import ENV_BLOCK
+
+if TYPE_CHECKING:
+    from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["CacheEntry", "Registry", "StageEntry", "call_each", "collect"]
 
@@ -26,6 +29,42 @@ class StageEntry:
     def name(self) -> str:
         return self.registration.name
 
+    def load(self) -> type[CausalDenoisingStage]:
+        """The stage class, checked to be a `CausalDenoisingStage` subclass.
+
+        Raises:
+            ImportError: the ``"module:Class"`` cannot be imported (names stage and plugin).
+            TypeError: the target is not a `CausalDenoisingStage` subclass.
+        """
+        from causalkv.stages.base import CausalDenoisingStage
+
+        reg = self.registration
+        try:
+            cls = reg.load()
+        except ImportError as exc:
+            raise ImportError(
+                f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from "
+                f"{reg.target!r}: {exc}"
+            ) from exc
+        if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
+            raise TypeError(
+                f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
+                f"a subclass of causalkv.stages.base.CausalDenoisingStage"
+            )
+        return cls
+
+    def supports(self, feature: str) -> bool:
+        """Does the stage declare ``feature`` (``"qvg"`` or ``"multi_shot"``)? False if it cannot load."""
+        try:
+            cls = self.load()
+        except (ImportError, TypeError):
+            return False
+        return cls._supports_qvg_kv_cache_quantization() if feature == "qvg" else cls.supports_multi_shot()
+
+    def describe(self) -> str:
+        reg = self.registration
+        return f"{self.name} (plugin {self.plugin}, priority {reg.priority}, serves {', '.join(reg.served)})"
+
 
 @dataclass(frozen=True)
 class CacheEntry:
@@ -39,6 +78,14 @@ class CacheEntry:
         return self.factory.name
 
 
+def _named(kind: str, name: str, entries: tuple[Any, ...]) -> Any:
+    for e in entries:
+        if e.name == name:
+            return e
+    choices = ", ".join(e.name for e in entries) or "(none)"
+    raise ResolutionError(f"no {kind} named {name!r}. Choose one of: {choices}")
+
+
 @dataclass(frozen=True)
 class Registry:
     """Every registered stage and cache, in plugin registration order."""
@@ -46,67 +93,62 @@ class Registry:
     stages: tuple[StageEntry, ...]
     caches: tuple[CacheEntry, ...]
 
-    def stage(self, name: str) -> StageEntry | None:
-        return next((e for e in self.stages if e.name == name), None)
+    def stage(self, name: str) -> StageEntry:
+        """The stage registered as ``name``; ResolutionError listing the stages otherwise."""
+        return _named("stage", name, self.stages)
 
-    def cache(self, name: str) -> CacheEntry | None:
-        return next((e for e in self.caches if e.name == name), None)
+    def cache(self, name: str) -> CacheEntry:
+        """The cache registered as ``name``; ResolutionError listing the caches otherwise."""
+        return _named("cache", name, self.caches)
 
     def serving(self, model: str) -> tuple[StageEntry, ...]:
         """Stages serving ``model``, highest priority first (registration order breaks ties)."""
-        found = [e for e in self.stages if model in e.registration.models]
+        found = [e for e in self.stages if model in e.registration.served]
         return tuple(sorted(found, key=lambda e: -e.registration.priority))
 
     def served_models(self) -> list[str]:
-        return sorted({m for e in self.stages for m in e.registration.models})
+        return sorted({m for e in self.stages for m in e.registration.served})
+
+    def presets(self) -> dict[str, tuple[StageEntry, Preset]]:
+        """Preset name -> (the stage entry registering it, the preset), in registration order."""
+        return {p.name: (e, p) for e in self.stages for p in e.registration.presets}
+
+    def defaults(self, model: str) -> Mapping[str, Any] | None:
+        """Model-config defaults of the best stage serving ``model`` (None if none serves it)."""
+        serving = self.serving(model)
+        return serving[0].registration.defaults if serving else None
 
 
-def call_each(
-    pm: pluggy.PluginManager, hook_name: str, **kwargs: Any
-) -> Iterator[tuple[str, Any]]:
-    """Call each implementation of a hook and yield ``(plugin name, result)``.
+def call_each(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+    """Call each plugin's implementation of a hook; yield ``(plugin name, result)``.
 
-    pluggy's own call merges results and forgets who returned what; registries need the
-    plugin of every record to name both sides of a conflict. Implementations run in the
-    order pluggy lists them (registration order; ``trylast`` ones first, ``tryfirst`` ones
-    last); wrappers are skipped. A raising implementation is re-raised naming its plugin.
+    Each call goes through pluggy's own hook machinery (one subset caller per plugin), so
+    monitoring and tracing see it; registries need the plugin of every record to name both
+    sides of a conflict. A raising implementation is re-raised naming its plugin.
     """
     caller = getattr(pm.hook, hook_name)
-    names = {id(plugin): name for name, plugin in pm.list_name_plugin()}
-    for impl in caller.get_hookimpls():
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        name = names.get(id(impl.plugin)) or repr(impl.plugin)
-        trace = pm.trace.root.get("hook")  # same lines as pluggy's enable_tracing()
-        trace.root.indent += 1
-        trace(f"{hook_name} (plugin {name})", kwargs)
+    plugins = [impl.plugin for impl in caller.get_hookimpls() if not (impl.hookwrapper or impl.wrapper)]
+    for plugin in plugins:
+        name = pm.get_name(plugin) or repr(plugin)
+        others = [p for _, p in pm.list_name_plugin() if p is not None and p is not plugin]
         try:
-            result = impl.function(*(kwargs[arg] for arg in impl.argnames))
+            results = pm.subset_hook_caller(hook_name, others)(**kwargs)
         except Exception as exc:
-            trace.root.indent -= 1
-            raise RuntimeError(
-                f"plugin {name!r}: {hook_name}() raised {type(exc).__name__}: {exc}"
-            ) from exc
-        trace("finish", hook_name, "-->", result)
-        trace.root.indent -= 1
-        yield name, result
+            raise RuntimeError(f"plugin {name!r}: {hook_name}() raised {type(exc).__name__}: {exc}") from exc
+        yield name, results[0] if results else None
 
 
 def _records(plugin: str, hook_name: str, result: Any, kind: type) -> Iterable[Any]:
     if result is None:
         return ()
-    items = (result,) if isinstance(result, kind) else result
     try:
-        items = tuple(items)
+        items = (result,) if isinstance(result, kind) else tuple(result)
     except TypeError:
-        raise TypeError(
-            f"plugin {plugin!r}: {hook_name}() must return an iterable of {kind.__name__}, "
-            f"got {result!r}"
-        ) from None
+        items = (result,)
     for item in items:
         if not isinstance(item, kind):
             raise TypeError(
-                f"plugin {plugin!r}: {hook_name}() returned {item!r}; expected "
+                f"plugin {plugin!r}: {hook_name}() returned {item!r}; expected an iterable of "
                 f"{kind.__name__} records (from causalkv.hooks import {kind.__name__})"
             )
     return items
@@ -126,49 +168,33 @@ def collect(pm: pluggy.PluginManager) -> Registry:
         PluginConflictError: two stages share a name, two stages serve one model at the
             same priority, or two caches share a name; the message names both plugins.
     """
-    stages: list[StageEntry] = []
-    by_name: dict[str, StageEntry] = {}
+    stages: dict[str, StageEntry] = {}
     by_model: dict[tuple[str, int], StageEntry] = {}
     for plugin, result in call_each(pm, "causalkv_register_stages"):
         for reg in _records(plugin, "causalkv_register_stages", result, StageRegistration):
             entry = StageEntry(reg, plugin)
-            if reg.name in by_name:
-                other = by_name[reg.name]
-                raise _conflict(
-                    f"stage {reg.name!r} is registered ({other.registration.target} and "
-                    f"{reg.target})",
-                    other.plugin,
-                    plugin,
-                    "rename one stage",
-                )
-            by_name[reg.name] = entry
-            for model in reg.models:
-                key = (model, reg.priority)
-                if key in by_model:
-                    other = by_model[key]
-                    raise _conflict(
+            if reg.name in stages:
+                other = stages[reg.name]
+                what = f"stage {reg.name!r} is registered ({other.registration.target} and {reg.target})"
+                raise _conflict(what, other.plugin, plugin, "rename one stage")
+            stages[reg.name] = entry
+            for model in reg.served:
+                other = by_model.setdefault((model, reg.priority), entry)
+                if other is not entry:
+                    what = (
                         f"model {model!r} is served at priority {reg.priority} by stage "
-                        f"{other.name!r} and by stage {reg.name!r}, registered",
-                        other.plugin,
-                        plugin,
+                        f"{other.name!r} and by stage {reg.name!r}, registered"
+                    )
+                    raise _conflict(
+                        what, other.plugin, plugin,
                         "give one registration a different priority (the higher wins)",
                     )
-                by_model[key] = entry
-            stages.append(entry)
-    caches: list[CacheEntry] = []
-    by_cache: dict[str, CacheEntry] = {}
+    caches: dict[str, CacheEntry] = {}
     for plugin, result in call_each(pm, "causalkv_register_cache_factories"):
         for factory in _records(plugin, "causalkv_register_cache_factories", result, CacheFactory):
-            if factory.name in by_cache:
-                other = by_cache[factory.name]
-                raise _conflict(
-                    f"cache {factory.name!r} is registered ({other.factory.target} and "
-                    f"{factory.target})",
-                    other.plugin,
-                    plugin,
-                    "rename one cache",
-                )
-            entry = CacheEntry(factory, plugin)
-            by_cache[factory.name] = entry
-            caches.append(entry)
-    return Registry(tuple(stages), tuple(caches))
+            if factory.name in caches:
+                other = caches[factory.name]
+                what = f"cache {factory.name!r} is registered ({other.factory.target} and {factory.target})"
+                raise _conflict(what, other.plugin, plugin, "rename one cache")
+            caches[factory.name] = CacheEntry(factory, plugin)
+    return Registry(tuple(stages.values()), tuple(caches.values()))

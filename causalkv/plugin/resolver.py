@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration
-from causalkv.plugin.errors import ResolutionError
+from causalkv.plugin.errors import ResolutionError, UnsupportedRequestError
 from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
 
 if TYPE_CHECKING:
@@ -112,14 +112,20 @@ class Resolution:
     cache_plugin: str | None = None
     model_config: ModelConfig | None = None
 
+    @property
+    def stage_name(self) -> str:
+        """The stage's registration name (its one name: header, metrics, ``--stage``)."""
+        return self.stage_registration.name if self.stage_registration else self.stage.__name__
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable summary (``causalkv resolve --json``)."""
         reg = self.stage_registration
+        caps = self.cache_factory.features()
         return {
             "model": self.model_name,
             "model_class": self.model_class,
             "stage": {
-                "name": reg.name if reg else self.stage.stage_name,
+                "name": self.stage_name,
                 "class": f"{self.stage.__module__}:{self.stage.__qualname__}",
                 "plugin": self.stage_plugin,
                 "priority": reg.priority if reg else None,
@@ -127,7 +133,7 @@ class Resolution:
             "cache": {
                 "name": self.cache_factory.name,
                 "target": self.cache_factory.target,
-                "capabilities": list(self.cache_factory.capabilities),
+                "capabilities": list(caps),
                 "priority": self.cache_factory.priority,
                 "plugin": self.cache_plugin,
             },
@@ -137,65 +143,21 @@ class Resolution:
 
 
 def _describe_requirement(feature: str, args: ServerArgs, ref: ModelRef, stage: str) -> str:
-    quant = args.kv_cache_quant_config
     if feature == "quant:qvg":
-        return f"quant:qvg (--kv-cache-quant int{quant.bits})"
+        return f"quant:qvg (--kv-cache-quant int{args.kv_cache_quant_config.bits})"
     if feature == "pinned_sink" and args.multi_shot:
         return "pinned_sink (--multi-shot)"
     if feature == "head_slice" and args.heads_sharded > 1:
         return f"head_slice (--heads-sharded {args.heads_sharded})"
-    if feature == "recent_window":
-        if args.recent_window_frames is not None:
-            return f"recent_window (--recent-window-frames {args.recent_window_frames})"
-        if ref.config is not None and ref.config.recent_window_frames is not None:
-            return f"recent_window (model recent_window_frames={ref.config.recent_window_frames})"
+    if feature == "recent_window" and args.recent_window_frames is not None:
+        return f"recent_window (--recent-window-frames {args.recent_window_frames})"
+    if feature == "recent_window" and ref.config is not None and ref.config.recent_window_frames is not None:
+        return f"recent_window (model recent_window_frames={ref.config.recent_window_frames})"
     return f"{feature} (declared by stage {stage})"
 
 
-def _load_stage(entry: StageEntry) -> type[CausalDenoisingStage]:
-    from causalkv.stages.base import CausalDenoisingStage
-
-    reg = entry.registration
-    try:
-        cls = reg.load()
-    except ImportError as exc:
-        raise ImportError(
-            f"stage {reg.name!r} (plugin {entry.plugin!r}) cannot be imported from "
-            f"{reg.target!r}: {exc}"
-        ) from exc
-    if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
-        raise TypeError(
-            f"stage {reg.name!r} (plugin {entry.plugin!r}): {reg.target!r} is {cls!r}, not a "
-            f"subclass of causalkv.stages.base.CausalDenoisingStage"
-        )
-    return cls
-
-
-def _supports(entry: StageEntry, feature: str) -> bool:
-    """Does the stage declare ``feature`` ("qvg" or "multi_shot")? False if it cannot load."""
-    try:
-        cls = _load_stage(entry)
-    except (ImportError, TypeError):
-        return False
-    if feature == "qvg":
-        return cls._supports_qvg_kv_cache_quantization()
-    return cls.supports_multi_shot()
-
-
 def _stage_list(entries: list[StageEntry]) -> str:
-    return "; ".join(
-        f"{e.name} (plugin {e.plugin}, priority {e.registration.priority}, serves "
-        f"{', '.join(e.registration.models)})"
-        for e in entries
-    )
-
-
-def _named(kind: str, name: str, entry: Any, entries: Any) -> Any:
-    """``entry`` (the registry's lookup of ``name``), or a ResolutionError listing the choices."""
-    if entry is None:
-        names = ", ".join(e.name for e in entries) or "(none)"
-        raise ResolutionError(f"no {kind} named {name!r}. Choose one of: {names}")
-    return entry
+    return "; ".join(e.describe() for e in entries)
 
 
 def _pick_stage(
@@ -203,20 +165,16 @@ def _pick_stage(
 ) -> tuple[StageEntry, list[StageEntry]]:
     """The winning stage entry and every entry serving the model (best first)."""
     serving: list[StageEntry] = []
-    seen: set[int] = set()
     for key in ref.keys:  # model_class before name: a class match wins a priority tie
-        for e in registry.serving(key):
-            if id(e) not in seen:
-                seen.add(id(e))
-                serving.append(e)
+        serving += [e for e in registry.serving(key) if e not in serving]
     serving.sort(key=lambda e: -e.registration.priority)  # stable: keeps the key preference
     if stage_name is not None:
-        entry = _named("stage", stage_name, registry.stage(stage_name), registry.stages)
-        if id(entry) not in seen:
-            choices = ", ".join(e.name for e in serving) or "(none)"
+        entry = registry.stage(stage_name)
+        if entry not in serving:
             raise ResolutionError(
                 f"stage {stage_name!r} does not serve {ref.label} (it serves "
-                f"{', '.join(entry.registration.models)}). Stages serving it: {choices}"
+                f"{', '.join(entry.registration.served)}). Stages serving it: "
+                f"{', '.join(e.name for e in serving) or '(none)'}"
             )
         return entry, serving
     if not serving:
@@ -238,7 +196,7 @@ def _check_stage(
     args: ServerArgs,
 ) -> None:
     if args.kv_cache_quant_config.enabled and not cls._supports_qvg_kv_cache_quantization():
-        able = [e for e in serving if e is not entry and _supports(e, "qvg")]
+        able = [e for e in serving if e is not entry and e.supports("qvg")]
         fix = (
             f"Registered stages serving {ref.label} that support it: {_stage_list(able)}; "
             f"pick one with --stage NAME, or run with --kv-cache-quant off."
@@ -246,30 +204,22 @@ def _check_stage(
             else f"No registered stage serving {ref.label} supports it: run with "
             f"--kv-cache-quant off."
         )
-        raise ValueError(
+        raise UnsupportedRequestError(
             f"{cls.__name__} does not support QVG KV-cache quantization "
             f"(stage {entry.name!r}, plugin {entry.plugin!r}). {fix}"
         )
     if args.multi_shot and not cls.supports_multi_shot():
-        able = [e for e in registry.stages if _supports(e, "multi_shot")]
+        able = [e for e in registry.stages if e.supports("multi_shot")]
         here = [e for e in able if e in serving]
         fix = (
             f"Stages serving {ref.label} that do: {_stage_list(here)}; pick one with --stage NAME"
             if here
             else f"Stages that do (none serves {ref.label}): {_stage_list(able) or '(none)'}"
         )
-        raise ValueError(
+        raise UnsupportedRequestError(
             f"{cls.__name__} (stage {entry.name!r}) does not support multi-shot generation "
             f"(a pinned shot sink per scene cut). {fix}; or drop --multi-shot."
         )
-
-
-def _missing(entry: CacheEntry, requirements: frozenset[str]) -> str:
-    return ", ".join(sorted(entry.factory.capabilities.missing(requirements)))
-
-
-def _cache_label(entry: CacheEntry) -> str:
-    return f"cache {entry.name} (plugin {entry.plugin}, priority {entry.factory.priority})"
 
 
 def _pick_cache(
@@ -282,32 +232,33 @@ def _pick_cache(
 ) -> tuple[CacheEntry, str]:
     req = ", ".join(sorted(requirements)) or "none"
     covers = req if requirements else "the requirements (none)"
-    qualifying = [e for e in registry.caches if e.factory.capabilities.covers(requirements)]
-    qualifying.sort(key=lambda e: -e.factory.priority)
-    qualifying_ids = {id(e) for e in qualifying}
-    lacking = [e for e in registry.caches if id(e) not in qualifying_ids]
-    lack_text = "; ".join(f"{e.name} lacks {_missing(e, requirements)}" for e in lacking)
+    missing = {e.name: ", ".join(sorted(e.factory.features().missing(requirements))) for e in registry.caches}
+    qualifying = sorted((e for e in registry.caches if not missing[e.name]), key=lambda e: -e.factory.priority)
+    lack = "; ".join(f"{name} lacks {m}" for name, m in missing.items() if m)
+
+    def label(e: CacheEntry) -> str:
+        return f"cache {e.name} (plugin {e.plugin}, priority {e.factory.priority})"
+
     if args.cache is not None:
-        entry = _named("cache", args.cache, registry.cache(args.cache), registry.caches)
-        if id(entry) not in qualifying_ids:
+        entry = registry.cache(args.cache)
+        if missing[entry.name]:
             ok = ", ".join(e.name for e in qualifying) or "(none)"
             raise ResolutionError(
-                f"cache {args.cache!r} lacks {_missing(entry, requirements)}, which stage "
-                f"{stage} needs (requirements: {req}). Caches that qualify: {ok}"
+                f"cache {args.cache!r} lacks {missing[entry.name]}, which stage {stage} needs "
+                f"(requirements: {req}). Caches that qualify: {ok}"
             )
-        return entry, f"{_cache_label(entry)}: forced by --cache; covers {covers}"
+        return entry, f"{label(entry)}: forced by --cache; covers {covers}"
     if not qualifying:
-        detail = lack_text or "no cache is registered"
         raise ResolutionError(
             f"no registered cache covers the requirements of stage {stage} ({req}): "
-            f"{detail}. Drop the flag that needs the missing feature, or install a plugin "
-            f"whose cache provides it."
+            f"{lack or 'no cache is registered'}. Drop the flag that needs the missing feature, "
+            f"or install a plugin whose cache provides it."
         )
     chosen = pm.hook.causalkv_select_cache_factory(
         stage=cls, requirements=requirements, candidates=tuple(e.factory for e in qualifying)
     )
     names = ", ".join(f"{e.name} ({e.factory.priority})" for e in qualifying)
-    tail = f"; {lack_text}" if lack_text else ""
+    tail = f"; {lack}" if lack else ""
     if chosen is not None:
         chosen_name = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
         entry = next((e for e in qualifying if e.name == chosen_name), None)
@@ -316,17 +267,9 @@ def _pick_cache(
                 f"causalkv_select_cache_factory returned {chosen!r}, which is not one of the "
                 f"qualifying caches for stage {stage}: {', '.join(e.name for e in qualifying)}"
             )
-        return entry, (
-            f"{_cache_label(entry)}: chosen by causalkv_select_cache_factory among "
-            f"qualifying {names}{tail}"
-        )
-    entry = qualifying[0]
-    how = (
-        f"highest priority among qualifying {names}"
-        if len(qualifying) > 1
-        else "the only cache that does"
-    )
-    return entry, f"{_cache_label(entry)}: covers {covers}; {how}{tail}"
+        return entry, f"{label(entry)}: chosen by causalkv_select_cache_factory among qualifying {names}{tail}"
+    how = f"highest priority among qualifying {names}" if len(qualifying) > 1 else "the only cache that does"
+    return qualifying[0], f"{label(qualifying[0])}: covers {covers}; {how}{tail}"
 
 
 def resolve(
@@ -350,7 +293,7 @@ def resolve(
         ResolutionError: unknown model (lists the served ones), unknown or unqualified
             forced stage/cache, or no cache covering the requirements (names, per cache,
             the capability it lacks).
-        ValueError: QVG requested on a stage without QVG support (the message starts with
+            QVG requested on a stage without QVG support (the message starts with
             ``"<StageClass> does not support QVG KV-cache quantization"``), or multi-shot
             on a stage without it.
         PluginConflictError: plugins claim the same stage, model priority or cache name.
@@ -363,10 +306,10 @@ def resolve(
     ref = model_ref(model)
     registry = collect(pm)
     entry, serving = _pick_stage(registry, ref, stage)
-    cls = _load_stage(entry)
+    cls = entry.load()
     reg = entry.registration
     reasons = [f"model {ref.label}: matched by {ref.source}"]
-    matched = next(k for k in ref.keys if k in reg.models)
+    matched = next(k for k in ref.keys if k in reg.served)
     how = "forced by --stage" if stage is not None else f"priority {reg.priority}"
     others = [e for e in serving if e is not entry]
     also = f"; also serving: {_stage_list(others)}" if others else ""

@@ -5,7 +5,7 @@
 
 Submodules: `model_config` (reading a model folder or preset), `presets` (tiny models with
 random weights), `attention` (causal processors for diffusers' Wan transformer), `text`
-(UMT5 prompt encoding), `loading`, `video`, `generate`, `cli`.
+(UMT5 prompt encoding), `loading`, `video`, `generate`. The command line is `causalkv.cli`.
 """
 
 from causalkv.config import ModelConfig, ServerArgs
@@ -15,11 +15,14 @@ from causalkv.runtime.generate import (
     GenerationRun,
     Plan,
     build_stage,
+    compare_unquantized,
     generate,
     latent_psnr_db,
     plan_generation,
     run_plan,
+    run_report,
     split_prompts,
+    write_outputs,
 )
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo, load_model_info
 from causalkv.runtime.presets import PRESETS, materialize_preset
@@ -35,11 +38,14 @@ __all__ = [
     "Plan",
     "ServerArgs",
     "build_stage",
+    "compare_unquantized",
     "generate",
     "latent_psnr_db",
     "load_model_info",
     "materialize_preset",
     "plan_generation",
     "run_plan",
+    "run_report",
     "split_prompts",
+    "write_outputs",
 ]

@@ -1,13 +1,19 @@
-"""The reference host: plan a request (JSON only), resolve it, load, generate, decode, measure.
+"""The reference host: plan a request (JSON only), load, run, compare, write, report.
 
-`plan_generation` reads the model's config files, resolves the stage and cache through the
-plugin system and validates the request: every bad input is refused there, before any
-weights load. `run_plan` loads the components (materializing a preset on first use),
-builds the stage, calls the plugin hooks and runs the chunk loop. `generate` does both,
-decodes and writes the video, and returns the metrics.
+`generate` is four steps, each usable alone:
 
-The part after resolution takes the stage class and the cache factory explicitly
-(`build_stage`), so it is testable without the plugin system.
+1. `plan_generation` reads the model's config files, resolves the stage and cache through the
+   plugin system and validates the request (the stage splits the prompts into chunks): every
+   bad input is refused there, before any weights load.
+2. `run_plan` loads the components (materializing a preset on first use), builds the stage
+   (`build_stage`: ``causalkv_configure_stage`` applies to that one stage before its caches
+   are allocated) and runs the chunk loop.
+3. `compare_unquantized` reruns with quantization off and measures the latent PSNR.
+4. `write_outputs` decodes and writes the video; `run_report` assembles the metrics, with
+   the stage's own entries (`CausalDenoisingStage.report`).
+
+The host imports no model-specific module: everything a model family adds comes from its
+stage and registration.
 """
 
 from __future__ import annotations
@@ -22,12 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from causalkv.config import ModelConfig, ServerArgs
-from causalkv.runtime.loading import Components, load_components, load_vae, parse_dtype
+from causalkv.config import ModelConfig, ServerArgs, check_prompts
+from causalkv.runtime.loading import Components, load_components, load_vae
 from causalkv.runtime.model_config import ModelInfo, load_model_info
 from causalkv.runtime.presets import materialize_preset
 from causalkv.stages.base import CausalDenoisingStage, ForwardRecord, StreamSettings
-from causalkv.stages.longlive2 import SCENE_CUT_PREFIX
 
 if TYPE_CHECKING:
     from causalkv.plugin import Resolution
@@ -38,11 +43,14 @@ __all__ = [
     "GenerationRun",
     "Plan",
     "build_stage",
+    "compare_unquantized",
     "generate",
     "latent_psnr_db",
     "plan_generation",
     "run_plan",
+    "run_report",
     "split_prompts",
+    "write_outputs",
 ]
 
 DEFAULT_PROMPT = "A red fox trots through fresh snow in a pine forest at dawn, cinematic light."
@@ -54,7 +62,7 @@ class GenerateOptions:
 
     Attributes:
         model: preset name or model folder.
-        prompts: one prompt per shot; frames are split evenly between shots.
+        prompts: one prompt per shot; the stage splits them into chunk prompts.
         frames: latent frames (None: the model's ``default_frames``).
         server_args: quant config, sink/window overrides, seed, dtype, device, ``--cache``.
         guidance_scale: CFG scale (None: the model's default; used by LongLive 2.0).
@@ -108,6 +116,8 @@ class GenerationRun:
     chunk_stats: list[dict[str, Any]]
     stage: CausalDenoisingStage
     kv_resident_bytes_final: int
+    components: Components | None = None
+    load_seconds: float = 0.0
 
     @property
     def kv_resident_bytes_max(self) -> int:
@@ -116,38 +126,14 @@ class GenerationRun:
 
 
 def split_prompts(prompts: Sequence[str], num_chunks: int, *, scene_cuts: bool) -> list[str]:
-    """One prompt per chunk: shots get ``num_chunks // len(prompts)`` chunks (earlier shots
-    one more while chunks remain). With ``scene_cuts`` the first chunk of every shot after
-    the first starts with `SCENE_CUT_PREFIX` (LongLive 2.0 pins it as the shot sink).
-    """
-    if len(prompts) == 0:
-        raise ValueError("the prompt list is empty; pass at least one --prompt TEXT")
-    if num_chunks < len(prompts):
-        raise ValueError(
-            f"{len(prompts)} prompts need at least {len(prompts)} chunks, the request has "
-            f"{num_chunks}; pass more --frames or fewer --prompt"
-        )
-    base, extra = divmod(num_chunks, len(prompts))
-    out: list[str] = []
-    for k, prompt in enumerate(prompts):
-        n = base + (1 if k < extra else 0)
-        first = prompt
-        if scene_cuts and k > 0 and not prompt.startswith(SCENE_CUT_PREFIX):
-            first = SCENE_CUT_PREFIX + prompt
-        out.extend([first] + [prompt] * (n - 1))
-    return out
+    """One prompt per chunk, as the base stage splits them; with ``scene_cuts`` as the
+    LongLive 2.0 stage does for a multi-shot request (compatibility wrapper of
+    `CausalDenoisingStage.plan_chunks`)."""
+    from causalkv.plugin import get_plugin_manager
+    from causalkv.plugin.registry import collect
 
-
-def _check_prompts(prompts: Sequence[str]) -> list[str]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("the prompt list is empty; pass at least one --prompt TEXT")
-    for p in prompts:
-        if not isinstance(p, str) or not p.strip():
-            raise ValueError(f"prompts must be non-empty text, got {p!r}; fix the --prompt value")
-    return prompts
+    stage = collect(get_plugin_manager()).stage("longlive2").load() if scene_cuts else CausalDenoisingStage
+    return stage.plan_chunks(prompts, num_chunks, ServerArgs(multi_shot=scene_cuts))
 
 
 def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
@@ -155,31 +141,26 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
 
     Multi-shot is automatic: with more than one prompt and a stage that supports it
     (LongLive 2.0) the request is resolved again with ``multi_shot=True`` (the cache must
-    then support a pinned shot sink). Raises ValueError (or the plugin system's
-    ResolutionError, a ValueError too) naming the bad value and the fix.
+    then support a pinned shot sink). Raises a `causalkv.errors.CausalKVError` (a
+    ValueError) naming the bad value and the fix.
     """
-    from causalkv.plugin import resolve
+    from causalkv.plugin import get_plugin_manager, resolve
 
-    prompts = _check_prompts(options.prompts)
-    info = load_model_info(options.model)
+    pm = pm if pm is not None else get_plugin_manager()
+    prompts = check_prompts(options.prompts)
+    info = load_model_info(options.model, pm=pm)
     model = info.config
-    args = replace(options.server_args)
-    parse_dtype(args.dtype)
-    args.guidance_scale = (
-        float(options.guidance_scale) if options.guidance_scale is not None else info.guidance_scale
-    )
-    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
-        raise ValueError(f"guidance scale must be a finite number >= 0, got {args.guidance_scale}")
+    guidance = options.guidance_scale if options.guidance_scale is not None else info.guidance_scale
+    args = replace(options.server_args, guidance_scale=float(guidance))
     num_frames = options.frames if options.frames is not None else info.default_frames
     res = resolve(model, args, pm=pm, stage=options.stage)
     if len(prompts) > 1 and res.stage.supports_multi_shot() and not args.multi_shot:
-        args.multi_shot = True
+        args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage)
     settings = res.stage.check_request(model, args, num_frames)
-    chunk_prompts = split_prompts(
-        prompts, num_frames // settings.frames_per_chunk, scene_cuts=args.multi_shot
-    )
+    chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
+    negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
     return Plan(
         info=info,
         server_args=args,
@@ -189,16 +170,14 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
         chunk_prompts=chunk_prompts,
         settings=settings,
         stage_name=options.stage,
-        negative_prompt=(
-            options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
-        ),
+        negative_prompt=negative,
     )
 
 
-def model_folder(info: ModelInfo) -> Path:
+def model_folder(info: ModelInfo, *, pm: Any = None) -> Path:
     """The folder to load from: a preset is created on first use."""
     if info.preset is not None:
-        return materialize_preset(info.preset)
+        return materialize_preset(info.preset, pm=pm)
     assert info.path is not None
     return info.path
 
@@ -212,32 +191,35 @@ def build_stage(
     *,
     negative_prompt: str = "",
     pm: Any = None,
+    name: str | None = None,
 ) -> CausalDenoisingStage:
     """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
 
-    With a plugin manager, ``causalkv_configure_stage`` runs right after; if it returns
-    `ModelConfig` overrides the stage is rebuilt with them (and they are validated).
+    With a plugin manager, ``causalkv_configure_stage`` runs on the built stage: attributes
+    its implementations set stay, and the `ModelConfig` overrides they return are applied
+    to the same stage before its caches are allocated (once, on first use).
     """
-
-    def make(m: ModelConfig) -> CausalDenoisingStage:
-        return stage_cls(
-            m,
-            server_args,
-            denoiser=components.transformer,
-            scheduler=components.scheduler,
-            cache_factory=cache_factory,
-            encode_prompt=components.prompt_encoder,
-            negative_prompt=negative_prompt,
-        )
-
-    stage = make(model)
+    stage = stage_cls(
+        model,
+        server_args,
+        denoiser=components.transformer,
+        scheduler=components.scheduler,
+        cache_factory=cache_factory,
+        encode_prompt=components.prompt_encoder,
+        negative_prompt=negative_prompt,
+        name=name,
+    )
     if pm is not None:
         from causalkv.plugin import configure_stage
 
-        overrides = configure_stage(pm, stage, model, server_args)
-        if overrides:
-            stage = make(replace(model, **overrides))
+        stage.apply_overrides(configure_stage(pm, stage, model, server_args))
     return stage
+
+
+def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
+    """Load the plan's model components (a preset folder is built on first use)."""
+    args = plan.server_args
+    return load_components(plan.info, model_folder(plan.info, pm=pm), dtype=args.dtype, device=args.device)
 
 
 def run_plan(
@@ -252,8 +234,8 @@ def run_plan(
 ) -> GenerationRun:
     """Load (unless ``components`` are given), build the stage, run the chunk loop.
 
-    ``server_args``/``resolution`` replace the plan's (``--compare-bf16`` reruns with the
-    quantization off). The initial noise and every re-noising draw come from one CPU
+    ``server_args``/``resolution`` replace the plan's (`compare_unquantized` reruns with
+    the quantization off). The initial noise and every re-noising draw come from one CPU
     generator seeded with ``server_args.seed``.
     """
     from causalkv.plugin import get_plugin_manager
@@ -261,18 +243,14 @@ def run_plan(
     pm = pm if pm is not None else get_plugin_manager()
     args = server_args if server_args is not None else plan.server_args
     res = resolution if resolution is not None else plan.resolution
+    load_seconds = 0.0
     if components is None:
-        components = load_components(
-            plan.info, model_folder(plan.info), dtype=args.dtype, device=args.device
-        )
+        t0 = time.perf_counter()
+        components = load_for_plan(plan, pm=pm)
+        load_seconds = time.perf_counter() - t0
     stage = build_stage(
-        res.stage,
-        res.cache_factory,
-        plan.model,
-        args,
-        components,
-        negative_prompt=plan.negative_prompt,
-        pm=pm,
+        res.stage, res.cache_factory, plan.model, args, components,
+        negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
     )
     generator = torch.Generator(device="cpu").manual_seed(int(args.seed))
     info = plan.info
@@ -292,6 +270,8 @@ def run_plan(
         chunk_stats=result.chunk_stats,
         stage=stage,
         kv_resident_bytes_final=stage.kv_resident_nbytes(),
+        components=components,
+        load_seconds=load_seconds,
     )
 
 
@@ -308,75 +288,61 @@ def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | No
     return 10.0 * math.log10(peak * peak / mse)
 
 
-def _progress(total: int, quiet: bool) -> Any:
-    from tqdm.auto import tqdm
+def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> dict[str, Any]:
+    """Rerun ``plan`` with quantization off (same seed, same components); the comparison metrics."""
+    from causalkv.plugin import resolve
 
-    return tqdm(total=total, unit="chunk", desc="chunks", disable=quiet or not sys.stderr.isatty())
-
-
-def generate(
-    options: GenerateOptions,
-    *,
-    pm: Any = None,
-    log: Callable[[str], None] | None = None,
-) -> tuple[dict[str, Any], GenerationRun]:
-    """Plan, load, generate, optionally compare with an unquantized run, decode and write.
-
-    Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
-    reasons, where the video went).
-    """
-    from causalkv.plugin import get_plugin_manager, resolve
-
-    say = log or (lambda _line: None)
-    pm = pm if pm is not None else get_plugin_manager()
-    t_start = time.perf_counter()
-    plan = plan_generation(options, pm=pm)
-    res = plan.resolution
     quant = plan.server_args.kv_cache_quant_config
-    say(f"model: {plan.model.name} ({plan.model.model_class})")
-    say(f"stage: {res.stage.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})")
-    say(f"cache: {res.cache_factory.name} (kv-cache-quant {quant.describe()})")
-    for line in res.reasons:
-        say(f"  - {line}")
-    s = plan.settings
-    say(
-        f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
-        f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "
-        f"{s.cache_frames} frames"
-        + (f", recent window {s.recent_window_frames}" if s.recent_window_frames is not None else "")
-        + (f"; multi-shot ({len(plan.prompts)} shots)" if plan.server_args.multi_shot else "")
-    )
-    t_load = time.perf_counter()
-    folder = model_folder(plan.info)
-    components = load_components(
-        plan.info, folder, dtype=plan.server_args.dtype, device=plan.server_args.device
-    )
-    load_seconds = time.perf_counter() - t_load
+    ref_args = replace(plan.server_args, kv_cache_quant_config=replace(quant, bits=None), cache=None)
+    ref_res = resolve(plan.model, ref_args, pm=pm, stage=plan.stage_name)
+    ref = run_plan(plan, pm=pm, components=run.components, server_args=ref_args, resolution=ref_res)
+    psnr = latent_psnr_db(run.latents, ref.latents)
+    return {
+        "reference_cache": ref_res.cache_factory.name,
+        "latent_psnr_db": psnr,
+        "latent_identical": psnr is None,
+        "latent_max_abs_diff": float((run.latents - ref.latents).abs().max()),
+        "reference_kv_resident_bytes_max": ref.kv_resident_bytes_max,
+        "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
+    }
 
-    bar = _progress(plan.num_chunks, options.quiet)
-    try:
-        run = run_plan(
-            plan, pm=pm, components=components, on_chunk_done=lambda i, st: bar.update(1)
-        )
-    finally:
-        bar.close()
+
+def write_outputs(plan: Plan, run: GenerationRun, output: str | Path, *, pm: Any = None) -> dict[str, Any]:
+    """Decode the run's latents with the model's VAE and write the video; its metrics."""
+    from causalkv.runtime.video import decode_latents, write_video
+
+    device = run.components.device if run.components is not None else plan.server_args.device
+    vae = load_vae(model_folder(plan.info, pm=pm), device=device)
+    frames = decode_latents(vae, run.latents)
+    written = write_video(frames, output, fps=plan.info.fps)
+    return {
+        "output": str(written),
+        "video_frames": int(frames.shape[0]),
+        "video_size": [int(frames.shape[1]), int(frames.shape[2])],
+    }
+
+
+def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
+    """The run's metrics: request, stream settings, per-chunk timings and KV bytes, and the
+    stage's own entries (`CausalDenoisingStage.report`)."""
+    res, s, args = plan.resolution, plan.settings, plan.server_args
     seconds = [float(st["seconds"]) for st in run.chunk_stats]
-    metrics: dict[str, Any] = {
+    return {
         "model": plan.model.name,
         "model_class": plan.model.model_class,
-        "stage": res.stage.stage_name,
+        "stage": res.stage_name,
         "stage_class": f"{res.stage.__module__}:{res.stage.__qualname__}",
         "cache": res.cache_factory.name,
-        "kv_cache_quant": quant.describe(),
+        "kv_cache_quant": args.kv_cache_quant_config.describe(),
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
         "prompts": plan.prompts,
         "chunk_prompts": plan.chunk_prompts,
-        "multi_shot": plan.server_args.multi_shot,
-        "guidance_scale": plan.server_args.guidance_scale,
-        "seed": plan.server_args.seed,
-        "dtype": plan.server_args.dtype,
-        "device": plan.server_args.device,
+        "multi_shot": args.multi_shot,
+        "guidance_scale": args.guidance_scale,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "device": args.device,
         "frames": plan.num_frames,
         "frames_per_chunk": s.frames_per_chunk,
         "tokens_per_frame": s.tokens_per_frame,
@@ -389,43 +355,77 @@ def generate(
         "latent_shape": list(run.latents.shape),
         "seconds_per_chunk": seconds,
         "seconds_per_chunk_mean": sum(seconds) / len(seconds),
-        "load_seconds": load_seconds,
+        "load_seconds": run.load_seconds,
         "kv_resident_bytes_per_chunk": [int(st["kv_resident_bytes"]) for st in run.chunk_stats],
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
-        "pinned_chunks": list(getattr(run.stage, "pinned_chunks", [])),
-        "recache_chunks": list(getattr(run.stage, "recache_events", [])),
+        **run.stage.report(),
     }
+
+
+def describe_plan(plan: Plan) -> list[str]:
+    """The human-readable header of a run: model, stage, cache, reasons, stream."""
+    res, s, quant = plan.resolution, plan.settings, plan.server_args.kv_cache_quant_config
+    lines = [
+        f"model: {plan.model.name} ({plan.model.model_class})",
+        f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
+        f"cache: {res.cache_factory.name} (kv-cache-quant {quant.describe()})",
+        *(f"  - {line}" for line in res.reasons),
+    ]
+    lines.append(
+        f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
+        f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "
+        f"{s.cache_frames} frames"
+        + (f", recent window {s.recent_window_frames}" if s.recent_window_frames is not None else "")
+        + (f"; multi-shot ({len(plan.prompts)} shots)" if plan.server_args.multi_shot else "")
+    )
+    return lines
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="chunk", desc="chunks", disable=quiet or not sys.stderr.isatty())
+
+
+def generate(
+    options: GenerateOptions,
+    *,
+    pm: Any = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, Any], GenerationRun]:
+    """Plan, load and run, optionally compare with an unquantized run, write, report.
+
+    Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
+    reasons, where the video went).
+    """
+    from causalkv.plugin import get_plugin_manager
+
+    say = log or (lambda _line: None)
+    pm = pm if pm is not None else get_plugin_manager()
+    t_start = time.perf_counter()
+    plan = plan_generation(options, pm=pm)
+    for line in describe_plan(plan):
+        say(line)
+    bar = _progress(plan.num_chunks, options.quiet)
+    try:
+        run = run_plan(plan, pm=pm, on_chunk_done=lambda i, st: bar.update(1))
+    finally:
+        bar.close()
+    metrics = run_report(plan, run)
     if options.compare_bf16:
-        ref_args = replace(
-            plan.server_args, kv_cache_quant_config=replace(quant, bits=None), cache=None
-        )
-        ref_res = resolve(plan.model, ref_args, pm=pm, stage=options.stage)
-        say(f"reference run: cache {ref_res.cache_factory.name}, kv-cache-quant off, same seed")
-        ref = run_plan(plan, pm=pm, components=components, server_args=ref_args, resolution=ref_res)
-        psnr = latent_psnr_db(run.latents, ref.latents)
-        metrics["reference_cache"] = ref_res.cache_factory.name
-        metrics["latent_psnr_db"] = psnr
-        metrics["latent_identical"] = psnr is None
-        metrics["latent_max_abs_diff"] = float((run.latents - ref.latents).abs().max())
-        metrics["reference_kv_resident_bytes_max"] = ref.kv_resident_bytes_max
-        metrics["kv_compression_vs_reference"] = ref.kv_resident_bytes_max / max(
-            1, run.kv_resident_bytes_max
-        )
+        say("reference run: kv-cache-quant off, same seed")
+        metrics.update(compare_unquantized(plan, run, pm=pm))
+        psnr = metrics["latent_psnr_db"]
         say(
             "latent PSNR vs the unquantized run: "
             + ("identical" if psnr is None else f"{psnr:.2f} dB")
-            + f"; KV bytes max {run.kv_resident_bytes_max:,} vs {ref.kv_resident_bytes_max:,}"
+            + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
+            f"{metrics['reference_kv_resident_bytes_max']:,}"
         )
     if options.output is not None:
-        from causalkv.runtime.video import decode_latents, write_video
-
-        vae = load_vae(folder, device=components.device)
-        frames = decode_latents(vae, run.latents)
-        written = write_video(frames, options.output, fps=plan.info.fps)
-        metrics["output"] = str(written)
-        metrics["video_frames"] = int(frames.shape[0])
-        metrics["video_size"] = [int(frames.shape[1]), int(frames.shape[2])]
-        say(f"wrote {written} ({frames.shape[0]} frames, {frames.shape[2]}x{frames.shape[1]})")
+        metrics.update(write_outputs(plan, run, options.output, pm=pm))
+        w, h = metrics["video_size"][1], metrics["video_size"][0]
+        say(f"wrote {metrics['output']} ({metrics['video_frames']} frames, {w}x{h})")
     metrics["seconds_total"] = time.perf_counter() - t_start
     return metrics, run

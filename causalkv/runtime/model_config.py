@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig
+from causalkv.errors import CausalKVError
 
 __all__ = [
     "CAUSALKV_FILE",
-    "CLASS_DEFAULTS",
-    "REQUIRED_FILES",
+        "REQUIRED_FILES",
     "ModelFolderError",
     "ModelInfo",
     "load_model_info",
@@ -64,34 +64,29 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "fps": 16,
     "guidance_scale": 1.0,
     "negative_prompt": "",
+    # sglang's names (its pipeline-config / request overrides), in frames; they win when set
+    "realtime_causal_sink_size": None,
+    "realtime_causal_kv_cache_num_frames": None,
 }
 
-#: per-pipeline defaults (FACTS.md) used when causalkv.json is absent or omits a key
-CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "SelfForcingWanPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
-    "CausVidPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
-    "WanPipeline": {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
-    "LongLivePipeline": {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12},
-    "LongLive2Pipeline": {
-        "frames_per_chunk": 8,
-        "sink_frames": 8,
-        "global_sink_frames": 8,
-        "window_frames": 32,
-        "rope_offset_frames_per_shot": 8,
-        "height": 704,
-        "width": 1280,
-        "default_frames": 32,
-    },
-    "LingBotWorldPipeline": {
-        "frames_per_chunk": 3,
-        "sink_frames": 3,
-        "window_frames": 45,
-        "recent_window_frames": 12,
-    },
+SGLANG_KEYS_POSITIVE = "realtime_causal_kv_cache_num_frames"
+#: sglang override key -> the causalkv.json key it sets (the KV-cache frames are the window)
+SGLANG_KEYS = {
+    "realtime_causal_sink_size": "sink_frames",
+    "realtime_causal_kv_cache_num_frames": "window_frames",
 }
 
 
-class ModelFolderError(ValueError):
+
+def __getattr__(name: str) -> Any:
+    if name == "CLASS_DEFAULTS":  # compatibility: the built-in families' defaults, by pipeline
+        from causalkv.plugin.builtin import STAGES
+
+        return {m: dict(reg.defaults) for reg in STAGES for m in reg.models}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class ModelFolderError(CausalKVError, ValueError):
     """A model name that is neither a preset nor a usable model folder."""
 
 
@@ -156,8 +151,13 @@ def model_info_from_dicts(
     *,
     path: Path | None = None,
     preset: str | None = None,
+    defaults: Mapping[str, Any] | None | object = ...,
 ) -> ModelInfo:
     """Build a `ModelInfo` from the parsed config files (see the module docstring).
+
+    ``defaults`` are the model family's (its stage registration's), applied under
+    ``causalkv.json``; None when no registered stage serves the pipeline class; omitted, they
+    are looked up among the process-wide plugin manager's registrations.
 
     Raises ModelFolderError for an unknown key in ``causalkv.json``, a missing
     ``_class_name``, or a resolution the VAE and patch size cannot divide.
@@ -166,19 +166,29 @@ def model_info_from_dicts(
     model_class = model_index.get("_class_name")
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
+    if defaults is ...:
+        defaults = _registry(None).defaults(model_class)
     user = dict(causalkv or {})
     unknown = sorted(set(user) - set(_STREAM_DEFAULTS))
     if unknown:
         raise ModelFolderError(
             f"{where}: unknown key(s) {unknown} in {CAUSALKV_FILE}; valid keys: {sorted(_STREAM_DEFAULTS)}"
         )
-    if causalkv is None and model_class not in CLASS_DEFAULTS:
+    if causalkv is None and defaults is None:
         raise ModelFolderError(
-            f"{where}: no {CAUSALKV_FILE} and no built-in defaults for pipeline {model_class!r} "
-            f"(known: {sorted(CLASS_DEFAULTS)}); write {CAUSALKV_FILE} with frames_per_chunk, "
-            "sink_frames and window_frames"
+            f"{where}: no {CAUSALKV_FILE} and no registered stage serves pipeline "
+            f"{model_class!r} (causalkv plugins lists the served models); write {CAUSALKV_FILE} "
+            "with frames_per_chunk, sink_frames and window_frames"
         )
-    s = {**_STREAM_DEFAULTS, **CLASS_DEFAULTS.get(model_class, {}), **user}
+    s = {**_STREAM_DEFAULTS, **(defaults or {}), **user}
+    for key, target in SGLANG_KEYS.items():
+        value = s[key]
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < (key == SGLANG_KEYS_POSITIVE):
+            what = "positive" if key == SGLANG_KEYS_POSITIVE else "non-negative"
+            raise ModelFolderError(f"{where}: {key} must be {what}, got {value!r}")
+        s[target] = value
     try:
         patch = tuple(int(p) for p in transformer.get("patch_size", (1, 2, 2)))
         num_layers = int(transformer["num_layers"])
@@ -237,8 +247,18 @@ def model_info_from_dicts(
     )
 
 
-def read_model_folder(path: str | Path) -> ModelInfo:
-    """`ModelInfo` of a diffusers-format model folder (JSON only, no weights)."""
+def _registry(pm: Any) -> Any:
+    from causalkv.plugin import collect, get_plugin_manager
+
+    return collect(pm if pm is not None else get_plugin_manager())
+
+
+def read_model_folder(path: str | Path, *, pm: Any = None) -> ModelInfo:
+    """`ModelInfo` of a diffusers-format model folder (JSON only, no weights).
+
+    Defaults for keys ``causalkv.json`` omits come from the stage registration serving the
+    folder's pipeline class (plugins of ``pm``, default the process-wide manager).
+    """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelFolderError(f"model folder {str(folder)!r} does not exist")
@@ -250,30 +270,35 @@ def read_model_folder(path: str | Path) -> ModelInfo:
             f"tokenizer/) plus an optional {CAUSALKV_FILE} (see docs/usage.md)"
         )
     causalkv_path = folder / CAUSALKV_FILE
+    index = _read_json(folder / "model_index.json")
+    model_class = index.get("_class_name") if isinstance(index, dict) else None
     return model_info_from_dicts(
         str(folder),
-        _read_json(folder / "model_index.json"),
+        index,
         _read_json(folder / "transformer" / "config.json"),
         _read_json(folder / "vae" / "config.json"),
         _read_json(causalkv_path) if causalkv_path.exists() else None,
         path=folder,
+        defaults=_registry(pm).defaults(model_class) if isinstance(model_class, str) else None,
     )
 
 
-def load_model_info(model: str | Path) -> ModelInfo:
+def load_model_info(model: str | Path, *, pm: Any = None) -> ModelInfo:
     """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
 
-    Raises ModelFolderError naming the presets when ``model`` is neither.
+    Presets are those the stage registrations of ``pm``'s plugins declare. Raises
+    ModelFolderError naming the presets when ``model`` is neither.
     """
-    from causalkv.runtime.presets import PRESETS, preset_info
+    from causalkv.runtime.presets import preset_info
 
     name = str(model)
-    if name in PRESETS:
-        return preset_info(name)
+    presets = _registry(pm).presets()
+    if name in presets:
+        return preset_info(name, pm=pm)
     folder = Path(name).expanduser()
     if folder.exists():
-        return read_model_folder(folder)
+        return read_model_folder(folder, pm=pm)
     raise ModelFolderError(
-        f"unknown model {name!r}: not a preset (choose one of: {', '.join(PRESETS)}) and not a "
+        f"unknown model {name!r}: not a preset (choose one of: {', '.join(presets)}) and not a "
         "model folder; pass --model PRESET or --model /path/to/diffusers-wan-folder"
     )

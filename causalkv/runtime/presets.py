@@ -1,7 +1,9 @@
 """Tiny presets: real diffusers/transformers components with seeded RANDOM weights.
 
-Each preset (``tiny-wan``, ``tiny-longlive``, ``tiny-longlive2``, ``tiny-lingbot``) is a
-complete diffusers-format model folder: a 2-layer ``WanTransformer3DModel`` (2 heads x 64,
+Presets are declared by the stage registrations (`causalkv.hooks.Preset`; the built-in ones
+are ``tiny-wan``, ``tiny-longlive``, ``tiny-longlive2``, ``tiny-lingbot``), so a plugin adds
+one with its model family. This module builds each into a complete diffusers-format model
+folder: a 2-layer ``WanTransformer3DModel`` (2 heads x 64,
 so QVG's 64-channel blocks fit), a small ``AutoencoderKLWan``, a 2-layer
 ``UMT5EncoderModel`` and a byte-level tokenizer built in code. On first use the components
 are created from a fixed seed and written with ``save_pretrained`` into
@@ -17,13 +19,20 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from causalkv.runtime.model_config import CAUSALKV_FILE, ModelInfo, model_info_from_dicts
+from causalkv.hooks import Preset
+from causalkv.runtime.model_config import (
+    CAUSALKV_FILE,
+    ModelFolderError,
+    ModelInfo,
+    model_info_from_dicts,
+)
 from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE, build_byte_tokenizer
 
 __all__ = ["PRESETS", "Preset", "causalkv_home", "materialize_preset", "preset_dir", "preset_info"]
@@ -90,73 +99,60 @@ _COMMON: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A tiny preset: pipeline class (picks the stage), causalkv.json, and a seed."""
-
-    name: str
-    model_class: str
-    causalkv: dict[str, Any]
-    seed: int
-    description: str
-    transformer: dict[str, Any] = field(default_factory=lambda: dict(_TRANSFORMER))
-
-    def model_index(self) -> dict[str, Any]:
-        return {
-            "_class_name": self.model_class,
-            "_diffusers_version": _diffusers_version(),
-            "transformer": ["diffusers", "WanTransformer3DModel"],
-            "vae": ["diffusers", "AutoencoderKLWan"],
-            "text_encoder": ["transformers", "UMT5EncoderModel"],
-            "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        }
-
-
 def _diffusers_version() -> str:
     import diffusers
 
     return diffusers.__version__
 
 
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "tiny-wan",
-            "SelfForcingWanPipeline",
-            {**_COMMON, "frames_per_chunk": 3, "sink_frames": 0, "window_frames": 9,
-             "default_frames": 12},
-            seed=101,
-            description="Self-Forcing-style Wan, 3 frames/chunk, 9-frame rolling window, no sink",
-        ),
-        Preset(
-            "tiny-longlive",
-            "LongLivePipeline",
-            {**_COMMON, "frames_per_chunk": 3, "sink_frames": 3, "window_frames": 9,
-             "default_frames": 12},
-            seed=102,
-            description="LongLive 1.0-style: 3-frame sink, 9-frame window, re-cache on prompt switch",
-        ),
-        Preset(
-            "tiny-longlive2",
-            "LongLive2Pipeline",
-            {**_COMMON, "frames_per_chunk": 2, "sink_frames": 2, "global_sink_frames": 2,
-             "window_frames": 8, "rope_offset_frames_per_shot": 2, "guidance_scale": 3.0,
-             "default_frames": 8},
-            seed=103,
-            description="LongLive 2.0-style: 2-frame global + pinned shot sink, 8-frame window, "
-            "CFG 3.0, RoPE +2 frames per shot",
-        ),
-        Preset(
-            "tiny-lingbot",
-            "LingBotWorldPipeline",
-            {**_COMMON, "frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12,
-             "recent_window_frames": 3, "default_frames": 12},
-            seed=104,
-            description="LingBot-World-style: 3-frame sink, 12-frame window, 3-frame recent window",
-        ),
-    )
-}
+def _model_index(model_class: str) -> dict[str, Any]:
+    return {
+        "_class_name": model_class,
+        "_diffusers_version": _diffusers_version(),
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+    }
+
+
+class _BuiltinPresets(Mapping[str, Preset]):
+    """``PRESETS``: the built-in plugin's presets by name (read-only, built on first use)."""
+
+    def _all(self) -> dict[str, Preset]:
+        from causalkv.plugin.builtin import STAGES
+
+        return {p.name: p for reg in STAGES for p in reg.presets}
+
+    def __getitem__(self, name: str) -> Preset:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+#: the built-in presets by name (plugins may add more: `causalkv.hooks.Preset`)
+PRESETS: Mapping[str, Preset] = _BuiltinPresets()
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A preset with what building it needs: its pipeline class and its family's defaults."""
+
+    preset: Preset
+    model_class: str
+    defaults: Mapping[str, Any]
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {**_COMMON, **self.preset.settings}
+
+    @property
+    def transformer(self) -> dict[str, Any]:
+        return {**_TRANSFORMER, **self.preset.transformer}
 
 
 def causalkv_home() -> Path:
@@ -168,18 +164,23 @@ def preset_dir(name: str) -> Path:
     return causalkv_home() / "presets" / name
 
 
-def _get(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+def _get(name: str, pm: Any = None) -> _Resolved:
+    from causalkv.plugin import collect, get_plugin_manager
+
+    presets = collect(pm if pm is not None else get_plugin_manager()).presets()
+    if name not in presets:
+        raise ModelFolderError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+    entry, preset = presets[name]
+    reg = entry.registration
+    return _Resolved(preset, reg.models[0], reg.defaults)
 
 
-def preset_info(name: str) -> ModelInfo:
-    """The preset's `ModelInfo`, from its definition (no files needed)."""
-    p = _get(name)
+def preset_info(name: str, *, pm: Any = None) -> ModelInfo:
+    """The preset's `ModelInfo`, from its declaration (no files needed)."""
+    r = _get(name, pm)
     return model_info_from_dicts(
-        name, p.model_index(), p.transformer, _VAE, p.causalkv, path=preset_dir(name), preset=name
+        name, _model_index(r.model_class), r.transformer, _VAE, r.settings,
+        path=preset_dir(name), preset=name, defaults=r.defaults,
     )
 
 
@@ -193,13 +194,13 @@ def _is_complete(folder: Path) -> bool:
         return False
 
 
-def materialize_preset(name: str) -> Path:
+def materialize_preset(name: str, *, pm: Any = None) -> Path:
     """Create the preset's folder on first use (seeded random weights); return its path.
 
     Written into a temporary sibling and renamed, so a crash never leaves a half-written
     preset; an existing complete folder is returned as is.
     """
-    p = _get(name)
+    p = _get(name, pm)
     folder = preset_dir(name)
     if _is_complete(folder):
         return folder
@@ -217,23 +218,24 @@ def materialize_preset(name: str) -> Path:
     return folder
 
 
-def _write_preset(p: Preset, out: Path) -> None:
+def _write_preset(r: _Resolved, out: Path) -> None:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    p = r.preset
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(p.seed)
-        transformer = WanTransformer3DModel(**p.transformer)
+        transformer = WanTransformer3DModel(**r.transformer)
         vae = AutoencoderKLWan(**_VAE)
         text_encoder = UMT5EncoderModel(UMT5Config(**_TEXT_ENCODER))
     transformer.save_pretrained(out / "transformer")
     vae.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")
-    build_byte_tokenizer(p.causalkv["text_max_length"]).save_pretrained(out / "tokenizer")
-    (out / "model_index.json").write_text(json.dumps(p.model_index(), indent=2) + "\n")
-    (out / CAUSALKV_FILE).write_text(json.dumps(p.causalkv, indent=2) + "\n")
+    build_byte_tokenizer(r.settings["text_max_length"]).save_pretrained(out / "tokenizer")
+    (out / "model_index.json").write_text(json.dumps(_model_index(r.model_class), indent=2) + "\n")
+    (out / CAUSALKV_FILE).write_text(json.dumps(r.settings, indent=2) + "\n")
     (out / "README.md").write_text(
         f"# {p.name} (causalkv preset)\n\n{p.description}.\n\n"
         f"The weights are RANDOM (seed {p.seed}): this folder exercises the loading path and "

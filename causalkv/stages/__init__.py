@@ -1,4 +1,5 @@
-"""Denoising stages: the base chunk loop and the per-model stages."""
+"""Denoising stages: the base chunk loop and the per-model stages (each module is the one home of
+its model family: stage class, registration, config defaults and tiny preset)."""
 
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage

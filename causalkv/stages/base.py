@@ -1,6 +1,6 @@
 """`CausalDenoisingStage`: the chunk-by-chunk denoising loop and its load-time declarations.
 
-The loop (ARCHITECTURE.md, "Flow"): for each chunk of ``frames_per_chunk`` latent frames and
+The loop (docs/design.md, "Flow"): for each chunk of ``frames_per_chunk`` latent frames and
 each denoising timestep, run the transformer on the chunk at its global token start (the
 first call advances every layer's cache, later calls rewrite the chunk in place), predict
 ``x0`` from the flow prediction, and re-noise ``x0`` to the next timestep with the seeded
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,6 +34,8 @@ from causalkv.caches.spec import (
     CausalKVCache,
     KVCacheSpec,
 )
+from causalkv.config import check_prompts
+from causalkv.errors import ConfigError, check_int
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
@@ -45,6 +47,7 @@ __all__ = [
     "ForwardRecord",
     "GenerationResult",
     "StreamSettings",
+    "even_split",
 ]
 
 
@@ -91,6 +94,8 @@ class CacheFactoryLike(Protocol):
 class StreamSettings:
     """The effective streaming policy of one request, in latent frames (model + overrides).
 
+    Validated on construction (`ConfigError`, a ValueError naming the value and the flag).
+
     Attributes:
         frames_per_chunk, tokens_per_frame: chunk geometry.
         sink_frames: the sink (LongLive 2.0: the pinned shot sink's size).
@@ -98,6 +103,7 @@ class StreamSettings:
         window_frames: frames attention sees at most (sink and current chunk included).
         cache_frames: frames each cache retains.
         recent_window_frames: LingBot-World recent-window sampling, or None.
+        multi_shot: shot sinks are pinned: the window must hold both sinks plus a chunk.
     """
 
     frames_per_chunk: int
@@ -107,6 +113,42 @@ class StreamSettings:
     window_frames: int
     cache_frames: int
     recent_window_frames: int | None
+    multi_shot: bool = False
+
+    def __post_init__(self) -> None:
+        fpc = check_int("frames_per_chunk", self.frames_per_chunk, minimum=1,
+                        hint="fix frames_per_chunk in causalkv.json")
+        check_int("tokens_per_frame", self.tokens_per_frame, minimum=1,
+                  hint="check the model's resolution and patch size")
+        sink = check_int("sink frames", self.sink_frames, hint="fix --sink-frames")
+        check_int("global sink frames", self.global_sink_frames, hint="fix global_sink_frames")
+        window = check_int("window frames", self.window_frames, minimum=1, hint="fix --window-frames")
+        if self.recent_window_frames is not None:
+            check_int("recent window frames", self.recent_window_frames,
+                      hint="fix --recent-window-frames")
+        if self.global_sink_frames > sink:
+            raise ConfigError(
+                f"global sink of {self.global_sink_frames} frames exceeds the sink of {sink} "
+                f"frames; lower global_sink_frames"
+            )
+        if window < fpc:
+            raise ConfigError(
+                f"window of {window} frames is smaller than a chunk of {fpc} frames; "
+                f"pass --window-frames >= {fpc}"
+            )
+        max_sink = self.global_sink_frames + sink if self.multi_shot else sink
+        if window < max_sink + fpc:
+            what = (
+                f"the global sink ({self.global_sink_frames}) plus a pinned shot sink ({sink})"
+                if self.multi_shot
+                else f"the sink ({sink})"
+            )
+            raise ConfigError(
+                f"window of {window} frames cannot hold {what} plus a chunk of {fpc} frames; "
+                f"pass --window-frames >= {max_sink + fpc} or a smaller --sink-frames"
+            )
+        if check_int("cache frames", self.cache_frames, minimum=1) < window:
+            raise ConfigError(f"cache of {self.cache_frames} frames is smaller than the window of {window}")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -193,30 +235,39 @@ class GenerationResult:
     chunk_stats: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _positive_int(name: str, value: object, hint: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}; {hint}")
-    return value
+def even_split(num_chunks: int, num_shots: int) -> list[int]:
+    """Chunks per shot: ``num_chunks // num_shots`` each, the first shots one more while
+    chunks remain. `ConfigError` when there are fewer chunks than shots."""
+    if num_chunks < num_shots:
+        raise ConfigError(
+            f"{num_shots} prompts need at least {num_shots} chunks, the request has "
+            f"{num_chunks}; pass more --frames or fewer --prompt"
+        )
+    base, extra = divmod(num_chunks, num_shots)
+    return [base + (k < extra) for k in range(num_shots)]
 
 
 class CausalDenoisingStage:
     """Base stage: runs a causal transformer chunk by chunk over per-layer KV caches.
 
+    A stage is the home of its model family's behaviour; its `StageRegistration` (in the same
+    module) names the models it serves, their config defaults and tiny presets.
+
     Load-time declarations (read by the resolver before any weights load):
 
     - `_supports_qvg_kv_cache_quantization()`: may this stage run on a QVG-packed cache?
-      False here; a stage opts in by overriding it.
+      False here; a stage opts in by overriding it (the reference runtime's name).
     - `supports_multi_shot()`: may a request pin shot sinks (LongLive 2.0 scene cuts)?
-    - `uses_recent_window(server_args, model)`: does it sample a recent window?
-    - `required_cache_features(server_args, model)`: the cache capabilities it needs.
+    - `required_cache_features(server_args, model)`: the cache capabilities it needs, the
+      one place a stage declares them.
 
-    Run time: build with the model config, the server args, the transformer, the scheduler,
-    the cache factory and a prompt encoder, then call `generate` once per request (the
-    caches are reset at the start of each request).
+    Request planning (before weights load): `plan_chunks` turns the request's prompts into
+    one prompt per chunk. Run time: build with the model config, the server args, the
+    transformer, the scheduler, the cache factory and a prompt encoder; the host may apply
+    `causalkv_configure_stage` overrides (`apply_overrides`) before the caches are allocated
+    on first use; then call `generate` once per request (the caches are reset each time).
+    `report()` adds the stage's own entries to the run report.
     """
-
-    #: human-readable stage name (registrations use it too)
-    stage_name: ClassVar[str] = "causal-denoising"
 
     # ---- load-time declarations -----------------------------------------------------------
     @classmethod
@@ -228,90 +279,58 @@ class CausalDenoisingStage:
         return False
 
     @classmethod
-    def uses_recent_window(cls, server_args: ServerArgs, model: ModelConfig | None = None) -> bool:
-        if server_args.recent_window_frames is not None:
-            return True
-        return model is not None and model.recent_window_frames is not None
-
-    @classmethod
     def required_cache_features(
         cls, server_args: ServerArgs, model: ModelConfig | None = None
     ) -> frozenset[str]:
-        """Cache capabilities this stage needs under ``server_args``."""
-        req: set[str] = set()
-        if server_args.kv_cache_quant_config.enabled:
-            req.add(QUANT_QVG)
-        if server_args.multi_shot:
-            req.add(PINNED_SINK)
-        if server_args.heads_sharded > 1:
-            req.add(HEAD_SLICE)
-        if cls.uses_recent_window(server_args, model):
-            req.add(RECENT_WINDOW)
-        return frozenset(req)
+        """Cache capabilities this stage needs under ``server_args`` (and ``model``)."""
+        recent = server_args.recent_window_frames is not None or (
+            model is not None and model.recent_window_frames is not None
+        )
+        wanted = {
+            QUANT_QVG: server_args.kv_cache_quant_config.enabled,
+            PINNED_SINK: server_args.multi_shot,
+            HEAD_SLICE: server_args.heads_sharded > 1,
+            RECENT_WINDOW: recent,
+        }
+        return frozenset(f for f, needed in wanted.items() if needed)
 
     @classmethod
     def stream_settings(cls, model: ModelConfig, server_args: ServerArgs) -> StreamSettings:
-        """The effective sink / window / cache / recent window, validated (ValueError).
+        """The effective sink / window / cache / recent window, validated (`ConfigError`).
 
         ``server_args`` overrides (``sink_frames``, ``window_frames``,
-        ``recent_window_frames``) win over the model config. Checked: counts are ints of
-        the right sign, the window holds at least one chunk plus the sink (and, with
-        multi-shot, the global sink plus a pinned shot sink), the cache holds the window.
+        ``recent_window_frames``) win over the model config; an overridden window is also
+        the cache size, otherwise the cache holds ``max(cache_frames, window)``.
         """
-        fpc = _positive_int(
-            "frames_per_chunk", model.frames_per_chunk, "fix frames_per_chunk in causalkv.json"
-        )
-        tpf = _positive_int(
-            "tokens_per_frame", model.tokens_per_frame, "check the model's resolution and patch size"
-        )
         sink = model.sink_frames if server_args.sink_frames is None else server_args.sink_frames
-        if not isinstance(sink, int) or isinstance(sink, bool) or sink < 0:
-            raise ValueError(f"sink frames must be an int >= 0, got {sink!r} (--sink-frames)")
-        global_sink = model.global_sink_frames if model.global_sink_frames is not None else sink
-        global_sink = min(global_sink, sink)
-        window_overridden = server_args.window_frames is not None
-        window = model.window_frames if not window_overridden else server_args.window_frames
-        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-            raise ValueError(f"window frames must be a positive int, got {window!r} (--window-frames)")
-        if window < fpc:
-            raise ValueError(
-                f"window of {window} frames is smaller than a chunk of {fpc} frames; "
-                f"pass --window-frames >= {fpc}"
-            )
-        pinned = cls.supports_multi_shot() and server_args.multi_shot
-        max_sink = global_sink + sink if pinned else sink
-        if window < max_sink + fpc:
-            what = (
-                f"the global sink ({global_sink}) plus a pinned shot sink ({sink})"
-                if pinned
-                else f"the sink ({sink})"
-            )
-            raise ValueError(
-                f"window of {window} frames cannot hold {what} plus a chunk of {fpc} frames; "
-                f"pass --window-frames >= {max_sink + fpc} or a smaller --sink-frames"
-            )
-        if window_overridden or model.cache_frames is None:
-            cache = window
-        else:
+        global_sink = min(sink, model.global_sink_frames if model.global_sink_frames is not None else sink)
+        window = model.window_frames if server_args.window_frames is None else server_args.window_frames
+        cache = window
+        if server_args.window_frames is None and model.cache_frames is not None:
             cache = max(model.cache_frames, window)
-        recent = (
-            server_args.recent_window_frames
-            if server_args.recent_window_frames is not None
-            else model.recent_window_frames
-        )
-        if recent is not None and (not isinstance(recent, int) or isinstance(recent, bool) or recent < 0):
-            raise ValueError(
-                f"recent window frames must be an int >= 0, got {recent!r} (--recent-window-frames)"
-            )
+        recent = server_args.recent_window_frames
         return StreamSettings(
-            frames_per_chunk=fpc,
-            tokens_per_frame=tpf,
+            frames_per_chunk=model.frames_per_chunk,
+            tokens_per_frame=model.tokens_per_frame,
             sink_frames=sink,
             global_sink_frames=global_sink,
             window_frames=window,
             cache_frames=cache,
-            recent_window_frames=recent,
+            recent_window_frames=model.recent_window_frames if recent is None else recent,
+            multi_shot=cls.supports_multi_shot() and server_args.multi_shot,
         )
+
+    @classmethod
+    def plan_chunks(
+        cls, prompts: Sequence[str], num_chunks: int, server_args: ServerArgs
+    ) -> list[str]:
+        """One prompt per chunk from the request's prompts (one per shot).
+
+        Shots get ``num_chunks // len(prompts)`` chunks, earlier shots one more while chunks
+        remain. Stages with a richer request model (LongLive 2.0 scene cuts) override this.
+        """
+        prompts = check_prompts(prompts)
+        return [p for p, n in zip(prompts, even_split(num_chunks, len(prompts))) for _ in range(n)]
 
     @classmethod
     def check_request(
@@ -323,32 +342,25 @@ class CausalDenoisingStage:
     ) -> StreamSettings:
         """Validate a request before any heavy work; return its `StreamSettings`.
 
-        Raises ValueError when ``num_frames`` is not a positive multiple of
-        ``frames_per_chunk``, when the prompt list is empty or holds an empty prompt, when
-        it does not hold one prompt per chunk, or when the stream settings are invalid.
+        Raises `ConfigError` when ``num_frames`` is not a positive multiple of
+        ``frames_per_chunk``, when a prompt is empty or there is not one per chunk, or when
+        the stream settings are invalid.
         """
         settings = cls.stream_settings(model, server_args)
         fpc = settings.frames_per_chunk
-        if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames <= 0:
-            raise ValueError(f"frames must be a positive int, got {num_frames!r} (--frames)")
+        check_int("frames", num_frames, minimum=1, hint="fix --frames")
         if num_frames % fpc:
             lo = num_frames - num_frames % fpc
             choices = f"{lo} or {lo + fpc}" if lo > 0 else f"{fpc}"
-            raise ValueError(
+            raise ConfigError(
                 f"frames={num_frames} is not divisible by frames per chunk={fpc} of "
                 f"{model.name}; pass --frames {choices}"
             )
-        if chunk_prompts is not None:
-            if len(chunk_prompts) == 0:
-                raise ValueError("the prompt list is empty; pass at least one --prompt TEXT")
-            for p in chunk_prompts:
-                if not isinstance(p, str) or not p.strip():
-                    raise ValueError(f"prompts must be non-empty text, got {p!r}")
-            if len(chunk_prompts) != num_frames // fpc:
-                raise ValueError(
-                    f"got {len(chunk_prompts)} chunk prompts for {num_frames // fpc} chunks; "
-                    "give one prompt per chunk"
-                )
+        if chunk_prompts is not None and len(check_prompts(chunk_prompts)) != num_frames // fpc:
+            raise ConfigError(
+                f"got {len(chunk_prompts)} chunk prompts for {num_frames // fpc} chunks; "
+                "give one prompt per chunk"
+            )
         return settings
 
     # ---- construction ------------------------------------------------------------------------
@@ -363,8 +375,9 @@ class CausalDenoisingStage:
         encode_prompt: Callable[[str], torch.Tensor],
         batch_size: int = 1,
         negative_prompt: str = "",
+        name: str | None = None,
     ) -> None:
-        """Build the stage and its caches.
+        """Build the stage; its caches are allocated on first use (`cache_sets`).
 
         Args:
             model: the model config (geometry, chunking, sink/window, schedule).
@@ -376,8 +389,9 @@ class CausalDenoisingStage:
             encode_prompt: text -> prompt embeddings ``[B, L, text_dim]``.
             batch_size: B of the latents and caches.
             negative_prompt: text of the negative branch of stages that run CFG.
+            name: the stage's registration name (default: the class name).
         """
-        self.model = model
+        self.name = name or type(self).__name__
         self.server_args = server_args
         self.denoiser = denoiser
         self.scheduler = scheduler
@@ -385,14 +399,33 @@ class CausalDenoisingStage:
         self.encode_prompt = encode_prompt
         self.batch_size = batch_size
         self.negative_prompt = negative_prompt
-        self.settings = self.stream_settings(model, server_args)
-        self.context_noise = float(model.context_noise)
         self.quant = server_args.kv_cache_quant_config
-        scheduler.set_timesteps(sigmas=[float(t) / 1000.0 for t in model.timesteps])
-        self.timesteps: list[float] = [float(t) for t in scheduler.timesteps]
-        self.sigmas: list[float] = [float(s) for s in scheduler.sigmas]
-        self.caches = self._new_cache_set()
+        self._cache_sets: list[CacheSet] | None = None
+        self.apply_model(model)
         self._reset_stream()
+
+    def apply_model(self, model: ModelConfig) -> None:
+        """(Re)derive everything that depends on the model config. Only before caches exist.
+
+        Raises RuntimeError once the caches are allocated, and `ConfigError` (stage left as
+        it was) when the config gives invalid stream settings.
+        """
+        if self._cache_sets is not None:
+            raise RuntimeError(
+                f"stage {self.name!r}: its KV caches are already allocated; apply model "
+                "overrides before the first chunk (causalkv_configure_stage does)"
+            )
+        settings = self.stream_settings(model, self.server_args)
+        self.model, self.settings = model, settings
+        self.context_noise = float(model.context_noise)
+        self.scheduler.set_timesteps(sigmas=[float(t) / 1000.0 for t in model.timesteps])
+        self.timesteps: list[float] = [float(t) for t in self.scheduler.timesteps]
+        self.sigmas: list[float] = [float(s) for s in self.scheduler.sigmas]
+
+    def apply_overrides(self, overrides: Mapping[str, Any]) -> None:
+        """Apply `ModelConfig` field overrides (``causalkv_configure_stage``) to this stage."""
+        if overrides:
+            self.apply_model(replace(self.model, **overrides))
 
     def _new_cache_set(self) -> CacheSet:
         spec = self.settings.kv_spec(
@@ -406,9 +439,24 @@ class CausalDenoisingStage:
         cross = [CrossAttentionKVCache() for _ in range(self.denoiser.num_layers)]
         return CacheSet(kv=kv, cross=cross)
 
+    def num_branches(self) -> int:
+        """Cache sets this stage runs (CFG stages: 2, the positive branch first)."""
+        return 1
+
     def cache_sets(self) -> list[CacheSet]:
-        """Every cache set this stage owns (the positive branch first)."""
-        return [self.caches]
+        """Every cache set this stage owns (the positive branch first); allocated on first use."""
+        if self._cache_sets is None:
+            self._cache_sets = [self._new_cache_set() for _ in range(self.num_branches())]
+        return self._cache_sets
+
+    @property
+    def caches(self) -> CacheSet:
+        """The positive branch's caches."""
+        return self.cache_sets()[0]
+
+    def report(self) -> dict[str, Any]:
+        """What this stage adds to the run report (LongLive 2.0: ``pinned_chunks``, ...)."""
+        return {}
 
     def _reset_stream(self) -> None:
         #: next token start in the caches' positions (== every cache's global_end)
@@ -418,8 +466,9 @@ class CausalDenoisingStage:
 
     def reset(self) -> None:
         """Forget the stream (new request): every self- and cross-attention cache is emptied."""
-        for cs in self.cache_sets():
-            cs.reset()
+        if self._cache_sets is not None:
+            for cs in self._cache_sets:
+                cs.reset()
         self._reset_stream()
 
     def kv_resident_nbytes(self) -> int:
@@ -507,7 +556,7 @@ class CausalDenoisingStage:
         """
         b, _c, num_frames, _h, _w = noise.shape
         if b != self.batch_size:
-            raise ValueError(f"noise batch {b} does not match the stage's batch_size={self.batch_size}")
+            raise ConfigError(f"noise batch {b} does not match the stage's batch_size={self.batch_size}")
         self.check_request(self.model, self.server_args, num_frames, list(chunk_prompts))
         self.reset()
         fpc = self.settings.frames_per_chunk

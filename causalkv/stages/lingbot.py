@@ -10,23 +10,38 @@ window (LingBot-World samples a moving camera with 12 recent frames, a still one
 
 from __future__ import annotations
 
-from typing import ClassVar
-
+from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["LingBotWorldStage"]
+__all__ = ["REGISTRATION", "LingBotWorldStage"]
 
 
 class LingBotWorldStage(CausalDenoisingStage):
     """LingBot-World: the base loop with the recent window of the config or the request."""
 
-    stage_name: ClassVar[str] = "lingbot-world"
-
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
 
-    @property
-    def recent_window_frames(self) -> int | None:
-        """The recent window in frames this request samples with (None: the whole window)."""
-        return self.settings.recent_window_frames
+
+#: LingBot-World fast (Wan 2.2 14B class): sink 3, window 45 frames, 12-frame recent window
+REGISTRATION = StageRegistration(
+    "lingbot-world",
+    LingBotWorldStage,
+    models=("LingBotWorldPipeline", "LingBotWorldCausalDMDPipeline"),
+    defaults={
+        "frames_per_chunk": 3,
+        "sink_frames": 3,
+        "window_frames": 45,
+        "recent_window_frames": 12,
+    },
+    presets=(
+        Preset(
+            "tiny-lingbot",
+            {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12,
+             "recent_window_frames": 3, "default_frames": 12},
+            seed=104,
+            description="LingBot-World-style: 3-frame sink, 12-frame window, 3-frame recent window",
+        ),
+    ),
+)

@@ -12,19 +12,18 @@ sink); their RoPE positions stay those of the original frames.
 from __future__ import annotations
 
 from itertools import groupby
-from typing import ClassVar
+from typing import Any
 
 import torch
 
+from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["LongLiveStage"]
+__all__ = ["REGISTRATION", "LongLiveStage"]
 
 
 class LongLiveStage(CausalDenoisingStage):
     """LongLive 1.0: the base loop plus re-caching the visible frames on a prompt switch."""
-
-    stage_name: ClassVar[str] = "longlive"
 
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
@@ -35,6 +34,9 @@ class LongLiveStage(CausalDenoisingStage):
         self._last_prompt: str | None = None
         #: chunk indices at which a prompt switch re-cached the stream
         self.recache_events: list[int] = []
+
+    def report(self) -> dict[str, Any]:
+        return {"recache_chunks": list(self.recache_events)}
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         previous, self._last_prompt = self._last_prompt, prompt
@@ -58,7 +60,7 @@ class LongLiveStage(CausalDenoisingStage):
         frames = self.recache_frames()
         for cs in self.cache_sets():
             cs.reset()
-        self._reset_stream_positions()
+        super()._reset_stream()
         fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
         for _, group in groupby(frames, key=lambda fr: fr[0] // fpc):
             piece = list(group)
@@ -76,6 +78,19 @@ class LongLiveStage(CausalDenoisingStage):
             self._token_end += len(idx) * tpf
             self._cache_frames.extend(piece)
 
-    def _reset_stream_positions(self) -> None:
-        self._token_end = 0
-        self._cache_frames = []
+
+#: LongLive 1.0 (Wan 2.1 1.3B class): 3-frame sink, 12-frame window incl. the sink
+REGISTRATION = StageRegistration(
+    "longlive",
+    LongLiveStage,
+    models=("LongLivePipeline",),
+    defaults={"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12},
+    presets=(
+        Preset(
+            "tiny-longlive",
+            {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 9, "default_frames": 12},
+            seed=102,
+            description="LongLive 1.0-style: 3-frame sink, 9-frame window, re-cache on prompt switch",
+        ),
+    ),
+)

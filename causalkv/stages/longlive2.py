@@ -16,13 +16,16 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from causalkv.stages.base import CacheSet, CausalDenoisingStage
+from causalkv.config import ServerArgs, check_prompts
+from causalkv.hooks import Preset, StageRegistration
+from causalkv.stages.base import CacheSet, CausalDenoisingStage, even_split
 
-__all__ = ["SCENE_CUT_PREFIX", "LongLive2Stage", "is_scene_cut"]
+__all__ = ["REGISTRATION", "SCENE_CUT_PREFIX", "LongLive2Stage", "is_scene_cut"]
 
 #: a chunk prompt starting with this text opens a new shot (and is pinned as its sink)
 SCENE_CUT_PREFIX = "The scene transitions. "
@@ -36,8 +39,6 @@ def is_scene_cut(prompt: str) -> bool:
 class LongLive2Stage(CausalDenoisingStage):
     """LongLive 2.0: global sink + pinned shot sink, per-shot RoPE offset, CFG."""
 
-    stage_name: ClassVar[str] = "longlive2"
-
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
@@ -46,19 +47,34 @@ class LongLive2Stage(CausalDenoisingStage):
     def supports_multi_shot(cls) -> bool:
         return True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """As `CausalDenoisingStage`; with ``guidance_scale > 1`` also the negative caches."""
-        super().__init__(*args, **kwargs)
-        self.guidance_scale = float(self.server_args.guidance_scale)
-        self.negative_caches: CacheSet | None = (
-            self._new_cache_set() if self.guidance_scale > 1.0 else None
-        )
+    @classmethod
+    def plan_chunks(
+        cls, prompts: Sequence[str], num_chunks: int, server_args: ServerArgs
+    ) -> list[str]:
+        """The base split; with multi-shot, each shot after the first opens with a scene cut
+        (its first chunk's prompt starts with `SCENE_CUT_PREFIX`, added when missing)."""
+        prompts = check_prompts(prompts)
+        chunks: list[str] = []
+        for k, (prompt, n) in enumerate(zip(prompts, even_split(num_chunks, len(prompts)))):
+            cut = server_args.multi_shot and k > 0 and not is_scene_cut(prompt)
+            chunks += [SCENE_CUT_PREFIX + prompt if cut else prompt] + [prompt] * (n - 1)
+        return chunks
 
-    def cache_sets(self) -> list[CacheSet]:
-        sets = [self.caches]
-        if getattr(self, "negative_caches", None) is not None:
-            sets.append(self.negative_caches)  # type: ignore[arg-type]
-        return sets
+    @property
+    def guidance_scale(self) -> float:
+        return float(self.server_args.guidance_scale)
+
+    def num_branches(self) -> int:
+        """2 with classifier-free guidance (``guidance_scale > 1``): its own negative caches."""
+        return 2 if self.guidance_scale > 1.0 else 1
+
+    @property
+    def negative_caches(self) -> CacheSet | None:
+        sets = self.cache_sets()
+        return sets[1] if len(sets) > 1 else None
+
+    def report(self) -> dict[str, Any]:
+        return {"pinned_chunks": list(self.pinned_chunks)}
 
     def _reset_stream(self) -> None:
         super()._reset_stream()
@@ -103,3 +119,31 @@ class LongLive2Stage(CausalDenoisingStage):
                 token_start, rope_frame_start,
             )
         return pred
+
+
+#: LongLive 2.0 (Wan 2.2 TI2V 5B class): 8-frame chunks, 8 global + 8 pinned shot-sink frames
+REGISTRATION = StageRegistration(
+    "longlive2",
+    LongLive2Stage,
+    models=("LongLive2Pipeline",),
+    defaults={
+        "frames_per_chunk": 8,
+        "sink_frames": 8,
+        "global_sink_frames": 8,
+        "window_frames": 32,
+        "rope_offset_frames_per_shot": 8,
+        "height": 704,
+        "width": 1280,
+        "default_frames": 32,
+    },
+    presets=(
+        Preset(
+            "tiny-longlive2",
+            {"frames_per_chunk": 2, "sink_frames": 2, "global_sink_frames": 2, "window_frames": 8,
+             "rope_offset_frames_per_shot": 2, "guidance_scale": 3.0, "default_frames": 8},
+            seed=103,
+            description="LongLive 2.0-style: 2-frame global + pinned shot sink, 8-frame window, "
+            "CFG 3.0, RoPE +2 frames per shot",
+        ),
+    ),
+)

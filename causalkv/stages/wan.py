@@ -8,18 +8,32 @@ A new prompt only swaps the cross-attention K/V; the self-attention cache is kep
 
 from __future__ import annotations
 
-from typing import ClassVar
-
+from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["WanCausalDMDStage"]
+__all__ = ["REGISTRATION", "WanCausalDMDStage"]
 
 
 class WanCausalDMDStage(CausalDenoisingStage):
     """Self-Forcing / CausVid: the base loop, QVG-capable."""
 
-    stage_name: ClassVar[str] = "self-forcing-wan"
-
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
+
+
+#: the Self-Forcing / CausVid family: Wan 2.1 1.3B class, 3 frames per chunk, 21-frame window
+REGISTRATION = StageRegistration(
+    "self-forcing-wan",
+    WanCausalDMDStage,
+    models=("SelfForcingWanPipeline", "CausVidPipeline", "WanPipeline", "WanCausalDMDPipeline"),
+    defaults={"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
+    presets=(
+        Preset(
+            "tiny-wan",
+            {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 9, "default_frames": 12},
+            seed=101,
+            description="Self-Forcing-style Wan, 3 frames/chunk, 9-frame rolling window, no sink",
+        ),
+    ),
+)

@@ -1,20 +1,21 @@
-"""The ``causalkv`` command line. Each subcommand lives beside the code it drives.
+"""The ``causalkv`` command line: one module per subcommand in this package.
 
-Subcommands: ``generate`` (runtime), ``plugins`` and ``resolve`` (plugin system),
-``demo`` (the cache walkthrough).
+Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
+(`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`). Every error causalkv raises on
+purpose (`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit
+status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
 from causalkv import __version__
+from causalkv.cli import demo, generate, plugins
 
-#: modules exposing ``register(subparsers)``; each sets ``func(args) -> int`` on its parser
-SUBCOMMAND_MODULES = ("causalkv.runtime.cli", "causalkv.plugin.cli", "causalkv.caches.demo")
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"causalkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module in (generate, plugins, demo):
+        module.register(sub)
     return parser
 
 

@@ -1,0 +1,206 @@
+"""``causalkv plugins`` and ``causalkv resolve``: inspect plugins and load-time resolution.
+
+Neither command loads model weights; ``resolve`` reads at most a ``model_index.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from causalkv.errors import CausalKVError
+from causalkv.hooks import NAME
+
+__all__ = ["register", "run_plugins", "run_resolve"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plugins`` and ``resolve`` subcommands to the ``causalkv`` parser."""
+    from causalkv.quant_config import add_cli_args
+
+    p = subparsers.add_parser(
+        "plugins",
+        help="list loaded plugins, stages and caches",
+        description="List the loaded plugins (name, version, distribution, hooks), the "
+        "registered stages (models, QVG support, cache features needed) and the registered "
+        "caches (capabilities), plus plugins that failed to load.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--all", action="store_true", help="include the built-in plugin")
+    p.set_defaults(func=run_plugins)
+
+    r = subparsers.add_parser(
+        "resolve",
+        help="show the stage and cache a model resolves to (no weights load)",
+        description="Resolve MODEL (a preset name or a diffusers-format folder) to a stage "
+        "and a cache under the given flags, and explain why. Exit status 2 on failure.",
+    )
+    r.add_argument("model", metavar="MODEL", help="preset name or diffusers-format folder")
+    add_cli_args(r)
+    r.add_argument("--multi-shot", action="store_true",
+                   help="scene cuts pin a shot sink (needs pinned_sink)")
+    r.add_argument("--heads-sharded", type=int, default=1, metavar="N",
+                   help="ranks sharing the attention heads (> 1 needs head_slice)")
+    r.add_argument("--recent-window-frames", type=int, default=None, metavar="N",
+                   help="sample a recent window of N frames (needs recent_window)")
+    r.add_argument("--cache", default=None, metavar="NAME", help="force a cache by name")
+    r.add_argument("--stage", default=None, metavar="NAME", help="force a stage by name")
+    r.add_argument("--json", action="store_true", help="print JSON")
+    r.set_defaults(func=run_resolve)
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    print(f"{NAME} {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _stage_row(entry: Any) -> dict[str, Any]:
+    from causalkv.config import ServerArgs
+    from causalkv.quant_config import QVGKVQuantArgs
+
+    reg = entry.registration
+    row: dict[str, Any] = {
+        "name": reg.name,
+        "class": reg.target,
+        "models": list(reg.served),
+        "priority": reg.priority,
+        "plugin": entry.plugin,
+    }
+    try:
+        cls = entry.load()
+    except (ImportError, TypeError) as exc:
+        row["error"] = str(exc)
+        return row
+    qvg, multi = cls._supports_qvg_kv_cache_quantization(), cls.supports_multi_shot()
+    cases = {
+        "always": ServerArgs(),
+        "--kv-cache-quant": ServerArgs(kv_cache_quant_config=QVGKVQuantArgs(bits=4)) if qvg else None,
+        "--multi-shot": ServerArgs(multi_shot=True) if multi else None,
+        "--heads-sharded": ServerArgs(heads_sharded=2),
+        "--recent-window-frames": ServerArgs(recent_window_frames=1),
+    }
+    row["qvg"] = qvg
+    row["multi_shot"] = multi
+    row["features_needed"] = {
+        flag: sorted(cls.required_cache_features(args)) for flag, args in cases.items() if args
+    }
+    return row
+
+
+def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
+    """What ``causalkv plugins --json`` prints."""
+    from causalkv.plugin.registry import collect
+
+    registry = collect(pm)
+    infos = pm.plugin_infos()
+    return {
+        "plugins": [
+            {
+                "name": i.name,
+                "version": i.version,
+                "distribution": i.distribution,
+                "hooks": list(i.hooks),
+                "builtin": i.builtin,
+            }
+            for i in infos
+            if include_builtin or not i.builtin
+        ],
+        "hidden_builtin": 0 if include_builtin else sum(i.builtin for i in infos),
+        "stages": [_stage_row(e) for e in registry.stages],
+        "caches": [
+            {
+                "name": e.name,
+                "target": e.factory.target,
+                "capabilities": list(e.factory.features()),
+                "priority": e.factory.priority,
+                "plugin": e.plugin,
+            }
+            for e in registry.caches
+        ],
+        "failures": [
+            {"name": f.name, "distribution": f.distribution, "error": f.error}
+            for f in pm.load_failures
+        ],
+        "missing_allowed": list(pm.missing_allowed),
+    }
+
+
+def _print_plugins(report: dict[str, Any]) -> None:
+    print("Plugins:")
+    for p in report["plugins"]:
+        dist = f" ({p['distribution']} {p['version']})" if p["distribution"] else ""
+        print(f"  {p['name']}{dist}: {', '.join(p['hooks']) or '(no hooks)'}")
+    if not report["plugins"]:
+        print("  (none)")
+    if report["hidden_builtin"]:
+        print("  (the built-in plugin is hidden; --all lists it)")
+    print("Stages:")
+    for s in report["stages"]:
+        print(f"  {s['name']} ({s['class']}, plugin {s['plugin']}, priority {s['priority']})")
+        print(f"      models: {', '.join(s['models'])}")
+        if "error" in s:
+            print(f"      error: {s['error']}")
+            continue
+        yes = {True: "yes", False: "no"}
+        print(f"      QVG: {yes[s['qvg']]}   multi-shot: {yes[s['multi_shot']]}")
+        needs = "; ".join(
+            f"{flag}: {', '.join(feats) or 'none'}" for flag, feats in s["features_needed"].items()
+        )
+        print(f"      cache features needed: {needs}")
+    print("Caches:")
+    for c in report["caches"]:
+        print(f"  {c['name']} ({c['target']}, plugin {c['plugin']}, priority {c['priority']})")
+        print(f"      capabilities: {', '.join(c['capabilities']) or '(none)'}")
+    if report["failures"]:
+        print("Failed to load (skipped):")
+        for f in report["failures"]:
+            dist = f" ({f['distribution']})" if f["distribution"] else ""
+            print(f"  {f['name']}{dist}: {f['error']}")
+    if report["missing_allowed"]:
+        print(f"Allowed but not installed: {', '.join(report['missing_allowed'])}")
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    from causalkv.plugin.manager import get_plugin_manager
+
+    try:
+        report = plugins_report(get_plugin_manager(), include_builtin=args.all)
+    except (CausalKVError, RuntimeError, TypeError) as exc:
+        return _fail("plugins", exc)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_plugins(report)
+    return 0
+
+
+def run_resolve(args: argparse.Namespace) -> int:
+    from causalkv.config import ServerArgs
+    from causalkv.plugin.resolver import resolve
+    from causalkv.quant_config import from_namespace
+
+    try:
+        server_args = ServerArgs(
+            kv_cache_quant_config=from_namespace(args),
+            multi_shot=args.multi_shot,
+            heads_sharded=args.heads_sharded,
+            recent_window_frames=args.recent_window_frames,
+            cache=args.cache,
+        )
+        res = resolve(args.model, server_args, stage=args.stage)
+    except (CausalKVError, ImportError, TypeError, RuntimeError) as exc:
+        return _fail("resolve", exc)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    d = res.to_dict()
+    print(f"model: {res.model_name}" + (f" ({res.model_class})" if res.model_class else ""))
+    print(f"stage: {d['stage']['name']} ({d['stage']['class']}, plugin {d['stage']['plugin']})")
+    print(f"cache: {d['cache']['name']} ({d['cache']['target']}, plugin {d['cache']['plugin']})")
+    print(f"requirements: {', '.join(d['requirements']) or 'none'}")
+    print("reasons:")
+    for line in res.reasons:
+        print(f"  - {line}")
+    return 0

@@ -1,0 +1,50 @@
+"""Helpers of the runtime / stage / generate tests: small float32 requests, plan-and-run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from causalkv.config import ServerArgs
+from causalkv.quant_config import QVGKVQuantArgs
+from causalkv.runtime.generate import (
+    GenerateOptions,
+    GenerationRun,
+    Plan,
+    plan_generation,
+    run_plan,
+)
+
+__all__ = ["make_options", "plan_and_run"]
+
+
+def make_options(
+    model: str,
+    *,
+    prompts: list[str] | None = None,
+    frames: int | None = None,
+    quant: str = "off",
+    seed: int = 0,
+    dtype: str = "float32",
+    cache: str | None = None,
+    **server: Any,
+) -> GenerateOptions:
+    """Options for a small float32 run (float32 is the fast dtype on CPU)."""
+    args = ServerArgs(
+        kv_cache_quant_config=QVGKVQuantArgs.from_bits_name(quant),
+        seed=seed,
+        dtype=dtype,
+        cache=cache,
+        **server,
+    )
+    return GenerateOptions(
+        model=model,
+        prompts=prompts or ["a lighthouse on a cliff at dusk"],
+        frames=frames,
+        server_args=args,
+        quiet=True,
+    )
+
+
+def plan_and_run(options: GenerateOptions, pm: Any, **kw: Any) -> tuple[Plan, GenerationRun]:
+    plan = plan_generation(options, pm=pm)
+    return plan, run_plan(plan, pm=pm, **kw)
