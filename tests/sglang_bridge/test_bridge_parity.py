@@ -9,7 +9,7 @@ sglang's own ``CausalSelfAttentionKVCache`` run side by side: every view (K, V, 
 cursors), the index tensors and their int twins, the pin and ``can_direct_current_attention``
 must be equal. sglang's own ``QVGPackedCausalKVCache`` (quant off) runs too while it accepts
 the stream (no pin, no global sink, no growth, window == cache, sequential writes): its K/V
-must equal the bridge's on the written heads.
+must equal the bridge's on the written heads (chunk-aligned streams: see `_make`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,12 @@ def _make(cfg, seed):
         global_sink_tokens=cfg["global_sink"], allow_growth=cfg["growth"],
     )
     qvg = None
-    if cfg["global_sink"] == 0 and not cfg["growth"] and cfg["window"] == cfg["cache"]:
+    # sglang's packed cache assumes chunk-aligned windows: with a cache that is not a whole
+    # number of chunks it can show a token its dense cache already evicted (e.g. n=2,
+    # cache=3, recent_window_tokens=4 after two chunks: 4 tokens against 3); the bridge
+    # follows the dense cache, so only aligned streams are compared with it.
+    aligned = (cfg["cache"] - cfg["sink"]) % cfg["n"] == 0 and not cfg["first_one_frame"]
+    if cfg["global_sink"] == 0 and not cfg["growth"] and cfg["window"] == cfg["cache"] and aligned:
         qvg = QVGPackedCausalKVCache(**common, global_end_index=torch.zeros(1, dtype=torch.long),
                                      local_end_index=torch.zeros(1, dtype=torch.long))
     return ref, ours, qvg
