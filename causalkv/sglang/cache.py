@@ -27,7 +27,7 @@ from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.qvg.codec import PackedSegment, dequantize, quantize
 from causalkv.caches.spec import CacheWriteError
 from causalkv.sglang.policy import sglang_dense_chunks
-from causalkv.sglang.slots import SlotMap, SlotState, plan_write, visible_slots
+from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
 
 __all__ = ["SGLangQVGKVCache", "causalkv_quant_args", "can_serve"]
 
@@ -274,7 +274,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
 
-    def _check_consistent(self, slots: SlotMap, plan, start: int, n: int, debug_name: str) -> None:
+    def _check_consistent(
+        self, slots: SlotMap, plan: WritePlan, start: int, n: int, debug_name: str
+    ) -> None:
         """Refuse a write whose positions also sit in slots it does not overwrite."""
         for a, b in slots.slots_of(start, start + n):
             if a < plan.local_start or b > plan.local_end:
