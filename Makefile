@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 # Second environment: the released sglang (CPU-only import set) next to causalkv, for tests/sglang_bridge.
 SGL_VENV ?= .venv-sglang
 SGL_BIN := $(SGL_VENV)/bin
@@ -19,6 +20,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The benchmark peers (extra `bench`), apart from `make test`'s environment.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -e '.[bench]'
+	$(BIN)/python -m pip check
+	touch $(BENCH_STAMP)
 
 $(SGL_STAMP): pyproject.toml requirements/sglang.txt
 	test -x $(SGL_BIN)/python || $(PY) -m venv $(SGL_VENV)
@@ -47,7 +54,7 @@ test-sglang: $(SGL_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/plugins.py

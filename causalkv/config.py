@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from causalkv.errors import ConfigError, check_int
 from causalkv.quant_config import QVGKVQuantArgs
 
-__all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts"]
+__all__ = [
+    "DEFAULT_SCENE_CUT_PREFIX",
+    "DTYPES",
+    "MOTION_LETTERS",
+    "ModelConfig",
+    "ServerArgs",
+    "ShotRequest",
+    "check_prompts",
+    "parse_motion",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,13 @@ class ModelConfig:
         timesteps: denoising timesteps before the shift (Self-Forcing: 1000, 750, 500, 250).
         shift: flow-matching shift.
         context_noise: timestep of the context pass that writes the clean K/V.
-        rope_offset_frames_per_shot: RoPE frame offset added per shot (LongLive 2.0).
+        rope_offset_frames_per_shot: RoPE frame offset added per shot (LongLive 2.0; the
+            default of a request's ``multi_shot_rope_offset`` when it gives none).
+        moving_window_frames, still_window_frames: LingBot-World's interactive recent window
+            (frames before the chunk a chunk samples) while the camera moves / stands still;
+            used when a request carries a motion signal (None: no interactive window).
+        still_chunks: consecutive still chunks (the current one included) after which the
+            still window applies (LingBot-World's ``interactive_kv_still_chunks``, 2).
         path: the model folder, or None for a preset not yet materialized.
     """
 
@@ -57,6 +72,9 @@ class ModelConfig:
     shift: float = 5.0
     context_noise: float = 0.0
     rope_offset_frames_per_shot: int = 0
+    moving_window_frames: int | None = None
+    still_window_frames: int | None = None
+    still_chunks: int = 2
     path: str | None = None
 
     @property
@@ -66,6 +84,85 @@ class ModelConfig:
 
 #: dtypes a request may name
 DTYPES = ("bfloat16", "float16", "float32")
+
+#: the seed runtime's default text put before the prompt of a shot's first chunk
+DEFAULT_SCENE_CUT_PREFIX = "The scene transitions. "
+
+#: letters of a per-chunk motion signal: ``m`` the camera moves, ``s`` it stands still
+MOTION_LETTERS = ("m", "s")
+
+
+@dataclass(frozen=True)
+class ShotRequest:
+    """How a LongLive 2.0 request's shots map onto chunks (the seed runtime's fields).
+
+    The shot prompts themselves are the request's prompts. Validated on construction
+    (`ConfigError` naming the value and the flag).
+
+    Attributes:
+        durations: chunks per shot, one positive int per shot (``--shot-durations``); None:
+            ``chunks_per_shot`` or an even split.
+        chunks_per_shot: chunks of every shot when ``durations`` is None (0: even split).
+        scene_cut_prefix: text put before the prompt of each shot's first chunk after the
+            first shot (may be empty).
+        multi_shot_sink: pin each cut chunk as its shot's sink (when the sink is non-zero).
+        multi_shot_rope_offset: RoPE frames added per shot index (float; None: the model's
+            ``rope_offset_frames_per_shot``).
+    """
+
+    durations: tuple[int, ...] | None = None
+    chunks_per_shot: int = 0
+    scene_cut_prefix: str = DEFAULT_SCENE_CUT_PREFIX
+    multi_shot_sink: bool = True
+    multi_shot_rope_offset: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.durations is not None:
+            durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
+            if not durations:
+                raise ConfigError(
+                    f"shot durations must be a non-empty list of chunk counts, got {self.durations!r} "
+                    "(--shot-durations 3,2,4)"
+                )
+            for d in durations:
+                if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+                    raise ConfigError(
+                        f"shot durations must be positive chunk counts, got {d!r} in "
+                        f"{list(durations)} (--shot-durations)"
+                    )
+            object.__setattr__(self, "durations", durations)
+        check_int("--chunks-per-shot", self.chunks_per_shot, minimum=0, hint="or 0 for an even split")
+        if not isinstance(self.scene_cut_prefix, str):
+            raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
+        if not isinstance(self.multi_shot_sink, bool):
+            raise ConfigError(f"multi_shot_sink must be True or False, got {self.multi_shot_sink!r}")
+        off = self.multi_shot_rope_offset
+        if off is not None:
+            if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
+                raise ConfigError(
+                    f"multi-shot RoPE offset must be a finite number >= 0, got {off!r} "
+                    "(--multi-shot-rope-offset)"
+                )
+            object.__setattr__(self, "multi_shot_rope_offset", float(off))
+
+    @property
+    def is_default(self) -> bool:
+        """True when no shot field was given (a plain request)."""
+        return self == ShotRequest()
+
+
+def parse_motion(text: str | Sequence[str]) -> tuple[str, ...]:
+    """A motion signal ``"m,m,s"`` (or a sequence of letters) as ``("m", "m", "s")``.
+
+    `ConfigError` for an empty signal or a letter other than ``m`` (moving) / ``s`` (still).
+    """
+    items = [t.strip().lower() for t in text.split(",")] if isinstance(text, str) else list(text)
+    if not items or any(m not in MOTION_LETTERS for m in items):
+        raise ConfigError(
+            f"motion must be one letter per chunk, m (camera moves) or s (still), comma separated, "
+            f"got {text!r} (--motion m,m,s,s)"
+        )
+    return tuple(items)
 
 
 @dataclass
@@ -83,6 +180,9 @@ class ServerArgs:
         cache: force a cache factory by name (None: let resolution choose).
         seed, dtype, device: generation settings.
         guidance_scale: classifier-free guidance (> 1 runs a negative branch with its own cache).
+        shots: LongLive 2.0 shot layout (`ShotRequest`; the default: a plain request).
+        motion: LingBot-World per-chunk motion signal, ``"m"``/``"s"`` per chunk (None: none;
+            its length is checked against the chunk count when the request is planned).
     """
 
     kv_cache_quant_config: QVGKVQuantArgs = field(default_factory=QVGKVQuantArgs)
@@ -96,6 +196,8 @@ class ServerArgs:
     dtype: str = "bfloat16"
     device: str = "cpu"
     guidance_scale: float = 1.0
+    shots: ShotRequest = field(default_factory=ShotRequest)
+    motion: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_cache_quant_config, QVGKVQuantArgs):
@@ -119,6 +221,10 @@ class ServerArgs:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")
         if self.cache is not None and (not isinstance(self.cache, str) or not self.cache):
             raise ConfigError(f"cache must be a cache name or None, got {self.cache!r} (--cache)")
+        if not isinstance(self.shots, ShotRequest):
+            raise ConfigError(f"shots must be a ShotRequest, got {self.shots!r}")
+        if self.motion is not None:
+            self.motion = parse_motion(self.motion)
 
 
 def check_prompts(prompts: str | Sequence[str]) -> list[str]:

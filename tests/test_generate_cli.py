@@ -6,11 +6,9 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from causalkv.cli import main
-from causalkv.runtime import video
 from causalkv.runtime.generate import latent_psnr_db
 
 REQUIRED_METRICS = {"stage", "cache", "chunks", "seconds_per_chunk", "kv_resident_bytes_max",
@@ -60,23 +58,6 @@ def test_bad_input_exits_2_with_a_message(
     assert rc == 2
     assert message in err and err.startswith("causalkv generate: error:")
     assert not (tmp_path / "x.mp4").exists()
-
-
-def test_gif_fallback_when_mp4_encoding_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    frames = np.zeros((5, 16, 16, 3), dtype=np.uint8)
-    for i in range(5):  # a square moving right: every frame differs
-        frames[i, 4:12, 2 * i : 2 * i + 6, 0] = 255
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no ffmpeg")
-
-    monkeypatch.setattr(video, "_write_mp4", broken)
-    written = video.write_video(frames, tmp_path / "clip.mp4", fps=8)
-    assert written == tmp_path / "clip.gif"
-    from PIL import Image
-
-    with Image.open(written) as im:
-        assert im.n_frames == 5 and im.size == (16, 16)
 
 
 def test_latent_psnr_matches_its_definition() -> None:

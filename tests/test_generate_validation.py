@@ -87,5 +87,5 @@ def test_split_prompts_spreads_chunks_evenly() -> None:
     assert split_prompts(["a", "b", "c"], 3, scene_cuts=True) == [
         "a", SCENE_CUT_PREFIX + "b", SCENE_CUT_PREFIX + "c"
     ]
-    # a prompt that already carries the prefix is not prefixed twice
-    assert split_prompts(["a", SCENE_CUT_PREFIX + "b"], 2, scene_cuts=True)[1] == SCENE_CUT_PREFIX + "b"
+    # the seed runtime prefixes every cut, even a prompt that already carries the prefix
+    assert split_prompts(["a", SCENE_CUT_PREFIX + "b"], 2, scene_cuts=True)[1] == 2 * SCENE_CUT_PREFIX + "b"

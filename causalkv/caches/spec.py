@@ -63,6 +63,10 @@ class KVCacheSpec:
         dtype, device: of the stored K/V; writes must match exactly.
         allow_growth: grow the buffer instead of failing when sink plus a chunk exceed
             ``cache_size``.
+        head_offset: global index of this cache's first head (a head-sharded rank caching
+            heads ``[head_offset, head_offset + num_heads)``; 0 on one process). A cache whose
+            storage depends on the head (the packed cache's k-means seeds) keys it by the
+            global index, so a slice stores exactly what one process stores for those heads.
     """
 
     batch_size: int
@@ -75,10 +79,12 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.bfloat16
     device: str | torch.device = "cpu"
     allow_growth: bool = False
+    head_offset: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
             check_int(f"KVCacheSpec.{name}", getattr(self, name), minimum=1)
+        check_int("KVCacheSpec.head_offset", self.head_offset)
         for name in ("sink_tokens", "global_sink_tokens"):
             value = check_int(f"KVCacheSpec.{name}", getattr(self, name))
             if value > self.cache_size:

@@ -1,6 +1,6 @@
 """Which global positions a causal cache retains and shows: one state machine for all caches.
 
-`StreamState` implements the token-position half of the cache contract (ARCHITECTURE.md):
+`StreamState` implements the token-position half of the cache contract (docs/design.md):
 write classification (rewrite / advance / error), rolling eviction that keeps the sink and
 the pinned shot sink, pins, and the visible set. It never touches tensors. Every cache
 delegates here, so the dense and the packed cache agree on positions by construction and

@@ -3,7 +3,8 @@
 Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
 (`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`). Every error causalkv raises on
 purpose (`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit
-status 2.
+status 2; usage errors are one line too (exit 2). ``generate``'s exit statuses for every
+fault are listed in `causalkv.cli.faults`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections.abc import Sequence
 
 from causalkv import __version__
 from causalkv.cli import demo, generate, plugins
+from causalkv.cli.faults import OneLineErrorParser
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(  # subcommand parsers inherit the one-line usage errors
         prog="causalkv",
         description=(
             "Causal KV caches for chunk-by-chunk video diffusion: generate video on a tiny "
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # re-executed under torchrun
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

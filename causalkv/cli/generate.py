@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from causalkv import quant_config as qvg_args
-from causalkv.config import DTYPES, ServerArgs
-from causalkv.errors import CausalKVError
+from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, DTYPES, ServerArgs, ShotRequest, parse_motion
+from causalkv.errors import CausalKVError, ConfigError
 
-__all__ = ["add_generate_args", "options_from_args", "register", "run_generate"]
+__all__ = ["add_generate_args", "add_request_args", "options_from_args", "register", "run_generate"]
 
 
 def _preset_names() -> str:
@@ -38,6 +37,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="prompt of one shot; repeat for several shots (frames split evenly, shots after "
         f"the first are scene cuts). Default: {DEFAULT_PROMPT!r}",
     )
+    add_request_args(parser)
     parser.add_argument("--negative-prompt", default=None, help="negative CFG prompt (model default)")
     parser.add_argument("--frames", type=int, default=None,
                         help="latent frames, a multiple of the model's frames per chunk "
@@ -57,14 +57,85 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
     qvg_args.add_cli_args(parser)
     parser.add_argument("--output", default=None, metavar="FILE",
-                        help="video file (.mp4 via imageio-ffmpeg, .gif; default: "
-                        "out/<model>.mp4)")
+                        help=f"video file; the installed encoders write {_video_formats()} "
+                        "(default: out/<model>.mp4). Written atomically; if it cannot be written "
+                        "after all, the latents are kept in NAME.latents.safetensors beside it")
     parser.add_argument("--no-video", action="store_true", help="skip decoding and writing the video")
-    parser.add_argument("--metrics", default=None, metavar="FILE", help="write the metrics JSON here")
+    parser.add_argument("--metrics", default=None, metavar="FILE",
+                        help="write the metrics JSON here (atomically)")
+    parser.add_argument("--save-latents", default=None, metavar="FILE.safetensors",
+                        help="also save the generated latents [B, C, F, h, w] (float32, key 'latents')")
+    parser.add_argument("--strict-plugins", action="store_true",
+                        help="a causalkv_chunk_done plugin that raises stops the run (exit 2) "
+                        "instead of being reported once and skipped")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (exit codes: docs/usage.md)")
     parser.add_argument("--compare-bf16", action="store_true",
                         help="also run with kv-cache-quant off (same seed) and report latent_psnr_db")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="sequence parallel on N local processes (torchrun; gloo on CPU, "
+                        "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
+                        "from torchrun and N, if given, must match its --nproc-per-node")
     return parser
+
+
+def _video_formats() -> str:
+    from causalkv.runtime.video import video_formats
+
+    return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
+def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The shot flags (LongLive 2.0) and the motion signal (LingBot-World)."""
+    parser.add_argument(
+        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
+        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
+    )
+    parser.add_argument(
+        "--shot-durations", default=None, metavar="N,N,...",
+        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
+        "count; chunks left over go to the last shot)",
+    )
+    parser.add_argument(
+        "--chunks-per-shot", type=int, default=0, metavar="N",
+        help="chunks of every shot when --shot-durations is not given (default 0: even split, "
+        "the first shots one chunk longer)",
+    )
+    parser.add_argument(
+        "--scene-cut-prefix", default=DEFAULT_SCENE_CUT_PREFIX, metavar="TEXT",
+        help=f"text before the prompt of each shot's first chunk (default {DEFAULT_SCENE_CUT_PREFIX!r}; "
+        "may be empty)",
+    )
+    parser.add_argument(
+        "--no-multi-shot-sink", dest="multi_shot_sink", action="store_false",
+        help="do not pin each shot's first chunk as its sink",
+    )
+    parser.add_argument(
+        "--multi-shot-rope-offset", type=float, default=None, metavar="FRAMES",
+        help="RoPE frames added per shot index (float >= 0; default: the model's)",
+    )
+    parser.add_argument(
+        "--motion", default=None, metavar="m,s,...",
+        help="LingBot-World camera motion per chunk: m (moves) or s (still), one letter per "
+        "chunk; drives the moving/still recent KV window",
+    )
+    return parser
+
+
+def _shot_durations(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {text!r}"
+        ) from None
+
+
+def _request_prompts(args: argparse.Namespace) -> list[str] | None:
+    if args.prompts is not None and args.shot_prompts is not None:
+        raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")
+    return args.shot_prompts if args.shot_prompts is not None else args.prompts
 
 
 def register(subparsers: Any) -> None:
@@ -85,6 +156,14 @@ def options_from_args(args: argparse.Namespace) -> Any:
     """`GenerateOptions` from parsed ``generate`` arguments (validates the QVG flags)."""
     from causalkv.runtime.generate import DEFAULT_PROMPT, GenerateOptions
 
+    prompts = _request_prompts(args)
+    shots = ShotRequest(
+        durations=_shot_durations(args.shot_durations),
+        chunks_per_shot=args.chunks_per_shot,
+        scene_cut_prefix=args.scene_cut_prefix,
+        multi_shot_sink=args.multi_shot_sink,
+        multi_shot_rope_offset=args.multi_shot_rope_offset,
+    )
     server_args = ServerArgs(
         kv_cache_quant_config=qvg_args.from_namespace(args),
         sink_frames=args.sink_frames,
@@ -94,13 +173,18 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        shots=shots,
+        motion=None if args.motion is None else parse_motion(args.motion),
+        heads_sharded=_world_size(args),
     )
     output = None
+    if args.no_video and args.output is not None:
+        raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
     if not args.no_video:
         output = args.output or str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
         model=args.model,
-        prompts=args.prompts if args.prompts is not None else [DEFAULT_PROMPT],
+        prompts=prompts if prompts is not None else [DEFAULT_PROMPT],
         frames=args.frames,
         server_args=server_args,
         guidance_scale=args.guidance_scale,
@@ -109,27 +193,94 @@ def options_from_args(args: argparse.Namespace) -> Any:
         compare_bf16=args.compare_bf16,
         output=output,
         quiet=args.quiet,
+        metrics=getattr(args, "metrics", None),
+        save_latents=getattr(args, "save_latents", None),
+        strict_plugins=bool(getattr(args, "strict_plugins", False)),
     )
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
+    from causalkv.errors import ConfigError, check_int
+    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None:
+        check_int("--nproc-per-node", nproc, minimum=1)
+    if not launched_by_torchrun():
+        return 1 if nproc is None else nproc
+    _rank, world, _local, local_world = env_world()
+    if nproc is not None and nproc != local_world:
+        raise ConfigError(
+            f"--nproc-per-node {nproc} does not match torchrun's {local_world} processes on this "
+            "node; drop --nproc-per-node under torchrun or pass the same value"
+        )
+    return world
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Entry of ``causalkv generate``: 0 on success, 2 on bad input (message on stderr)."""
+    """Entry of ``causalkv generate``: the exit status (`causalkv.cli.faults`: 0 done, 1
+    unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr.
+
+    With ``--nproc-per-node N > 1`` outside torchrun the request is planned here (every bad
+    input is refused before any process starts) and the command re-executes itself under
+    ``python -m torch.distributed.run --standalone --nproc-per-node N``; its exit status is
+    torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
+    process group and rank 0 alone prints, writes the video and the metrics.
+    """
+    from causalkv.cli.faults import Progress, Stdout, run_guarded
+
+    out, progress = Stdout(), Progress()
+
+    def body() -> int:
+        from causalkv.runtime.distributed import launched_by_torchrun
+
+        options = options_from_args(args)
+        if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
+            return _launch(args, options)
+        main_rank = True
+        if launched_by_torchrun():
+            from causalkv.runtime.distributed import init_parallel
+
+            main_rank = init_parallel(options.server_args.device).is_main
+        metrics, _run = _generate_and_leave(options, out, progress)
+        if not main_rank:
+            return 0
+        s = metrics["seconds_per_chunk"]
+        out(
+            f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
+            f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
+        )
+        if options.metrics is not None:
+            out(f"metrics: {options.metrics}")
+        out.flush()
+        return 0
+
+    return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
+
+
+def _generate_and_leave(options: Any, out: Any, progress: Any) -> Any:
+    """`generate` (logging on rank 0), then leave the process group if one was joined."""
+    from causalkv.runtime.distributed import shutdown
     from causalkv.runtime.generate import generate
 
     try:
-        options = options_from_args(args)
-        metrics, _run = generate(options, log=print)
-    except CausalKVError as exc:
-        print(f"causalkv generate: error: {exc}", file=sys.stderr)
-        return 2
-    s = metrics["seconds_per_chunk"]
-    print(
-        f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
-        f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
-    )
-    if args.metrics:
-        path = Path(args.metrics)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
-        print(f"metrics: {path}")
-    return 0
+        return generate(
+            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done
+        )
+    finally:
+        shutdown()
+
+
+def _launch(args: argparse.Namespace, options: Any) -> int:
+    """Plan on this process (errors before any rank starts), then run the same command
+    under torchrun on ``--nproc-per-node`` local ranks; torchrun's exit status."""
+    from causalkv.runtime.distributed import run_under_torchrun
+    from causalkv.runtime.generate import plan_generation
+
+    plan_generation(options)
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+    print(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)", flush=True)
+    return run_under_torchrun(options.server_args.heads_sharded, argv)

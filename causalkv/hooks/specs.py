@@ -114,5 +114,7 @@ def causalkv_chunk_done(
 
     Called: by the runtime after each chunk's context pass, with the 0-based
     ``chunk_index`` and a ``stats`` dict (e.g. ``seconds``, ``frames``, ``cache_bytes``).
-    Every implementation runs; return values are ignored. Do not mutate ``stats``.
+    Every implementation runs; return values are ignored. Do not mutate ``stats``. An
+    implementation that raises is reported once (naming its plugin) and skipped for the rest
+    of the run, which completes; the host's ``--strict-plugins`` makes it fatal instead.
     """

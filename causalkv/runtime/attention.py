@@ -16,6 +16,12 @@ Per call state (which caches, the token start, the RoPE tables) lives in one `Ca
 shared by all processors of a model; `CausalWanTransformer.__call__` fills it.
 
 Layouts: hidden states ``[B, S, H*D]``; q/k/v ``[B, S, H, D]``; RoPE tables ``[1, S, 1, D]``.
+
+Sequence parallel (`CausalWanTransformer.enable_sequence_parallel`, N ranks): each rank's
+hidden states hold ``S/N`` tokens; the self-attention processor exchanges q/k/v to
+``[B, S, H/N, D]`` (every token, this rank's heads) with one all-to-all, rotates them with the
+whole chunk's RoPE table, writes and reads the rank's caches (``H/N`` heads) and exchanges the
+output back to ``[B, S/N, H, D]``. Cross-attention runs on the rank's tokens unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from causalkv.caches.attention import attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
+from causalkv.runtime.distributed import ParallelContext, heads_to_seq, seq_to_heads
 
 __all__ = [
     "CachedWanCrossAttnProcessor",
@@ -38,23 +45,28 @@ __all__ = [
     "apply_rotary",
     "install_causal_processors",
     "rope_at_frame_offset",
+    "rope_temporal_at",
 ]
 
 
 def rope_at_frame_offset(
-    rope: torch.nn.Module, num_frames: int, height: int, width: int, frame_offset: int
+    rope: torch.nn.Module, num_frames: int, height: int, width: int, frame_offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wan's 3-D RoPE tables for latent frames ``[frame_offset, frame_offset + num_frames)``.
 
     ``rope`` is the model's ``WanRotaryPosEmbed``; ``height``/``width`` are latent sizes
-    (before patchify). Equals rows ``[f0 * hw, (f0 + F) * hw)`` of ``rope`` applied to a video
-    of ``f0 + F`` frames (``hw`` = patches per frame).
+    (before patchify). For an integer ``frame_offset`` this equals rows ``[f0 * hw, (f0 + F)
+    * hw)`` of ``rope`` applied to a video of ``f0 + F`` frames (``hw`` = patches per frame),
+    read from its precomputed tables. A fractional ``frame_offset`` (LongLive 2.0's per-shot
+    offset) is a continuous position: the temporal part is ``cos``/``sin`` of ``position x
+    frequency`` computed in float64 (`rope_temporal_at`), the spatial parts are the tables'.
 
-    Returns ``(cos, sin)``, each ``[1, F * h' * w', 1, D]`` (float64 on CPU).
+    Returns ``(cos, sin)``, each ``[1, F * h' * w', 1, D]`` (float32 on the tables' device).
     """
     p_t, p_h, p_w = rope.patch_size
     ppf, pph, ppw = num_frames // p_t, height // p_h, width // p_w
-    f0 = frame_offset // p_t
+    integral = float(frame_offset).is_integer()
+    f0 = int(frame_offset) // p_t if integral else float(frame_offset) / p_t
     if f0 < 0:
         raise ValueError(f"RoPE frame offset must be >= 0, got {frame_offset}")
     if f0 + ppf > rope.max_seq_len:
@@ -63,16 +75,33 @@ def rope_at_frame_offset(
             "generate fewer frames or raise rope_max_seq_len in transformer/config.json"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    temporal = None if integral else rope_temporal_at(rope, f0 + torch.arange(ppf, dtype=torch.float64))
     tables = []
-    for freqs in (rope.freqs_cos, rope.freqs_sin):
+    for k, freqs in enumerate((rope.freqs_cos, rope.freqs_sin)):
         f_t, f_h, f_w = freqs.split(split, dim=1)
+        t_rows = f_t[f0 : f0 + ppf] if temporal is None else temporal[k].to(f_t.device, f_t.dtype)
         parts = [
-            f_t[f0 : f0 + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
+            t_rows.view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
             f_h[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
             f_w[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1),
         ]
         tables.append(torch.cat(parts, dim=-1).reshape(1, ppf * pph * ppw, 1, -1))
     return tables[0], tables[1]
+
+
+def rope_temporal_at(rope: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temporal RoPE ``(cos, sin)`` ``[P, t_dim]`` (float64) at (fractional) ``positions`` ``[P]``.
+
+    The formula of diffusers' ``get_1d_rotary_pos_embed`` (``use_real``,
+    ``repeat_interleave_real``) that builds ``WanRotaryPosEmbed``'s tables: frequency
+    ``theta ** (-2i / t_dim)`` (``theta`` = the module's ``theta``, Wan's 10000 when it has
+    none), angle = position x frequency, each cos/sin repeated twice.
+    """
+    dim = int(rope.t_dim)
+    theta = float(getattr(rope, "theta", 10000.0))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(positions.to(torch.float64), freqs)
+    return angles.cos().repeat_interleave(2, dim=1), angles.sin().repeat_interleave(2, dim=1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +126,7 @@ class CausalCallState:
         rope: ``(cos, sin)`` ``[1, S, 1, D]`` for the chunk's frames.
         recent_window_tokens: LingBot-World recent window, or None.
         active: False outside `CausalWanTransformer.__call__` (the processors refuse to run).
+        parallel: the sequence-parallel context (None: one process).
     """
 
     kv_caches: Sequence[CausalKVCache] = ()
@@ -105,6 +135,7 @@ class CausalCallState:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     recent_window_tokens: int | None = None
     active: bool = False
+    parallel: ParallelContext | None = None
     #: views returned by the last call's writes, per layer (for inspection in tests)
     last_positions: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
@@ -143,6 +174,10 @@ class CausalWanSelfAttnProcessor:
         query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
         key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
         value = _heads(attn, attn.to_v(hidden_states))
+        par = st.parallel
+        if par is not None:  # [B, S/N, H, D] -> [B, S, H/N, D]: one all-to-all for q, k and v
+            qkv = seq_to_heads(torch.cat((query, key, value), dim=-1), par)
+            query, key, value = qkv.chunk(3, dim=-1)
         assert st.rope is not None
         cos, sin = st.rope
         if cos.shape[1] != query.shape[1]:
@@ -162,6 +197,8 @@ class CausalWanSelfAttnProcessor:
         )
         st.last_positions[self.layer_index] = tuple(view.position_ranges)
         out = attend(query.to(dtype), view).to(query.dtype)
+        if par is not None:  # [B, S, H/N, D] -> [B, S/N, H, D]
+            out = heads_to_seq(out, par)
         out = out.flatten(2, 3)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -239,6 +276,10 @@ class CausalWanTransformer:
 
     Implements the stages' ``ChunkDenoiser`` call: latents ``[B, C, F, h, w]`` in, flow
     prediction ``[B, C, F, h, w]`` (float32) out.
+
+    ``num_heads`` is the number of heads this process attends over and caches, the global
+    ones ``[head_offset, head_offset + num_heads)`` (all of them on one process; ``H/N`` after
+    `enable_sequence_parallel`).
     """
 
     def __init__(self, transformer: torch.nn.Module) -> None:
@@ -246,6 +287,8 @@ class CausalWanTransformer:
         cfg = transformer.config
         self.num_layers: int = int(cfg.num_layers)
         self.num_heads: int = int(cfg.num_attention_heads)
+        self.head_offset: int = 0
+        self.world_size: int = 1
         self.head_dim: int = int(cfg.attention_head_dim)
         self.patch_size: tuple[int, int, int] = tuple(cfg.patch_size)  # type: ignore[assignment]
         self.in_channels: int = int(cfg.in_channels)
@@ -254,6 +297,23 @@ class CausalWanTransformer:
         self.dtype: torch.dtype = param.dtype
         self.device: torch.device = param.device
         self.state = install_causal_processors(transformer)
+
+    def enable_sequence_parallel(self, ctx: ParallelContext) -> None:
+        """Run as one rank of ``ctx``: the sequence is split across ranks (diffusers'
+        context-parallel hooks), this rank attends over and caches heads ``ctx.head_slice(H)``.
+
+        Call once, before the stage allocates its caches (their spec reads ``num_heads`` and
+        ``head_offset``). Every rank must make the same calls with the same latents.
+        """
+        from causalkv.runtime.distributed import enable_sequence_parallel
+
+        if self.state.parallel is not None:
+            raise RuntimeError("sequence parallelism is already enabled on this transformer")
+        start, stop = ctx.head_slice(int(self.model.config.num_attention_heads))
+        if ctx.world_size > 1:
+            enable_sequence_parallel(self.model, ctx)
+        self.num_heads, self.head_offset, self.world_size = stop - start, start, ctx.world_size
+        self.state.parallel = ctx if ctx.world_size > 1 else None
 
     def tokens_per_frame(self, height: int, width: int) -> int:
         """Tokens per latent frame of latent size ``height`` x ``width``."""
@@ -270,7 +330,7 @@ class CausalWanTransformer:
         kv_caches: Sequence[CausalKVCache],
         cross_caches: Sequence[CrossAttentionKVCache],
         token_start: int,
-        rope_frame_start: int,
+        rope_frame_start: float,
         recent_window_tokens: int | None = None,
     ) -> torch.Tensor:
         b, c, f, h, w = latents.shape

@@ -12,6 +12,12 @@
 4. `write_outputs` decodes and writes the video; `run_report` assembles the metrics, with
    the stage's own entries (`CausalDenoisingStage.report`).
 
+Sequence parallel (``server_args.heads_sharded = N > 1``, N torchrun ranks): the plan refuses
+what cannot be split (`causalkv.runtime.distributed.check_parallel_request`), `run_plan`
+joins the process group and makes the transformer one rank of it before the stage allocates
+its caches (each rank caches ``H/N`` heads), every rank runs the same loop and ends with the
+same latents; `generate` logs and writes the video on rank 0 only.
+
 The host imports no model-specific module: everything a model family adds comes from its
 stage and registration.
 """
@@ -29,8 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
+from causalkv.runtime.checks import check_before_load
 from causalkv.runtime.loading import Components, load_components, load_vae
 from causalkv.runtime.model_config import ModelInfo, load_model_info
+from causalkv.runtime.outputs import keep_latents, save_latents, write_json_atomic
+from causalkv.runtime.plugin_faults import ObserverHook, configure_stage_checked
 from causalkv.runtime.presets import materialize_preset
 from causalkv.stages.base import CausalDenoisingStage, ForwardRecord, StreamSettings
 
@@ -46,6 +55,7 @@ __all__ = [
     "compare_unquantized",
     "generate",
     "latent_psnr_db",
+    "latents_metadata",
     "plan_generation",
     "run_plan",
     "run_report",
@@ -71,6 +81,11 @@ class GenerateOptions:
         compare_bf16: also run with quantization off (same seed) and report latent PSNR.
         output: the video file (None: do not decode).
         quiet: no progress bar.
+        metrics: write the metrics JSON here (atomically; None: do not write).
+        save_latents: save the latents ``[B, C, F, h, w]`` to this ``.safetensors`` file.
+        strict_plugins: a ``causalkv_chunk_done`` implementation that raises stops the run
+            (`causalkv.runtime.plugin_faults.PluginHookError`) instead of being reported
+            once and skipped.
     """
 
     model: str = "tiny-wan"
@@ -83,6 +98,9 @@ class GenerateOptions:
     compare_bf16: bool = False
     output: str | Path | None = None
     quiet: bool = False
+    metrics: str | Path | None = None
+    save_latents: str | Path | None = None
+    strict_plugins: bool = False
 
 
 @dataclass
@@ -140,8 +158,13 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     """Read the model config, resolve stage and cache, validate the request (no weights).
 
     Multi-shot is automatic: with more than one prompt and a stage that supports it
-    (LongLive 2.0) the request is resolved again with ``multi_shot=True`` (the cache must
-    then support a pinned shot sink). Raises a `causalkv.errors.CausalKVError` (a
+    (LongLive 2.0), unless multi-shot sinks are off or the sink is empty, the request is
+    resolved again with ``multi_shot=True`` (the cache must then support a pinned shot
+    sink). The stage's `plan_chunks` expands the prompts with the request's shot fields
+    (``server_args.shots``) and checks its motion signal (``server_args.motion``).
+    Everything else knowable without weights is checked too
+    (`causalkv.runtime.checks.check_before_load`: RoPE limit, device and dtype, output paths
+    and formats, the model folder's files). Raises a `causalkv.errors.CausalKVError` (a
     ValueError) naming the bad value and the fix.
     """
     from causalkv.plugin import get_plugin_manager, resolve
@@ -154,14 +177,19 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     args = replace(options.server_args, guidance_scale=float(guidance))
     num_frames = options.frames if options.frames is not None else info.default_frames
     res = resolve(model, args, pm=pm, stage=options.stage)
-    if len(prompts) > 1 and res.stage.supports_multi_shot() and not args.multi_shot:
+    if _wants_multi_shot(res.stage, model, args, len(prompts)):
         args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage)
     settings = res.stage.check_request(model, args, num_frames)
+    if args.heads_sharded > 1:
+        from causalkv.runtime.distributed import check_parallel_request
+
+        check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
+                               tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
     chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
     negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
-    return Plan(
+    plan = Plan(
         info=info,
         server_args=args,
         resolution=res,
@@ -172,6 +200,18 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
         stage_name=options.stage,
         negative_prompt=negative,
     )
+    check_before_load(plan, options, pm=pm)
+    return plan
+
+
+def _wants_multi_shot(
+    stage: type[CausalDenoisingStage], model: ModelConfig, args: ServerArgs, num_shots: int
+) -> bool:
+    """Several shots on a multi-shot stage pin shot sinks, unless the request turned
+    multi-shot sinks off (``--no-multi-shot-sink``) or the sink is empty."""
+    if args.multi_shot or num_shots < 2 or not stage.supports_multi_shot():
+        return False
+    return args.shots.multi_shot_sink and stage.stream_settings(model, args).sink_frames > 0
 
 
 def model_folder(info: ModelInfo, *, pm: Any = None) -> Path:
@@ -195,6 +235,9 @@ def build_stage(
 ) -> CausalDenoisingStage:
     """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
 
+    The sampler is the stage's own (``stage_cls.make_scheduler(model)``; the base stage's is
+    the flow-matching Euler scheduler ``components.scheduler`` also holds).
+
     With a plugin manager, ``causalkv_configure_stage`` runs on the built stage: attributes
     its implementations set stay, and the `ModelConfig` overrides they return are applied
     to the same stage before its caches are allocated (once, on first use).
@@ -203,23 +246,24 @@ def build_stage(
         model,
         server_args,
         denoiser=components.transformer,
-        scheduler=components.scheduler,
+        scheduler=stage_cls.make_scheduler(model),
         cache_factory=cache_factory,
         encode_prompt=components.prompt_encoder,
         negative_prompt=negative_prompt,
         name=name,
     )
-    if pm is not None:
-        from causalkv.plugin import configure_stage
-
-        stage.apply_overrides(configure_stage(pm, stage, model, server_args))
+    if pm is not None:  # a raising implementation: PluginHookError naming the plugin
+        configure_stage_checked(pm, stage, model, server_args)
     return stage
 
 
 def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     """Load the plan's model components (a preset folder is built on first use)."""
+    from causalkv.runtime.distributed import local_main_first
+
     args = plan.server_args
-    return load_components(plan.info, model_folder(plan.info, pm=pm), dtype=args.dtype, device=args.device)
+    folder = local_main_first(lambda: model_folder(plan.info, pm=pm))  # ranks share one preset folder
+    return load_components(plan.info, folder, dtype=args.dtype, device=args.device)
 
 
 def run_plan(
@@ -231,12 +275,15 @@ def run_plan(
     resolution: Resolution | None = None,
     on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
     on_forward: Callable[[ForwardRecord], None] | None = None,
+    strict_plugins: bool = False,
 ) -> GenerationRun:
     """Load (unless ``components`` are given), build the stage, run the chunk loop.
 
     ``server_args``/``resolution`` replace the plan's (`compare_unquantized` reruns with
     the quantization off). The initial noise and every re-noising draw come from one CPU
-    generator seeded with ``server_args.seed``.
+    generator seeded with ``server_args.seed``. A ``causalkv_chunk_done`` implementation
+    that raises is reported once on stderr and skipped for the rest of the run, or, with
+    ``strict_plugins``, stops it (`causalkv.runtime.plugin_faults.ObserverHook`).
     """
     from causalkv.plugin import get_plugin_manager
 
@@ -244,10 +291,13 @@ def run_plan(
     args = server_args if server_args is not None else plan.server_args
     res = resolution if resolution is not None else plan.resolution
     load_seconds = 0.0
+    parallel = _join_ranks(args)
     if components is None:
         t0 = time.perf_counter()
         components = load_for_plan(plan, pm=pm)
         load_seconds = time.perf_counter() - t0
+    if parallel is not None and components.transformer.world_size == 1:
+        components.transformer.enable_sequence_parallel(parallel)
     stage = build_stage(
         res.stage, res.cache_factory, plan.model, args, components,
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
@@ -256,11 +306,12 @@ def run_plan(
     info = plan.info
     shape = (1, info.latent_channels, plan.num_frames, info.latent_height, info.latent_width)
     noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(components.device)
+    observers = ObserverHook(pm, "causalkv_chunk_done", strict=strict_plugins)
 
     def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
-        pm.hook.causalkv_chunk_done(stage=stage, chunk_index=i, stats=stats)
-        if on_chunk_done is not None:
+        if on_chunk_done is not None:  # the caller's count first: the chunk is done
             on_chunk_done(i, stats)
+        observers(stage=stage, chunk_index=i, stats=stats)
 
     result = stage.generate(
         noise, plan.chunk_prompts, generator=generator, on_chunk_done=chunk_done, on_forward=on_forward
@@ -273,6 +324,33 @@ def run_plan(
         components=components,
         load_seconds=load_seconds,
     )
+
+
+def _join_ranks(args: ServerArgs) -> Any:
+    """The `ParallelContext` of a sequence-parallel request (joins torchrun's process group
+    on first use), None on one process. `ConfigError` when the ranks do not match the request."""
+    if args.heads_sharded <= 1:
+        return None
+    from causalkv.errors import ConfigError
+    from causalkv.runtime.distributed import current, init_parallel, launched_by_torchrun
+
+    ctx = current()
+    if ctx is None and launched_by_torchrun():
+        ctx = init_parallel(args.device)
+    if ctx is None or ctx.world_size != args.heads_sharded:
+        have = 1 if ctx is None else ctx.world_size
+        raise ConfigError(
+            f"heads_sharded={args.heads_sharded} needs as many torchrun ranks, this job has {have}; "
+            f"run `causalkv generate --nproc-per-node {args.heads_sharded} ...` or torchrun"
+        )
+    return ctx
+
+
+def _is_main_rank() -> bool:
+    from causalkv.runtime.distributed import current
+
+    ctx = current()
+    return ctx is None or ctx.is_main
 
 
 def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | None:
@@ -307,14 +385,31 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
     }
 
 
+def latents_metadata(plan: Plan) -> dict[str, str]:
+    """What a saved latents file records about its run (safetensors header strings)."""
+    res, args = plan.resolution, plan.server_args
+    return {
+        "model": plan.model.name, "stage": res.stage_name, "cache": res.cache_factory.name,
+        "kv_cache_quant": args.kv_cache_quant_config.describe(), "seed": str(args.seed),
+        "frames": str(plan.num_frames), "fps": str(plan.info.fps), "layout": "B,C,F,h,w",
+    }
+
+
 def write_outputs(plan: Plan, run: GenerationRun, output: str | Path, *, pm: Any = None) -> dict[str, Any]:
-    """Decode the run's latents with the model's VAE and write the video; its metrics."""
+    """Decode the run's latents with the model's VAE and write the video; its metrics.
+
+    The video is written atomically. If decoding or writing fails, the latents are saved to
+    ``NAME.latents.safetensors`` next to ``output`` and `OutputWriteError` names that file.
+    """
     from causalkv.runtime.video import decode_latents, write_video
 
     device = run.components.device if run.components is not None else plan.server_args.device
-    vae = load_vae(model_folder(plan.info, pm=pm), device=device)
-    frames = decode_latents(vae, run.latents)
-    written = write_video(frames, output, fps=plan.info.fps)
+    try:
+        vae = load_vae(model_folder(plan.info, pm=pm), device=device)
+        frames = decode_latents(vae, run.latents)
+        written = write_video(frames, output, fps=plan.info.fps)
+    except Exception as exc:  # noqa: BLE001 - a finished generation is kept whatever failed
+        raise keep_latents(output, run.latents, exc, metadata=latents_metadata(plan)) from exc
     return {
         "output": str(written),
         "video_frames": int(frames.shape[0]),
@@ -359,7 +454,40 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_per_chunk": [int(st["kv_resident_bytes"]) for st in run.chunk_stats],
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
+        "kv_packing": packing_summary(run.stage),
+        **_rank_metrics(run),
         **run.stage.report(),
+    }
+
+
+def packing_summary(stage: CausalDenoisingStage) -> dict[str, Any] | None:
+    """What the stage's packed caches did, all layers and branches summed: chunks packed, chunks
+    kept dense by reason (``"recent"``, ``"not smaller than dense"``, ...), centroids used.
+    None when no cache reports packing (a dense cache)."""
+    reports = [
+        cache.packing_report()
+        for cs in stage.cache_sets()
+        for cache in cs.kv
+        if callable(getattr(cache, "packing_report", None))
+    ]
+    if not reports:
+        return None
+    return type(reports[0]).merge(reports).to_dict()
+def _rank_metrics(run: GenerationRun) -> dict[str, Any]:
+    """``world_size`` and the KV bytes of every rank (``kv_resident_bytes_max`` is this
+    rank's; one collective on a sequence-parallel run, so every rank must call it)."""
+    from causalkv.runtime.distributed import current, gather_ints
+
+    ctx = current()
+    world = int(getattr(run.stage.denoiser, "world_size", 1))
+    per_rank = [run.kv_resident_bytes_max]
+    if ctx is not None and world > 1:
+        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
+    return {
+        "world_size": world,
+        "kv_heads_per_rank": int(run.stage.denoiser.num_heads),
+        "kv_resident_bytes_max_per_rank": per_rank,
+        "kv_resident_bytes_max_total": sum(per_rank),
     }
 
 
@@ -393,26 +521,46 @@ def generate(
     *,
     pm: Any = None,
     log: Callable[[str], None] | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], GenerationRun]:
     """Plan, load and run, optionally compare with an unquantized run, write, report.
 
     Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
-    reasons, where the video went).
+    reasons, where the video went); ``on_plan`` the validated plan, ``on_chunk_done`` each
+    chunk of the main run (the command line counts them for its interruption message). With
+    ``options.save_latents`` the latents are saved after the run; with ``options.metrics``
+    the metrics JSON is written last (atomically). On a sequence-parallel run only rank 0
+    logs and writes files.
     """
     from causalkv.plugin import get_plugin_manager
 
-    say = log or (lambda _line: None)
+    def say(line: str) -> None:  # rank 0 alone logs
+        if log is not None and _is_main_rank():
+            log(line)
+
     pm = pm if pm is not None else get_plugin_manager()
     t_start = time.perf_counter()
     plan = plan_generation(options, pm=pm)
+    if on_plan is not None:
+        on_plan(plan)
     for line in describe_plan(plan):
         say(line)
-    bar = _progress(plan.num_chunks, options.quiet)
+    bar = _progress(plan.num_chunks, options.quiet or not _is_main_rank())
+
+    def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
+        bar.update(1)
+        if on_chunk_done is not None:
+            on_chunk_done(i, stats)
+
     try:
-        run = run_plan(plan, pm=pm, on_chunk_done=lambda i, st: bar.update(1))
+        run = run_plan(plan, pm=pm, on_chunk_done=chunk_done, strict_plugins=options.strict_plugins)
     finally:
         bar.close()
     metrics = run_report(plan, run)
+    if options.save_latents is not None and _is_main_rank():
+        metrics["latents"] = str(save_latents(options.save_latents, run.latents, latents_metadata(plan)))
+        say(f"latents: {metrics['latents']}")
     if options.compare_bf16:
         say("reference run: kv-cache-quant off, same seed")
         metrics.update(compare_unquantized(plan, run, pm=pm))
@@ -423,9 +571,11 @@ def generate(
             + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
             f"{metrics['reference_kv_resident_bytes_max']:,}"
         )
-    if options.output is not None:
+    if options.output is not None and _is_main_rank():
         metrics.update(write_outputs(plan, run, options.output, pm=pm))
         w, h = metrics["video_size"][1], metrics["video_size"][0]
         say(f"wrote {metrics['output']} ({metrics['video_frames']} frames, {w}x{h})")
     metrics["seconds_total"] = time.perf_counter() - t_start
+    if options.metrics is not None and _is_main_rank():
+        write_json_atomic(options.metrics, metrics)
     return metrics, run

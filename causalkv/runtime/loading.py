@@ -3,28 +3,33 @@
 - transformer: diffusers ``WanTransformer3DModel``, wrapped in `CausalWanTransformer`
   (causal processors installed; weights untouched);
 - text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
-- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift;
+- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift (the base
+  stage's sampler; a stage may declare its own with ``make_scheduler(model)``, which the
+  host uses when it builds the stage);
 - vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from causalkv.errors import CausalKVError
 from causalkv.runtime.attention import CausalWanTransformer
-from causalkv.runtime.model_config import ModelInfo
+from causalkv.runtime.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.text import PromptEncoder
 
 __all__ = [
     "Components",
     "cast_keeping_fp32_modules",
     "load_components",
-    "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype"]
+    "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype",
+    "reading_component"]
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -111,6 +116,37 @@ def cast_keeping_fp32_modules(
     return model
 
 
+def _all_weights_loaded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, unless the checkpoint lacked some of its parameters (diffusers leaves them on
+    the meta device, where the first ``.to(device)`` would fail): ValueError naming one."""
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameter(s) of the config are missing from the weights, e.g. {missing[0]!r}"
+        )
+    return model
+
+
+@contextmanager
+def reading_component(folder: Path, component: str, *, preset: str | None = None) -> Iterator[None]:
+    """Turn a failure to read ``folder/component`` (corrupt config or weights, missing file,
+    unreadable tokenizer) into a one-line `ModelFolderError` with the fix. Out-of-memory
+    errors and causalkv's own errors pass through unchanged."""
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError, CausalKVError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - what from_pretrained raises varies by library
+        lines = str(exc).strip().splitlines()
+        what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        fix = (
+            f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"
+            if preset is not None
+            else "restore the component's files (re-download or re-convert the model)"
+        )
+        raise ModelFolderError(f"cannot load {component} from {str(folder / component)!r} ({what}); {fix}") from exc
+
+
 @dataclass
 class Components:
     """The loaded model: causal transformer, prompt encoder, scheduler, model folder."""
@@ -135,11 +171,16 @@ def load_components(
     folder = Path(folder)
     torch_dtype = parse_dtype(dtype)
     dev = torch.device(device)
-    model = load_wan_transformer(folder / "transformer", torch_dtype)
+    with reading_component(folder, "transformer", preset=info.preset):
+        model = _all_weights_loaded(load_wan_transformer(folder / "transformer", torch_dtype))
     model = model.to(dev).eval()
-    text_encoder = UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+    with reading_component(folder, "text_encoder", preset=info.preset):
+        text_encoder = _all_weights_loaded(
+            UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+        )
     text_encoder = text_encoder.to(dev).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    with reading_component(folder, "tokenizer", preset=info.preset):
+        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
     prompt_encoder = PromptEncoder(
         tokenizer, text_encoder, max_length=info.text_max_length, device=dev, dtype=torch_dtype
     )
@@ -158,7 +199,8 @@ def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
     """diffusers ``AutoencoderKLWan`` from ``folder/vae`` (float32: decoding is done once)."""
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan.from_pretrained(
-        Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate()
-    )
+    with reading_component(Path(folder), "vae"):
+        vae = _all_weights_loaded(AutoencoderKLWan.from_pretrained(
+            Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate()
+        ))
     return vae.to(device).eval()

@@ -57,6 +57,9 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "shift": 5.0,
     "context_noise": 0.0,
     "rope_offset_frames_per_shot": 0,
+    "moving_window_frames": None,
+    "still_window_frames": None,
+    "still_chunks": 2,
     "height": 480,
     "width": 832,
     "text_max_length": 512,
@@ -228,6 +231,9 @@ def model_info_from_dicts(
         shift=float(s["shift"]),
         context_noise=float(s["context_noise"]),
         rope_offset_frames_per_shot=int(s["rope_offset_frames_per_shot"]),
+        moving_window_frames=_opt_int(s["moving_window_frames"]),
+        still_window_frames=_opt_int(s["still_window_frames"]),
+        still_chunks=int(s["still_chunks"]),
         path=str(path) if path is not None else None,
     )
     return ModelInfo(
@@ -245,6 +251,10 @@ def model_info_from_dicts(
         guidance_scale=float(s["guidance_scale"]),
         negative_prompt=str(s["negative_prompt"]),
     )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _registry(pm: Any) -> Any:

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,16 @@ from causalkv.runtime.model_config import (
 )
 from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE, build_byte_tokenizer
 
-__all__ = ["PRESETS", "Preset", "causalkv_home", "materialize_preset", "preset_dir", "preset_info"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "causalkv_home",
+    "is_complete_preset",
+    "materialize_preset",
+    "preset_dir",
+    "preset_info",
+    "preset_transformer_config",
+]
 
 #: bump when the preset definitions change: old cache folders are rebuilt
 PRESET_FORMAT = 1
@@ -184,7 +194,13 @@ def preset_info(name: str, *, pm: Any = None) -> ModelInfo:
     )
 
 
-def _is_complete(folder: Path) -> bool:
+def preset_transformer_config(name: str, *, pm: Any = None) -> dict[str, Any]:
+    """The ``transformer/config.json`` the preset is built with (no files needed)."""
+    return dict(_get(name, pm).transformer)
+
+
+def is_complete_preset(folder: Path) -> bool:
+    """True when ``folder`` holds a preset written completely by this preset format."""
     marker = folder / _MARKER
     if not marker.exists():
         return False
@@ -194,27 +210,79 @@ def _is_complete(folder: Path) -> bool:
         return False
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_builds(name: str, parent: Path) -> None:
+    """Remove ``.<name>.build-<pid>-*`` folders whose process is gone (killed mid-build)."""
+    prefix = f".{name}.build-"
+    for tmp in parent.glob(f"{prefix}*"):
+        pid = tmp.name[len(prefix) :].split("-", 1)[0]
+        if tmp.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _build_lock(parent: Path, name: str) -> Iterator[None]:
+    """An exclusive lock on ``parent/.<name>.lock`` for one build (``fcntl.flock``; processes
+    wait for each other). Without ``fcntl`` (Windows) no lock is taken: the atomic rename in
+    `materialize_preset` still keeps exactly one complete folder."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(parent / f".{name}.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def materialize_preset(name: str, *, pm: Any = None) -> Path:
     """Create the preset's folder on first use (seeded random weights); return its path.
 
-    Written into a temporary sibling and renamed, so a crash never leaves a half-written
-    preset; an existing complete folder is returned as is.
+    Safe against concurrent and killed builds: the build holds a per-preset lock file (a
+    second process waits, then finds the folder complete and returns it), is written into a
+    temporary sibling ``.<name>.build-<pid>-*`` and renamed into place, so the preset folder is
+    either absent or complete. A folder without the completion marker (a build of an older
+    version killed half-way, or a stale preset format) is replaced; build folders of
+    processes that no longer exist are removed.
     """
     p = _get(name, pm)
     folder = preset_dir(name)
-    if _is_complete(folder):
+    if is_complete_preset(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    tmp.chmod(0o755)
-    try:
-        _write_preset(p, tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _build_lock(folder.parent, name):
+        if is_complete_preset(folder):  # built by another process while this one waited
+            return folder
+        _remove_stale_builds(name, folder.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-", dir=folder.parent))
+        tmp.chmod(0o755)
+        try:
+            _write_preset(p, tmp)
+            if folder.exists():  # incomplete or stale: move aside first, so the rename is atomic
+                old = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-old-", dir=folder.parent))
+                folder.rename(old / "preset")
+                shutil.rmtree(old, ignore_errors=True)
+            try:
+                tmp.rename(folder)
+            except OSError:
+                if not is_complete_preset(folder):  # pragma: no cover - only without a lock
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return folder
 
 

@@ -54,7 +54,9 @@ __all__ = [
 class ChunkDenoiser(Protocol):
     """A transformer run causally over per-layer caches (the runtime's `CausalWanTransformer`).
 
-    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``.
+    Attributes: ``num_layers``, ``num_heads``, ``head_dim``, ``dtype``, ``device``; a
+    head-sharded denoiser (one rank of a sequence-parallel job) also has ``head_offset``, the
+    global index of its first head (read when the caches are built; 0 when absent).
     """
 
     num_layers: int
@@ -72,7 +74,7 @@ class ChunkDenoiser(Protocol):
         kv_caches: Sequence[CausalKVCache],
         cross_caches: Sequence[CrossAttentionKVCache],
         token_start: int,
-        rope_frame_start: int,
+        rope_frame_start: float,
         recent_window_tokens: int | None = None,
     ) -> torch.Tensor:
         """Flow prediction ``[B, C, F, h, w]`` (float32) for ``latents`` ``[B, C, F, h, w]``.
@@ -168,8 +170,10 @@ class StreamSettings:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        head_offset: int = 0,
     ) -> KVCacheSpec:
-        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``)."""
+        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
+        ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
         tpf = self.tokens_per_frame
         return KVCacheSpec(
             batch_size=batch_size,
@@ -181,6 +185,7 @@ class StreamSettings:
             attention_window_size=self.window_frames * tpf,
             dtype=dtype,
             device=device,
+            head_offset=head_offset,
         )
 
 
@@ -223,7 +228,7 @@ class ForwardRecord:
     latents: torch.Tensor
     prediction: torch.Tensor
     token_start: int
-    rope_frame_start: int
+    rope_frame_start: float
     branch: str = "positive"
 
 
@@ -321,6 +326,31 @@ class CausalDenoisingStage:
         )
 
     @classmethod
+    def make_scheduler(cls, model: ModelConfig) -> Any:
+        """The sampler this stage drives: diffusers' flow-matching Euler scheduler with the
+        model's shift (the DMD loop reads its ``sigmas``/``timesteps``). Stages with another
+        sampler (LongLive 2.0: UniPC) override this; the host builds it per stage."""
+        from causalkv.runtime.loading import make_scheduler
+
+        return make_scheduler(model.shift)
+
+    @classmethod
+    def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
+        """Refuse request fields this stage does not model (`ConfigError`): shot layout
+        flags (LongLive 2.0) and a motion signal (LingBot-World) here."""
+        if not server_args.shots.is_default:
+            raise ConfigError(
+                f"shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
+                f"--no-multi-shot-sink, --multi-shot-rope-offset) apply to multi-shot stages, "
+                f"not to {cls.__name__}; drop them or pick a LongLive 2.0 model"
+            )
+        if server_args.motion is not None:
+            raise ConfigError(
+                f"--motion applies to LingBot-World's interactive window, not to {cls.__name__}; "
+                "drop it or pick a LingBot-World model"
+            )
+
+    @classmethod
     def plan_chunks(
         cls, prompts: Sequence[str], num_chunks: int, server_args: ServerArgs
     ) -> list[str]:
@@ -328,8 +358,10 @@ class CausalDenoisingStage:
 
         Shots get ``num_chunks // len(prompts)`` chunks, earlier shots one more while chunks
         remain. Stages with a richer request model (LongLive 2.0 scene cuts) override this.
+        Request fields the stage does not model are refused (`check_request_fields`).
         """
         prompts = check_prompts(prompts)
+        cls.check_request_fields(server_args, num_chunks)
         return [p for p, n in zip(prompts, even_split(num_chunks, len(prompts))) for _ in range(n)]
 
     @classmethod
@@ -418,9 +450,16 @@ class CausalDenoisingStage:
         settings = self.stream_settings(model, self.server_args)
         self.model, self.settings = model, settings
         self.context_noise = float(model.context_noise)
+        self.timesteps, self.sigmas = self.schedule(model)
+
+    def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:
+        """``(timesteps, sigmas)`` of one chunk's denoising (``len(sigmas)`` may be one more).
+
+        The DMD schedule: the model's timesteps as sigmas ``t / 1000``, shifted by the
+        scheduler.
+        """
         self.scheduler.set_timesteps(sigmas=[float(t) / 1000.0 for t in model.timesteps])
-        self.timesteps: list[float] = [float(t) for t in self.scheduler.timesteps]
-        self.sigmas: list[float] = [float(s) for s in self.scheduler.sigmas]
+        return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
 
     def apply_overrides(self, overrides: Mapping[str, Any]) -> None:
         """Apply `ModelConfig` field overrides (``causalkv_configure_stage``) to this stage."""
@@ -434,6 +473,7 @@ class CausalDenoisingStage:
             head_dim=self.denoiser.head_dim,
             dtype=self.denoiser.dtype,
             device=self.denoiser.device,
+            head_offset=getattr(self.denoiser, "head_offset", 0),
         )
         kv = [self.cache_factory.build(spec, self.quant) for _ in range(self.denoiser.num_layers)]
         cross = [CrossAttentionKVCache() for _ in range(self.denoiser.num_layers)]
@@ -480,9 +520,14 @@ class CausalDenoisingStage:
         return getattr(self.cache_factory, "name", type(self.cache_factory).__name__)
 
     # ---- per-chunk policy (subclasses override) ------------------------------------------
-    def rope_frame_offset(self, chunk_index: int, prompt: str) -> int:
-        """Frames added to the RoPE position of the chunk's frames (0 here)."""
+    def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
+        """Frames added to the RoPE position of the chunk's frames (0 here; may be fractional)."""
         return 0
+
+    def recent_window_tokens(self) -> int | None:
+        """Recent-window sampling of the transformer call being made (None: the whole
+        window); LingBot-World varies it per chunk."""
+        return self.settings.recent_window_tokens
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         """Called before a chunk is denoised; ``latents`` holds the clean frames so far."""
@@ -505,7 +550,7 @@ class CausalDenoisingStage:
         latents: torch.Tensor,
         timestep: float,
         token_start: int,
-        rope_frame_start: int,
+        rope_frame_start: float,
     ) -> torch.Tensor:
         return self.denoiser(
             latents,
@@ -515,17 +560,17 @@ class CausalDenoisingStage:
             cross_caches=cs.cross,
             token_start=token_start,
             rope_frame_start=rope_frame_start,
-            recent_window_tokens=self.settings.recent_window_tokens,
+            recent_window_tokens=self.recent_window_tokens(),
         )
 
     def predict(
-        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: int
+        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         """Flow prediction ``[B, C, F, h, w]`` for one denoising step (one branch here)."""
         return self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
 
     def context_pass(
-        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: int
+        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         """Rewrite the chunk's K/V from the clean ``latents`` at ``context_noise`` (all branches)."""
         return self._forward(
@@ -536,6 +581,35 @@ class CausalDenoisingStage:
     def _noise_like(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=generator.device)
         return noise.to(x.device)
+
+    def denoise_chunk(
+        self,
+        chunk_index: int,
+        prompt: str,
+        x: torch.Tensor,
+        token_start: int,
+        rope_frame_start: float,
+        *,
+        generator: torch.Generator,
+        on_forward: Callable[[ForwardRecord], None] | None = None,
+    ) -> torch.Tensor:
+        """Denoise one chunk's noise ``x`` ``[B, C, F, h, w]``; its clean latents (float32).
+
+        The DMD loop: each step predicts ``x0 = x - sigma * pred`` and re-noises it to the next
+        sigma with ``generator``. Stages with another sampler override this.
+        """
+        x0 = x
+        steps = len(self.timesteps)
+        for j in range(steps):
+            t, sigma = self.timesteps[j], self.sigmas[j]
+            pred = self.predict(prompt, x, t, token_start, rope_frame_start)
+            x0 = x - sigma * pred
+            if on_forward is not None:
+                on_forward(ForwardRecord(chunk_index, j, t, x, pred, token_start, rope_frame_start))
+            if j + 1 < steps:
+                s_next = self.sigmas[j + 1]
+                x = (1.0 - s_next) * x0 + s_next * self._noise_like(x0, generator)
+        return x0
 
     @torch.no_grad()
     def generate(
@@ -562,7 +636,6 @@ class CausalDenoisingStage:
         fpc = self.settings.frames_per_chunk
         out = torch.zeros(noise.shape, dtype=torch.float32, device=noise.device)
         stats_all: list[dict[str, Any]] = []
-        steps = len(self.timesteps)
         for i, prompt in enumerate(chunk_prompts):
             t0 = time.perf_counter()
             f0 = i * fpc
@@ -570,16 +643,7 @@ class CausalDenoisingStage:
             token_start = self._token_end
             rope_f0 = f0 + self.rope_frame_offset(i, prompt)
             x = noise[:, :, f0 : f0 + fpc].float()
-            x0 = x
-            for j in range(steps):
-                t, sigma = self.timesteps[j], self.sigmas[j]
-                pred = self.predict(prompt, x, t, token_start, rope_f0)
-                x0 = x - sigma * pred
-                if on_forward is not None:
-                    on_forward(ForwardRecord(i, j, t, x, pred, token_start, rope_f0))
-                if j + 1 < steps:
-                    s_next = self.sigmas[j + 1]
-                    x = (1.0 - s_next) * x0 + s_next * self._noise_like(x0, generator)
+            x0 = self.denoise_chunk(i, prompt, x, token_start, rope_f0, generator=generator, on_forward=on_forward)
             out[:, :, f0 : f0 + fpc] = x0
             ctx_in = x0
             if self.context_noise > 0:
@@ -600,7 +664,7 @@ class CausalDenoisingStage:
                 "seconds": time.perf_counter() - t0,
                 "kv_resident_bytes": self.kv_resident_nbytes(),
                 "visible_tokens": self.caches.kv[0]
-                .get_attention_kv(recent_window_tokens=self.settings.recent_window_tokens)
+                .get_attention_kv(recent_window_tokens=self.recent_window_tokens())
                 .num_visible,
             }
             stats_all.append(stats)

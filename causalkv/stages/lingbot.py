@@ -2,26 +2,174 @@
 
 Sink and window come from the model config (LingBot-World fast: sink 3, window 45 frames;
 other configs sink 9 / window 18 or 3 / 12), each overridable per request
-(``ServerArgs.sink_frames`` / ``window_frames``). With ``recent_window_frames = r`` every
-self-attention write passes ``recent_window_tokens = r * tokens_per_frame``: a chunk sees
-the sink plus only the frames of the ``r`` frames before it (and itself), not the whole
-window (LingBot-World samples a moving camera with 12 recent frames, a still one with 3).
+(``ServerArgs.sink_frames`` / ``window_frames``). A denoising call with a recent window of
+``r`` frames passes ``recent_window_tokens = r * tokens_per_frame``: the chunk sees the sink
+plus only the ``r`` frames before it (and itself), not the whole window.
+
+Which ``r`` (the seed runtime's interactive KV window, sglang 0.5.23 LingBot-World):
+
+- With a per-chunk motion signal (``ServerArgs.motion``, ``"m"`` the camera moves, ``"s"``
+  it stands still; `window_per_chunk`): a "moving" window of ``moving_window_frames``, and
+  a smaller "still" one of ``still_window_frames`` once the count of consecutive still
+  chunks, the current one included, reaches ``still_chunks`` (N, default 2). A moving chunk
+  resets the count and the window; a still chunk below N keeps the window the previous
+  chunk had. Chunk 0 starts from a zero count and the moving window.
+- Without one: the static ``recent_window_frames`` of the config or the request.
+
+The context pass that writes a chunk's clean K/V never samples: it attends over the whole
+window (the seed runtime's cache-update call passes no sample size).
 """
 
 from __future__ import annotations
 
-from causalkv.hooks import Preset, StageRegistration
-from causalkv.stages.base import CausalDenoisingStage
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["REGISTRATION", "LingBotWorldStage"]
+import torch
+
+from causalkv.caches.spec import RECENT_WINDOW
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import ConfigError, check_int
+from causalkv.hooks import Preset, StageRegistration
+from causalkv.stages.base import CausalDenoisingStage, StreamSettings
+
+__all__ = ["REGISTRATION", "LingBotWorldStage", "window_per_chunk"]
+
+
+def window_per_chunk(
+    motion: Sequence[str], *, moving_frames: int, still_frames: int | None, still_chunks: int = 2
+) -> list[dict[str, Any]]:
+    """The seed runtime's per-chunk window: ``[{"mode": "moving"|"still", "frames": r}, ...]``.
+
+    ``motion[i]`` is ``"m"`` or ``"s"``. A moving chunk: count 0, moving window. A still
+    chunk: count + 1; at ``count >= max(1, still_chunks)`` (and a still window configured)
+    the still window, otherwise the previous chunk's window (the moving one at chunk 0).
+    The mode is "still" exactly when the still window applies by that rule.
+    """
+    check_int("moving window frames", moving_frames, hint="fix moving_window_frames")
+    n = max(1, int(still_chunks))
+    count, frames = 0, moving_frames
+    out: list[dict[str, Any]] = []
+    for m in motion:
+        if m == "m":
+            count, frames = 0, moving_frames
+        else:
+            count += 1
+            if still_frames is not None and count >= n:
+                frames = still_frames
+        still = m != "m" and still_frames is not None and count >= n and frames == still_frames
+        out.append({"mode": "still" if still else "moving", "frames": int(frames)})
+    return out
 
 
 class LingBotWorldStage(CausalDenoisingStage):
-    """LingBot-World: the base loop with the recent window of the config or the request."""
+    """LingBot-World: the base loop with a recent window per chunk (motion-driven) or static."""
 
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
+
+    @classmethod
+    def required_cache_features(
+        cls, server_args: ServerArgs, model: ModelConfig | None = None
+    ) -> frozenset[str]:
+        """The base features, plus ``recent_window`` for a request with a motion signal."""
+        base = super().required_cache_features(server_args, model)
+        return base | {RECENT_WINDOW} if server_args.motion is not None else base
+
+    @classmethod
+    def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
+        """Shot flags are refused; a motion signal needs one letter per chunk."""
+        if not server_args.shots.is_default:
+            raise ConfigError("shot flags apply to LongLive 2.0 models, not to LingBot-World; drop them")
+        motion = server_args.motion
+        if motion is not None and len(motion) != num_chunks:
+            raise ConfigError(
+                f"--motion has {len(motion)} letters for {num_chunks} chunks; give one letter "
+                f"(m or s) per chunk, e.g. --motion {','.join(['m'] * num_chunks)}"
+            )
+
+    @classmethod
+    def check_request(
+        cls,
+        model: ModelConfig,
+        server_args: ServerArgs,
+        num_frames: int,
+        chunk_prompts: Sequence[str] | None = None,
+    ) -> StreamSettings:
+        """The base checks; with a motion signal, one letter per chunk, the model must
+        configure the interactive window and its moving/still windows must fit the window."""
+        settings = super().check_request(model, server_args, num_frames, chunk_prompts)
+        if server_args.motion is None:
+            return settings
+        cls.check_request_fields(server_args, num_frames // settings.frames_per_chunk)
+        if model.moving_window_frames is None:
+            raise ConfigError(
+                f"--motion needs an interactive window, but {model.name} sets no "
+                "moving_window_frames; add moving_window_frames / still_window_frames to causalkv.json"
+            )
+        check_int("moving_window_frames", model.moving_window_frames, hint="fix causalkv.json")
+        if model.still_window_frames is not None:
+            check_int("still_window_frames", model.still_window_frames, hint="fix causalkv.json")
+        check_int("still_chunks", model.still_chunks, minimum=1, hint="fix causalkv.json")
+        widest = max(model.moving_window_frames, model.still_window_frames or 0)
+        need = settings.sink_frames + widest + settings.frames_per_chunk
+        if settings.window_frames < need:
+            raise ConfigError(
+                f"window of {settings.window_frames} frames cannot hold the sink "
+                f"({settings.sink_frames}) plus a {widest}-frame recent window plus a chunk of "
+                f"{settings.frames_per_chunk} frames; pass --window-frames >= {need}"
+            )
+        return settings
+
+    # ---- the per-chunk window ---------------------------------------------------------------
+    @property
+    def interactive(self) -> bool:
+        """True when the request carries a motion signal (the interactive window is on)."""
+        return self.server_args.motion is not None
+
+    def _reset_stream(self) -> None:
+        super()._reset_stream()
+        self._in_context_pass = False
+        self._chunk_window: dict[str, Any] | None = None
+        #: the window each chunk sampled with (interactive requests)
+        self.kv_window_per_chunk: list[dict[str, Any]] = []
+
+    def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
+        if not self.interactive:
+            return
+        if chunk_index == 0:
+            self.kv_window_per_chunk = []
+        m = self.model
+        motion = self.server_args.motion or ()
+        # the rule is a prefix scan: the window of chunk i depends on motion[: i + 1] only
+        self._chunk_window = window_per_chunk(
+            motion[: chunk_index + 1], moving_frames=m.moving_window_frames or 0,
+            still_frames=m.still_window_frames, still_chunks=m.still_chunks,
+        )[-1]
+        self.kv_window_per_chunk.append(dict(self._chunk_window))
+
+    def recent_window_tokens(self) -> int | None:
+        if self._in_context_pass:
+            return None
+        if self._chunk_window is not None:
+            return int(self._chunk_window["frames"]) * self.settings.tokens_per_frame
+        return super().recent_window_tokens()
+
+    def context_pass(
+        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
+    ) -> torch.Tensor:
+        self._in_context_pass = True
+        try:
+            return super().context_pass(prompt, latents, token_start, rope_frame_start)
+        finally:
+            self._in_context_pass = False
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "interactive_kv_window": self.interactive,
+            "kv_window_per_chunk": [dict(w) for w in self.kv_window_per_chunk],
+        }
 
 
 #: LingBot-World fast (Wan 2.2 14B class): sink 3, window 45 frames, 12-frame recent window
@@ -34,14 +182,19 @@ REGISTRATION = StageRegistration(
         "sink_frames": 3,
         "window_frames": 45,
         "recent_window_frames": 12,
+        "moving_window_frames": 12,
+        "still_window_frames": 3,
+        "still_chunks": 2,
     },
     presets=(
         Preset(
             "tiny-lingbot",
             {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12,
-             "recent_window_frames": 3, "default_frames": 12},
+             "recent_window_frames": 3, "moving_window_frames": 6, "still_window_frames": 3,
+             "still_chunks": 2, "default_frames": 12},
             seed=104,
-            description="LingBot-World-style: 3-frame sink, 12-frame window, 3-frame recent window",
+            description="LingBot-World-style: 3-frame sink, 12-frame window, 3-frame recent "
+            "window; with --motion 6 frames moving, 3 still after 2 still chunks",
         ),
     ),
 )

@@ -1,43 +1,193 @@
 """`LongLive2Stage`: LongLive 2.0 multi-shot generation with a pinned shot sink and CFG.
 
+The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongLive 2.0):
+
+- Shots: the request's prompts are the shot prompts; `expand_shots` turns them into one
+  prompt per chunk, a scene-cut mask and a shot index per chunk (`ShotPlan`), from
+  ``ServerArgs.shots`` (`causalkv.config.ShotRequest`): explicit durations in chunks, else
+  ``chunks_per_shot`` for every shot, else an even split with the first shots one chunk
+  longer; durations are clamped to the chunk count and the chunks left over go to the last
+  shot. A cut is the first chunk of every shot after the first; its prompt is
+  ``scene_cut_prefix + shot prompt`` (no prefix when it is empty).
 - Sinks: the caches keep a global sink (``global_sink_frames`` at the stream start) and a
-  shot sink of ``sink_frames``. A chunk whose prompt starts with ``SCENE_CUT_PREFIX``
-  ("The scene transitions. ") opens a new shot: after its context pass every cache (both
-  CFG branches) pins the chunk's first ``sink_frames`` frames (``pin_current_chunk``), so
-  the shot keeps attending to its own opening while the previous shot's sink rolls out.
-  Pinning happens only for multi-shot requests (``ServerArgs.multi_shot``), which the
-  resolver serves with a cache that has the ``pinned_sink`` capability.
-- RoPE: shot ``k`` (the number of scene cuts so far) shifts its frames' RoPE positions by
-  ``k * rope_offset_frames_per_shot`` (8 frames in LongLive 2.0).
+  shot sink of ``sink_frames``. With multi-shot sinks on (``multi_shot_sink``, the default)
+  and a non-zero sink, after a cut chunk's context pass every cache (both CFG branches)
+  pins the chunk (``pin_current_chunk``), so the shot keeps attending to its own opening
+  while the previous shot's sink rolls out. The host then plans the request as
+  ``ServerArgs.multi_shot`` (a cache with the ``pinned_sink`` capability).
+- RoPE: chunk ``i`` of shot ``k`` starts at RoPE frame ``i * frames_per_chunk + k *
+  offset``, ``offset`` = ``multi_shot_rope_offset`` (a float; fractional offsets are
+  continuous RoPE positions), or the model's ``rope_offset_frames_per_shot`` when the
+  request gives none.
+- Sampler: the seed runtime's ``FlowUniPCMultistepScheduler(num_train_timesteps=1000,
+  shift=1, use_dynamic_shifting=False)``, reset per chunk with ``set_timesteps(steps,
+  shift=flow_shift)``. Its diffusers equivalent (`make_scheduler`, `unipc_sigmas`)::
+
+      UniPCMultistepScheduler(num_train_timesteps=1000, solver_order=2,
+          prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=model.shift,
+          predict_x0=True, solver_type="bh2", lower_order_final=True,
+          final_sigmas_type="zero")
+      .set_timesteps(sigmas=linspace(sigma_max, 0, steps + 1)[:-1])
+
+  where ``sigma_max = float32(1 - 1/1000)`` is the top of the shift-1 training schedule
+  (diffusers' own flow sigmas would start at 1 instead). The shift applied to the
+  inference sigmas is the model's ``shift`` (the seed runtime passes the pipeline's
+  ``flow_shift``, 5 for LongLive 2.0, to ``set_timesteps``); the step count is the number of
+  the model's ``timesteps`` (4, the seed runtime's ``num_inference_steps``). Timesteps are
+  ``int64(sigma * 1000)``; the last sigma is 0, so the last step lands on the clean latents.
 - Classifier-free guidance: with ``guidance_scale > 1`` a negative branch runs on its own
   caches (same spec, same factory) with the negative prompt;
-  ``pred = neg + guidance_scale * (pos - neg)``. Both branches get the context pass.
+  ``pred = neg + guidance_scale * (pos - neg)``, then one scheduler step. Both branches get
+  the context pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from causalkv.config import ServerArgs, check_prompts
+from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, ModelConfig, ServerArgs, check_prompts
+from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
-from causalkv.stages.base import CacheSet, CausalDenoisingStage, even_split
+from causalkv.stages.base import CacheSet, CausalDenoisingStage, ForwardRecord, GenerationResult
 
-__all__ = ["REGISTRATION", "SCENE_CUT_PREFIX", "LongLive2Stage", "is_scene_cut"]
+__all__ = [
+    "REGISTRATION",
+    "SCENE_CUT_PREFIX",
+    "LongLive2Stage",
+    "ShotLayout",
+    "ShotPlan",
+    "expand_shots",
+    "is_scene_cut",
+    "unipc_sigmas",
+]
 
-#: a chunk prompt starting with this text opens a new shot (and is pinned as its sink)
-SCENE_CUT_PREFIX = "The scene transitions. "
+#: the seed runtime's default scene-cut prefix
+SCENE_CUT_PREFIX = DEFAULT_SCENE_CUT_PREFIX
+
+#: the seed runtime's UniPC training schedule: 1000 timesteps, shift 1; its top sigma
+NUM_TRAIN_TIMESTEPS = 1000
+UNIPC_SIGMA_MAX = float(np.float32(1.0 - 1.0 / NUM_TRAIN_TIMESTEPS))
 
 
-def is_scene_cut(prompt: str) -> bool:
-    """True when ``prompt`` marks a scene cut (starts with `SCENE_CUT_PREFIX`)."""
-    return prompt.startswith(SCENE_CUT_PREFIX)
+def is_scene_cut(prompt: str, prefix: str = SCENE_CUT_PREFIX) -> bool:
+    """True when ``prompt`` starts with a non-empty scene-cut ``prefix`` (plain chunk lists)."""
+    return bool(prefix) and prompt.startswith(prefix)
+
+
+@dataclass(frozen=True)
+class ShotLayout:
+    """Per chunk: the prompt, whether it opens a shot after the first (a cut), its shot index."""
+
+    chunk_prompts: tuple[str, ...]
+    scene_cuts: tuple[bool, ...]
+    shot_indices: tuple[int, ...]
+
+
+class ShotPlan(list):  # type: ignore[type-arg]
+    """The per-chunk prompts (a ``list[str]``, so it goes wherever chunk prompts go) carrying
+    the `ShotLayout` they were expanded with (``layout``)."""
+
+    layout: ShotLayout
+
+    def __init__(self, layout: ShotLayout) -> None:
+        super().__init__(layout.chunk_prompts)
+        self.layout = layout
+
+
+def expand_shots(
+    shot_prompts: Sequence[str],
+    num_chunks: int,
+    *,
+    durations: Sequence[int] | None = None,
+    chunks_per_shot: int = 0,
+    scene_cut_prefix: str = SCENE_CUT_PREFIX,
+) -> ShotLayout:
+    """Expand shots into chunks with the seed runtime's rules.
+
+    Durations (in chunks): ``durations`` when given (one per shot), else ``chunks_per_shot``
+    for every shot when > 0, else an even split: ``num_chunks // shots`` each and the first
+    ``num_chunks % shots`` shots one more. Shots then take ``min(duration, chunks left)``
+    in order; a shot that finds no chunk left is dropped; chunks still left go to the last
+    shot that got any. Chunk ``c`` of shot ``k`` is a cut when ``k > 0`` and ``c == 0``; its
+    prompt is ``scene_cut_prefix + prompt`` (just ``prompt`` for an empty prefix).
+
+    Raises `ConfigError` for an empty shot list or prompt, ``num_chunks < 1``, durations
+    whose count differs from the shots' or that are not positive ints, and a negative
+    ``chunks_per_shot``.
+    """
+    prompts = check_prompts(shot_prompts)
+    check_int("chunks", num_chunks, minimum=1, hint="pass more --frames")
+    check_int("--chunks-per-shot", chunks_per_shot, minimum=0, hint="or 0 for an even split")
+    if durations is not None:
+        durations = list(durations)
+        if len(durations) != len(prompts):
+            raise ConfigError(
+                f"shot durations must match the shot prompts: {len(durations)} durations "
+                f"{durations} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
+            )
+        for d in durations:
+            check_int("shot durations", d, minimum=1, hint="each --shot-durations entry is a positive chunk count")
+        wanted = durations
+    elif chunks_per_shot > 0:
+        wanted = [chunks_per_shot] * len(prompts)
+    else:
+        base, extra = divmod(num_chunks, len(prompts))
+        wanted = [base + (1 if k < extra else 0) for k in range(len(prompts))]
+    taken: list[int] = []
+    left = num_chunks
+    for d in wanted:
+        if left <= 0:
+            break
+        take = min(int(d), left)
+        taken.append(take)
+        left -= take
+    if left > 0 and taken:
+        taken[-1] += left
+    chunk_prompts: list[str] = []
+    cuts: list[bool] = []
+    shots: list[int] = []
+    for k, (prompt, n) in enumerate(zip(prompts, taken)):
+        for c in range(n):
+            cut = k > 0 and c == 0
+            chunk_prompts.append(scene_cut_prefix + prompt if cut and scene_cut_prefix else prompt)
+            cuts.append(cut)
+            shots.append(k)
+    return ShotLayout(tuple(chunk_prompts[:num_chunks]), tuple(cuts[:num_chunks]), tuple(shots[:num_chunks]))
+
+
+def layout_of(chunk_prompts: Sequence[str], server_args: ServerArgs) -> ShotLayout:
+    """The `ShotLayout` of ``chunk_prompts``: its own when it is a `ShotPlan`; for a plain
+    list, a chunk after the first is a cut when it starts with the request's non-empty
+    scene-cut prefix (with an empty prefix: when its prompt differs from the previous one)."""
+    if isinstance(chunk_prompts, ShotPlan):
+        return chunk_prompts.layout
+    prompts = list(chunk_prompts)
+    prefix = server_args.shots.scene_cut_prefix
+    cuts = tuple(
+        i > 0 and (is_scene_cut(p, prefix) if prefix else p != prompts[i - 1]) for i, p in enumerate(prompts)
+    )
+    shots = tuple(int(n) for n in np.cumsum([int(c) for c in cuts])) if prompts else ()
+    return ShotLayout(tuple(prompts), cuts, shots)
+
+
+def unipc_sigmas(num_steps: int) -> np.ndarray:
+    """The seed runtime's unshifted inference sigmas: ``linspace(sigma_max, 0, steps + 1)[:-1]``
+    (float64), ``sigma_max = float32(1 - 1/1000)``; the scheduler applies the shift."""
+    check_int("denoising steps", num_steps, minimum=1, hint="give the model at least one timestep")
+    return np.linspace(UNIPC_SIGMA_MAX, 0.0, num_steps + 1)[:-1].copy()
 
 
 class LongLive2Stage(CausalDenoisingStage):
-    """LongLive 2.0: global sink + pinned shot sink, per-shot RoPE offset, CFG."""
+    """LongLive 2.0: shots expanded to chunks, global sink + pinned shot sink, per-shot
+    RoPE offset, UniPC sampling, CFG."""
+
+    #: the layout of the request being generated (set by `generate`)
+    layout: ShotLayout | None = None
 
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
@@ -48,18 +198,78 @@ class LongLive2Stage(CausalDenoisingStage):
         return True
 
     @classmethod
+    def make_scheduler(cls, model: ModelConfig) -> Any:
+        """diffusers ``UniPCMultistepScheduler`` set up as the seed runtime's flow UniPC
+        (see the module docstring)."""
+        from diffusers import UniPCMultistepScheduler
+
+        return UniPCMultistepScheduler(
+            num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+            solver_order=2,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=float(model.shift),
+            predict_x0=True,
+            solver_type="bh2",
+            lower_order_final=True,
+            final_sigmas_type="zero",
+        )
+
+    @classmethod
+    def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
+        if server_args.motion is not None:
+            raise ConfigError(
+                "--motion applies to LingBot-World's interactive window, not to LongLive 2.0; drop it"
+            )
+
+    @classmethod
     def plan_chunks(
         cls, prompts: Sequence[str], num_chunks: int, server_args: ServerArgs
     ) -> list[str]:
-        """The base split; with multi-shot, each shot after the first opens with a scene cut
-        (its first chunk's prompt starts with `SCENE_CUT_PREFIX`, added when missing)."""
-        prompts = check_prompts(prompts)
-        chunks: list[str] = []
-        for k, (prompt, n) in enumerate(zip(prompts, even_split(num_chunks, len(prompts)))):
-            cut = server_args.multi_shot and k > 0 and not is_scene_cut(prompt)
-            chunks += [SCENE_CUT_PREFIX + prompt if cut else prompt] + [prompt] * (n - 1)
-        return chunks
+        """The request's prompts are the shots: their `expand_shots` expansion under
+        ``server_args.shots``, as a `ShotPlan` (a list of chunk prompts with its layout)."""
+        cls.check_request_fields(server_args, num_chunks)
+        shots = server_args.shots
+        return ShotPlan(
+            expand_shots(
+                prompts,
+                num_chunks,
+                durations=shots.durations,
+                chunks_per_shot=shots.chunks_per_shot,
+                scene_cut_prefix=shots.scene_cut_prefix,
+            )
+        )
 
+    # ---- schedule --------------------------------------------------------------------------
+    def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:
+        """UniPC: ``len(model.timesteps)`` steps over `unipc_sigmas`, shifted by ``model.shift``."""
+        self.scheduler.set_timesteps(sigmas=unipc_sigmas(len(model.timesteps)))
+        return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
+
+    def denoise_chunk(
+        self,
+        chunk_index: int,
+        prompt: str,
+        x: torch.Tensor,
+        token_start: int,
+        rope_frame_start: float,
+        *,
+        generator: torch.Generator,
+        on_forward: Callable[[ForwardRecord], None] | None = None,
+    ) -> torch.Tensor:
+        """One chunk with the UniPC multistep sampler (its history reset per chunk, as the
+        seed runtime does); ``generator`` is unused (the sampler draws no noise)."""
+        sched = self.scheduler
+        sched.set_timesteps(sigmas=unipc_sigmas(len(self.model.timesteps)))
+        sched.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
+        for j, t in enumerate(sched.timesteps):
+            pred = self.predict(prompt, x, float(t), token_start, rope_frame_start)
+            if on_forward is not None:
+                on_forward(ForwardRecord(chunk_index, j, float(t), x, pred, token_start, rope_frame_start))
+            x = sched.step(pred, t, x, return_dict=False)[0]
+        return x
+
+    # ---- CFG ---------------------------------------------------------------------------------
     @property
     def guidance_scale(self) -> float:
         return float(self.server_args.guidance_scale)
@@ -73,24 +283,58 @@ class LongLive2Stage(CausalDenoisingStage):
         sets = self.cache_sets()
         return sets[1] if len(sets) > 1 else None
 
+    # ---- shots -------------------------------------------------------------------------------
+    @property
+    def rope_offset_per_shot(self) -> float:
+        """RoPE frames added per shot index: the request's, else the model's."""
+        off = self.server_args.shots.multi_shot_rope_offset
+        return float(self.model.rope_offset_frames_per_shot if off is None else off)
+
+    @property
+    def pins_shot_sinks(self) -> bool:
+        """Cut chunks are pinned: a multi-shot request with multi-shot sinks and a sink."""
+        return (
+            self.server_args.multi_shot
+            and self.server_args.shots.multi_shot_sink
+            and self.settings.sink_frames > 0
+        )
+
     def report(self) -> dict[str, Any]:
-        return {"pinned_chunks": list(self.pinned_chunks)}
+        layout = self.layout
+        return {
+            "pinned_chunks": list(self.pinned_chunks),
+            "scene_cut_chunks": [i for i, c in enumerate(layout.scene_cuts) if c] if layout else [],
+            "shot_per_chunk": list(layout.shot_indices) if layout else [],
+            "rope_frame_start_per_chunk": list(self.rope_frame_starts),
+            "sampler": "unipc",
+            "sampler_timesteps": list(self.timesteps),
+            "sampler_sigmas": list(self.sigmas),
+        }
 
     def _reset_stream(self) -> None:
         super()._reset_stream()
-        self.shot_index = 0
         #: chunk indices pinned as shot sinks
         self.pinned_chunks: list[int] = []
+        #: RoPE start frame of each chunk generated so far
+        self.rope_frame_starts: list[float] = []
 
-    def rope_frame_offset(self, chunk_index: int, prompt: str) -> int:
-        return self.shot_index * self.model.rope_offset_frames_per_shot
+    @torch.no_grad()
+    def generate(self, noise: torch.Tensor, chunk_prompts: Sequence[str], **kwargs: Any) -> GenerationResult:
+        """The base loop over ``chunk_prompts`` (a `ShotPlan`, or a plain list: see `layout_of`)."""
+        self.layout = layout_of(chunk_prompts, self.server_args)
+        return super().generate(noise, chunk_prompts, **kwargs)
+
+    def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
+        shot = self.layout.shot_indices[chunk_index] if self.layout is not None else 0
+        offset = shot * self.rope_offset_per_shot
+        return int(offset) if float(offset).is_integer() else offset
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
-        if chunk_index > 0 and is_scene_cut(prompt):
-            self.shot_index += 1
+        f0 = chunk_index * self.settings.frames_per_chunk
+        self.rope_frame_starts.append(f0 + self.rope_frame_offset(chunk_index, prompt))
 
     def end_chunk(self, chunk_index: int, prompt: str) -> None:
-        if not (self.server_args.multi_shot and chunk_index > 0 and is_scene_cut(prompt)):
+        if not (self.pins_shot_sinks and self.layout is not None and self.layout.scene_cuts[chunk_index]):
             return
         n = self.settings.tokens_per_chunk
         for cs in self.cache_sets():
@@ -99,7 +343,7 @@ class LongLive2Stage(CausalDenoisingStage):
         self.pinned_chunks.append(chunk_index)
 
     def predict(
-        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: int
+        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         pos = self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
         if self.negative_caches is None:
@@ -110,7 +354,7 @@ class LongLive2Stage(CausalDenoisingStage):
         return neg + self.guidance_scale * (pos - neg)
 
     def context_pass(
-        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: int
+        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         pred = super().context_pass(prompt, latents, token_start, rope_frame_start)
         if self.negative_caches is not None:
@@ -143,7 +387,7 @@ REGISTRATION = StageRegistration(
              "rope_offset_frames_per_shot": 2, "guidance_scale": 3.0, "default_frames": 8},
             seed=103,
             description="LongLive 2.0-style: 2-frame global + pinned shot sink, 8-frame window, "
-            "CFG 3.0, RoPE +2 frames per shot",
+            "CFG 3.0, RoPE +2 frames per shot, 4 UniPC steps",
         ),
     ),
 )

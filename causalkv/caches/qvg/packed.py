@@ -290,6 +290,9 @@ class QVGPackedCausalKVCache(StreamCache):
             and move them back transparently when a view reads them.
         seed: k-means seed (the reference runtime's 1234); each packed segment is seeded
             with ``seed`` so packing is reproducible and the global RNG is untouched.
+        head_offset: global index of the first head (default ``spec.head_offset``): each
+            head's k-means draws are keyed by it, so a rank holding heads ``[a, b)`` packs
+            them exactly as one process packs the same heads of the whole tensor.
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`, default 32);
             1 allows up to one centroid per token (never more than ``quant.centroids``).
         policy: which completed chunks stay dense: ``"causalkv"`` (the rule above) or
@@ -317,6 +320,7 @@ class QVGPackedCausalKVCache(StreamCache):
         offload: bool = False,
         seed: int = 1234,
         min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
+        head_offset: int | None = None,
         policy: str = "causalkv",
     ) -> None:
         if policy not in ("causalkv", "sglang"):
@@ -339,6 +343,8 @@ class QVGPackedCausalKVCache(StreamCache):
         self.quant = quant
         self.offload = offload
         self.seed = seed
+        #: global index of the first head: the codec keys each head's k-means draws by it
+        self.head_offset = spec.head_offset if head_offset is None else head_offset
         self.min_tokens_per_centroid = m
         self.state = StreamState.from_spec(spec)
         self.segments: list[Segment] = []
@@ -546,9 +552,9 @@ class QVGPackedCausalKVCache(StreamCache):
         if book is not None and book.chunks + chunks > self.quant.codebook_chunks:
             book = None
         q = self._span_quant(k.shape[1])
-        pk = quantize(k.permute(0, 2, 1, 3), q, seed=self.seed,
+        pk = quantize(k.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.k) if book else None)
-        pv = quantize(v.permute(0, 2, 1, 3), q, seed=self.seed,
+        pv = quantize(v.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.v) if book else None)
         after = Codebook(tuple(pk.centroids), tuple(pv.centroids), (book.chunks if book else 0) + chunks)
         storage = PackedKV(pk, pv)

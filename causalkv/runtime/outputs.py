@@ -1,0 +1,149 @@
+"""Atomic output files: a temporary file in the destination folder, renamed into place.
+
+Every file ``causalkv generate`` writes (the video, the metrics JSON, saved latents) goes
+through `atomic_write`: the content is written to a hidden temporary file next to the
+destination (same folder, so the final ``os.replace`` is a rename on one file system), flushed
+to disk, then renamed over the destination. A reader therefore sees either the old file or the
+complete new one, never a partial file; a failed or interrupted write removes its temporary
+file and leaves an existing destination untouched.
+
+`latents_path_for` names the file a finished generation's latents are kept in when its video
+cannot be written (``NAME.latents.safetensors`` next to the requested output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from causalkv.errors import CausalKVError
+
+__all__ = [
+    "LATENTS_KEY",
+    "OutputWriteError",
+    "atomic_write",
+    "keep_latents",
+    "latents_path_for",
+    "load_latents",
+    "save_latents",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+#: the tensor name of the latents inside a ``.latents.safetensors`` file
+LATENTS_KEY = "latents"
+
+
+def _temporary_sibling(path: Path) -> Path:
+    """A new, empty, hidden file in ``path``'s folder that keeps ``path``'s suffix (encoders
+    choose the container from it). Created with ``O_EXCL`` and the umask's permissions."""
+    while True:
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.partial{path.suffix}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write ``path`` through ``write(tmp)`` and rename the result into place; return ``path``.
+
+    ``write`` receives a temporary path in the destination folder with the destination's
+    suffix and must leave the complete content there. Missing parent folders are created.
+    On any failure (``KeyboardInterrupt`` included) the temporary file is removed, the
+    exception propagates and an existing ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_sibling(path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:  # the content reaches the disk before the rename
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """`atomic_write` of UTF-8 ``text``."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """`atomic_write` of ``obj`` as indented JSON (NaN/inf refused before anything is written)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+
+def latents_path_for(output: str | Path) -> Path:
+    """Where a run's latents are kept when its video cannot be written:
+    ``out/clip.mp4`` -> ``out/clip.latents.safetensors``."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.latents.safetensors")
+
+
+def save_latents(path: str | Path, latents: torch.Tensor, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Save ``latents`` ``[B, C, F, h, w]`` (float32) to a safetensors file, atomically.
+
+    The tensor is stored under `LATENTS_KEY`; ``metadata`` (model, seed, frames, ...) is
+    stored as strings in the file header.
+    """
+    from safetensors.torch import save_file
+
+    tensor = latents.detach().to("cpu", torch.float32).contiguous()
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    return atomic_write(path, lambda tmp: save_file({LATENTS_KEY: tensor}, str(tmp), metadata=meta))
+
+
+class OutputWriteError(CausalKVError, RuntimeError):
+    """An output of a finished generation could not be written; the message says where its
+    latents are kept. ``exit_code``: 2 when the cause is a causalkv error (e.g. an unreadable
+    VAE in the model folder), else 1."""
+
+    def __init__(self, message: str, *, exit_code: int = 1, kept: Path | None = None) -> None:
+        super().__init__(message)
+        self.exit_code, self.kept = exit_code, kept
+
+
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def keep_latents(
+    output: str | Path, latents: torch.Tensor, cause: BaseException, *, metadata: Mapping[str, Any] | None = None
+) -> OutputWriteError:
+    """Save ``latents`` to `latents_path_for` ``(output)`` after ``output`` failed with
+    ``cause``; the `OutputWriteError` to raise, naming both files (or both failures)."""
+    kept = latents_path_for(output)
+    try:
+        save_latents(kept, latents, metadata)
+    except Exception as exc:  # noqa: BLE001 - reported with the first failure
+        return OutputWriteError(
+            f"could not write {str(output)!r} ({_describe(cause)}) nor keep the latents in "
+            f"{str(kept)!r} ({_describe(exc)}); free disk space or fix the folder and rerun"
+        )
+    return OutputWriteError(
+        f"could not write {str(output)!r} ({_describe(cause)}); the generated latents are kept in "
+        f"{str(kept)!r}",
+        exit_code=2 if isinstance(cause, CausalKVError) else 1,
+        kept=kept,
+    )
+
+
+def load_latents(path: str | Path) -> tuple[torch.Tensor, dict[str, str]]:
+    """The latents ``[B, C, F, h, w]`` and metadata of a file `save_latents` wrote."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(LATENTS_KEY), dict(f.metadata() or {})
