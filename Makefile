@@ -4,8 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
+# Second environment: the released sglang (CPU-only import set) next to causalkv, for tests/sglang_bridge.
+SGL_VENV ?= .venv-sglang
+SGL_BIN := $(SGL_VENV)/bin
+SGL_STAMP := $(SGL_VENV)/.installed
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test test-sglang lint bench venv venv-sglang clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,12 +27,29 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip check
 	touch $(BENCH_STAMP)
 
+$(SGL_STAMP): pyproject.toml requirements/sglang.txt
+	test -x $(SGL_BIN)/python || $(PY) -m venv $(SGL_VENV)
+	$(SGL_BIN)/python -m pip install --upgrade pip
+	# torch first, pinned (the CPU build on disk); then sglang's import set without its GPU deps.
+	$(SGL_BIN)/python -m pip install torch==2.13.0
+	$(SGL_BIN)/python -m pip install --no-deps -r requirements/sglang.txt
+	# causalkv as a distribution, so sglang finds its entry point.
+	$(SGL_BIN)/python -m pip install --no-deps -e .
+	touch $(SGL_STAMP)
+
+venv-sglang: $(SGL_STAMP)
+
 run: $(STAMP)
 	$(BIN)/causalkv generate --output out/tiny-wan.mp4 --metrics out/tiny-wan-metrics.json
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+	$(MAKE) test-sglang
+
+# The bridge against the released sglang: our tests, then sglang's own unit tests with the hooks on.
+test-sglang: $(SGL_STAMP)
+	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
@@ -39,4 +60,4 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/plugins.py
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(SGL_VENV) out .pytest_cache

@@ -295,6 +295,10 @@ class QVGPackedCausalKVCache(StreamCache):
             them exactly as one process packs the same heads of the whole tensor.
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`, default 32);
             1 allows up to one centroid per token (never more than ``quant.centroids``).
+        policy: which completed chunks stay dense: ``"causalkv"`` (the rule above) or
+            ``"sglang"`` (sglang's: the newest ``keep_recent_chunks`` non-sink chunks; sink
+            chunks, those starting before ``sink_tokens``, are packed as soon as they are
+            completed unless ``sink=False`` or among the leading ``sink_keep_chunks``).
 
     Attributes:
         segments: the storage, ascending global position; the last one is the current chunk.
@@ -317,7 +321,13 @@ class QVGPackedCausalKVCache(StreamCache):
         seed: int = 1234,
         min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
         head_offset: int | None = None,
+        policy: str = "causalkv",
     ) -> None:
+        if policy not in ("causalkv", "sglang"):
+            raise ValueError(
+                f"QVGPackedCausalKVCache policy must be one of ['causalkv', 'sglang'], got {policy!r}"
+            )
+        self.policy = policy
         quant = (quant or QVGKVQuantArgs()).validate()
         if quant.enabled and spec.head_dim % quant.block_size != 0:
             raise ValueError(
@@ -436,6 +446,14 @@ class QVGPackedCausalKVCache(StreamCache):
     def _policy(self, new: StreamState, current_chunk: int) -> tuple[set[int], list[frozenset[int]]]:
         """Chunks that stay dense now, and the sink groups packed as one span (``"full"``)."""
         q = self.quant
+        if self.policy == "sglang":  # sglang's rule: sink chunks do not count in keep_recent
+            from causalkv.sglang.policy import sglang_dense_chunks
+
+            completed = sorted({
+                (c, s.start < self.spec.sink_tokens, c < q.sink_keep_chunks)
+                for s in self.segments for c in range(s.first_chunk, s.last_chunk + 1)
+            })
+            return sglang_dense_chunks(completed, q.keep_recent_chunks, q.sink) | {current_chunk}, []
         keep: set[int] = set(range(current_chunk - q.keep_recent_chunks, current_chunk))
         prefix_end = new.sink_prefix_end()
         prefix = sorted(

@@ -1,0 +1,61 @@
+"""Run the sglang bridge tests in the sglang environment: ours, then sglang's own unit tests.
+
+One pytest process, with `ckv_sglang_pytest` loaded first (it applies causalkv's hooks through
+sglang's own plugin lifecycle). sglang's test files run from the installed package, minus the
+tests in `DESELECTED` that assert the very refusal the bridge removes.
+
+    .venv-sglang/bin/python tests/sglang_bridge/run.py [extra pytest args]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: sglang's unit test files run with the hooks applied (paths inside the installed package)
+SGLANG_TEST_FILES = (
+    "test_qvg_packed_kv.py",
+    "test_diffusion_plugins.py",
+    "test_longlive2_pipeline_config.py",
+    "realtime/test_causal_denoising.py",
+    "realtime/test_lingbot_causal_denoising.py",
+)
+
+#: sglang tests asserting a refusal the bridge removes, with why
+DESELECTED = {
+    "test_qvg_packed_kv.py::TestPackedStorageEquivalence::"
+    "test_quantization_is_rejected_by_unsupported_causal_stages":
+        "asserts that CausalDMDDenoisingStage refuses QVG; the bridge serves it",
+}
+
+
+def sglang_unit_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang.multimodal_gen.test.unit")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("sglang's unit tests are not installed (sglang==0.5.23 ships them)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def main(argv: list[str]) -> int:
+    import pytest
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(HERE))
+    import tvshim
+
+    tvshim.install()  # importing sglang (even to locate its tests) imports torchvision
+    unit = sglang_unit_dir()
+    root = HERE.parent.parent
+    args = ["-p", "ckv_sglang_pytest", "-p", "no:cacheprovider", f"--rootdir={root}", "-q"]
+    args += [str(HERE)] + [str(unit / f) for f in SGLANG_TEST_FILES]
+    args += [f"--deselect={os.path.relpath(unit, root)}/{node}" for node in DESELECTED]
+    return pytest.main(args + argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,59 @@
+"""`QVGPackedCausalKVCache(policy="sglang")`: sglang's packing rule in causalkv's own cache.
+
+Runs in the main environment (no sglang needed); the bridge's cache uses the same rule
+(`causalkv.sglang.policy`) and is tested against sglang itself in tests/sglang_bridge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causalkv.caches import KVCacheSpec
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.sglang.policy import sglang_dense_chunks
+
+CHUNK = 8
+SPEC = KVCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
+                   sink_tokens=CHUNK, dtype=torch.bfloat16)
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match=r"one of \['causalkv', 'sglang'\], got 'qvg'"):
+        QVGPackedCausalKVCache(SPEC, policy="qvg")
+
+
+@pytest.mark.parametrize(
+    ("completed", "keep_recent", "pack_sink", "dense"),
+    [
+        ([(0, True, False), (1, False, False), (2, False, False)], 1, True, {2}),
+        ([(0, True, False), (1, False, False), (2, False, False)], 1, False, {0, 2}),
+        ([(0, True, True), (1, True, False), (2, False, False)], 1, True, {0, 2}),
+        ([(0, True, False), (1, False, False)], 5, True, {1}),
+        ([(0, False, False), (1, False, False)], 0, True, set()),
+    ],
+)
+def test_rule_counts_only_non_sink_chunks_as_recent(completed, keep_recent, pack_sink, dense):
+    assert sglang_dense_chunks(completed, keep_recent, pack_sink) == dense
+
+
+def _packed_flags(policy: str, chunks: int) -> list[list[bool]]:
+    cache = QVGPackedCausalKVCache(
+        SPEC, QVGKVQuantArgs(bits=2, block_size=16, centroids=8, keep_recent_chunks=1),
+        policy=policy)
+    gen = torch.Generator().manual_seed(0)
+    flags = []
+    for c in range(chunks):
+        kv = torch.randn(2, 1, CHUNK, 2, 32, generator=gen).to(torch.bfloat16)
+        cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=c * CHUNK)
+        flags.append([s.packed for s in cache.segments])
+    return flags
+
+
+def test_sglang_policy_packs_the_sink_chunk_at_once():
+    # chunk 0 is the sink chunk; keep_recent=1 keeps one completed non-sink chunk dense
+    assert _packed_flags("sglang", 4) == [
+        [False], [True, False], [True, False, False], [True, True, False, False]]
+    # causalkv's rule counts the sink chunk as the recent one
+    assert _packed_flags("causalkv", 4)[1] == [False, False]
