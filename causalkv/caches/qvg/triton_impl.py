@@ -202,74 +202,131 @@ def quantize_pack(
 # fused dequantize
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _e4m3_scale(u, e):
+    """Decoded e4m3 byte ``u`` (int32 [T]) times ``2**e`` (int32 scalar), as float32.
+
+    Exactly `codec.scale_table`: the byte is ``M * 2**(max(E, 1) - 10)`` with the integer
+    ``M = m + 8 * (E > 0)`` (``E`` the 4 exponent bits, ``m`` the 3 mantissa bits), so the
+    product with ``2**e`` is the float64 ``M * 2**k`` (exact) rounded once to float32.
+    ``0x80`` (all-zero input block) and the NaN bytes ``0x7F`` / ``0xFF`` decode to 0.
+    """
+    E = (u >> 3) & 15
+    m = u & 7
+    M = tl.where(E > 0, m + 8, m)
+    k = tl.minimum(tl.maximum(tl.maximum(E, 1) - 10 + e, -1022), 1023)
+    p2 = ((k + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    mag = M.to(tl.float64) * p2
+    val = tl.where(u >= 128, -mag, mag).to(tl.float32)
+    return tl.where((u == 128) | ((u & 127) == 127), 0.0, val)
+
+
+@triton.jit
 def _dequant_kernel(
-    codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, table_ptr, out_ptr,
-    N, S, H, K, BHKD,
+    codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, exp_ptr, out_ptr,
+    S, H, K, ids_sst, cent_sst,
     o_sb, o_sh, o_ss, o_sd,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+    OUT_CONTIG: tl.constexpr,
 ):
+    """One program = ``BLOCK_T`` tokens of one (batch, head), every channel of their rows.
+
+    Grid ``(cdiv(S, BLOCK_T), B * H)``. Per token tile: the cluster ids once, then per scale
+    block (static loop): the block's code bytes loaded once (contiguous) and unpacked with
+    shifts, its scale bytes decoded in registers (no table), the assigned centroid rows
+    (contiguous), and one store of ``BS`` contiguous channels per token.
+    """
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = D // BS
-    blk = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < N
-    bh = t // S
-    s_idx = t % S
+    DB: tl.constexpr = D // PER  # code bytes per token
+    BSB: tl.constexpr = BS // PER  # code bytes per block
+    BLOCK_C: tl.constexpr = BLOCK_B * PER
+    MASK: tl.constexpr = (1 << BITS) - 1
+    bh = tl.program_id(1)
+    s0 = tl.program_id(0) * BLOCK_T
     b = bh // H
-    h = bh % H
-    offs_c = tl.arange(0, BLOCK_C)
-    ch = blk * BS + offs_c
-    m2 = t_ok[:, None] & (offs_c < BS)[None, :]
-
-    sb = tl.load(sb_ptr + t * NB + blk, mask=t_ok, other=0).to(tl.int32)
-    scale = tl.load(table_ptr + bh * 256 + sb)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
-    keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
-
-    byte = tl.load(codes_ptr + t[:, None] * (D // PER) + (ch // PER)[None, :], mask=m2, other=0)
-    field = (byte.to(tl.int32) >> ((ch % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-    v = field - ((field >> (BITS - 1)) << BITS)  # sign-extend
-    if MODE == 1:
-        lv = (2 * v + 1).to(tl.float32)
-    elif MODE == 2:
-        z = tl.load(z_ptr + t * NB + blk, mask=t_ok, other=0).to(tl.int32)
-        lv = (v - z[:, None]).to(tl.float32)
+    h = bh - b * H
+    lt = tl.arange(0, BLOCK_T)  # token within the tile
+    s_ok = s0 + lt < S
+    row0 = bh.to(tl.int64) * S + s0  # global token index of the tile's first token
+    e = tl.load(exp_ptr + bh).to(tl.int32)
+    out_base = out_ptr + (b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + s0.to(tl.int64) * o_ss)
+    out_rows = lt.to(tl.int64)[:, None] * o_ss
+    cent_base = cent_ptr + bh.to(tl.int64) * K * D
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_c = tl.arange(0, BLOCK_C)  # channel within a block: byte offs_c // PER, field % PER
+    shifts = tl.arange(0, PER) * BITS
+    if BSB == BLOCK_B:
+        mb = s_ok[:, None]
+        mc = s_ok[:, None]
     else:
-        lv = v.to(tl.float32)
-
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for st in tl.static_range(STAGES):
-        cid = tl.load(ids_ptr + st * N + t, mask=t_ok, other=0).to(tl.int64)
-        row = (bh.to(tl.int64) * K + cid) * D
-        c = tl.load(cent_ptr + st * BHKD + row[:, None] + ch[None, :], mask=m2, other=0.0)
-        acc += c.to(tl.float32)
-    val = acc * keep[:, None] + lv * scale[:, None]
-    o = b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + s_idx.to(tl.int64) * o_ss
-    tl.store(out_ptr + o[:, None] + ch[None, :].to(tl.int64) * o_sd, val, mask=m2)
+        mb = s_ok[:, None] & (offs_b < BSB)[None, :]
+        mc = s_ok[:, None] & (offs_c < BS)[None, :]
+    for blk in tl.static_range(NB):
+        sb = tl.load(sb_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
+        scale = _e4m3_scale(sb, e)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
+        keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
+        byte = tl.load(
+            codes_ptr + row0 * DB + lt[:, None] * DB + (blk * BSB + offs_b)[None, :],
+            mask=mb, other=0,
+        ).to(tl.int32)
+        fields = (byte[:, :, None] >> shifts[None, None, :]) & MASK  # [T, BLOCK_B, PER]
+        field = tl.reshape(fields, [BLOCK_T, BLOCK_C])  # channel = byte * PER + field
+        v = field - ((field >> (BITS - 1)) << BITS)  # sign-extend
+        if MODE == 1:
+            lv = (2 * v + 1).to(tl.float32)
+        elif MODE == 2:
+            z = tl.load(z_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
+            lv = (v - z[:, None]).to(tl.float32)
+        else:
+            lv = v.to(tl.float32)
+        ch = blk * BS + offs_c
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for st in tl.static_range(STAGES):
+            cid = tl.load(ids_ptr + st * ids_sst + row0 + lt, mask=s_ok, other=0).to(tl.int32)
+            c = tl.load(
+                cent_base + st * cent_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
+            )
+            acc += c.to(tl.float32)
+        val = acc * keep[:, None] + lv * scale[:, None]
+        if OUT_CONTIG:
+            optr = out_base + out_rows + ch[None, :]
+        else:
+            optr = out_base + out_rows + ch[None, :].to(tl.int64) * o_sd
+        tl.store(optr, val, mask=mc)
 
 
 def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
-    """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype)."""
-    from causalkv.caches.qvg.codec import scale_table
+    """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype).
 
+    One kernel launch and no other device work for contiguous single-stage segments (what
+    `quantize` produces): the packed tensors are passed as they are, the scale exponents
+    are applied inside the kernel. Several stages stack their ids / centroids first.
+    """
     B, H, S, D = packed.shape
-    N, nb = B * H * S, D // packed.block_size
-    K = packed.num_centroids
-    dev = out.device
-    codes = packed.codes.reshape(N, -1).contiguous()
-    sb = packed.scales.reshape(N, nb).view(torch.uint8).contiguous()
-    ids = torch.stack([i.reshape(N) for i in packed.ids]).contiguous()  # [stages, N]
-    cents = torch.stack([c.reshape(B * H * K * D) for c in packed.centroids]).contiguous()
-    table = scale_table(packed.scale_exp, dev).contiguous()  # [B*H, 256]
+    bs = packed.block_size
+    per = 8 // packed.bits
+    codes = packed.codes.contiguous()
+    sb = packed.scales.contiguous().view(torch.uint8)
+    exp = packed.scale_exp.contiguous()
+    if packed.stages == 1:
+        ids, cents = packed.ids[0].contiguous(), packed.centroids[0].contiguous()
+        ids_sst = cent_sst = 0
+    else:  # [stages, N] and [stages, B*H*K*D]
+        ids = torch.stack([i.reshape(-1) for i in packed.ids])
+        cents = torch.stack([c.reshape(-1) for c in packed.centroids])
+        ids_sst, cent_sst = ids.stride(0), cents.stride(0)
     if packed.zeros is not None:
-        mode, z = _MODE_ASYM, packed.zeros.reshape(N, nb).contiguous()
+        mode, z = _MODE_ASYM, packed.zeros.contiguous()
     else:
         mode, z = (_MODE_MSE if packed.grid == "mse4" else _MODE_REFERENCE), sb
-    BLOCK_T = 32
-    _dequant_kernel[(triton.cdiv(N, BLOCK_T), nb)](
-        codes, sb, z, ids, cents, table, out,
-        N, S, H, K, B * H * K * D,
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
-        D=D, BS=packed.block_size, BITS=packed.bits, MODE=mode,
-        STAGES=packed.stages, BLOCK_T=BLOCK_T, BLOCK_C=_pow2(packed.block_size, lo=1),
+    block_b = _pow2(bs // per, lo=1)
+    block_t = max(16, min(128, 8192 // _pow2(D)))
+    o_sb, o_sh, o_ss, o_sd = out.stride()
+    _dequant_kernel[(triton.cdiv(S, block_t), B * H)](
+        codes, sb, z, ids, cents, exp, out,
+        S, H, packed.num_centroids, ids_sst, cent_sst,
+        o_sb, o_sh, o_ss, o_sd,
+        D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=packed.stages,
+        BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, num_warps=4,
     )
