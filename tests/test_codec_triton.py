@@ -118,6 +118,29 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         assert (big[:, :5] == 3).all() and (big[:, 45:] == 3).all()
 
 
+    def test_dequantize_decodes_every_scale_byte_like_the_table(tr):
+        """Every e4m3 scale byte under per-head exponents at both ends of the range decodes
+        in the kernel to exactly `scale_table` (float64 product rounded once); 0x80 and the
+        NaN bytes give 0. Level 1 on zero centroids isolates the decoded scale."""
+        from causalkv.caches.qvg.codec import PackedSegment, scale_table
+
+        exps = [-100, -3, 0, 119]
+        H, S, D = len(exps), 256, 16
+        p = PackedSegment(
+            centroids=[torch.zeros(1, H, 2, D, dtype=torch.bfloat16)],
+            ids=[torch.zeros(1, H, S, dtype=torch.uint8)],
+            codes=torch.full((1, H, S, D // 2), 0x11, dtype=torch.uint8),  # every field v=1
+            scales=torch.arange(S, dtype=torch.int32).to(torch.uint8).repeat(1, H, 1)
+            .view(1, H, S, 1).view(torch.float8_e4m3fn),
+            zeros=None, scale_exp=torch.tensor([exps], dtype=torch.int16), shape=(1, H, S, D),
+            dtype=torch.float32, bits=4, block_size=D,
+        )
+        got = dequantize(p, dtype=torch.float32, backend="triton")
+        want = scale_table(p.scale_exp, torch.device("cpu")).view(1, H, S, 1).expand(1, H, S, D)
+        assert torch.equal(got, want)
+        assert (got[:, :, 0x80] == 0).all() and (got[:, :, 0x7F] == 0).all()
+
+
     def test_triton_quantize_end_to_end_matches_torch(tr):
         """Same seed, same init: the Triton pipeline reproduces the PyTorch one (up to the rare
         float summation near-tie) and is itself deterministic."""

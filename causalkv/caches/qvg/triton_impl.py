@@ -8,9 +8,10 @@ Same functions and layouts as `causalkv.caches.qvg.torch_impl`:
   token tiles: a fixed summation order, so it is deterministic (no atomics).
 - `quantize_pack`: per (token tile, channel block) round to the grid and OR the
   ``8 // bits`` fields of each byte together.
-- `dequantize_into`: one fused kernel per (token tile, channel block): unpack, scale
-  (via a 256-entry decoded e4m3 table), sum the assigned centroids of every stage, store
-  into any-strided ``out``.
+- `dequantize_into`: one fused kernel per (batch-head, token tile), whole rows: unpack
+  each code byte once with shifts, decode the e4m3 scale bytes x ``2**scale_exp`` in
+  registers, sum the assigned centroids of every stage, store into any-strided ``out``
+  (16-byte vector stores when ``out`` is contiguous along D).
 
 This module imports triton at import time; `causalkv.caches.qvg.codec` imports it only when
 the Triton backend is selected, so the CPU path never needs triton.
@@ -304,6 +305,11 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     are applied inside the kernel. Several stages stack their ids / centroids first.
     """
     B, H, S, D = packed.shape
+    if B * H > 65535:  # the grid's second axis
+        raise ValueError(
+            f"dequantize (triton): B*H = {B * H} exceeds 65535; dequantize the heads in slices "
+            "(packed.select_heads) or use backend='torch'"
+        )
     bs = packed.block_size
     per = 8 // packed.bits
     codes = packed.codes.contiguous()
