@@ -19,6 +19,7 @@ the Triton backend is selected, so the CPU path never needs triton.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -311,28 +312,37 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             "(packed.select_heads) or use backend='torch'"
         )
     bs = packed.block_size
-    per = 8 // packed.bits
-    codes = packed.codes.contiguous()
-    sb = packed.scales.contiguous().view(torch.uint8)
-    exp = packed.scale_exp.contiguous()
-    if packed.stages == 1:
-        ids, cents = packed.ids[0].contiguous(), packed.centroids[0].contiguous()
+    codes = _contig(packed.codes)
+    sb = _contig(packed.scales).view(torch.uint8)
+    exp = _contig(packed.scale_exp)
+    stages = len(packed.ids)
+    if stages == 1:
+        ids, cents = _contig(packed.ids[0]), _contig(packed.centroids[0])
         ids_sst = cent_sst = 0
     else:  # [stages, N] and [stages, B*H*K*D]
         ids = torch.stack([i.reshape(-1) for i in packed.ids])
         cents = torch.stack([c.reshape(-1) for c in packed.centroids])
         ids_sst, cent_sst = ids.stride(0), cents.stride(0)
     if packed.zeros is not None:
-        mode, z = _MODE_ASYM, packed.zeros.contiguous()
+        mode, z = _MODE_ASYM, _contig(packed.zeros)
     else:
         mode, z = (_MODE_MSE if packed.grid == "mse4" else _MODE_REFERENCE), sb
-    block_b = _pow2(bs // per, lo=1)
-    block_t = max(16, min(128, 8192 // _pow2(D)))
+    block_t, block_b = _dequant_tiles(D, bs, packed.bits)
     o_sb, o_sh, o_ss, o_sd = out.stride()
-    _dequant_kernel[(triton.cdiv(S, block_t), B * H)](
+    _dequant_kernel[(-(-S // block_t), B * H)](
         codes, sb, z, ids, cents, exp, out,
-        S, H, packed.num_centroids, ids_sst, cent_sst,
+        S, H, packed.centroids[0].shape[2], ids_sst, cent_sst,
         o_sb, o_sh, o_ss, o_sd,
-        D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=packed.stages,
+        D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=stages,
         BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, num_warps=4,
     )
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _dequant_tiles(D: int, block: int, bits: int) -> tuple[int, int]:
+    """(tokens per program, padded code bytes per block): ~8K channels per program."""
+    return max(16, min(128, 8192 // _pow2(D))), _pow2(block * bits // 8, lo=1)
