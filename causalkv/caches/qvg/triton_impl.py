@@ -264,6 +264,8 @@ def _dequant_kernel(
     else:
         mb = s_ok[:, None] & (offs_b < BSB)[None, :]
         mc = s_ok[:, None] & (offs_c < BS)[None, :]
+    if STAGES == 1:  # the cluster ids once for every block
+        cid0 = tl.load(ids_ptr + row0 + lt, mask=s_ok, other=0).to(tl.int32)
     for blk in tl.static_range(NB):
         sb = tl.load(sb_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
         scale = _e4m3_scale(sb, e)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
@@ -283,13 +285,17 @@ def _dequant_kernel(
         else:
             lv = v.to(tl.float32)
         ch = blk * BS + offs_c
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for st in tl.static_range(STAGES):
-            cid = tl.load(ids_ptr + st * ids_sst + row0 + lt, mask=s_ok, other=0).to(tl.int32)
-            c = tl.load(
-                cent_base + st * cent_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
-            )
-            acc += c.to(tl.float32)
+        if STAGES == 1:
+            c = tl.load(cent_base + cid0[:, None] * D + ch[None, :], mask=mc, other=0.0)
+            acc = c.to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for st in tl.static_range(STAGES):
+                cid = tl.load(ids_ptr + st * ids_sst + row0 + lt, mask=s_ok, other=0).to(tl.int32)
+                c = tl.load(
+                    cent_base + st * cent_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
+                )
+                acc += c.to(tl.float32)
         val = acc * keep[:, None] + lv * scale[:, None]
         if OUT_CONTIG:
             optr = out_base + out_rows + ch[None, :]
