@@ -20,7 +20,13 @@ video tokens of similar content do), a slow drift of those centres over chunks (
 change gradually), token noise, and a handful of outlier channels with 8x the scale (the
 channel outliers known from LLM and video K caches). Keys and values use independent draws.
 
-Run: ``python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--json]``.
+``--centroid-sweep`` instead measures the centroid rule of the packed cache
+(`causalkv.caches.qvg.packed.centroids_for`): for chunks of a few dozen to 7,040 tokens of
+`benchmarks/codec.py`'s structured K/V (2 heads x 128), the relative error and bits per
+element of int2 and int4 with the rule's centroid count, half and twice it, and the
+reference's fixed 128 (capped at the token count, as the codec does).
+
+Run: ``python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--centroid-sweep] [--json]``.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
 from causalkv.caches.attention import AttendStats, attend, attend_dense
 from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.codec import bits_per_element, dequantize, quantize
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache, centroids_for
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
         "materialized_peak_segments": materialized_peak / one_chunk,
         "streaming_peak_segments": streaming_peak / one_chunk,
         "quantize_calls": packed.quantize_calls,
+        "packing": packed.packing_report().to_dict(),
         "streaming_vs_materialized_attention_rel_err": attn_err,
     }
 
@@ -165,7 +174,7 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
 def run_long(chunks: int, tokens_per_frame: int) -> dict:
     cfg = StreamConfig("longlive2-long", tokens_per_frame, 8, 8, 8, 32, heads=2, scene_cut_every=4)
     spec = cfg.spec()
-    cache = QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2, centroids=64))  # S = 880 here
+    cache = QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2))
     data = StreamKV(cfg.heads, cfg.head_dim)
     n = cfg.chunk
     sizes = []
@@ -189,7 +198,35 @@ def run_long(chunks: int, tokens_per_frame: int) -> dict:
         "flat": bool(tail) and max(tail) == min(tail),
         "seconds": time.perf_counter() - t0,
         "quantize_calls": cache.quantize_calls,
+        "packing": cache.packing_report().to_dict(),
     }
+
+
+SWEEP_TOKENS = ((3, (4, 4)), (3, (8, 8)), (3, (10, 16)), (8, (10, 11)), (3, (30, 52)), (8, (22, 40)))
+"""(frames, (h, w)) of the swept chunks: 48, 192, 480, 880, 4,680 and 7,040 tokens."""
+
+
+def centroid_sweep() -> list[dict]:
+    """Error and bits per element around the centroid rule (see the module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from codec import structured_kv  # the codec benchmark's data
+
+    rows = []
+    for frames, hw in SWEEP_TOKENS:
+        k, v = structured_kv(H=2, frames=frames, hw=hw, D=128, seed=1)
+        S, D = k.shape[2], k.shape[3]
+        rule = centroids_for(S, 128)
+        for bits in (2, 4):
+            for label, K in (("rule/2", rule // 2), ("rule", rule), ("rule*2", rule * 2),
+                             ("fixed 128", min(128, S))):
+                if K < 1 or K > S:
+                    continue
+                q = QVGKVQuantArgs(bits=bits, centroids=K)
+                err = [rel_err(dequantize(quantize(x, q)), x) for x in (k, v)]
+                rows.append({"tokens": S, "bits": bits, "which": label, "centroids": K,
+                             "bits_per_element": bits_per_element(S, D, q),
+                             "k_rel_err": err[0], "v_rel_err": err[1]})
+    return rows
 
 
 def _ratio(x: float | None) -> str:
@@ -205,9 +242,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per frame of the long run (default 110 = 880/8, to keep it short)")
     p.add_argument("--config", choices=[c.name for c in CONFIGS], action="append",
                    help="run only these stream configs")
+    p.add_argument("--centroid-sweep", action="store_true",
+                   help="only measure error vs bits around the centroid rule")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
+    if args.centroid_sweep:
+        sweep = centroid_sweep()
+        if args.json:
+            json.dump({"centroid_sweep": sweep}, sys.stdout, indent=2)
+            print()
+        for r in [] if args.json else sweep:
+            print(f"{r['tokens']:5d} tokens int{r['bits']} {r['which']:9s} K={r['centroids']:3d}  "
+                  f"{r['bits_per_element']:5.2f} bits/elem  err K {r['k_rel_err']:.3f} "
+                  f"V {r['v_rel_err']:.3f}")
+        return 0
     rows = []
     for cfg in CONFIGS:
         if args.config and cfg.name not in args.config:

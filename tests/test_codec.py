@@ -45,7 +45,9 @@ def ref_decode(p: PackedSegment) -> tuple[torch.Tensor, torch.Tensor]:
     v = torch.where(fields >= 2 ** (bits - 1), fields - 2**bits, fields).to(torch.float64)
     sb = p.scales.reshape(-1, D // bs).view(torch.uint8).to(torch.int64)
     table = torch.tensor([fp8_e4m3_value(b) for b in range(256)], dtype=torch.float64)
-    s = (table[sb] * 2.0**p.scale_exp).abs().repeat_interleave(bs, dim=1)  # [N, D]
+    # one exponent per (batch, head): row n of the N = B*H*S tokens belongs to head n // S
+    exp = p.scale_exp.reshape(B * H).to(torch.float64).repeat_interleave(S).unsqueeze(1)
+    s = (table[sb] * torch.exp2(exp)).abs().repeat_interleave(bs, dim=1)  # [N, D]
     if p.zeros is not None:
         level = v - p.zeros.reshape(-1, D // bs).to(torch.float64).repeat_interleave(bs, 1)
     elif p.grid == "mse4":
@@ -159,7 +161,7 @@ def test_bf16_range_inputs_are_power_of_two_equivariant():
     for k in (-100, -40, 60, 120):
         f = 2.0**k
         p = quantize(x * f, args)
-        assert p.scale_exp == base.scale_exp + k
+        assert torch.equal(p.scale_exp, base.scale_exp + k)
         assert torch.equal(p.codes, base.codes) and torch.equal(p.ids[0], base.ids[0])
         assert torch.equal(p.scales.view(torch.uint8), base.scales.view(torch.uint8))
         assert torch.equal(p.centroids[0].double(), base.centroids[0].double() * f)
@@ -211,8 +213,10 @@ def test_nbytes_matches_formula_to_the_byte(shape, args):
         + B * H * S * (D // args.block_size) * (2 if args.asymmetric else 1)
         + args.stages * B * H * S
         + 2 * args.stages * B * H * K * D
+        + 2 * B * H  # one int16 scale exponent per (batch, head)
     )
     assert p.nbytes == hand
+    assert p.scale_exp.dtype == torch.int16 and p.scale_exp.shape == (B, H)
     assert p.nbytes * 8 == pytest.approx(bits_per_element(S, D, args) * B * H * S * D)
     assert p.codes.dtype == torch.uint8 and p.scales.dtype == torch.float8_e4m3fn
     assert all(i.dtype == torch.uint8 for i in p.ids)
@@ -220,9 +224,10 @@ def test_nbytes_matches_formula_to_the_byte(shape, args):
 
 
 def test_reference_defaults_bits_per_element():
-    # 2 + 8/64 + 8/128 + 16*128/S at S = 4680 (one 3-frame Wan chunk)
+    # 2 + 8/64 + 8/128 + 16*128/S + 16/(S*128) at S = 4680 (one 3-frame Wan chunk)
     args = QVGKVQuantArgs(bits=2)
-    assert bits_per_element(4680, 128, args) == pytest.approx(2 + 0.125 + 0.0625 + 2048 / 4680)
+    want = 2 + 0.125 + 0.0625 + 2048 / 4680 + 16 / (4680 * 128)
+    assert bits_per_element(4680, 128, args) == pytest.approx(want, rel=1e-12)
 
 
 # ---- determinism ------------------------------------------------------------------------------
@@ -365,3 +370,100 @@ def test_float16_and_float32_inputs():
         assert p.dtype == dtype
         assert rel_err(dequantize(p, dtype=torch.float32), x) < 0.1
         assert math.isfinite(rel_err(dequantize(p, dtype=dtype), x))
+
+
+# ---- head independence (head_offset) ------------------------------------------------------------
+SPLIT_ARGS = {
+    "int2-sampled": QVGKVQuantArgs(bits=2, centroids=4, block_size=16),  # Lloyd on a sample
+    "int4-mse4": QVGKVQuantArgs(bits=4, centroids=16, block_size=16, grid="mse4"),
+    "int2-mse4-2stage": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, grid="mse4", stages=2),
+    "int2-asym-2stage": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True,
+                                       stages=2),
+    "int4-asym": QVGKVQuantArgs(bits=4, centroids=4, block_size=32, asymmetric=True),
+    "int4-2stage": QVGKVQuantArgs(bits=4, centroids=8, block_size=16, stages=2),
+}
+SPLITS = [[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [(0, 2), (2, 5)], [(1, 4)], [(4, 5)]]
+
+
+def heads_of_different_scales(B=2, H=5, S=200, D=64, seed=4) -> torch.Tensor:
+    """Clustered heads whose magnitudes span 2^-6..2^6 (so per-head exponents differ), one
+    all-zero head."""
+    x = clustered(B=B, H=H, S=S, D=D, clusters=12, seed=seed).float()
+    x *= torch.tensor([2.0**-6, 1.0, 2.0**6, 0.0, 0.37]).view(1, H, 1, 1)
+    return x.to(torch.bfloat16)
+
+
+def assert_same_segment(a: PackedSegment, b: PackedSegment) -> None:
+    assert a.shape == b.shape and a.grid == b.grid
+    assert torch.equal(a.scale_exp, b.scale_exp)
+    assert _bytes(a) == _bytes(b)
+    assert (a.zeros is None) == (b.zeros is None)
+    if a.zeros is not None:
+        assert torch.equal(a.zeros, b.zeros)
+
+
+@pytest.mark.parametrize("name", list(SPLIT_ARGS))
+@pytest.mark.parametrize("split", range(len(SPLITS)))
+def test_packing_a_head_slice_equals_the_same_heads_of_the_whole(name, split):
+    """Each head is keyed by its global index: quantizing heads [a, b) with head_offset=a
+    gives the bytes (and the reconstruction) of heads [a, b) of the whole tensor."""
+    args = SPLIT_ARGS[name]
+    x = heads_of_different_scales()
+    whole = quantize(x, args, seed=11)
+    y = dequantize(whole, dtype=torch.float32)
+    for a, b in SPLITS[split]:
+        part = quantize(x[:, a:b], args, seed=11, head_offset=a)
+        assert_same_segment(part, whole.select_heads(a, b))
+        assert torch.equal(dequantize(part, dtype=torch.float32), y[:, a:b])
+        assert part.nbytes == packed_nbytes_formula(tuple(x[:, a:b].shape), args)
+
+
+def test_head_slice_with_a_shared_codebook_equals_the_whole():
+    args = QVGKVQuantArgs(bits=2, centroids=8, block_size=16)
+    x = heads_of_different_scales()
+    first = quantize(x, args, seed=3)
+    x2 = heads_of_different_scales(seed=9)
+    whole = quantize(x2, args, codebooks=first.centroids)
+    part = quantize(x2[:, 2:4], args, codebooks=[c[:, 2:4] for c in first.centroids],
+                    head_offset=2)
+    assert_same_segment(part, whole.select_heads(2, 4))
+
+
+def test_head_offset_keys_the_draws_and_is_validated():
+    args = QVGKVQuantArgs(bits=2, centroids=4, block_size=16)
+    x = heads_of_different_scales()[:, 1:2]
+    assert _bytes(quantize(x, args, head_offset=0)) != _bytes(quantize(x, args, head_offset=1))
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="head_offset must be an int >= 0"):
+            quantize(x, args, head_offset=bad)
+
+
+def test_scale_exponent_is_per_head():
+    """A head 2^12 times larger than another leaves the small head's scale bytes unchanged
+    (a segment-wide exponent would flush the small head's scales to e4m3 subnormals)."""
+    args = QVGKVQuantArgs(bits=4, centroids=8, block_size=16)
+    x = heads_of_different_scales()
+    p = quantize(x, args)
+    alone = quantize(x[:, :1], args)
+    assert torch.equal(p.scale_exp[:, 0], alone.scale_exp[:, 0])
+    assert (p.scale_exp[:, 2] - p.scale_exp[:, 0] == 12).all()
+    # every non-zero head's largest decoded block scale sits at the top of e4m3's range
+    for h in (0, 1, 2, 4):
+        top = p.scales[:, h].view(torch.uint8).masked_fill(
+            p.scales[:, h].view(torch.uint8) == ZERO_BLOCK_SCALE_BYTE, 0).amax()
+        assert 224 < fp8_e4m3_value(int(top)) <= 448
+
+
+@pytest.mark.parametrize("name", ["int2-sampled", "int2-asym-2stage", "int4-mse4"])
+def test_all_heads_in_one_batch_equal_one_head_at_a_time(name, monkeypatch):
+    """The CPU packs one head at a time, CUDA all heads in one batch of kernels: both give
+    the same bytes (every operation is per head)."""
+    from causalkv.caches.qvg import codec
+
+    args = SPLIT_ARGS[name]
+    x = heads_of_different_scales()
+    one = quantize(x, args, seed=2)
+    monkeypatch.setattr(codec, "_head_group", lambda device, n: n)
+    batched = quantize(x, args, seed=2)
+    assert_same_segment(batched, one)
+    assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1), one.select_heads(1, 4))

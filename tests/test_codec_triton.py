@@ -147,3 +147,38 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         p = quantize(x, args)
         dequantize(p)
         assert calls == [1]
+
+
+    @pytest.mark.parametrize(
+        "args",
+        [QVGKVQuantArgs(bits=2, centroids=4, block_size=16),  # Lloyd on a sample (S > 32 K)
+         QVGKVQuantArgs(bits=4, centroids=8, block_size=16, grid="mse4", stages=2),
+         QVGKVQuantArgs(bits=2, centroids=4, block_size=8, asymmetric=True)],
+        ids=["int2-sampled", "int4-mse4-2stage", "int2-asym"],
+    )
+    @pytest.mark.parametrize("batched", [False, True], ids=["per-head", "all-heads"])
+    def test_triton_head_slices_equal_the_whole(tr, args, batched, monkeypatch):
+        """head_offset under the Triton backend, with heads one at a time (the CPU grouping)
+        and all heads in one launch (the CUDA grouping): bytes equal the whole tensor's."""
+        from causalkv.caches.qvg import codec
+
+        if batched:
+            monkeypatch.setattr(codec, "_head_group", lambda device, n: n)
+        g = torch.Generator().manual_seed(8)
+        x = torch.randn(1, 3, 160, 32, generator=g)
+        x = (x * torch.tensor([2.0**-5, 1.0, 2.0**7]).view(1, 3, 1, 1)).to(torch.bfloat16)
+        whole = quantize(x, args, seed=3, backend="triton")
+        y = dequantize(whole, dtype=torch.float32, backend="triton")
+        for a, b in [(0, 1), (1, 2), (2, 3), (1, 3)]:
+            part = quantize(x[:, a:b], args, seed=3, head_offset=a, backend="triton")
+            sub = whole.select_heads(a, b)
+            assert torch.equal(part.scale_exp, sub.scale_exp)
+            assert torch.equal(part.codes, sub.codes)
+            assert torch.equal(part.scales.view(torch.uint8), sub.scales.view(torch.uint8))
+            for pi, si in zip(part.ids, sub.ids):
+                assert torch.equal(pi, si)
+            for pc, sc in zip(part.centroids, sub.centroids):
+                assert torch.equal(pc, sc)
+            if args.asymmetric:
+                assert torch.equal(part.zeros, sub.zeros)
+            assert torch.equal(dequantize(part, dtype=torch.float32, backend="triton"), y[:, a:b])

@@ -9,6 +9,8 @@ Oracles used here:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,12 @@ from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.packed import (
+    PackedKV,
+    PackingReport,
+    QVGPackedCausalKVCache,
+    centroids_for,
+)
 
 N = 16  # tokens per chunk
 D = 32
@@ -44,7 +51,9 @@ def chunk(i: int, n: int = N, heads: int = H, seed: int = 0) -> tuple[torch.Tens
 
 
 def roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
-    """The codec oracle for a chunk ``[B, n, H, D]`` packed alone."""
+    """The codec oracle for a chunk ``[B, n, H, D]`` packed alone, with the centroids the
+    cache's rule gives its ``n`` tokens (`test_centroid_rule` pins the rule's values)."""
+    q = replace(q, centroids=centroids_for(x.shape[1], q.centroids))
     return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q, seed=1234)).permute(0, 2, 1, 3)
 
 
@@ -105,8 +114,8 @@ def test_resident_bytes_exact_and_flat():
         write(cache, i)
         expect = 0
         for s in cache.segments:
-            if s.packed:
-                expect += s.pk.nbytes + s.pv.nbytes
+            if isinstance(s.storage, PackedKV):
+                expect += s.storage.k.nbytes + s.storage.v.nbytes
             else:
                 expect += 2 * (s.end - s.start) * H * D * 2
         assert cache.resident_nbytes() == expect
@@ -256,7 +265,7 @@ def test_offload_roundtrip_equal():
     for i in range(8):
         va, vb = write(a, i), write(b, i)
     assert torch.equal(va.k, vb.k) and torch.equal(va.v, vb.v)
-    assert all(seg.pk.device.type == "cpu" for seg in b.packed_segments())
+    assert all(seg.storage.device.type == "cpu" for seg in b.packed_segments())
 
 
 def test_failed_pack_leaves_cache_unchanged():
@@ -284,17 +293,17 @@ def test_codebook_chunks_share_centroids_and_count_them_once():
         view = write(cache, i)
     packed = cache.packed_segments()
     assert [g.start // N for g in packed] == [0, 1, 2, 3, 4, 5]
-    books = [g.pk.centroids[0] for g in packed]
+    books = [g.storage.k.centroids[0] for g in packed]
     assert books[0] is books[1] is books[2] and books[3] is books[4] is books[5]
     assert books[2] is not books[3]
     # oracle: chunk 1 is the codec's round trip with chunk 0's codebook, stored once
     want = codec.dequantize(codec.quantize(
-        chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].pk.centroids)).permute(0, 2, 1, 3)
+        chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].storage.k.centroids)).permute(0, 2, 1, 3)
     pos = view.positions.tolist()
     assert torch.equal(view.k[:, pos.index(N) : pos.index(N) + N], want)
-    per_book = sum(c.nbytes for c in packed[0].pk.centroids + packed[0].pv.centroids)
+    per_book = sum(c.nbytes for c in packed[0].storage.k.centroids + packed[0].storage.v.centroids)
     dense_bytes = 2 * N * H * D * 2
-    stored = sum(g.pk.nbytes + g.pv.nbytes for g in packed)
+    stored = sum(g.storage.nbytes for g in packed)
     assert cache.resident_nbytes() == dense_bytes + stored - 4 * per_book  # 2 books, 6 users
 
 
@@ -315,3 +324,130 @@ def test_partial_attention_paths_return_output_and_logsumexp(fused):
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-2, rtol=1e-3)
     ref = torch.softmax(s, -1) @ v.double()
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ---- never worse than bf16, the centroid rule and the packing report --------------------------
+def test_centroid_rule_values_and_half_bit_budget():
+    # largest power of two <= tokens // 32, capped by the setting, at least 1
+    assert centroids_for(4680, 128) == 128  # LingBot-World chunk: the reference value
+    assert centroids_for(7040, 128) == 128  # LongLive 2.0 chunk (880 x 8)
+    assert centroids_for(4096, 128) == 128 and centroids_for(4095, 128) == 64
+    assert centroids_for(880, 128) == 16
+    assert centroids_for(48, 128) == 1 and centroids_for(1, 128) == 1
+    assert centroids_for(4680, 96) == 96  # an explicit smaller setting is kept
+    assert centroids_for(48, 128, min_tokens_per_centroid=1) == 32
+    for s in range(32, 10_000, 7):  # the centroids never cost more than 0.5 bit per element
+        assert 16 * centroids_for(s, 256) / s <= 0.5
+
+
+# The tiny presets' geometries (2 heads x 64, 16 tokens per frame): frames per chunk, sink and
+# global sink frames, window frames, pin every N chunks (LongLive 2.0 multi-shot).
+PRESET_GEOMETRIES = {
+    "tiny-wan": (3, 0, 0, 9, 0),
+    "tiny-longlive": (3, 3, 3, 9, 0),
+    "tiny-longlive2": (2, 2, 2, 8, 2),
+    "tiny-lingbot": (3, 3, 3, 12, 0),
+}
+
+
+def _preset_stream(name: str, make, chunks: int = 6) -> tuple[int, object]:
+    fpc, sink, gsink, window, pin_every = PRESET_GEOMETRIES[name]
+    tpf, n = 16, 16 * fpc
+    s = KVCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=window * tpf,
+                    sink_tokens=sink * tpf, global_sink_tokens=gsink * tpf,
+                    attention_window_size=window * tpf, dtype=torch.bfloat16)
+    cache = make(s)
+    peak = 0
+    g = torch.Generator().manual_seed(3)
+    for i in range(chunks):
+        k, v = (torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+        if pin_every and i % pin_every == 0 and i > 0:
+            cache.pin_current_chunk(n)
+        peak = max(peak, cache.resident_nbytes())
+    return peak, cache
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_GEOMETRIES))
+def test_preset_geometries_int2_below_int4_below_bf16(name):
+    off, _ = _preset_stream(name, DenseCausalKVCache)
+    int4, c4 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=4)))
+    int2, c2 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=2)))
+    assert int2 < int4 < off, (int2, int4, off)
+    for cache in (c2, c4):
+        report = cache.packing_report()
+        assert report.chunks_packed >= 1
+        assert report.chunks_packed + report.chunks_kept_dense == 5  # every completed chunk
+        assert "not smaller than dense" not in report.chunks_dense
+        assert set(report.centroids) == {1}  # 32 or 48 tokens: one centroid per head
+
+
+def test_chunk_whose_packed_form_is_not_smaller_stays_dense(monkeypatch):
+    calls = []
+    real = codec.quantize
+    monkeypatch.setattr(codec, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
+    q = quant(keep_recent_chunks=0)
+    # one-token chunks: the centroid alone is 16 bits per element, so packed > bf16 ...
+    assert codec.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
+    cache = QVGPackedCausalKVCache(spec(), q)
+    dense = DenseCausalKVCache(spec())
+    for i in range(8):
+        view = write(cache, i, n=1)
+        assert torch.equal(view.k, write(dense, i, n=1).k)  # stored exactly
+    assert calls == [] and cache.quantize_calls == 0  # decided by formula, no quantize wasted
+    assert not cache.packed_segments()
+    report = cache.packing_report()
+    assert report.chunks_packed == 0 and report.chunks_dense == {"not smaller than dense": 7}
+    # ... but smaller than float32 (32 bits per element): packed there
+    f32 = QVGPackedCausalKVCache(spec(dtype=torch.float32), q)
+    for i in range(3):
+        k, v = chunk(i, 1)
+        f32.update_and_get_attention_kv(key=k.float(), value=v.float(), current_chunk_start=i)
+    assert f32.packing_report().chunks_packed == 2
+
+
+def test_reference_centroids_on_tiny_chunks_would_cost_more_than_bf16():
+    """Without the rule (as many centroids as the 32-token chunk has tokens, as the seed runtime
+    did with 128 centroids) packing would store more than bf16: such chunks stay dense, so the
+    cache is never worse than bf16."""
+    def make(s):
+        return QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=2), min_tokens_per_centroid=1)
+
+    assert codec.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(bits=2)) > 32 * 2 * 64 * 2
+    peak, cache = _preset_stream("tiny-longlive2", make)
+    off, _ = _preset_stream("tiny-longlive2", DenseCausalKVCache)
+    assert cache.quantize_calls == 0
+    assert cache.packing_report().chunks_dense == {"not smaller than dense": 4, "recent": 1}
+    assert peak <= off
+    with pytest.raises(ValueError, match="min_tokens_per_centroid"):
+        QVGPackedCausalKVCache(spec(), quant(), min_tokens_per_centroid=0)
+
+
+def test_packing_report_counts_every_chunk_with_its_reason():
+    cache = QVGPackedCausalKVCache(spec(), quant(keep_recent_chunks=1, sink_keep_chunks=1))
+    for i in range(10):
+        write(cache, i)
+    # window of 6 chunks: 0 sink_keep, 5..7 packed, 8 recent, 9 current; 1..4 were packed
+    # and rolled out
+    report = cache.packing_report()
+    assert report.chunks_packed == 7 and report.quantize_calls == 7
+    assert report.chunks_dense == {"recent": 1, "sink_keep": 1}
+    assert report.centroids == {1: 7}  # 16 tokens: one centroid
+    off = QVGPackedCausalKVCache(spec())
+    nosink = QVGPackedCausalKVCache(spec(), quant(keep_recent_chunks=0, sink=False))
+    span = QVGPackedCausalKVCache(spec(sink_tokens=0, global_sink_tokens=0),
+                                  quant(keep_recent_chunks=0, span_chunks=2))
+    for i in range(5):
+        for c in (off, nosink, span):
+            write(c, i)
+    assert off.packing_report().chunks_dense == {"quant off": 4}
+    assert nosink.packing_report().chunks_dense == {"sink": 1}
+    assert span.packing_report().chunks_packed == 4
+    write(span, 5)
+    assert span.packing_report().chunks_dense == {"waiting for span": 1}
+    merged = PackingReport.merge([cache.packing_report(), off.packing_report()])
+    assert merged.chunks_packed == 7 and merged.chunks_dense == {
+        "quant off": 4, "recent": 1, "sink_keep": 1}
+    assert merged.to_dict()["chunks_kept_dense"] == 6
+    cache.reset_indices()  # counts survive a reset: the dropped chunks keep their last storage
+    assert cache.packing_report() == report

@@ -51,12 +51,12 @@ class _RecordingPacked(QVGPackedCausalKVCache):
         super().__init__(spec, quant)
         self.packed_runs: list[tuple[int, int]] = []
 
-    def _pack(self, pieces):
-        seg = super()._pack(pieces)
+    def _pack(self, pieces, book):
+        seg, book = super()._pack(pieces, book)
         for a, b in self.packed_runs:
             assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
         self.packed_runs.append((seg.start, seg.end))
-        return seg
+        return seg, book
 
     def reset_indices(self):
         super().reset_indices()

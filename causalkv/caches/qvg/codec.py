@@ -20,18 +20,25 @@ Byte layout (all tensors contiguous when produced by `quantize`):
   (three levels at 2 bits, as in the reference package); grid ``"mse4"``: ``(2v + 1) * s``, all
   ``2^bits`` levels, odd multiples of a half-step ``s`` chosen by least squares; asymmetric:
   ``(v - z) * s`` with the int8 zero point ``z``.
-- ``scales [B, H, S, D // block_size]`` float8_e4m3fn, decoded as ``fp8 * 2**scale_exp``:
-  ``scale_exp`` is one integer per segment (Python metadata, no tensor bytes) chosen so the
-  largest block scale lands in ``(224, 448]``, the top of e4m3's range. Every block scale within
-  ``2^-17`` of the largest keeps 4 significant bits; smaller ones flush toward the e4m3
-  subnormals (absolute error below ``2^-18`` of the segment's largest scale). Symmetric and
+- ``scales [B, H, S, D // block_size]`` float8_e4m3fn, decoded as ``fp8 * 2**scale_exp[b, h]``:
+  ``scale_exp [B, H]`` int16 holds one exponent per (batch, head), chosen so the head's largest
+  block scale lands in ``(224, 448]``, the top of e4m3's range. Every block scale within
+  ``2^-17`` of its head's largest keeps 4 significant bits; smaller ones flush toward the e4m3
+  subnormals (absolute error below ``2^-18`` of the head's largest scale). Symmetric and
   asymmetric scales are rounded *up* to the next e4m3 value, so codes never clip and the
   per-element error stays within half a (stored) step.
+
+Head independence: everything a head stores depends only on that head's input, the seed
+and the head's *global* index (``head_offset + h``): the k-means initialization draws from a
+generator keyed by (seed, batch index, global head) and the exponents are per head. So
+``quantize(x[:, a:b], args, seed=s, head_offset=a)`` equals ``quantize(x, args, seed=s)``
+restricted to heads ``[a, b)`` bit for bit (a rank packing its heads packs them exactly as
+one process packs the same global heads).
 - A block whose *input* is all zeros stores the scale byte ``0x80`` (e4m3 ``-0.0``, never
   produced otherwise) and decodes to exact zeros regardless of its token's centroid.
 
-`quantize` makes two host syncs per call (the non-finite check and ``scale_exp``); it runs
-once per cold chunk. `dequantize` makes none.
+`quantize` makes one host sync per call (the per-head absolute maxima: the non-finite check
+and the normalization exponents); it runs once per cold chunk. `dequantize` makes none.
 """
 
 from __future__ import annotations
@@ -76,13 +83,13 @@ class PackedSegment:
         ids: per stage ``[B, H, S]`` uint8 cluster ids.
         codes: ``[B, H, S, D * bits // 8]`` uint8 packed residual codes (see module doc).
         scales: ``[B, H, S, D // block_size]`` float8_e4m3fn block scales (``x 2**scale_exp``).
+        scale_exp: ``[B, H]`` int16, the power-of-two exponent of every decoded scale of a head.
         zeros: ``[B, H, S, D // block_size]`` int8 zero points when asymmetric, else None.
         shape: ``(B, H, S, D)``.
         dtype: dtype of the tensor that was quantized.
         bits: residual bits (2 or 4).
         block_size: channels per scale block.
         grid: ``"reference"`` or ``"mse4"`` (how codes map to levels).
-        scale_exp: power-of-two exponent applied to every decoded scale.
     """
 
     centroids: list[torch.Tensor]
@@ -90,17 +97,17 @@ class PackedSegment:
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
+    scale_exp: torch.Tensor
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
     bits: int
     block_size: int
     grid: str = "reference"
-    scale_exp: int = 0
 
     @property
     def nbytes(self) -> int:
         """Exactly the stored bytes: the sum of every tensor's ``nbytes``."""
-        total = self.codes.nbytes + self.scales.nbytes
+        total = self.codes.nbytes + self.scales.nbytes + self.scale_exp.nbytes
         total += sum(c.nbytes for c in self.centroids) + sum(i.nbytes for i in self.ids)
         if self.zeros is not None:
             total += self.zeros.nbytes
@@ -131,6 +138,7 @@ class PackedSegment:
             codes=fn(self.codes),
             scales=fn(self.scales),
             zeros=None if self.zeros is None else fn(self.zeros),
+            scale_exp=fn(self.scale_exp),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSegment:
@@ -158,7 +166,8 @@ def packed_nbytes_formula(shape: tuple[int, int, int, int], args: QVGKVQuantArgs
     """Stored bytes of a segment ``shape = (B, H, S, D)`` packed with ``args``.
 
     ``B*H*S*D*bits/8`` (codes) + ``B*H*S*D/block`` (fp8 scales) [+ the same for int8 zeros]
-    + ``stages*B*H*S`` (uint8 ids) + ``2*stages*B*H*K*D`` (bf16 centroids), ``K = min(centroids, S)``.
+    + ``stages*B*H*S`` (uint8 ids) + ``2*stages*B*H*K*D`` (bf16 centroids) + ``2*B*H`` (int16
+    scale exponents), ``K = min(centroids, S)``.
     """
     B, H, S, D = (int(v) for v in shape)
     if not args.enabled:
@@ -171,18 +180,22 @@ def packed_nbytes_formula(shape: tuple[int, int, int, int], args: QVGKVQuantArgs
         + blocks * (2 if args.asymmetric else 1)
         + args.stages * n
         + 2 * args.stages * B * H * K * D
+        + 2 * B * H
     )
 
 
 def bits_per_element(S: int, D: int, args: QVGKVQuantArgs) -> float:
-    """``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S`` with ``K = min(centroids, S)``."""
+    """``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S + 16/(S*D)``, ``K = min(centroids, S)``.
+
+    The last term is the per-head int16 scale exponent.
+    """
     if not args.enabled:
         return 16.0
     K = min(args.centroids, S)
     zeros = 8.0 / args.block_size if args.asymmetric else 0.0
     return (
         args.bits + 8.0 / args.block_size + zeros + 8.0 * args.stages / D
-        + 16.0 * args.stages * K / S
+        + 16.0 * args.stages * K / S + 16.0 / (S * D)
     )
 
 
@@ -250,33 +263,69 @@ def scale_exponent(max_scale: float) -> int:
     return max(e, _MIN_SCALE_EXP)
 
 
+def scale_exponents(max_scale: torch.Tensor) -> torch.Tensor:
+    """`scale_exponent` of every element of ``max_scale [...]`` (any float dtype), int32, no sync."""
+    m, e = torch.frexp(max_scale.to(torch.float64) / FP8_MAX)
+    e = (e - (m == 0.5).to(e.dtype)).clamp_min(_MIN_SCALE_EXP)
+    return torch.where(max_scale > 0, e, 0).to(torch.int32)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` in float32 for int ``e`` within float32's normal range (exact)."""
+    return torch.exp2(e.to(torch.float64)).to(torch.float32)
+
+
+def _mul_pow2(t: torch.Tensor, e: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``t [G, ...] * 2**e[g]`` as ``dtype`` (exact): one float32 multiply when every ``2**e``
+    is a normal float32, else in float64 (an exponent outside float32's range)."""
+    shape = (-1,) + (1,) * (t.dim() - 1)
+    p = torch.tensor(e, dtype=torch.float64).exp2().view(shape)
+    if -120 <= min(e) and max(e) <= 125:
+        return torch.mul(t, p.to(device=t.device, dtype=torch.float32)).to(dtype)
+    return (t.to(torch.float64) * p.to(t.device)).to(dtype)
+
+
 def encode_scales(
-    scale: torch.Tensor, exp: int, *, round_up: bool
+    scale: torch.Tensor, exp: int | torch.Tensor, *, round_up: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 scales ``[...]`` -> (e4m3 bytes uint8, decoded fp32 scales = fp8 * 2**exp).
 
+    ``exp``: an int, or an int tensor broadcastable to ``scale`` (e.g. one per head).
     ``round_up`` picks the next e4m3 value at or above the scale (never below), so a
     symmetric/asymmetric grid still covers the block's range after rounding.
     """
-    scaled = (scale * math.ldexp(1.0, -exp)).clamp(0.0, FP8_MAX)
+    if isinstance(exp, int):
+        down, up = math.ldexp(1.0, -exp), math.ldexp(1.0, exp)
+    else:
+        down, up = _pow2(-exp), _pow2(exp)
+    scaled = (scale * down).clamp_(0.0, FP8_MAX)
     enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     if round_up:
         low = enc.view(torch.float8_e4m3fn).float() < scaled
-        enc = torch.where(low, enc + 1, enc)
-    return enc, enc.view(torch.float8_e4m3fn).float() * math.ldexp(1.0, exp)
+        enc = enc.add_(low)
+    return enc, enc.view(torch.float8_e4m3fn).float().mul_(up)
 
 
-@functools.lru_cache(maxsize=64)
-def _scale_table_cpu(exp: int) -> torch.Tensor:
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    table = torch.nan_to_num(table, nan=0.0)  # 0x7F / 0xFF are never stored
+@functools.lru_cache(maxsize=4)
+def _fp8_table64() -> torch.Tensor:
+    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    table = torch.nan_to_num(table.double(), nan=0.0)  # 0x7F / 0xFF are never stored
     table[ZERO_BLOCK_SCALE_BYTE] = 0.0
-    return table * math.ldexp(1.0, exp)
+    return table
 
 
-def scale_table(exp: int, device: torch.device) -> torch.Tensor:
-    """``[256]`` fp32: decoded value of every e4m3 byte times ``2**exp`` (``0x80`` -> 0)."""
-    return _scale_table_cpu(exp).to(device)
+def scale_table(scale_exp: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Decoded value of every e4m3 byte times ``2**scale_exp`` (``0x80`` -> 0), float32.
+
+    ``scale_exp`` an int: ``[256]``; a ``[B, H]`` tensor (`PackedSegment.scale_exp`):
+    ``[B*H, 256]``, row ``b*H + h`` for head ``(b, h)``. Computed in float64, so an exponent
+    outside float32's range still gives every representable product exactly.
+    """
+    base = _fp8_table64().to(device)
+    if isinstance(scale_exp, int):
+        return (base * math.ldexp(1.0, scale_exp)).float()
+    e = scale_exp.reshape(-1, 1).to(device=device, dtype=torch.float64)
+    return (base * torch.exp2(e)).float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,23 +337,25 @@ def _block_scales(
     """Raw fp32 block scales ``[N, nb]`` for residual ``r [N, D]`` (and block minima if asym)."""
     N, D = r.shape
     r3 = r.view(N, D // block, block)
-    if asymmetric:
-        mn, mx = r3.amin(-1), r3.amax(-1)
-        amax = torch.maximum(mn.abs(), mx.abs())
-        s = torch.maximum((mx - mn) / float(2**bits - 1), amax / _MAX_ZERO_RANGE)
-        return s, mn
-    amax = r3.abs().amax(-1)
-    if grid == "reference":
+    if asymmetric or grid == "reference":
+        mn, mx = torch.aminmax(r3, dim=-1)  # one read of the residual
+        amax = torch.maximum(mn.abs(), mx.abs())  # abs: +0.0 for an all-zero block
+        if asymmetric:
+            s = torch.maximum((mx - mn) / float(2**bits - 1), amax / _MAX_ZERO_RANGE)
+            return s, mn
         return amax / float(2 ** (bits - 1) - 1), None
+    amax = r3.abs().amax(-1)
     # "mse4": levels (2v+1)*s over all 2^bits codes; alternate nearest-level assignment and
     # the least-squares scale (each step lowers the block's squared error), starting from the
     # grid whose outer level is the block's absmax.
     half = 2 ** (bits - 1)
     s = amax / float(2**bits - 1)
+    lv = torch.empty_like(r3)
     for _ in range(_MSE_ITERS):
         safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
-        lv = torch.floor(r3 / safe * 0.5).clamp_(-half, half - 1).mul_(2.0).add_(1.0)
-        s = (r3 * lv).sum(-1) / (lv * lv).sum(-1)
+        torch.div(r3, safe, out=lv)
+        lv.mul_(0.5).floor_().clamp_(-half, half - 1).mul_(2.0).add_(1.0)
+        s = torch.linalg.vecdot(r3, lv) / torch.linalg.vecdot(lv, lv)
     return s, None
 
 
@@ -329,6 +380,57 @@ def _check_args(args: QVGKVQuantArgs, D: int) -> None:
         )
 
 
+def head_seed(seed: int, b: int, head: int) -> int:
+    """The k-means generator seed of batch ``b``, *global* head ``head`` (splitmix64 mix)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + b * 0xBF58476D1CE4E5B9 + head * 0x94D049BB133111EB
+         + 0x632BE59BD9B4E019) & _MASK64
+    for mul, shift in ((0xBF58476D1CE4E5B9, 30), (0x94D049BB133111EB, 27)):
+        z = ((z ^ (z >> shift)) * mul) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def kmeans_sample_size(S: int, K: int) -> int:
+    """Tokens per head the Lloyd iterations run on: all ``S`` up to ``SAMPLE_PER_CENTROID * K``.
+
+    Above that, a seeded random subset (the final assignment always covers every token).
+    """
+    return min(S, max(K, SAMPLE_PER_CENTROID * K))
+
+
+SAMPLE_PER_CENTROID = 32
+
+
+def _draws(
+    seed: int, heads: list[tuple[int, int]], S: int, K: int, m: int, stages: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per stage: (initial centroid tokens ``[G, K]``, Lloyd sample tokens ``[G, m]`` sorted)
+    for the heads ``[(b, global_head), ...]``: one seeded permutation per head and stage."""
+    gens = [torch.Generator().manual_seed(head_seed(seed, b, h)) for b, h in heads]
+    out = []
+    for _ in range(stages):
+        perms = torch.stack([torch.randperm(S, generator=g) for g in gens])  # [G, S]
+        sample = perms[:, :m].sort(dim=1).values if m < S else perms[:, :0]
+        out.append((perms[:, :K], sample))
+    return out
+
+
+def _rows(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``c [G, K, D]`` rows picked by ``ids [G, S]`` -> ``[G, S, D]`` (one row gather)."""
+    G, K, D = c.shape
+    if G == 1:
+        return torch.index_select(c[0], 0, ids[0]).unsqueeze(0)
+    off = torch.arange(G, device=ids.device, dtype=ids.dtype).unsqueeze(1) * K
+    return torch.index_select(c.reshape(G * K, D), 0, (ids + off).reshape(-1)).view(G, -1, D)
+
+
+def _head_group(device: torch.device, BH: int) -> int:
+    """Heads per batch of kernels in `quantize`: 1 on the CPU, all of them elsewhere."""
+    return 1 if device.type == "cpu" else BH
+
+
 def quantize(
     x: torch.Tensor,
     args: QVGKVQuantArgs,
@@ -336,11 +438,18 @@ def quantize(
     seed: int = 1234,
     backend: str | None = None,
     codebooks: list[torch.Tensor] | None = None,
+    head_offset: int = 0,
 ) -> PackedSegment:
     """PRQ-pack ``x [B, H, S, D]`` (any float dtype, any strides) with ``args``.
 
     Deterministic: the same input, args, seed and backend give identical bytes; the global
-    RNG is untouched (the k-means initialization draws from its own seeded generator).
+    RNG is untouched (the k-means initialization draws from private seeded generators).
+
+    ``head_offset`` is the global index of ``x``'s first head (e.g. ``rank * H`` when each
+    rank holds ``H`` heads): each head's k-means draws are keyed by (seed, batch index,
+    ``head_offset + h``) and every stored exponent is per head, so
+    ``quantize(x[:, a:b], args, seed=s, head_offset=a)`` equals
+    ``quantize(x, args, seed=s).select_heads(a, b)`` bit for bit.
 
     ``codebooks`` (one ``[B, H, K, D]`` bf16 tensor per stage, e.g. ``other.centroids`` of
     an earlier segment) skips k-means: tokens are assigned to those centroids and the
@@ -349,12 +458,18 @@ def quantize(
 
     Raises:
         ValueError: quantization off, bad shape, ``D % block_size != 0``, more than 256
-            centroids, or NaN/inf in ``x`` (the message says how many).
+            centroids, a negative ``head_offset``, or NaN/inf in ``x`` (the message says
+            how many).
     """
     if x.dim() != 4:
         raise ValueError(f"quantize: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"quantize: expected a floating-point tensor, got {x.dtype}")
+    if not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(
+            f"quantize: head_offset must be an int >= 0 (global index of x's first head), "
+            f"got {head_offset!r}"
+        )
     B, H, S, D = (int(v) for v in x.shape)
     _check_args(args, D)
     if codebooks is not None:
@@ -368,76 +483,140 @@ def quantize(
             )
     if B * H * S == 0:
         raise ValueError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
-    amax = float(x.abs().amax())  # NaN/inf propagate: one sync covers both checks
-    if not math.isfinite(amax):
+    # Per-head absolute maxima: NaN/inf propagate, so one sync covers the non-finite check
+    # and the per-head normalization exponents.
+    head_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg())
+    amaxes = head_amax.reshape(-1).tolist()
+    if not all(math.isfinite(a) for a in amaxes):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(
             f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of {x.numel()}; "
             "PRQ needs finite K/V"
         )
     impl = _impl(resolve_backend(backend, x.device))
-    bits, block, grid = args.bits, args.block_size, args.grid
-    assert bits is not None
-    BH, N, nb = B * H, B * H * S, D // block
-    K = min(args.centroids, S)
-
-    # Normalize by a power of two (exact) so |x| <= 1: k-means distances cannot overflow
-    # fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k scaling.
-    norm_exp = math.frexp(amax)[1] if amax > 0 else 0
-    xf = (x.reshape(BH, S, D).to(torch.float32) * math.ldexp(1.0, -norm_exp)).contiguous()
-    zero_block = (xf.view(N, nb, block) == 0).all(-1)  # [N, nb]
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    resid = xf
-    centroids, ids = [], []
-    for stage in range(args.stages):
-        if codebooks is not None:
-            shared = codebooks[stage]
-            Ks = int(shared.shape[2])
-            c32 = shared.reshape(BH, Ks, D).float() * math.ldexp(1.0, -norm_exp)
-            a = impl.kmeans_assign(resid, c32)
-            resid = resid - torch.gather(c32, 1, a.unsqueeze(-1).expand(BH, S, D))
-            centroids.append(shared)
-            ids.append(a.to(torch.uint8).view(B, H, S))
-            continue
-        # K distinct tokens per (batch, head), drawn from the private generator on the CPU so
-        # every device starts from the same centroids.
-        pick = torch.rand(BH, S, generator=gen).argsort(dim=1)[:, :K].to(x.device)
-        c = torch.gather(resid, 1, pick.unsqueeze(-1).expand(BH, K, D))
-        for _ in range(args.kmeans_iters):
-            a = impl.kmeans_assign(resid, c)
-            c = impl.kmeans_update(resid, a, c)
-        c_bf = c.to(torch.bfloat16)
-        c32 = c_bf.float()
-        a = impl.kmeans_assign(resid, c32)
-        resid = resid - torch.gather(c32, 1, a.unsqueeze(-1).expand(BH, S, D))
-        centroids.append((c_bf * math.ldexp(1.0, norm_exp)).view(B, H, K, D))
-        ids.append(a.to(torch.uint8).view(B, H, S))
-
-    r = resid.view(N, D)
-    raw, mn = _block_scales(r, bits, block, grid, args.asymmetric)
-    exp = scale_exponent(float(raw.max()))
-    enc, dec = encode_scales(raw, exp, round_up=grid != "mse4" or args.asymmetric)
-    enc = torch.where(zero_block, ZERO_BLOCK_SCALE_BYTE, enc)
-    dec = torch.where(zero_block, 0.0, dec)
-    zeros = None
-    if args.asymmetric:
-        assert mn is not None
-        safe = torch.where(dec > 0, dec, 1.0)
-        z = torch.floor(-mn / safe + 0.5) - 2 ** (bits - 1)
-        zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
-    codes = impl.quantize_pack(r, dec, zeros, bits=bits, block=block, grid=grid)
+    assert args.bits is not None
+    BH, nb = B * H, D // args.block_size
+    K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
+    # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
+    # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
+    norm = [math.frexp(a)[1] if a > 0 else 0 for a in amaxes]
+    dev = x.device
+    codes = torch.empty(B, H, S, D * args.bits // 8, dtype=torch.uint8, device=dev)
+    scales = torch.empty(B, H, S, nb, dtype=torch.uint8, device=dev)
+    zeros = torch.empty(B, H, S, nb, dtype=torch.int8, device=dev) if args.asymmetric else None
+    exps = torch.empty(B, H, dtype=torch.int16, device=dev)
+    ids = [torch.empty(B, H, S, dtype=torch.uint8, device=dev) for _ in range(args.stages)]
+    cents = (list(codebooks) if codebooks is not None else
+             [torch.empty(B, H, K, D, dtype=torch.bfloat16, device=dev) for _ in range(args.stages)])
+    # On the CPU one head at a time (temporaries stay cache-sized, and a head sees the same
+    # calls and shapes whatever the other heads are); elsewhere all heads in one batch.
+    group = _head_group(dev, BH)
+    xr = None if group == 1 else x.reshape(BH, S, D)
+    for g0 in range(0, BH, group):
+        g1 = min(g0 + group, BH)
+        xg = x[g0 // H, g0 % H].unsqueeze(0) if xr is None else xr[g0:g1]
+        out = _quantize_heads(
+            xg, norm[g0:g1], args, impl, seed=seed,
+            heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
+            codebooks=None if codebooks is None else [
+                c.reshape(BH, K, D)[g0:g1] for c in codebooks],
+        )
+        codes.view(BH, S, -1)[g0:g1] = out[0]
+        scales.view(BH, S, nb)[g0:g1] = out[1]
+        exps.view(BH)[g0:g1] = out[2]
+        if zeros is not None:
+            zeros.view(BH, S, nb)[g0:g1] = out[3]
+        for st in range(args.stages):
+            ids[st].view(BH, S)[g0:g1] = out[4][st]
+            if codebooks is None:
+                cents[st].view(BH, K, D)[g0:g1] = out[5][st]
     return PackedSegment(
-        centroids=centroids,
+        centroids=cents,
         ids=ids,
-        codes=codes.view(B, H, S, D * bits // 8),
-        scales=enc.view(torch.float8_e4m3fn).view(B, H, S, nb),
-        zeros=None if zeros is None else zeros.view(B, H, S, nb),
+        codes=codes,
+        scales=scales.view(torch.float8_e4m3fn),
+        zeros=zeros,
+        scale_exp=exps,
         shape=(B, H, S, D),
         dtype=x.dtype,
-        bits=bits,
-        block_size=block,
-        grid="reference" if args.asymmetric else grid,
-        scale_exp=exp + norm_exp,
+        bits=args.bits,
+        block_size=args.block_size,
+        grid="reference" if args.asymmetric else args.grid,
+    )
+
+
+def _quantize_heads(
+    xg: torch.Tensor,
+    norm: list[int],
+    args: QVGKVQuantArgs,
+    impl,
+    *,
+    seed: int,
+    heads: list[tuple[int, int]],
+    codebooks: list[torch.Tensor] | None,
+):
+    """PRQ of ``G`` heads ``xg [G, S, D]``; ``norm[g]``: head ``g``'s normalization exponent,
+    ``heads[g]``: its (batch index, global head index).
+
+    Returns (codes ``[G, S, D*bits/8]`` uint8, scale bytes ``[G, S, nb]`` uint8, exponents
+    ``[G]`` int16, zeros ``[G, S, nb]`` int8 or None, ids per stage ``[G, S]`` uint8, bf16
+    centroids per stage ``[G, K, D]``). Every operation is per head (batched GEMMs, row-wise
+    reductions, row gathers), so a head's result does not depend on the others.
+    """
+    G, S, D = xg.shape
+    bits, block, grid = args.bits, args.block_size, args.grid
+    assert bits is not None
+    nb = D // block
+    dev = xg.device
+    neg = [-e for e in norm]
+    xf = _mul_pow2(xg, neg, torch.float32).contiguous()  # |xf| <= 1; one pass when in range
+    mn, mx = torch.aminmax(xf.view(G * S, nb, block), dim=-1)
+    zero_block = (mn == 0) & (mx == 0)  # [G*S, nb]: the input block is all zeros
+    resid = xf  # updated in place from here on
+    ids, cents = [], []
+    if codebooks is None:
+        K = min(args.centroids, S)
+        draws = _draws(seed, heads, S, K, kmeans_sample_size(S, K), args.stages)
+    for stage in range(args.stages):
+        if codebooks is not None:
+            c32 = _mul_pow2(codebooks[stage], neg, torch.float32)
+        else:
+            pick, sample = (t.to(dev) for t in draws[stage])
+            c = _rows(resid, pick)
+            xs = _rows(resid, sample) if sample.shape[1] else resid
+            for _ in range(args.kmeans_iters):
+                a = impl.kmeans_assign(xs, c)
+                c = impl.kmeans_update(xs, a, c)
+            c_bf = c.to(torch.bfloat16)
+            c32 = c_bf.float()
+            cents.append(_mul_pow2(c_bf, norm, torch.bfloat16))
+        a = impl.kmeans_assign(resid, c32)
+        resid.sub_(_rows(c32, a))
+        ids.append(a.to(torch.uint8))
+
+    r = resid.view(G * S, D)
+    raw, bmin = _block_scales(r, bits, block, grid, args.asymmetric)
+    exp = scale_exponents(raw.view(G, S * nb).amax(dim=1))  # [G] int32
+    enc, dec = encode_scales(raw.view(G, S, nb), exp.view(G, 1, 1),
+                             round_up=grid != "mse4" or args.asymmetric)
+    enc, dec = enc.view(G * S, nb), dec.view(G * S, nb)
+    enc.masked_fill_(zero_block, ZERO_BLOCK_SCALE_BYTE)
+    dec.masked_fill_(zero_block, 0.0)
+    zeros = None
+    if args.asymmetric:
+        assert bmin is not None
+        safe = torch.where(dec > 0, dec, 1.0)
+        z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
+        zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
+    packed = impl.quantize_pack(r, dec, zeros, bits=bits, block=block, grid=grid)
+    n = torch.tensor(norm, dtype=torch.int32, device=dev)
+    return (
+        packed.view(G, S, -1),
+        enc.view(G, S, nb),
+        (exp + n).to(torch.int16),
+        None if zeros is None else zeros.view(G, S, nb),
+        ids,
+        cents,
     )
 
 

@@ -52,36 +52,39 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Lloyd update: the mean of each cluster's tokens ``[BH, K, D]``; empty clusters keep ``c``.
 
-    Deterministic on every device: ``index_add_`` on the CPU (rows added in token order), a
-    one-hot matmul ``onehot [K, S] @ x [S, D]`` elsewhere (CUDA ``index_add_`` uses atomics).
+    One-hot matmul ``onehot [K, S] @ x [S, D]`` per (batch, head): a GEMM (fast on every
+    device) with a fixed summation order, so it is deterministic (no atomics).
     """
     BH, S, D = x.shape
     K = c.shape[1]
-    if x.device.type == "cpu":  # sequential row adds on the CPU: cheap and deterministic
-        flat = (ids + torch.arange(BH, device=x.device).unsqueeze(1) * K).reshape(-1)
-        sums = torch.zeros(BH * K, D, dtype=torch.float32, device=x.device)
-        sums.index_add_(0, flat, x.reshape(BH * S, D))
-        counts = torch.bincount(flat, minlength=BH * K).to(torch.float32)
-        sums, counts = sums.view(BH, K, D), counts.view(BH, K, 1)
-    else:
-        sums = torch.empty(BH, K, D, dtype=torch.float32, device=x.device)
-        counts = torch.empty(BH, K, 1, dtype=torch.float32, device=x.device)
-        ks = torch.arange(K, device=x.device, dtype=ids.dtype).view(1, K, 1)
-        for a, b in _bh_chunks(BH, S * K):
-            onehot = (ids[a:b].unsqueeze(1) == ks).to(torch.float32)  # [n, K, S]
-            torch.bmm(onehot, x[a:b], out=sums[a:b])
-            torch.sum(onehot, dim=-1, keepdim=True, out=counts[a:b])
+    sums = torch.empty(BH, K, D, dtype=torch.float32, device=x.device)
+    counts = torch.empty(BH, K, 1, dtype=torch.float32, device=x.device)
+    ks = torch.arange(K, device=x.device, dtype=ids.dtype).view(1, K, 1)
+    for a, b in _bh_chunks(BH, S * K):
+        onehot = (ids[a:b].unsqueeze(1) == ks).to(torch.float32)  # [n, K, S]
+        torch.bmm(onehot, x[a:b], out=sums[a:b])
+        torch.sum(onehot, dim=-1, keepdim=True, out=counts[a:b])
     return torch.where(counts > 0, sums / counts.clamp_min(1.0), c)
 
 
 def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed codes ``v [..., D]`` (int8, in ``[-2^(bits-1), 2^(bits-1))``) -> ``[..., D*bits//8]`` uint8."""
+    """Signed codes ``v [..., D]`` (int8, in ``[-2^(bits-1), 2^(bits-1))``) -> ``[..., D*bits//8]`` uint8.
+
+    The ``P = 8 // bits`` codes of one output byte are ``P`` consecutive bytes: read them as
+    one little-endian word (int32 for 2 bits, int16 for 4), mask each byte to its field and
+    fold the fields together with shifts (byte ``j``'s field lands in bits ``[j*bits, ...)``).
+    """
     per = 8 // bits
-    f = (v.to(torch.int8).view(torch.uint8) & ((1 << bits) - 1)).unflatten(-1, (-1, per))
-    out = f[..., 0].clone()
-    for j in range(1, per):
-        out |= f[..., j] << (bits * j)
-    return out
+    v = v.to(torch.int8).contiguous()
+    shape = (*v.shape[:-1], v.shape[-1] // per)
+    if bits == 2:
+        w = v.view(torch.int32) & 0x03030303
+        w |= w >> 6  # fields 0,1 -> bits 0..3; fields 2,3 -> bits 16..19
+        w |= w >> 12  # fields 2,3 -> bits 4..7
+    else:
+        w = v.view(torch.int16) & 0x0F0F
+        w |= w >> 4
+    return w.to(torch.uint8).view(shape)
 
 
 def unpack_levels(
@@ -126,16 +129,17 @@ def quantize_pack(
     N, D = r.shape
     nb = D // block
     half = 2 ** (bits - 1)
-    s = scale.view(N, nb, 1)
-    q = r.view(N, nb, block) / torch.where(s > 0, s, 1.0)
+    s = scale.view(N, nb, 1).to(torch.float32)
+    # s == 0 -> divide by inf: q = 0 (r is finite), so v = 0 with no extra select pass.
+    q = torch.div(r.view(N, nb, block), torch.where(s > 0, s, torch.inf))
     if zeros is not None:
-        v = (torch.floor(q + 0.5) + zeros.view(N, nb, 1).to(torch.float32)).clamp_(-half, half - 1)
+        z = zeros.view(N, nb, 1).to(torch.float32).masked_fill_(s == 0, 0.0)
+        q.add_(0.5).floor_().add_(z).clamp_(-half, half - 1)
     elif grid == "mse4":
-        v = torch.floor(q * 0.5).clamp_(-half, half - 1)
+        q.mul_(0.5).floor_().clamp_(-half, half - 1)
     else:
-        v = torch.floor(q + 0.5).clamp_(-(half - 1), half - 1)
-    v = torch.where(s > 0, v, 0.0).to(torch.int8).view(N, D)
-    return pack_fields(v, bits)
+        q.add_(0.5).floor_().clamp_(-(half - 1), half - 1)
+    return pack_fields(q.view(N, D).to(torch.int8), bits)
 
 
 _TILE_ELEMS = 1 << 21  # outputs per dequantize tile: few ops per call, temporaries of a few MB
@@ -196,7 +200,8 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     work = out.dtype if native else torch.float32
     flat = out.view(N, nb, bs) if out.dtype == work and out.is_contiguous() else None
 
-    s_table = scale_table(packed.scale_exp, dev).to(work)
+    s_table = scale_table(packed.scale_exp, dev).to(work).view(-1)  # [BH * 256]
+    s_off = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * 256
     sb = packed.scales.reshape(N, nb).view(torch.uint8)
     zero_row = BH * K * nb
     rowoff = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * (K * nb)
@@ -240,14 +245,14 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         zero_t = _scratch("zero", t * nb, torch.bool, dev).view(t, nb)
         torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t)
         sbi = _scratch("sbi", t * nb, torch.int32, dev).view(t, nb)
-        sbi.copy_(sb_t)
+        bh0 = b * H + h0
+        torch.add(sb_t.view(hh, ss, nb), s_off[bh0 : bh0 + hh], out=sbi.view(hh, ss, nb))
         s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_scratch("s", t * nb, work, dev))
         s_t = s_t.view(t, nb, 1)
 
         acc = _scratch("acc", t * nb * bs, work, dev).view(t * nb, bs)
         for st, (table, ids) in enumerate(stages):
             cidx = _scratch("cidx", t * nb, torch.int32, dev)
-            bh0 = b * H + h0
             torch.add(rowoff[bh0 : bh0 + hh], ids[bh0 : bh0 + hh, s0:s1], alpha=nb,
                       out=cidx.view(hh, ss, nb))
             cidx.view(t, nb).masked_fill_(zero_t, zero_row)

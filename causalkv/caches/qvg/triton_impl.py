@@ -223,7 +223,7 @@ def _dequant_kernel(
     m2 = t_ok[:, None] & (offs_c < BS)[None, :]
 
     sb = tl.load(sb_ptr + t * NB + blk, mask=t_ok, other=0).to(tl.int32)
-    scale = tl.load(table_ptr + sb)  # decoded e4m3 x 2**scale_exp; 0x80 -> 0
+    scale = tl.load(table_ptr + bh * 256 + sb)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
     keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
 
     byte = tl.load(codes_ptr + t[:, None] * (D // PER) + (ch // PER)[None, :], mask=m2, other=0)
@@ -260,7 +260,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     sb = packed.scales.reshape(N, nb).view(torch.uint8).contiguous()
     ids = torch.stack([i.reshape(N) for i in packed.ids]).contiguous()  # [stages, N]
     cents = torch.stack([c.reshape(B * H * K * D) for c in packed.centroids]).contiguous()
-    table = scale_table(packed.scale_exp, dev).contiguous()
+    table = scale_table(packed.scale_exp, dev).contiguous()  # [B*H, 256]
     if packed.zeros is not None:
         mode, z = _MODE_ASYM, packed.zeros.reshape(N, nb).contiguous()
     else:
