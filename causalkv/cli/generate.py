@@ -12,7 +12,7 @@ from causalkv import quant_config as qvg_args
 from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError
 
-__all__ = ["add_generate_args", "options_from_args", "register", "run_generate"]
+__all__ = ["add_generate_args", "compare_table", "options_from_args", "register", "run_generate"]
 
 
 def _preset_names() -> str:
@@ -45,6 +45,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="transformer and KV-cache dtype (default: bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=DTYPES,
+                        help="KV-cache dtype when it differs from --dtype (e.g. --dtype float32 "
+                        "--kv-cache-dtype bfloat16 on CPUs without bf16 instructions)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--sink-frames", type=int, default=None, help="override the sink (frames)")
     parser.add_argument("--window-frames", type=int, default=None,
@@ -94,6 +97,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     output = None
     if not args.no_video:
@@ -109,6 +113,31 @@ def options_from_args(args: argparse.Namespace) -> Any:
         compare_bf16=args.compare_bf16,
         output=output,
         quiet=args.quiet,
+    )
+
+
+def compare_table(metrics: dict[str, Any]) -> str:
+    """The end-of-run summary of a ``--compare-bf16`` run: KV bytes, latent PSNR and seconds
+    per chunk of the quantized run next to the unquantized reference (same seed).
+
+    Reads ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``,
+    ``latent_psnr_db``, ``seconds_per_chunk_mean`` and ``reference_seconds_per_chunk_mean``.
+    """
+    quant = str(metrics.get("kv_cache_quant", "quantized")).split("(", 1)[-1].split(",")[0]
+    ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
+    ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
+    ref_s, q_s = metrics["reference_seconds_per_chunk_mean"], metrics["seconds_per_chunk_mean"]
+    psnr = metrics["latent_psnr_db"]
+    rows = [
+        ("", ref_name, quant, "ratio"),
+        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
+        ("latent PSNR vs off", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
+        ("seconds per chunk", f"{ref_s:.2f}", f"{q_s:.2f}", f"{q_s / ref_s:.2f}x time"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
     )
 
 
@@ -132,4 +161,6 @@ def run_generate(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
         print(f"metrics: {path}")
+    if "reference_kv_resident_bytes_max" in metrics:
+        print(compare_table(metrics))
     return 0
