@@ -1,8 +1,19 @@
-"""PRQ codec benchmark: error vs bits against simpler quantizers, and CPU throughput.
+"""PRQ codec benchmark: error vs bits against simpler quantizers and real peers, CPU throughput.
 
-    .venv/bin/python benchmarks/codec.py            # table
-    .venv/bin/python benchmarks/codec.py --json     # the same figures as JSON
-    .venv/bin/python benchmarks/codec.py --quick    # smaller shapes (smoke run)
+    .venv/bin/python benchmarks/codec.py                  # tables
+    .venv/bin/python benchmarks/codec.py --json out.json  # also write the figures as JSON
+    .venv/bin/python benchmarks/codec.py --json -         # JSON on stdout instead of tables
+    .venv/bin/python benchmarks/codec.py --quick          # smaller shapes (smoke run)
+
+Peers (the ``bench`` extra: ``pip install -e '.[bench]'``; a missing one is reported, not
+fatal): ``hqq`` (HQQ's ``Quantizer``, 2/4 bits, group 64 along the channels, its half-quadratic
+zero/scale optimization), ``torchao`` (``choose_qparams_affine`` / ``quantize_affine`` /
+``dequantize_affine``: asymmetric uint 2/4 bits, group 64, bf16 scale and zero point) and
+``optimum-quanto`` (``quantize_weight`` with qint2/qint4, group 64, ``MaxOptimizer``). Every
+peer's bits per element are counted as if it stored a 16-bit scale and zero per group
+(``bits + 32/64``: 2.5 and 4.5, the count most favourable to it; ``bits_per_element``) and
+as it actually stores them (``bits_stored``: the bytes of the tensors it returns; HQQ keeps
+fp32 scale/zero on the CPU, torchao's primitives one uint8 per code, quanto packs the codes).
 
 Data (``[B, H, S, D]`` bf16, S = frames x tokens per frame):
 
@@ -23,26 +34,54 @@ Methods (relative error ``||x^ - x|| / ||x||``, SNR ``= -20 log10(rel)`` dB, bit
   not modelled: every token is quantized).
 - ``prq-ref``: this codec at the reference defaults (centroids 128, block 64, 1 stage, 2 iters,
   symmetric reference grid).
-- ``prq-*``: variants; ``best`` marks the lowest-error variant within 0.6 bits/element of
-  ``prq-ref``.
+- ``prq-*``: variants (``kN`` N centroids, ``bN`` block N, ``mse4`` the all-levels grid).
 
-Throughput: quantize and dequantize of ``[1, 12, S, 128]`` (bf16 GB/s of the segment), and a
-plain ``clone`` of a tensor of the output's size in the same run (median of interleaved runs).
+Targets (``targets`` in the JSON): for every peer row on the structured data (K and V, 2 and
+4 bits), the lowest-error PRQ row with at most the peer's counted bits per element and a
+lower error.
+
+JSON (``--json``), schema ``causalkv.codec-bench/1`` (keys are stable; a part skipped with
+``--only`` leaves its keys empty)::
+
+    {"schema", "config": {"shape", "group", "quick", "torch", "threads"},
+     "peers": {"hqq" | "torchao" | "quanto": {"package", "available", "version", "reason"}},
+     "quality": [{"data": "structured" | "gaussian", "tensor": "K" | "V", "bits": 2 | 4,
+                  "method", "family": "baseline" | "peer" | "prq",
+                  "bits_per_element" (as counted), "bits_stored", "rel_err", "snr_db"}],
+     "targets": [{"data", "tensor", "bits", "peer", "peer_bits_per_element", "peer_rel_err",
+                  "prq_method", "prq_bits_per_element", "prq_rel_err", "met"}],
+     "throughput": null | {"shape", "threads", "load_avg_1min",
+                           "int2" | "int4": {"quantize_gbps", "quantize_gbps_old",
+                                             "quantize_speedup", "dequantize_into_gbps",
+                                             "dequantize_into_gbps_old", "copy_into_gbps",
+                                             "dequantize_into_over_copy",
+                                             "dequantize_into_over_copy_old"}}}
+
+Throughput: quantize and dequantize-into-a-buffer of ``[1, 12, S, 128]`` bf16 (GB/s of the
+bf16 segment), next to ``copy_`` into a buffer of the same size, and the same operations of
+the codec as of commit 3d118d4 (`benchmarks/_codec_v0.py`, a frozen copy) in the same run,
+interleaved (median of the repetitions).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _codec_v0 as v0  # noqa: E402  (the pre-change CPU path, for old-vs-new timing)
 
 from causalkv.caches.qvg import (  # noqa: E402
     QVGKVQuantArgs,
@@ -125,6 +164,81 @@ def _rel(y: torch.Tensor, x: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# peers (the `bench` extra)
+# ---------------------------------------------------------------------------------------------
+GROUP = 64
+SCHEMA = "causalkv.codec-bench/1"
+
+
+def _nbytes_deep(t) -> int:
+    """Bytes of a tensor, or of every inner tensor of a tensor subclass (packed codes)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes_deep(getattr(t, n)) for n in names)
+    return int(t.numel() * t.element_size())
+
+
+def _peer_hqq(x2: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    from hqq.core.quantize import Quantizer
+
+    w_q, meta = Quantizer.quantize(x2, nbits=bits, group_size=GROUP, axis=1, device="cpu",
+                                   compute_dtype=torch.float32)
+    y = Quantizer.dequantize(w_q, meta)
+    return y, _nbytes_deep(w_q) + _nbytes_deep(meta["scale"]) + _nbytes_deep(meta["zero"])
+
+
+def _peer_torchao(x2: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        choose_qparams_affine,
+        dequantize_affine,
+        quantize_affine,
+    )
+
+    blk, qmax = (1, GROUP), 2**bits - 1
+    scale, zero = choose_qparams_affine(
+        x2, MappingType.ASYMMETRIC, blk, torch.uint8, quant_min=0, quant_max=qmax,
+        scale_dtype=torch.bfloat16, zero_point_dtype=torch.bfloat16)
+    q = quantize_affine(x2, blk, scale, zero, torch.uint8, 0, qmax)
+    y = dequantize_affine(q, blk, scale, zero, torch.uint8, 0, qmax, output_dtype=torch.float32)
+    return y, _nbytes_deep(q) + _nbytes_deep(scale) + _nbytes_deep(zero)
+
+
+def _peer_quanto(x2: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    from optimum.quanto import MaxOptimizer, qint2, qint4
+    from optimum.quanto.tensor.weights import quantize_weight
+
+    qtype = {2: qint2, 4: qint4}[bits]
+    scale, shift = MaxOptimizer()(x2, qtype, axis=0, group_size=GROUP)
+    q = quantize_weight(x2, qtype=qtype, axis=0, scale=scale, shift=shift, group_size=GROUP,
+                        optimized=False)
+    return q.dequantize(), _nbytes_deep(q)
+
+
+PEERS: dict[str, tuple[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]]] = {
+    "hqq": ("hqq", _peer_hqq),
+    "torchao": ("torchao", _peer_torchao),
+    "quanto": ("optimum-quanto", _peer_quanto),
+}
+
+
+def probe_peers() -> dict[str, dict]:
+    """Which peers run here: ``{name: {available, package, version, reason}}``."""
+    out = {}
+    x = torch.randn(4, 2 * GROUP).to(torch.bfloat16)
+    for name, (package, fn) in PEERS.items():
+        info: dict = {"package": package, "available": False, "version": None, "reason": None}
+        try:
+            info["version"] = importlib.metadata.version(package)
+            fn(x, 2)
+            info["available"] = True
+        except Exception as e:  # not installed, or broken against this torch/transformers
+            info["reason"] = f"{type(e).__name__}: {e}"[:300]
+        out[name] = info
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # runs
 # ---------------------------------------------------------------------------------------------
 def prq_variants(bits: int) -> dict[str, QVGKVQuantArgs]:
@@ -133,41 +247,69 @@ def prq_variants(bits: int) -> dict[str, QVGKVQuantArgs]:
         "prq-ref": QVGKVQuantArgs(**b),
         "prq-mse4": QVGKVQuantArgs(**b, grid="mse4"),
         "prq-asym": QVGKVQuantArgs(**b, asymmetric=True),
-        "prq-b32": QVGKVQuantArgs(**b, block_size=32),
         "prq-b32-mse4": QVGKVQuantArgs(**b, block_size=32, grid="mse4"),
-        "prq-b16-mse4": QVGKVQuantArgs(**b, block_size=16, grid="mse4"),
         "prq-2stage": QVGKVQuantArgs(**b, stages=2),
-        "prq-iters4-mse4": QVGKVQuantArgs(**b, kmeans_iters=4, grid="mse4"),
+        "prq-k64": QVGKVQuantArgs(**b, centroids=64),
+        "prq-k64-mse4": QVGKVQuantArgs(**b, centroids=64, grid="mse4"),
+        "prq-b128-k96-mse4": QVGKVQuantArgs(**b, block_size=128, centroids=96, grid="mse4"),
+        "prq-b128-k64-mse4": QVGKVQuantArgs(**b, block_size=128, centroids=64, grid="mse4"),
+        "prq-b128-k32-mse4": QVGKVQuantArgs(**b, block_size=128, centroids=32, grid="mse4"),
     }
 
 
-def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
+def _row(data: str, tensor: str, bits: int, method: str, family: str, y: torch.Tensor,
+         x: torch.Tensor, bpe: float, stored: float) -> dict:
+    e = _rel(y.reshape(x.shape), x)
+    return dict(data=data, tensor=tensor, bits=bits, method=method, family=family,
+                bits_per_element=round(bpe, 4), bits_stored=round(stored, 4),
+                rel_err=round(e, 5), snr_db=round(-20 * math.log10(max(e, 1e-12)), 2))
+
+
+def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[str, dict]) -> list[dict]:
     rows = []
     for data, (k, v) in datasets.items():
         S, D = k.shape[2], k.shape[3]
         for bits in (2, 4):
             for tensor, x in (("K", k), ("V", v)):
-                cases: list[tuple[str, torch.Tensor, float]] = []
                 for sym in (True, False):
-                    y, bpe = rtn(x, bits, 64, sym)
-                    cases.append(("rtn-sym" if sym else "rtn-asym", y, bpe))
+                    y, bpe = rtn(x, bits, GROUP, sym)
+                    rows.append(_row(data, tensor, bits, "rtn-sym" if sym else "rtn-asym",
+                                     "baseline", y, x, bpe, bpe))
                 y, bpe = kivi(x, bits, tensor == "K")
-                cases.append(("kivi", y, bpe))
+                rows.append(_row(data, tensor, bits, "kivi", "baseline", y, x, bpe, bpe))
+                x2 = x.reshape(-1, D)
+                for name, info in peers.items():
+                    if not info["available"]:
+                        continue
+                    y, nbytes = PEERS[name][1](x2, bits)
+                    rows.append(_row(data, tensor, bits, name, "peer", y, x,
+                                     bits + 32 / GROUP, 8 * nbytes / x.numel()))
                 for name, args in prq_variants(bits).items():
-                    y = dequantize(quantize(x, args), dtype=torch.float32)
-                    cases.append((name, y, bits_per_element(S, D, args)))
-                ref_bpe = next(bpe for n, _, bpe in cases if n == "prq-ref")
-                part = []
-                for name, y, bpe in cases:
-                    e = _rel(y, x)
-                    part.append(dict(data=data, tensor=tensor, bits=bits, method=name,
-                                     bits_per_element=round(bpe, 4), rel_err=round(e, 5),
-                                     snr_db=round(-20 * math.log10(max(e, 1e-12)), 2)))
-                prq = [r for r in part if r["method"].startswith("prq-")
-                       and r["bits_per_element"] <= ref_bpe + 0.6]
-                min(prq, key=lambda r: r["rel_err"])["best"] = True
-                rows += part
+                    p = quantize(x, args)
+                    y = dequantize(p, dtype=torch.float32)
+                    rows.append(_row(data, tensor, bits, name, "prq", y, x,
+                                     bits_per_element(S, D, args), 8 * p.nbytes / x.numel()))
     return rows
+
+
+def targets(rows: list[dict], data: str = "structured") -> list[dict]:
+    """For every peer row on ``data``: the lowest-error PRQ row with at most the peer's
+    counted bits per element and a lower error (``met``), else the nearest miss."""
+    out = []
+    for peer in (r for r in rows if r["family"] == "peer" and r["data"] == data):
+        same = [r for r in rows if r["family"] == "prq" and r["data"] == data
+                and r["tensor"] == peer["tensor"] and r["bits"] == peer["bits"]
+                and r["bits_per_element"] <= peer["bits_per_element"]]
+        best = min(same, key=lambda r: r["rel_err"], default=None)
+        out.append(dict(
+            data=data, tensor=peer["tensor"], bits=peer["bits"], peer=peer["method"],
+            peer_bits_per_element=peer["bits_per_element"], peer_rel_err=peer["rel_err"],
+            prq_method=None if best is None else best["method"],
+            prq_bits_per_element=None if best is None else best["bits_per_element"],
+            prq_rel_err=None if best is None else best["rel_err"],
+            met=best is not None and best["rel_err"] < peer["rel_err"],
+        ))
+    return out
 
 
 def _median_time(fns: dict, reps: int) -> dict[str, float]:
@@ -183,64 +325,127 @@ def _median_time(fns: dict, reps: int) -> dict[str, float]:
 
 
 def throughput(S: int, reps: int) -> dict:
-    k, _ = structured_kv(H=12, frames=max(1, S // 1560))
+    """New vs old (`_codec_v0`) quantize and dequantize-into-a-buffer, and ``copy_``,
+    interleaved in one run, on ``[1, 12, S, 128]`` bf16."""
+    k, _ = structured_kv(H=12, frames=max(1, -(-S // 1560)))
     x = k[:, :, :S].contiguous()
     nbytes = x.numel() * 2
-    out = {"shape": list(x.shape), "threads": torch.get_num_threads()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    out: dict = {"shape": list(x.shape), "threads": torch.get_num_threads(),
+                 "load_avg_1min": None if load is None else round(load, 2)}
     for bits in (2, 4):
         args = QVGKVQuantArgs(bits=bits)
-        tq = _median_time({"q": lambda a=args: quantize(x, a)}, max(1, reps // 3))["q"]
-        p = quantize(x, args)
-        t = _median_time({"clone": lambda: x.clone(), "deq": lambda pp=p: dequantize(pp)}, reps)
-        # Without allocation (how the cache materializes a window): dequantize into an
-        # existing buffer vs a plain copy into an existing buffer, interleaved.
+        tq = _median_time({
+            "new": lambda a=args: quantize(x, a),
+            "old": lambda a=args: v0.quantize(x, a),
+        }, max(1, reps // 3))
+        p, po = quantize(x, args), v0.quantize(x, args)
         buf, dst = torch.zeros_like(x), torch.zeros_like(x)
-        t_into = _median_time({
-            "deq_into": lambda pp=p, o=buf: dequantize(pp, out=o),
-            "copy_into": lambda o=dst: o.copy_(x),
+        t = _median_time({
+            "new": lambda pp=p, o=buf: dequantize(pp, out=o),
+            "old": lambda pp=po, o=buf: v0.dequantize(pp, out=o),
+            "copy": lambda o=dst: o.copy_(x),
         }, reps)
         out[f"int{bits}"] = dict(
-            quantize_gbps=round(nbytes / tq / 1e9, 4),
-            dequantize_gbps=round(nbytes / t["deq"] / 1e9, 3),
-            dequantize_into_gbps=round(nbytes / t_into["deq_into"] / 1e9, 3),
-            clone_gbps=round(nbytes / t["clone"] / 1e9, 3),
-            dequantize_over_clone=round(t["clone"] / t["deq"], 3),
-            copy_into_gbps=round(nbytes / t_into["copy_into"] / 1e9, 3),
-            dequantize_into_over_copy=round(t_into["copy_into"] / t_into["deq_into"], 3),
+            quantize_gbps=round(nbytes / tq["new"] / 1e9, 4),
+            quantize_gbps_old=round(nbytes / tq["old"] / 1e9, 4),
+            quantize_speedup=round(tq["old"] / tq["new"], 2),
+            dequantize_into_gbps=round(nbytes / t["new"] / 1e9, 3),
+            dequantize_into_gbps_old=round(nbytes / t["old"] / 1e9, 3),
+            copy_into_gbps=round(nbytes / t["copy"] / 1e9, 3),
+            dequantize_into_over_copy=round(t["copy"] / t["new"], 3),
+            dequantize_into_over_copy_old=round(t["copy"] / t["old"], 3),
         )
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
-    ap.add_argument("--reps", type=int, default=7, help="timing repetitions (median)")
-    a = ap.parse_args(argv)
-    torch.manual_seed(0)
-    frames, H, S_tp = (1, 2, 1560) if a.quick else (3, 4, 14040)
+def run(quick: bool, reps: int, parts: str = "all") -> dict:
+    frames, H, S_tp = (1, 2, 1560) if quick else (3, 4, 14040)
     k, v = structured_kv(H=H, frames=frames)
-    g = torch.Generator().manual_seed(1)
-    gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-    gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-    rows = quality({"structured": (k, v), "gaussian": (gk, gv)})
-    tp = throughput(S_tp, 3 if a.quick else a.reps)
-    if a.json:
-        print(json.dumps({"quality": rows, "throughput": tp}, indent=1))
-        return 0
-    print(f"quality: [B, H, S, D] = {list(k.shape)}  (rel = ||x^-x||/||x||)")
-    print(f"{'data':<11}{'T':<3}{'b':<3}{'method':<17}{'bits/el':>8}{'rel err':>10}{'SNR dB':>8}")
+    res: dict = {
+        "schema": SCHEMA,
+        "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
+                   "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "peers": {}, "quality": [], "targets": [], "throughput": None,
+    }
+    if parts in ("all", "quality"):
+        g = torch.Generator().manual_seed(1)
+        gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+        gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+        res["peers"] = probe_peers()
+        res["quality"] = quality({"structured": (k, v), "gaussian": (gk, gv)}, res["peers"])
+        res["targets"] = targets(res["quality"])
+    if parts in ("all", "throughput"):
+        res["throughput"] = throughput(S_tp, 3 if quick else reps)
+    return res
+
+
+def print_tables(res: dict) -> None:
+    if res["quality"]:
+        print_quality(res)
+    if res["throughput"]:
+        print_throughput(res["throughput"])
+
+
+def print_quality(res: dict) -> None:
+    print(f"quality: [B, H, S, D] = {res['config']['shape']}  (rel = ||x^-x||/||x||; bits/el "
+          "as counted, peers with a 16-bit scale + zero per group of 64; stored = actual)")
+    for name, info in res["peers"].items():
+        if not info["available"]:
+            print(f"  peer {name} ({info['package']}) not run: {info['reason']}")
+    rows = res["quality"]
+    key = lambda r: (r["data"], r["bits"], r["method"])  # noqa: E731
+    pairs: dict = {}
     for r in rows:
-        mark = "  <- best" if r.get("best") else ""
-        print(f"{r['data']:<11}{r['tensor']:<3}{r['bits']:<3}{r['method']:<17}"
-              f"{r['bits_per_element']:>8.3f}{r['rel_err']:>10.4f}{r['snr_db']:>8.2f}{mark}")
-    print(f"\nthroughput on this CPU: {tp['shape']} bf16, {tp['threads']} threads")
+        pairs.setdefault(key(r), {})[r["tensor"]] = r
+    print(f"{'data':<11}{'b':<3}{'method':<19}{'bits/el':>8}{'stored':>8}"
+          f"{'K rel':>9}{'V rel':>9}")
+    for (data, bits, method), kv in pairs.items():
+        r = kv["K"]
+        print(f"{data:<11}{bits:<3}{method:<19}{r['bits_per_element']:>8.3f}{r['bits_stored']:>8.3f}"
+              f"{kv['K']['rel_err']:>9.4f}{kv['V']['rel_err']:>9.4f}")
+    print("\ntargets (structured): PRQ at <= the peer's counted bits with a lower error")
+    for t in res["targets"]:
+        mark = "met" if t["met"] else "MISSED"
+        print(f"  {t['tensor']} int{t['bits']} {t['peer']:<8} {t['peer_bits_per_element']:.3f} b "
+              f"{t['peer_rel_err']:.4f} vs {t['prq_method']} {t['prq_bits_per_element']} b "
+              f"{t['prq_rel_err']}: {mark}")
+
+
+def print_throughput(tp: dict) -> None:
+    print(f"\nthroughput on this CPU: {tp['shape']} bf16, {tp['threads']} threads, "
+          f"load average {tp['load_avg_1min']} (new vs old = commit 3d118d4, same run)")
     for bits in (2, 4):
         t = tp[f"int{bits}"]
-        print(f"int{bits}: quantize {t['quantize_gbps']} GB/s | dequantize {t['dequantize_gbps']} "
-              f"GB/s (into a buffer {t['dequantize_into_gbps']}) | clone {t['clone_gbps']} GB/s | "
-              f"dequantize/clone = {t['dequantize_over_clone']} | into a buffer vs copy_ "
-              f"{t['dequantize_into_over_copy']}")
+        print(f"int{bits}: quantize {t['quantize_gbps']} GB/s (old {t['quantize_gbps_old']}, "
+              f"x{t['quantize_speedup']}) | dequantize into a buffer {t['dequantize_into_gbps']} "
+              f"GB/s (old {t['dequantize_into_gbps_old']}) | copy_ {t['copy_into_gbps']} GB/s | "
+              f"into/copy_ = {t['dequantize_into_over_copy']} "
+              f"(old {t['dequantize_into_over_copy_old']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
+                    help="write the figures as JSON to PATH ('-' or no PATH: stdout, no tables)")
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--reps", type=int, default=7, help="timing repetitions (median)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); 1 avoids thread barriers "
+                         "stalling on a CPU shared with other jobs")
+    ap.add_argument("--only", choices=("quality", "throughput"), default=None,
+                    help="run one part only (the other part's JSON keys stay empty)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    res = run(a.quick, a.reps, a.only or "all")
+    if a.json == "-":
+        print(json.dumps(res, indent=1))
+        return 0
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    print_tables(res)
     return 0
 
 

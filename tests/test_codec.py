@@ -455,15 +455,44 @@ def test_scale_exponent_is_per_head():
 
 
 @pytest.mark.parametrize("name", ["int2-sampled", "int2-asym-2stage", "int4-mse4"])
-def test_all_heads_in_one_batch_equal_one_head_at_a_time(name, monkeypatch):
-    """The CPU packs one head at a time, CUDA all heads in one batch of kernels: both give
-    the same bytes (every operation is per head)."""
+def test_any_grouping_of_heads_gives_the_same_bytes(name, monkeypatch):
+    """`quantize` runs groups of heads through batched kernels (a few on the CPU, all of
+    them on CUDA): one head at a time and all heads at once give the same bytes."""
     from causalkv.caches.qvg import codec
 
     args = SPLIT_ARGS[name]
     x = heads_of_different_scales()
+    monkeypatch.setattr(codec, "_head_group", lambda device, n, S: 1)
     one = quantize(x, args, seed=2)
-    monkeypatch.setattr(codec, "_head_group", lambda device, n: n)
-    batched = quantize(x, args, seed=2)
-    assert_same_segment(batched, one)
-    assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1), one.select_heads(1, 4))
+    for group in (3, 10):
+        monkeypatch.setattr(codec, "_head_group", lambda device, n, S, g=group: min(g, n))
+        assert_same_segment(quantize(x, args, seed=2), one)
+        assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1),
+                            one.select_heads(1, 4))
+
+
+def test_codec_benchmark_targets_need_fewer_bits_and_lower_error():
+    """benchmarks/codec.py's peer targets: a PRQ row qualifies only with at most the peer's
+    counted bits per element and a strictly lower error on the same data/tensor/bits."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "codec.py"
+    spec = importlib.util.spec_from_file_location("codec_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(method, family, bpe, err, tensor="K", bits=2, data="structured"):
+        return dict(data=data, tensor=tensor, bits=bits, method=method, family=family,
+                    bits_per_element=bpe, bits_stored=bpe, rel_err=err, snr_db=0.0)
+
+    rows = [row("hqq", "peer", 2.5, 0.40), row("prq-a", "prq", 2.6, 0.10),
+            row("prq-b", "prq", 2.45, 0.30), row("prq-c", "prq", 2.4, 0.35),
+            row("prq-d", "prq", 2.3, 0.05, tensor="V"), row("prq-e", "prq", 2.3, 0.01, bits=4),
+            row("quanto", "peer", 2.5, 0.20, tensor="V"), row("prq-f", "prq", 2.5, 0.25, tensor="V"),
+            row("prq-g", "prq", 1.0, 0.001, data="gaussian")]
+    got = {(t["peer"], t["tensor"]): t for t in bench.targets(rows)}
+    assert got["hqq", "K"]["prq_method"] == "prq-b" and got["hqq", "K"]["met"]
+    assert got["quanto", "V"]["prq_method"] == "prq-d" and got["quanto", "V"]["met"]
+    assert not bench.targets([row("hqq", "peer", 2.5, 0.1), row("prq-x", "prq", 2.4, 0.2)])[0]["met"]
+    assert bench._nbytes_deep(torch.empty(3, 5, dtype=torch.bfloat16)) == 30

@@ -162,8 +162,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         and all heads in one launch (the CUDA grouping): bytes equal the whole tensor's."""
         from causalkv.caches.qvg import codec
 
-        if batched:
-            monkeypatch.setattr(codec, "_head_group", lambda device, n: n)
+        monkeypatch.setattr(codec, "_head_group", lambda device, n, S: n if batched else 1)
         g = torch.Generator().manual_seed(8)
         x = torch.randn(1, 3, 160, 32, generator=g)
         x = (x * torch.tensor([2.0**-5, 1.0, 2.0**7]).view(1, 3, 1, 1)).to(torch.bfloat16)
@@ -182,3 +181,27 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
             if args.asymmetric:
                 assert torch.equal(part.zeros, sub.zeros)
             assert torch.equal(dequantize(part, dtype=torch.float32, backend="triton"), y[:, a:b])
+
+
+    def test_gpu_benchmark_script_runs_its_checks_on_the_cpu(tmp_path):
+        """benchmarks/gpu_codec.py (the GPU check, prepared for a CUDA machine) runs its
+        backend checks and timing loop end to end under the interpreter and writes its JSON."""
+        import importlib.util
+        import json
+        from pathlib import Path
+
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_codec.py"
+        spec = importlib.util.spec_from_file_location("gpu_codec", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out = tmp_path / "gpu.json"
+        assert mod.main(["--device", "cpu", "--smoke", "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["schema"] == "causalkv.gpu-codec-bench/1" and res["ok"]
+        assert {c["name"] for c in res["checks"]} == set(mod.CHECK_ARGS)
+        assert all(c["head_offset_bitwise"] and c["dequant_f32_max_rel"] <= 2.0**-20
+                   for c in res["checks"])
+        assert [(t["bits"], t["shape"]) for t in res["throughput"]] == [(2, [1, 2, 64, 64]),
+                                                                        (4, [1, 2, 64, 64])]
+        assert all(t["dequant_ms"] > 0 and t["copy_ms"] > 0 for t in res["throughput"])
+        assert mod.main(["--device", "cuda"]) == 2 or __import__("torch").cuda.is_available()

@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.torch_impl import _scratch as scratch
 
 __all__ = [
     "BACKEND_ENV",
@@ -338,7 +339,7 @@ def _block_scales(
     N, D = r.shape
     r3 = r.view(N, D // block, block)
     if asymmetric or grid == "reference":
-        mn, mx = torch.aminmax(r3, dim=-1)  # one read of the residual
+        mn, mx = r3.amin(-1), r3.amax(-1)  # two vectorized reads, no temporary
         amax = torch.maximum(mn.abs(), mx.abs())  # abs: +0.0 for an all-zero block
         if asymmetric:
             s = torch.maximum((mx - mn) / float(2**bits - 1), amax / _MAX_ZERO_RANGE)
@@ -350,7 +351,7 @@ def _block_scales(
     # grid whose outer level is the block's absmax.
     half = 2 ** (bits - 1)
     s = amax / float(2**bits - 1)
-    lv = torch.empty_like(r3)
+    lv = scratch("scales.lv", r3.numel(), torch.float32, r.device).view(r3.shape)
     for _ in range(_MSE_ITERS):
         safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
         torch.div(r3, safe, out=lv)
@@ -417,18 +418,26 @@ def _draws(
     return out
 
 
-def _rows(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``c [G, K, D]`` rows picked by ``ids [G, S]`` -> ``[G, S, D]`` (one row gather)."""
+def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.Tensor:
+    """``c [G, K, D]`` rows picked by ``ids [G, S]`` -> ``[G, S, D]`` (one row gather; into
+    the reused scratch buffer ``buf`` if named)."""
     G, K, D = c.shape
+    S = ids.shape[1]
+    out = None if buf is None else scratch(buf, G * S * D, c.dtype, c.device).view(G * S, D)
     if G == 1:
-        return torch.index_select(c[0], 0, ids[0]).unsqueeze(0)
+        return torch.index_select(c[0], 0, ids[0], out=out).view(1, S, D)
     off = torch.arange(G, device=ids.device, dtype=ids.dtype).unsqueeze(1) * K
-    return torch.index_select(c.reshape(G * K, D), 0, (ids + off).reshape(-1)).view(G, -1, D)
+    flat = (ids + off).reshape(-1)
+    return torch.index_select(c.reshape(G * K, D), 0, flat, out=out).view(G, S, D)
 
 
-def _head_group(device: torch.device, BH: int) -> int:
-    """Heads per batch of kernels in `quantize`: 1 on the CPU, all of them elsewhere."""
-    return 1 if device.type == "cpu" else BH
+_CPU_GROUP_ROWS = 1 << 15
+
+
+def _head_group(device: torch.device, BH: int, S: int) -> int:
+    """Heads per batch of kernels in `quantize`: on the CPU about ``2^15`` tokens' worth
+    (cache-sized temporaries, few enough ops), elsewhere all of them."""
+    return max(1, min(BH, _CPU_GROUP_ROWS // S)) if device.type == "cpu" else BH
 
 
 def quantize(
@@ -508,13 +517,12 @@ def quantize(
     ids = [torch.empty(B, H, S, dtype=torch.uint8, device=dev) for _ in range(args.stages)]
     cents = (list(codebooks) if codebooks is not None else
              [torch.empty(B, H, K, D, dtype=torch.bfloat16, device=dev) for _ in range(args.stages)])
-    # On the CPU one head at a time (temporaries stay cache-sized, and a head sees the same
-    # calls and shapes whatever the other heads are); elsewhere all heads in one batch.
-    group = _head_group(dev, BH)
-    xr = None if group == 1 else x.reshape(BH, S, D)
+    # Groups of heads (every operation is per head, so the grouping does not change a bit).
+    group = _head_group(dev, BH, S)
     for g0 in range(0, BH, group):
         g1 = min(g0 + group, BH)
-        xg = x[g0 // H, g0 % H].unsqueeze(0) if xr is None else xr[g0:g1]
+        xg = (x[g0 // H, g0 % H].unsqueeze(0) if group == 1 else
+              torch.stack([x[i // H, i % H] for i in range(g0, g1)]) if B > 1 else x[0, g0:g1])
         out = _quantize_heads(
             xg, norm[g0:g1], args, impl, seed=seed,
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
@@ -569,9 +577,14 @@ def _quantize_heads(
     nb = D // block
     dev = xg.device
     neg = [-e for e in norm]
-    xf = _mul_pow2(xg, neg, torch.float32).contiguous()  # |xf| <= 1; one pass when in range
-    mn, mx = torch.aminmax(xf.view(G * S, nb, block), dim=-1)
-    zero_block = (mn == 0) & (mx == 0)  # [G*S, nb]: the input block is all zeros
+    if -120 <= min(neg) and max(neg) <= 125:  # |xf| <= 1: cast, then scale in place (exact)
+        xf = scratch("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
+        if any(neg):
+            xf.mul_(torch.tensor(neg, dtype=torch.float64).exp2().float().to(dev).view(G, 1, 1))
+    else:
+        xf = _mul_pow2(xg, neg, torch.float32).contiguous()
+    x3 = xf.view(G * S, nb, block)
+    zero_block = (x3.amax(-1) == 0) & (x3.amin(-1) == 0)  # [G*S, nb]: all-zero input block
     resid = xf  # updated in place from here on
     ids, cents = [], []
     if codebooks is None:
@@ -583,7 +596,7 @@ def _quantize_heads(
         else:
             pick, sample = (t.to(dev) for t in draws[stage])
             c = _rows(resid, pick)
-            xs = _rows(resid, sample) if sample.shape[1] else resid
+            xs = _rows(resid, sample, "quantize.sample") if sample.shape[1] else resid
             for _ in range(args.kmeans_iters):
                 a = impl.kmeans_assign(xs, c)
                 c = impl.kmeans_update(xs, a, c)
@@ -591,7 +604,7 @@ def _quantize_heads(
             c32 = c_bf.float()
             cents.append(_mul_pow2(c_bf, norm, torch.bfloat16))
         a = impl.kmeans_assign(resid, c32)
-        resid.sub_(_rows(c32, a))
+        resid.sub_(_rows(c32, a, "quantize.rows"))
         ids.append(a.to(torch.uint8))
 
     r = resid.view(G * S, D)

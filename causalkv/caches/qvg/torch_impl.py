@@ -36,17 +36,37 @@ def _bh_chunks(BH: int, per_bh: int) -> list[tuple[int, int]]:
 def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Nearest centroid ``[BH, S]`` int64 of each token of ``x [BH, S, D]`` among ``c [BH, K, D]``.
 
-    Squared distance up to the per-token constant: ``||c||^2 - 2 x.c`` (one batched matmul);
-    ties go to the lowest centroid index.
+    Squared distance up to the per-token constant: ``||c||^2 - 2 x.c`` (one GEMM per token
+    tile); ties go to the lowest centroid index. On the CPU the distances are laid out
+    ``[K, tokens]`` so the minimum and the first index reaching it are reductions over the
+    outer dimension (vectorized along the tokens), in reused scratch buffers.
     """
     BH, S, _ = x.shape
     K = c.shape[1]
-    cn = (c * c).sum(-1).unsqueeze(1)  # [BH, 1, K]
+    cn = (c * c).sum(-1)  # [BH, K]
     out = torch.empty(BH, S, dtype=torch.int64, device=x.device)
-    for a, b in _bh_chunks(BH, S * K):
-        dist = torch.baddbmm(cn[a:b], x[a:b], c[a:b].transpose(1, 2), alpha=-2.0)
-        out[a:b] = dist.argmin(dim=2)
+    if x.device.type != "cpu":
+        cn3 = cn.unsqueeze(1)
+        for a, b in _bh_chunks(BH, S * K):
+            dist = torch.baddbmm(cn3[a:b], x[a:b], c[a:b].transpose(1, 2), alpha=-2.0)
+            out[a:b] = dist.argmin(dim=2)
+        return out
+    rev = (K - torch.arange(K, dtype=torch.int16)).view(1, K, 1)  # first index of the min
+    cn3 = cn.unsqueeze(2)  # [BH, K, 1]
+    step = max(1, _ASSIGN_TILE // (K * BH))
+    for s0 in range(0, S, step):
+        s1 = min(s0 + step, S)
+        n = BH * K * (s1 - s0)
+        dist = torch.baddbmm(cn3, c, x[:, s0:s1].transpose(1, 2), alpha=-2.0,
+                             out=_scratch("assign.dist", n, torch.float32, x.device).view(BH, K, -1))
+        eq = torch.eq(dist, dist.amin(1, keepdim=True),
+                      out=_scratch("assign.eq", n, torch.bool, x.device).view(dist.shape))
+        w = torch.mul(eq, rev, out=_scratch("assign.w", n, torch.int16, x.device).view(dist.shape))
+        torch.sub(K, w.amax(1), out=out[:, s0:s1])
     return out
+
+
+_ASSIGN_TILE = 1 << 21  # distances per assignment tile (8 MB of float32)
 
 
 def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -61,7 +81,11 @@ def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.
     counts = torch.empty(BH, K, 1, dtype=torch.float32, device=x.device)
     ks = torch.arange(K, device=x.device, dtype=ids.dtype).view(1, K, 1)
     for a, b in _bh_chunks(BH, S * K):
-        onehot = (ids[a:b].unsqueeze(1) == ks).to(torch.float32)  # [n, K, S]
+        n = b - a
+        hot = torch.eq(ids[a:b].unsqueeze(1), ks,
+                       out=_scratch("update.eq", n * K * S, torch.bool, x.device).view(n, K, S))
+        onehot = _scratch("update.onehot", n * K * S, torch.float32, x.device).view(n, K, S)
+        onehot.copy_(hot)
         torch.bmm(onehot, x[a:b], out=sums[a:b])
         torch.sum(onehot, dim=-1, keepdim=True, out=counts[a:b])
     return torch.where(counts > 0, sums / counts.clamp_min(1.0), c)
@@ -77,13 +101,17 @@ def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     v = v.to(torch.int8).contiguous()
     shape = (*v.shape[:-1], v.shape[-1] // per)
+    n, dev = v.numel() // per, v.device
     if bits == 2:
-        w = v.view(torch.int32) & 0x03030303
-        w |= w >> 6  # fields 0,1 -> bits 0..3; fields 2,3 -> bits 16..19
-        w |= w >> 12  # fields 2,3 -> bits 4..7
+        w = torch.bitwise_and(v.view(-1).view(torch.int32), 0x03030303,
+                              out=_scratch("pack.w32", n, torch.int32, dev))
+        t = _scratch("pack.t32", n, torch.int32, dev)
+        w |= torch.bitwise_right_shift(w, 6, out=t)  # fields 0,1 -> bits 0..3; 2,3 -> 16..19
+        w |= torch.bitwise_right_shift(w, 12, out=t)  # fields 2,3 -> bits 4..7
     else:
-        w = v.view(torch.int16) & 0x0F0F
-        w |= w >> 4
+        w = torch.bitwise_and(v.view(-1).view(torch.int16), 0x0F0F,
+                              out=_scratch("pack.w16", n, torch.int16, dev))
+        w |= torch.bitwise_right_shift(w, 4, out=_scratch("pack.t16", n, torch.int16, dev))
     return w.to(torch.uint8).view(shape)
 
 
@@ -131,7 +159,8 @@ def quantize_pack(
     half = 2 ** (bits - 1)
     s = scale.view(N, nb, 1).to(torch.float32)
     # s == 0 -> divide by inf: q = 0 (r is finite), so v = 0 with no extra select pass.
-    q = torch.div(r.view(N, nb, block), torch.where(s > 0, s, torch.inf))
+    q = _scratch("pack.q", N * D, torch.float32, r.device).view(N, nb, block)
+    torch.div(r.view(N, nb, block), torch.where(s > 0, s, torch.inf), out=q)
     if zeros is not None:
         z = zeros.view(N, nb, 1).to(torch.float32).masked_fill_(s == 0, 0.0)
         q.add_(0.5).floor_().add_(z).clamp_(-half, half - 1)
@@ -139,7 +168,8 @@ def quantize_pack(
         q.mul_(0.5).floor_().clamp_(-half, half - 1)
     else:
         q.add_(0.5).floor_().clamp_(-(half - 1), half - 1)
-    return pack_fields(q.view(N, D).to(torch.int8), bits)
+    v = _scratch("pack.v", N * D, torch.int8, r.device).view(N, D)
+    return pack_fields(v.copy_(q.view(N, D)), bits)
 
 
 _TILE_ELEMS = 1 << 21  # outputs per dequantize tile: few ops per call, temporaries of a few MB
@@ -164,7 +194,8 @@ def _tiles(B: int, H: int, S: int, D: int) -> list[tuple[int, int, int, int, int
 
 
 def _scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D ``[n]`` temporary. On the CPU it is kept per thread and reused across calls:
+    """A 1-D ``[n]`` temporary. On the CPU it is kept per thread and reused across calls
+    (so two live temporaries need two names):
     a fresh multi-MB allocation costs a page fault per 4 KiB, more than the work done in it
     (tile-sized, so at most a few MB per buffer)."""
     if device.type != "cpu":
