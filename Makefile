@@ -45,6 +45,9 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/plugins.py
+	$(BIN)/python benchmarks/generate.py
+	# the figures of docs/benchmarks.md (reruns codec.py --only quality and generate.py as JSON)
+	$(BIN)/python benchmarks/report.py --out docs/figures
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
