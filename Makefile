@@ -27,12 +27,12 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 # packed cache, compared with the bf16 cache on the same seed; the last lines are the summary.
 # float32 compute with bf16 caches: CPUs without bf16 instructions run bf16 matmuls ~10x slower.
 run: $(STAMP)
-	$(BIN)/causalkv generate --model tiny-longlive2-hd \
+	$(BIN)/causalkv generate --model tiny-longlive2-1k \
 	  --prompt "A red fox trots through fresh snow in a pine forest at dawn" \
 	  --prompt "A neon-lit city street at night in the rain" \
 	  --dtype float32 --kv-cache-dtype bfloat16 \
 	  --kv-cache-quant int2 --kv-cache-quant-keep-recent 0 --compare-bf16 --quiet \
-	  --output out/tiny-longlive2-hd.mp4 --metrics out/tiny-longlive2-hd-metrics.json
+	  --output out/tiny-longlive2-1k.mp4 --metrics out/tiny-longlive2-1k-metrics.json
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
