@@ -71,11 +71,14 @@ def plot_codec(codec: dict[str, Any], out: Path) -> Path:
     plt = _plt()
     rows = codec["quality"]
     datas = [d for d in ("structured", "gaussian") if any(r["data"] == d for r in rows)]
-    fig, axes = plt.subplots(len(datas), 2, figsize=(12, 4.6 * len(datas)), squeeze=False)
+    fig, axes = plt.subplots(len(datas), 2, figsize=(14, 4.6 * len(datas)), squeeze=False)
     markers = {"baseline": "s", "peer": "^", "prq": "o"}
     methods = sorted({r["method"] for r in rows})
     cmap = plt.get_cmap("tab20")
-    color = {m: cmap(i % 20) for i, m in enumerate(methods)}
+    peer_colors = iter(("#000000", "#e6007e", "#00a0a0", "#7a4b00"))
+    fams = {r["method"]: r.get("family", "prq") for r in rows}
+    color = {m: next(peer_colors, "#000000") if fams[m] == "peer" else cmap(i % 20)
+             for i, m in enumerate(methods)}
     for i, data in enumerate(datas):
         for j, tensor in enumerate(("K", "V")):
             ax = axes[i][j]
@@ -86,17 +89,20 @@ def plot_codec(codec: dict[str, Any], out: Path) -> Path:
                 if not pts:
                     continue
                 fam = pts[0][2]
+                peer = fam == "peer"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers.get(fam, "o"),
-                        ls="-" if fam == "prq" else "--", lw=0.8, ms=6, color=color[m], label=m)
+                        ls="-" if fam == "prq" else "--", lw=1.6 if peer else 0.8, ms=9 if peer else 6,
+                        color=color[m], label=f"{m} (peer)" if peer else m, zorder=3 if peer else 2)
             ax.set_yscale("log")
             ax.set_xlabel("bits per element (peers: 16-bit scale + zero per group)")
             ax.set_ylabel("relative error ||x^ - x|| / ||x||")
             ax.set_title(f"{data} data, {tensor}")
             ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=8, title="method (o PRQ, ^ peer, s baseline)")
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8,
+               title="o PRQ, ^ peer, s baseline")
     fig.suptitle("Codec: relative error vs bits per element, 2 and 4 bits")
-    fig.tight_layout(rect=(0, 0, 0.84, 0.97))
+    fig.tight_layout(rect=(0, 0, 0.82, 0.97))
     path = out / "codec_error_vs_bits.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
