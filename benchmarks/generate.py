@@ -15,12 +15,13 @@ and int2 through `run_plan`. Per run it reports:
 - each as a ratio to ``off`` measured in the same process (``time_ratio``, ``kv_ratio``,
   ``rss_ratio``).
 
-Geometry (`GEOMETRY`): every stage keeps its real frames per chunk and sink, with a quarter of
-the real spatial tokens (half height and width: 390 tokens per frame for the 480x832 models,
-1,170 per 3-frame chunk; 220 per frame for LongLive 2.0's 704x1280, 1,760 per 8-frame chunk),
-a window of four chunks, 1 transformer layer of 2 heads x 64 channels, and the real 4 denoising
-steps plus the context pass. LongLive 2.0 runs two shots (the second opens with a pinned scene
-cut) with CFG 3.0. ``--quick`` runs the tiny presets' 64x64 geometry (16 tokens per frame) for
+Geometry (`GEOMETRY`): every stage keeps its real frames per chunk and sink. LongLive 2.0 runs
+its real 880 tokens per frame (352x640 through this host's x8 VAE, as 704x1280 through Wan 2.2's
+x16 VAE): 7,040 tokens per 8-frame chunk, two shots (the second opens with a pinned scene cut),
+CFG 3.0. The 480x832 models run a quarter of their real tokens (240x416: 390 per frame, 1,170
+per 3-frame chunk). Every stage has a window of four chunks, 1 transformer layer of 2 heads x
+64 channels, the real 4 denoising steps plus the context pass, float32 compute over bf16 caches.
+``--quick`` runs the tiny presets' 64x64 geometry (16 tokens per frame) for
 a CI-sized smoke run. ``--stage`` picks stages.
 
 Run: ``python benchmarks/generate.py [--quick] [--stage longlive2] [--json]``.
