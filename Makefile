@@ -1,4 +1,4 @@
-# Two entry points: `make run` (main job on the embedded tiny default) and `make test`.
+# Two entry points: `make run` (the product on an embedded preset) and `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -39,8 +39,16 @@ $(SGL_STAMP): pyproject.toml requirements/sglang.txt
 
 venv-sglang: $(SGL_STAMP)
 
+# A LongLive-2.0-like two-shot video (1,024 tokens per chunk, scene cut pinned) with the int2
+# packed cache, compared with the bf16 cache on the same seed; the last lines are the summary.
+# float32 compute with bf16 caches: CPUs without bf16 instructions run bf16 matmuls ~10x slower.
 run: $(STAMP)
-	$(BIN)/causalkv generate --output out/tiny-wan.mp4 --metrics out/tiny-wan-metrics.json
+	$(BIN)/causalkv generate --model tiny-longlive2-1k \
+	  --prompt "A red fox trots through fresh snow in a pine forest at dawn" \
+	  --prompt "A neon-lit city street at night in the rain" \
+	  --dtype float32 --kv-cache-dtype bfloat16 \
+	  --kv-cache-quant int2 --kv-cache-quant-keep-recent 0 --compare-bf16 --quiet \
+	  --output out/tiny-longlive2-1k.mp4 --metrics out/tiny-longlive2-1k-metrics.json
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
@@ -58,6 +66,9 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/codec.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/plugins.py
+	$(BIN)/python benchmarks/generate.py
+	# the figures of docs/benchmarks.md (reruns codec.py --only quality and generate.py as JSON)
+	$(BIN)/python benchmarks/report.py --out docs/figures
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) out .pytest_cache

@@ -179,6 +179,9 @@ class ServerArgs:
         heads_sharded: ranks sharing the heads (> 1 needs ``head_slice``).
         cache: force a cache factory by name (None: let resolution choose).
         seed, dtype, device: generation settings.
+        kv_cache_dtype: dtype of the KV caches (None: ``dtype``). On CPUs without bf16
+            instructions (AVX2) bf16 matmuls run several times slower than fp32: computing in
+            float32 with bf16 caches keeps the caches' bytes at bf16 and the speed of fp32.
         guidance_scale: classifier-free guidance (> 1 runs a negative branch with its own cache).
         shots: LongLive 2.0 shot layout (`ShotRequest`; the default: a plain request).
         motion: LingBot-World per-chunk motion signal, ``"m"``/``"s"`` per chunk (None: none;
@@ -198,6 +201,7 @@ class ServerArgs:
     guidance_scale: float = 1.0
     shots: ShotRequest = field(default_factory=ShotRequest)
     motion: tuple[str, ...] | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_cache_quant_config, QVGKVQuantArgs):
@@ -216,6 +220,11 @@ class ServerArgs:
         check_int("--seed", self.seed)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(
+                f"kv cache dtype must be one of {list(DTYPES)} or None (same as --dtype), got "
+                f"{self.kv_cache_dtype!r} (--kv-cache-dtype)"
+            )
         g = self.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")

@@ -78,7 +78,7 @@ def test_plugins_json_lists_plugins_stages_and_caches(capsys):
     assert "--kv-cache-quant" not in stages["plain"]["features_needed"]
     ll2 = stages["longlive2"]
     assert ll2["qvg"] is True and ll2["multi_shot"] is True
-    assert ll2["models"] == ["LongLive2Pipeline", "tiny-longlive2"]
+    assert ll2["models"] == ["LongLive2Pipeline", "tiny-longlive2", "tiny-longlive2-1k"]
     assert ll2["features_needed"] == {
         "always": [],
         "--kv-cache-quant": ["quant:qvg"],

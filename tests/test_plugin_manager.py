@@ -82,7 +82,7 @@ def test_builtin_stage_table():
         "longlive": ("causalkv.stages.longlive:LongLiveStage", ("LongLivePipeline", "tiny-longlive")),
         "longlive2": (
             "causalkv.stages.longlive2:LongLive2Stage",
-            ("LongLive2Pipeline", "tiny-longlive2"),
+            ("LongLive2Pipeline", "tiny-longlive2", "tiny-longlive2-1k"),
         ),
         "lingbot-world": (
             "causalkv.stages.lingbot:LingBotWorldStage",

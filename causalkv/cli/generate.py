@@ -11,7 +11,14 @@ from causalkv import quant_config as qvg_args
 from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, DTYPES, ServerArgs, ShotRequest, parse_motion
 from causalkv.errors import CausalKVError, ConfigError
 
-__all__ = ["add_generate_args", "add_request_args", "options_from_args", "register", "run_generate"]
+__all__ = [
+    "add_generate_args",
+    "add_request_args",
+    "compare_table",
+    "options_from_args",
+    "register",
+    "run_generate",
+]
 
 
 def _preset_names() -> str:
@@ -45,6 +52,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--seed", type=int, default=0, help="seed of the noise (default: 0)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="transformer and KV-cache dtype (default: bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=DTYPES,
+                        help="KV-cache dtype when it differs from --dtype (e.g. --dtype float32 "
+                        "--kv-cache-dtype bfloat16 on CPUs without bf16 instructions)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--sink-frames", type=int, default=None, help="override the sink (frames)")
     parser.add_argument("--window-frames", type=int, default=None,
@@ -176,6 +186,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         shots=shots,
         motion=None if args.motion is None else parse_motion(args.motion),
         heads_sharded=_world_size(args),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     output = None
     if args.no_video and args.output is not None:
@@ -216,6 +227,29 @@ def _world_size(args: argparse.Namespace) -> int:
             "node; drop --nproc-per-node under torchrun or pass the same value"
         )
     return world
+def compare_table(metrics: dict[str, Any]) -> str:
+    """The end-of-run summary of a ``--compare-bf16`` run: KV bytes, latent PSNR and seconds
+    per chunk of the quantized run next to the unquantized reference (same seed).
+
+    Reads ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``,
+    ``latent_psnr_db``, ``seconds_per_chunk_mean`` and ``reference_seconds_per_chunk_mean``.
+    """
+    quant = str(metrics.get("kv_cache_quant", "quantized")).split("(", 1)[-1].split(",")[0]
+    ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
+    ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
+    ref_s, q_s = metrics["reference_seconds_per_chunk_mean"], metrics["seconds_per_chunk_mean"]
+    psnr = metrics["latent_psnr_db"]
+    rows = [
+        ("", ref_name, quant, "ratio"),
+        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
+        ("latent PSNR vs off", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
+        ("seconds per chunk", f"{ref_s:.2f}", f"{q_s:.2f}", f"{q_s / ref_s:.2f}x time"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -253,6 +287,8 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         if options.metrics is not None:
             out(f"metrics: {options.metrics}")
+        if "reference_kv_resident_bytes_max" in metrics:
+            out(compare_table(metrics))
         out.flush()
         return 0
 

@@ -381,6 +381,8 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
         "latent_identical": psnr is None,
         "latent_max_abs_diff": float((run.latents - ref.latents).abs().max()),
         "reference_kv_resident_bytes_max": ref.kv_resident_bytes_max,
+        "reference_seconds_per_chunk_mean": sum(float(st["seconds"]) for st in ref.chunk_stats)
+        / max(1, len(ref.chunk_stats)),
         "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
     }
 
@@ -437,6 +439,7 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "guidance_scale": args.guidance_scale,
         "seed": args.seed,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype or args.dtype,
         "device": args.device,
         "frames": plan.num_frames,
         "frames_per_chunk": s.frames_per_chunk,

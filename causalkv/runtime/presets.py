@@ -45,6 +45,7 @@ __all__ = [
     "preset_dir",
     "preset_info",
     "preset_transformer_config",
+    "write_preset_folder",
 ]
 
 #: bump when the preset definitions change: old cache folders are rebuilt
@@ -283,6 +284,19 @@ def materialize_preset(name: str, *, pm: Any = None) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    return folder
+
+
+def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -> Path:
+    """Write ``preset`` as a model folder of ``registration``'s family into ``folder``.
+
+    For presets that are not registered (benchmarks, tests): the folder is what
+    `materialize_preset` writes for a registered one (``models[0]`` as the pipeline class,
+    the family's defaults under the preset's settings), loadable by its path.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_preset(_Resolved(preset, registration.models[0], registration.defaults), folder)
     return folder
 
 

@@ -466,12 +466,18 @@ class CausalDenoisingStage:
         if overrides:
             self.apply_model(replace(self.model, **overrides))
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV caches' dtype: ``server_args.kv_cache_dtype``, else the denoiser's."""
+        name = self.server_args.kv_cache_dtype
+        return self.denoiser.dtype if name is None else getattr(torch, name)
+
     def _new_cache_set(self) -> CacheSet:
         spec = self.settings.kv_spec(
             batch_size=self.batch_size,
             num_heads=self.denoiser.num_heads,
             head_dim=self.denoiser.head_dim,
-            dtype=self.denoiser.dtype,
+            dtype=self.kv_dtype,
             device=self.denoiser.device,
             head_offset=getattr(self.denoiser, "head_offset", 0),
         )
