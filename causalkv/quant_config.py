@@ -96,6 +96,33 @@ class QVGKVQuantArgs:
             )
         if self.grid not in ("reference", "mse4"):
             raise ConfigError(f"kv-cache-quant-grid must be one of ['reference', 'mse4'], got {self.grid!r}")
+        if self.bits is not None and (self.block_size * self.bits) % 8:
+            raise ConfigError(
+                f"kv-cache-quant-block-size {self.block_size} x {self.bits} bits is not a whole "
+                f"number of bytes; use a block size divisible by {8 // self.bits}"
+            )
+        return self
+
+    def layout_problem(self, head_dim: int) -> str | None:
+        """Why these settings cannot pack K/V of ``head_dim`` channels, or None when they can.
+
+        Knowable before any weights load (``head_dim`` comes from the model's config): a host
+        calls it at start-up, so a bad block size is refused before the first chunk.
+        """
+        if self.enabled and head_dim % self.block_size:
+            divisors = [d for d in range(8 // self.bits, head_dim + 1)
+                        if head_dim % d == 0 and (d * self.bits) % 8 == 0]
+            return (
+                f"kv-cache-quant-block-size {self.block_size} does not divide head_dim={head_dim}; "
+                f"choose one of {divisors}"
+            )
+        return None
+
+    def check_layout(self, head_dim: int) -> QVGKVQuantArgs:
+        """Raise `ConfigError` with `layout_problem`'s message when there is one; return self."""
+        problem = self.layout_problem(head_dim)
+        if problem is not None:
+            raise ConfigError(problem)
         return self
 
     def describe(self) -> str:

@@ -72,6 +72,10 @@ def test_flags():
         (dict(bits=2, keep_recent_chunks=-1), "kv-cache-quant-keep-recent must be >= 0"),
         (dict(bits=2, sink_span="frames"), "kv-cache-quant-sink-span must be one of"),
         (dict(bits=2, grid="nf4"), "kv-cache-quant-grid must be one of"),
+        (dict(bits=2, block_size=7), "block-size 7 x 2 bits is not a whole number of bytes; "
+                                     "use a block size divisible by 4"),
+        (dict(bits=4, block_size=3), "block-size 3 x 4 bits is not a whole number of bytes; "
+                                     "use a block size divisible by 2"),
     ],
 )
 def test_validate_messages(kwargs, message):
@@ -90,3 +94,29 @@ def test_describe():
     assert text.startswith("qvg(int2, centroids=128, block=16, stages=1, iters=2, sym,")
     assert "grid=mse4" in text
     assert "grid" not in QVGKVQuantArgs(bits=4).describe()
+
+
+def test_block_size_with_quant_off_is_not_a_layout():
+    """Off packs nothing: a block size that could not pack is not an error until bits are set."""
+    assert QVGKVQuantArgs(block_size=7).layout_problem(128) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,head_dim,problem",
+    [
+        (dict(bits=2, block_size=64), 128, None),
+        (dict(bits=2, block_size=48), 128,
+         "kv-cache-quant-block-size 48 does not divide head_dim=128; choose one of "
+         "[4, 8, 16, 32, 64, 128]"),
+        (dict(bits=4, block_size=64), 32,
+         "kv-cache-quant-block-size 64 does not divide head_dim=32; choose one of [2, 4, 8, 16, 32]"),
+    ],
+)
+def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, problem):
+    args = QVGKVQuantArgs(**kwargs)
+    assert args.layout_problem(head_dim) == problem
+    if problem is None:
+        assert args.check_layout(head_dim) is args
+    else:
+        with pytest.raises(ValueError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+            args.check_layout(head_dim)
