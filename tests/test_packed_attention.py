@@ -419,11 +419,11 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
             assert (out.double() - dense).abs().max().item() <= tol
         # no decoded segment: the transient is the dense pieces' step only (their K/V are
         # views of the cache; a float32 query needs float32 copies of them), with all n <=
-        # GPU_QUERY_BLOCK queries in one block: its output and log-sum-exp, the output's fp32
-        # weighted product and four [B, h, n] merge temporaries
+        # GPU_QUERY_BLOCK queries in one block: its output and log-sum-exp and four
+        # [B, h, n] merge temporaries (the output is merged in place)
         n, h, D = query.shape[1], query.shape[2], query.shape[3]
         es = query.element_size()
-        block = n * h * D * es + n * h * 4 + n * h * D * 4 + 4 * n * h * 4
+        block = n * h * D * es + n * h * 4 + 4 * n * h * 4
         expected = max([0] + [
             block + (0 if p[0].dtype == dtype else p[0].numel() * es * 2)
             for p in pieces if isinstance(p[0], torch.Tensor)])

@@ -67,7 +67,8 @@ class AttendStats:
             the current segment's K+V plus one query block's partial output, log-sum-exp and
             merge weights. Fused path: for a packed segment the kernel's workspace (0 for one
             k-means stage); for a dense one (views of the cache, not counted) any dtype copy
-            plus one query block's partial output, log-sum-exp and merge weights.
+            plus one query block's partial output, log-sum-exp and merge weights (the output
+            merged with ``addcmul_``, no fp32 copy of it).
         accumulator_nbytes: the running float32 output and log-sum-exp, held for the whole
             call (the returned output is a cast of it).
     """
@@ -169,10 +170,13 @@ def _merge_dense(
     kind: str,
     extra: int,
     st: AttendStats,
+    in_place: bool = False,
 ) -> None:
     """Merge the attention of ``q [B, h, n, D]`` over dense ``k``/``v`` ``[B, h, s, D]`` into
     ``acc [B, h, n, D]`` / ``lse_run [B, h, n]`` (float32), ``block`` queries at a time;
-    ``extra``: bytes of the K/V temporaries that are live meanwhile."""
+    ``extra``: bytes of the K/V temporaries that are live meanwhile. ``in_place`` (the fused
+    path): the weighted output is added with one ``addcmul_`` (no fp32 copy of the block's
+    output); otherwise (the decode path, as it always was) through an fp32 product."""
     n = q.shape[2]
     for q0 in range(0, n, block):
         q1 = min(n, q0 + block)
@@ -183,11 +187,15 @@ def _merge_dense(
         total = w_old + w_new
         a = acc[:, :, q0:q1]
         a.mul_((w_old / total).unsqueeze(-1))
-        a.add_(out.float() * (w_new / total).unsqueeze(-1))
+        if in_place:
+            a.addcmul_(out, (w_new / total).unsqueeze(-1))
+        else:
+            a.add_(out.float() * (w_new / total).unsqueeze(-1))
         run.copy_(m + torch.log(total))
         # what the step allocated (its output and log-sum-exp), the output's fp32 weighted
-        # product, and the merge's four [B, h, m] temporaries
-        block_bytes = made + out.nbytes * (4 // out.element_size()) + 4 * lse.nbytes
+        # product (decode path), and the merge's four [B, h, m] temporaries
+        product = 0 if in_place else out.nbytes * (4 // out.element_size())
+        block_bytes = made + product + 4 * lse.nbytes
         st.peak_transient_nbytes = max(st.peak_transient_nbytes, extra + block_bytes)
         del out, lse, m, w_old, w_new, total
 
@@ -329,5 +337,5 @@ def _attend_fused(
                 extra = k.nbytes + v.nbytes
         st.peak_segment_nbytes = max(st.peak_segment_nbytes, k.nbytes + v.nbytes)
         _merge_dense(acc, lse_run, q, k, v, scale, block=GPU_QUERY_BLOCK, kind=kind,
-                     extra=extra, st=st)
+                     extra=extra, st=st, in_place=True)
         del k, v, k_seg, v_seg
