@@ -3,7 +3,7 @@
     from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
 """
 
-from causalkv.caches.attention import AttendStats, attend
+from causalkv.caches.attention import AttendError, AttendStats, attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
@@ -28,6 +28,7 @@ __all__ = [
     "PINNED_SINK",
     "QUANT_QVG",
     "RECENT_WINDOW",
+    "AttendError",
     "AttendStats",
     "CacheCapabilities",
     "CacheWriteError",

@@ -1,48 +1,84 @@
 """Attention over a cache view, one K/V segment at a time (log-sum-exp merge).
 
-For a view whose K/V are stored as several segments (the QVG packed cache dequantizes one
-packed segment at a time), `attend` never holds the whole window densely. Per segment and
-per block of queries it computes the block's attention output over that segment and its
-log-sum-exp, then merges it into the running output with the online-softmax recurrence.
-Its transient memory is one dequantized segment plus one query block's partial output,
-which `AttendStats` reports.
+For a view whose K/V are stored as several segments (the QVG packed cache), `attend` never
+holds the whole window densely. Per segment it computes the queries' attention output over
+that segment and its log-sum-exp, and merges it into a running float32 output with the
+online-softmax recurrence. Two paths:
 
-On the CPU the per-segment step is PyTorch's fused flash-attention kernel, which returns the
-log-sum-exp next to the output and never materializes the ``[n, s]`` scores; elsewhere a
-plain fp32 computation over small query blocks stands in.
+- **Decode path** (the CPU, or ``fused=False``): ``view.iter_segments()`` dequantizes one
+  packed segment at a time; per block of queries the segment step is PyTorch's fused
+  attention that returns the log-sum-exp (the CPU flash kernel; CUDA's flash or
+  memory-efficient kernel; a plain fp32 computation elsewhere). Transient memory: one
+  dequantized segment plus one query block's partial output.
+- **Fused path** (CUDA by default, ``fused=True`` anywhere the Triton kernel runs):
+  ``view.iter_stored_segments()`` yields packed segments as stored and
+  `causalkv.caches.qvg.attention.packed_attention` attends them directly, decoding K/V tiles
+  in registers and merging into the running output in its epilogue: a packed segment costs
+  no temporary at all. Dense segments (the current chunk, recent chunks kept bf16) take the
+  fused-attention step above over query blocks of `GPU_QUERY_BLOCK`.
+
+`AttendStats` reports which path each segment took and the transient bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from causalkv.caches.qvg.codec import PackedSegment, _triton_importable, dequantize
 from causalkv.caches.spec import CausalAttentionKVView
+from causalkv.errors import CausalKVError
 
-__all__ = ["AttendStats", "attend", "attend_dense"]
+__all__ = ["AttendError", "AttendStats", "attend", "attend_dense"]
 
-#: queries per block on the CPU flash path / on the fallback path
+log = logging.getLogger(__name__)
+
+#: queries per block on the CPU flash path / on the fp32 fallback path (decode path)
 CPU_QUERY_BLOCK = 512
 FALLBACK_QUERY_BLOCK = 64
+#: queries per block of a dense segment's step on CUDA, and on the fused path on any device
+#: (so the fused path's `AttendStats` measured on the CPU are the CUDA ones)
+GPU_QUERY_BLOCK = 2048
+
+
+class AttendError(CausalKVError, ValueError):
+    """`attend` was asked for something it cannot do (an empty view, an unavailable path)."""
 
 
 @dataclass
 class AttendStats:
-    """What one `attend` call held besides its inputs and output.
+    """What one `attend` call did and held besides its inputs and output.
 
     Attributes:
         segments: segments visited.
-        peak_segment_nbytes: the largest segment's K+V (dequantized, for a packed segment).
-        peak_transient_nbytes: the largest sum of live temporaries at any point: the current
-            segment's K+V plus one query block's partial output, log-sum-exp and merge weights.
+        fused_segments: packed segments the kernel attended in place (never decoded).
+        decoded_segments: packed segments the fused path had to decode first (a layout the
+            kernel does not take, e.g. a head_dim that is not a power of two).
+        peak_segment_nbytes: the largest segment's K+V as attended: dense bytes (dequantized,
+            for a packed segment on the decode path), or its stored packed bytes when the
+            kernel reads it in place.
+        peak_transient_nbytes: the largest sum of live temporaries at any point. Decode path:
+            the current segment's K+V plus one query block's partial output, log-sum-exp and
+            merge weights. Fused path: for a packed segment the kernel's workspace (0 for one
+            k-means stage); for a dense one (views of the cache, not counted) any dtype copy
+            plus one query block's partial output, log-sum-exp and merge weights (the output
+            merged with ``addcmul_``, no fp32 copy of it).
+        accumulator_nbytes: the running float32 output and log-sum-exp, held for the whole
+            call (the returned output is a cast of it).
     """
 
     segments: int = 0
+    fused_segments: int = 0
+    decoded_segments: int = 0
     peak_segment_nbytes: int = 0
     peak_transient_nbytes: int = 0
+    accumulator_nbytes: int = 0
 
 
 def attend_dense(
@@ -53,6 +89,35 @@ def attend_dense(
         query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
     )
     return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# One segment step: (out, lse) of a query block over dense K/V
+# ---------------------------------------------------------------------------------------------
+def cuda_flash_supported(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> bool:
+    """Whether PyTorch's CUDA flash kernel takes ``dtype`` queries of ``head_dim`` on a GPU of
+    compute ``capability`` (else the memory-efficient kernel runs)."""
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and capability >= (8, 0))
+
+
+def sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, flash: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """PyTorch's CUDA attention with the log-sum-exp: ``q [B, h, m, D]``, ``k``/``v``
+    ``[B, h, s, D]`` (contiguous along D) -> ``(out [B, h, m, D], lse [B, h, m] fp32, bytes
+    allocated)``. ``flash``: the flash kernel (fp16/bf16), else the memory-efficient one
+    (any float dtype; its log-sum-exp is padded to a multiple of 32 queries, sliced here).
+    """
+    m = q.shape[2]
+    if flash:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=scale
+        )
+    out, lse = res[0], res[1]
+    return out, lse[:, :, :m], out.nbytes + lse.nbytes
 
 
 def _partial(
@@ -71,53 +136,206 @@ def _partial(
     return p @ v, lse
 
 
+def _step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, kind: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(out [B, h, m, D], lse [B, h, m] fp32, bytes allocated)`` of one query block over
+    dense ``k, v``. ``kind``: ``"cpu"`` PyTorch's CPU flash kernel, ``"cuda"`` its CUDA flash /
+    memory-efficient kernel, ``"fallback"`` fp32 scores for the block (small blocks).
+    """
+    if kind == "cuda":
+        cap = torch.cuda.get_device_capability(q.device)
+        return sdpa_with_lse(q, k, v, scale, flash=cuda_flash_supported(q.dtype, q.shape[-1], cap))
+    out, lse = _partial(q, k, v, scale, fused=kind == "cpu")
+    return out, lse, out.nbytes + lse.nbytes
+
+
+def _step_kind(device: torch.device, head_dim: int) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and head_dim % 8 == 0:
+        return "cuda"
+    return "fallback"
+
+
+def _merge_dense(
+    acc: torch.Tensor,
+    lse_run: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    block: int,
+    kind: str,
+    extra: int,
+    st: AttendStats,
+    in_place: bool = False,
+) -> None:
+    """Merge the attention of ``q [B, h, n, D]`` over dense ``k``/``v`` ``[B, h, s, D]`` into
+    ``acc [B, h, n, D]`` / ``lse_run [B, h, n]`` (float32), ``block`` queries at a time;
+    ``extra``: bytes of the K/V temporaries that are live meanwhile. ``in_place`` (the fused
+    path): the weighted output is added with one ``addcmul_`` (no fp32 copy of the block's
+    output); otherwise (the decode path, as it always was) through an fp32 product."""
+    n = q.shape[2]
+    for q0 in range(0, n, block):
+        q1 = min(n, q0 + block)
+        out, lse, made = _step(q[:, :, q0:q1], k, v, scale, kind=kind)
+        run = lse_run[:, :, q0:q1]
+        m = torch.maximum(run, lse)
+        w_old, w_new = torch.exp(run - m), torch.exp(lse - m)
+        total = w_old + w_new
+        a = acc[:, :, q0:q1]
+        a.mul_((w_old / total).unsqueeze(-1))
+        if in_place:
+            a.addcmul_(out, (w_new / total).unsqueeze(-1))
+        else:
+            a.add_(out.float() * (w_new / total).unsqueeze(-1))
+        run.copy_(m + torch.log(total))
+        # what the step allocated (its output and log-sum-exp), the output's fp32 weighted
+        # product (decode path), and the merge's four [B, h, m] temporaries
+        product = 0 if in_place else out.nbytes * (4 // out.element_size())
+        block_bytes = made + product + 4 * lse.nbytes
+        st.peak_transient_nbytes = max(st.peak_transient_nbytes, extra + block_bytes)
+        del out, lse, m, w_old, w_new, total
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused path's kernel (triton is optional: imported on first use)
+# ---------------------------------------------------------------------------------------------
+def _kernel_module() -> ModuleType:
+    """`causalkv.caches.qvg.attention`, imported on first use: it imports triton, an optional
+    dependency the decode path never needs (not an import cycle: that module imports only
+    the codec)."""
+    from causalkv.caches.qvg import attention as kernel
+
+    return kernel
+
+
+def _use_fused(fused: bool | None, device: torch.device) -> bool:
+    if fused is None:
+        if device.type != "cuda":
+            return False
+        if not _triton_importable():
+            _warn_once("triton does not import: packed segments are decoded before attention "
+                       "(install causalkv[triton] for the fused packed-attention kernel)")
+            return False
+        return True
+    if fused and not _triton_importable():
+        raise AttendError(
+            "attend(fused=True) needs triton for the packed-attention kernel; install "
+            "causalkv[triton], or pass fused=False to decode packed segments first"
+        )
+    return bool(fused)
+
+
+@functools.lru_cache(maxsize=32)
+def _warn_once(message: str) -> None:
+    log.warning("attend: %s", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# attend
+# ---------------------------------------------------------------------------------------------
 def attend(
     query: torch.Tensor,
     view: CausalAttentionKVView,
     *,
     scale: float | None = None,
     stats: AttendStats | None = None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Softmax attention of ``query`` ``[B, n, h, D]`` over every visible token of ``view``.
 
     Equals ``attend_dense(query, view.k, view.v)`` up to floating-point rounding. A view
     whose K/V are already materialized (every dense cache view) goes straight to SDPA;
-    otherwise ``view.iter_segments()`` is walked and each segment's partial result merged
-    with the log-sum-exp recurrence in float32, so a packed view is dequantized one segment
-    at a time and never materialized whole. Pass ``stats`` to learn the transient memory.
+    otherwise each segment's partial result is merged with the log-sum-exp recurrence in
+    float32, so a packed view is never materialized whole.
+
+    Args:
+        fused: ``None`` (default): the fused path on CUDA when triton imports, the decode path
+            elsewhere. ``True``: the fused path (packed segments read in place by the Triton
+            kernel; on CPU tensors this needs ``TRITON_INTERPRET=1``). ``False``: the decode
+            path (each packed segment dequantized, then attended).
+        stats: filled with what the call did and held (see `AttendStats`).
 
     Returns ``[B, n, h, D]`` in ``query.dtype``.
+
+    Raises:
+        AttendError: the view has no visible tokens, or ``fused=True`` without triton.
+        PackedAttentionError: ``fused=True`` and a packed segment the kernel cannot take.
     """
     if view.is_materialized:
         return attend_dense(query, view.k, view.v, scale=scale)
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    use_fused = _use_fused(fused, query.device)
     q = query.transpose(1, 2)  # [B, h, n, D], a view
-    fused = query.device.type == "cpu"
-    block = CPU_QUERY_BLOCK if fused else FALLBACK_QUERY_BLOCK
     acc = torch.zeros((b, h, n, d), dtype=torch.float32, device=query.device)
     lse_run = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=query.device)
     st = stats if stats is not None else AttendStats()
-    for k_seg, v_seg in view.iter_segments():
-        k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # [B, h, s, D] views
-        seg_bytes = k_seg.nbytes + v_seg.nbytes
-        st.segments += 1
-        st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg_bytes)
-        for q0 in range(0, n, block):
-            q1 = min(n, q0 + block)
-            out, lse = _partial(q[:, :, q0:q1], k.to(q.dtype), v.to(q.dtype), scale, fused=fused)
-            run = lse_run[:, :, q0:q1]
-            m = torch.maximum(run, lse)
-            w_old, w_new = torch.exp(run - m), torch.exp(lse - m)
-            total = w_old + w_new
-            a = acc[:, :, q0:q1]
-            a.mul_((w_old / total).unsqueeze(-1))
-            a.add_(out.float() * (w_new / total).unsqueeze(-1))
-            run.copy_(m + torch.log(total))
-            block_bytes = out.nbytes * (1 + 4 // out.element_size()) + 5 * lse.nbytes
-            st.peak_transient_nbytes = max(st.peak_transient_nbytes, seg_bytes + block_bytes)
-            del out, lse, m, w_old, w_new, total
-        del k, v, k_seg, v_seg
+    st.accumulator_nbytes = acc.nbytes + lse_run.nbytes
+    if use_fused:
+        _attend_fused(query, q, view, acc, lse_run, scale, st, required=fused is True)
+    else:
+        kind = _step_kind(query.device, d)
+        block = CPU_QUERY_BLOCK if kind == "cpu" else (
+            GPU_QUERY_BLOCK if kind == "cuda" else FALLBACK_QUERY_BLOCK)
+        for k_seg, v_seg in view.iter_segments():
+            seg_bytes = k_seg.nbytes + v_seg.nbytes
+            st.segments += 1
+            st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg_bytes)
+            k, v = k_seg.transpose(1, 2).to(q.dtype), v_seg.transpose(1, 2).to(q.dtype)
+            _merge_dense(acc, lse_run, q, k, v, scale, block=block, kind=kind,
+                         extra=seg_bytes, st=st)
+            del k, v, k_seg, v_seg
     if st.segments == 0:
-        raise ValueError("attend: the view has no visible tokens; write a chunk first")
+        raise AttendError("attend: the view has no visible tokens; write a chunk first")
     return acc.transpose(1, 2).to(query.dtype)
+
+
+def _attend_fused(
+    query: torch.Tensor,
+    q: torch.Tensor,
+    view: CausalAttentionKVView,
+    acc: torch.Tensor,
+    lse_run: torch.Tensor,
+    scale: float,
+    st: AttendStats,
+    *,
+    required: bool,
+) -> None:
+    """The fused path of `attend`: packed pieces through the kernel (merged in place),
+    dense pieces through `_merge_dense` over `GPU_QUERY_BLOCK` queries."""
+    kind = _step_kind(query.device, query.shape[-1])
+    kernel: ModuleType | None = None
+    for k_seg, v_seg in view.iter_stored_segments():
+        st.segments += 1
+        if isinstance(k_seg, PackedSegment):
+            kernel = kernel or _kernel_module()
+            why = kernel.supports(query, k_seg, v_seg)
+            if why is None:
+                kernel.packed_attention(query, k_seg, v_seg, scale=scale,
+                                        merge_into=(acc.transpose(1, 2), lse_run))
+                st.fused_segments += 1
+                st.peak_segment_nbytes = max(st.peak_segment_nbytes, k_seg.nbytes + v_seg.nbytes)
+                st.peak_transient_nbytes = max(st.peak_transient_nbytes,
+                                               kernel.workspace_nbytes(k_seg, v_seg))
+                continue
+            if required:
+                raise kernel.PackedAttentionError(f"attend(fused=True): {why}")
+            _warn_once(f"packed segment decoded before attention ({why})")
+            st.decoded_segments += 1
+            k = dequantize(k_seg, dtype=query.dtype)  # [B, h, s, D]
+            v = dequantize(v_seg, dtype=query.dtype)
+            extra = k.nbytes + v.nbytes
+        else:
+            k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # views of the cache
+            extra = 0
+            if k.dtype != query.dtype:
+                k, v = k.to(query.dtype), v.to(query.dtype)
+                extra = k.nbytes + v.nbytes
+        st.peak_segment_nbytes = max(st.peak_segment_nbytes, k.nbytes + v.nbytes)
+        _merge_dense(acc, lse_run, q, k, v, scale, block=GPU_QUERY_BLOCK, kind=kind,
+                     extra=extra, st=st, in_place=True)
+        del k, v, k_seg, v_seg

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -127,7 +127,12 @@ class KVCacheSpec:
         return 2 * self.batch_size * t * self.num_heads * self.head_dim * self.element_size
 
 
+if TYPE_CHECKING:
+    from causalkv.caches.qvg.codec import PackedSegment
+
 KVSegment = tuple[torch.Tensor, torch.Tensor]
+#: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``
+StoredSegment = KVSegment | tuple["PackedSegment", "PackedSegment"]
 
 
 class CausalAttentionKVView:
@@ -149,6 +154,7 @@ class CausalAttentionKVView:
         "_v",
         "_materialize",
         "_segments",
+        "_stored",
         "position_ranges",
         "local_start_index",
         "local_end_index",
@@ -170,6 +176,7 @@ class CausalAttentionKVView:
         v: torch.Tensor | None = None,
         segments: Callable[[], Iterator[KVSegment]] | None = None,
         materialize: Callable[[], KVSegment] | None = None,
+        stored: Callable[[], Iterator[StoredSegment]] | None = None,
         device: torch.device | None = None,
     ) -> None:
         if (k is None) != (v is None):
@@ -179,6 +186,7 @@ class CausalAttentionKVView:
         self._k, self._v = k, v
         self._materialize = materialize
         self._segments = segments
+        self._stored = stored
         self.position_ranges = tuple(position_ranges)
         self.local_start_index = local_start_index
         self.local_end_index = local_end_index
@@ -227,6 +235,20 @@ class CausalAttentionKVView:
             yield from self._segments()
         else:
             yield self.k, self.v
+
+    def iter_stored_segments(self) -> Iterator[StoredSegment]:
+        """Yield the visible K/V in order as the cache stores them, nothing decoded.
+
+        A dense piece is ``([B, s, h, D], [B, s, h, D])`` views of the cache's buffers; a
+        packed piece is its K and V codec `PackedSegment` ``[B, h, s, D]``, sliced to the
+        view's heads and visible tokens (views, no copy). The fused attention path
+        (``causalkv.caches.attend`` on CUDA) reads packed pieces with the packed-attention
+        kernel. A view without packed storage yields what `iter_segments` yields.
+        """
+        if self._k is None and self._stored is not None:
+            yield from self._stored()
+        else:
+            yield from self.iter_segments()
 
     def __repr__(self) -> str:
         return (

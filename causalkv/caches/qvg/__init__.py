@@ -3,6 +3,10 @@
 `quantize` packs a K or V segment ``[B, H, S, D]`` into a `PackedSegment` (k-means
 centroids + uint8 ids + 2/4-bit residual codes with fp8 block scales); `dequantize`
 reconstructs it, optionally straight into a slice of a larger buffer. See docs/qvg.md.
+
+`causalkv.caches.qvg.attention.packed_attention` attends queries over a packed segment
+without decoding it to memory (a Triton kernel; that module needs triton, so it is not
+imported here). See docs/attention.md.
 """
 
 from causalkv.caches.qvg.args import QUANT_CHOICES, QVGKVQuantArgs, add_cli_args, from_namespace

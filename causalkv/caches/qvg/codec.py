@@ -159,6 +159,22 @@ class PackedSegment:
         out.shape = (B, h1 - h0, S, D)
         return out
 
+    def select_tokens(self, s0: int, s1: int) -> PackedSegment:
+        """Tokens ``[s0, s1)`` as views (no copy; the centroids are shared whole); shape
+        becomes ``[B, H, s1 - s0, D]``. Decodes to the same rows as the whole segment."""
+        B, H, S, D = self.shape
+        if not 0 <= s0 < s1 <= S:
+            raise ValueError(f"select_tokens: need 0 <= s0 < s1 <= {S}, got s0={s0}, s1={s1}")
+        rows = slice(s0, s1)
+        return replace(
+            self,
+            ids=[i[:, :, rows] for i in self.ids],
+            codes=self.codes[:, :, rows],
+            scales=self.scales[:, :, rows],
+            zeros=None if self.zeros is None else self.zeros[:, :, rows],
+            shape=(B, H, s1 - s0, D),
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # Byte accounting (docs/design.md, "Memory math")

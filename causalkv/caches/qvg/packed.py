@@ -32,7 +32,8 @@ them at the end, so a failure (e.g. non-finite K/V in a cold chunk) leaves the c
 
 Views are lazy: ``view.k``/``view.v`` materialize the window on first access (packed
 segments dequantized straight into the output), while `causalkv.caches.attend` walks
-``view.iter_segments()`` and so holds one dequantized segment at a time.
+``view.iter_segments()`` and so holds one dequantized segment at a time, or, on its fused
+path, ``view.iter_stored_segments()`` (packed head/token slices that are never decoded).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from causalkv.caches.spec import (
     CausalAttentionKVView,
     KVCacheSpec,
     KVSegment,
+    StoredSegment,
 )
 from causalkv.caches.stream import StreamState
 
@@ -619,12 +621,25 @@ class QVGPackedCausalKVCache(StreamCache):
         def materialize() -> KVSegment:
             return self._materialize(pieces, h0, h1, iv.count(visible))
 
+        def stored() -> Iterator[StoredSegment]:
+            # one piece per visible run: dense views, or packed head/token slices (no decode)
+            for seg, runs in pieces:
+                st = seg.storage
+                if isinstance(st, PackedKV):
+                    st = st.onloaded(self.spec.torch_device).select_heads(h0, h1)
+                for a, b in runs:
+                    lo, hi = a - seg.start, b - seg.start
+                    if isinstance(st, PackedKV):
+                        yield st.k.select_tokens(lo, hi), st.v.select_tokens(lo, hi)
+                    else:
+                        yield st.heads(lo, hi, h0, h1)
+
         all_dense = all(not seg.packed for seg, _ in pieces)
         k = v = None
         if all_dense:  # nothing to dequantize: build k/v now, exactly like the dense cache
             k, v = materialize()
         return self._make_view(
-            visible, k=k, v=v, segments=segments, materialize=materialize,
+            visible, k=k, v=v, segments=segments, materialize=materialize, stored=stored,
             device=self.spec.torch_device,
         )
 
