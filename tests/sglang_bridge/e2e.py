@@ -54,9 +54,8 @@ def read_video(path: str | Path) -> np.ndarray:
     return np.asarray(iio.imread(str(path)))
 
 
-def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = None,
-            shots: bool = True, timeout: int = 600) -> tuple[int, str, Path]:
-    """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request); (rc, log, video path)."""
+def cli_args(ckpt: Path, out: Path, name: str, *flags: str, shots: bool = True) -> list[str]:
+    """The ``sglang generate`` command of `run_cli` (writes the shots config it names)."""
     args = [SGLANG, "generate", "--model-path", str(ckpt), "--model-id", "LongLive-2.0-5B",
             "--num-gpus", "1", "--output-path", str(out), "--output-file-name", name]
     for key, value in GEOMETRY.items():
@@ -67,7 +66,14 @@ def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = No
         args += ["--config", str(config)]
     else:
         args += ["--prompt", SHOTS["shot_prompts"][0]]
-    proc = subprocess.run([*args, *flags], env={**os.environ, **(env or {})}, timeout=timeout,
+    return [*args, *flags]
+
+
+def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = None,
+            shots: bool = True, timeout: int = 600) -> tuple[int, str, Path]:
+    """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request); (rc, log, video path)."""
+    args = cli_args(ckpt, out, name, *flags, shots=shots)
+    proc = subprocess.run(args, env={**os.environ, **(env or {})}, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc.returncode, proc.stdout, out / f"{name}.mp4"
 
