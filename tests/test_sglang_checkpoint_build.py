@@ -48,6 +48,6 @@ def test_a_complete_folder_is_kept_and_an_unrelated_one_refused(tmp_path):
     (tmp_path / "mine" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="is not a causalkv sglang checkpoint"):
         build_sglang_checkpoint("longlive2", tmp_path / "mine")
-    with pytest.raises(ConfigError, match="choose one of: longlive2, wan-causal"):
+    with pytest.raises(ConfigError, match="choose one of: longlive2, wan-causal, lingbot"):
         build_sglang_checkpoint("nope", tmp_path / "x")
     assert CHECKPOINTS["wan-causal"].known_failure.startswith("sglang 0.5.23 cannot run")

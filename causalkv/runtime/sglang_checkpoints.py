@@ -119,7 +119,12 @@ class SGLangCheckpoint:
         native: sglang-only fields of ``transformer/config.json`` (causal geometry).
         keys: ``(regex, replacement)`` renames of diffusers' transformer keys into the
             checkpoint's layout; every key must match one.
-        request: the tiny request the printed command runs (``sglang generate`` flags).
+        request: the tiny request the printed command runs (``sglang generate`` flags;
+            ``{dir}`` is the folder, which holds the request's input files, if any).
+        camera: add LingBot-World's camera-control weights (plucker patch embedding, the
+            camera MLP and each block's camera injector, scale and shift layers).
+        null_components: components the pipeline lists that the checkpoint ships as ``null``
+            (diffusers' JSON for an absent optional component).
         known_failure: why sglang 0.5.23 cannot run the pipeline, or "" when it can.
         seed: weight seed.
     """
@@ -134,6 +139,8 @@ class SGLangCheckpoint:
     native: Mapping[str, Any] = field(default_factory=dict)
     keys: tuple[tuple[str, str], ...] = _DIFFUSERS_KEYS
     request: tuple[str, ...] = ()
+    camera: bool = False
+    null_components: tuple[str, ...] = ()
     known_failure: str = ""
     seed: int = 0
 
@@ -194,6 +201,30 @@ CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
             ),
             seed=2,
         ),
+        SGLangCheckpoint(
+            name="lingbot",
+            pipeline_class="LingBotWorldCausalDMDPipeline",
+            dit_class="CausalLingBotWorldTransformer3DModel",
+            model_id="lingbot-world-fast-diffusers",
+            description="LingBot-World fast (sglang's LingBotWorldCausalDMDPipeline): image to "
+            "video with camera actions, 2 blocks x 2 heads x 64, 2-frame chunks, 2-frame sink, "
+            "8-frame cache; the noise (4 channels) is concatenated with the image condition "
+            "(4 mask + 4 latent channels)",
+            transformer={"in_channels": 12, "out_channels": 4},
+            native={
+                "num_frames_per_block": 2,
+                "sink_size": 2,
+                "local_attn_size": -1,
+                "sliding_window_num_frames": 8,
+            },
+            keys=_WAN_ORIGINAL_KEYS,
+            camera=True,
+            null_components=("image_encoder", "image_processor"),
+            request=("--height", "256", "--width", "256", "--num-frames", "5", "--seed", "0",
+                     "--prompt", _PROMPT, "--image-path", "{dir}/first_frame.png",
+                     "--config", "{dir}/camera_actions.json", "--kv-cache-quant", "int2"),
+            seed=3,
+        ),
     )
 }
 
@@ -242,8 +273,9 @@ def build_sglang_checkpoint(name: str, folder: str | Path) -> Path:
 def generate_command(name: str, folder: str | Path, *extra: str) -> str:
     """The ``sglang generate`` line that runs checkpoint ``name`` in ``folder``."""
     spec = _spec(name)
+    request = [a.replace("{dir}", str(folder)) for a in spec.request]
     args = ["sglang", "generate", "--model-path", str(folder), "--model-id", spec.model_id,
-            "--num-gpus", "1", *spec.request, *extra]
+            "--num-gpus", "1", *request, *extra]
     return shlex.join(args)
 
 
@@ -253,6 +285,30 @@ def _rename(key: str, keys: tuple[tuple[str, str], ...]) -> str:
         if hits:
             return new
     raise ConfigError(f"transformer key {key!r} has no name in the checkpoint's layout")
+
+
+def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """LingBot-World's camera-control weights, in its checkpoint's names and shapes.
+
+    The plucker embedding (6 x 64 channels per latent pixel) is patchified like the video
+    (``patch_size``) and projected to the model width; ``c2ws_hidden_states_layer1/2`` is the
+    camera MLP; per block ``cam_injector_layer1/2``, ``cam_scale_layer``, ``cam_shift_layer``.
+    """
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    pt, ph, pw = config["patch_size"]
+    shapes = {"patch_embedding_wancamctrl": 6 * 64 * pt * ph * pw,
+              "c2ws_hidden_states_layer1": dim, "c2ws_hidden_states_layer2": dim}
+    for i in range(config["num_layers"]):
+        for name in ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer",
+                     "cam_shift_layer"):
+            shapes[f"blocks.{i}.{name}"] = dim
+    g = torch.Generator().manual_seed(seed + 1000)
+    weights = {}
+    for name, fan_in in shapes.items():
+        bound = fan_in**-0.5  # nn.Linear's default init range
+        weights[f"{name}.weight"] = (torch.rand(dim, fan_in, generator=g) * 2 - 1) * bound
+        weights[f"{name}.bias"] = (torch.rand(dim, generator=g) * 2 - 1) * bound
+    return weights
 
 
 def _write(spec: SGLangCheckpoint, out: Path) -> None:
@@ -269,6 +325,8 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
         vae = AutoencoderKLWan(**(spec.vae or presets._VAE))
         text_encoder = UMT5EncoderModel(UMT5Config(**presets._TEXT_ENCODER))
     weights = {_rename(k, spec.keys): v.contiguous() for k, v in transformer.state_dict().items()}
+    if spec.camera:
+        weights.update(_camera_weights(config, spec.seed))
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     version = presets._diffusers_version()
@@ -287,8 +345,17 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        **{name: [None, None] for name in spec.null_components},
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if spec.camera:  # the printed request's inputs: a first frame and WASD/IJKL camera actions
+        from PIL import Image
+
+        g = torch.Generator().manual_seed(spec.seed)
+        pixels = (torch.rand(256, 256, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(out / "first_frame.png")
+        actions = {"actions": [["w"], ["w", "j"], ["w"], ["l"], ["w"]]}
+        (out / "camera_actions.json").write_text(json.dumps(actions) + "\n")
     failure = f"\n\nKnown limit: {spec.known_failure}.\n" if spec.known_failure else "\n"
     (out / "README.md").write_text(
         f"# tiny {spec.name} (causalkv sglang checkpoint)\n\n{spec.description}.\n\n"

@@ -28,3 +28,8 @@ if importlib.util.find_spec("sglang") is not None:
     def wan_causal_checkpoint(tmp_path_factory):
         """The tiny Wan causal DMD checkpoint in sglang's format, built once per session."""
         return _build("wan-causal", tmp_path_factory)
+
+    @pytest.fixture(scope="session")
+    def lingbot_checkpoint(tmp_path_factory):
+        """The tiny LingBot-World checkpoint in sglang's format, built once per session."""
+        return _build("lingbot", tmp_path_factory)

@@ -151,3 +151,45 @@ def test_wan_causal_dmd_fails_inside_sglang_for_sglangs_own_reason(wan_causal_ch
     assert any("CausalDMDDenoisingStage KV cache" in line and "SGLangQVGKVCache" in line
                for line in serving_lines(log)), log[-3000:]
     assert "WanT2VCrossAttention.forward() got an unexpected keyword argument 'crossattn_cache'" in log
+
+
+def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoint, tmp_path,
+                                                                monkeypatch):
+    """LingBot-World (image to video, camera actions) through the bridge at int2, once with
+    causalkv's codec (the default) and once with ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang``
+    (sglang's own QVG cache): each allocation line names its codec. Offline, sglang's LingBot
+    pipeline denoises one chunk per request (multi-chunk streams need a realtime session), so
+    no chunk completes and nothing is packed: both caches serve the chunk dense and the
+    videos are equal bit for bit."""
+    from PIL import Image
+    from sglang.multimodal_gen import DiffGenerator
+
+    image = tmp_path / "first-frame.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray((rng.random((256, 256, 3)) * 255).astype(np.uint8)).save(image)
+    request = dict(GEOMETRY, num_frames=5, prompt=SHOTS["shot_prompts"][0],
+                   image_path=str(image), actions=[["w"], ["w", "j"], ["w"], ["l"], ["w"]],
+                   save_output=False, return_frames=True)
+    runs = {}
+    for codec in ("causalkv", "sglang"):
+        monkeypatch.setenv("CAUSALKV_SGLANG_LINGBOT_QVG", codec)
+        with fd_log(tmp_path / f"{codec}.log") as read:
+            gen = DiffGenerator.from_pretrained(
+                model_path=str(lingbot_checkpoint), model_id="lingbot-world-fast-diffusers",
+                num_gpus=1, kv_cache_quant_config={"bits": 2})
+            try:
+                result = gen.generate(sampling_params_kwargs=dict(request))
+            finally:
+                gen.shutdown()
+            log = read()
+        assert result is not None, log[-3000:]
+        runs[codec] = (log, frames_of(result))
+    for codec, cache in (("causalkv", "SGLangQVGKVCache"), ("sglang", "QVGPackedCausalKVCache")):
+        log, frames = runs[codec]
+        (line,) = serving_lines(log)
+        assert "LingBotWorldCausalDMDDenoisingStage KV cache" in line
+        assert f"{cache} x 2 blocks, codec {codec}" in line
+        (s,) = summaries(log)
+        assert s["cache"] == cache and s["packed_chunks"] == "0"
+        assert frames.ndim == 4 and frames.shape[1:] == (256, 256, 3)
+    assert np.array_equal(runs["causalkv"][1], runs["sglang"][1])
