@@ -1,4 +1,5 @@
-# Two entry points: `make run` (the product on an embedded preset) and `make test`.
+# Entry points: `make run` (the product on an embedded preset), `make run-sglang` (the product
+# inside `sglang generate`) and `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ SGL_VENV ?= .venv-sglang
 SGL_BIN := $(SGL_VENV)/bin
 SGL_STAMP := $(SGL_VENV)/.installed
 
-.PHONY: run test test-sglang lint bench venv venv-sglang clean
+.PHONY: run run-sglang test test-sglang lint bench venv venv-sglang clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,6 +50,13 @@ run: $(STAMP)
 	  --dtype float32 --kv-cache-dtype bfloat16 \
 	  --kv-cache-quant int2 --kv-cache-quant-keep-recent 0 --compare-bf16 --quiet \
 	  --output out/tiny-longlive2-1k.mp4 --metrics out/tiny-longlive2-1k-metrics.json
+
+# causalkv inside `sglang generate`: the tiny LongLive 2.0 checkpoint in sglang's own format,
+# two shots, int2 vs off on the same seed; the last lines are the summary. PYTHONPATH brings
+# the test environment's CPU shims (tests/sglang_bridge/site) into sglang's processes.
+run-sglang: $(SGL_STAMP)
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/tests/sglang_bridge/site \
+	  $(SGL_BIN)/python tests/sglang_bridge/make_run_sglang.py --out out/sglang
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks

@@ -1,7 +1,8 @@
 """The ``causalkv`` command line: one module per subcommand in this package.
 
 Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
-(`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`). Every error causalkv raises on
+(`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`), ``sglang-checkpoint``
+(`causalkv.cli.sglang_checkpoint`). Every error causalkv raises on
 purpose (`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit
 status 2; usage errors are one line too (exit 2). ``generate``'s exit statuses for every
 fault are listed in `causalkv.cli.faults`.
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from causalkv import __version__
-from causalkv.cli import demo, generate, plugins
+from causalkv.cli import demo, generate, plugins, sglang_checkpoint
 from causalkv.cli.faults import OneLineErrorParser
 
 __all__ = ["build_parser", "main"]
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"causalkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, plugins, demo):
+    for module in (generate, plugins, demo, sglang_checkpoint):
         module.register(sub)
     return parser
 

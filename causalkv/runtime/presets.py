@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE, build_byte_tokenize
 __all__ = [
     "PRESETS",
     "Preset",
+    "build_atomically",
     "causalkv_home",
     "is_complete_preset",
     "materialize_preset",
@@ -251,26 +252,38 @@ def _build_lock(parent: Path, name: str) -> Iterator[None]:
 def materialize_preset(name: str, *, pm: Any = None) -> Path:
     """Create the preset's folder on first use (seeded random weights); return its path.
 
-    Safe against concurrent and killed builds: the build holds a per-preset lock file (a
-    second process waits, then finds the folder complete and returns it), is written into a
-    temporary sibling ``.<name>.build-<pid>-*`` and renamed into place, so the preset folder is
-    either absent or complete. A folder without the completion marker (a build of an older
-    version killed half-way, or a stale preset format) is replaced; build folders of
-    processes that no longer exist are removed.
+    Built with `build_atomically` (lock, temporary sibling, rename), so the preset folder is
+    either absent or complete; a folder without the completion marker (a build of an older
+    version killed half-way, or a stale preset format) is replaced.
     """
     p = _get(name, pm)
-    folder = preset_dir(name)
-    if is_complete_preset(folder):
+    return build_atomically(preset_dir(name), lambda out: _write_preset(p, out), is_complete_preset)
+
+
+def build_atomically(
+    folder: Path, write: Callable[[Path], None], is_complete: Callable[[Path], bool]
+) -> Path:
+    """Build ``folder`` with ``write(tmp)`` unless ``is_complete(folder)``; return ``folder``.
+
+    Safe against concurrent and killed builds: the build holds a lock file next to the folder
+    (a second process waits, then finds the folder complete and returns it), is written into
+    a temporary sibling ``.<name>.build-<pid>-*`` and renamed into place, so the folder is
+    either absent or complete. An existing folder that ``is_complete`` rejects is replaced;
+    build folders of processes that no longer exist are removed.
+    """
+    folder = Path(folder)
+    name = folder.name
+    if is_complete(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(folder.parent, name):
-        if is_complete_preset(folder):  # built by another process while this one waited
+        if is_complete(folder):  # built by another process while this one waited
             return folder
         _remove_stale_builds(name, folder.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-", dir=folder.parent))
         tmp.chmod(0o755)
         try:
-            _write_preset(p, tmp)
+            write(tmp)
             if folder.exists():  # incomplete or stale: move aside first, so the rename is atomic
                 old = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-old-", dir=folder.parent))
                 folder.rename(old / "preset")
@@ -278,7 +291,7 @@ def materialize_preset(name: str, *, pm: Any = None) -> Path:
             try:
                 tmp.rename(folder)
             except OSError:
-                if not is_complete_preset(folder):  # pragma: no cover - only without a lock
+                if not is_complete(folder):  # pragma: no cover - only without a lock
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
         except BaseException:

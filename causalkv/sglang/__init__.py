@@ -6,8 +6,16 @@ server. `register` only registers hooks (AROUND wrappers on sglang's stage metho
 dotted name); sglang applies them with ``apply_plugin_hooks()``, which is when the stage
 modules are imported. Importing causalkv, or this package, never imports sglang.
 
-Switches: ``CAUSALKV_SGLANG_BRIDGE=0`` turns the bridge off; sglang's own ``SGLANG_PLUGINS``
-allow list (entry-point names) decides whether sglang calls it at all. See docs/sglang.md.
+Switches: ``CAUSALKV_SGLANG_BRIDGE=0`` turns the bridge off (then only an observer hook is
+registered, which changes nothing and warns when ``--kv-cache-quant`` is silently dropped);
+``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` keeps sglang's own QVG cache for LingBot-World;
+sglang's own ``SGLANG_PLUGINS`` allow list (entry-point names) decides whether sglang calls
+the bridge at all. See docs/sglang.md.
+
+Logging: sglang's workers configure logging after they load plugins, so lines logged here at
+registration reach only the main process's log; the lines that matter (which cache serves a
+stage, the per-request KV summary, the warnings) are logged at request time, where every
+worker's log shows them.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["ENV_SWITCH", "ENTRY_POINT_NAME", "register", "enabled"]
+__all__ = ["ENV_SWITCH", "ENTRY_POINT_NAME", "ENV_LINGBOT_QVG", "register", "enabled"]
 
 logger = logging.getLogger(__name__)
 
 #: environment variable that turns the bridge off (``0``, ``false``, ``off``, ``no``)
 ENV_SWITCH = "CAUSALKV_SGLANG_BRIDGE"
+#: which QVG codec serves LingBot-World: ``causalkv`` (default) or ``sglang`` (its own cache)
+ENV_LINGBOT_QVG = "CAUSALKV_SGLANG_LINGBOT_QVG"
 #: the entry point's name in sglang's plugin group (what ``SGLANG_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
 _PLUGIN_API = "sglang.multimodal_gen.runtime.platforms.plugins"
@@ -34,25 +44,35 @@ def enabled() -> bool:
 def register() -> bool:
     """sglang's plugin callable: register the bridge's hooks; True when it did.
 
-    Does nothing and logs one line saying why when the bridge is switched off, sglang is not
-    installed, or sglang's plugin API is not the one the bridge was written for.
+    Logs one line saying why and returns False when the bridge is switched off (then it
+    registers only `causalkv.sglang.hooks.OFF_HOOKS`, a warning observer), sglang is not
+    installed, or sglang's plugin API is not the one the bridge was written for (then it
+    registers nothing).
     """
-    if not enabled():
+    off = not enabled()
+    if off:
         logger.info("causalkv sglang bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
-        return False
     try:
         from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
     except ImportError as exc:
+        if off:
+            return False
         logger.info("causalkv sglang bridge not registered: cannot import %s (%s)", _PLUGIN_API, exc)
         return False
     around = getattr(HookType, "AROUND", None)
     if around is None or not callable(plugin_hook):
+        if off:
+            return False
         logger.info(
             "causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND", _PLUGIN_API
         )
         return False
-    from causalkv.sglang.hooks import HOOKS
+    from causalkv.sglang.hooks import HOOKS, OFF_HOOKS
 
+    if off:  # an observer that only warns when sglang silently drops --kv-cache-quant
+        for target, hook in OFF_HOOKS:
+            plugin_hook(target, type=around)(hook)
+        return False
     for target, hook in HOOKS:
         plugin_hook(target, type=around)(hook)
     logger.info("causalkv sglang bridge registered %d hooks", len(HOOKS))

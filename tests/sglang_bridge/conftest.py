@@ -8,3 +8,28 @@ import importlib.util
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
+
+
+def _build(name: str, tmp_path_factory):
+    from causalkv.runtime.sglang_checkpoints import build_sglang_checkpoint
+
+    return build_sglang_checkpoint(name, tmp_path_factory.mktemp("sglang-checkpoints") / name)
+
+
+if importlib.util.find_spec("sglang") is not None:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def longlive2_checkpoint(tmp_path_factory):
+        """The tiny LongLive 2.0 checkpoint in sglang's format, built once per session."""
+        return _build("longlive2", tmp_path_factory)
+
+    @pytest.fixture(scope="session")
+    def wan_causal_checkpoint(tmp_path_factory):
+        """The tiny Wan causal DMD checkpoint in sglang's format, built once per session."""
+        return _build("wan-causal", tmp_path_factory)
+
+    @pytest.fixture(scope="session")
+    def lingbot_checkpoint(tmp_path_factory):
+        """The tiny LingBot-World checkpoint in sglang's format, built once per session."""
+        return _build("lingbot", tmp_path_factory)

@@ -1,6 +1,7 @@
 """Run the sglang bridge tests in the sglang environment: ours, then sglang's own unit tests.
 
-One pytest process, with `ckv_sglang_pytest` loaded first (it applies causalkv's hooks through
+One pytest process, with ``PYTHONPATH`` pointing at ``site/`` (the test environment's shims
+reach every process the tests start), `ckv_sglang_pytest` loaded first (it applies causalkv's hooks through
 sglang's own plugin lifecycle). sglang's test files run from the installed package, minus the
 tests in `DESELECTED` that assert the very refusal the bridge removes.
 
@@ -45,10 +46,17 @@ def main(argv: list[str]) -> int:
     import pytest
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # every process the tests start (`sglang generate`, DiffGenerator's workers) gets the
+    # test environment's shims from site/sitecustomize.py
+    site = str(HERE / "site")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *[p for p in paths if p != site]])
     sys.path.insert(0, str(HERE))
+    import cpu_kernels
     import tvshim
 
     tvshim.install()  # importing sglang (even to locate its tests) imports torchvision
+    cpu_kernels.install()
     unit = sglang_unit_dir()
     root = HERE.parent.parent
     args = ["-p", "ckv_sglang_pytest", "-p", "no:cacheprovider", f"--rootdir={root}", "-q"]

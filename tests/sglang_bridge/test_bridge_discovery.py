@@ -17,7 +17,7 @@ import pytest
 from sglang.multimodal_gen.runtime.platforms import plugins as sgl_plugins
 
 import causalkv.sglang as bridge
-from causalkv.sglang.hooks import HOOKS, SERVED
+from causalkv.sglang.hooks import HOOKS, OFF_HOOKS, SERVED
 
 
 def _causalkv_hooks() -> dict[str, list]:
@@ -79,12 +79,16 @@ def test_sglang_plugins_allow_list(monkeypatch, allow, registered):
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off", "NO"])
-def test_off_switch_registers_nothing_and_says_why(monkeypatch, caplog, value):
+def test_off_switch_registers_only_the_warning_observer_and_says_why(monkeypatch, caplog, value):
+    """Off: none of the bridge's hooks, only `OFF_HOOKS` (it warns, it changes nothing)."""
     monkeypatch.setenv(bridge.ENV_SWITCH, value)
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     with _fresh_registration(), caplog.at_level(logging.INFO, logger="causalkv.sglang"):
         sgl_plugins.load_plugins()
-        assert _causalkv_hooks() == {}
+        found = _causalkv_hooks()
+        assert {t: [h[1] for h in hooks] for t, hooks in found.items()} == {
+            target: [hook] for target, hook in OFF_HOOKS
+        }
     lines = [r.getMessage() for r in caplog.records if r.name == "causalkv.sglang"]
     assert lines == [f"causalkv sglang bridge off: {bridge.ENV_SWITCH}={value}"]
 

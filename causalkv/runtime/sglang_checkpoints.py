@@ -1,0 +1,367 @@
+"""Tiny checkpoints in sglang's own format: seeded random weights that sglang loads natively.
+
+`build_sglang_checkpoint(name, folder)` writes a folder that sglang 0.5.23's diffusion runtime
+resolves to its native pipeline and DiT (``model_index.json``'s ``_class_name`` names sglang's
+pipeline class, ``transformer/config.json``'s names sglang's DiT class, the transformer's
+safetensors keys are the ones that DiT's ``param_names_mapping`` maps), with every component a
+pipeline needs (text encoder, tokenizer, VAE, transformer, scheduler). Nothing is downloaded
+and sglang is not imported: the weights come from the same seeded tiny diffusers/transformers
+components as causalkv's presets (`causalkv.runtime.presets`), the transformer's keys renamed to
+the checkpoint's layout. Builds are atomic and cached like the presets
+(`causalkv.runtime.presets.build_atomically`): a complete folder is returned as it is.
+
+`generate_command(name, folder)` is the ``sglang generate`` line that runs the folder;
+``causalkv sglang-checkpoint {longlive2,wan-causal,lingbot} DIR`` builds and prints it.
+
+The weights are RANDOM: the videos are noise-like. The folders exercise sglang's loading,
+pipeline and KV-cache paths (and causalkv's bridge inside them), not image quality.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from causalkv.errors import ConfigError
+from causalkv.runtime import presets
+from causalkv.runtime.text import build_byte_tokenizer
+
+__all__ = [
+    "CHECKPOINTS",
+    "SGLangCheckpoint",
+    "build_sglang_checkpoint",
+    "generate_command",
+    "is_complete_checkpoint",
+]
+
+#: bump when a checkpoint definition changes: old folders are rebuilt
+CHECKPOINT_FORMAT = 1
+_MARKER = ".causalkv-sglang-checkpoint.json"
+
+#: diffusers' Wan transformer names -> LongLive's original names (what sglang's
+#: ``LongLive2ArchConfig.param_names_mapping`` maps from)
+_LONGLIVE_KEYS: tuple[tuple[str, str], ...] = (
+    (r"^patch_embedding\.", "model.patch_embedding."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "model.text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "model.text_embedding.2."),
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "model.time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "model.time_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "model.time_projection.1."),
+    (r"^blocks\.(\d+)\.scale_shift_table$", r"model.blocks.\1.modulation"),
+    (r"^blocks\.(\d+)\.attn1\.to_q\.", r"model.blocks.\1.self_attn.q."),
+    (r"^blocks\.(\d+)\.attn1\.to_k\.", r"model.blocks.\1.self_attn.k."),
+    (r"^blocks\.(\d+)\.attn1\.to_v\.", r"model.blocks.\1.self_attn.v."),
+    (r"^blocks\.(\d+)\.attn1\.to_out\.0\.", r"model.blocks.\1.self_attn.o."),
+    (r"^blocks\.(\d+)\.attn1\.norm_q\.", r"model.blocks.\1.self_attn.norm_q."),
+    (r"^blocks\.(\d+)\.attn1\.norm_k\.", r"model.blocks.\1.self_attn.norm_k."),
+    (r"^blocks\.(\d+)\.attn2\.to_q\.", r"model.blocks.\1.cross_attn.q."),
+    (r"^blocks\.(\d+)\.attn2\.to_k\.", r"model.blocks.\1.cross_attn.k."),
+    (r"^blocks\.(\d+)\.attn2\.to_v\.", r"model.blocks.\1.cross_attn.v."),
+    (r"^blocks\.(\d+)\.attn2\.to_out\.0\.", r"model.blocks.\1.cross_attn.o."),
+    (r"^blocks\.(\d+)\.attn2\.norm_q\.", r"model.blocks.\1.cross_attn.norm_q."),
+    (r"^blocks\.(\d+)\.attn2\.norm_k\.", r"model.blocks.\1.cross_attn.norm_k."),
+    (r"^blocks\.(\d+)\.norm2\.", r"model.blocks.\1.norm3."),
+    (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"model.blocks.\1.ffn.0."),
+    (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"model.blocks.\1.ffn.2."),
+    (r"^scale_shift_table$", "model.head.modulation"),
+    (r"^proj_out\.", "model.head.head."),
+)
+
+#: LingBot-World's checkpoint keys are Wan's original names without LongLive's ``model.``
+_WAN_ORIGINAL_KEYS = tuple((pat, rep.replace("model.", "", 1)) for pat, rep in _LONGLIVE_KEYS)
+
+#: diffusers' Wan names are what sglang's ``WanVideoArchConfig.param_names_mapping`` maps from
+_DIFFUSERS_KEYS: tuple[tuple[str, str], ...] = ((r"^(.*)$", r"\1"),)
+
+#: a tiny Wan 2.2 VAE (residual, 2x2 patchified, 16x spatial like Wan 2.2 TI2V's, which
+#: sglang's LongLive 2.0 config assumes)
+_VAE_22: dict[str, Any] = {
+    "base_dim": 16,
+    "decoder_base_dim": 16,
+    "z_dim": 4,
+    "dim_mult": [1, 2, 2, 2],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "latents_mean": [0.0] * 4,
+    "latents_std": [1.0] * 4,
+}
+
+_PROMPT = "A red fox trots through fresh snow in a pine forest at dawn"
+
+
+@dataclass(frozen=True)
+class SGLangCheckpoint:
+    """One tiny sglang-native checkpoint: what sglang resolves and what it loads.
+
+    Attributes:
+        name: the ``causalkv sglang-checkpoint`` choice.
+        pipeline_class: sglang's pipeline class (``model_index.json`` ``_class_name``).
+        dit_class: sglang's DiT class (``transformer/config.json`` ``_class_name``).
+        model_id: the registered model whose configs sglang uses (``--model-id``): sglang
+            resolves a local folder's pipeline config only by a registered name or detector.
+        description: one line for the folder's README.
+        transformer: overrides of the presets' tiny ``WanTransformer3DModel`` config.
+        vae: the tiny ``AutoencoderKLWan`` config (``None``: the presets' Wan 2.1-like one).
+        native: sglang-only fields of ``transformer/config.json`` (causal geometry).
+        keys: ``(regex, replacement)`` renames of diffusers' transformer keys into the
+            checkpoint's layout; every key must match one.
+        request: the tiny request the printed command runs (``sglang generate`` flags;
+            ``{dir}`` is the folder, which holds the request's input files, if any).
+        camera: add LingBot-World's camera-control weights (plucker patch embedding, the
+            camera MLP and each block's camera injector, scale and shift layers).
+        null_components: components the pipeline lists that the checkpoint ships as ``null``
+            (diffusers' JSON for an absent optional component).
+        known_failure: why sglang 0.5.23 cannot run the pipeline, or "" when it can.
+        seed: weight seed.
+    """
+
+    name: str
+    pipeline_class: str
+    dit_class: str
+    model_id: str
+    description: str
+    transformer: Mapping[str, Any] = field(default_factory=dict)
+    vae: Mapping[str, Any] | None = None
+    native: Mapping[str, Any] = field(default_factory=dict)
+    keys: tuple[tuple[str, str], ...] = _DIFFUSERS_KEYS
+    request: tuple[str, ...] = ()
+    camera: bool = False
+    null_components: tuple[str, ...] = ()
+    known_failure: str = ""
+    seed: int = 0
+
+
+_TINY_REQUEST = ("--height", "256", "--width", "256", "--num-frames", "29", "--seed", "0")
+
+#: the checkpoints by ``causalkv sglang-checkpoint`` name
+CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
+    c.name: c
+    for c in (
+        SGLangCheckpoint(
+            name="longlive2",
+            pipeline_class="LongLive2Pipeline",
+            dit_class="LongLive2Transformer3DModel",
+            model_id="LongLive-2.0-5B",
+            description="LongLive 2.0 (sglang's LongLive2Pipeline): 2 blocks x 2 heads x 64, "
+            "1x1 patches and a 16x Wan 2.2 VAE (256 tokens per latent frame at 256x256), "
+            "2-frame chunks, 2-frame sink, 8-frame window",
+            transformer={"patch_size": [1, 1, 1]},
+            vae=_VAE_22,
+            native={
+                "num_frames_per_block": 2,
+                "sink_size": 2,
+                "local_attn_size": 8,
+                "sliding_window_num_frames": 8,
+                "independent_first_frame": False,
+            },
+            keys=_LONGLIVE_KEYS,
+            request=(*_TINY_REQUEST, "--prompt", _PROMPT, "--kv-cache-quant", "int2"),
+            seed=1,
+        ),
+        SGLangCheckpoint(
+            name="wan-causal",
+            pipeline_class="WanCausalDMDPipeline",
+            dit_class="CausalWanTransformer3DModel",
+            model_id="Wan2.1-T2V-1.3B-Diffusers",
+            description="Wan causal DMD / Self-Forcing (sglang's WanCausalDMDPipeline): 2 blocks "
+            "x 2 heads x 64, 2-frame chunks, global attention over an 8-frame cache",
+            native={
+                "num_frames_per_block": 2,
+                "sink_size": 0,
+                "local_attn_size": -1,
+                "sliding_window_num_frames": 8,
+            },
+            request=(*_TINY_REQUEST, "--prompt", _PROMPT, "--kv-cache-quant", "int2"),
+            known_failure=(
+                "sglang 0.5.23 cannot run WanCausalDMDPipeline: (1) no registered model or "
+                "detector resolves it to SelfForcingWanT2V480PConfig (configs/pipeline_configs/"
+                "wan.py defines it, no register_configs() call registers it), and every "
+                "registered Wan config lacks warp_denoising_step, which causal_denoising.py:215 "
+                "reads (AttributeError: 'WanT2V480PConfig' object has no attribute "
+                "'warp_denoising_step'); (2) with the config passed in Python "
+                "(DiffGenerator.from_pretrained(..., pipeline_config=SelfForcingWanT2V480PConfig())) "
+                "CausalWanTransformerBlock.forward (models/dits/causal_wanvideo.py:457) calls "
+                "WanT2VCrossAttention with crossattn_cache= (TypeError: "
+                "WanT2VCrossAttention.forward() got an unexpected keyword argument "
+                "'crossattn_cache')"
+            ),
+            seed=2,
+        ),
+        SGLangCheckpoint(
+            name="lingbot",
+            pipeline_class="LingBotWorldCausalDMDPipeline",
+            dit_class="CausalLingBotWorldTransformer3DModel",
+            model_id="lingbot-world-fast-diffusers",
+            description="LingBot-World fast (sglang's LingBotWorldCausalDMDPipeline): image to "
+            "video with camera actions, 2 blocks x 2 heads x 64, 2-frame chunks, 2-frame sink, "
+            "8-frame cache; the noise (4 channels) is concatenated with the image condition "
+            "(4 mask + 4 latent channels)",
+            transformer={"in_channels": 12, "out_channels": 4},
+            native={
+                "num_frames_per_block": 2,
+                "sink_size": 2,
+                "local_attn_size": -1,
+                "sliding_window_num_frames": 8,
+            },
+            keys=_WAN_ORIGINAL_KEYS,
+            camera=True,
+            null_components=("image_encoder", "image_processor"),
+            request=("--height", "256", "--width", "256", "--num-frames", "5", "--seed", "0",
+                     "--prompt", _PROMPT, "--image-path", "{dir}/first_frame.png",
+                     "--config", "{dir}/camera_actions.json", "--kv-cache-quant", "int2"),
+            seed=3,
+        ),
+    )
+}
+
+
+def _spec(name: str) -> SGLangCheckpoint:
+    if name not in CHECKPOINTS:
+        raise ConfigError(
+            f"unknown sglang checkpoint {name!r}; choose one of: {', '.join(CHECKPOINTS)}"
+        )
+    return CHECKPOINTS[name]
+
+
+def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
+    """True when ``folder`` holds a complete checkpoint of this format (of ``name`` if given)."""
+    marker = Path(folder) / _MARKER
+    if not marker.exists():
+        return False
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return meta.get("format") == CHECKPOINT_FORMAT and (name is None or meta.get("name") == name)
+
+
+def build_sglang_checkpoint(name: str, folder: str | Path) -> Path:
+    """Build checkpoint ``name`` into ``folder`` (atomically; a complete one is kept).
+
+    Raises:
+        ConfigError: for an unknown ``name``, or a ``folder`` that exists, is not empty and
+            holds no causalkv sglang checkpoint (it is never overwritten).
+    """
+    spec = _spec(name)
+    folder = Path(folder).expanduser().absolute()
+    if folder.exists() and not (folder / _MARKER).exists():
+        if not folder.is_dir() or any(folder.iterdir()):
+            raise ConfigError(
+                f"{folder} exists and is not a causalkv sglang checkpoint; choose a new or "
+                "empty folder (it is never overwritten)"
+            )
+        folder.rmdir()
+    return presets.build_atomically(
+        folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
+    )
+
+
+def generate_command(name: str, folder: str | Path, *extra: str) -> str:
+    """The ``sglang generate`` line that runs checkpoint ``name`` in ``folder``."""
+    spec = _spec(name)
+    request = [a.replace("{dir}", str(folder)) for a in spec.request]
+    args = ["sglang", "generate", "--model-path", str(folder), "--model-id", spec.model_id,
+            "--num-gpus", "1", *request, *extra]
+    return shlex.join(args)
+
+
+def _rename(key: str, keys: tuple[tuple[str, str], ...]) -> str:
+    for pattern, replacement in keys:
+        new, hits = re.subn(pattern, replacement, key)
+        if hits:
+            return new
+    raise ConfigError(f"transformer key {key!r} has no name in the checkpoint's layout")
+
+
+def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """LingBot-World's camera-control weights, in its checkpoint's names and shapes.
+
+    The plucker embedding (6 x 64 channels per latent pixel) is patchified like the video
+    (``patch_size``) and projected to the model width; ``c2ws_hidden_states_layer1/2`` is the
+    camera MLP; per block ``cam_injector_layer1/2``, ``cam_scale_layer``, ``cam_shift_layer``.
+    """
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    pt, ph, pw = config["patch_size"]
+    shapes = {"patch_embedding_wancamctrl": 6 * 64 * pt * ph * pw,
+              "c2ws_hidden_states_layer1": dim, "c2ws_hidden_states_layer2": dim}
+    for i in range(config["num_layers"]):
+        for name in ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer",
+                     "cam_shift_layer"):
+            shapes[f"blocks.{i}.{name}"] = dim
+    g = torch.Generator().manual_seed(seed + 1000)
+    weights = {}
+    for name, fan_in in shapes.items():
+        bound = fan_in**-0.5  # nn.Linear's default init range
+        weights[f"{name}.weight"] = (torch.rand(dim, fan_in, generator=g) * 2 - 1) * bound
+        weights[f"{name}.bias"] = (torch.rand(dim, generator=g) * 2 - 1) * bound
+    return weights
+
+
+def _write(spec: SGLangCheckpoint, out: Path) -> None:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from safetensors.torch import save_file
+    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = {**presets._TRANSFORMER, **spec.transformer}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        transformer = WanTransformer3DModel(**config)
+        vae = AutoencoderKLWan(**(spec.vae or presets._VAE))
+        text_encoder = UMT5EncoderModel(UMT5Config(**presets._TEXT_ENCODER))
+    weights = {_rename(k, spec.keys): v.contiguous() for k, v in transformer.state_dict().items()}
+    if spec.camera:
+        weights.update(_camera_weights(config, spec.seed))
+    (out / "transformer").mkdir()
+    save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
+    version = presets._diffusers_version()
+    dit_config = {"_class_name": spec.dit_class, "_diffusers_version": version, **config,
+                  **spec.native}
+    (out / "transformer" / "config.json").write_text(json.dumps(dit_config, indent=2) + "\n")
+    vae.save_pretrained(out / "vae")
+    text_encoder.save_pretrained(out / "text_encoder")
+    build_byte_tokenizer(presets._COMMON["text_max_length"]).save_pretrained(out / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
+    index = {
+        "_class_name": spec.pipeline_class,
+        "_diffusers_version": version,
+        "transformer": ["diffusers", spec.dit_class],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        **{name: [None, None] for name in spec.null_components},
+    }
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if spec.camera:  # the printed request's inputs: a first frame and WASD/IJKL camera actions
+        from PIL import Image
+
+        g = torch.Generator().manual_seed(spec.seed)
+        pixels = (torch.rand(256, 256, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(out / "first_frame.png")
+        actions = {"actions": [["w"], ["w", "j"], ["w"], ["l"], ["w"]]}
+        (out / "camera_actions.json").write_text(json.dumps(actions) + "\n")
+    failure = f"\n\nKnown limit: {spec.known_failure}.\n" if spec.known_failure else "\n"
+    (out / "README.md").write_text(
+        f"# tiny {spec.name} (causalkv sglang checkpoint)\n\n{spec.description}.\n\n"
+        f"The weights are RANDOM (seed {spec.seed}); the videos are not meaningful. Run (DIR: "
+        f"this folder):\n\n    {generate_command(spec.name, 'DIR')}\n{failure}"
+    )
+    (out / _MARKER).write_text(
+        json.dumps({"format": CHECKPOINT_FORMAT, "name": spec.name}) + "\n"
+    )
