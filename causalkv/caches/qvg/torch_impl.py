@@ -240,15 +240,15 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     zero_row = BH * K * nb
     rowoff = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * (K * nb)
     rowoff = rowoff + torch.arange(nb, device=dev, dtype=torch.int32)
-    stages = [
-        (
-            torch.cat(
-                [cent.reshape(zero_row, bs).to(work), torch.zeros(1, bs, dtype=work, device=dev)]
-            ),
-            ids,
-        )
-        for cent, ids in zip(packed.centroids, packed.ids)
-    ]
+
+    def centroid_table(cent: torch.Tensor) -> torch.Tensor:
+        """``[zero_row + 1, bs]``: the centroids' blocks (any strides, one copy), then zeros."""
+        table = torch.empty(zero_row + 1, bs, dtype=work, device=dev)
+        table[:zero_row].view(cent.shape).copy_(cent)
+        table[zero_row].zero_()
+        return table
+
+    stages = [(centroid_table(cent), ids) for cent, ids in zip(packed.centroids, packed.ids)]
     zeros = packed.zeros  # [B, H, S, nb] or None
 
     # Levels: one table lookup per code byte, or per byte pair when a pair's levels fit in
