@@ -138,3 +138,109 @@ def test_a_view_is_one_buffer_packed_ranges_decoded_into_it(monkeypatch):
     assert torch.equal(view.k, expected.k) and torch.equal(view.v, expected.v)
     base = {view.k.untyped_storage().data_ptr(), view.v.untyped_storage().data_ptr()}
     assert len(outs) == 6 and {o.untyped_storage().data_ptr() for o in outs} == base
+
+
+# ---- sglang's call patterns with packing on ------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from oracle import examples  # noqa: E402
+from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (  # noqa: E402
+    CausalSelfAttentionKVCache,
+)
+from test_bridge_parity import _cursors, _state, streams  # noqa: E402
+
+from causalkv.caches.spec import CacheWriteError  # noqa: E402
+
+PACKING = QVGKVQuantArgs(bits=2, centroids=1, block_size=4, keep_recent_chunks=0)
+PACKED = {"examples": 0, "quantize_calls": 0, "writes_into_packed": 0}
+
+
+@settings(max_examples=examples(200))
+@given(streams())
+def test_packing_on_keeps_sglangs_positions_cursors_and_refusals(stream):
+    """The parity streams (tests/sglang_bridge/test_bridge_parity.py) with int2 packing every
+    cold chunk: cursors, index tensors, pins and every refusal still equal sglang's dense
+    cache; views keep its shapes and stay finite; a failed write changes nothing."""
+    cfg, ops, rnd = stream
+    dt, d = torch.bfloat16, 4
+    shape = (1, cfg["cache"], cfg["heads"], d)
+    i0 = 0 if cfg["int_indices"] else None
+    ref = CausalSelfAttentionKVCache(
+        k=torch.zeros(shape, dtype=dt), v=torch.zeros(shape, dtype=dt),
+        global_end_index=torch.zeros(1, dtype=torch.long),
+        local_end_index=torch.zeros(1, dtype=torch.long), global_end_index_int=i0,
+        local_end_index_int=i0, cache_size=cfg["cache"], sink_tokens=cfg["sink"],
+        attention_window_size=cfg["window"], allow_growth=cfg["growth"],
+        global_sink_tokens=cfg["global_sink"])
+    ours = SGLangQVGKVCache(
+        batch_size=1, cache_size=cfg["cache"], num_heads=cfg["heads"], head_dim=d, dtype=dt,
+        device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
+        local_end_index=torch.zeros(1, dtype=torch.long), use_int_indices=cfg["int_indices"],
+        sink_tokens=cfg["sink"], attention_window_size=cfg["window"], quant_args=PACKING,
+        global_sink_tokens=cfg["global_sink"], allow_growth=cfg["growth"])
+    gen = torch.Generator().manual_seed(rnd.randrange(2**31))
+    heads = cfg["heads"] if cfg["slice"] is None else cfg["slice"][1] - cfg["slice"][0]
+    head_start = cfg["head_start"] if cfg["slice"] is None else cfg["slice"][0]
+
+    def write(start, n):
+        key, value = (torch.randn(1, n, heads, d, generator=gen).to(dt) for _ in range(2))
+        kw = dict(key=key, value=value, current_chunk_start=start, cache_head_start=head_start)
+        try:
+            expected = ref.update_and_get_attention_kv(**kw)
+        except (RuntimeError, ValueError) as exc:
+            before = _state(ours), list(ours.store.segments)
+            with pytest.raises(type(exc)):
+                ours.update_and_get_attention_kv(**kw)
+            assert (_state(ours), list(ours.store.segments)) == before
+            return False
+        before = _state(ours), list(ours.store.segments), ours.quantize_calls
+        PACKED["writes_into_packed"] += any(
+            s.packed and s.start < start + n and start < s.end for s in ours.store.segments)
+        try:
+            got = ours.update_and_get_attention_kv(**kw)
+        except CacheWriteError:
+            assert (_state(ours), list(ours.store.segments), ours.quantize_calls) == before
+            return False
+        assert got.k.shape == expected.k.shape and _cursors(got) == _cursors(expected)
+        assert torch.isfinite(got.k).all() and torch.isfinite(got.v).all()
+        assert _state(ours) == _state(ref)
+        return True
+
+    PACKED["examples"] += 1
+    try:
+        _run_ops(ref, ours, ops, cfg, rnd, write)
+    finally:
+        PACKED["quantize_calls"] += ours.quantize_calls
+
+
+def _run_ops(ref, ours, ops, cfg, rnd, write):
+    for op in ops:
+        g = ref.global_end_index_int
+        g = int(ref.global_end_index.item()) if g is None else g
+        n = cfg["n"]
+        if op == "chunk":
+            for _ in range(1 + rnd.randrange(3)):
+                if not write(g, n):
+                    return
+        elif op == "pin":
+            m = rnd.choice([n, 0, 1])
+            ref.pin_current_chunk(m)
+            ours.pin_current_chunk(m)
+        elif op == "rewrite_old" and g > 0:
+            length = rnd.randint(1, min(n, g))
+            if not write(rnd.randint(max(0, g - cfg["cache"]), g - length), length):
+                return
+        elif op == "overlap" and g > 1 and n > 1:
+            if not write(g - rnd.randint(1, min(n - 1, g)), n):
+                return
+        elif op == "reset":
+            ref.reset_indices()
+            ours.reset_indices()
+        assert _state(ours) == _state(ref)
+
+
+def test_the_packing_streams_packed_and_wrote_into_packed_chunks():
+    """Runs after the property (file order): the streams did pack, and rewrote packed chunks."""
+    assert PACKED["examples"] >= examples(200)
+    assert PACKED["quantize_calls"] >= PACKED["examples"] // 2
+    assert PACKED["writes_into_packed"] > 0
+    print(f"packing streams: {PACKED}")
