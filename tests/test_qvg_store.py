@@ -233,3 +233,18 @@ def test_a_host_passes_any_policy_object_and_names_are_spellings():
         resolve_policy("qvg")
     with pytest.raises(ConfigError, match="must be a PackingPolicy"):
         _store(policy="sglang")
+
+
+def test_a_lazy_view_reads_the_layout_it_was_made_from():
+    spec = KVCacheSpec(1, H, D, 3 * N)
+    a, b = QVGPackedCausalKVCache(spec, Q), QVGPackedCausalKVCache(spec, Q)
+    for i in range(3):
+        k, v = _kv(i)
+        a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+        held = b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+    assert not held.is_materialized  # packed chunks visible: built on first access
+    want = a.get_attention_kv().k
+    for i in range(3, 6):  # chunks 0..2 roll out of b
+        k, v = _kv(i)
+        b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+    assert torch.equal(held.k, want)

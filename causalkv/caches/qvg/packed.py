@@ -201,6 +201,7 @@ class QVGPackedCausalKVCache(StreamCache):
         st = self.state
         visible = st.visible(recent_window_tokens)
         store = self.store
+        layout = store.segments  # a commit replaces this list, never mutates it
         located = store.locate(visible)
 
         def segments() -> Iterator[KVSegment]:
@@ -208,7 +209,7 @@ class QVGPackedCausalKVCache(StreamCache):
                 yield store.decode(seg, runs, h0, h1)
 
         def materialize() -> KVSegment:
-            return store.gather([(a, b - a) for a, b in visible], h0, h1)
+            return store.gather([(a, b - a) for a, b in visible], h0, h1, layout)
 
         k = v = None
         if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now

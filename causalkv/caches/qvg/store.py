@@ -484,9 +484,14 @@ class SegmentStore:
                 out.append((seg, runs))
         return out
 
-    def gather(self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int) -> KVSegment:
+    def gather(
+        self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
+        segments: Sequence[Segment] | None = None,
+    ) -> KVSegment:
         """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order: ``(position, length)`` reads the
         positions ``[position, position + length)``, ``(None, length)`` gives zeros.
+        ``segments``: the layout to read (default: the store's now; a lazy view passes the
+        one it was made from, which a later commit replaces but never mutates).
 
         One buffer is allocated and filled in place (packed ranges decoded into it); a single
         piece held by one dense segment is returned as views of it, as a dense cache would.
@@ -494,11 +499,12 @@ class SegmentStore:
         Raises:
             RuntimeError: a position the store does not hold (a host bookkeeping bug).
         """
+        segs = self.segments if segments is None else segments
         total = sum(n for _, n in pieces)
         shape = (self.batch_size, total, h1 - h0, self.head_dim)
         if len(pieces) == 1 and pieces[0][0] is not None:
             p, n = pieces[0]
-            for seg in self.segments:
+            for seg in segs:
                 if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
                     return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -509,7 +515,7 @@ class SegmentStore:
                 k[:, at : at + n].zero_()
                 v[:, at : at + n].zero_()
             else:
-                decoded |= self._fill(p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
+                decoded |= self._fill(segs, p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
             at += n
         if decoded:
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
@@ -533,10 +539,14 @@ class SegmentStore:
         return k, v
 
     # ---- internals: reads -----------------------------------------------------------------
-    def _fill(self, p0: int, p1: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Positions ``[p0, p1)`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any was packed."""
+    def _fill(
+        self, segs: Sequence[Segment], p0: int, p1: int, h0: int, h1: int,
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> bool:
+        """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
+        was packed."""
         at, decoded = p0, False
-        for seg in self.segments:
+        for seg in segs:
             if seg.end <= at or seg.start >= p1:
                 continue
             if seg.start > at:
