@@ -118,6 +118,45 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         assert (big[:, :5] == 3).all() and (big[:, 45:] == 3).all()
 
 
+    @pytest.mark.parametrize(
+        "args",
+        [QVGKVQuantArgs(bits=2, centroids=16, block_size=16),
+         QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True),
+         QVGKVQuantArgs(bits=2, centroids=8, block_size=8, stages=2)],
+        ids=["int2", "int2-asym", "int2-2stage"],
+    )
+    def test_fused_dequantize_reads_head_and_token_slices_in_place(tr, args):
+        """A head and token slice of a segment (views: strided codes, scales, zeros, ids)
+        decodes like the same part of the whole segment, into a strided window."""
+        x = torch.randn(2, 3, 40, 48).to(torch.bfloat16)
+        p = quantize(x, args, backend="torch")
+        whole = dequantize(p, dtype=torch.float32, backend="torch")
+        for h0, h1, a, b in ((0, 3, 5, 33), (1, 2, 0, 40), (1, 3, 39, 40)):
+            part = p.select_heads(h0, h1).select_tokens(a, b)
+            assert not part.codes.is_contiguous() or (h1 - h0, b - a) == (1, 40)
+            big = torch.full((2, 50, h1 - h0, 48), 3.0)
+            view = big[:, 4 : 4 + b - a].permute(0, 2, 1, 3)
+            dequantize(part, out=view, backend="triton")
+            assert torch.allclose(view, whole[:, h0:h1, a:b], rtol=2.0**-22, atol=0)
+            assert (big[:, :4] == 3).all() and (big[:, 4 + b - a :] == 3).all()
+
+
+    def test_poisoned_head_decodes_to_nan_like_the_torch_path(tr):
+        """A head stored with `POISON_SCALE_EXP` (non-finite input on the sync-free device
+        path) decodes to non-finite values in the kernel too; the other heads are untouched."""
+        from causalkv.caches.qvg.codec import POISON_SCALE_EXP
+
+        x = torch.randn(1, 3, 40, 48).to(torch.bfloat16)
+        x[0, 1, :5] = 0  # zero blocks in the poisoned head must not decode to exact zeros
+        p = quantize(x, QVGKVQuantArgs(bits=2, centroids=8, block_size=16), backend="torch")
+        want = dequantize(p, dtype=torch.float32, backend="torch")
+        p.scale_exp[0, 1] = POISON_SCALE_EXP
+        got = dequantize(p, dtype=torch.float32, backend="triton")
+        assert torch.isnan(got[0, 1]).all()
+        assert not torch.isfinite(dequantize(p, dtype=torch.float32, backend="torch")[0, 1]).any()
+        assert torch.allclose(got[0, [0, 2]], want[0, [0, 2]], rtol=2.0**-22, atol=0)
+
+
     def test_dequantize_decodes_every_scale_byte_like_the_table(tr):
         """Every e4m3 scale byte under per-head exponents at both ends of the range decodes
         in the kernel to exactly `scale_table` (float64 product rounded once); 0x80 and the

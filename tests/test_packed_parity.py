@@ -4,7 +4,8 @@
   and errors match, for 2,000 sequences (profile ``ci``), plus the oracle directly.
 - Quantization on: positions, cursors, errors and ``global_end`` still equal the dense
   cache's; k/v stay finite and shaped like the dense ones; and no position is ever packed
-  twice within a stream (each ``_pack`` call is recorded and checked for overlap).
+  twice within a stream (each call of the segment store's ``_pack`` is recorded and
+  checked for overlap).
 """
 
 from __future__ import annotations
@@ -45,18 +46,22 @@ def test_packed_quant_off_matches_oracle_bf16(scenario):
 
 
 class _RecordingPacked(QVGPackedCausalKVCache):
-    """Records every packed run per stream and fails on a position packed twice."""
+    """Records every packed run per stream and fails on a position packed twice (a hook on
+    its segment store's one packing function)."""
 
     def __init__(self, spec, quant):
         super().__init__(spec, quant)
         self.packed_runs: list[tuple[int, int]] = []
+        pack = self.store._pack
 
-    def _pack(self, pieces, book):
-        seg, book = super()._pack(pieces, book)
-        for a, b in self.packed_runs:
-            assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
-        self.packed_runs.append((seg.start, seg.end))
-        return seg, book
+        def recording(pieces, book, write):
+            seg, book = pack(pieces, book, write)
+            for a, b in self.packed_runs:
+                assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
+            self.packed_runs.append((seg.start, seg.end))
+            return seg, book
+
+        self.store._pack = recording
 
     def reset_indices(self):
         super().reset_indices()

@@ -1,7 +1,8 @@
-"""`QVGPackedCausalKVCache(policy="sglang")`: sglang's packing rule in causalkv's own cache.
+"""`QVGPackedCausalKVCache(policy=SGLANG)`: sglang's packing rule in causalkv's own cache.
 
-Runs in the main environment (no sglang needed); the bridge's cache uses the same rule
-(`causalkv.sglang.policy`) and is tested against sglang itself in tests/sglang_bridge.
+Runs in the main environment (no sglang needed); the bridge's cache uses the same policy
+object (`causalkv.caches.qvg.policy.SGLANG`, re-exported by `causalkv.sglang.policy`) over
+the same segment store and is tested against sglang itself in tests/sglang_bridge.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from causalkv.caches import KVCacheSpec
 from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.policy import CAUSALKV, SGLANG
 from causalkv.sglang.policy import sglang_dense_chunks
 
 CHUNK = 8
@@ -38,7 +40,7 @@ def test_rule_counts_only_non_sink_chunks_as_recent(completed, keep_recent, pack
     assert sglang_dense_chunks(completed, keep_recent, pack_sink) == dense
 
 
-def _packed_flags(policy: str, chunks: int) -> list[list[bool]]:
+def _packed_flags(policy, chunks: int) -> list[list[bool]]:
     cache = QVGPackedCausalKVCache(
         SPEC, QVGKVQuantArgs(bits=2, block_size=16, centroids=8, keep_recent_chunks=1),
         policy=policy)
@@ -57,3 +59,9 @@ def test_sglang_policy_packs_the_sink_chunk_at_once():
         [False], [True, False], [True, False, False], [True, True, False, False]]
     # causalkv's rule counts the sink chunk as the recent one
     assert _packed_flags("causalkv", 4)[1] == [False, False]
+
+
+def test_policy_names_are_spellings_of_the_objects():
+    assert _packed_flags(SGLANG, 4) == _packed_flags("sglang", 4)
+    assert _packed_flags(CAUSALKV, 4) == _packed_flags("causalkv", 4)
+    assert QVGPackedCausalKVCache(SPEC, policy="sglang").policy is SGLANG

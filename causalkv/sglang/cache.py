@@ -3,17 +3,16 @@
 `SGLangQVGKVCache` subclasses sglang's ``QVGPackedCausalKVCache`` (so sglang's checks of the
 class hold) and answers every attribute and method sglang's stages and attention layers use.
 Where a token lands and what a view shows follow sglang's dense cache exactly
-(`causalkv.sglang.slots`); the K/V themselves are stored by global position in chunk segments,
-completed chunks packed with causalkv's QVG codec under sglang's packing rule
-(`causalkv.sglang.policy`). With quantization off every view equals sglang's dense cache
-bit for bit.
+(`causalkv.sglang.slots`); the K/V themselves live in causalkv's one QVG segment store
+(`causalkv.caches.qvg.store.SegmentStore`, the same store causalkv's own packed cache uses),
+completed chunks packed with causalkv's codec under sglang's packing rule (the policy object
+`causalkv.caches.qvg.policy.SGLANG`). With quantization off every view equals sglang's dense
+cache bit for bit.
 
 This module imports sglang; only the bridge's hooks import it, at hook-application time.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
@@ -23,10 +22,11 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
     QVGPackedCausalKVCache as _SGLangQVGCache,
 )
 
+from causalkv.caches.intervals import Intervals, normalize
 from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.codec import PackedSegment, dequantize, quantize
+from causalkv.caches.qvg.policy import SGLANG
+from causalkv.caches.qvg.store import KVWrite, SegmentStore
 from causalkv.caches.spec import CacheWriteError
-from causalkv.sglang.policy import sglang_dense_chunks
 from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
 
 __all__ = ["SGLangQVGKVCache", "causalkv_quant_args", "can_serve"]
@@ -46,29 +46,6 @@ def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str |
     if quant.enabled and not dtype.is_floating_point:
         return f"dtype {dtype} is not floating point"
     return None
-
-
-@dataclass
-class _Chunk:
-    """Positions ``[g0, g1)``: dense ``k``/``v`` ``[B, len, H, D]`` or packed ``pk``/``pv``."""
-
-    g0: int
-    g1: int
-    idx: int
-    is_sink: bool
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    pk: PackedSegment | None = None
-    pv: PackedSegment | None = None
-
-    @property
-    def packed(self) -> bool:
-        return self.pk is not None
-
-    def nbytes(self) -> int:
-        if self.packed:
-            return int(self.pk.nbytes + self.pv.nbytes)  # type: ignore[union-attr]
-        return self.k.nbytes + self.v.nbytes  # type: ignore[union-attr]
 
 
 class SGLangQVGKVCache(_SGLangQVGCache):
@@ -118,13 +95,14 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.allow_growth = allow_growth
         self.pinned_start = -1
         self.pinned_len = 0
-        self.quantize_calls = 0
         self._slots = SlotMap()
-        self._chunks: list[_Chunk] = []
         self._heads: tuple[int, int] | None = None  # the head range written since the reset
-        self._next_chunk = 0
-        self._current_chunk: int | None = None
-        self._chunk_tokens = 0
+        #: the K/V by global position (causalkv's segment store, sglang's packing rule; the
+        #: centroids as sglang's flags give them, capped at a chunk's tokens by the codec)
+        self.store = SegmentStore(
+            batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+            device=device, quant=quant, policy=SGLANG, min_tokens_per_centroid=None,
+        )
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
     def _state(self) -> SlotState:
@@ -162,10 +140,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             self.local_end_index_int = 0
         self.reset_pinned_sink()
         self._slots = SlotMap()
-        self._chunks = []
         self._heads = None
-        self._current_chunk = None
-        self._chunk_tokens = 0
+        self.store.reset()
 
     def reset_pinned_sink(self) -> None:
         self.pinned_start = -1
@@ -192,14 +168,21 @@ class SGLangQVGKVCache(_SGLangQVGCache):
     def num_cache_heads(self) -> int:
         return self.num_heads
 
+    @property
+    def quantize_calls(self) -> int:
+        """Codec calls so far (K and V together; a chunk is packed at most once)."""
+        return self.store.quantize_calls
+
     def resident_nbytes(self) -> int:
         """Bytes of the stored K/V: dense chunks plus packed chunks' stored bytes."""
-        return sum(c.nbytes() for c in self._chunks)
+        return self.store.resident_nbytes()
 
     def packed_chunks(self) -> int:
-        return sum(c.packed for c in self._chunks)
+        """Chunks stored packed now."""
+        return sum(len(seg.chunks) for seg in self.store.packed_segments())
 
     # ---- the write ----------------------------------------------------------------------
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
     def update_and_get_attention_kv(
         self,
         *,
@@ -212,11 +195,15 @@ class SGLangQVGKVCache(_SGLangQVGCache):
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` and return sglang's view of the cache.
 
-        Raises (leaving the cache unchanged): ValueError as sglang for a missing
-        ``cache_head_start`` or a negative ``recent_window_tokens``; RuntimeError as sglang
-        for a write range outside the buffer; CacheWriteError for a write sglang would serve
-        by overwriting slots of other positions (it corrupts them), or a head range other
-        than the one written since the last reset.
+        Planned, then committed: raises (leaving the cache unchanged) ValueError as sglang
+        for a missing ``cache_head_start`` or a negative ``recent_window_tokens``;
+        RuntimeError as sglang for a write range outside the buffer; CacheWriteError for a
+        write sglang would serve by overwriting slots of other positions (it corrupts them),
+        or a head range other than the one written since the last reset; what the codec
+        raises for a chunk it cannot pack (NaN/inf K/V on the CPU).
+
+        Runs outside torch.compile's graphs (one graph break at sglang's call site): every
+        decision here is integer bookkeeping that would only specialize and recompile.
         """
         n, h_in = key.shape[1], key.shape[2]
         if h_in != self.num_heads:
@@ -244,21 +231,32 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             slots.copy(*plan.roll)
         self._check_consistent(slots, plan, start, n, debug_name)
         slots.write(plan.local_start, plan.local_end, start)
+        pinned_start = self.pinned_start
+        if plan.evicted and self.has_pinned() and pinned_start >= plan.sink:
+            pinned_start -= plan.evicted
+        write = KVWrite(start, start + n, heads, key, value)
+        held = tuple(slots.positions())
+        advanced = start + n > global_end
+        if held == self.store.held() and self.store.covers_dense(start, start + n):
+            stored = None  # the layout stays: one in-place copy at the commit
+        else:
+            stored = self.store.plan(
+                held=held, write=write, advance=advanced, sink_end=self.sink_tokens,
+                pinned=self._pinned_positions(slots, pinned_start, plan.grow_to),
+            )
 
-        # commit (nothing above changed the cache)
+        # commit (nothing above changed the cache, nothing below can fail)
         if plan.grow_to != self.cache_size:
             if self.attention_window_size == self.cache_size:
                 self.attention_window_size = plan.grow_to
             self.cache_size = plan.grow_to
-        if plan.evicted and self.has_pinned() and self.pinned_start >= plan.sink:
-            self.pinned_start -= plan.evicted
+        self.pinned_start = pinned_start
         self._heads = heads
         self._slots = slots
-        advanced = start + n > global_end
-        self._store(key, value, start, global_end, heads)
-        self._evict()
-        if advanced and self.quant.enabled:
-            self._pack()
+        if stored is None:
+            self.store.write(write)
+        else:
+            self.store.commit(stored)
         view_slots = visible_slots(
             self._state(), plan.local_start, plan.updated_local_end, recent_window_tokens
         )
@@ -286,111 +284,22 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                     f"some of them; sglang's dense cache would leave two versions (not served)"
                 )
 
-    # ---- storage by global position -----------------------------------------------------
-    def _store(self, key, value, start: int, global_end: int, heads: tuple[int, int]) -> None:
-        h0, h1 = heads
-        end = start + key.shape[1]
-        at = start
-        for c in self._chunks:
-            lo, hi = max(at, c.g0), min(end, c.g1)
-            if lo >= hi:
-                continue
-            if lo > at:
-                self._new_chunk(at, lo, key, value, start, heads, advance=False)
-            if c.packed:
-                self._unpack(c)
-            c.k[:, lo - c.g0 : hi - c.g0, h0:h1].copy_(key[:, lo - start : hi - start])  # type: ignore[index]
-            c.v[:, lo - c.g0 : hi - c.g0, h0:h1].copy_(value[:, lo - start : hi - start])  # type: ignore[index]
-            at = hi
-        if at < end:
-            self._new_chunk(at, end, key, value, start, heads, advance=end > global_end)
-
-    def _new_chunk(self, g0, g1, key, value, start, heads, *, advance: bool) -> None:
-        shape = (self.batch_size, g1 - g0, self.num_heads, self.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        h0, h1 = heads
-        k[:, :, h0:h1].copy_(key[:, g0 - start : g1 - start])
-        v[:, :, h0:h1].copy_(value[:, g0 - start : g1 - start])
-        chunk = _Chunk(g0, g1, self._next_chunk, g0 < self.sink_tokens, k=k, v=v)
-        self._next_chunk += 1
-        if advance:
-            self._current_chunk = chunk.idx
-            if self._chunk_tokens == 0:
-                self._chunk_tokens = g1 - g0
-        self._chunks.append(chunk)
-        self._chunks.sort(key=lambda c: c.g0)
-
-    def _evict(self) -> None:
-        """Drop what no slot holds; trim dense chunks, keep packed ones until wholly gone."""
-        held = self._slots.positions()
-        kept: list[_Chunk] = []
-        for c in self._chunks:
-            live = [(max(a, c.g0), min(b, c.g1)) for a, b in held if min(b, c.g1) > max(a, c.g0)]
-            if not live:
-                continue
-            if c.packed or live == [(c.g0, c.g1)]:
-                kept.append(c)
-                continue
-            for a, b in live:
-                kept.append(_Chunk(a, b, c.idx, c.is_sink,
-                                   k=c.k[:, a - c.g0 : b - c.g0].clone(),  # type: ignore[index]
-                                   v=c.v[:, a - c.g0 : b - c.g0].clone()))  # type: ignore[index]
-        self._chunks = kept
-
-    def _pack(self) -> None:
-        """sglang's rule: pack completed chunks not kept dense (each chunk packed once)."""
-        q = self.quant
-        protect = q.sink_keep_chunks * max(1, self._chunk_tokens)
-        completed = sorted({(c.idx, c.is_sink, c.g0 < protect) for c in self._chunks
-                            if c.idx != self._current_chunk})
-        dense = sglang_dense_chunks(completed, q.keep_recent_chunks, q.sink)
-        for c in self._chunks:
-            if c.packed or c.idx == self._current_chunk or c.idx in dense:
-                continue
-            c.pk = quantize(c.k.permute(0, 2, 1, 3), q)  # type: ignore[union-attr]
-            c.pv = quantize(c.v.permute(0, 2, 1, 3), q)  # type: ignore[union-attr]
-            c.k = c.v = None
-            self.quantize_calls += 1
-
-    def _unpack(self, c: _Chunk) -> None:
-        """A write into a packed chunk: back to dense (sglang's dense cache keeps it exact)."""
-        c.k = dequantize(c.pk, dtype=self.dtype).permute(0, 2, 1, 3).contiguous()  # type: ignore[arg-type]
-        c.v = dequantize(c.pv, dtype=self.dtype).permute(0, 2, 1, 3).contiguous()  # type: ignore[arg-type]
-        c.pk = c.pv = None
+    # ---- positions -> the store ------------------------------------------------------------
+    def _pinned_positions(self, slots: SlotMap, pinned_start: int, size: int) -> Intervals:
+        """Global positions held by the pinned slots (the LongLive 2.0 shot sink): with
+        ``sink=False`` the store keeps their chunks dense, as causalkv's own cache does."""
+        if not (pinned_start >= 0 and self.pinned_len > 0):
+            return ()
+        a, b = max(0, pinned_start), min(size, pinned_start + self.pinned_len)
+        if b <= a:
+            return ()
+        return normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
 
     def _gather(self, view_slots, heads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The view's K/V ``[B, visible, h, D]``: slot ranges -> positions -> stored chunks."""
-        h0, h1 = heads
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """The view's K/V ``[B, visible, h, D]``: slot ranges -> positions -> one buffer."""
+        pieces: list[tuple[int | None, int]] = []
         for a, b in view_slots:
             a, b = max(0, min(a, self.cache_size)), max(0, min(b, self.cache_size))
-            if b <= a:
-                continue
-            for ln, p in self._slots.read(a, b):
-                pieces.extend(self._positions(p, ln, h0, h1))
-        if not pieces:
-            empty = torch.zeros((self.batch_size, 0, h1 - h0, self.head_dim),
-                                dtype=self.dtype, device=self.device)
-            return empty, empty
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
-
-    def _positions(self, p: int | None, ln: int, h0: int, h1: int):
-        if p is None:
-            z = torch.zeros((self.batch_size, ln, h1 - h0, self.head_dim),
-                            dtype=self.dtype, device=self.device)
-            return [(z, z)]
-        out = []
-        for c in self._chunks:
-            lo, hi = max(p, c.g0), min(p + ln, c.g1)
-            if lo >= hi:
-                continue
-            if c.packed:
-                k = dequantize(c.pk, dtype=self.dtype).permute(0, 2, 1, 3)  # type: ignore[arg-type]
-                v = dequantize(c.pv, dtype=self.dtype).permute(0, 2, 1, 3)  # type: ignore[arg-type]
-            else:
-                k, v = c.k, c.v
-            out.append((k[:, lo - c.g0 : hi - c.g0, h0:h1], v[:, lo - c.g0 : hi - c.g0, h0:h1]))  # type: ignore[index]
-        return out
+            if b > a:
+                pieces.extend((p, ln) for ln, p in self._slots.read(a, b))
+        return self.store.gather(pieces, *heads)

@@ -1,4 +1,4 @@
-"""QVG (Quant-VideoGen) KV-cache quantization: settings and the PRQ codec.
+"""QVG (Quant-VideoGen) KV-cache quantization: settings, the PRQ codec, the segment store.
 
 `quantize` packs a K or V segment ``[B, H, S, D]`` into a `PackedSegment` (k-means
 centroids + uint8 ids + 2/4-bit residual codes with fp8 block scales); `dequantize`
@@ -7,6 +7,10 @@ reconstructs it, optionally straight into a slice of a larger buffer. See docs/q
 `causalkv.caches.qvg.attention.packed_attention` attends queries over a packed segment
 without decoding it to memory (a Triton kernel; that module needs triton, so it is not
 imported here). See docs/attention.md.
+
+`SegmentStore` (`causalkv.caches.qvg.store`) holds one layer's K/V by global position with
+cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `CAUSALKV`,
+`SGLANG`); causalkv's `QVGPackedCausalKVCache` and the sglang bridge's cache both use it.
 """
 
 from causalkv.caches.qvg.args import QUANT_CHOICES, QVGKVQuantArgs, add_cli_args, from_namespace
@@ -19,12 +23,31 @@ from causalkv.caches.qvg.codec import (
     quantize,
     resolve_backend,
 )
+from causalkv.caches.qvg.policy import (
+    CAUSALKV,
+    SGLANG,
+    CausalKVPolicy,
+    ChunkInfo,
+    PackingDecision,
+    PackingPolicy,
+    SGLangPolicy,
+)
+from causalkv.caches.qvg.store import KVWrite, SegmentStore
 
 __all__ = [
     "BACKEND_ENV",
+    "CAUSALKV",
     "QUANT_CHOICES",
+    "SGLANG",
+    "CausalKVPolicy",
+    "ChunkInfo",
+    "KVWrite",
     "PackedSegment",
+    "PackingDecision",
+    "PackingPolicy",
     "QVGKVQuantArgs",
+    "SGLangPolicy",
+    "SegmentStore",
     "add_cli_args",
     "bits_per_element",
     "dequantize",

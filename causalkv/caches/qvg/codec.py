@@ -37,8 +37,12 @@ one process packs the same global heads).
 - A block whose *input* is all zeros stores the scale byte ``0x80`` (e4m3 ``-0.0``, never
   produced otherwise) and decodes to exact zeros regardless of its token's centroid.
 
-`quantize` makes one host sync per call (the per-head absolute maxima: the non-finite check
-and the normalization exponents); it runs once per cold chunk. `dequantize` makes none.
+Host syncs: on the CPU `quantize` reads the per-head absolute maxima on the host (the
+non-finite check and the normalization exponents; free there). On any other device it makes
+none: the exponents stay on the device, the k-means draws are computed once per geometry and
+kept on the device (`kmeans_draws`), and a head whose input is not finite cannot be refused
+without a sync, so it is stored *poisoned* (its scale exponent is `POISON_SCALE_EXP`) and
+decodes to non-finite values, never to plausible numbers. `dequantize` makes none anywhere.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ FP8_MAX = 448.0
 _MAX_ZERO_RANGE = 120.0  # asymmetric: |zero point| stays <= 120 + 2^(bits-1) (fits int8)
 _MSE_ITERS = 4
 _MIN_SCALE_EXP = -100
+POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,20 +164,26 @@ class PackedSegment:
         out.shape = (B, h1 - h0, S, D)
         return out
 
-    def select_tokens(self, s0: int, s1: int) -> PackedSegment:
-        """Tokens ``[s0, s1)`` as views (no copy; the centroids are shared whole); shape
-        becomes ``[B, H, s1 - s0, D]``. Decodes to the same rows as the whole segment."""
+    def select_tokens(self, a: int, b: int) -> PackedSegment:
+        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``.
+
+        The ids, codes, scales and zeros are sliced along S; the centroids and the per-head
+        scale exponents are shared with ``self`` (so `nbytes` of the slice counts them whole).
+        `dequantize` reads such a slice through its strides: decoding part of a segment
+        costs that part only.
+        """
         B, H, S, D = self.shape
-        if not 0 <= s0 < s1 <= S:
-            raise ValueError(f"select_tokens: need 0 <= s0 < s1 <= {S}, got s0={s0}, s1={s1}")
-        rows = slice(s0, s1)
+        if not 0 <= a < b <= S:
+            raise ValueError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
+        if a == 0 and b == S:
+            return self
         return replace(
             self,
-            ids=[i[:, :, rows] for i in self.ids],
-            codes=self.codes[:, :, rows],
-            scales=self.scales[:, :, rows],
-            zeros=None if self.zeros is None else self.zeros[:, :, rows],
-            shape=(B, H, s1 - s0, D),
+            ids=[i[:, :, a:b] for i in self.ids],
+            codes=self.codes[:, :, a:b],
+            scales=self.scales[:, :, a:b],
+            zeros=None if self.zeros is None else self.zeros[:, :, a:b],
+            shape=(B, H, b - a, D),
         )
 
 
@@ -434,6 +445,51 @@ def _draws(
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def kmeans_draws(
+    seed: int, heads: tuple[tuple[int, int], ...], S: int, K: int, m: int, stages: int,
+    device: str,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """`_draws` for these heads and this geometry, on ``device``: computed on the host once,
+    then reused (a stream packs chunks of one size with the same heads, layer after layer),
+    so a quantize on a GPU draws nothing on the host and copies nothing to the device.
+    The tensors are shared: callers only read them."""
+    return tuple(
+        (pick.to(device), sample.to(device))
+        for pick, sample in _draws(seed, list(heads), S, K, m, stages)
+    )
+
+
+def _pow2_bits(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exactly ``2.0**e`` as ``dtype`` (float32 or float64) for int ``e`` in its normal range,
+    built from the exponent bits (no host value, no rounding)."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _mul_pow2_device(
+    t: torch.Tensor, e: torch.Tensor, dtype: torch.dtype, work: torch.dtype
+) -> torch.Tensor:
+    """``t [G, ...] * 2**e[g]`` as ``dtype``, computed in ``work`` (float32 or float64), with
+    ``e [G]`` an int tensor on ``t``'s device (no host sync): two multiplies by normal powers
+    of two of ``work`` (exact unless a value lands in the subnormal range, like `_mul_pow2`;
+    ``e`` beyond twice the range saturates to 0 or inf, as the exact product would in
+    ``dtype``). Callers pick float64 where ``e`` may exceed float32's doubled range (float64
+    inputs, the centroids of any head)."""
+    shape = (-1,) + (1,) * (t.dim() - 1)
+    lo, hi = (-1022, 1023) if work == torch.float64 else (-126, 127)
+    a = e.clamp(lo, hi)
+    out = t.to(work) * _pow2_bits(a, work).view(shape)
+    out.mul_(_pow2_bits((e - a).clamp(lo, hi), work).view(shape))  # 2**0 unless outside
+    return out.to(dtype)
+
+
+def _host_checked(device: torch.device) -> bool:
+    """True when `quantize` reads the per-head maxima on the host (the CPU: no sync to pay)."""
+    return device.type == "cpu"
+
+
 def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.Tensor:
     """``c [G, K, D]`` rows picked by ``ids [G, S]`` -> ``[G, S, D]`` (one row gather; into
     the reused scratch buffer ``buf`` if named)."""
@@ -483,8 +539,9 @@ def quantize(
 
     Raises:
         ValueError: quantization off, bad shape, ``D % block_size != 0``, more than 256
-            centroids, a negative ``head_offset``, or NaN/inf in ``x`` (the message says
-            how many).
+            centroids, a negative ``head_offset``, or (on the CPU) NaN/inf in ``x`` (the
+            message says how many). On other devices no host sync is made: a head with
+            NaN/inf is stored poisoned (see the module docstring).
     """
     if x.dim() != 4:
         raise ValueError(f"quantize: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
@@ -508,23 +565,30 @@ def quantize(
             )
     if B * H * S == 0:
         raise ValueError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
-    # Per-head absolute maxima: NaN/inf propagate, so one sync covers the non-finite check
+    # Per-head absolute maxima: NaN/inf propagate, so one read covers the non-finite check
     # and the per-head normalization exponents.
     head_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg())
-    amaxes = head_amax.reshape(-1).tolist()
-    if not all(math.isfinite(a) for a in amaxes):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of {x.numel()}; "
-            "PRQ needs finite K/V"
-        )
     impl = _impl(resolve_backend(backend, x.device))
     assert args.bits is not None
     BH, nb = B * H, D // args.block_size
     K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
     # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
     # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
-    norm = [math.frexp(a)[1] if a > 0 else 0 for a in amaxes]
+    poisoned: torch.Tensor | None = None
+    norm: list[int] | torch.Tensor
+    if _host_checked(x.device):
+        amaxes = head_amax.reshape(-1).tolist()
+        if not all(math.isfinite(a) for a in amaxes):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(
+                f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of "
+                f"{x.numel()}; PRQ needs finite K/V"
+            )
+        norm = [math.frexp(a)[1] if a > 0 else 0 for a in amaxes]
+    else:  # the same exponents, on the device (frexp is exact in any float dtype)
+        flat_amax = head_amax.reshape(-1)
+        poisoned = ~torch.isfinite(flat_amax)
+        norm = torch.where((flat_amax > 0) & ~poisoned, torch.frexp(flat_amax)[1], 0)
     dev = x.device
     codes = torch.empty(B, H, S, D * args.bits // 8, dtype=torch.uint8, device=dev)
     scales = torch.empty(B, H, S, nb, dtype=torch.uint8, device=dev)
@@ -544,6 +608,7 @@ def quantize(
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
             codebooks=None if codebooks is None else [
                 c.reshape(BH, K, D)[g0:g1] for c in codebooks],
+            poisoned=None if poisoned is None else poisoned[g0:g1],
         )
         codes.view(BH, S, -1)[g0:g1] = out[0]
         scales.view(BH, S, nb)[g0:g1] = out[1]
@@ -554,6 +619,8 @@ def quantize(
             ids[st].view(BH, S)[g0:g1] = out[4][st]
             if codebooks is None:
                 cents[st].view(BH, K, D)[g0:g1] = out[5][st]
+    if poisoned is not None:
+        exps.view(BH).masked_fill_(poisoned, POISON_SCALE_EXP)
     return PackedSegment(
         centroids=cents,
         ids=ids,
@@ -571,16 +638,20 @@ def quantize(
 
 def _quantize_heads(
     xg: torch.Tensor,
-    norm: list[int],
+    norm: list[int] | torch.Tensor,
     args: QVGKVQuantArgs,
     impl,
     *,
     seed: int,
     heads: list[tuple[int, int]],
     codebooks: list[torch.Tensor] | None,
+    poisoned: torch.Tensor | None = None,
 ):
-    """PRQ of ``G`` heads ``xg [G, S, D]``; ``norm[g]``: head ``g``'s normalization exponent,
-    ``heads[g]``: its (batch index, global head index).
+    """PRQ of ``G`` heads ``xg [G, S, D]``; ``norm[g]``: head ``g``'s normalization exponent
+    (a host list on the CPU, an int tensor on the device elsewhere: then nothing here reads a
+    device value on the host), ``heads[g]``: its (batch index, global head index);
+    ``poisoned [G]`` (device path): heads whose input is not finite, packed as zeros (their
+    exponent is poisoned afterwards).
 
     Returns (codes ``[G, S, D*bits/8]`` uint8, scale bytes ``[G, S, nb]`` uint8, exponents
     ``[G]`` int16, zeros ``[G, S, nb]`` int8 or None, ids per stage ``[G, S]`` uint8, bf16
@@ -592,25 +663,41 @@ def _quantize_heads(
     assert bits is not None
     nb = D // block
     dev = xg.device
-    neg = [-e for e in norm]
-    if -120 <= min(neg) and max(neg) <= 125:  # |xf| <= 1: cast, then scale in place (exact)
-        xf = scratch("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
-        if any(neg):
-            xf.mul_(torch.tensor(neg, dtype=torch.float64).exp2().float().to(dev).view(G, 1, 1))
+    host = isinstance(norm, list)
+    if host:
+        neg = [-e for e in norm]
+        if -120 <= min(neg) and max(neg) <= 125:  # |xf| <= 1: cast, then scale in place (exact)
+            xf = scratch("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
+            if any(neg):
+                xf.mul_(torch.tensor(neg, dtype=torch.float64).exp2().float().to(dev).view(G, 1, 1))
+        else:
+            xf = _mul_pow2(xg, neg, torch.float32).contiguous()
     else:
-        xf = _mul_pow2(xg, neg, torch.float32).contiguous()
+        neg_t = -norm
+        # float32 work covers +-254: every exponent of a float32/bf16/fp16 input's head
+        work = torch.float64 if xg.dtype == torch.float64 else torch.float32
+        xf = _mul_pow2_device(xg, neg_t, torch.float32, work).contiguous()
+        if poisoned is not None:  # NaN/inf would only derail k-means: pack zeros instead
+            xf.masked_fill_(poisoned.view(G, 1, 1), 0.0)
+
+    def scaled(t: torch.Tensor, e_neg: bool, dtype: torch.dtype) -> torch.Tensor:
+        """``t * 2**-norm`` (``e_neg``) or ``t * 2**norm`` per head, as ``dtype``."""
+        if host:
+            return _mul_pow2(t, neg if e_neg else list(norm), dtype)
+        return _mul_pow2_device(t, neg_t if e_neg else norm, dtype, torch.float64)
     x3 = xf.view(G * S, nb, block)
     zero_block = (x3.amax(-1) == 0) & (x3.amin(-1) == 0)  # [G*S, nb]: all-zero input block
     resid = xf  # updated in place from here on
     ids, cents = [], []
     if codebooks is None:
         K = min(args.centroids, S)
-        draws = _draws(seed, heads, S, K, kmeans_sample_size(S, K), args.stages)
+        draws = kmeans_draws(seed, tuple(heads), S, K, kmeans_sample_size(S, K), args.stages,
+                             str(dev))
     for stage in range(args.stages):
         if codebooks is not None:
-            c32 = _mul_pow2(codebooks[stage], neg, torch.float32)
+            c32 = scaled(codebooks[stage], True, torch.float32)
         else:
-            pick, sample = (t.to(dev) for t in draws[stage])
+            pick, sample = draws[stage]
             c = _rows(resid, pick)
             xs = _rows(resid, sample, "quantize.sample") if sample.shape[1] else resid
             for _ in range(args.kmeans_iters):
@@ -618,7 +705,7 @@ def _quantize_heads(
                 c = impl.kmeans_update(xs, a, c)
             c_bf = c.to(torch.bfloat16)
             c32 = c_bf.float()
-            cents.append(_mul_pow2(c_bf, norm, torch.bfloat16))
+            cents.append(scaled(c_bf, False, torch.bfloat16))
         a = impl.kmeans_assign(resid, c32)
         resid.sub_(_rows(c32, a, "quantize.rows"))
         ids.append(a.to(torch.uint8))
@@ -638,7 +725,7 @@ def _quantize_heads(
         z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
         zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
     packed = impl.quantize_pack(r, dec, zeros, bits=bits, block=block, grid=grid)
-    n = torch.tensor(norm, dtype=torch.int32, device=dev)
+    n = torch.tensor(norm, dtype=torch.int32, device=dev) if host else norm.to(torch.int32)
     return (
         packed.view(G, S, -1),
         enc.view(G, S, nb),

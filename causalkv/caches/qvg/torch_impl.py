@@ -217,6 +217,9 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     (or byte pair) to all its levels at once, then one ``addcmul`` of levels and scales onto
     the centroids, written straight into ``out`` (its rows when contiguous, else the strided
     tile view).
+
+    ``packed`` may be a view (`PackedSegment.select_heads` / ``select_tokens``): its ids,
+    codes, scales and zeros are read tile by tile through their strides, never copied whole.
     """
     from causalkv.caches.qvg.codec import ZERO_BLOCK_SCALE_BYTE, scale_table
 
@@ -233,20 +236,20 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
 
     s_table = scale_table(packed.scale_exp, dev).to(work).view(-1)  # [BH * 256]
     s_off = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * 256
-    sb = packed.scales.reshape(N, nb).view(torch.uint8)
+    sb = packed.scales.view(torch.uint8)  # [B, H, S, nb], read per tile through its strides
     zero_row = BH * K * nb
     rowoff = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * (K * nb)
     rowoff = rowoff + torch.arange(nb, device=dev, dtype=torch.int32)
-    stages = [
-        (
-            torch.cat(
-                [cent.reshape(zero_row, bs).to(work), torch.zeros(1, bs, dtype=work, device=dev)]
-            ),
-            ids.reshape(BH, S, 1),
-        )
-        for cent, ids in zip(packed.centroids, packed.ids)
-    ]
-    zeros = None if packed.zeros is None else packed.zeros.reshape(N, nb, 1)
+
+    def centroid_table(cent: torch.Tensor) -> torch.Tensor:
+        """``[zero_row + 1, bs]``: the centroids' blocks (any strides, one copy), then zeros."""
+        table = torch.empty(zero_row + 1, bs, dtype=work, device=dev)
+        table[:zero_row].view(cent.shape).copy_(cent)
+        table[zero_row].zero_()
+        return table
+
+    stages = [(centroid_table(cent), ids) for cent, ids in zip(packed.centroids, packed.ids)]
+    zeros = packed.zeros  # [B, H, S, nb] or None
 
     # Levels: one table lookup per code byte, or per byte pair when a pair's levels fit in
     # 16 bytes and every block holds whole pairs.
@@ -255,10 +258,8 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     itemsize = torch.empty((), dtype=work).element_size()
     pair = bpb % 2 == 0 and 2 * per * itemsize <= 16
     lut = _lut(bits, packed.grid == "mse4", work, pair, dev)
-    codes = packed.codes.reshape(N, nb * bpb)
-    if pair:
-        codes = codes.view(torch.uint16)
-    width = codes.shape[1]  # table lookups per token
+    codes = packed.codes.view(torch.uint16) if pair else packed.codes  # [B, H, S, width]
+    width = codes.shape[3]  # table lookups per token
 
     tiles = _tiles(B, H, S, D)
     rows = max((h1 - h0) * (s1 - s0) for _, h0, h1, s0, s1 in tiles)
@@ -272,19 +273,19 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         n0 = (b * H + h0) * S + s0
         t = hh * ss
         n1 = n0 + t
-        sb_t = sb[n0:n1]
+        sb_t = sb[b, h0:h1, s0:s1]  # [hh, ss, nb]
         zero_t = _scratch("zero", t * nb, torch.bool, dev).view(t, nb)
-        torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t)
+        torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t.view(hh, ss, nb))
         sbi = _scratch("sbi", t * nb, torch.int32, dev).view(t, nb)
         bh0 = b * H + h0
-        torch.add(sb_t.view(hh, ss, nb), s_off[bh0 : bh0 + hh], out=sbi.view(hh, ss, nb))
+        torch.add(sb_t, s_off[bh0 : bh0 + hh], out=sbi.view(hh, ss, nb))
         s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_scratch("s", t * nb, work, dev))
         s_t = s_t.view(t, nb, 1)
 
         acc = _scratch("acc", t * nb * bs, work, dev).view(t * nb, bs)
         for st, (table, ids) in enumerate(stages):
             cidx = _scratch("cidx", t * nb, torch.int32, dev)
-            torch.add(rowoff[bh0 : bh0 + hh], ids[bh0 : bh0 + hh, s0:s1], alpha=nb,
+            torch.add(rowoff[bh0 : bh0 + hh], ids[b, h0:h1, s0:s1].unsqueeze(-1), alpha=nb,
                       out=cidx.view(hh, ss, nb))
             cidx.view(t, nb).masked_fill_(zero_t, zero_row)
             if st == 0:
@@ -296,7 +297,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         acc = acc.view(t, nb, bs)
 
         code_idx = _scratch("code_idx", t * width, idx_dtype, dev).view(t, width)
-        code_idx.copy_(codes[n0:n1])
+        code_idx.view(hh, ss, width).copy_(codes[b, h0:h1, s0:s1])
         lv = _scratch("levels", t * width, lut.dtype, dev)
         if threaded:
             torch.gather(lut_rows[:t], 1, code_idx, out=lv.view(t, width))
@@ -305,7 +306,8 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         lv = lv.view(work).view(t, nb, bs)
         if zeros is not None:  # v - z: integers below 2^8 in magnitude, exact in bf16
             z = _scratch("z", t * nb, work, dev).view(t, nb, 1)
-            lv = lv.sub_(z.copy_(zeros[n0:n1]))
+            z.view(hh, ss, nb).copy_(zeros[b, h0:h1, s0:s1])
+            lv = lv.sub_(z)
 
         if flat is not None:  # contiguous out of the work dtype: write its rows
             torch.addcmul(acc, lv, s_t, out=flat[n0:n1])

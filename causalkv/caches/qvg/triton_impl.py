@@ -225,7 +225,7 @@ def _e4m3_scale(u, e):
 @triton.jit
 def _dequant_kernel(
     codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, exp_ptr, out_ptr,
-    S, H, K, ids_sst, cent_sst,
+    S, H, K, ids_sst, cent_sst, r_b, r_h, i_b, i_h,
     o_sb, o_sh, o_ss, o_sd,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
     STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -233,7 +233,10 @@ def _dequant_kernel(
 ):
     """One program = ``BLOCK_T`` tokens of one (batch, head), every channel of their rows.
 
-    Grid ``(cdiv(S, BLOCK_T), B * H)``. Per token tile: the cluster ids once, then per scale
+    Grid ``(cdiv(S, BLOCK_T), B * H)``. Token ``s`` of head ``(b, h)`` is row
+    ``b * r_b + h * r_h + s`` of the codes / scales / zeros (``codes_ptr + row * D // PER``)
+    and row ``b * i_b + h * i_h + s`` of the ids, so head and token slices of a segment are
+    read in place. Per token tile: the cluster ids once, then per scale
     block (static loop): the block's code bytes loaded once (contiguous) and unpacked with
     shifts, its scale bytes decoded in registers (no table), the assigned centroid rows
     (contiguous), and one store of ``BS`` contiguous channels per token.
@@ -250,7 +253,8 @@ def _dequant_kernel(
     h = bh - b * H
     lt = tl.arange(0, BLOCK_T)  # token within the tile
     s_ok = s0 + lt < S
-    row0 = bh.to(tl.int64) * S + s0  # global token index of the tile's first token
+    row0 = b.to(tl.int64) * r_b + h.to(tl.int64) * r_h + s0  # the tile's first token's row
+    irow0 = b.to(tl.int64) * i_b + h.to(tl.int64) * i_h + s0  # ... in the ids
     e = tl.load(exp_ptr + bh).to(tl.int32)
     out_base = out_ptr + (b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + s0.to(tl.int64) * o_ss)
     out_rows = lt.to(tl.int64)[:, None] * o_ss
@@ -265,10 +269,11 @@ def _dequant_kernel(
         mb = s_ok[:, None] & (offs_b < BSB)[None, :]
         mc = s_ok[:, None] & (offs_c < BS)[None, :]
     if STAGES == 1:  # the cluster ids once for every block
-        cid0 = tl.load(ids_ptr + row0 + lt, mask=s_ok, other=0).to(tl.int32)
+        cid0 = tl.load(ids_ptr + irow0 + lt, mask=s_ok, other=0).to(tl.int32)
     for blk in tl.static_range(NB):
         sb = tl.load(sb_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
         scale = _e4m3_scale(sb, e)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
+        scale = tl.where(e == 32767, float("nan"), scale)  # codec.POISON_SCALE_EXP: NaN out
         keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
         byte = tl.load(
             codes_ptr + row0 * DB + lt[:, None] * DB + (blk * BSB + offs_b)[None, :],
@@ -291,7 +296,7 @@ def _dequant_kernel(
         else:
             acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             for st in tl.static_range(STAGES):
-                cid = tl.load(ids_ptr + st * ids_sst + row0 + lt, mask=s_ok, other=0).to(tl.int32)
+                cid = tl.load(ids_ptr + st * ids_sst + irow0 + lt, mask=s_ok, other=0).to(tl.int32)
                 c = tl.load(
                     cent_base + st * cent_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
                 )
@@ -307,8 +312,9 @@ def _dequant_kernel(
 def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype).
 
-    One kernel launch and no other device work for contiguous single-stage segments (what
-    `quantize` produces): the packed tensors are passed as they are, the scale exponents
+    One kernel launch and no other device work for single-stage segments, whole or a head /
+    token slice (`PackedSegment.select_heads` / ``select_tokens``): the codes, scales, zeros
+    and ids are passed as they are and read through their row strides, the scale exponents
     are applied inside the kernel. Several stages stack their ids / centroids first.
     """
     B, H, S, D = packed.shape
@@ -318,30 +324,57 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             "(packed.select_heads) or use backend='torch'"
         )
     bs = packed.block_size
-    codes = _contig(packed.codes)
-    sb = _contig(packed.scales).view(torch.uint8)
+    codes, sb = packed.codes, packed.scales.view(torch.uint8)
+    z = packed.zeros
+    rows = _row_strides(codes, sb, z)
+    if rows is None:  # not sliced from one [B, H, S, .] layout: compact them
+        codes, sb = codes.contiguous(), sb.contiguous()
+        z = None if z is None else z.contiguous()
+        rows = _row_strides(codes, sb, z)
+        assert rows is not None
     exp = _contig(packed.scale_exp)
     stages = len(packed.ids)
     if stages == 1:
-        ids, cents = _contig(packed.ids[0]), _contig(packed.centroids[0])
+        ids, cents = packed.ids[0], _contig(packed.centroids[0])
+        if ids.stride(2) != 1:
+            ids = ids.contiguous()
+        i_b, i_h = ids.stride(0), ids.stride(1)
         ids_sst = cent_sst = 0
-    else:  # [stages, N] and [stages, B*H*K*D]
-        ids = torch.stack([i.reshape(-1) for i in packed.ids])
+    else:  # [stages, B, H, S] and [stages, B*H*K*D]
+        ids = torch.stack(packed.ids)
         cents = torch.stack([c.reshape(-1) for c in packed.centroids])
+        i_b, i_h = ids.stride(1), ids.stride(2)
         ids_sst, cent_sst = ids.stride(0), cents.stride(0)
-    if packed.zeros is not None:
-        mode, z = _MODE_ASYM, _contig(packed.zeros)
+    if z is not None:
+        mode = _MODE_ASYM
     else:
         mode, z = (_MODE_MSE if packed.grid == "mse4" else _MODE_REFERENCE), sb
     block_t, block_b = _dequant_tiles(D, bs, packed.bits)
     o_sb, o_sh, o_ss, o_sd = out.stride()
     _dequant_kernel[(-(-S // block_t), B * H)](
         codes, sb, z, ids, cents, exp, out,
-        S, H, packed.centroids[0].shape[2], ids_sst, cent_sst,
+        S, H, packed.centroids[0].shape[2], ids_sst, cent_sst, rows[0], rows[1], i_b, i_h,
         o_sb, o_sh, o_ss, o_sd,
         D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=stages,
         BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, num_warps=4,
     )
+
+
+def _row_strides(
+    codes: torch.Tensor, sb: torch.Tensor, z: torch.Tensor | None
+) -> tuple[int, int] | None:
+    """``(r_b, r_h)``: batch and head strides in token rows shared by the codes ``[B, H, S, DB]``,
+    scales and zeros ``[B, H, S, nb]`` (each token's row contiguous), or None if they differ."""
+    out = None
+    for t in (codes, sb) if z is None else (codes, sb, z):
+        width = t.shape[3]
+        if t.stride(3) != 1 or t.stride(2) != width or t.stride(0) % width or t.stride(1) % width:
+            return None
+        r = (t.stride(0) // width, t.stride(1) // width)
+        if out is not None and r != out:
+            return None
+        out = r
+    return out
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:

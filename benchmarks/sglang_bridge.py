@@ -1,0 +1,330 @@
+"""sglang's KV caches and the causalkv bridge's, per attention call, side by side in one run.
+
+Runs in the sglang environment only (it imports sglang 0.5.23's caches): build it with
+``make venv-sglang``, then
+
+    .venv-sglang/bin/python benchmarks/sglang_bridge.py [--heads 2] [--chunks 12] [--threads 1] [--json]
+    .venv-sglang/bin/python benchmarks/sglang_bridge.py --device cuda     # on a GPU
+
+A LongLive 2.0 stream at its real geometry (7,040 tokens per 8-frame chunk, an 8-frame
+global sink and shot sink, a 32-frame window = 4 chunks = the cache, head_dim 128; heads
+reduced, ``--heads``), ``--chunks`` chunks of 5 passes each (4 denoising steps and the
+context update, every pass one ``update_and_get_attention_kv`` as sglang's attention layer
+makes it), a scene cut pinned after chunk ``--pin``. The same K/V (`benchmarks/cache.py`'s
+structured `StreamKV`) go into:
+
+- ``sglang dense``: sglang's ``CausalSelfAttentionKVCache`` (the baseline of every ratio);
+- ``sglang QVG``: sglang's own ``QVGPackedCausalKVCache``. Without CUDA it runs only with
+  quantization off (its codec is quant-videogen's CUDA kernels); it refuses pins and global
+  sinks, so its stream has neither. With ``--device cuda`` and quant-videogen importable it
+  also runs at int4 and int2;
+- ``bridge int4`` / ``bridge int2``: causalkv's ``SGLangQVGKVCache`` (sglang's defaults:
+  128 centroids, block 64, keep-recent 1, sink packed), global sink and pin included.
+
+Per cache: time per call (mean over every call of a stream; a warm-up stream first, then the
+least of ``--repeat`` streams, which filters out other processes on a shared machine) and
+per advance (the calls that also evict and pack); peak transient bytes, i.e. the most
+memory allocated during one call above what was allocated before it, the returned view
+included (on the CPU from torch.profiler's record of every allocation and free, on CUDA
+``torch.cuda.max_memory_allocated``), over every call and over the rewrite calls alone;
+resident KV bytes (the largest over the stream); the relative L2 error of the last view's K
+against sglang dense (same positions: the bridge's views are sglang's views). Ratios are to
+sglang dense in the same run. The attention math is the same for every cache and is not in
+the per-call figures; one torch SDPA over a full window (the chunk's queries against the
+window's keys, bf16) is timed once and printed for scale. On the CPU the PRQ codec keeps a
+per-thread workspace between calls (tile-sized buffers, allocated once): not transient, it
+is reported on its own line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "sglang_bridge"))
+
+try:  # the registry's torchvision for torch 2.13 needs the test environment's shim on a CPU
+    import tvshim
+
+    tvshim.install()
+    from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
+    from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
+        CausalSelfAttentionKVCache,
+    )
+    from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
+        QVGPackedCausalKVCache,
+    )
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise SystemExit(
+        f"benchmarks/sglang_bridge.py needs the sglang environment ({exc}); run "
+        "`make venv-sglang` and use .venv-sglang/bin/python"
+    ) from exc
+
+from cache import StreamKV  # noqa: E402  (benchmarks/cache.py: the structured K/V)
+
+from causalkv.sglang.cache import SGLangQVGKVCache  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Geometry:
+    tokens_per_frame: int = 880
+    frames_per_chunk: int = 8
+    sink_frames: int = 8
+    window_frames: int = 32
+    heads: int = 2
+    head_dim: int = 128
+    chunks: int = 12
+    passes: int = 5
+    pin_after: int = 6
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens_per_frame * self.frames_per_chunk
+
+    @property
+    def sink(self) -> int:
+        return self.tokens_per_frame * self.sink_frames
+
+    @property
+    def cache(self) -> int:
+        return self.tokens_per_frame * self.window_frames
+
+
+QUICK = Geometry(tokens_per_frame=32, chunks=6, pin_after=2, heads=2, head_dim=64)
+
+
+def _indices(device):
+    return dict(global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+                local_end_index=torch.zeros(1, dtype=torch.long, device=device))
+
+
+def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[], object], bool]]:
+    """name -> (factory, serves pins and the global sink)."""
+    dt = torch.bfloat16
+    shape = (1, g.cache, g.heads, g.head_dim)
+    common = dict(batch_size=1, cache_size=g.cache, num_heads=g.heads, head_dim=g.head_dim,
+                  dtype=dt, device=device, sink_tokens=g.sink, attention_window_size=g.cache)
+
+    def dense():
+        return CausalSelfAttentionKVCache(
+            k=torch.zeros(shape, dtype=dt, device=device), v=torch.zeros(shape, dtype=dt, device=device),
+            **_indices(device), cache_size=g.cache, sink_tokens=g.sink,
+            attention_window_size=g.cache, global_sink_tokens=g.sink)
+
+    def sglang_qvg(bits):
+        return lambda: QVGPackedCausalKVCache(**common, **_indices(device),
+                                              quant_args=QVGKVQuantArgs(bits=bits))
+
+    def bridge(bits):
+        return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
+                                        quant_args=QVGKVQuantArgs(bits=bits))
+
+    out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}
+    if device.type == "cuda":
+        out["sglang QVG int4"] = (sglang_qvg(4), False)
+        out["sglang QVG int2"] = (sglang_qvg(2), False)
+    out["bridge int4"] = (bridge(4), True)
+    out["bridge int2"] = (bridge(2), True)
+    return out
+
+
+def resident(cache) -> int:
+    if isinstance(cache, CausalSelfAttentionKVCache):
+        return cache.k.nbytes + cache.v.nbytes
+    return int(cache.resident_nbytes())
+
+
+class Peak:
+    """Peak bytes allocated during a call above the start (the call's result kept alive)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[int, object]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = fn()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - start, out
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                        key=lambda e: e.time_range.start)
+        run = top = 0
+        for e in events:
+            run += e.self_cpu_memory_usage
+            top = max(top, run)
+        return top, out
+
+
+def stream(g: Geometry, factory, pins: bool, data, device, *, measure=None):
+    """One stream through a fresh cache: per call (advance?, seconds, peak bytes), the
+    largest resident bytes, the last view's K."""
+    cache = factory()
+    calls, top_resident, view = [], 0, None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for c in range(g.chunks):
+        k, v = data[c]
+        for p in range(g.passes):
+            def call(k=k, v=v, c=c):
+                return cache.update_and_get_attention_kv(
+                    key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
+            if measure is None:
+                sync()
+                t0 = time.perf_counter()
+                view = call()
+                sync()
+                calls.append((p == 0, time.perf_counter() - t0, 0))
+            else:
+                peak, view = measure(call)
+                calls.append((p == 0, 0.0, peak))
+            top_resident = max(top_resident, resident(cache))
+        if pins and c == g.pin_after:
+            cache.pin_current_chunk(g.chunk)
+    return calls, top_resident, view.k
+
+
+def attention_seconds(g: Geometry, device: torch.device) -> float:
+    """One torch SDPA of a chunk's queries over a full window (bf16), for scale."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, g.heads, g.chunk, g.head_dim, generator=gen).to(device, torch.bfloat16)
+    kv = torch.randn(1, g.heads, g.cache, g.head_dim, generator=gen).to(device, torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa(q[:, :, :16], kv[:, :, :64], kv[:, :, :64])  # warm-up (kernel selection)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sdpa(q, kv, kv)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def codec_workspace_bytes() -> int:
+    """Bytes of the PRQ codec's per-thread CPU workspace (kept between calls)."""
+    from causalkv.caches.qvg import torch_impl
+
+    bufs = torch_impl._WORKSPACE.__dict__.get("bufs", {})
+    return sum(b.nbytes for b in bufs.values())
+
+
+def run(g: Geometry, device: torch.device, repeat: int = 3) -> dict:
+    kv = StreamKV(heads=g.heads, head_dim=g.head_dim)
+    data = [(kv.chunk(c, g.chunk, 0).to(device), kv.chunk(c, g.chunk, 1).to(device))
+            for c in range(g.chunks)]
+    rows, base_k = [], None
+    for name, (factory, pins) in make_caches(g, device).items():
+        row: dict = {"cache": name, "pin_and_global_sink": pins}
+        try:
+            stream(g, factory, pins, data, device)  # warm-up (allocator, codec workspace)
+            timed = [stream(g, factory, pins, data, device) for _ in range(repeat)]
+            calls, top, last_k = min(timed, key=lambda r: sum(t for _, t, _ in r[0]))
+            adv = min(sum(t for a, t, _ in r[0] if a) / sum(a for a, _, _ in r[0]) for r in timed)
+            mem, _, _ = stream(g, factory, pins, data, device, measure=Peak(device))
+        except (ImportError, NotImplementedError, AssertionError, RuntimeError) as exc:
+            row["unavailable"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+            rows.append(row)
+            continue
+        row.update(
+            s_per_call=sum(t for _, t, _ in calls) / len(calls),
+            s_per_advance=adv,
+            peak_transient_bytes=max(m for _, _, m in mem),
+            peak_transient_rewrite_bytes=max(m for a, _, m in mem if not a),
+            resident_kv_bytes=top,
+        )
+        if name == "sglang dense":
+            base_k = last_k
+        elif pins and base_k is not None:
+            row["k_rel_err"] = float((last_k.float() - base_k.float()).norm() / base_k.float().norm())
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        if "unavailable" in row:
+            continue
+        for key in ("s_per_call", "peak_transient_bytes", "resident_kv_bytes"):
+            row[key + "_vs_dense"] = row[key] / base[key] if base[key] else None
+    return {
+        "geometry": {**g.__dict__, "chunk_tokens": g.chunk, "cache_tokens": g.cache},
+        "device": str(device), "threads": torch.get_num_threads(), "repeat": repeat,
+        "load_average": os.getloadavg(), "rows": rows,
+        "codec_cpu_workspace_bytes": codec_workspace_bytes() if device.type == "cpu" else 0,
+        "sdpa_full_window_s": attention_seconds(g, device),
+    }
+
+
+def _ratio(x) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def table(result: dict) -> str:
+    g = result["geometry"]
+    lines = [
+        f"LongLive 2.0 geometry on {result['device']}: {g['chunk_tokens']:,} tokens/chunk, "
+        f"sink = global sink = 1 chunk, cache = window = {g['cache_tokens']:,} tokens, "
+        f"{g['heads']} heads x {g['head_dim']}, {g['chunks']} chunks x {g['passes']} passes, "
+        f"pin after chunk {g['pin_after']}; load average "
+        + ", ".join(f"{x:.1f}" for x in result["load_average"]),
+        "| cache | ms/call | vs dense | ms/advance | peak transient B | vs dense | "
+        "peak transient B, rewrite calls | resident KV B | vs dense | K rel. err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        name = r["cache"] + ("" if r["pin_and_global_sink"] else " (no pin, no global sink)")
+        if "unavailable" in r:
+            lines.append(f"| {name} | unavailable: {r['unavailable']} |")
+            continue
+        err = f"{r['k_rel_err']:.3f}" if "k_rel_err" in r else "—"
+        lines.append(
+            f"| {name} | {1e3 * r['s_per_call']:.2f} | {_ratio(r['s_per_call_vs_dense'])} | "
+            f"{1e3 * r['s_per_advance']:.2f} | {r['peak_transient_bytes']:,} | "
+            f"{_ratio(r['peak_transient_bytes_vs_dense'])} | {r['peak_transient_rewrite_bytes']:,} | "
+            f"{r['resident_kv_bytes']:,} | {_ratio(r['resident_kv_bytes_vs_dense'])} | {err} |"
+        )
+    lines.append(
+        f"for scale: one torch SDPA over the full window takes "
+        f"{1e3 * result['sdpa_full_window_s']:.1f} ms here; the codec's CPU workspace "
+        f"(kept between calls, not in the transient figures) is "
+        f"{result['codec_cpu_workspace_bytes']:,} B per thread"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--heads", type=int, default=Geometry.heads)
+    ap.add_argument("--chunks", type=int, default=Geometry.chunks)
+    ap.add_argument("--pin", type=int, default=Geometry.pin_after, help="pin after this chunk")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on a shared CPU, idle cores are not "
+                         "guaranteed, and oversubscribed threads distort every ratio; 0 = torch's default)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed streams per cache (the least counts)")
+    ap.add_argument("--quick", action="store_true", help="a tiny geometry (what the test runs)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    g = QUICK if args.quick else Geometry(heads=args.heads, chunks=args.chunks, pin_after=args.pin)
+    result = run(g, torch.device(args.device), repeat=max(1, args.repeat))
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""Packing policies: which completed chunks of a QVG segment store stay dense, as objects.
+
+The segment store (`causalkv.caches.qvg.store.SegmentStore`) asks its policy once per advance
+which completed chunks it holds must stay dense now, and which sink chunks are packed
+together as one span; everything else is packed (once, and only if that stores fewer bytes).
+A host only describes its chunks (`ChunkInfo`: where each one sits and whether it holds
+stream-start sink or pinned shot-sink tokens, by the host's own position bookkeeping); the
+rule is the policy's:
+
+- `CausalKVPolicy` (`CAUSALKV`): causalkv's rule. The newest ``keep_recent_chunks`` completed
+  chunks stay dense, sink chunks included; ``sink=True`` packs sink chunks too (one chunk at a
+  time, or, with ``sink_span="full"``, the stream-start sink and the pinned shot sink each as
+  one span once all of it is cold), except the leading ``sink_keep_chunks``; ``sink=False``
+  keeps every sink chunk dense.
+- `SGLangPolicy` (`SGLANG`): sglang's rule (its ``QVGPackedCausalKVCache``): the newest
+  ``keep_recent_chunks`` completed *non-sink* chunks stay dense; a completed sink chunk is
+  packed at once unless ``sink=False`` or it starts before ``sink_keep_chunks`` chunks of
+  the stream's first chunk size. Pinned shot-sink chunks count as sink chunks (sglang's own
+  cache refuses pins; ``sink=False`` keeps them dense, as causalkv's rule does).
+
+No host imports this module's rule by name: a cache takes a policy object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.errors import ConfigError
+
+__all__ = [
+    "CAUSALKV",
+    "DENSE_REASONS",
+    "MIN_TOKENS_PER_CENTROID",
+    "SGLANG",
+    "CausalKVPolicy",
+    "ChunkInfo",
+    "PackingDecision",
+    "PackingPolicy",
+    "SGLangPolicy",
+    "centroids_for",
+    "resolve_policy",
+    "sglang_dense_chunks",
+]
+
+MIN_TOKENS_PER_CENTROID = 32
+"""Default of the centroid rule: at least this many tokens per k-means centroid."""
+
+# Why a completed chunk is held dense (the keys of `PackingReport.chunks_dense`).
+RECENT = "recent"  # one of the newest keep_recent_chunks
+SINK_KEEP = "sink_keep"  # one of the leading sink_keep_chunks sink chunks
+SINK = "sink"  # a sink chunk with sink=False
+WAITING = "waiting for span"  # its span (span_chunks, or the whole sink with "full") is not cold yet
+NOT_SMALLER = "not smaller than dense"  # packing it would not save bytes
+QUANT_OFF = "quant off"  # quantization is off
+POLICY = "policy"  # kept by a policy rule not named above
+DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY)
+
+
+def centroids_for(tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID) -> int:
+    """K-means centroids for a span of ``tokens``: ``min(centroids, 2**floor(log2(tokens // m)))``.
+
+    ``m = min_tokens_per_centroid``; at least 1. With ``m = 32`` the bf16 centroids cost at
+    most ``16 * K / tokens = 0.5`` bits per element; a 4,680-token chunk keeps the reference's
+    128 (146 tokens/32 rounds down to 128), 880 tokens get 16 and 48 tokens 1.
+    """
+    cap = max(1, tokens // min_tokens_per_centroid)
+    return min(centroids, 1 << (cap.bit_length() - 1))
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One completed chunk the store holds, as the host sees it.
+
+    Attributes:
+        index: the chunk's index (chunks are numbered in the order they were written).
+        start, end: the global positions of what is held of it (``[start, end)``).
+        sink: it holds stream-start sink tokens (the host's sink prefix).
+        pinned: it holds pinned shot-sink tokens.
+    """
+
+    index: int
+    start: int
+    end: int
+    sink: bool = False
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class PackingDecision:
+    """What a policy decided for one advance.
+
+    Attributes:
+        dense: chunk index -> why it stays dense now (one of ``DENSE_REASONS``).
+        groups: sets of chunk indices packed as one span, once every chunk of the set is
+            cold (a set naming the current chunk is still open, so it waits).
+    """
+
+    dense: Mapping[int, str] = field(default_factory=dict)
+    groups: tuple[frozenset[int], ...] = ()
+
+
+class PackingPolicy(ABC):
+    """Which completed chunks stay dense (see the module docstring). Stateless; hashable."""
+
+    #: short name (``QVGPackedCausalKVCache(policy=...)`` accepts it as a spelling)
+    name: str = ""
+
+    @abstractmethod
+    def decide(
+        self,
+        quant: QVGKVQuantArgs,
+        chunks: tuple[ChunkInfo, ...],
+        current: int,
+        *,
+        sink_open: bool,
+        chunk_tokens: int,
+    ) -> PackingDecision:
+        """The decision for completed ``chunks`` (ascending position), ``current`` the index of
+        the chunk being written; ``sink_open``: the stream-start sink reaches into the current
+        chunk; ``chunk_tokens``: tokens of the stream's first chunk."""
+
+
+@dataclass(frozen=True)
+class CausalKVPolicy(PackingPolicy):
+    """causalkv's rule (the module docstring); `CAUSALKV` is the instance."""
+
+    name: str = "causalkv"
+
+    def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
+        q = quant
+        dense = {c: RECENT for c in range(current - q.keep_recent_chunks, current)}
+        prefix = [c.index for c in chunks if c.sink]
+        if sink_open:  # the sink is still being written: its group is open
+            prefix.append(current)
+        pinned = [c.index for c in chunks if c.pinned]
+        if not q.sink:
+            for c in (*prefix, *pinned):
+                dense.setdefault(c, SINK)
+            return PackingDecision(dense)
+        for c in prefix[: q.sink_keep_chunks]:
+            dense.setdefault(c, SINK_KEEP)
+        groups = tuple(frozenset(g) for g in (prefix, pinned) if g) if q.sink_span == "full" else ()
+        return PackingDecision(dense, groups)
+
+
+def sglang_dense_chunks(
+    completed: Iterable[tuple[int, bool, bool]], keep_recent: int, pack_sink: bool
+) -> set[int]:
+    """Ids of the completed chunks that stay dense under sglang's rule.
+
+    Args:
+        completed: ``(chunk_id, is_sink, protected)`` for every completed chunk still held,
+            oldest first; ``protected`` marks a sink chunk among the leading kept ones.
+        keep_recent: ``keep_recent_chunks``.
+        pack_sink: the quant args' ``sink`` flag.
+    """
+    completed = list(completed)
+    nonsink = [c for c, is_sink, _ in completed if not is_sink]
+    keep = set(nonsink[len(nonsink) - keep_recent:]) if keep_recent > 0 else set()
+    for c, is_sink, protected in completed:
+        if is_sink and (not pack_sink or protected):
+            keep.add(c)
+    return keep
+
+
+@dataclass(frozen=True)
+class SGLangPolicy(PackingPolicy):
+    """sglang's rule (the module docstring); `SGLANG` is the instance."""
+
+    name: str = "sglang"
+
+    def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
+        q = quant
+        protect = q.sink_keep_chunks * max(1, chunk_tokens)
+        rows = [(c.index, c.sink or c.pinned, c.sink and c.start < protect) for c in chunks]
+        keep = sglang_dense_chunks(rows, q.keep_recent_chunks, q.sink)
+        dense = {}
+        for index, is_sink, _ in rows:
+            if index in keep:
+                dense[index] = (RECENT if not is_sink else SINK if not q.sink else SINK_KEEP)
+        return PackingDecision(dense)
+
+
+CAUSALKV = CausalKVPolicy()
+SGLANG = SGLangPolicy()
+_BY_NAME = {p.name: p for p in (CAUSALKV, SGLANG)}
+
+
+def resolve_policy(policy: PackingPolicy | str) -> PackingPolicy:
+    """A policy object; the names ``"causalkv"``/``"sglang"`` are accepted spellings."""
+    if isinstance(policy, PackingPolicy):
+        return policy
+    if isinstance(policy, str) and policy in _BY_NAME:
+        return _BY_NAME[policy]
+    raise ConfigError(
+        f"QVGPackedCausalKVCache policy must be a PackingPolicy or one of "
+        f"{sorted(_BY_NAME)}, got {policy!r}"
+    )

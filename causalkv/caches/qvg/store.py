@@ -1,0 +1,755 @@
+"""`SegmentStore`: K/V by global position in chunk segments, cold ones PRQ-packed.
+
+The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions decided by
+`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (positions decided by sglang's
+slot arithmetic, `causalkv.sglang.slots`). A host tells the store *which* positions it
+holds and *what* to write; the store keeps the values:
+
+- ``segments``: `Segment` s in ascending global position, each a run ``[start, end)`` of one
+  chunk (or of a packed span of chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in
+  the store's dtype) or `PackedKV` (one codec `PackedSegment` for K and one for V).
+- A write that changes the layout is planned, then committed: `plan` builds the new segment
+  list as values (positions the write covers that no segment holds become new chunks; a
+  packed segment the write touches is decoded back to dense; what the host no longer holds
+  is freed, a dense segment that lost positions is trimmed, a packed one is kept whole until
+  all of it is gone; on an advance the policy's cold chunks are packed). Only `commit`
+  changes the store, and nothing in it can fail: a write that raises (a refused range, a
+  non-finite chunk the codec refuses) leaves the store exactly as it was. A write that keeps
+  the layout (a denoising step rewriting the current chunk) is one in-place copy (`write`).
+- Packing, once per advance: the `PackingPolicy` object says which completed chunks stay
+  dense and which sink chunks pack as one span; every other cold chunk is packed, at most
+  once, ``span_chunks`` at a time, sharing codebooks over ``codebook_chunks``, and only if its
+  packed bytes (`packed_nbytes_formula`, decided before any quantize) are smaller than its
+  dense bytes. The k-means centroids follow `centroids_for` when ``min_tokens_per_centroid``
+  is set, else ``quant.centroids`` as given (the codec caps them at the span's tokens).
+- Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list
+  of position runs (dense rows copied, packed token ranges decoded in place with
+  ``dequantize(out=...)``: no dequantized temporary, no concatenation); `decode` does the
+  same for one segment (streaming attention holds one segment at a time).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg import codec
+from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.codec import PackedSegment, packed_nbytes_formula
+from causalkv.caches.qvg.policy import (
+    CAUSALKV,
+    MIN_TOKENS_PER_CENTROID,
+    NOT_SMALLER,
+    POLICY,
+    QUANT_OFF,
+    WAITING,
+    ChunkInfo,
+    PackingDecision,
+    PackingPolicy,
+    centroids_for,
+)
+from causalkv.caches.spec import KVSegment
+from causalkv.errors import ConfigError
+
+__all__ = [
+    "Codebook",
+    "DenseKV",
+    "KVWrite",
+    "PackedKV",
+    "PackingReport",
+    "Segment",
+    "SegmentStore",
+    "StorePlan",
+]
+
+_PACKED = "packed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed storage
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class DenseKV:
+    """Dense K and V ``[B, len, H, D]`` in the store's dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def slice(self, lo: int, hi: int) -> DenseKV:
+        """Tokens ``[lo, hi)`` as a copy (so the rest can be freed)."""
+        return DenseKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+
+    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
+        """Views of tokens ``[lo, hi)``, heads ``[h0, h1)``: ``[B, hi - lo, h1 - h0, D]``."""
+        return self.k[:, lo:hi, h0:h1], self.v[:, lo:hi, h0:h1]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedKV:
+    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``."""
+
+    k: PackedSegment
+    v: PackedSegment
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of both (a shared codebook counted in each; see `resident_nbytes`)."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def num_centroids(self) -> int:
+        return self.k.num_centroids
+
+    def select_heads(self, h0: int, h1: int) -> PackedKV:
+        """Heads ``[h0, h1)`` as views (no copy)."""
+        if h0 == 0 and h1 == self.k.shape[1]:
+            return self
+        return PackedKV(self.k.select_heads(h0, h1), self.v.select_heads(h0, h1))
+
+    def select_tokens(self, a: int, b: int) -> PackedKV:
+        """Tokens ``[a, b)`` as views (no copy)."""
+        return PackedKV(self.k.select_tokens(a, b), self.v.select_tokens(a, b))
+
+    def offloaded(self) -> PackedKV:
+        """The same K/V in CPU memory (pinned when it was on a GPU)."""
+        k, v = self.k.to("cpu"), self.v.to("cpu")
+        if self.device.type == "cuda":
+            k, v = k.pin_memory(), v.pin_memory()
+        return PackedKV(k, v)
+
+    def onloaded(self, device: torch.device) -> PackedKV:
+        """The same K/V on ``device`` (itself when already there)."""
+        here = self.device
+        if here == device or (here.type == device.type and device.index is None):
+            return self
+        return PackedKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """A run ``[start, end)`` of global positions and its K/V ``storage``.
+
+    ``first_chunk``/``last_chunk`` are the indices of the chunks it came from (a packed span
+    covers several).
+    """
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    storage: DenseKV | PackedKV
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.storage, PackedKV)
+
+    @property
+    def run(self) -> Intervals:
+        return ((self.start, self.end),)
+
+    @property
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+    def dense_slice(self, a: int, b: int) -> Segment:
+        """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
+        return replace(self, start=a, end=b, storage=_dense(self).slice(a - self.start, b - self.start))
+
+
+@dataclass(frozen=True, eq=False)
+class Codebook:
+    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``).
+
+    Attributes:
+        k, v: per stage ``[B, H, K, D]`` bf16, the very tensors the packed segments reference.
+        chunks: chunks packed with it so far.
+    """
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    chunks: int
+
+    def used_by(self, seg: Segment) -> bool:
+        return isinstance(seg.storage, PackedKV) and seg.storage.k.centroids[0] is self.k[0]
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    """What a store decided for every chunk written so far (the current one excluded).
+
+    Counts are cumulative since the store was built (across resets). A chunk still held
+    counts with its present storage (a ``"recent"`` chunk may be packed later); a chunk that
+    rolled out counts with the storage it had last.
+
+    Attributes:
+        chunks_packed: chunks stored packed.
+        chunks_dense: chunks kept dense, by reason (keys from ``DENSE_REASONS``: ``"recent"``,
+            ``"sink_keep"``, ``"sink"``, ``"waiting for span"``, ``"not smaller than dense"``,
+            ``"quant off"``, ``"policy"``); only reasons that occurred appear.
+        centroids: k-means centroids per (batch, head) per stage -> chunks packed with that
+            many (a chunk assigned to a shared codebook counts with the codebook's size).
+        quantize_calls: codec calls (one per packed segment, K and V together).
+    """
+
+    chunks_packed: int = 0
+    chunks_dense: Mapping[str, int] = field(default_factory=dict)
+    centroids: Mapping[int, int] = field(default_factory=dict)
+    quantize_calls: int = 0
+
+    @property
+    def chunks_kept_dense(self) -> int:
+        return sum(self.chunks_dense.values())
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready dict (centroid counts keyed by the string of K)."""
+        return {
+            "chunks_packed": self.chunks_packed,
+            "chunks_dense": dict(sorted(self.chunks_dense.items())),
+            "chunks_kept_dense": self.chunks_kept_dense,
+            "centroids": {str(k): n for k, n in sorted(self.centroids.items())},
+            "quantize_calls": self.quantize_calls,
+        }
+
+    @classmethod
+    def merge(cls, reports: Iterable[PackingReport]) -> PackingReport:
+        """The sum of several caches' reports (e.g. every layer of a run)."""
+        packed, calls = 0, 0
+        dense: Counter[str] = Counter()
+        books: Counter[int] = Counter()
+        for r in reports:
+            packed += r.chunks_packed
+            calls += r.quantize_calls
+            dense.update(r.chunks_dense)
+            books.update(r.centroids)
+        return cls(packed, dict(sorted(dense.items())), dict(sorted(books.items())), calls)
+
+
+@dataclass(frozen=True, eq=False)
+class KVWrite:
+    """A write of global positions ``[start, end)``, heads ``[h0, h1)`` (``heads``).
+
+    ``key``/``value`` ``[B, end - start, h1 - h0, D]``, or None: then the positions are only
+    allocated (zeros) and the host writes them afterwards with `SegmentStore.write`.
+    """
+
+    start: int
+    end: int
+    heads: tuple[int, int]
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+
+@dataclass
+class StorePlan:
+    """The store after one write, as values (`SegmentStore.plan`); `SegmentStore.commit` applies it."""
+
+    segments: list[Segment]
+    codebook: Codebook | None
+    current: int | None
+    chunk_tokens: int
+    next_chunk: int
+    write: KVWrite
+    packs: list[Segment] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)  # chunk -> why it stays dense
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+# ---------------------------------------------------------------------------------------------
+class SegmentStore:
+    """K/V of one layer by global position, cold chunks PRQ-packed (see the module docstring).
+
+    Args:
+        batch_size, num_heads, head_dim, dtype, device: the K/V it stores, ``[B, ., H, D]``.
+        quant: QVG settings; ``bits=None`` keeps every segment dense.
+        policy: which completed chunks stay dense (a `PackingPolicy` object).
+        seed: k-means seed (the reference runtime's 1234): packing is reproducible.
+        head_offset: global index of the first head (the codec keys each head's draws by it).
+        offload: keep packed segments in CPU memory (pinned when on a GPU), moved back to
+            ``device`` when read.
+        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
+            ``quant.centroids`` as given.
+
+    Raises:
+        ConfigError: a block size that does not divide ``head_dim``, a non-float dtype with
+            quantization on, or a bad ``min_tokens_per_centroid``.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quant: QVGKVQuantArgs,
+        policy: PackingPolicy = CAUSALKV,
+        seed: int = 1234,
+        head_offset: int = 0,
+        offload: bool = False,
+        min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
+    ) -> None:
+        quant = quant.validate()
+        if quant.enabled and head_dim % quant.block_size != 0:
+            raise ConfigError(
+                f"QVG block_size={quant.block_size} does not divide head_dim={head_dim}; "
+                f"choose --kv-cache-quant-block-size among the divisors of {head_dim}"
+            )
+        if quant.enabled and not dtype.is_floating_point:
+            raise ConfigError(f"QVG packs floating-point K/V, the cache dtype is {dtype}")
+        m = min_tokens_per_centroid
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
+            raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
+        if not isinstance(policy, PackingPolicy):
+            raise ConfigError(f"SegmentStore policy must be a PackingPolicy, got {policy!r}")
+        self.batch_size, self.num_heads, self.head_dim = batch_size, num_heads, head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.quant = quant
+        self.policy = policy
+        self.seed = seed
+        self.head_offset = head_offset
+        self.offload = offload
+        self.min_tokens_per_centroid = m
+        self.segments: list[Segment] = []
+        self.codebook: Codebook | None = None
+        #: index of the chunk being written (None before the first advance)
+        self.current: int | None = None
+        #: tokens of the stream's first chunk (sglang's ``sink_keep_chunks`` unit)
+        self.chunk_tokens = 0
+        #: codec calls so far (K and V together): a segment is never packed twice
+        self.quantize_calls = 0
+        #: the largest dense K+V buffer filled from packed data in one go
+        self.peak_transient_nbytes = 0
+        self._next_chunk = 0
+        self._reasons: dict[int, str] = {}
+        self._live: dict[int, str] = {}  # completed chunk still held -> "packed" or dense reason
+        self._settled: Counter[str] = Counter()  # the same for chunks no longer held
+        self._centroids_used: Counter[int] = Counter()
+
+    # ---- what it holds --------------------------------------------------------------------
+    def held(self) -> Intervals:
+        """The positions stored."""
+        return iv.normalize((s.start, s.end) for s in self.segments)
+
+    def resident_nbytes(self) -> int:
+        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
+
+        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
+        tensor referenced by each of them and is counted once.
+        """
+        total, seen = 0, set()
+        for seg in self.segments:
+            total += seg.nbytes
+            if isinstance(seg.storage, PackedKV):
+                for packed in (seg.storage.k, seg.storage.v):
+                    for c in packed.centroids:
+                        key = (c.device, c.data_ptr())
+                        if key in seen:
+                            total -= c.nbytes
+                        seen.add(key)
+        return total
+
+    def packed_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.packed]
+
+    def packing_report(self) -> PackingReport:
+        """Chunks packed and kept dense (and why) so far, and the centroids used."""
+        counts = self._settled + Counter(self._live.values())
+        packed = counts.pop(_PACKED, 0)
+        return PackingReport(
+            chunks_packed=packed,
+            chunks_dense=dict(sorted(counts.items())),
+            centroids=dict(sorted(self._centroids_used.items())),
+            quantize_calls=self.quantize_calls,
+        )
+
+    def covers_dense(self, start: int, end: int) -> bool:
+        """True when dense segments hold every position of ``[start, end)``."""
+        at = start
+        for seg in self.segments:
+            if seg.end <= at or seg.start >= end:
+                continue
+            if seg.start > at or seg.packed:
+                return False
+            at = seg.end
+            if at >= end:
+                return True
+        return at >= end
+
+    # ---- writes ---------------------------------------------------------------------------
+    def write(self, w: KVWrite) -> None:
+        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`)."""
+        self._copy_write(self.segments, w)
+
+    def plan(
+        self,
+        *,
+        held: Intervals,
+        write: KVWrite,
+        advance: bool,
+        sink_end: int = 0,
+        pinned: Intervals = (),
+    ) -> StorePlan:
+        """The store after ``write``, keeping only the positions in ``held`` (``self`` untouched).
+
+        Positions of ``write`` no segment holds become new dense chunks; with ``advance`` the
+        one at the write's end is the new current chunk, and the policy's cold chunks are
+        packed (``sink_end``: positions below it are stream-start sink; ``pinned``: the
+        pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
+        raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
+        """
+        segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
+        kept: list[Segment] = []
+        for seg in segs:
+            live = iv.intersect(seg.run, held)
+            if not live:
+                continue
+            if seg.packed or live == seg.run:
+                kept.append(seg)
+            else:
+                kept.extend(seg.dense_slice(a, b) for a, b in live)
+        book = self.codebook
+        if book is not None and not any(book.used_by(seg) for seg in kept):
+            book = None  # every segment using it rolled out: start a fresh one
+        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
+        completed = {c for s in kept for c in s.chunks if c != current}
+        if not self.quant.enabled:
+            plan.reasons = dict.fromkeys(completed, QUANT_OFF)
+        elif advance and current is not None:
+            decision = self.policy.decide(
+                self.quant, self._chunk_infos(kept, current, sink_end, pinned), current,
+                sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
+                chunk_tokens=chunk_tokens,
+            )
+            self._pack_cold(plan, decision)
+        else:
+            plan.reasons = {c: self._reasons.get(c, POLICY) for c in completed}
+        return plan
+
+    def commit(self, plan: StorePlan) -> None:
+        """Apply ``plan`` (from `plan` on this very state); nothing here can fail."""
+        self._copy_write(plan.segments, plan.write)
+        live = {
+            c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
+            for seg in plan.segments for c in seg.chunks if c != plan.current
+        }
+        self._settled.update(s for c, s in self._live.items() if c not in live)
+        self._live = live
+        for seg in plan.packs:
+            assert isinstance(seg.storage, PackedKV)
+            self._centroids_used[seg.storage.num_centroids] += len(seg.chunks)
+        self.quantize_calls += len(plan.packs)
+        self._reasons = plan.reasons
+        self.segments, self.codebook = plan.segments, plan.codebook
+        self.current, self.chunk_tokens = plan.current, plan.chunk_tokens
+        self._next_chunk = plan.next_chunk
+
+    def reset(self) -> None:
+        """Free every segment (a new stream); the packing report keeps counting."""
+        self.segments = []
+        self.codebook = None
+        self.current = None
+        self.chunk_tokens = 0
+        self._next_chunk = 0
+        self._reasons = {}
+        self._settled.update(self._live.values())
+        self._live = {}
+
+    # ---- reads ----------------------------------------------------------------------------
+    def locate(self, positions: Intervals) -> list[tuple[Segment, Intervals]]:
+        """The segments holding any of ``positions``, each with the runs of them it holds."""
+        out = []
+        for seg in self.segments:
+            runs = iv.intersect(seg.run, positions)
+            if runs:
+                out.append((seg, runs))
+        return out
+
+    def gather(
+        self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
+        segments: Sequence[Segment] | None = None,
+    ) -> KVSegment:
+        """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order: ``(position, length)`` reads the
+        positions ``[position, position + length)``, ``(None, length)`` gives zeros.
+        ``segments``: the layout to read (default: the store's now; a lazy view passes the
+        one it was made from, which a later commit replaces but never mutates).
+
+        One buffer is allocated and filled in place (packed ranges decoded into it); a single
+        piece held by one dense segment is returned as views of it, as a dense cache would.
+
+        Raises:
+            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+        """
+        segs = self.segments if segments is None else segments
+        total = sum(n for _, n in pieces)
+        shape = (self.batch_size, total, h1 - h0, self.head_dim)
+        if len(pieces) == 1 and pieces[0][0] is not None:
+            p, n = pieces[0]
+            for seg in segs:
+                if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
+                    return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        at, decoded = 0, False
+        for p, n in pieces:
+            if p is None:
+                k[:, at : at + n].zero_()
+                v[:, at : at + n].zero_()
+            else:
+                decoded |= self._fill(segs, p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
+            at += n
+        if decoded:
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        return k, v
+
+    def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
+        """K/V ``[B, count(runs), h1 - h0, D]`` of the runs ``seg`` holds, in one buffer (views
+        of a dense segment when one run); for attention that visits one segment at a time."""
+        if isinstance(seg.storage, DenseKV) and len(runs) == 1:
+            (a, b), = runs
+            return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+        shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        at = 0
+        for a, b in runs:
+            self._copy_into(seg, a, b, h0, h1, k[:, at : at + b - a], v[:, at : at + b - a])
+            at += b - a
+        if seg.packed:
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        return k, v
+
+    # ---- internals: reads -----------------------------------------------------------------
+    def _fill(
+        self, segs: Sequence[Segment], p0: int, p1: int, h0: int, h1: int,
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> bool:
+        """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
+        was packed."""
+        at, decoded = p0, False
+        for seg in segs:
+            if seg.end <= at or seg.start >= p1:
+                continue
+            if seg.start > at:
+                break
+            b = min(seg.end, p1)
+            self._copy_into(seg, at, b, h0, h1, k[:, at - p0 : b - p0], v[:, at - p0 : b - p0])
+            decoded |= seg.packed
+            at = b
+            if at >= p1:
+                return decoded
+        raise RuntimeError(
+            f"SegmentStore: positions [{at}, {p1}) are not held (held: {iv.describe(self.held())})"
+        )
+
+    def _copy_into(
+        self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
+        lo, hi = a - seg.start, b - seg.start
+        storage = seg.storage
+        if isinstance(storage, DenseKV):
+            k.copy_(storage.k[:, lo:hi, h0:h1])
+            v.copy_(storage.v[:, lo:hi, h0:h1])
+            return
+        packed = storage.onloaded(self.device).select_heads(h0, h1).select_tokens(lo, hi)
+        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
+        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
+
+    # ---- internals: writes ----------------------------------------------------------------
+    def _covered(self, w: KVWrite, advance: bool) -> tuple[list[Segment], int, int | None, int]:
+        """The segments once ``w``'s positions are all held: new zero chunks where none held
+        them, packed ones it touches decoded to dense. Returns (segments, next chunk index,
+        current chunk, chunk_tokens)."""
+        out: list[Segment] = []
+        nxt, current, chunk_tokens = self._next_chunk, self.current, self.chunk_tokens
+        at = w.start
+
+        def new_chunk(a: int, b: int) -> Segment:
+            nonlocal nxt
+            shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
+            storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+            nxt += 1
+            return Segment(a, b, nxt - 1, nxt - 1, storage)
+
+        for seg in self.segments:
+            if seg.end <= w.start or seg.start >= w.end:
+                out.append(seg)
+                continue
+            if seg.start > at:
+                out.append(new_chunk(at, seg.start))
+            if isinstance(seg.storage, PackedKV):  # a write into it: back to dense
+                seg = replace(seg, storage=self._unpacked(seg))
+            out.append(seg)
+            at = max(at, min(seg.end, w.end))
+        if at < w.end:
+            tail = new_chunk(at, w.end)
+            out.append(tail)
+            if advance:
+                current = tail.first_chunk
+                chunk_tokens = chunk_tokens or tail.end - tail.start
+        out.sort(key=lambda s: s.start)
+        return out, nxt, current, chunk_tokens
+
+    def _unpacked(self, seg: Segment) -> DenseKV:
+        assert isinstance(seg.storage, PackedKV)
+        packed = seg.storage.onloaded(self.device)
+        shape = (self.batch_size, seg.end - seg.start, self.num_heads, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
+        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
+        return DenseKV(k, v)
+
+    @staticmethod
+    def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None:
+        """``w`` into the dense segments of ``segs`` it overlaps (a packed one overlapping it was
+        packed from its patched copy, `_with_write`)."""
+        if w.key is None or w.value is None:
+            return
+        h0, h1 = w.heads
+        for seg in segs:
+            if seg.end <= w.start or seg.start >= w.end or seg.packed:
+                continue
+            store = _dense(seg)
+            lo, hi = max(w.start, seg.start), min(w.end, seg.end)
+            store.k[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.key[:, lo - w.start : hi - w.start])
+            store.v[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.value[:, lo - w.start : hi - w.start])
+
+    def _with_write(self, seg: Segment, w: KVWrite) -> DenseKV:
+        """``seg``'s dense K/V as they will be after ``w`` (a patched copy only if it overlaps)."""
+        store = _dense(seg)
+        if w.key is None or seg.end <= w.start or seg.start >= w.end:
+            return store
+        patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
+        self._copy_write([patched], w)
+        return _dense(patched)
+
+    def _chunk_infos(
+        self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
+    ) -> tuple[ChunkInfo, ...]:
+        by_chunk: dict[int, list[Segment]] = {}
+        for seg in segs:
+            for c in seg.chunks:
+                if c != current:
+                    by_chunk.setdefault(c, []).append(seg)
+        return tuple(
+            ChunkInfo(
+                index=c, start=min(s.start for s in ss), end=max(s.end for s in ss),
+                sink=any(s.start < sink_end for s in ss),
+                pinned=any(iv.intersect(s.run, pinned) for s in ss),
+            )
+            for c, ss in sorted(by_chunk.items())
+        )
+
+    def _pack_cold(self, plan: StorePlan, decision: PackingDecision) -> None:
+        """Pack the cold dense segments of ``plan.segments`` under ``decision`` (in place on the plan)."""
+        assert plan.current is not None
+        keep = set(decision.dense) | {plan.current}
+        segs, plan.segments = plan.segments, []
+        pending: list[Segment] = []  # adjacent packable dense segments of one group
+        pending_group: frozenset[int] | None = None
+
+        def flush_dense(reason: str) -> None:
+            plan.segments.extend(pending)
+            plan.reasons.update((c, reason) for p in pending for c in p.chunks)
+            pending.clear()
+
+        for seg in segs:
+            chunks = set(seg.chunks)
+            if seg.packed or chunks & keep:
+                flush_dense(WAITING)
+                plan.segments.append(seg)
+                plan.reasons.update((c, decision.dense.get(c, POLICY)) for c in chunks)
+                continue
+            group = next((g for g in decision.groups if chunks & g), None)
+            if pending and (group != pending_group or pending[-1].end != seg.start):
+                flush_dense(WAITING)
+            pending.append(seg)
+            pending_group = group
+            have = set().union(*(p.chunks for p in pending))
+            if (group is not None and have >= group) or (
+                group is None and len(have) >= self.quant.span_chunks
+            ):
+                if not self._pays(pending, plan.codebook):
+                    flush_dense(NOT_SMALLER)
+                    continue
+                packed, plan.codebook = self._pack(pending, plan.codebook, plan.write)
+                plan.segments.append(packed)
+                plan.packs.append(packed)
+                pending.clear()
+        flush_dense(WAITING)
+
+    def _span_quant(self, tokens: int) -> QVGKVQuantArgs:
+        """The settings a span of ``tokens`` is packed with (the centroid rule applied, if set)."""
+        if self.min_tokens_per_centroid is None:
+            return self.quant
+        k = centroids_for(tokens, self.quant.centroids, self.min_tokens_per_centroid)
+        return self.quant if k == self.quant.centroids else replace(self.quant, centroids=k)
+
+    def _pays(self, pieces: list[Segment], book: Codebook | None) -> bool:
+        """True when packing ``pieces`` stores fewer bytes than keeping them dense (no quantize).
+
+        Counted without sharing: a span that would join ``book`` is charged its centroids too.
+        """
+        tokens = pieces[-1].end - pieces[0].start
+        q = self._span_quant(tokens)
+        chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
+        if book is not None and book.chunks + chunks <= q.codebook_chunks:
+            q = replace(q, centroids=int(book.k[0].shape[2]))  # it would assign to ``book``
+        B, H, D = self.batch_size, self.num_heads, self.head_dim
+        dense = B * tokens * H * D * torch.empty((), dtype=self.dtype).element_size()
+        return packed_nbytes_formula((B, H, tokens, D), q) < dense
+
+    def _pack(
+        self, pieces: list[Segment], book: Codebook | None, write: KVWrite
+    ) -> tuple[Segment, Codebook]:
+        """One packed segment of ``pieces`` (dense, adjacent; as they are after ``write``) and
+        the codebook after it."""
+        stores = [self._with_write(p, write) for p in pieces]
+        k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
+        v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
+        chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
+        if book is not None and book.chunks + chunks > self.quant.codebook_chunks:
+            book = None
+        q = self._span_quant(k.shape[1])
+        pk = codec.quantize(k.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
+                      codebooks=list(book.k) if book else None)
+        pv = codec.quantize(v.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
+                      codebooks=list(book.v) if book else None)
+        after = Codebook(tuple(pk.centroids), tuple(pv.centroids), (book.chunks if book else 0) + chunks)
+        storage = PackedKV(pk, pv)
+        if self.offload:
+            storage = storage.offloaded()
+        seg = Segment(
+            start=pieces[0].start, end=pieces[-1].end,
+            first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
+            storage=storage,
+        )
+        return seg, after
+
+
+def _dense(seg: Segment) -> DenseKV:
+    if not isinstance(seg.storage, DenseKV):
+        raise TypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
+    return seg.storage

@@ -1,0 +1,44 @@
+"""`benchmarks/sglang_bridge.py --quick --json` in the sglang environment: its rows and the
+memory facts its figures must show (not its timings).
+
+Oracles from the geometry: a view of the full window is ``2 * B * cache * H * D * 2`` bytes
+(K and V, bf16); sglang's dense cache returns slices of its buffer (no transient on a
+rewrite), its packed cache and the bridge fill one window buffer (the bridge's codec tables
+on top are a few KB); sglang's dense cache holds its whole buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bridge_benchmark_quick_rows_and_memory_facts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sglang_bridge.py"), "--quick", "--json",
+         "--repeat", "1"],
+        capture_output=True, text=True, cwd=tmp_path, check=False, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    g = result["geometry"]
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert list(rows) == ["sglang dense", "sglang QVG off", "bridge int4", "bridge int2"]
+    assert all("unavailable" not in r for r in rows.values())
+    window = 2 * g["cache_tokens"] * g["heads"] * g["head_dim"] * 2
+    dense, own = rows["sglang dense"], rows["sglang QVG off"]
+    assert dense["resident_kv_bytes"] == window and dense["peak_transient_rewrite_bytes"] == 0
+    assert own["peak_transient_rewrite_bytes"] == window  # one buffer of the whole window
+    for name in ("bridge int4", "bridge int2"):
+        r = rows[name]
+        assert window <= r["peak_transient_rewrite_bytes"] <= window + 65_536, name
+        assert r["resident_kv_bytes"] < dense["resident_kv_bytes"], name
+        assert 0 < r["k_rel_err"] < 0.5, name
+        assert r["resident_kv_bytes_vs_dense"] == r["resident_kv_bytes"] / window
+    assert rows["bridge int2"]["resident_kv_bytes"] < rows["bridge int4"]["resident_kv_bytes"]
+    assert rows["bridge int4"]["k_rel_err"] < rows["bridge int2"]["k_rel_err"]
+    assert result["sdpa_full_window_s"] > 0 and len(result["load_average"]) == 3

@@ -1,0 +1,250 @@
+"""The QVG segment store both hosts use, and its packing policy objects.
+
+Oracles: the codec's own round trip of exactly the tensor a segment was packed from (the
+store must add no error of its own); positions by construction (what each test wrote where);
+peak memory from torch's profiler (every allocation and free the store makes while it runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from causalkv.caches import KVCacheSpec
+from causalkv.caches.qvg import (
+    CAUSALKV,
+    SGLANG,
+    ChunkInfo,
+    KVWrite,
+    PackingDecision,
+    PackingPolicy,
+    QVGKVQuantArgs,
+    SegmentStore,
+    codec,
+)
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.policy import centroids_for, resolve_policy
+from causalkv.errors import ConfigError
+
+H, D, N = 2, 64, 256
+Q = QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0)
+
+
+def _kv(i: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return tuple(torch.randn(1, n, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+
+
+def _store(q: QVGKVQuantArgs = Q, **kw) -> SegmentStore:
+    return SegmentStore(batch_size=1, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                        device="cpu", quant=q, **kw)
+
+
+def _stream(store: SegmentStore, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    written = []
+    for c in range(chunks):
+        k, v = _kv(c)
+        plan = store.plan(held=((0, (c + 1) * N),), advance=True,
+                          write=KVWrite(c * N, (c + 1) * N, (0, H), k, v))
+        store.commit(plan)
+        written.append((k, v))
+    return written
+
+
+def _roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
+    """The codec oracle: ``x [B, n, H, D]`` packed alone with the store's centroid rule."""
+    q = replace(q, centroids=centroids_for(x.shape[1], q.centroids))
+    return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q)).permute(0, 2, 1, 3)
+
+
+def _peak(fn):
+    """(peak bytes allocated above the start while ``fn`` ran, its result)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    run = top = 0
+    for e in events:
+        run += e.self_cpu_memory_usage
+        top = max(top, run)
+    return top, out
+
+
+def test_both_hosts_hold_their_kv_in_the_one_store():
+    cache = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q)
+    assert type(cache.store) is SegmentStore and cache.store.policy is CAUSALKV
+    assert QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=SGLANG).store.policy is SGLANG
+
+
+def test_gather_decodes_into_one_buffer_with_no_temporary_and_no_cat(monkeypatch):
+    store = _store()
+    written = _stream(store, 4)
+    assert [(s.start // N, s.packed) for s in store.segments] == [
+        (0, True), (1, True), (2, True), (3, False)]
+    # a packed chunk from its middle, a zero run, all of two packed chunks and the dense one
+    pieces = [(N + 7, 100), (None, 5), (0, 2 * N), (3 * N, N)]
+    want_k = torch.cat([
+        _roundtrip(written[1][0], Q)[:, 7:107], torch.zeros(1, 5, H, D, dtype=torch.bfloat16),
+        _roundtrip(written[0][0], Q), _roundtrip(written[1][0], Q), written[3][0]], dim=1)
+    store.gather(pieces, 0, H)  # the codec's reusable CPU workspace is sized once
+    outs = []
+    real = codec.dequantize
+
+    def recording(packed, **kw):
+        assert kw.get("out") is not None, "decoded into a temporary"
+        outs.append(kw["out"])
+        return real(packed, **kw)
+
+    def no_cat(*a, **kw):
+        raise AssertionError("torch.cat in a view")
+
+    monkeypatch.setattr(codec, "dequantize", recording)
+    monkeypatch.setattr(torch, "cat", no_cat)
+    peak, (k, v) = _peak(lambda: store.gather(pieces, 0, H))
+    monkeypatch.undo()
+    assert torch.equal(k, want_k)
+    base = k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()
+    assert len(outs) == 6 and all(o.untyped_storage().data_ptr() in base for o in outs)
+    # the buffer itself plus the codec's small per-call tables; one chunk decoded into a
+    # temporary would add 2 * N * H * D * 2 = 131,072 bytes
+    assert k.nbytes + v.nbytes <= peak <= k.nbytes + v.nbytes + 16_384
+    assert store.peak_transient_nbytes == k.nbytes + v.nbytes
+
+
+def test_decode_of_one_segment_and_head_slices():
+    store = _store()
+    written = _stream(store, 3)
+    seg = store.segments[1]
+    k, v = store.decode(seg, ((N + 3, N + 20), (N + 40, 2 * N)), 1, 2)
+    full = _roundtrip(written[1][1], Q)[:, :, 1:2]
+    assert torch.equal(v, torch.cat([full[:, 3:20], full[:, 40:]], dim=1))
+    dk, _ = store.decode(store.segments[2], ((2 * N, 3 * N),), 0, H)  # dense: views, no copy
+    assert dk.data_ptr() == store.segments[2].storage.k.data_ptr()
+
+
+def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_written():
+    store = _store()
+    written = _stream(store, 3)  # chunks 0, 1 packed; 2 current
+    assert store.segments[1].packed
+    k, v = _kv(9, 10)
+    # a rewrite inside packed chunk 1 (sglang's dense cache accepts in-window rewrites)
+    plan = store.plan(held=((0, 3 * N),), advance=False,
+                      write=KVWrite(N + 5, N + 15, (0, H), k, v))
+    store.commit(plan)
+    seg = store.segments[1]
+    assert not seg.packed and store.quantize_calls == 2
+    want = _roundtrip(written[1][0], Q).clone()
+    want[:, 5:15] = k
+    assert torch.equal(seg.storage.k, want)
+    # an advance overlapping chunk 2's tail: chunk 2 goes cold with the write applied, and
+    # is packed from exactly those values (keep_recent=0), chunk 1 again from its dense form
+    k2, v2 = _kv(10, N)
+    plan = store.plan(held=((0, 3 * N + N // 2),), advance=True,
+                      write=KVWrite(3 * N - N // 2, 3 * N + N // 2, (0, H), k2, v2))
+    before = [s.storage for s in store.segments]
+    store.commit(plan)
+    patched = written[2][0].clone()
+    patched[:, N // 2 :] = k2[:, : N // 2]
+    chunk2 = next(s for s in store.segments if s.start == 2 * N)
+    assert chunk2.packed
+    got = codec.dequantize(chunk2.storage.k).permute(0, 2, 1, 3)
+    assert torch.equal(got, _roundtrip(patched, Q))
+    assert before[2].k.equal(written[2][0])  # the planned-from storage was not written
+    current = store.segments[-1]
+    assert (current.start, current.end) == (3 * N, 3 * N + N // 2)
+    assert torch.equal(current.storage.k, k2[:, N // 2 :])
+
+
+def test_a_plan_that_fails_leaves_the_store_as_it_was():
+    store = _store()
+    _stream(store, 2)
+    k, v = _kv(5)
+    k[0, 3, 1, 7] = float("nan")
+    store.commit(store.plan(held=((0, 3 * N),), advance=True,
+                            write=KVWrite(2 * N, 3 * N, (0, H), k, v)))
+    snapshot = (list(store.segments), store.current, store.quantize_calls, store.packing_report())
+    k2, v2 = _kv(6)
+    with pytest.raises(ValueError, match="non-finite"):  # packing chunk 2 (the NaN) refuses
+        store.plan(held=((0, 4 * N),), advance=True, write=KVWrite(3 * N, 4 * N, (0, H), k2, v2))
+    assert (list(store.segments), store.current, store.quantize_calls,
+            store.packing_report()) == snapshot
+    assert all(a is b for a, b in zip(store.segments, snapshot[0], strict=True))
+
+
+def test_gather_of_positions_not_held_is_a_bug_not_zeros():
+    store = _store()
+    _stream(store, 2)
+    with pytest.raises(RuntimeError, match=r"positions \[512, 600\) are not held"):
+        store.gather([(N, 2 * N - N + 88)], 0, H)
+
+
+# ---- policy objects ---------------------------------------------------------------------
+CHUNKS = (ChunkInfo(0, 0, N, sink=True), ChunkInfo(1, N, 2 * N), ChunkInfo(2, 2 * N, 3 * N, pinned=True),
+          ChunkInfo(3, 3 * N, 4 * N))
+
+
+@pytest.mark.parametrize(
+    ("policy", "quant", "dense"),
+    [
+        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=1), {3: "recent"}),
+        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=1, sink=False),
+         {0: "sink", 2: "sink", 3: "recent"}),
+        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=2, sink_keep_chunks=1),
+         {0: "sink_keep", 2: "recent", 3: "recent"}),
+        # sglang: sink chunks (the pinned one included) do not count as recent ...
+        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=2), {1: "recent", 3: "recent"}),
+        # ... and with sink=0 stay bf16: the stream-start sink and the pinned shot sink
+        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=1, sink=False),
+         {0: "sink", 2: "sink", 3: "recent"}),
+        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=0, sink_keep_chunks=1),
+         {0: "sink_keep"}),
+    ],
+)
+def test_policy_decisions(policy, quant, dense):
+    got = policy.decide(quant, CHUNKS, 4, sink_open=False, chunk_tokens=N)
+    assert dict(got.dense) == dense and got.groups == ()
+
+
+def test_causalkv_full_sink_span_groups_wait_while_the_sink_is_open():
+    q = QVGKVQuantArgs(bits=2, keep_recent_chunks=0, sink_span="full")
+    closed = CAUSALKV.decide(q, CHUNKS, 4, sink_open=False, chunk_tokens=N)
+    assert closed.groups == (frozenset({0}), frozenset({2}))
+    assert CAUSALKV.decide(q, CHUNKS, 4, sink_open=True, chunk_tokens=N).groups[0] == {0, 4}
+
+
+class _KeepEverything(PackingPolicy):
+    name = "keep-everything"
+
+    def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
+        return PackingDecision({c.index: "policy" for c in chunks})
+
+
+def test_a_host_passes_any_policy_object_and_names_are_spellings():
+    cache = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=_KeepEverything())
+    for i in range(4):
+        k, v = _kv(i)
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+    assert cache.quantize_calls == 0 and cache.packing_report().chunks_dense == {"policy": 3}
+    assert resolve_policy("sglang") is SGLANG and resolve_policy("causalkv") is CAUSALKV
+    with pytest.raises(ConfigError, match=r"one of \['causalkv', 'sglang'\], got 'qvg'"):
+        resolve_policy("qvg")
+    with pytest.raises(ConfigError, match="must be a PackingPolicy"):
+        _store(policy="sglang")
+
+
+def test_a_lazy_view_reads_the_layout_it_was_made_from():
+    spec = KVCacheSpec(1, H, D, 3 * N)
+    a, b = QVGPackedCausalKVCache(spec, Q), QVGPackedCausalKVCache(spec, Q)
+    for i in range(3):
+        k, v = _kv(i)
+        a.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+        held = b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+    assert not held.is_materialized  # packed chunks visible: built on first access
+    want = a.get_attention_kv().k
+    for i in range(3, 6):  # chunks 0..2 roll out of b
+        k, v = _kv(i)
+        b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
+    assert torch.equal(held.k, want)
