@@ -61,7 +61,10 @@ def register() -> bool:
     Logs one line saying why and returns False when the bridge is switched off (then it
     registers only `causalkv.sglang.hooks.OFF_HOOKS`, a warning observer), sglang is not
     installed, or sglang's plugin API is not the one the bridge was written for (then it
-    registers nothing).
+    registers nothing). `causalkv.sglang.hooks.HOOKS` always, plus
+    `causalkv.sglang.hooks.FUSED_ATTENTION_HOOKS` when ``CAUSALKV_SGLANG_FUSED_ATTENTION`` is
+    on (a value it does not know: a warning, the route not registered; ``ServerArgs`` refuses
+    it at start-up). Never raises for a setting: sglang would drop the whole bridge.
     """
     off = not enabled()
     if off:
