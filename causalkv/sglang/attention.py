@@ -179,7 +179,7 @@ def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
     return None
 
 
-def _declined(owner: Any, args: tuple, kw: dict, *, lingbot: bool) -> str | None:
+def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
     """Why the route does not serve this call (None: it does)."""
     q = args[0] if args else kw.get("q")
     if not isinstance(q, torch.Tensor):
@@ -215,7 +215,7 @@ def _self_attention(
     cache = _bridge_cache(args, kw)
     if cache is None:
         return original(owner, *args, **kw)
-    why = _declined(owner, args, kw, lingbot=lingbot)
+    why = _declined(args, kw, lingbot=lingbot)
     if why is not None:
         _once(("declined", type(owner).__name__, why), logging.INFO,
               "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "

@@ -419,7 +419,7 @@ def test_under_torch_compile_a_routed_call_is_one_eager_island(monkeypatch, sdpa
     an output op; the unit a compiled DiT block is) per call of a packing stream: routed, the
     whole self-attention runs outside the graphs (one break per call), never more breaks than
     sglang's own attention over the same bridge cache (its rotary embedding and the cache
-    write break too)."""
+    write break too); the hooks not engaged (no CUDA) break exactly as sglang unhooked."""
     attn = _make("wan", monkeypatch)
     qkv = _qkv(torch.bfloat16)
 
@@ -427,9 +427,9 @@ def test_under_torch_compile_a_routed_call_is_one_eager_island(monkeypatch, sdpa
         y = attn(x * 1.5, x * 0.5, x + 1, _freqs(c), None, cache, c * N)
         return y * 2 + 1
 
-    def run(route_on: bool):
+    def run(route_on: bool, hooked: bool = True):
         cache, counts = _cache(torch.bfloat16), []
-        with _hooks_applied(monkeypatch), \
+        with _hooks_applied(monkeypatch) if hooked else nullcontext(), \
                 route.forced_route() if route_on else nullcontext(), \
                 set_forward_context(current_timestep=0, attn_metadata=None):
             for c in range(3):
@@ -440,8 +440,10 @@ def test_under_torch_compile_a_routed_call_is_one_eager_island(monkeypatch, sdpa
                     torch._dynamo.reset()
         return counts, cache
 
+    unhooked, _ = run(False, hooked=False)
     plain, _ = run(False)
     routed, cache = run(True)
+    assert plain == unhooked
     assert cache.packed_chunks() >= 2
     assert routed == [1] * 3 and all(r <= p for r, p in zip(routed, plain, strict=True)), (
         routed, plain)
