@@ -28,8 +28,23 @@ a rounding bound (``ok``); `AttendStats` transient bytes of both attend paths. G
 issue's, reported, not enforced): fused int2 time within 1.10x of dense, and the fused
 call's peak no more than the packed cache's resident bytes plus the output.
 
-The sglang bridge with and without its fused-attention hook is not measured here yet: the
-hook is not part of causalkv yet (``sglang_bridge`` in the JSON says so).
+The sglang bridge (``sglang_bridge`` in the JSON; needs the sglang environment, e.g.
+``.venv-sglang/bin/python benchmarks/gpu_attention.py``, otherwise it says why it was not
+measured): the same geometries and bits through sglang's own ``CausalWanSelfAttention`` over
+a bridge ``SGLangQVGKVCache`` (LongLive 2.0's and Self-Forcing's attention call site, rotary
+embedding and cache write included), one denoising pass of the window's last chunk, three
+ways: ``sglang`` (sglang's forward as it is: the view decoded into one window buffer, then
+sglang's torch-SDPA attention backend; what ``CAUSALKV_SGLANG_FUSED_ATTENTION=0`` runs),
+``routed`` (the fused-attention route as the product runs it: on CUDA `attend`'s fused path)
+and ``routed_decode`` (the route with `attend`'s decode path). The script sets
+``CAUSALKV_SGLANG_FUSED_ATTENTION=1`` in its own process and applies the bridge's hooks
+through sglang's plugin lifecycle (``load_plugins()``, ``apply_plugin_hooks()``); ``sglang``
+calls the unwrapped forward. Per path: median time, peak allocated memory above the start,
+the bytes the store decoded into a window buffer (0 when routed: the engagement check), the
+routed outputs' max difference from ``sglang`` against the rounding bound. The default of
+the setting may turn on when ``routed`` is no slower than ``sglang`` at every geometry
+(``goal_routed_no_slower``). Under ``--interpret`` the route is forced on the CPU tensors
+(`causalkv.sglang.attention.forced_route`, the kernel in the interpreter for ``routed``).
 
 ``--interpret`` runs a tiny geometry on the CPU under ``TRITON_INTERPRET=1`` (the kernel in
 Triton's interpreter): it exercises every path and the correctness check, its times mean
@@ -47,7 +62,18 @@ JSON (``--json PATH``), schema ``causalkv.gpu-attention-bench/1``::
                "attend_decode_transient_bytes", "attend_fused_transient_bytes",
                "fused_max_abs_err", "fused_err_bound", "ok",
                "goal_time_fused_over_dense_le_1_10", "goal_peak_fused_le_packed_plus_output"}],
-     "sglang_bridge": {"measured": false, "reason"}, "ok": bool}
+     "sglang_bridge": {"measured": bool, "reason"?: str, "setting", "attention_backend",
+                       "rows": [{"geometry", "bits", "queries", "visible_tokens", "heads",
+                                 "head_dim", "packed_chunks", "resident_bytes",
+                                 "window_buffer_bytes", "ms": {path: float},
+                                 "time_vs_sglang": {path: float}, "peak_bytes": {path: int | null},
+                                 "peak_vs_sglang": {path: float | null},
+                                 "store_decoded_bytes": {path: int},
+                                 "attend_transient_bytes": {path: int | null},
+                                 "max_abs_err": {path: float}, "err_bound", "ok",
+                                 "goal_routed_no_slower": bool | null} | {"geometry", "bits",
+                                 "unavailable": str}]},
+     "ok": bool}
 
 The exit status is 1 when a correctness check fails.
 """
@@ -61,8 +87,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 if "--interpret" in sys.argv[1:]:  # must be set before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -70,7 +98,8 @@ if "--interpret" in sys.argv[1:]:  # must be set before triton is first imported
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache  # noqa: E402
 from causalkv.caches.attention import AttendStats, attend, attend_dense  # noqa: E402
@@ -91,13 +120,14 @@ class Geometry:
     sink_chunks: int
     heads: int
     head_dim: int = 128
+    centroids: int = 128  # the bridge's (sglang's --kv-cache-quant-centroids default)
 
 
 GEOMETRIES = (
     Geometry("self-forcing", chunk=3 * 1560, chunks=7, sink_chunks=0, heads=12),
     Geometry("longlive2", chunk=7040, chunks=4, sink_chunks=1, heads=24),
 )
-SMOKE = (Geometry("smoke", chunk=48, chunks=4, sink_chunks=1, heads=2, head_dim=64),)
+SMOKE = (Geometry("smoke", chunk=48, chunks=4, sink_chunks=1, heads=2, head_dim=64, centroids=8),)
 
 
 def kv_like(n: int, H: int, D: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -236,6 +266,157 @@ def run_row(geo: Geometry, bits: int, device: torch.device, timer: Timer) -> dic
     return row
 
 
+# ---------------------------------------------------------------------------------------------
+# The sglang bridge: sglang's CausalWanSelfAttention over a bridge cache, routed or not
+# ---------------------------------------------------------------------------------------------
+BRIDGE_PATHS = ("sglang", "routed", "routed_decode")
+
+
+def sglang_bridge(geos: tuple[Geometry, ...], bits_list: list[int], device: torch.device,
+                  timer: Timer, interpret: bool) -> dict:
+    """The ``sglang_bridge`` section: rows, or ``measured: false`` with the reason."""
+    from causalkv.sglang import ENV_FUSED_ATTENTION
+
+    try:
+        sys.path.insert(0, str(ROOT / "tests" / "sglang_bridge"))
+        import tvshim  # the registry's CUDA-built torchvision on a CPU-only torch
+
+        tvshim.install()
+        from sglang.multimodal_gen.runtime.models.dits.causal_wanvideo import (
+            CausalWanSelfAttention,
+        )
+        from sglang.multimodal_gen.runtime.platforms.plugins import (
+            apply_plugin_hooks,
+            load_plugins,
+        )
+        from sglang.multimodal_gen.runtime.server_args.server_args import set_global_server_args
+    except ImportError as exc:
+        return {"measured": False, "reason": (
+            f"sglang is not importable here ({exc}); run this script with the sglang "
+            "environment's python (make venv-sglang; .venv-sglang/bin/python "
+            "benchmarks/gpu_attention.py)")}
+    os.environ[ENV_FUSED_ATTENTION] = "1"  # this process only: sglang's hooks, the route on
+    load_plugins()
+    apply_plugin_hooks()
+    if not hasattr(CausalWanSelfAttention.__dict__["forward"], "__wrapped__"):
+        return {"measured": False, "reason": (
+            "sglang did not apply causalkv's fused-attention hooks (is causalkv installed in "
+            "this environment, `pip install -e .`, and not left out by SGLANG_PLUGINS?)")}
+    backend = "torch_sdpa"  # sglang's attention backend that needs no extra package
+    set_global_server_args(SimpleNamespace(attention_backend=backend,
+                                           is_arg_explicitly_set=lambda name: True))
+    rows = []
+    for geo in geos:
+        for bits in bits_list:
+            try:
+                rows.append(bridge_row(geo, bits, device, timer, interpret))
+            except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
+                rows.append({"geometry": geo.name, "bits": bits,
+                             "unavailable": f"{type(exc).__name__}: {exc}"[:300]})
+    return {"measured": device.type == "cuda", "setting": f"{ENV_FUSED_ATTENTION}=1",
+            "attention_backend": backend, "rows": rows,
+            **({} if device.type == "cuda" else {
+                "reason": "interpreter smoke run on the CPU: the times say nothing about a GPU"})}
+
+
+def bridge_row(geo: Geometry, bits: int, device: torch.device, timer: Timer,
+               interpret: bool) -> dict:
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.models.dits.causal_wanvideo import CausalWanSelfAttention
+
+    from causalkv.sglang import attention as route
+    from causalkv.sglang.cache import SGLangQVGKVCache
+
+    n, H, D = geo.chunk, geo.heads, geo.head_dim
+    size, sink = geo.chunks * n, geo.sink_chunks * n
+    cache = SGLangQVGKVCache(
+        batch_size=1, cache_size=size, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+        device=device, global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+        local_end_index=torch.zeros(1, dtype=torch.long, device=device), sink_tokens=sink,
+        attention_window_size=size, global_sink_tokens=sink,
+        quant_args=QVGKVQuantArgs(bits=bits, centroids=geo.centroids, keep_recent_chunks=0))
+    attn = CausalWanSelfAttention(dim=H * D, num_heads=H)
+    wrapped = type(attn).forward  # the route's AROUND hook (sglang's wrapper)
+    original = wrapped.__wrapped__  # sglang's own forward
+    last = geo.chunks - 1
+    q = kv_like(n, H, D, 999, device)
+    data = [(kv_like(n, H, D, 2 * i, device), kv_like(n, H, D, 2 * i + 1, device))
+            for i in range(geo.chunks)]
+
+    def freqs(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(c * n, (c + 1) * n, dtype=torch.float32, device=device)
+        f = pos[:, None] / 10000 ** (torch.arange(D // 2, device=device) / (D // 2))
+        return f.cos(), f.sin()
+
+    rope = freqs(last)
+
+    def forward(fn: Callable, c: int, f=None) -> torch.Tensor:
+        k, v = data[c]
+        return fn(attn, q, k, v, f if f is not None else freqs(c), None, cache, c * n)
+
+    forced = {"sglang": None, "routed": True if interpret else None, "routed_decode": False}
+    records: dict[str, list] = {}
+    ms: dict[str, float] = {}
+    peak: dict[str, int | None] = {}
+    decoded: dict[str, int] = {}
+    outs: dict[str, torch.Tensor] = {}
+    with set_forward_context(current_timestep=0, attn_metadata=None):
+        for c in range(geo.chunks):  # fill: every chunk written, the completed ones packed
+            forward(original, c)
+        for name in BRIDGE_PATHS:
+            fn = original if name == "sglang" else wrapped
+            records[name] = rec = []
+            force = (name == "routed_decode" or interpret) and name != "sglang"
+            with route.forced_route(fused=forced[name], record=rec) if force else nullcontext():
+                cache.store.peak_transient_nbytes = 0
+                # one denoising pass: rewrite the current chunk, attend over the window
+                ms[name], peak[name], outs[name] = timer(lambda fn=fn: forward(fn, last, rope))
+                decoded[name] = cache.store.peak_transient_nbytes
+        view = cache.update_and_get_attention_kv(key=data[last][0], value=data[last][1],
+                                                 current_chunk_start=last * n)
+    ref = outs["sglang"].double()
+    bound = 4 * BF16_U * (view.v.double().abs().max().item() + ref.abs().max().item())
+    err = {k: (outs[k].double() - ref).abs().max().item() for k in BRIDGE_PATHS[1:]}
+    window = view.k.nbytes + view.v.nbytes
+    transient = {k: (max(st.peak_transient_nbytes for _, st in r) if r else None)
+                 for k, r in records.items()}
+    ok = (all(e <= bound for e in err.values()) and decoded["sglang"] == window
+          and decoded["routed"] == 0 and cache.packed_chunks() > 0)
+    return {
+        "geometry": geo.name, "bits": bits, "queries": n, "visible_tokens": view.k.shape[1],
+        "heads": H, "head_dim": D, "packed_chunks": cache.packed_chunks(),
+        "resident_bytes": cache.resident_nbytes(), "window_buffer_bytes": window,
+        "ms": ms, "time_vs_sglang": {k: v / ms["sglang"] for k, v in ms.items()},
+        "peak_bytes": peak,
+        "peak_vs_sglang": {k: (None if v is None or not peak["sglang"] else v / peak["sglang"])
+                           for k, v in peak.items()},
+        "store_decoded_bytes": decoded, "attend_transient_bytes": transient,
+        "max_abs_err": err, "err_bound": bound, "ok": ok,
+        "goal_routed_no_slower": (ms["routed"] <= ms["sglang"]) if timer.cuda else None,
+    }
+
+
+def print_bridge(section: dict) -> None:
+    if not section.get("rows"):
+        print(f"sglang bridge (CausalWanSelfAttention over SGLangQVGKVCache): not measured: "
+              f"{section['reason']}")
+        return
+    print(f"sglang bridge: CausalWanSelfAttention over SGLangQVGKVCache, one denoising pass "
+          f"({section['setting']}, sglang backend {section['attention_backend']}); ms, and x sglang")
+    for r in section["rows"]:
+        if "unavailable" in r:
+            print(f"{r['geometry']:14} {r['bits']:>4} unavailable: {r['unavailable']}")
+            continue
+        cells = " ".join(f"{p} {r['ms'][p]:.2f} ({r['time_vs_sglang'][p]:.2f}x)" for p in BRIDGE_PATHS)
+        mem = " ".join("n/a" if r["peak_bytes"][p] is None else f"{p} {r['peak_bytes'][p]:,} B"
+                       for p in BRIDGE_PATHS)
+        print(f"{r['geometry']:14} {r['bits']:>4} {cells}; peak {mem}; window buffer "
+              f"{r['window_buffer_bytes']:,} B decoded by sglang's view, "
+              f"{r['store_decoded_bytes']['routed']:,} B routed; attend transient "
+              f"{r['attend_transient_bytes']}; err {max(r['max_abs_err'].values()):.2e} "
+              f"(bound {r['err_bound']:.2e}) {'ok' if r['ok'] else 'FAILED'}")
+
+
 def print_table(rows: list[dict], mode: str) -> None:
     print(f"attention over one layer's window ({mode}); ms, and x the bf16 dense SDPA time")
     if mode == "interpret":
@@ -261,8 +442,6 @@ def print_table(rows: list[dict], mode: str) -> None:
               f"resident dense {r['resident_dense_bytes']:,} B, packed {r['resident_packed_bytes']:,} B; "
               f"fused err {r['fused_max_abs_err']:.2e} (bound {r['fused_err_bound']:.2e}) "
               f"{'ok' if r['ok'] else 'FAILED'}")
-    print("sglang bridge with / without the fused-attention hook: not measured (the hook is "
-          "not part of causalkv yet)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,13 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device, args.iters, args.warmup)
     rows = [run_row(g, b, device, timer) for g in geos for b in args.bits]
     print_table(rows, mode)
+    bridge = sglang_bridge(geos, args.bits, device, timer, args.interpret)
+    print_bridge(bridge)
     result = {
         "schema": SCHEMA, "mode": mode,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
-        "sglang_bridge": {"measured": False, "reason": "the sglang fused-attention hook "
-                          "(CAUSALKV_SGLANG_FUSED_ATTENTION) is not part of causalkv yet"},
-        "ok": all(r["ok"] for r in rows),
+        "sglang_bridge": bridge,
+        "ok": all(r["ok"] for r in rows) and all(r.get("ok", True) for r in bridge.get("rows", ())),
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

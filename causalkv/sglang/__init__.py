@@ -9,6 +9,8 @@ modules are imported. Importing causalkv, or this package, never imports sglang.
 Switches: ``CAUSALKV_SGLANG_BRIDGE=0`` turns the bridge off (then only an observer hook is
 registered, which changes nothing and warns when ``--kv-cache-quant`` is silently dropped);
 ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` keeps sglang's own QVG cache for LingBot-World;
+``CAUSALKV_SGLANG_FUSED_ATTENTION=1`` also registers the fused-attention route
+(`causalkv.sglang.hooks.FUSED_ATTENTION_HOOKS`, default off);
 sglang's own ``SGLANG_PLUGINS`` allow list (entry-point names) decides whether sglang calls
 the bridge at all. See docs/sglang.md.
 
@@ -23,7 +25,16 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["ENV_SWITCH", "ENTRY_POINT_NAME", "ENV_LINGBOT_QVG", "register", "enabled"]
+from causalkv.errors import ConfigError
+
+__all__ = [
+    "ENTRY_POINT_NAME",
+    "ENV_FUSED_ATTENTION",
+    "ENV_LINGBOT_QVG",
+    "ENV_SWITCH",
+    "enabled",
+    "register",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +42,9 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "CAUSALKV_SGLANG_BRIDGE"
 #: which QVG codec serves LingBot-World: ``causalkv`` (default) or ``sglang`` (its own cache)
 ENV_LINGBOT_QVG = "CAUSALKV_SGLANG_LINGBOT_QVG"
+#: route sglang's causal self-attention over a bridge cache through ``causalkv.caches.attend``
+#: on CUDA (``1``/``true``/``on``/``yes``; default off: no GPU run has shown it no slower yet)
+ENV_FUSED_ATTENTION = "CAUSALKV_SGLANG_FUSED_ATTENTION"
 #: the entry point's name in sglang's plugin group (what ``SGLANG_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
 _PLUGIN_API = "sglang.multimodal_gen.runtime.platforms.plugins"
@@ -47,7 +61,10 @@ def register() -> bool:
     Logs one line saying why and returns False when the bridge is switched off (then it
     registers only `causalkv.sglang.hooks.OFF_HOOKS`, a warning observer), sglang is not
     installed, or sglang's plugin API is not the one the bridge was written for (then it
-    registers nothing).
+    registers nothing). `causalkv.sglang.hooks.HOOKS` always, plus
+    `causalkv.sglang.hooks.FUSED_ATTENTION_HOOKS` when ``CAUSALKV_SGLANG_FUSED_ATTENTION`` is
+    on (a value it does not know: a warning, the route not registered; ``ServerArgs`` refuses
+    it at start-up). Never raises for a setting: sglang would drop the whole bridge.
     """
     off = not enabled()
     if off:
@@ -67,13 +84,20 @@ def register() -> bool:
             "causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND", _PLUGIN_API
         )
         return False
-    from causalkv.sglang.hooks import HOOKS, OFF_HOOKS
+    from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS, fused_attention
 
     if off:  # an observer that only warns when sglang silently drops --kv-cache-quant
         for target, hook in OFF_HOOKS:
             plugin_hook(target, type=around)(hook)
         return False
-    for target, hook in HOOKS:
+    try:
+        route = fused_attention()
+    except ConfigError as exc:  # refused at start-up by ServerArgs (hooks.post_init)
+        logger.warning("causalkv sglang bridge: fused-attention route not registered: %s", exc)
+        route = False
+    hooks = HOOKS + (FUSED_ATTENTION_HOOKS if route else ())
+    for target, hook in hooks:
         plugin_hook(target, type=around)(hook)
-    logger.info("causalkv sglang bridge registered %d hooks", len(HOOKS))
+    logger.info("causalkv sglang bridge registered %d hooks%s", len(hooks),
+                f" (fused-attention route: {ENV_FUSED_ATTENTION}=1)" if route else "")
     return True

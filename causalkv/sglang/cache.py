@@ -9,10 +9,19 @@ completed chunks packed with causalkv's codec under sglang's packing rule (the p
 `causalkv.caches.qvg.policy.SGLANG`). With quantization off every view equals sglang's dense
 cache bit for bit.
 
+`SGLangQVGKVCache.update_and_get_segment_view` makes the same write and returns the same
+visible rows as causalkv's lazy `causalkv.caches.CausalAttentionKVView`, which
+`causalkv.caches.attend` consumes piece by piece (the fused-attention route,
+`causalkv.sglang.attention`): the window is never one buffer.
+
 This module imports sglang; only the bridge's hooks import it, at hook-application time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
@@ -25,11 +34,12 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
 from causalkv.caches.intervals import Intervals, normalize
 from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import SGLANG
-from causalkv.caches.qvg.store import KVWrite, SegmentStore
-from causalkv.caches.spec import CacheWriteError
+from causalkv.caches.qvg.store import KVWrite, PackedKV, SegmentStore
+from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment
+from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
 
-__all__ = ["SGLangQVGKVCache", "causalkv_quant_args", "can_serve"]
+__all__ = ["SGLangQVGKVCache", "SegmentView", "causalkv_quant_args", "can_serve"]
 
 
 def causalkv_quant_args(sglang_args: object) -> QVGKVQuantArgs:
@@ -202,9 +212,99 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         or a head range other than the one written since the last reset; what the codec
         raises for a chunk it cannot pack (NaN/inf K/V on the CPU).
 
+        The view's ``k``/``v`` ``[B, visible, h, D]`` are one buffer the visible slots are
+        read into (packed chunks decoded into it), or views of one dense chunk when the view
+        is one run of it.
+
         Runs outside torch.compile's graphs (one graph break at sglang's call site): every
         decision here is integer bookkeeping that would only specialize and recompile.
         """
+        w = self._update(key, value, current_chunk_start, cache_head_start,
+                         recent_window_tokens, debug_name)
+        k, v = self.store.gather(w.pieces, *w.heads)
+        return CausalAttentionKVView(
+            k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
+            visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
+        )
+
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
+    def update_and_get_segment_view(
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "causal KV cache",
+    ) -> SegmentView:
+        """The write of `update_and_get_attention_kv` (same arguments, errors and effects on the
+        cache), returning the same visible tokens as a lazy causalkv view for
+        `causalkv.caches.attend`, never the window as one buffer.
+
+        The view's pieces are exactly the rows sglang's view shows, in its order: per visible
+        slot range, the runs of global positions the slots hold (a run crossing stored
+        segments is split there), and zeros ``[B, s, h, D]`` for slots sglang's buffer shows
+        but nothing was written to; heads are the write's head slice. ``iter_segments()``
+        yields them dense (a packed run decoded, one at a time); ``iter_stored_segments()``
+        yields dense runs as views of the store and packed runs as the codec's
+        `PackedSegment` head/token slices (views, nothing decoded). ``view.k``/``view.v``
+        would build the window buffer (`update_and_get_attention_kv`'s); they are built
+        already only when that costs nothing (the view is one run of one dense chunk: views
+        of it). ``position_ranges`` lists the pieces' position runs in view order (zero pieces
+        have no position); ``rows`` counts every row, zeros included (sglang's ``k.shape[1]``).
+        """
+        w = self._update(key, value, current_chunk_start, cache_head_start,
+                         recent_window_tokens, debug_name)
+        store, (h0, h1), pieces = self.store, w.heads, w.pieces
+        layout = store.segments  # a commit replaces this list, never mutates it
+        located = store.locate_pieces(pieces, layout)
+        shape = (self.batch_size, h1 - h0, self.head_dim)
+
+        def zeros(n: int) -> KVSegment:
+            z = torch.zeros((shape[0], n, *shape[1:]), dtype=store.dtype, device=store.device)
+            return z, z
+
+        def segments() -> Iterator[KVSegment]:
+            for seg, a, b in located:
+                yield zeros(b - a) if seg is None else store.decode(seg, ((a, b),), h0, h1)
+
+        def stored() -> Iterator[StoredSegment]:
+            for seg, a, b in located:
+                if seg is None:
+                    yield zeros(b - a)
+                elif isinstance(seg.storage, PackedKV):
+                    packed = seg.storage.onloaded(store.device).select_heads(h0, h1)
+                    lo, hi = a - seg.start, b - seg.start
+                    yield packed.k.select_tokens(lo, hi), packed.v.select_tokens(lo, hi)
+                else:
+                    yield seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+
+        def materialize() -> KVSegment:
+            return store.gather(pieces, h0, h1, layout)
+
+        k = v = None
+        if len(located) == 1 and located[0][0] is not None and not located[0][0].packed:
+            k, v = materialize()  # views of the one dense chunk: free
+        return SegmentView(
+            rows=sum(n for _, n in pieces),
+            position_ranges=tuple((a, b) for seg, a, b in located if seg is not None),
+            local_start_index=w.local_start, local_end_index=w.local_end,
+            visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
+            k=k, v=v, segments=segments, materialize=materialize, stored=stored,
+            device=store.device,
+        )
+
+    def _update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None,
+        recent_window_tokens: int | None,
+        debug_name: str,
+    ) -> _Written:
+        """Plan and commit one write (see `update_and_get_attention_kv`); what the view shows."""
         n, h_in = key.shape[1], key.shape[2]
         if h_in != self.num_heads:
             if cache_head_start is None:
@@ -260,13 +360,13 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         view_slots = visible_slots(
             self._state(), plan.local_start, plan.updated_local_end, recent_window_tokens
         )
-        k, v = self._gather(view_slots, heads)
         self._write_indices(
             global_end_index=plan.updated_global_end, local_end_index=plan.updated_local_end
         )
-        return CausalAttentionKVView(
-            k=k, v=v, local_start_index=plan.local_start, local_end_index=plan.local_end,
-            visible_local_end=plan.updated_local_end, visible_global_end=plan.updated_global_end,
+        return _Written(
+            pieces=self._pieces(view_slots), heads=heads, local_start=plan.local_start,
+            local_end=plan.local_end, visible_local_end=plan.updated_local_end,
+            visible_global_end=plan.updated_global_end,
         )
 
     def has_pinned(self) -> bool:
@@ -295,11 +395,35 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             return ()
         return normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
 
-    def _gather(self, view_slots, heads: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The view's K/V ``[B, visible, h, D]``: slot ranges -> positions -> one buffer."""
+    def _pieces(self, view_slots) -> list[tuple[int | None, int]]:
+        """The view's rows as ``(position or None, length)`` pieces: slot ranges -> positions."""
         pieces: list[tuple[int | None, int]] = []
         for a, b in view_slots:
             a, b = max(0, min(a, self.cache_size)), max(0, min(b, self.cache_size))
             if b > a:
                 pieces.extend((p, ln) for ln, p in self._slots.read(a, b))
-        return self.store.gather(pieces, *heads)
+        return pieces
+
+
+class SegmentView(CausalKVView):
+    """causalkv's lazy view (`causalkv.caches.CausalAttentionKVView`) of what sglang's view of
+    the bridge cache shows; ``rows``: the rows sglang's view has, zero rows included."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, *, rows: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.rows = rows
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What one committed write makes visible: the view's pieces (`SegmentStore.gather`'s
+    ``(position or None, length)``), its heads and sglang's view cursors."""
+
+    pieces: list[tuple[int | None, int]]
+    heads: tuple[int, int]
+    local_start: int
+    local_end: int
+    visible_local_end: int
+    visible_global_end: int

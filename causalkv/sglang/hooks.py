@@ -15,6 +15,12 @@ Each hook receives sglang's original method first (sglang's AROUND convention).
   ``causalkv kv-cache summary:`` line per request (cache class, resident and dense KV bytes,
   packed chunks, pinned shot sink).
 
+- With ``CAUSALKV_SGLANG_FUSED_ATTENTION=1`` (`fused_attention`; default off) `register` also
+  registers `FUSED_ATTENTION_HOOKS`: sglang's causal self-attention over a bridge cache on CUDA
+  goes through ``causalkv.caches.attend`` and never materializes the window
+  (`causalkv.sglang.attention`). Registered only when on, so with the setting off sglang's
+  attention code is not even wrapped. A bad value is refused at start-up (``ServerArgs``).
+
 `OFF_HOOKS` are what `causalkv.sglang.register` registers when ``CAUSALKV_SGLANG_BRIDGE=0``:
 one observer that changes nothing and warns when ``--kv-cache-quant`` asks for QVG on a stage
 that stock sglang then silently serves with its dense cache.
@@ -32,15 +38,18 @@ from typing import Any
 
 from causalkv.errors import ConfigError
 from causalkv.quant_config import QVGKVQuantArgs as CausalKVQuantArgs
-from causalkv.sglang import ENV_LINGBOT_QVG, ENV_SWITCH
+from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 __all__ = [
+    "ENV_FUSED_ATTENTION",
     "ENV_LINGBOT_QVG",
+    "FUSED_ATTENTION_HOOKS",
     "HOOKS",
     "OFF_HOOKS",
     "SERVED",
     "SERVED_PIPELINES",
     "check_settings",
+    "fused_attention",
     "served",
     "sglang_quant_args",
 ]
@@ -98,6 +107,24 @@ def lingbot_codec() -> str:
             "QVG cache; sglang: sglang's own QVGPackedCausalKVCache with quant-videogen)"
         )
     return value
+
+
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+
+
+def fused_attention() -> bool:
+    """``CAUSALKV_SGLANG_FUSED_ATTENTION``: True for 1/true/on/yes, False when unset or
+    0/false/off/no; ConfigError for another value."""
+    value = os.environ.get(ENV_FUSED_ATTENTION, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ConfigError(
+        f"{ENV_FUSED_ATTENTION}={os.environ[ENV_FUSED_ATTENTION]!r}: set 1 to route sglang's "
+        "causal self-attention over causalkv's cache through causalkv.caches.attend on CUDA, "
+        "or 0 (the default) for sglang's attention over the materialized window"
+    )
 
 
 # ---- settings -------------------------------------------------------------------------------
@@ -185,7 +212,9 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) 
 
 def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
     """``ServerArgs.__post_init__``: a dict ``kv_cache_quant_config`` becomes sglang's args, and
-    the settings are checked at start-up when the pipeline and a local model folder are known."""
+    the settings are checked at start-up when the pipeline and a local model folder are known
+    (``CAUSALKV_SGLANG_FUSED_ATTENTION`` always)."""
+    fused_attention()
     quant = _normalize(self)
     out = original(self, *args, **kw)
     if quant.enabled and os.path.isdir(str(getattr(self, "model_path", "") or "")):
@@ -436,6 +465,47 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     (f"{_BASE}.forward", forward),
     (f"{_LONGLIVE2}.forward", forward),
     (f"{_LINGBOT}.forward", forward),
+)
+
+# ---- the fused-attention route (causalkv.sglang.attention; imports sglang, on first use) ------
+_ATTN_DITS = "sglang.multimodal_gen.runtime.models.dits"
+_WAN_ATTN = f"{_ATTN_DITS}.causal_wanvideo.CausalWanSelfAttention"
+_LINGBOT_ATTN = f"{_ATTN_DITS}.lingbot_world.LingBotWorldCausalSelfAttention"
+_LOCAL_ATTN = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention"
+_route: Any = None
+
+
+def _route_module() -> Any:
+    global _route
+    if _route is None:
+        from causalkv.sglang import attention
+
+        _route = attention
+    return _route
+
+
+def wan_self_attention(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+    """``CausalWanSelfAttention.forward`` (LongLive 2.0, Wan causal DMD / Self-Forcing):
+    `causalkv.sglang.attention.wan_self_attention`."""
+    return _route_module().wan_self_attention(original, self, *args, **kw)
+
+
+def lingbot_self_attention(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+    """``LingBotWorldCausalSelfAttention.forward``: `causalkv.sglang.attention.lingbot_self_attention`."""
+    return _route_module().lingbot_self_attention(original, self, *args, **kw)
+
+
+def local_attention(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+    """``LocalAttention.forward``: `causalkv.sglang.attention.local_attention` (sglang's own
+    code for every call whose K/V are not a routed call's deferred view)."""
+    return _route_module().local_attention(original, self, *args, **kw)
+
+
+#: what `causalkv.sglang.register` adds to `HOOKS` with ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``
+FUSED_ATTENTION_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    (f"{_WAN_ATTN}.forward", wan_self_attention),
+    (f"{_LINGBOT_ATTN}.forward", lingbot_self_attention),
+    (f"{_LOCAL_ATTN}.forward", local_attention),
 )
 
 #: what `causalkv.sglang.register` registers with the bridge off: a warning, no behaviour

@@ -25,7 +25,9 @@ holds and *what* to write; the store keeps the values:
 - Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list
   of position runs (dense rows copied, packed token ranges decoded in place with
   ``dequantize(out=...)``: no dequantized temporary, no concatenation); `decode` does the
-  same for one segment (streaming attention holds one segment at a time).
+  same for one segment (streaming attention holds one segment at a time); `locate_pieces`
+  gives `gather`'s pieces as the stored runs they read, for a reader that attends them one at
+  a time without building the buffer (the sglang bridge's segment view).
 """
 
 from __future__ import annotations
@@ -484,6 +486,26 @@ class SegmentStore:
                 out.append((seg, runs))
         return out
 
+    def locate_pieces(
+        self, pieces: Sequence[tuple[int | None, int]], segments: Sequence[Segment] | None = None,
+    ) -> list[tuple[Segment | None, int, int]]:
+        """``pieces`` (as `gather` takes them) as stored runs, in order: ``(segment, a, b)`` for
+        positions ``[a, b)`` held by ``segment``, ``(None, 0, n)`` for ``n`` zero rows. A piece
+        repeated or out of position order stays so: this is a reader's order, not a set.
+        ``segments``: the layout to read (default: the store's now).
+
+        Raises:
+            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+        """
+        segs = self.segments if segments is None else segments
+        out: list[tuple[Segment | None, int, int]] = []
+        for p, n in pieces:
+            if p is None:
+                out.append((None, 0, n))
+            else:
+                out.extend(self._walk(segs, p, p + n))
+        return out
+
     def gather(
         self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
         segments: Sequence[Segment] | None = None,
@@ -545,18 +567,27 @@ class SegmentStore:
     ) -> bool:
         """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
         was packed."""
-        at, decoded = p0, False
+        decoded = False
+        for seg, a, b in self._walk(segs, p0, p1):
+            self._copy_into(seg, a, b, h0, h1, k[:, a - p0 : b - p0], v[:, a - p0 : b - p0])
+            decoded |= seg.packed
+        return decoded
+
+    def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
+        """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
+        RuntimeError for a position no segment holds."""
+        out: list[tuple[Segment, int, int]] = []
+        at = p0
         for seg in segs:
             if seg.end <= at or seg.start >= p1:
                 continue
             if seg.start > at:
                 break
             b = min(seg.end, p1)
-            self._copy_into(seg, at, b, h0, h1, k[:, at - p0 : b - p0], v[:, at - p0 : b - p0])
-            decoded |= seg.packed
+            out.append((seg, at, b))
             at = b
             if at >= p1:
-                return decoded
+                return out
         raise RuntimeError(
             f"SegmentStore: positions [{at}, {p1}) are not held (held: {iv.describe(self.held())})"
         )
