@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from causalkv.caches.demo import DemoConfig, format_report, run_demo
 
@@ -26,6 +27,13 @@ def _positive(text: str) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    bad = [c for c in args.cuts if not 0 < c < args.chunks]
+    if bad or len(set(args.cuts)) != len(args.cuts):
+        what = (f"{', '.join(map(str, bad))} is not a chunk index in 1..{args.chunks - 1} (chunk 0 "
+                f"starts the stream, --chunks {args.chunks} ends it)") if bad else "a chunk is listed twice"
+        print(f"causalkv demo: error: --cuts {','.join(map(str, args.cuts))}: {what}; see causalkv "
+              "demo --help", file=sys.stderr)
+        return 2
     config = DemoConfig(chunks=args.chunks, tokens_per_frame=args.tokens_per_frame, cuts=args.cuts)
     print(format_report(config, run_demo(config)))
     return 0
