@@ -48,6 +48,13 @@ def causalkv_chunk_done(chunk_index):
         os.kill(os.getpid(), signal.SIGKILL)
 '''
 
+#: ``python -m causalkv`` with SIGINT's default handler: under ``make test &`` the test process
+#: ignores SIGINT and so would the command (it keeps an inherited SIG_IGN, as it should)
+AS_COMMAND = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'causalkv'; runpy.run_module('causalkv', run_name='__main__', alter_sys=True)"
+)
+
 #: name -> (CKV_FAULT, the signal the test sends once rank 0 pauses, extra flags)
 JOBS: dict[str, tuple[str, int | None, list[str]]] = {
     "ok": ("", None, []),
@@ -97,7 +104,7 @@ class Jobs:
         marker = self.tmp / f"{name}.paused"
         env = {**base, "CKV_FAULT": mode, "CKV_MARKER": str(marker), "CKV_TEST_TOKEN": token}
         frames = "9" if mode == "pause" else "3"
-        cmd = [sys.executable, "-m", "causalkv", "generate", "--dtype", "float32", "--frames", frames,
+        cmd = [sys.executable, "-c", AS_COMMAND, "generate", "--dtype", "float32", "--frames", frames,
                "--nproc-per-node", "2", "--output", str(out / "v.gif"), "--metrics", str(out / "m.json"), *flags]
         with self.gate:
             t0 = time.monotonic()
