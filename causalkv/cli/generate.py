@@ -326,5 +326,5 @@ def _launch(args: argparse.Namespace, options: Any, out: Any) -> int:
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
     return run_under_torchrun(
         options.server_args.heads_sharded, argv, debug=bool(getattr(args, "debug", False)),
-        quiet=bool(options.quiet), seen=get_plugin_manager().reported,
+        quiet=bool(options.quiet), seen=getattr(get_plugin_manager(), "reported", ()),
     )

@@ -506,11 +506,17 @@ def describe_plan(plan: Plan) -> list[str]:
     ]
     if quant.enabled:
         span = s.tokens_per_chunk * quant.span_chunks
+        sink = s.sink_frames * s.tokens_per_frame
+        whole_sink = (
+            f"; the whole sink ({sink:,} tokens) {centroids_for(sink, quant.centroids)}"
+            if quant.sink and quant.sink_span == "full" and sink else ""
+        )
         lines.append(
             f"  - centroids: {centroids_for(span, quant.centroids)} per packed span of {span:,} "
-            f"tokens (at most {quant.centroids}; a span of S tokens gets min({quant.centroids}, "
-            f"2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost at most half a bit per element; "
-            "metrics kv_packing.centroids counts the chunks by centroids used)"
+            f"tokens{whole_sink} (at most {quant.centroids}; a span of S tokens gets min("
+            f"{quant.centroids}, 2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost "
+            "at most half a bit per element; metrics kv_packing.centroids counts the chunks by "
+            "centroids used)"
         )
     lines.append(
         f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
@@ -573,13 +579,6 @@ def generate(
     finally:
         bar.close()
     metrics = run_report(plan, run)
-    outputs = OutputLog(on_written)
-    if options.save_latents is not None and _is_main_rank():
-        path = options.save_latents
-        metrics["latents"] = str(outputs.write(
-            "--save-latents", path, lambda: save_latents(path, run.latents, latents_metadata(plan))
-        ))
-        say(f"latents: {metrics['latents']}")
     if options.compare_bf16:
         say("reference run: kv-cache-quant off, same seed")
         metrics.update(compare_unquantized(plan, run, pm=pm))
@@ -590,6 +589,13 @@ def generate(
             + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
             f"{metrics['reference_kv_resident_bytes_max']:,}"
         )
+    outputs = OutputLog(on_written)  # after every run: no generation can fail once a file is written
+    if options.save_latents is not None and _is_main_rank():
+        path = options.save_latents
+        metrics["latents"] = str(outputs.write(
+            "--save-latents", path, lambda: save_latents(path, run.latents, latents_metadata(plan))
+        ))
+        say(f"latents: {metrics['latents']}")
     if options.output is not None and _is_main_rank():
         metrics.update(outputs.write("--output", options.output, lambda: write_outputs(plan, run, options.output, pm=pm)))
         w, h = metrics["video_size"][1], metrics["video_size"][0]
