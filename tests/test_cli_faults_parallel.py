@@ -7,7 +7,7 @@ itself under torchrun (`causalkv.runtime.launch`). A small plugin, installed as 
 point the ranks discover (``CKV_FAULT``), makes one rank pause after chunk 0 (the test then
 signals the command), raise there, or kill itself. Every process of a job inherits a marker
 variable, so the test finds any process of it that is still alive through ``/proc``. The jobs
-start with the module's first test, two at a time (each is 4 Python processes).
+start with the first test that needs them, two at a time (each is 4 Python processes).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class Jobs:
         self.home = tmp / "home"
         self.home.mkdir()
         self.results: dict[str, dict[str, Any]] = {}
+        self.procs: list[subprocess.Popen[str]] = []
         self.gate = threading.Semaphore(AT_ONCE)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("CAUSALKV_", "CKV_"))}
         base.update(CAUSALKV_HOME=str(self.home), CAUSALKV_PLUGINS="ckv_fault",
@@ -109,6 +110,7 @@ class Jobs:
         with self.gate:
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            self.procs.append(proc)
             signalled = False
             if sig is not None:
                 deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -137,6 +139,15 @@ class Jobs:
         return r
 
     def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # the job's own clean-up stops its ranks
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for t in self.threads:
+            t.join(timeout=60)
         for r in self.results.values():
             for pid in r["left_later"]:
                 with_suppress_kill(pid)
@@ -150,7 +161,7 @@ def with_suppress_kill(pid: int) -> None:
         pass
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
     j = Jobs(tmp_path_factory.mktemp("parallel-faults"))
     try:
@@ -207,3 +218,32 @@ def test_a_rank_that_dies_without_a_word_is_named(jobs: Jobs) -> None:
     ]
     assert r["files"] == set()
     assert_ended_cleanly(r)
+
+
+def test_which_rank_speaks_for_the_job() -> None:
+    """`choose_report` and the signal line on made-up reports (the cases a real job hits only
+    by timing: a signal while the job shuts down, a peer's failure reported first)."""
+    from causalkv.runtime.launch import RankReport, _signalled_line, choose_report
+
+    prog = "causalkv generate"
+    done0 = RankReport(0, "", 0, time_ns=5, done=3, total=3, written=("out/v.mp4", "out/m.json"))
+    assert _signalled_line(prog, signal.SIGTERM, done0) == (
+        "causalkv generate: terminated after the job finished (chunk 3 of 3); kept the complete files "
+        "'out/v.mp4', 'out/m.json'"
+    )
+    peer = RankReport(0, f"{prog}: unexpected error (DistNetworkError: ...)", 1, time_ns=1, peer_failure=True)
+    cause = RankReport(1, f"{prog}: error: the cause", 2, time_ns=2)
+    stopped = RankReport(0, f"{prog}: terminated after chunk 1 of 3; nothing written", 143, time_ns=0)
+    assert choose_report([peer, cause], signalled=None) is cause  # earlier, but a consequence
+    assert choose_report([stopped, cause], signalled=None) is cause
+    assert choose_report([peer], signalled=None, silent=[1]) is None  # the silent rank is the cause
+    assert choose_report([peer], signalled=None) is peer
+    assert choose_report([done0, RankReport(1, "", 0, 6)], signalled=None) is None
+    interrupted = RankReport(0, f"{prog}: interrupted after chunk 1 of 3; nothing written", 130, 3, 1, 3)
+    assert choose_report([cause, interrupted], signalled=signal.SIGINT) is interrupted
+    assert _signalled_line(prog, signal.SIGINT, interrupted) == interrupted.line
+    # rank 0 stopped by a peer's exit first: where it was, with the command's signal
+    assert _signalled_line(prog, signal.SIGINT, RankReport(0, "x", 1, 0, 2, 3, peer_failure=True)) == (
+        "causalkv generate: interrupted after chunk 2 of 3; nothing written"
+    )
+    assert _signalled_line(prog, signal.SIGTERM, None) == "causalkv generate: terminated before the first chunk; nothing written"

@@ -227,9 +227,9 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
             traceback.print_exc()
         if launch.reports_to_launcher():  # a rank: the launcher prints the job's one line
             exc = sys.exc_info()[1]
-            launch.report_fault(
+            launch.report_end(
                 f"{command}: {line}", code, done=progress.done, total=progress.total,
-                peer_failure=exc is not None and launch.is_peer_failure(exc),
+                peer_failure=exc is not None and launch.is_peer_failure(exc), written=progress.written,
             )
             if not debug:
                 return code
@@ -238,7 +238,10 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
 
     try:
         with sigterm_raises():
-            return body()
+            code = body()
+            if launch.reports_to_launcher():
+                launch.report_end("", code, done=progress.done, total=progress.total, written=progress.written)
+            return code
     except KeyboardInterrupt:
         return fail(progress.interrupted("interrupted"), EXIT_INTERRUPTED)
     except Terminated:

@@ -10,10 +10,10 @@
   that started it, even when this process is killed. After torchrun exits, a rank that is
   still running (it ignored the signals) is killed; the command returns only when none is
   left.
-- Every rank reports how it ended (its one line, exit status and progress) in a file of a
+- Every rank reports how it ended (its one line, exit status, progress, files written) in a file of a
   private folder (``CAUSALKV_RANK_REPORTS``) instead of printing it. The command prints one
   line for the job: on a signal, rank 0's line ("interrupted after chunk i of N; nothing
-  written"); on a fault, the first rank's that failed on its own (not one stopped by a
+  written"; after rank 0 finished: what it wrote); on a fault, the first rank's that failed on its own (not one stopped by a
   signal or by a peer that died after it); a rank that died without reporting (killed,
   crashed) is named with torchrun's exit code for it. The exit status is that line's.
 - The ranks' stderr (torchrun's log, warnings, tracebacks, C++ stack traces) passes through
@@ -51,7 +51,7 @@ __all__ = [
     "choose_report",
     "is_peer_failure",
     "register_rank",
-    "report_fault",
+    "report_end",
     "reports_to_launcher",
     "run_supervised",
 ]
@@ -113,16 +113,19 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(t in text for t in ("gloo", "nccl", "connection closed by peer", "connection reset by peer"))
 
 
-def report_fault(
-    line: str, code: int, *, done: int = 0, total: int | None = None, peer_failure: bool = False
+def report_end(
+    line: str, code: int, *, done: int = 0, total: int | None = None, peer_failure: bool = False,
+    written: Sequence[str] = (),
 ) -> None:
-    """In a supervised rank: record how it ended (``line`` without a newline, exit ``code``,
-    chunks ``done`` of ``total``, whether it is a `is_peer_failure`) for the launcher."""
+    """In a supervised rank: record how it ended for the launcher: its ``line`` (without a
+    newline; empty for a success), exit ``code``, chunks ``done`` of ``total``, whether the
+    fault is a `is_peer_failure`, the files it ``written``."""
     with contextlib.suppress(OSError, KeyError):
         _write_json(
-            Path(os.environ[ENV_REPORTS]) / f"fault-rank{_rank()}.json",
+            Path(os.environ[ENV_REPORTS]) / f"end-rank{_rank()}.json",
             {"rank": _rank(), "line": line, "code": int(code), "done": done, "total": total,
-             "time_ns": time.time_ns(), "pid": os.getpid(), "peer_failure": peer_failure},
+             "time_ns": time.time_ns(), "pid": os.getpid(), "peer_failure": peer_failure,
+             "written": list(written)},
         )
 
 
@@ -137,6 +140,7 @@ class RankReport:
     done: int = 0
     total: int | None = None
     peer_failure: bool = False
+    written: tuple[str, ...] = ()
 
     @property
     def by_signal(self) -> bool:
@@ -151,11 +155,12 @@ class RankReport:
 
 def _read_reports(folder: Path) -> list[RankReport]:
     out = []
-    for f in sorted(folder.glob("fault-rank*.json")):
+    for f in sorted(folder.glob("end-rank*.json")):
         try:
             d = json.loads(f.read_text())
             out.append(RankReport(int(d["rank"]), str(d["line"]), int(d["code"]), int(d["time_ns"]),
-                                  int(d.get("done", 0)), d.get("total"), bool(d.get("peer_failure"))))
+                                  int(d.get("done", 0)), d.get("total"), bool(d.get("peer_failure")),
+                                  tuple(str(w) for w in d.get("written", ()))))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out
@@ -203,12 +208,13 @@ def choose_report(
     reports = sorted(reports, key=lambda r: r.time_ns)
     if signalled is not None:
         return next((r for r in reports if r.rank == 0), None)
-    own = [r for r in reports if not r.consequence]
+    faults = [r for r in reports if r.code != 0]
+    own = [r for r in faults if not r.consequence]
     if own:
         return own[0]
     if silent:
         return None
-    return reports[0] if reports else None
+    return faults[0] if faults else None
 
 
 def _pid_is_ours(pid: int) -> bool:
@@ -311,6 +317,10 @@ def _signalled_line(prog: str, signum: int, rank0: RankReport | None) -> str:
     """The job's line after the command got ``signum``: rank 0's own when the signal stopped
     it, else where rank 0 was (a rank that a peer's exit stopped first reports that instead)."""
     how = "interrupted" if signum == signal.SIGINT else "terminated"
+    if rank0 is not None and rank0.code == 0:  # the signal came while the job shut down
+        kept = ("kept the complete files " + ", ".join(repr(w) for w in rank0.written)
+                if rank0.written else "it wrote nothing")
+        return f"{prog}: {how} after the job finished (chunk {rank0.done} of {rank0.total}); {kept}"
     if rank0 is not None and rank0.code == 128 + signum:
         return rank0.line
     if rank0 is None or rank0.total is None:
