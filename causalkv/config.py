@@ -22,6 +22,7 @@ __all__ = [
     "ServerArgs",
     "ShotRequest",
     "check_prompts",
+    "check_text",
     "parse_motion",
 ]
 
@@ -134,6 +135,7 @@ class ShotRequest:
         check_int("--chunks-per-shot", self.chunks_per_shot, minimum=0, hint="or 0 for an even split")
         if not isinstance(self.scene_cut_prefix, str):
             raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
+        check_text(self.scene_cut_prefix, "--scene-cut-prefix")
         if not isinstance(self.multi_shot_sink, bool):
             raise ConfigError(f"multi_shot_sink must be True or False, got {self.multi_shot_sink!r}")
         off = self.multi_shot_rope_offset
@@ -236,8 +238,39 @@ class ServerArgs:
             self.motion = parse_motion(self.motion)
 
 
-def check_prompts(prompts: str | Sequence[str]) -> list[str]:
-    """The prompts as a list; `ConfigError` if it is empty or holds an empty prompt.
+def check_text(text: str, flag: str) -> str:
+    """``text`` if it encodes as UTF-8; else `ConfigError` naming ``flag`` and the first bad byte.
+
+    A command-line argument that is not valid UTF-8 reaches Python with its bad bytes as
+    lone surrogates (PEP 383); a tokenizer cannot encode them.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        if _escaped(text):  # show the bytes as they were given
+            raw = text.encode("utf-8", "surrogateescape")
+            at = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+            shown, where = repr(raw), f"byte {raw[at:at + 1]!r} at byte {at}"
+        else:
+            shown, where = repr(text), f"character {text[exc.start]!r} at position {exc.start}"
+        raise ConfigError(
+            f"{flag} {shown} is not valid UTF-8 text ({where}); pass it as UTF-8 "
+            "(e.g. through iconv -t UTF-8) or fix the file it comes from"
+        ) from None
+    return text
+
+
+def _escaped(text: str) -> bool:
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_prompts(prompts: str | Sequence[str], flag: str = "--prompt") -> list[str]:
+    """The prompts as a list; `ConfigError` if it is empty or holds an empty prompt or text
+    that is not valid UTF-8 (`check_text`).
 
     The one prompt check of the package (requests, per-chunk prompt lists, shots).
     """
@@ -247,4 +280,5 @@ def check_prompts(prompts: str | Sequence[str]) -> list[str]:
     for p in items:
         if not isinstance(p, str) or not p.strip():
             raise ConfigError(f"prompts must be non-empty text, got {p!r}; fix the --prompt value")
+        check_text(p, flag)
     return items

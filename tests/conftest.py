@@ -44,3 +44,46 @@ def causalkv_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def pm() -> Any:
     """A fresh plugin manager: the built-in plugin only, no autoload."""
     return fresh_plugin_manager()
+
+
+# ---- the fault tests' fixtures (tests/fault_helpers.py) ----------------------------------------
+@pytest.fixture
+def counter(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The command line's plugin manager: the built-in plugin plus a chunk counter."""
+    from fault_helpers import ChunkCounter
+
+    import causalkv.plugin.manager as plugin_manager
+
+    pm = fresh_plugin_manager()
+    c = ChunkCounter()
+    pm.register_plugin(c, "chunk-counter")
+    monkeypatch.setattr(plugin_manager, "_default", pm)
+    return c
+
+
+@pytest.fixture
+def empty_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An empty CAUSALKV_HOME of its own (a refused request must leave it empty)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("CAUSALKV_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every attempt to build a preset or load weights (it then fails)."""
+    from fault_helpers import runtime_generate
+
+    calls: list[str] = []
+
+    def refuse(name: str) -> Any:
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            raise AssertionError(f"{name} called for a request refused up front")
+
+        return fn
+
+    monkeypatch.setattr(runtime_generate, "load_components", refuse("load_components"))
+    monkeypatch.setattr(runtime_generate, "materialize_preset", refuse("materialize_preset"))
+    return calls

@@ -148,7 +148,7 @@ def test_refused_before_any_process_starts() -> None:
     with pytest.raises(ConfigError, match="does not divide the chunk's 48 tokens"):
         check_parallel_request(5, num_heads=10, tokens_per_chunk=48, device="cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="needs 2 CUDA devices"):
+        with pytest.raises(ConfigError, match="--device cuda: (this torch build .* has no CUDA support|no CUDA device is visible)"):
             check_parallel_request(2, num_heads=2, tokens_per_chunk=48, device="cuda")
     with pytest.raises(ConfigError, match="cpu .gloo. or cuda .nccl."):
         check_parallel_request(2, num_heads=2, tokens_per_chunk=48, device="meta")

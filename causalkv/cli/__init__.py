@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from causalkv import __version__
 from causalkv.cli import demo, generate, plugins, sglang_checkpoint
-from causalkv.cli.faults import OneLineErrorParser
+from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
 
 __all__ = ["build_parser", "main"]
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    reserve_standard_fds()  # `>&-`: no file the run opens may land on descriptor 1 or 2
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # re-executed under torchrun

@@ -3,30 +3,60 @@
 =====  =========================================================================================
 exit   fault
 =====  =========================================================================================
-0      success (also when stdout is a closed pipe, e.g. ``| head -1``: the files are written)
+0      success (also when stdout is a closed pipe, e.g. ``| head -1``, or closed: the files are
+       written)
 1      an unexpected error (one line; the traceback only with ``--debug``), or a finished
-       generation whose output could not be written (its latents are kept, the line says where)
-2      a bad request, an unreadable or corrupt model folder, a plugin fault, or a usage error
-130    interrupted (Ctrl-C): "interrupted after chunk i of N; nothing written"
+       generation whose output could not be written (the line names what was kept)
+2      a bad request, an unreadable or corrupt model folder, a plugin fault, a usage error,
+       or a stdout that cannot be written
+3      the latents became NaN or infinite: the run stops at that chunk and writes nothing
+130    interrupted (SIGINT, Ctrl-C): "interrupted after chunk i of N; nothing written"
+143    terminated (SIGTERM): "terminated after chunk i of N; nothing written"
 =====  =========================================================================================
+
+A signal ends the run like an error: the file being written is removed, the files already
+complete are named. SIGINT keeps the disposition the command inherited (a background job of
+a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
+
+In a rank of a job ``causalkv generate --nproc-per-node N`` launched, the line is not printed:
+it goes to the launching process (`causalkv.runtime.launch`), which prints one line for the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from causalkv.errors import CausalKVError
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_REQUEST", "OneLineErrorParser", "Progress", "Stdout", "run_guarded"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_NONFINITE",
+    "EXIT_REQUEST",
+    "EXIT_TERMINATED",
+    "OneLineErrorParser",
+    "Progress",
+    "Stdout",
+    "StdoutError",
+    "Terminated",
+    "reserve_standard_fds",
+    "run_guarded",
+    "sigterm_raises",
+]
 
 EXIT_ERROR = 1
 EXIT_REQUEST = 2
-EXIT_INTERRUPTED = 130
+EXIT_NONFINITE = 3
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -34,6 +64,51 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_REQUEST, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread the way SIGINT raises ``KeyboardInterrupt`` (a
+    ``BaseException``, so ``except Exception`` cleanup code lets it through)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (once: a second
+    SIGTERM during the clean-up is ignored). An inherited ``SIG_IGN`` is kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def reserve_standard_fds() -> None:
+    """Open ``/dev/null`` on any of file descriptors 0, 1, 2 that is closed (``>&-``), so no
+    file the run opens lands on one of them (a child process or a library writing to "stdout"
+    would write into that file). ``sys.stdout`` stays None: the run prints nothing."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                got = os.open(os.devnull, os.O_RDWR)
+            except OSError:
+                return
+            if got != fd:  # a lower descriptor was free after all
+                os.dup2(got, fd)
+                os.close(got)
 
 
 def _silence_stdout() -> None:
@@ -46,37 +121,68 @@ def _silence_stdout() -> None:
         pass
 
 
+def _describe(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+class StdoutError(CausalKVError, OSError):
+    """stdout refused the first line (``/dev/full``, a device or file system error): exit 2,
+    before any weights load (the first line is the run's header)."""
+
+
 class Stdout:
-    """Prints progress lines; once the reader has gone (``BrokenPipeError``, e.g. ``| head -1``)
-    it stops printing, and the run goes on to write its files."""
+    """Prints progress lines to stdout.
+
+    - stdout closed (``>&-``, ``sys.stdout is None``): prints nothing, the run goes on.
+    - the reader went away (``BrokenPipeError``, e.g. ``| head -1``): printing stops, the run
+      goes on to write its files.
+    - any other write error (``/dev/full``, EIO): on the first line `StdoutError` (the run
+      has not loaded anything yet); later, one warning on stderr and printing stops.
+    """
 
     def __init__(self) -> None:
         self.broken = False
+        self.lines = 0
+
+    def _failed(self, exc: OSError) -> None:
+        self.broken = True
+        _silence_stdout()
+        if isinstance(exc, BrokenPipeError):
+            return
+        if self.lines == 0:
+            raise StdoutError(
+                f"cannot write to stdout ({_describe(exc)}); redirect it to a file, a pipe or "
+                "/dev/null"
+            ) from None
+        _stderr(f"causalkv: warning: stdout failed ({_describe(exc)}); printing stops, the run goes on")
 
     def __call__(self, line: str) -> None:
-        if self.broken:
+        if self.broken or sys.stdout is None:
             return
         try:
             print(line, flush=True)
-        except BrokenPipeError:
-            self.broken = True
-            _silence_stdout()
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self.lines += 1
 
     def flush(self) -> None:
-        if not self.broken:
-            try:
-                sys.stdout.flush()
-            except BrokenPipeError:
-                self.broken = True
-                _silence_stdout()
+        if self.broken or sys.stdout is None:
+            return
+        try:
+            sys.stdout.flush()
+        except OSError as exc:
+            self._failed(exc)
 
 
 class Progress:
-    """Chunks done out of the plan's total, for the interruption message."""
+    """Chunks done out of the plan's total and the files written, for the interruption line."""
 
     def __init__(self) -> None:
         self.total: int | None = None
         self.done = 0
+        self.written: list[str] = []
 
     def on_plan(self, plan: Any) -> None:
         self.total = int(plan.num_chunks)
@@ -84,45 +190,67 @@ class Progress:
     def on_chunk_done(self, index: int, stats: Any) -> None:
         self.done = index + 1
 
-    def interrupted(self) -> str:
+    def on_written(self, path: Any) -> None:
+        self.written.append(str(path))
+
+    def interrupted(self, how: str = "interrupted") -> str:
+        """``how`` (``"interrupted"``, ``"terminated"``) and where the run was."""
         if self.total is None:
-            return "interrupted before the first chunk; nothing written"
+            return f"{how} before the first chunk; nothing written"
         if self.done < self.total:
-            return f"interrupted after chunk {self.done} of {self.total}; nothing written"
-        return (
-            f"interrupted after chunk {self.done} of {self.total}, while writing the outputs; "
-            "only complete files were written"
+            return f"{how} after chunk {self.done} of {self.total}; nothing written"
+        kept = (
+            "kept the complete files " + ", ".join(repr(p) for p in self.written)
+            if self.written
+            else "nothing written"
         )
+        return f"{how} after chunk {self.done} of {self.total}, while writing the outputs; {kept}"
 
 
 def _stderr(line: str) -> None:
     try:
         print(line, file=sys.stderr, flush=True)
-    except (BrokenPipeError, ValueError):
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone
         pass
 
 
 def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, progress: Progress | None = None) -> int:
     """Run ``body`` and map what it raises to one stderr line and an exit status (module
-    docstring). With ``debug`` the traceback is printed too."""
+    docstring). With ``debug`` the traceback is printed too. SIGTERM is handled like SIGINT
+    while ``body`` runs (`sigterm_raises`)."""
+    from causalkv.runtime import launch
+
+    progress = progress or Progress()
 
     def fail(line: str, code: int) -> int:
         if debug:
             traceback.print_exc()
+        if launch.reports_to_launcher():  # a rank: the launcher prints the job's one line
+            exc = sys.exc_info()[1]
+            launch.report_end(
+                f"{command}: {line}", code, done=progress.done, total=progress.total,
+                peer_failure=exc is not None and launch.is_peer_failure(exc), written=progress.written,
+            )
+            if not debug:
+                return code
         _stderr(f"{command}: {line}")
         return code
 
     try:
-        return body()
+        with sigterm_raises():
+            code = body()
+            if launch.reports_to_launcher():
+                launch.report_end("", code, done=progress.done, total=progress.total, written=progress.written)
+            return code
     except KeyboardInterrupt:
-        return fail((progress or Progress()).interrupted(), EXIT_INTERRUPTED)
+        return fail(progress.interrupted("interrupted"), EXIT_INTERRUPTED)
+    except Terminated:
+        return fail(progress.interrupted("terminated"), EXIT_TERMINATED)
     except CausalKVError as exc:
         return fail(f"error: {exc}", int(getattr(exc, "exit_code", EXIT_REQUEST)))
     except BrokenPipeError:  # stdout went away outside of `Stdout` (a plugin printing)
         _silence_stdout()
         return fail("error: stdout was closed before the command finished", EXIT_ERROR)
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, traceback on request
-        lines = str(exc).strip().splitlines()
-        what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
         hint = "" if debug else "; rerun with --debug for the traceback"
-        return fail(f"unexpected error ({what}){hint}", EXIT_ERROR)
+        return fail(f"unexpected error ({_describe(exc)}){hint}", EXIT_ERROR)

@@ -268,10 +268,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from causalkv.runtime.distributed import launched_by_torchrun
+        from causalkv.runtime.launch import register_rank
 
+        register_rank()  # a rank of `_launch`'s job: report to it, die with torchrun
         options = options_from_args(args)
         if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
-            return _launch(args, options)
+            return _launch(args, options, out)
         main_rank = True
         if launched_by_torchrun():
             from causalkv.runtime.distributed import init_parallel
@@ -302,15 +304,18 @@ def _generate_and_leave(options: Any, out: Any, progress: Any) -> Any:
 
     try:
         return generate(
-            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done
+            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done,
+            on_written=progress.on_written,
         )
     finally:
         shutdown()
 
 
-def _launch(args: argparse.Namespace, options: Any) -> int:
+def _launch(args: argparse.Namespace, options: Any, out: Any) -> int:
     """Plan on this process (errors before any rank starts), then run the same command
-    under torchrun on ``--nproc-per-node`` local ranks; torchrun's exit status."""
+    under torchrun on ``--nproc-per-node`` local ranks, supervised
+    (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
+    from causalkv.plugin import get_plugin_manager
     from causalkv.runtime.distributed import run_under_torchrun
     from causalkv.runtime.generate import plan_generation
 
@@ -318,5 +323,8 @@ def _launch(args: argparse.Namespace, options: Any) -> int:
     argv = getattr(args, "argv", None)
     if argv is None:
         argv = sys.argv[1:]
-    print(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)", flush=True)
-    return run_under_torchrun(options.server_args.heads_sharded, argv)
+    out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
+    return run_under_torchrun(
+        options.server_args.heads_sharded, argv, debug=bool(getattr(args, "debug", False)),
+        quiet=bool(options.quiet), seen=getattr(get_plugin_manager(), "reported", ()),
+    )

@@ -180,6 +180,7 @@ def run_resolve(args: argparse.Namespace) -> int:
     from causalkv.config import ServerArgs
     from causalkv.plugin.resolver import resolve
     from causalkv.quant_config import from_namespace
+    from causalkv.runtime.model_config import is_loadable_model, model_head_dim
 
     try:
         server_args = ServerArgs(
@@ -190,10 +191,25 @@ def run_resolve(args: argparse.Namespace) -> int:
             cache=args.cache,
         )
         res = resolve(args.model, server_args, stage=args.stage)
+        quant = server_args.kv_cache_quant_config
+        head_dim = model_head_dim(args.model) if quant.enabled else None
+        if head_dim is not None:
+            quant.check_layout(head_dim)
     except (CausalKVError, ImportError, TypeError, RuntimeError) as exc:
         return _fail("resolve", exc)
+    notes = []
+    if quant.enabled and head_dim is None:
+        notes.append(
+            f"{args.model!r} has no transformer config here: the block size is checked against "
+            "head_dim when causalkv generate reads one"
+        )
+    if not is_loadable_model(args.model):
+        notes.append(
+            f"{args.model!r} is a served model name, not a preset or a model folder: causalkv "
+            "generate needs a preset or a folder to load weights from"
+        )
     if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
+        print(json.dumps({**res.to_dict(), "notes": notes}, indent=2))
         return 0
     d = res.to_dict()
     print(f"model: {res.model_name}" + (f" ({res.model_class})" if res.model_class else ""))
@@ -203,4 +219,6 @@ def run_resolve(args: argparse.Namespace) -> int:
     print("reasons:")
     for line in res.reasons:
         print(f"  - {line}")
+    for line in notes:
+        print(f"note: {line}")
     return 0

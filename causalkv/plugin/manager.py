@@ -12,10 +12,15 @@ from typing import Any
 
 import pluggy
 
-from causalkv.hooks import NAME, specs
+from causalkv.hooks import ENTRY_POINT_GROUP, NAME, specs
 from causalkv.plugin import builtin
 from causalkv.plugin.errors import PluginLoadFailure
-from causalkv.plugin.loader import PluginSettings, load_entry_points, register_checked
+from causalkv.plugin.loader import (
+    PluginSettings,
+    discover_entry_points,
+    load_entry_points,
+    register_checked,
+)
 
 __all__ = [
     "CausalKVPluginManager",
@@ -23,6 +28,7 @@ __all__ = [
     "get_plugin_manager",
     "make_plugin_manager",
     "reset_plugin_manager",
+    "unknown_name_warnings",
 ]
 
 
@@ -61,6 +67,9 @@ class CausalKVPluginManager(pluggy.PluginManager):
         self.load_failures: list[PluginLoadFailure] = []
         self.distributions: dict[str, str] = {}
         self.missing_allowed: tuple[str, ...] = ()
+        #: the lines this manager printed on stderr while it was built (load failures,
+        #: unknown names in the env vars), in order
+        self.reported: list[str] = []
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register an in-process plugin, validating it like an entry-point plugin.
@@ -96,6 +105,41 @@ def _stderr_report(failure: PluginLoadFailure) -> None:
     print(f"{NAME}: {failure}", file=sys.stderr)
 
 
+def _stderr_warn(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _unknown_names(names: Iterable[str], known: Iterable[str]) -> list[str]:
+    """The ``names`` that match none of ``known`` (PEP 503 normalized, as the env vars match)."""
+    from causalkv.plugin.loader import _norm
+
+    have = {_norm(k) for k in known}
+    return sorted(n for n in names if _norm(n) not in have)
+
+
+def unknown_name_warnings(settings: PluginSettings, entry_points: Iterable[EntryPoint]) -> list[str]:
+    """One warning per env var whose names match no plugin: ``CAUSALKV_DISABLE_PLUGINS``
+    against the built-in plugin and every installed entry point (and its distribution),
+    ``CAUSALKV_PLUGINS`` against the installed entry points; each lists the known names."""
+    from causalkv.plugin.loader import ENV_ALLOW, ENV_BLOCK, _dist
+
+    eps = [ep for ep in entry_points if ep.group == ENTRY_POINT_GROUP]
+    installed = sorted({ep.name for ep in eps} | {d for ep in eps if (d := _dist(ep)[0])})
+    out = []
+    for var, names, known, effect in (
+        (ENV_BLOCK, settings.block, [builtin.BUILTIN_PLUGIN_NAME, *installed], "blocking it does nothing"),
+        (ENV_ALLOW, settings.allow or (), installed, "only the installed plugins it names load"),
+    ):
+        unknown = _unknown_names(names, known)
+        if unknown:
+            listed = ", ".join(known) if known else "none (no causalkv plugin is installed)"
+            out.append(
+                f"{NAME}: warning: {var} names {', '.join(repr(n) for n in unknown)}, which no "
+                f"plugin is called ({effect}); known plugins: {listed}"
+            )
+    return out
+
+
 def _trace(pm: pluggy.PluginManager) -> None:
     """Print each hook call and its outcome to stderr, through pluggy's monitoring API."""
 
@@ -117,6 +161,7 @@ def make_plugin_manager(
     env: Mapping[str, str] | None = None,
     entry_points: Iterable[EntryPoint] | None = None,
     report: Callable[[PluginLoadFailure], None] | None = _stderr_report,
+    warn: Callable[[str], None] | None = _stderr_warn,
 ) -> CausalKVPluginManager:
     """A fresh manager: the hookspecs, the built-in plugin, then the installed plugins.
 
@@ -126,6 +171,10 @@ def make_plugin_manager(
         env: where the ``CAUSALKV_*`` controls are read (default ``os.environ``).
         entry_points: use these instead of the installed ones (tests).
         report: called with each plugin that failed to load (default: a line on stderr).
+        warn: called with a warning line for each env var naming plugins that do not exist
+            (`unknown_name_warnings`; checked when entry points are loaded).
+
+    Every line ``report`` and ``warn`` get is also kept in ``pm.reported``.
     """
     settings = PluginSettings.from_env(os.environ if env is None else env)
     pm = CausalKVPluginManager(settings)
@@ -136,7 +185,18 @@ def make_plugin_manager(
     if not pm.is_blocked(builtin.BUILTIN_PLUGIN_NAME):
         pm.register(builtin, name=builtin.BUILTIN_PLUGIN_NAME)
     if autoload and settings.autoload:
-        load_entry_points(pm, settings, entry_points=entry_points, report=report)
+        eps = discover_entry_points() if entry_points is None else tuple(entry_points)
+
+        def reported(failure: PluginLoadFailure) -> None:
+            pm.reported.append(f"{NAME}: {failure}")
+            if report is not None:
+                report(failure)
+
+        load_entry_points(pm, settings, entry_points=eps, report=reported)
+        for line in unknown_name_warnings(settings, eps):
+            pm.reported.append(line)
+            if warn is not None:
+                warn(line)
     return pm
 
 

@@ -4,17 +4,24 @@
 knowable up front fails there, in milliseconds, before a preset is built, a weight is read or
 a chunk runs:
 
+- classifier-free guidance: ``--guidance-scale``/``--negative-prompt`` (or the model's) only
+  on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
+- QVG: its settings only with quantization on; the block layout fits ``head_dim``; the codec
+  backend (``CAUSALKV_QVG_BACKEND``) exists and runs on the device (`check_quant`);
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
-  fit the transformer's ``rope_max_seq_len``, and the latents must fit in memory;
+  fit the transformer's ``rope_max_seq_len``;
+- memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
+  device's memory (`memory_floor`, a lower bound);
 - seed: within the range a torch generator takes;
 - device and dtype: the device exists in this torch build and on this machine, and a small
   matmul in the dtype runs on it;
+- ``CAUSALKV_HOME``: a preset that is not built yet can be created there (`check_home`);
 - output files (video, metrics, saved latents): not a folder, not a special file, in a
-  folder that exists (or can be created) and is writable, distinct from each other, and a
-  video suffix an installed encoder writes;
-- the model folder's files (for a preset: once it exists): every JSON file parses and every
-  safetensors file is as long as its header says (a truncated download fails here, not after
-  the text encoder has loaded).
+  folder that exists (or can be created), is writable and has room, distinct from each
+  other, and a video suffix an installed encoder writes;
+- the model folder's files (for a preset: once it exists): every component it lists is there,
+  every JSON file parses and every safetensors file is as long as its header says (a
+  truncated download fails here, not after the text encoder has loaded).
 
 Each failure raises `ConfigError` (bad request) or `ModelFolderError` (unreadable model
 folder), one line naming the value and the fix.
@@ -22,6 +29,7 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,8 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from causalkv.config import check_text
 from causalkv.errors import ConfigError
-from causalkv.runtime.model_config import ModelFolderError, ModelInfo
+from causalkv.quant_config import QVGKVQuantArgs
+from causalkv.runtime.model_config import REQUIRED_FILES, ModelFolderError, ModelInfo
 
 if TYPE_CHECKING:
     from causalkv.runtime.generate import GenerateOptions, Plan
@@ -44,9 +54,15 @@ __all__ = [
     "check_before_load",
     "check_device",
     "check_frames",
+    "check_guidance",
+    "check_home",
+    "check_memory",
     "check_model_files",
     "check_output_files",
+    "check_quant",
     "check_writable_file",
+    "latents_nbytes",
+    "memory_floor",
     "rope_frame_ends",
 ]
 
@@ -68,14 +84,123 @@ def check_before_load(plan: Plan, options: GenerateOptions, *, pm: Any = None) -
     args = plan.server_args
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
+    check_guidance(plan, options)
+    check_quant(plan)
     check_device(args.device, args.dtype)
     check_model_files(plan.info)
+    check_home(plan.info)
     check_frames(plan, pm=pm)
+    check_memory(plan, pm=pm)
     check_output_files(
         output=options.output,
         metrics=getattr(options, "metrics", None),
         save_latents=getattr(options, "save_latents", None),
+        latents_nbytes=latents_nbytes(plan),
     )
+
+
+# ---- options the stage cannot use --------------------------------------------------------------
+def check_guidance(plan: Plan, options: GenerateOptions) -> None:
+    """Classifier-free guidance settings the request or the model asks for, checked by the
+    stage (`CausalDenoisingStage.check_guidance`): a stage without CFG refuses them, a CFG
+    stage refuses a negative prompt while guidance is off."""
+    info = plan.info
+    where = "causalkv.json" if info.preset is None else f"preset {info.preset!r}'s settings"
+    asked: dict[str, object] = {}
+    if options.guidance_scale is not None:
+        asked["--guidance-scale"] = options.guidance_scale
+    elif info.guidance_scale != 1.0:
+        asked[f"guidance_scale in {where}"] = info.guidance_scale
+    if options.negative_prompt is not None:
+        asked["--negative-prompt"] = check_text(options.negative_prompt, "--negative-prompt")
+    elif info.negative_prompt:
+        asked[f"negative_prompt in {where}"] = info.negative_prompt
+    plan.resolution.stage.check_guidance(
+        asked, guidance_scale=plan.server_args.guidance_scale, stage_name=plan.resolution.stage_name
+    )
+
+
+# ---- QVG -----------------------------------------------------------------------------------------
+def _changed_quant_fields(quant: QVGKVQuantArgs) -> list[str]:
+    default = QVGKVQuantArgs()
+    return [
+        "--kv-cache-quant-" + {"kmeans_iters": "iters", "keep_recent_chunks": "keep-recent",
+                               "sink_keep_chunks": "sink-keep"}.get(f.name, f.name.replace("_", "-"))
+        for f in dataclasses.fields(QVGKVQuantArgs)
+        if f.name != "bits" and getattr(quant, f.name) != getattr(default, f.name)
+    ]
+
+
+def check_quant(plan: Plan) -> None:
+    """QVG settings: refused when quantization is off (they would do nothing); when it is on,
+    the block layout must fit the model's ``head_dim`` (`QVGKVQuantArgs.check_layout`) and
+    the codec backend ``CAUSALKV_QVG_BACKEND`` names must exist and run on the device."""
+    from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
+
+    quant, args = plan.server_args.kv_cache_quant_config, plan.server_args
+    if not quant.enabled:
+        changed = _changed_quant_fields(quant)
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set(s) QVG quantization, which is off; pass --kv-cache-quant "
+                "int4 or int2, or drop them"
+            )
+        return
+    quant.check_layout(plan.model.head_dim)
+    name = os.environ.get(BACKEND_ENV)
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError, TypeError):
+        return  # check_device names it
+    try:
+        resolve_backend(None, dev)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{BACKEND_ENV}={name!r}: {exc}; set {BACKEND_ENV} to auto (or unset it) to let "
+            "causalkv pick the backend that runs here"
+        ) from None
+
+
+# ---- CAUSALKV_HOME ---------------------------------------------------------------------------
+def check_home(info: ModelInfo) -> None:
+    """A preset that still has to be built needs a ``CAUSALKV_HOME`` where folders can be
+    created; `ConfigError` naming it otherwise (a file, a read-only file system, no rights)."""
+    if info.preset is None or info.path is None:
+        return
+    from causalkv.runtime.presets import causalkv_home, is_complete_preset
+
+    if is_complete_preset(info.path):
+        return
+    home = causalkv_home()
+    shown = os.environ.get("CAUSALKV_HOME") or str(home)
+    fix = "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)"
+    folder = info.path.parent
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"CAUSALKV_HOME={shown!r}: {str(probe)!r} is a file, not a folder; {fix}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
+    except OSError as exc:
+        raise ConfigError(
+            f"CAUSALKV_HOME={shown!r}: cannot create the preset {info.preset!r} in {str(folder)!r} "
+            f"({exc.strerror or exc}); {fix}"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+    _remove_created(folder, probe)
+
+
+def _remove_created(folder: Path, existing: Path) -> None:
+    """Remove the empty folders between ``existing`` and ``folder`` the probe created."""
+    while folder != existing and folder.is_dir():
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 # ---- device ---------------------------------------------------------------------------------
@@ -175,13 +300,90 @@ def check_frames(plan: Plan, *, pm: Any = None) -> None:
                 f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; "
                 + (f"pass --frames {best} or fewer" if best >= fpc else "pass fewer shots")
             )
-    latent_bytes = 4 * n * info.latent_channels * info.latent_height * info.latent_width
-    memory = _physical_memory_bytes()
-    if memory is not None and 2 * latent_bytes > memory:  # noise + output, float32
-        raise ConfigError(
-            f"--frames {n} needs {2 * latent_bytes / 2**30:.1f} GiB for the latents alone, more than "
-            f"this machine's {memory / 2**30:.1f} GiB of memory; pass fewer --frames"
-        )
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def latents_nbytes(plan: Plan) -> int:
+    """Bytes of the run's float32 latents ``[1, C, F, h, w]``."""
+    info = plan.info
+    return 4 * plan.num_frames * info.latent_channels * info.latent_height * info.latent_width
+
+
+def _device_memory_bytes(device: str) -> int | None:
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+    if dev.type == "cpu":
+        return _physical_memory_bytes()
+    return None
+
+
+def memory_floor(plan: Plan, *, pm: Any = None) -> dict[str, int]:
+    """Bytes a run needs at least, by part (a floor: weights, the text encoder, attention
+    temporaries and the VAE come on top):
+
+    - ``latents``: the noise and the output, float32 (on the host);
+    - ``kv_caches``: K and V of every layer and branch, in the cache dtype, of the tokens the
+      caches hold by the last chunk (unquantized: ``min(frames, cache_frames)`` frames; QVG:
+      the chunk being written, which stays unpacked), for this rank's heads;
+    - ``activations``: one chunk's q, k, v and attention output in the compute dtype;
+    - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
+      transformer allocates when it loads.
+    """
+    from causalkv.runtime.loading import parse_dtype
+
+    s, args, model = plan.settings, plan.server_args, plan.model
+    heads = model.num_heads // max(1, args.heads_sharded)
+    kv_item = parse_dtype(args.kv_cache_dtype or args.dtype).itemsize
+    item = parse_dtype(args.dtype).itemsize
+    frames = min(plan.num_frames, s.cache_frames)
+    if args.kv_cache_quant_config.enabled:
+        frames = min(frames, s.frames_per_chunk)
+    branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
+    kv_tokens = frames * s.tokens_per_frame
+    cfg = _transformer_config(plan.info, pm)
+    rope = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
+    return {
+        "latents": 2 * latents_nbytes(plan),
+        "kv_caches": branches * model.num_layers * 2 * kv_tokens * heads * model.head_dim * kv_item,
+        "activations": 4 * s.tokens_per_chunk * model.num_heads * model.head_dim * item,
+        "rope_tables": 2 * rope * model.head_dim * 4,
+    }
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in the largest binary unit below it (``"1.5 GiB"``, ``"24.0 KiB"``)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_memory(plan: Plan, *, pm: Any = None) -> None:
+    """Refuse a run whose `memory_floor` exceeds the device's memory (the host's RAM on CPU),
+    naming the largest part and the setting that drives it."""
+    floor = memory_floor(plan, pm=pm)
+    memory = _device_memory_bytes(plan.server_args.device)
+    total = sum(floor.values())
+    if memory is None or total <= memory:
+        return
+    part = max(floor, key=floor.__getitem__)
+    where = f"{plan.model.name}'s transformer/config.json"
+    fix = {
+        "latents": "pass fewer --frames",
+        "kv_caches": (
+            f"lower height and width ({plan.info.height}x{plan.info.width}, "
+            f"{plan.settings.tokens_per_frame:,} tokens per frame) or the window "
+            "(--window-frames), or pass --kv-cache-quant int4/int2"
+        ),
+        "activations": f"lower height and width ({plan.info.height}x{plan.info.width}) or frames_per_chunk",
+        "rope_tables": f"lower rope_max_seq_len in {where} (diffusers' default is 1024)",
+    }[part]
+    parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in floor.items())
+    raise ConfigError(
+        f"the request needs at least {_size(total)} of memory ({parts}), more than the "
+        f"{_size(memory)} of --device {plan.server_args.device}; {fix}"
+    )
 
 
 # ---- output files ---------------------------------------------------------------------------
@@ -215,16 +417,43 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
     return p
 
 
+#: the least free space an output's file system must have: a metrics file or a small video
+MIN_FREE_BYTES = 1 << 20
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def _check_free_space(flag: str, path: Path, need: int) -> None:
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    free = _free_bytes(folder)
+    if free is not None and free < need:
+        raise ConfigError(
+            f"{flag} {str(path)!r}: the file system of {str(folder)!r} has {free:,} bytes free, "
+            f"the file needs about {need:,}; free some space or choose another folder for {flag}"
+        )
+
+
 def check_output_files(
     *,
     output: str | Path | None,
     metrics: str | Path | None = None,
     save_latents: str | Path | None = None,
+    latents_nbytes: int = 0,
 ) -> None:
     """Check the video (``--output``), metrics (``--metrics``) and ``--save-latents`` targets
     (`check_writable_file`; the video's suffix must be one an installed encoder writes,
-    saved latents end in ``.safetensors``) and that no two name the same file, the file
-    kept for the latents of a video that fails to encode included."""
+    saved latents end in ``.safetensors``), that no two name the same file, the file kept for
+    the latents of a video that fails to encode included, and that each file system has room
+    (`MIN_FREE_BYTES`, plus ``latents_nbytes`` for latents files: a full disk is refused here,
+    a disk that fills up during the run fails when the file is written)."""
     from causalkv.runtime.outputs import latents_path_for
     from causalkv.runtime.video import check_video_suffix
 
@@ -246,6 +475,10 @@ def check_output_files(
         if save_latents is None or Path(os.path.abspath(Path(str(save_latents)).expanduser())) != kept:
             named.append(("the latents kept if the video fails to encode", kept))
     _check_distinct(named)
+    for flag, path in named:
+        latents = flag == "--save-latents" or flag.startswith("the latents")
+        _check_free_space("--output" if flag.startswith("the latents") else flag, path,
+                          MIN_FREE_BYTES + (latents_nbytes if latents else 0))
 
 
 def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
@@ -315,6 +548,17 @@ def check_model_files(info: ModelInfo) -> None:
         fix = "restore the file (re-download or re-convert the model)"
     _check_json(folder / "model_index.json", fix)
     index = json.loads((folder / "model_index.json").read_text())
+    if not isinstance(index, dict):
+        raise ModelFolderError(f"{folder / 'model_index.json'} must hold a JSON object; {fix}")
+    wanted = [*REQUIRED_FILES, *(k for k, v in index.items() if isinstance(v, list))]
+    missing: list[str] = []
+    for f in wanted:  # a missing component folder is named once, as the folder
+        top = f.split("/")[0]
+        name = f if (folder / top).exists() else f"{top}/"
+        if not (folder / f).exists() and name not in missing:
+            missing.append(name)
+    if missing:
+        raise ModelFolderError(f"{folder} is missing {', '.join(missing)}; {fix}")
     components = [k for k, v in index.items() if isinstance(v, list) and (folder / k).is_dir()]
     for name in components:
         sub = folder / name

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -154,11 +153,21 @@ def check_devices(device: str | torch.device, local_ranks: int) -> None:
     """`ConfigError` when ``local_ranks`` processes on one node need more CUDA devices than it has."""
     if torch.device(device).type != "cuda" or local_ranks <= 1:
         return
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise ConfigError(
+            f"--device {device}: this torch build ({torch.__version__}) has no CUDA support; "
+            f"run the {local_ranks} processes on CPU with --device cpu (gloo)"
+        )
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise ConfigError(
+            f"--device {device}: no CUDA device is visible on this machine; run the "
+            f"{local_ranks} processes on CPU with --device cpu (gloo)"
+        )
     if local_ranks > have:
         raise ConfigError(
             f"--nproc-per-node {local_ranks} needs {local_ranks} CUDA devices, this machine has "
-            f"{have}; pass --nproc-per-node {max(1, have)} or fewer (or run on CPU with --device cpu)"
+            f"{have}; pass --nproc-per-node {have} or fewer (or run on CPU with --device cpu)"
         )
 
 
@@ -339,9 +348,10 @@ def torchrun_command(nproc_per_node: int, argv: Sequence[str], *, module: str = 
     ]
 
 
-def run_under_torchrun(nproc_per_node: int, argv: Sequence[str]) -> int:
-    """Run ``causalkv <argv>`` on ``nproc_per_node`` local ranks; torchrun's exit status.
+def run_under_torchrun(nproc_per_node: int, argv: Sequence[str], **supervise: Any) -> int:
+    """Run ``causalkv <argv>`` on ``nproc_per_node`` local ranks, supervised
+    (`causalkv.runtime.launch.run_supervised`: one line for the job, no rank left behind);
+    the job's exit status. ``supervise``: `run_supervised`'s keyword arguments."""
+    from causalkv.runtime.launch import run_supervised
 
-    torchrun stops every rank as soon as one fails and exits non-zero.
-    """
-    return subprocess.call(torchrun_command(nproc_per_node, argv))
+    return run_supervised(torchrun_command(nproc_per_node, argv), nproc=nproc_per_node, **supervise)

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from causalkv.caches.qvg.packed import MIN_TOKENS_PER_CENTROID, centroids_for
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
 from causalkv.runtime.checks import check_before_load
 from causalkv.runtime.loading import Components, load_components, load_vae
 from causalkv.runtime.model_config import ModelInfo, load_model_info
-from causalkv.runtime.outputs import keep_latents, save_latents, write_json_atomic
+from causalkv.runtime.outputs import OutputLog, keep_latents, save_latents, write_json_atomic
 from causalkv.runtime.plugin_faults import ObserverHook, configure_stage_checked
 from causalkv.runtime.presets import materialize_preset
 from causalkv.stages.base import CausalDenoisingStage, ForwardRecord, StreamSettings
@@ -503,6 +504,20 @@ def describe_plan(plan: Plan) -> list[str]:
         f"cache: {res.cache_factory.name} (kv-cache-quant {quant.describe()})",
         *(f"  - {line}" for line in res.reasons),
     ]
+    if quant.enabled:
+        span = s.tokens_per_chunk * quant.span_chunks
+        sink = s.sink_frames * s.tokens_per_frame
+        whole_sink = (
+            f"; the whole sink ({sink:,} tokens) {centroids_for(sink, quant.centroids)}"
+            if quant.sink and quant.sink_span == "full" and sink else ""
+        )
+        lines.append(
+            f"  - centroids: {centroids_for(span, quant.centroids)} per packed span of {span:,} "
+            f"tokens{whole_sink} (at most {quant.centroids}; a span of S tokens gets min("
+            f"{quant.centroids}, 2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost "
+            "at most half a bit per element; metrics kv_packing.centroids counts the chunks by "
+            "centroids used)"
+        )
     lines.append(
         f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
         f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "
@@ -526,15 +541,18 @@ def generate(
     log: Callable[[str], None] | None = None,
     on_plan: Callable[[Plan], None] | None = None,
     on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_written: Callable[[Path], None] | None = None,
 ) -> tuple[dict[str, Any], GenerationRun]:
     """Plan, load and run, optionally compare with an unquantized run, write, report.
 
     Returns ``(metrics, run)``. ``log`` receives the human-readable lines (stage, cache,
     reasons, where the video went); ``on_plan`` the validated plan, ``on_chunk_done`` each
-    chunk of the main run (the command line counts them for its interruption message). With
-    ``options.save_latents`` the latents are saved after the run; with ``options.metrics``
-    the metrics JSON is written last (atomically). On a sequence-parallel run only rank 0
-    logs and writes files.
+    chunk of the main run (the command line counts them for its interruption message),
+    ``on_written`` each output file once it is complete. With ``options.save_latents`` the
+    latents are saved after the run; with ``options.metrics`` the metrics JSON is written
+    last (atomically). The first output that fails stops the run with `OutputWriteError`
+    naming the files already written, which are kept (`causalkv.runtime.outputs.OutputLog`).
+    On a sequence-parallel run only rank 0 logs and writes files.
     """
     from causalkv.plugin import get_plugin_manager
 
@@ -561,9 +579,6 @@ def generate(
     finally:
         bar.close()
     metrics = run_report(plan, run)
-    if options.save_latents is not None and _is_main_rank():
-        metrics["latents"] = str(save_latents(options.save_latents, run.latents, latents_metadata(plan)))
-        say(f"latents: {metrics['latents']}")
     if options.compare_bf16:
         say("reference run: kv-cache-quant off, same seed")
         metrics.update(compare_unquantized(plan, run, pm=pm))
@@ -574,11 +589,18 @@ def generate(
             + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
             f"{metrics['reference_kv_resident_bytes_max']:,}"
         )
+    outputs = OutputLog(on_written)  # after every run: no generation can fail once a file is written
+    if options.save_latents is not None and _is_main_rank():
+        path = options.save_latents
+        metrics["latents"] = str(outputs.write(
+            "--save-latents", path, lambda: save_latents(path, run.latents, latents_metadata(plan))
+        ))
+        say(f"latents: {metrics['latents']}")
     if options.output is not None and _is_main_rank():
-        metrics.update(write_outputs(plan, run, options.output, pm=pm))
+        metrics.update(outputs.write("--output", options.output, lambda: write_outputs(plan, run, options.output, pm=pm)))
         w, h = metrics["video_size"][1], metrics["video_size"][0]
         say(f"wrote {metrics['output']} ({metrics['video_frames']} frames, {w}x{h})")
     metrics["seconds_total"] = time.perf_counter() - t_start
     if options.metrics is not None and _is_main_rank():
-        write_json_atomic(options.metrics, metrics)
+        outputs.write("--metrics", options.metrics, lambda: write_json_atomic(options.metrics, metrics))
     return metrics, run

@@ -26,6 +26,7 @@ from causalkv.runtime.text import PromptEncoder
 
 __all__ = [
     "Components",
+    "LoadMemoryError",
     "cast_keeping_fp32_modules",
     "load_components",
     "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype",
@@ -79,12 +80,12 @@ def load_wan_transformer(
     if cls is None:
         from diffusers import WanTransformer3DModel as cls
     if _has_accelerate():
-        return cls.from_pretrained(path, torch_dtype=dtype)
+        return cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
     keep = cls.__dict__.get("_keep_in_fp32_modules", _MISSING)
     declared = getattr(cls, "_keep_in_fp32_modules", None)
     cls._keep_in_fp32_modules = None
     try:
-        model = cls.from_pretrained(path, torch_dtype=torch.float32, low_cpu_mem_usage=False)
+        model = cls.from_pretrained(path, torch_dtype=torch.float32, low_cpu_mem_usage=False, local_files_only=True)
     finally:
         if keep is _MISSING:
             del cls._keep_in_fp32_modules
@@ -127,18 +128,38 @@ def _all_weights_loaded(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class LoadMemoryError(CausalKVError, MemoryError):
+    """A component ran out of memory while it loaded (exit status 1: the files are fine)."""
+
+    exit_code = 1
+
+
+_OOM_TEXT = ("can't allocate memory", "not enough memory", "out of memory", "cannot allocate memory")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+    )
+
+
 @contextmanager
 def reading_component(folder: Path, component: str, *, preset: str | None = None) -> Iterator[None]:
     """Turn a failure to read ``folder/component`` (corrupt config or weights, missing file,
-    unreadable tokenizer) into a one-line `ModelFolderError` with the fix. Out-of-memory
-    errors and causalkv's own errors pass through unchanged."""
+    unreadable tokenizer) into a one-line `ModelFolderError` with the fix, and running out of
+    memory into `LoadMemoryError` (not a corrupt file). causalkv's own errors pass through."""
     try:
         yield
-    except (MemoryError, torch.OutOfMemoryError, CausalKVError):
+    except CausalKVError:
         raise
     except Exception as exc:  # noqa: BLE001 - what from_pretrained raises varies by library
         lines = str(exc).strip().splitlines()
         what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        if _is_out_of_memory(exc):
+            raise LoadMemoryError(
+                f"loading {component} from {str(folder / component)!r} ran out of memory ({what}); "
+                "free memory, load in a smaller --dtype, or use a smaller model"
+            ) from exc
         fix = (
             f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"
             if preset is not None
@@ -176,11 +197,11 @@ def load_components(
     model = model.to(dev).eval()
     with reading_component(folder, "text_encoder", preset=info.preset):
         text_encoder = _all_weights_loaded(
-            UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype)
+            UMT5EncoderModel.from_pretrained(folder / "text_encoder", dtype=torch_dtype, local_files_only=True)
         )
     text_encoder = text_encoder.to(dev).eval()
     with reading_component(folder, "tokenizer", preset=info.preset):
-        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
     prompt_encoder = PromptEncoder(
         tokenizer, text_encoder, max_length=info.text_max_length, device=dev, dtype=torch_dtype
     )
@@ -201,6 +222,7 @@ def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
 
     with reading_component(Path(folder), "vae"):
         vae = _all_weights_loaded(AutoencoderKLWan.from_pretrained(
-            Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate()
+            Path(folder) / "vae", torch_dtype=torch.float32, low_cpu_mem_usage=_has_accelerate(),
+            local_files_only=True,
         ))
     return vae.to(device).eval()

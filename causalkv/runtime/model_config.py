@@ -16,7 +16,8 @@ input is refused in milliseconds.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,15 @@ from causalkv.errors import CausalKVError
 
 __all__ = [
     "CAUSALKV_FILE",
-        "REQUIRED_FILES",
+    "REQUIRED_FILES",
     "ModelFolderError",
     "ModelInfo",
+    "check_stream_values",
+    "is_loadable_model",
     "load_model_info",
+    "model_head_dim",
     "model_info_from_dicts",
+    "preset_choices",
 ]
 
 #: the causalkv settings file inside a model folder
@@ -78,6 +83,108 @@ SGLANG_KEYS = {
     "realtime_causal_sink_size": "sink_frames",
     "realtime_causal_kv_cache_num_frames": "window_frames",
 }
+
+#: int keys and their minimum (None allowed for the optional ones)
+_INT_KEYS = {
+    "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1, "still_chunks": 1,
+    "height": 1, "width": 1, "text_max_length": 1, "default_frames": 1, "fps": 1,
+    "rope_offset_frames_per_shot": 0,
+}
+_OPTIONAL_INT_KEYS = {
+    "global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0,
+    "moving_window_frames": 0, "still_window_frames": 0,
+}
+#: number keys: (lowest, highest, lowest excluded)
+_NUMBER_KEYS = {
+    "shift": (0.0, math.inf, True),
+    "context_noise": (0.0, 1000.0, False),
+    "guidance_scale": (0.0, math.inf, False),
+}
+#: the flow-matching timesteps are sigmas x 1000
+MAX_TIMESTEP = 1000.0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _value_problem(key: str, v: Any) -> str | None:
+    """What is wrong with ``causalkv.json``'s ``key = v`` (None: nothing)."""
+    if key in _INT_KEYS or (key in _OPTIONAL_INT_KEYS and v is not None):
+        lo = _INT_KEYS.get(key, _OPTIONAL_INT_KEYS.get(key, 0))
+        if not _is_int(v) or v < lo:
+            what = "a positive int" if lo == 1 else f"an int >= {lo}"
+            return f"must be {what}" + (" or null" if key in _OPTIONAL_INT_KEYS else "")
+    elif key in _NUMBER_KEYS:
+        lo, hi, open_lo = _NUMBER_KEYS[key]
+        if not _is_number(v) or v < lo or (open_lo and v == lo) or v > hi:
+            bound = f"> {lo:g}" if open_lo else f">= {lo:g}"
+            return f"must be a finite number {bound}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
+    elif key == "timesteps":
+        ok = isinstance(v, list) and v and all(_is_number(t) and 0 < t <= MAX_TIMESTEP for t in v)
+        if not ok:
+            return f"must be a non-empty list of numbers in (0, {MAX_TIMESTEP:g}]"
+        if any(b >= a for a, b in zip(v, v[1:])):
+            return "must be strictly decreasing (the noise level falls at every step)"
+    elif key == "negative_prompt":
+        if not isinstance(v, str):
+            return "must be text"
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must be valid UTF-8 text"
+    return None
+
+
+def check_stream_values(values: Mapping[str, Any], origin: Callable[[str], tuple[str, str]]) -> None:
+    """Refuse a stream setting of the wrong type or range (`ModelFolderError`).
+
+    ``origin(key)`` is ``(where the value came from, how to fix it)`` for the message:
+    e.g. ``("/m/causalkv.json", "fix it in /m/causalkv.json")``.
+    """
+    for key, value in values.items():
+        problem = _value_problem(key, value)
+        if problem is not None:
+            where, fix = origin(key)
+            raise ModelFolderError(f"{where}: {key} {problem}, got {value!r}; {fix}")
+
+
+def _check_model_json(where: str, transformer: Mapping[str, Any], vae: Mapping[str, Any]) -> None:
+    """The transformer and VAE config fields causalkv reads, by type and range."""
+    fix = "restore the file (re-download or re-convert the model)"
+    patch = transformer.get("patch_size", [1, 2, 2])
+    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(_is_int(p) and p > 0 for p in patch)):
+        raise ModelFolderError(f"{where}/transformer/config.json: patch_size must be 3 positive ints, got {patch!r}; {fix}")
+    for key in ("num_layers", "num_attention_heads", "attention_head_dim"):
+        if key not in transformer:
+            raise ModelFolderError(f"{where}: transformer/config.json lacks a field: {key!r}; {fix}")
+    for key in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "rope_max_seq_len"):
+        v = transformer.get(key, 1)
+        if not _is_int(v) or v < 1:
+            raise ModelFolderError(f"{where}/transformer/config.json: {key} must be a positive int, got {v!r}; {fix}")
+    for key in ("scale_factor_spatial", "scale_factor_temporal"):
+        v = vae.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise ModelFolderError(f"{where}/vae/config.json: {key} must be a positive int, got {v!r}; {fix}")
+    for key in ("dim_mult", "temperal_downsample"):
+        v = vae.get(key, [])
+        if not isinstance(v, list):
+            raise ModelFolderError(f"{where}/vae/config.json: {key} must be a list, got {v!r}; {fix}")
+
+
+def preset_choices(presets: Iterable[str]) -> str:
+    """``"choose one of: a, b"``, or why there is nothing to choose."""
+    names = list(presets)
+    if names:
+        return f"choose one of: {', '.join(names)}"
+    return (
+        "no preset is registered: the plugins that declare presets are blocked or not "
+        "installed (the built-in one is causalkv.builtin; causalkv plugins lists what loaded)"
+    )
 
 
 
@@ -139,10 +246,19 @@ class ModelInfo:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; `ModelFolderError` for anything else."""
+    fix = "restore the file (re-download or re-convert the model)"
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelFolderError(f"{path} is not valid JSON: {exc}") from None
+        raise ModelFolderError(f"{path} is not valid JSON: {exc}; {fix}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFolderError(f"cannot read {path} ({type(exc).__name__}: {exc}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise ModelFolderError(
+            f"{path} must hold a JSON object ({{...}}), it holds a {type(obj).__name__}; {fix}"
+        )
+    return obj
 
 
 def model_info_from_dicts(
@@ -184,6 +300,18 @@ def model_info_from_dicts(
             "with frames_per_chunk, sink_frames and window_frames"
         )
     s = {**_STREAM_DEFAULTS, **(defaults or {}), **user}
+
+    def origin(key: str) -> tuple[str, str]:
+        if key in user and preset is not None:
+            return f"preset {preset!r}", "fix the preset's settings in the plugin that declares it"
+        if key in user:
+            f = f"{where}/{CAUSALKV_FILE}" if path is not None else CAUSALKV_FILE
+            return f, f"fix it in {f}"
+        return (f"the defaults of the stage serving {model_class!r}",
+                f"set {key} in {CAUSALKV_FILE}, or fix the plugin that declares the defaults")
+
+    check_stream_values(s, origin)
+    _check_model_json(where, transformer, vae)
     for key, target in SGLANG_KEYS.items():
         value = s[key]
         if value is None:
@@ -293,6 +421,30 @@ def read_model_folder(path: str | Path, *, pm: Any = None) -> ModelInfo:
     )
 
 
+def model_head_dim(model: str | Path, *, pm: Any = None) -> int | None:
+    """The attention ``head_dim`` of a preset or a model folder (its transformer config, JSON
+    only); None for a bare model name or a folder without a readable transformer config."""
+    from causalkv.runtime.presets import preset_transformer_config
+
+    name = str(model)
+    if name in _registry(pm).presets():
+        value = preset_transformer_config(name, pm=pm).get("attention_head_dim")
+    else:
+        folder = Path(name).expanduser()
+        if folder.is_file() and folder.name == "model_index.json":
+            folder = folder.parent
+        cfg = folder / "transformer" / "config.json"
+        if not cfg.is_file():
+            return None
+        value = _read_json(cfg).get("attention_head_dim")
+    return value if _is_int(value) and value > 0 else None
+
+
+def is_loadable_model(model: str | Path, *, pm: Any = None) -> bool:
+    """True for a preset name or an existing path (what ``causalkv generate --model`` loads)."""
+    return str(model) in _registry(pm).presets() or Path(str(model)).expanduser().exists()
+
+
 def load_model_info(model: str | Path, *, pm: Any = None) -> ModelInfo:
     """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
 
@@ -308,7 +460,17 @@ def load_model_info(model: str | Path, *, pm: Any = None) -> ModelInfo:
     folder = Path(name).expanduser()
     if folder.exists():
         return read_model_folder(folder, pm=pm)
+    registry = _registry(pm)
+    serving = registry.serving(name)
+    if serving:  # a name resolution matches (causalkv resolve accepts it) but nothing to load
+        raise ModelFolderError(
+            f"model {name!r} is a name stage {serving[0].name!r} (plugin {serving[0].plugin!r}) "
+            "serves, but no plugin declares a preset of that name and there is no such folder, "
+            f"so there are no weights to load; pass --model a model folder whose "
+            f"model_index.json _class_name stage {serving[0].name!r} serves, or a preset "
+            f"({preset_choices(presets)})"
+        )
     raise ModelFolderError(
-        f"unknown model {name!r}: not a preset (choose one of: {', '.join(presets)}) and not a "
+        f"unknown model {name!r}: not a preset ({preset_choices(presets)}) and not a "
         "model folder; pass --model PRESET or --model /path/to/diffusers-wan-folder"
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from causalkv.errors import CausalKVError
 
 __all__ = [
     "LATENTS_KEY",
+    "OutputLog",
     "OutputWriteError",
     "atomic_write",
     "keep_latents",
@@ -40,17 +42,22 @@ __all__ = [
 LATENTS_KEY = "latents"
 
 
-def _temporary_sibling(path: Path) -> Path:
+def _temporary_sibling(path: Path) -> tuple[Path, int]:
     """A new, empty, hidden file in ``path``'s folder that keeps ``path``'s suffix (encoders
-    choose the container from it). Created with ``O_EXCL`` and the umask's permissions."""
+    choose the container from it), and its permission bits. Created with ``O_EXCL`` and mode
+    ``0o666`` less the umask, so the bits are the umask's (read back, not computed: reading
+    the umask means changing it)."""
     while True:
         tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.partial{path.suffix}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
-        os.close(fd)
-        return tmp
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+        return tmp, mode
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -58,15 +65,18 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
 
     ``write`` receives a temporary path in the destination folder with the destination's
     suffix and must leave the complete content there. Missing parent folders are created.
-    On any failure (``KeyboardInterrupt`` included) the temporary file is removed, the
-    exception propagates and an existing ``path`` is left as it was.
+    The file gets the permissions the umask gives a new file (``0o666`` less the umask),
+    whatever mode ``write`` created it with (safetensors writes ``0o600``). On any failure
+    (``KeyboardInterrupt`` included) the temporary file is removed, the exception propagates
+    and an existing ``path`` is left as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_sibling(path)
+    tmp, mode = _temporary_sibling(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:  # the content reaches the disk before the rename
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -120,6 +130,50 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+class OutputLog:
+    """The files one run has written, in order, and the rule when a later one fails.
+
+    The outputs of a finished generation are written one after the other (``causalkv
+    generate``: ``--save-latents``, ``--output``, ``--metrics``). The first that fails stops
+    the run; every file already written stays (each is complete) and the `OutputWriteError`
+    names them, as it names the latents kept for a video that could not be encoded.
+
+    Attributes:
+        files: ``(flag, path)`` of each file written so far.
+    """
+
+    def __init__(self, on_written: Callable[[Path], None] | None = None) -> None:
+        self.files: list[tuple[str, Path]] = []
+        self.on_written = on_written
+
+    def kept(self) -> str:
+        """What the failure line says about the files already written."""
+        if not self.files:
+            return "nothing was written"
+        names = ", ".join(f"{str(p)!r} ({flag})" for flag, p in self.files)
+        return f"the files written before it are kept: {names}"
+
+    def write(self, flag: str, path: str | Path, write: Callable[[], Any]) -> Any:
+        """``write()`` the output ``path`` (of ``flag``); record it, or raise `OutputWriteError`
+        naming ``path``, the cause and the files kept. ``write`` returns ``path`` or a mapping
+        (the video's metrics, ``"output"`` its path)."""
+        try:
+            result = write()
+        except OutputWriteError as exc:  # the video: it kept the latents itself
+            also = f"; {self.kept()}" if self.files else ""
+            raise OutputWriteError(f"{exc}{also}", exit_code=exc.exit_code, kept=exc.kept) from exc
+        except Exception as exc:  # noqa: BLE001 - any failure of a write is reported, named
+            code = int(getattr(exc, "exit_code", 1)) if isinstance(exc, CausalKVError) else 1
+            raise OutputWriteError(
+                f"could not write {str(path)!r} ({_describe(exc)}); {self.kept()}", exit_code=code
+            ) from exc
+        written = Path(result["output"]) if isinstance(result, Mapping) else Path(str(result))
+        self.files.append((flag, written))
+        if self.on_written is not None:
+            self.on_written(written)
+        return result
+
+
 def keep_latents(
     output: str | Path, latents: torch.Tensor, cause: BaseException, *, metadata: Mapping[str, Any] | None = None
 ) -> OutputWriteError:
@@ -136,7 +190,7 @@ def keep_latents(
     return OutputWriteError(
         f"could not write {str(output)!r} ({_describe(cause)}); the generated latents are kept in "
         f"{str(kept)!r}",
-        exit_code=2 if isinstance(cause, CausalKVError) else 1,
+        exit_code=int(getattr(cause, "exit_code", 2)) if isinstance(cause, CausalKVError) else 1,
         kept=kept,
     )
 

@@ -33,6 +33,7 @@ from causalkv.runtime.model_config import (
     ModelFolderError,
     ModelInfo,
     model_info_from_dicts,
+    preset_choices,
 )
 from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE, build_byte_tokenizer
 
@@ -181,7 +182,7 @@ def _get(name: str, pm: Any = None) -> _Resolved:
 
     presets = collect(pm if pm is not None else get_plugin_manager()).presets()
     if name not in presets:
-        raise ModelFolderError(f"unknown preset {name!r}; choose one of: {', '.join(presets)}")
+        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
     entry, preset = presets[name]
     reg = entry.registration
     return _Resolved(preset, reg.models[0], reg.defaults)

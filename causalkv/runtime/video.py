@@ -1,15 +1,19 @@
 """Decoding latents with the Wan VAE and writing the video (``.mp4`` or ``.gif``).
 
 The container is chosen by the output's suffix among the formats an installed encoder can
-write (`video_formats`): ``.mp4`` (H.264 through imageio + imageio-ffmpeg's bundled ffmpeg)
-and ``.gif`` (Pillow). Any other suffix is refused before generation (`check_video_suffix`);
-nothing falls back to a file the user did not name. Files are written atomically
-(`causalkv.runtime.outputs.atomic_write`).
+write (`video_formats`): ``.mp4`` (H.264 through imageio-ffmpeg's ffmpeg) and ``.gif``
+(Pillow). Any other suffix is refused before generation (`check_video_suffix`); nothing falls
+back to a file the user did not name. Files are written atomically
+(`causalkv.runtime.outputs.atomic_write`) and read back before the rename: a file that does
+not decode to every frame is never renamed into place (`EncoderError`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, EncoderError
 from causalkv.runtime.outputs import atomic_write
 
 __all__ = ["check_video_suffix", "decode_latents", "video_formats", "write_video"]
@@ -41,21 +45,71 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> np.ndarray:
     return frames.permute(1, 2, 3, 0).cpu().numpy()
 
 
+#: libx264 constant rate factor: imageio's default quality 5 of 10 ((1 - 5/10) * 51)
+MP4_CRF = 25.5
+
+
+def _ffmpeg_error(stderr: str, rc: int | None = None) -> str:
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    if rc is not None and rc < 0:
+        try:
+            status = f"ffmpeg was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            status = f"ffmpeg was killed by signal {-rc}"
+    elif rc:
+        status = f"ffmpeg exited with status {rc}"
+    else:
+        status = "ffmpeg reported an error"
+    return f"{status}: {lines[-1]}" if lines else status
+
+
 def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    import imageio.v2 as imageio
+    """H.264 in an mp4 container through imageio-ffmpeg's ffmpeg (``IMAGEIO_FFMPEG_EXE`` or
+    the bundled one), then read back: any error ffmpeg reports (its exit status, or an error
+    line such as "Error writing trailer", which older ffmpeg versions report with status 0)
+    or a file that does not decode to every frame raises `EncoderError`."""
+    import imageio_ffmpeg
 
     t, h, w, _ = frames.shape
     if h % 2 or w % 2:
         frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    with imageio.get_writer(
-        str(path), format="FFMPEG", mode="I", fps=fps, codec="libx264",
-        pixelformat="yuv420p", macro_block_size=1, ffmpeg_log_level="error",
-    ) as writer:
-        for frame in frames:
-            writer.append_data(frame)
+        t, h, w, _ = frames.shape
+    cmd = [
+        imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo",
+        "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", f"{fps:.02f}", "-i", "-",
+        "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(MP4_CRF),
+        "-v", "error", "-xerror", "-f", "mp4", str(path),
+    ]
+    with tempfile.TemporaryFile() as log:
+        # its own session: a Ctrl-C reaches this process, which stops ffmpeg itself
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                                start_new_session=True)
+        try:
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(np.ascontiguousarray(frames, dtype=np.uint8).tobytes())
+                proc.stdin.close()
+            except BrokenPipeError:  # ffmpeg died: its status and log say why
+                pass
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        log.seek(0)
+        stderr = log.read().decode("utf-8", "replace")
+    if rc != 0 or stderr.strip():
+        raise EncoderError(_ffmpeg_error(stderr, rc))
+    try:
+        decoded, _secs = imageio_ffmpeg.count_frames_and_secs(str(path))
+    except RuntimeError as exc:
+        raise EncoderError(f"the file ffmpeg wrote does not decode ({_ffmpeg_error(str(exc))})") from None
+    if decoded != t:
+        raise EncoderError(f"the file ffmpeg wrote decodes to {decoded} of its {t} frames")
 
 
 def _write_gif(frames: np.ndarray, path: Path, fps: int) -> None:
+    """An animated GIF through Pillow, then read back (every frame must decode)."""
     from PIL import Image
 
     images = [Image.fromarray(f) for f in frames]
@@ -63,6 +117,13 @@ def _write_gif(frames: np.ndarray, path: Path, fps: int) -> None:
         path, format="GIF", save_all=True, append_images=images[1:],
         duration=max(1, round(1000 / fps)), loop=0,
     )
+    try:
+        with Image.open(path) as im:
+            decoded = im.n_frames
+    except (OSError, ValueError) as exc:
+        raise EncoderError(f"the GIF Pillow wrote does not decode ({type(exc).__name__}: {exc})") from None
+    if decoded != len(images):
+        raise EncoderError(f"the GIF Pillow wrote decodes to {decoded} of its {len(images)} frames")
 
 
 def _has(*modules: str) -> bool:
@@ -72,7 +133,7 @@ def _has(*modules: str) -> bool:
 def _ffmpeg_ready() -> bool:
     """True when imageio-ffmpeg finds an ffmpeg executable (bundled, ``IMAGEIO_FFMPEG_EXE`` or
     on ``PATH``)."""
-    if not _has("imageio", "imageio_ffmpeg"):
+    if not _has("imageio_ffmpeg"):
         return False
     import imageio_ffmpeg
 
@@ -113,8 +174,10 @@ def write_video(frames: np.ndarray, path: str | Path, *, fps: int = 16) -> Path:
     """Write uint8 frames ``[T, H, W, 3]`` to ``path`` atomically; returns ``path``.
 
     The suffix picks the encoder (`video_formats`; ``.mp4`` frames are padded to even
-    sizes). An unsupported suffix raises `ConfigError` before anything is written; an
-    encoder failure leaves no file behind (an existing ``path`` is kept as it was).
+    sizes). An unsupported suffix raises `ConfigError` before anything is written. The file
+    is read back before it is renamed into place: an encoder failure, or a file that does not
+    decode to every frame, raises `EncoderError` and leaves no file behind (an existing
+    ``path`` is kept as it was).
     """
     path = Path(path)
     writer = _FORMATS[check_video_suffix(path)][2]

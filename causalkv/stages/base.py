@@ -35,7 +35,7 @@ from causalkv.caches.spec import (
     KVCacheSpec,
 )
 from causalkv.config import check_prompts
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, NonFiniteLatentsError, check_int
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
@@ -282,6 +282,34 @@ class CausalDenoisingStage:
     @classmethod
     def supports_multi_shot(cls) -> bool:
         return False
+
+    @classmethod
+    def supports_guidance(cls) -> bool:
+        """Does this stage run classifier-free guidance (a negative branch)? False here."""
+        return False
+
+    @classmethod
+    def check_guidance(cls, asked: Mapping[str, object], *, guidance_scale: float, stage_name: str) -> None:
+        """Refuse CFG settings that would do nothing (`ConfigError`, naming the stage and the
+        setting). ``asked``: the setting (a flag, or a key of the model's config) -> its value,
+        for each the request or the model sets; ``guidance_scale`` the effective scale.
+
+        Here (no CFG) every one is refused; a CFG stage refuses a negative prompt while the
+        guidance is off (scale <= 1)."""
+        if not asked:
+            return
+        if not cls.supports_guidance():
+            raise ConfigError(
+                f"{' and '.join(asked)} set(s) classifier-free guidance, which stage "
+                f"{stage_name!r} ({cls.__name__}) does not run; drop {'them' if len(asked) > 1 else 'it'} "
+                "or pick a stage with CFG (LongLive 2.0)"
+            )
+        negative = [k for k in asked if "negative" in k]
+        if negative and guidance_scale <= 1.0:
+            raise ConfigError(
+                f"{negative[0]} is used by the negative CFG branch, which is off at guidance scale "
+                f"{guidance_scale:g} on stage {stage_name!r}; pass --guidance-scale > 1 or drop it"
+            )
 
     @classmethod
     def required_cache_features(
@@ -630,6 +658,24 @@ class CausalDenoisingStage:
                 x = (1.0 - s_next) * x0 + s_next * self._noise_like(x0, generator)
         return x0
 
+    def check_finite(self, x0: torch.Tensor, chunk_index: int, num_chunks: int) -> None:
+        """`NonFiniteLatentsError` when chunk ``chunk_index``'s clean latents hold NaN or inf
+        (one host sync per chunk): the run stops there instead of writing a black video."""
+        if bool(torch.isfinite(x0).all()):
+            return
+        bad = int((~torch.isfinite(x0)).sum())
+        hint = (
+            f"lower --guidance-scale (it is {self.server_args.guidance_scale:g})"
+            if self.num_branches() > 1
+            else "check the model's timesteps, shift and weights"
+        )
+        raise NonFiniteLatentsError(
+            f"the latents of chunk {chunk_index} (0-based, of {num_chunks}) are not finite ({bad:,} of "
+            f"{x0.numel():,} values are NaN or inf); the run stops and nothing is written; {hint}"
+            + (", or compute in --dtype float32" if self.denoiser.dtype != torch.float32 else ""),
+            chunk=chunk_index, num_chunks=num_chunks,
+        )
+
     @torch.no_grad()
     def generate(
         self,
@@ -663,6 +709,7 @@ class CausalDenoisingStage:
             rope_f0 = f0 + self.rope_frame_offset(i, prompt)
             x = noise[:, :, f0 : f0 + fpc].float()
             x0 = self.denoise_chunk(i, prompt, x, token_start, rope_f0, generator=generator, on_forward=on_forward)
+            self.check_finite(x0, i, len(chunk_prompts))
             out[:, :, f0 : f0 + fpc] = x0
             ctx_in = x0
             if self.context_noise > 0:

@@ -198,6 +198,10 @@ class LongLive2Stage(CausalDenoisingStage):
         return True
 
     @classmethod
+    def supports_guidance(cls) -> bool:
+        return True
+
+    @classmethod
     def make_scheduler(cls, model: ModelConfig) -> Any:
         """diffusers ``UniPCMultistepScheduler`` set up as the seed runtime's flow UniPC
         (see the module docstring)."""
@@ -230,6 +234,12 @@ class LongLive2Stage(CausalDenoisingStage):
         ``server_args.shots``, as a `ShotPlan` (a list of chunk prompts with its layout)."""
         cls.check_request_fields(server_args, num_chunks)
         shots = server_args.shots
+        if len(check_prompts(prompts)) == 1 and not shots.is_default:
+            raise ConfigError(
+                "shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
+                "--no-multi-shot-sink, --multi-shot-rope-offset) shape a multi-shot request, and "
+                "this one has a single shot; drop them or pass one --prompt per shot"
+            )
         return ShotPlan(
             expand_shots(
                 prompts,
