@@ -1,4 +1,11 @@
-"""``causalkv generate``: streaming chunk-by-chunk video generation on a preset or a folder."""
+"""``causalkv generate``: streaming chunk-by-chunk video generation on a preset or a folder.
+
+The command line is the host's flags (model, prompts, frames, seed, dtype, device, stream
+overrides, sharding, cache choice, outputs) plus, in one ``--help`` group per record, the
+flags every registered stage family and cache declares (`causalkv.options`: LongLive 2.0's
+shot flags, LingBot-World's ``--motion``, the QVG cache's ``--kv-cache-quant*``), read from
+the plugin registry (`add_extension_args`); this module names no family and no cache.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +14,101 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from causalkv import quant_config as qvg_args
-from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, DTYPES, ServerArgs, ShotRequest, parse_motion
+from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError
+from causalkv.options import Options
 
 __all__ = [
+    "add_extension_args",
     "add_generate_args",
     "add_request_args",
     "compare_table",
+    "extension_records",
     "options_from_args",
     "register",
     "run_generate",
 ]
 
+#: the namespace attributes `add_extension_args` sets: the records whose flags it added, and
+#: the flags it could not add (a clash), reported when the command runs
+_RECORDS, _PROBLEMS = "_causalkv_option_records", "_causalkv_option_problems"
 
-def _preset_names() -> str:
+
+def _registry() -> Any:
+    """The process-wide plugin manager's registry, or None on a plugin conflict (which
+    `generate` reports when it runs)."""
     from causalkv.plugin import collect, get_plugin_manager
 
     try:
-        return ", ".join(collect(get_plugin_manager()).presets())
-    except CausalKVError:  # a plugin conflict: `generate` reports it when it runs
-        return "see causalkv plugins"
+        return collect(get_plugin_manager())
+    except CausalKVError:
+        return None
 
 
-def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``generate`` flags (model, prompts, frames, stream overrides, QVG, output)."""
+def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
+    """Each option record the registry's stages and caches declare -> its owners
+    (``"stage longlive2"``, ``"cache qvg"``), in registration order."""
+    out: dict[type[Options], list[str]] = {}
+    for e in registry.stages:
+        try:
+            record = e.registration.options_record()
+        except (ImportError, TypeError):  # a broken stage: it fails when it is chosen
+            continue
+        if record is not None:
+            out.setdefault(record, []).append(f"stage {e.name}")
+    for e in registry.caches:
+        if e.factory.options is not None:
+            out.setdefault(e.factory.options, []).append(f"cache {e.name}")
+    return out
+
+
+def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
+    """Add the flags of every option record the registry's stages and caches declare, one
+    group per record titled with the record and its owners. A record whose flag is taken
+    already is left out and named when the command runs (`extension_records`)."""
+    records: list[type[Options]] = []
+    problems: list[str] = []
+    taken = dict.fromkeys(parser._option_string_actions, "causalkv generate")
+    for record, owners in (_owned_records(registry) if registry is not None else {}).items():
+        clash = [f for f in record.flags() if f in taken]
+        if clash:
+            problems.append(
+                f"{clash[0]} of {', '.join(owners)} ({record.title}) is taken by {taken[clash[0]]}; "
+                "rename one of them in its plugin, or block one with CAUSALKV_DISABLE_PLUGINS"
+            )
+            continue
+        record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
+        taken.update(dict.fromkeys(record.flags(), ", ".join(owners)))
+        records.append(record)
+    parser.set_defaults(**{_RECORDS: tuple(records), _PROBLEMS: tuple(problems)})
+    return parser
+
+
+def extension_records(args: argparse.Namespace) -> list[Options]:
+    """The option records the parsed flags give (validated; `ConfigError` naming the flag),
+    one per record with at least one flag typed."""
+    problems = getattr(args, _PROBLEMS, ())
+    if problems:
+        raise ConfigError(problems[0])
+    out = []
+    for record in getattr(args, _RECORDS, ()):
+        given = record.given_in(args)
+        if given:
+            out.append(record(**given))
+    return out
+
+
+def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -> argparse.ArgumentParser:
+    """The ``generate`` flags: the host's, then the extensions' (`add_extension_args`, from
+    ``registry``; default: the process-wide plugin manager's)."""
     from causalkv.runtime.generate import DEFAULT_PROMPT
 
+    if registry is ...:
+        registry = _registry()
+    presets = ", ".join(registry.presets()) if registry is not None else "see causalkv plugins"
     parser.add_argument(
         "--model", default="tiny-wan",
-        help=f"preset ({_preset_names()}) or a diffusers-format Wan folder "
+        help=f"preset ({presets}) or a diffusers-format Wan folder "
         "(default: tiny-wan; preset weights are random)",
     )
     parser.add_argument(
@@ -44,7 +116,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="prompt of one shot; repeat for several shots (frames split evenly, shots after "
         f"the first are scene cuts). Default: {DEFAULT_PROMPT!r}",
     )
-    add_request_args(parser)
+    parser.add_argument(
+        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
+        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
+    )
     parser.add_argument("--negative-prompt", default=None, help="negative CFG prompt (model default)")
     parser.add_argument("--frames", type=int, default=None,
                         help="latent frames, a multiple of the model's frames per chunk "
@@ -65,7 +140,6 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="classifier-free guidance scale (LongLive 2.0; model default)")
     parser.add_argument("--stage", default=None, help="force a stage by registration name")
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
-    qvg_args.add_cli_args(parser)
     parser.add_argument("--output", default=None, metavar="FILE",
                         help=f"video file; the installed encoders write {_video_formats()} "
                         "(default: out/<model>.mp4). Written atomically; if it cannot be written "
@@ -87,7 +161,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="sequence parallel on N local processes (torchrun; gloo on CPU, "
                         "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
                         "from torchrun and N, if given, must match its --nproc-per-node")
-    return parser
+    return add_extension_args(parser, registry)
 
 
 def _video_formats() -> str:
@@ -95,51 +169,9 @@ def _video_formats() -> str:
 
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
 def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The shot flags (LongLive 2.0) and the motion signal (LingBot-World)."""
-    parser.add_argument(
-        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
-        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
-    )
-    parser.add_argument(
-        "--shot-durations", default=None, metavar="N,N,...",
-        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
-        "count; chunks left over go to the last shot)",
-    )
-    parser.add_argument(
-        "--chunks-per-shot", type=int, default=0, metavar="N",
-        help="chunks of every shot when --shot-durations is not given (default 0: even split, "
-        "the first shots one chunk longer)",
-    )
-    parser.add_argument(
-        "--scene-cut-prefix", default=DEFAULT_SCENE_CUT_PREFIX, metavar="TEXT",
-        help=f"text before the prompt of each shot's first chunk (default {DEFAULT_SCENE_CUT_PREFIX!r}; "
-        "may be empty)",
-    )
-    parser.add_argument(
-        "--no-multi-shot-sink", dest="multi_shot_sink", action="store_false",
-        help="do not pin each shot's first chunk as its sink",
-    )
-    parser.add_argument(
-        "--multi-shot-rope-offset", type=float, default=None, metavar="FRAMES",
-        help="RoPE frames added per shot index (float >= 0; default: the model's)",
-    )
-    parser.add_argument(
-        "--motion", default=None, metavar="m,s,...",
-        help="LingBot-World camera motion per chunk: m (moves) or s (still), one letter per "
-        "chunk; drives the moving/still recent KV window",
-    )
-    return parser
-
-
-def _shot_durations(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {text!r}"
-        ) from None
+    """Compatibility: the request flags the registered extensions declare
+    (`add_extension_args` with the process-wide plugin manager's registry)."""
+    return add_extension_args(parser, _registry())
 
 
 def _request_prompts(args: argparse.Namespace) -> list[str] | None:
@@ -163,19 +195,12 @@ def register(subparsers: Any) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    """`GenerateOptions` from parsed ``generate`` arguments (validates the QVG flags)."""
+    """`GenerateOptions` from parsed ``generate`` arguments (validates every option record)."""
     from causalkv.runtime.generate import DEFAULT_PROMPT, GenerateOptions
 
     prompts = _request_prompts(args)
-    shots = ShotRequest(
-        durations=_shot_durations(args.shot_durations),
-        chunks_per_shot=args.chunks_per_shot,
-        scene_cut_prefix=args.scene_cut_prefix,
-        multi_shot_sink=args.multi_shot_sink,
-        multi_shot_rope_offset=args.multi_shot_rope_offset,
-    )
     server_args = ServerArgs(
-        kv_cache_quant_config=qvg_args.from_namespace(args),
+        options=extension_records(args),
         sink_frames=args.sink_frames,
         window_frames=args.window_frames,
         recent_window_frames=args.recent_window_frames,
@@ -183,8 +208,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
-        shots=shots,
-        motion=None if args.motion is None else parse_motion(args.motion),
         heads_sharded=_world_size(args),
         kv_cache_dtype=args.kv_cache_dtype,
     )

@@ -6,8 +6,10 @@ a chunk runs:
 
 - classifier-free guidance: ``--guidance-scale``/``--negative-prompt`` (or the model's) only
   on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
-- QVG: its settings only with quantization on; the block layout fits ``head_dim``; the codec
-  backend (``CAUSALKV_QVG_BACKEND``) exists and runs on the device (`check_quant`);
+- the chosen cache's settings: what its class checks before the load (``check_request``; the
+  QVG cache: the block layout fits ``head_dim``, the codec backend ``CAUSALKV_QVG_BACKEND``
+  exists and runs on the device) (`check_cache`); settings that would do nothing, and those
+  of a stage or cache that was not chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
   fit the transformer's ``rope_max_seq_len``;
 - memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
@@ -29,7 +31,6 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -40,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError
-from causalkv.quant_config import QVGKVQuantArgs
 from causalkv.runtime.model_config import REQUIRED_FILES, ModelFolderError, ModelInfo
 
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ __all__ = [
     "check_home",
     "check_memory",
     "check_model_files",
+    "check_cache",
     "check_output_files",
-    "check_quant",
     "check_writable_file",
     "latents_nbytes",
     "memory_floor",
@@ -85,7 +86,7 @@ def check_before_load(plan: Plan, options: GenerateOptions, *, pm: Any = None) -
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
     check_guidance(plan, options)
-    check_quant(plan)
+    check_cache(plan)
     check_device(args.device, args.dtype)
     check_model_files(plan.info)
     check_home(plan.info)
@@ -120,45 +121,19 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
     )
 
 
-# ---- QVG -----------------------------------------------------------------------------------------
-def _changed_quant_fields(quant: QVGKVQuantArgs) -> list[str]:
-    default = QVGKVQuantArgs()
-    return [
-        "--kv-cache-quant-" + {"kmeans_iters": "iters", "keep_recent_chunks": "keep-recent",
-                               "sink_keep_chunks": "sink-keep"}.get(f.name, f.name.replace("_", "-"))
-        for f in dataclasses.fields(QVGKVQuantArgs)
-        if f.name != "bits" and getattr(quant, f.name) != getattr(default, f.name)
-    ]
-
-
-def check_quant(plan: Plan) -> None:
-    """QVG settings: refused when quantization is off (they would do nothing); when it is on,
-    the block layout must fit the model's ``head_dim`` (`QVGKVQuantArgs.check_layout`) and
-    the codec backend ``CAUSALKV_QVG_BACKEND`` names must exist and run on the device."""
-    from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
-
-    quant, args = plan.server_args.kv_cache_quant_config, plan.server_args
-    if not quant.enabled:
-        changed = _changed_quant_fields(quant)
-        if changed:
-            raise ConfigError(
-                f"{', '.join(changed)} set(s) QVG quantization, which is off; pass --kv-cache-quant "
-                "int4 or int2, or drop them"
-            )
+# ---- the chosen cache ---------------------------------------------------------------------------
+def check_cache(plan: Plan) -> None:
+    """What the chosen cache's class checks before any weights load, if it checks anything
+    (``check_request(options, head_dim=..., device=...)``; the QVG cache: its block layout
+    and its codec backend)."""
+    res = plan.resolution
+    try:
+        cache_cls = res.cache_factory.load()
+    except ImportError:  # the build names it
         return
-    quant.check_layout(plan.model.head_dim)
-    name = os.environ.get(BACKEND_ENV)
-    try:
-        dev = torch.device(args.device)
-    except (RuntimeError, ValueError, TypeError):
-        return  # check_device names it
-    try:
-        resolve_backend(None, dev)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{BACKEND_ENV}={name!r}: {exc}; set {BACKEND_ENV} to auto (or unset it) to let "
-            "causalkv pick the backend that runs here"
-        ) from None
+    check = getattr(cache_cls, "check_request", None)
+    if callable(check):
+        check(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
 # ---- CAUSALKV_HOME ---------------------------------------------------------------------------
@@ -337,7 +312,7 @@ def memory_floor(plan: Plan, *, pm: Any = None) -> dict[str, int]:
     kv_item = parse_dtype(args.kv_cache_dtype or args.dtype).itemsize
     item = parse_dtype(args.dtype).itemsize
     frames = min(plan.num_frames, s.cache_frames)
-    if args.kv_cache_quant_config.enabled:
+    if QUANT_QVG in plan.resolution.requirements:  # packed: only the chunk being written is dense
         frames = min(frames, s.frames_per_chunk)
     branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
     kv_tokens = frames * s.tokens_per_frame

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from causalkv.caches.qvg.packed import MIN_TOKENS_PER_CENTROID, centroids_for
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
+from causalkv.errors import ConfigError
+from causalkv.options import CacheOptions
 from causalkv.runtime.checks import check_before_load
 from causalkv.runtime.loading import Components, load_components, load_vae
 from causalkv.runtime.model_config import ModelInfo, load_model_info
@@ -146,12 +147,18 @@ class GenerationRun:
 
 def split_prompts(prompts: Sequence[str], num_chunks: int, *, scene_cuts: bool) -> list[str]:
     """One prompt per chunk, as the base stage splits them; with ``scene_cuts`` as the
-    LongLive 2.0 stage does for a multi-shot request (compatibility wrapper of
-    `CausalDenoisingStage.plan_chunks`)."""
+    highest-priority registered multi-shot stage does for a multi-shot request (compatibility
+    wrapper of `CausalDenoisingStage.plan_chunks`)."""
     from causalkv.plugin import get_plugin_manager
     from causalkv.plugin.registry import collect
 
-    stage = collect(get_plugin_manager()).stage("longlive2").load() if scene_cuts else CausalDenoisingStage
+    stage: type[CausalDenoisingStage] = CausalDenoisingStage
+    if scene_cuts:
+        registry = collect(get_plugin_manager())
+        multi = [e for e in registry.stages if e.supports("multi_shot")]
+        if not multi:
+            raise ConfigError("no registered stage supports multi-shot generation (scene cuts)")
+        stage = max(multi, key=lambda e: e.registration.priority).load()
     return stage.plan_chunks(prompts, num_chunks, ServerArgs(multi_shot=scene_cuts))
 
 
@@ -178,7 +185,7 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     args = replace(options.server_args, guidance_scale=float(guidance))
     num_frames = options.frames if options.frames is not None else info.default_frames
     res = resolve(model, args, pm=pm, stage=options.stage)
-    if _wants_multi_shot(res.stage, model, args, len(prompts)):
+    if res.stage.wants_multi_shot(model, args, len(prompts)):
         args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage)
     settings = res.stage.check_request(model, args, num_frames)
@@ -205,16 +212,6 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None) -> Plan:
     return plan
 
 
-def _wants_multi_shot(
-    stage: type[CausalDenoisingStage], model: ModelConfig, args: ServerArgs, num_shots: int
-) -> bool:
-    """Several shots on a multi-shot stage pin shot sinks, unless the request turned
-    multi-shot sinks off (``--no-multi-shot-sink``) or the sink is empty."""
-    if args.multi_shot or num_shots < 2 or not stage.supports_multi_shot():
-        return False
-    return args.shots.multi_shot_sink and stage.stream_settings(model, args).sink_frames > 0
-
-
 def model_folder(info: ModelInfo, *, pm: Any = None) -> Path:
     """The folder to load from: a preset is created on first use."""
     if info.preset is not None:
@@ -233,6 +230,8 @@ def build_stage(
     negative_prompt: str = "",
     pm: Any = None,
     name: str | None = None,
+    options: Any = None,
+    cache_options: Any = ...,
 ) -> CausalDenoisingStage:
     """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
 
@@ -252,6 +251,8 @@ def build_stage(
         encode_prompt=components.prompt_encoder,
         negative_prompt=negative_prompt,
         name=name,
+        options=options,
+        cache_options=cache_options,
     )
     if pm is not None:  # a raising implementation: PluginHookError naming the plugin
         configure_stage_checked(pm, stage, model, server_args)
@@ -302,6 +303,7 @@ def run_plan(
     stage = build_stage(
         res.stage, res.cache_factory, plan.model, args, components,
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
+        options=res.stage_options, cache_options=res.cache_options,
     )
     generator = torch.Generator(device="cpu").manual_seed(int(args.seed))
     info = plan.info
@@ -332,7 +334,6 @@ def _join_ranks(args: ServerArgs) -> Any:
     on first use), None on one process. `ConfigError` when the ranks do not match the request."""
     if args.heads_sharded <= 1:
         return None
-    from causalkv.errors import ConfigError
     from causalkv.runtime.distributed import current, init_parallel, launched_by_torchrun
 
     ctx = current()
@@ -371,8 +372,7 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
     """Rerun ``plan`` with quantization off (same seed, same components); the comparison metrics."""
     from causalkv.plugin import resolve
 
-    quant = plan.server_args.kv_cache_quant_config
-    ref_args = replace(plan.server_args, kv_cache_quant_config=replace(quant, bits=None), cache=None)
+    ref_args = replace(plan.server_args.without_options(CacheOptions), cache=None)
     ref_res = resolve(plan.model, ref_args, pm=pm, stage=plan.stage_name)
     ref = run_plan(plan, pm=pm, components=run.components, server_args=ref_args, resolution=ref_res)
     psnr = latent_psnr_db(run.latents, ref.latents)
@@ -393,7 +393,7 @@ def latents_metadata(plan: Plan) -> dict[str, str]:
     res, args = plan.resolution, plan.server_args
     return {
         "model": plan.model.name, "stage": res.stage_name, "cache": res.cache_factory.name,
-        "kv_cache_quant": args.kv_cache_quant_config.describe(), "seed": str(args.seed),
+        "kv_cache_quant": cache_description(res), "seed": str(args.seed),
         "frames": str(plan.num_frames), "fps": str(plan.info.fps), "layout": "B,C,F,h,w",
     }
 
@@ -431,7 +431,7 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "stage": res.stage_name,
         "stage_class": f"{res.stage.__module__}:{res.stage.__qualname__}",
         "cache": res.cache_factory.name,
-        "kv_cache_quant": args.kv_cache_quant_config.describe(),
+        "kv_cache_quant": cache_description(res),
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
         "prompts": plan.prompts,
@@ -495,29 +495,27 @@ def _rank_metrics(run: GenerationRun) -> dict[str, Any]:
     }
 
 
+def cache_description(res: Resolution) -> str:
+    """The chosen cache's settings in one line (``kv_cache_quant`` of the metrics): its
+    options record's `describe` (``"qvg(int2, ...)"``), ``"off"`` for a cache without one."""
+    return res.cache_options.describe() if res.cache_options is not None else "off"
+
+
 def describe_plan(plan: Plan) -> list[str]:
     """The human-readable header of a run: model, stage, cache, reasons, stream."""
-    res, s, quant = plan.resolution, plan.settings, plan.server_args.kv_cache_quant_config
+    res, s = plan.resolution, plan.settings
     lines = [
         f"model: {plan.model.name} ({plan.model.model_class})",
         f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
-        f"cache: {res.cache_factory.name} (kv-cache-quant {quant.describe()})",
+        f"cache: {res.cache_factory.name} (kv-cache-quant {cache_description(res)})",
         *(f"  - {line}" for line in res.reasons),
     ]
-    if quant.enabled:
-        span = s.tokens_per_chunk * quant.span_chunks
-        sink = s.sink_frames * s.tokens_per_frame
-        whole_sink = (
-            f"; the whole sink ({sink:,} tokens) {centroids_for(sink, quant.centroids)}"
-            if quant.sink and quant.sink_span == "full" and sink else ""
-        )
-        lines.append(
-            f"  - centroids: {centroids_for(span, quant.centroids)} per packed span of {span:,} "
-            f"tokens{whole_sink} (at most {quant.centroids}; a span of S tokens gets min("
-            f"{quant.centroids}, 2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost "
-            "at most half a bit per element; metrics kv_packing.centroids counts the chunks by "
-            "centroids used)"
-        )
+    describe = getattr(res.cache_factory.load(), "describe_request", None)
+    if callable(describe):
+        lines += [f"  - {line}" for line in describe(
+            res.cache_options, tokens_per_chunk=s.tokens_per_chunk,
+            sink_tokens=s.sink_frames * s.tokens_per_frame,
+        )]
     lines.append(
         f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
         f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "

@@ -158,6 +158,7 @@ class _Resolved:
     preset: Preset
     model_class: str
     defaults: Mapping[str, Any]
+    config: Any = None  #: the family's config record (causalkv.json keys of its own)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def _get(name: str, pm: Any = None) -> _Resolved:
         raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
     entry, preset = presets[name]
     reg = entry.registration
-    return _Resolved(preset, reg.models[0], reg.defaults)
+    return _Resolved(preset, reg.models[0], reg.defaults, reg.config_record())
 
 
 def preset_info(name: str, *, pm: Any = None) -> ModelInfo:
@@ -193,7 +194,7 @@ def preset_info(name: str, *, pm: Any = None) -> ModelInfo:
     r = _get(name, pm)
     return model_info_from_dicts(
         name, _model_index(r.model_class), r.transformer, _VAE, r.settings,
-        path=preset_dir(name), preset=name, defaults=r.defaults,
+        path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
     )
 
 

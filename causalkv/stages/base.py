@@ -20,22 +20,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
-from causalkv.caches.spec import (
-    HEAD_SLICE,
-    PINNED_SINK,
-    QUANT_QVG,
-    RECENT_WINDOW,
-    CausalKVCache,
-    KVCacheSpec,
-)
+from causalkv.caches.spec import CausalKVCache, KVCacheSpec
 from causalkv.config import check_prompts
 from causalkv.errors import ConfigError, NonFiniteLatentsError, check_int
+from causalkv.options import (
+    CacheOptions,
+    Options,
+    StageOptions,
+    cache_record_for,
+    foreign_options_error,
+)
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
@@ -89,7 +89,7 @@ class ChunkDenoiser(Protocol):
 class CacheFactoryLike(Protocol):
     name: str
 
-    def build(self, spec: KVCacheSpec, quant: Any = None) -> CausalKVCache: ...
+    def build(self, spec: KVCacheSpec, options: Any = None) -> CausalKVCache: ...
 
 
 @dataclass(frozen=True)
@@ -274,6 +274,12 @@ class CausalDenoisingStage:
     `report()` adds the stage's own entries to the run report.
     """
 
+    #: the family's request knobs (a `causalkv.options.StageOptions` subclass, or None); the
+    #: registration reads it unless it names its own (``StageRegistration(options=...)``)
+    request_options: ClassVar[type[StageOptions] | None] = None
+    #: the family's own ``causalkv.json`` keys (a `causalkv.options.Options` subclass, or None)
+    config_options: ClassVar[type[Options] | None] = None
+
     # ---- load-time declarations -----------------------------------------------------------
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
@@ -315,17 +321,18 @@ class CausalDenoisingStage:
     def required_cache_features(
         cls, server_args: ServerArgs, model: ModelConfig | None = None
     ) -> frozenset[str]:
-        """Cache capabilities this stage needs under ``server_args`` (and ``model``)."""
-        recent = server_args.recent_window_frames is not None or (
-            model is not None and model.recent_window_frames is not None
-        )
-        wanted = {
-            QUANT_QVG: server_args.kv_cache_quant_config.enabled,
-            PINNED_SINK: server_args.multi_shot,
-            HEAD_SLICE: server_args.heads_sharded > 1,
-            RECENT_WINDOW: recent,
-        }
-        return frozenset(f for f, needed in wanted.items() if needed)
+        """Cache capabilities this stage needs under ``server_args`` (and ``model``): what the
+        request asks for (`ServerArgs.requirement_reasons`: pinned sinks, head slices, a
+        recent window, and every option record's own, e.g. ``quant:qvg`` for QVG bits)."""
+        return frozenset(server_args.requirement_reasons(model))
+
+    @classmethod
+    def wants_multi_shot(cls, model: ModelConfig, server_args: ServerArgs, num_shots: int) -> bool:
+        """Should a request of ``num_shots`` prompts pin shot sinks (``multi_shot``)? Several
+        shots on a stage that supports it, with a non-empty sink."""
+        if server_args.multi_shot or num_shots < 2 or not cls.supports_multi_shot():
+            return False
+        return cls.stream_settings(model, server_args).sink_frames > 0
 
     @classmethod
     def stream_settings(cls, model: ModelConfig, server_args: ServerArgs) -> StreamSettings:
@@ -364,19 +371,14 @@ class CausalDenoisingStage:
 
     @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
-        """Refuse request fields this stage does not model (`ConfigError`): shot layout
-        flags (LongLive 2.0) and a motion signal (LingBot-World) here."""
-        if not server_args.shots.is_default:
-            raise ConfigError(
-                f"shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
-                f"--no-multi-shot-sink, --multi-shot-rope-offset) apply to multi-shot stages, "
-                f"not to {cls.__name__}; drop them or pick a LongLive 2.0 model"
-            )
-        if server_args.motion is not None:
-            raise ConfigError(
-                f"--motion applies to LingBot-World's interactive window, not to {cls.__name__}; "
-                "drop it or pick a LingBot-World model"
-            )
+        """Refuse another family's request knobs (`ConfigError`,
+        `causalkv.options.foreign_options_error`): a `StageOptions` record the request gives
+        that is not this stage's `request_options`. (The host refuses them earlier, naming
+        their owner; this keeps a stage used without the host just as strict.)"""
+        for record in server_args.options:
+            mine = cls.request_options is not None and isinstance(record, cls.request_options)
+            if isinstance(record, StageOptions) and not mine and record.changed():
+                raise foreign_options_error(record, chosen=cls.__name__)
 
     @classmethod
     def plan_chunks(
@@ -436,6 +438,8 @@ class CausalDenoisingStage:
         batch_size: int = 1,
         negative_prompt: str = "",
         name: str | None = None,
+        options: StageOptions | None = None,
+        cache_options: CacheOptions | None | Any = ...,
     ) -> None:
         """Build the stage; its caches are allocated on first use (`cache_sets`).
 
@@ -450,8 +454,22 @@ class CausalDenoisingStage:
             batch_size: B of the latents and caches.
             negative_prompt: text of the negative branch of stages that run CFG.
             name: the stage's registration name (default: the class name).
+            options: the request's record of `request_options` (default: the one in
+                ``server_args``, else its defaults); the stage reads its knobs there.
+            cache_options: the settings record each cache is built with
+                (``cache_factory.build(spec, cache_options)``); default: the request's record
+                of the factory's ``options`` class (`causalkv.options.cache_record_for`).
         """
         self.name = name or type(self).__name__
+        cls = type(self)
+        if options is None and cls.request_options is not None:
+            options = server_args.option(cls.request_options)
+        #: the request's record of this family's knobs (`request_options`), or None
+        self.options = options
+        if cache_options is ...:
+            cache_options = cache_record_for(cache_factory, server_args.options)
+        #: the settings record the caches are built with (e.g. a `QVGKVQuantArgs`), or None
+        self.cache_options = cache_options
         self.server_args = server_args
         self.denoiser = denoiser
         self.scheduler = scheduler
@@ -459,7 +477,7 @@ class CausalDenoisingStage:
         self.encode_prompt = encode_prompt
         self.batch_size = batch_size
         self.negative_prompt = negative_prompt
-        self.quant = server_args.kv_cache_quant_config
+        self.quant = cache_options  # the name of earlier releases (the QVG settings)
         self._cache_sets: list[CacheSet] | None = None
         self.apply_model(model)
         self._reset_stream()
@@ -490,9 +508,11 @@ class CausalDenoisingStage:
         return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
 
     def apply_overrides(self, overrides: Mapping[str, Any]) -> None:
-        """Apply `ModelConfig` field overrides (``causalkv_configure_stage``) to this stage."""
+        """Apply `ModelConfig` overrides (``causalkv_configure_stage``) to this stage: field
+        names, and keys of the family's `config_options` (`ModelConfig.with_overrides`)."""
         if overrides:
-            self.apply_model(replace(self.model, **overrides))
+            extra = (type(self).config_options,) if type(self).config_options is not None else ()
+            self.apply_model(self.model.with_overrides(overrides, *extra))
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -509,7 +529,7 @@ class CausalDenoisingStage:
             device=self.denoiser.device,
             head_offset=getattr(self.denoiser, "head_offset", 0),
         )
-        kv = [self.cache_factory.build(spec, self.quant) for _ in range(self.denoiser.num_layers)]
+        kv = [self.cache_factory.build(spec, self.cache_options) for _ in range(self.denoiser.num_layers)]
         cross = [CrossAttentionKVCache() for _ in range(self.denoiser.num_layers)]
         return CacheSet(kv=kv, cross=cross)
 
