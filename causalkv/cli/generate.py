@@ -302,13 +302,12 @@ def run_generate(args: argparse.Namespace) -> int:
             from causalkv.runtime.distributed import init_parallel
 
             main_rank = init_parallel(options.server_args.device).is_main
-        metrics, _run = _generate_and_leave(options, out, progress)
+        metrics, run = _generate_and_leave(options, out, progress)
         if not main_rank:
             return 0
-        s = metrics["seconds_per_chunk"]
         out(
-            f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
-            f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
+            f"done: {len(run.chunk_stats)} chunks, {run.seconds_per_chunk_mean:.3f} s/chunk, KV "
+            f"resident max {run.kv_resident_bytes_max:,} B, final {run.kv_resident_bytes_final:,} B"
         )
         if options.metrics is not None:
             out(f"metrics: {options.metrics}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,7 @@ from causalkv.runtime.outputs import OutputLog, keep_latents, save_latents, writ
 from causalkv.runtime.plugin_faults import ObserverHook, configure_stage_checked
 from causalkv.runtime.presets import materialize_preset
 from causalkv.stages.base import CausalDenoisingStage, ForwardRecord, StreamSettings
+from causalkv.stages.records import ChunkStats
 
 if TYPE_CHECKING:
     from causalkv.plugin import Resolution
@@ -130,19 +131,28 @@ class Plan:
 
 @dataclass
 class GenerationRun:
-    """The outcome of one chunk loop: latents ``[B, C, F, h, w]``, per-chunk stats, the stage."""
+    """The outcome of one chunk loop: latents ``[B, C, F, h, w]``, one `ChunkStats` per
+    chunk, the stage."""
 
     latents: torch.Tensor
-    chunk_stats: list[dict[str, Any]]
+    chunk_stats: list[ChunkStats]
     stage: CausalDenoisingStage
     kv_resident_bytes_final: int
     components: Components | None = None
     load_seconds: float = 0.0
 
     @property
+    def seconds_per_chunk(self) -> list[float]:
+        return [float(s.seconds) for s in self.chunk_stats]
+
+    @property
+    def seconds_per_chunk_mean(self) -> float:
+        seconds = self.seconds_per_chunk
+        return sum(seconds) / max(1, len(seconds))
+
+    @property
     def kv_resident_bytes_max(self) -> int:
-        peaks = [int(s["kv_resident_bytes"]) for s in self.chunk_stats]
-        return max([*peaks, self.kv_resident_bytes_final])
+        return max([*(int(s.kv_resident_bytes) for s in self.chunk_stats), self.kv_resident_bytes_final])
 
 
 def split_prompts(prompts: Sequence[str], num_chunks: int, *, scene_cuts: bool) -> list[str]:
@@ -275,7 +285,7 @@ def run_plan(
     components: Components | None = None,
     server_args: ServerArgs | None = None,
     resolution: Resolution | None = None,
-    on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
     on_forward: Callable[[ForwardRecord], None] | None = None,
     strict_plugins: bool = False,
 ) -> GenerationRun:
@@ -311,7 +321,7 @@ def run_plan(
     noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(components.device)
     observers = ObserverHook(pm, "causalkv_chunk_done", strict=strict_plugins)
 
-    def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
+    def chunk_done(i: int, stats: ChunkStats) -> None:
         if on_chunk_done is not None:  # the caller's count first: the chunk is done
             on_chunk_done(i, stats)
         observers(stage=stage, chunk_index=i, stats=stats)
@@ -382,8 +392,7 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
         "latent_identical": psnr is None,
         "latent_max_abs_diff": float((run.latents - ref.latents).abs().max()),
         "reference_kv_resident_bytes_max": ref.kv_resident_bytes_max,
-        "reference_seconds_per_chunk_mean": sum(float(st["seconds"]) for st in ref.chunk_stats)
-        / max(1, len(ref.chunk_stats)),
+        "reference_seconds_per_chunk_mean": ref.seconds_per_chunk_mean,
         "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
     }
 
@@ -424,7 +433,6 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
     """The run's metrics: request, stream settings, per-chunk timings and KV bytes, and the
     stage's own entries (`CausalDenoisingStage.report`)."""
     res, s, args = plan.resolution, plan.settings, plan.server_args
-    seconds = [float(st["seconds"]) for st in run.chunk_stats]
     return {
         "model": plan.model.name,
         "model_class": plan.model.model_class,
@@ -452,10 +460,10 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "recent_window_frames": s.recent_window_frames,
         "chunks": plan.num_chunks,
         "latent_shape": list(run.latents.shape),
-        "seconds_per_chunk": seconds,
-        "seconds_per_chunk_mean": sum(seconds) / len(seconds),
+        "seconds_per_chunk": run.seconds_per_chunk,
+        "seconds_per_chunk_mean": run.seconds_per_chunk_mean,
         "load_seconds": run.load_seconds,
-        "kv_resident_bytes_per_chunk": [int(st["kv_resident_bytes"]) for st in run.chunk_stats],
+        "kv_resident_bytes_per_chunk": [int(st.kv_resident_bytes) for st in run.chunk_stats],
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
         "kv_packing": packing_summary(run.stage),
@@ -538,7 +546,7 @@ def generate(
     pm: Any = None,
     log: Callable[[str], None] | None = None,
     on_plan: Callable[[Plan], None] | None = None,
-    on_chunk_done: Callable[[int, Mapping[str, Any]], None] | None = None,
+    on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
     on_written: Callable[[Path], None] | None = None,
 ) -> tuple[dict[str, Any], GenerationRun]:
     """Plan, load and run, optionally compare with an unquantized run, write, report.
@@ -567,7 +575,7 @@ def generate(
         say(line)
     bar = _progress(plan.num_chunks, options.quiet or not _is_main_rank())
 
-    def chunk_done(i: int, stats: Mapping[str, Any]) -> None:
+    def chunk_done(i: int, stats: ChunkStats) -> None:
         bar.update(1)
         if on_chunk_done is not None:
             on_chunk_done(i, stats)

@@ -4,8 +4,8 @@
   (causal processors installed; weights untouched);
 - text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
 - scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift (the base
-  stage's sampler; a stage may declare its own with ``make_scheduler(model)``, which the
-  host uses when it builds the stage);
+  stage's sampler; a stage declares its own with ``scheduler_spec(model)``, which the host
+  builds when it builds the stage);
 - vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
 """
 
@@ -23,6 +23,7 @@ from causalkv.errors import CausalKVError
 from causalkv.runtime.attention import CausalWanTransformer
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.text import PromptEncoder
+from causalkv.stages.scheduler import flow_match
 
 __all__ = [
     "Components",
@@ -55,10 +56,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def make_scheduler(shift: float) -> Any:
-    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0): the base stage's
+    declared sampler (`causalkv.stages.scheduler.flow_match`)."""
+    return flow_match(shift).build()
 
 
 def _has_accelerate() -> bool:

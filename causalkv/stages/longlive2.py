@@ -31,7 +31,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
           final_sigmas_type="zero")
       .set_timesteps(sigmas=linspace(sigma_max, 0, steps + 1)[:-1])
 
-  where ``sigma_max = float32(1 - 1/1000)`` is the top of the shift-1 training schedule
+  (declared as data, `scheduler_spec`), where ``sigma_max = float32(1 - 1/1000)`` is the top of the shift-1 training schedule
   (diffusers' own flow sigmas would start at 1 instead). The shift applied to the
   inference sigmas is the model's ``shift`` (the seed runtime passes the pipeline's
   ``flow_shift``, 5 for LongLive 2.0, to ``set_timesteps``); the step count is the number of
@@ -58,6 +58,7 @@ from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.options import Options, StageOptions, option
 from causalkv.stages.base import CacheSet, CausalDenoisingStage, ForwardRecord, GenerationResult
+from causalkv.stages.scheduler import SchedulerSpec
 
 __all__ = [
     "REGISTRATION",
@@ -321,22 +322,20 @@ class LongLive2Stage(CausalDenoisingStage):
         return True
 
     @classmethod
-    def make_scheduler(cls, model: ModelConfig) -> Any:
+    def scheduler_spec(cls, model: ModelConfig) -> SchedulerSpec:
         """diffusers ``UniPCMultistepScheduler`` set up as the seed runtime's flow UniPC
         (see the module docstring)."""
-        from diffusers import UniPCMultistepScheduler
-
-        return UniPCMultistepScheduler(
-            num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-            solver_order=2,
-            prediction_type="flow_prediction",
-            use_flow_sigmas=True,
-            flow_shift=float(model.shift),
-            predict_x0=True,
-            solver_type="bh2",
-            lower_order_final=True,
-            final_sigmas_type="zero",
-        )
+        return SchedulerSpec("diffusers:UniPCMultistepScheduler", {
+            "num_train_timesteps": NUM_TRAIN_TIMESTEPS,
+            "solver_order": 2,
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "flow_shift": float(model.shift),
+            "predict_x0": True,
+            "solver_type": "bh2",
+            "lower_order_final": True,
+            "final_sigmas_type": "zero",
+        })
 
     @classmethod
     def wants_multi_shot(cls, model: ModelConfig, server_args: ServerArgs, num_shots: int) -> bool:
