@@ -14,14 +14,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from causalkv.cli.faults import Progress, Stdout, run_guarded
 from causalkv.config import DTYPES, ServerArgs
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.options import Options
+from causalkv.plugin import Registry
+from causalkv.runtime.distributed import (
+    env_world,
+    init_parallel,
+    launched_by_torchrun,
+    run_under_torchrun,
+    shutdown,
+)
+from causalkv.runtime.generate import generate, plan_generation
+from causalkv.runtime.launch import register_rank
+from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
+from causalkv.runtime.video import video_formats
 
 __all__ = [
     "add_extension_args",
     "add_generate_args",
     "add_request_args",
+    "collect_plugins",
     "compare_table",
     "extension_records",
     "options_from_args",
@@ -32,17 +46,22 @@ __all__ = [
 #: the namespace attributes `add_extension_args` sets: the records whose flags it added, and
 #: the flags it could not add (a clash), reported when the command runs
 _RECORDS, _PROBLEMS = "_causalkv_option_records", "_causalkv_option_problems"
+#: the namespace attribute `register` sets: the plugins the parser was built from (the run's)
+_PLUGINS = "_causalkv_plugins"
 
 
-def _registry() -> Any:
-    """The process-wide plugin manager's registry, or None on a plugin conflict (which
-    `generate` reports when it runs)."""
-    from causalkv.plugin import collect, get_plugin_manager
-
+def collect_plugins() -> PluginSet | None:
+    """The process-wide plugin manager's plugins, collected once for the parser and the run;
+    None on a plugin conflict (which `generate` reports when it runs)."""
     try:
-        return collect(get_plugin_manager())
+        return PluginSet.collect()
     except CausalKVError:
         return None
+
+
+def _registry(plugins: PluginSet | None | Any = ...) -> Registry | None:
+    plugins = collect_plugins() if plugins is ... else plugins
+    return plugins.registry if plugins is not None else None
 
 
 def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
@@ -101,8 +120,6 @@ def extension_records(args: argparse.Namespace) -> list[Options]:
 def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -> argparse.ArgumentParser:
     """The ``generate`` flags: the host's, then the extensions' (`add_extension_args`, from
     ``registry``; default: the process-wide plugin manager's)."""
-    from causalkv.runtime.generate import DEFAULT_PROMPT
-
     if registry is ...:
         registry = _registry()
     presets = ", ".join(registry.presets()) if registry is not None else "see causalkv plugins"
@@ -165,8 +182,6 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
 
 
 def _video_formats() -> str:
-    from causalkv.runtime.video import video_formats
-
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
 def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Compatibility: the request flags the registered extensions declare
@@ -180,8 +195,9 @@ def _request_prompts(args: argparse.Namespace) -> list[str] | None:
     return args.shot_prompts if args.shot_prompts is not None else args.prompts
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``generate`` subcommand."""
+def register(subparsers: Any, *, plugins: PluginSet | None | Any = ...) -> None:
+    """Add the ``generate`` subcommand, its flags from ``plugins`` (default: collected now);
+    the run uses the same ``plugins``."""
     p = subparsers.add_parser(
         "generate",
         help="generate a video chunk by chunk (causal KV cache chosen by the plugin system)",
@@ -190,14 +206,13 @@ def register(subparsers: Any) -> None:
             "KV cache are resolved from the model and the flags before any weights load."
         ),
     )
-    add_generate_args(p)
-    p.set_defaults(func=run_generate)
+    plugins = collect_plugins() if plugins is ... else plugins
+    add_generate_args(p, registry=_registry(plugins))
+    p.set_defaults(func=run_generate, **{_PLUGINS: plugins})
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
     """`GenerateOptions` from parsed ``generate`` arguments (validates every option record)."""
-    from causalkv.runtime.generate import DEFAULT_PROMPT, GenerateOptions
-
     prompts = _request_prompts(args)
     server_args = ServerArgs(
         options=extension_records(args),
@@ -235,9 +250,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
-    from causalkv.errors import ConfigError, check_int
-    from causalkv.runtime.distributed import env_world, launched_by_torchrun
-
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)
@@ -285,24 +297,18 @@ def run_generate(args: argparse.Namespace) -> int:
     torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
     process group and rank 0 alone prints, writes the video and the metrics.
     """
-    from causalkv.cli.faults import Progress, Stdout, run_guarded
-
     out, progress = Stdout(), Progress()
+    plugins = getattr(args, _PLUGINS, None)
 
     def body() -> int:
-        from causalkv.runtime.distributed import launched_by_torchrun
-        from causalkv.runtime.launch import register_rank
-
         register_rank()  # a rank of `_launch`'s job: report to it, die with torchrun
         options = options_from_args(args)
         if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
-            return _launch(args, options, out)
+            return _launch(args, options, out, plugins)
         main_rank = True
         if launched_by_torchrun():
-            from causalkv.runtime.distributed import init_parallel
-
             main_rank = init_parallel(options.server_args.device).is_main
-        metrics, run = _generate_and_leave(options, out, progress)
+        metrics, run = _generate_and_leave(options, out, progress, plugins)
         if not main_rank:
             return 0
         out(
@@ -319,34 +325,27 @@ def run_generate(args: argparse.Namespace) -> int:
     return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
 
 
-def _generate_and_leave(options: Any, out: Any, progress: Any) -> Any:
+def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
-    from causalkv.runtime.distributed import shutdown
-    from causalkv.runtime.generate import generate
-
     try:
         return generate(
-            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done,
-            on_written=progress.on_written,
+            options, plugins=plugins, log=out, on_plan=progress.on_plan,
+            on_chunk_done=progress.on_chunk_done, on_written=progress.on_written,
         )
     finally:
         shutdown()
 
 
-def _launch(args: argparse.Namespace, options: Any, out: Any) -> int:
+def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet | None) -> int:
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
     (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
-    from causalkv.plugin import get_plugin_manager
-    from causalkv.runtime.distributed import run_under_torchrun
-    from causalkv.runtime.generate import plan_generation
-
-    plan_generation(options)
+    plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)
     if argv is None:
         argv = sys.argv[1:]
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
     return run_under_torchrun(
         options.server_args.heads_sharded, argv, debug=bool(getattr(args, "debug", False)),
-        quiet=bool(options.quiet), seen=getattr(get_plugin_manager(), "reported", ()),
+        quiet=bool(options.quiet), seen=getattr(plan.plugin_set().pm, "reported", ()),
     )

@@ -10,16 +10,20 @@ import json
 import sys
 from typing import Any
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.cli.generate import _registry, add_extension_args, extension_records
+from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
+from causalkv.plugin import collect, get_plugin_manager, resolve
+from causalkv.runtime.model_config import is_loadable_model, model_head_dim
 
 __all__ = ["register", "run_plugins", "run_resolve"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``plugins`` and ``resolve`` subcommands to the ``causalkv`` parser."""
-    from causalkv.cli.generate import _registry, add_extension_args
-
+def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> None:
+    """Add the ``plugins`` and ``resolve`` subcommands to the ``causalkv`` parser; ``resolve``
+    takes the flags of ``plugins``' stages and caches (default: collected now)."""
     p = subparsers.add_parser(
         "plugins",
         help="list loaded plugins, stages and caches",
@@ -47,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--cache", default=None, metavar="NAME", help="force a cache by name")
     r.add_argument("--stage", default=None, metavar="NAME", help="force a stage by name")
     r.add_argument("--json", action="store_true", help="print JSON")
-    add_extension_args(r, _registry())  # the stages' and caches' own flags (--kv-cache-quant, ...)
+    add_extension_args(r, _registry(plugins))  # the stages' and caches' own flags (--kv-cache-quant, ...)
     r.set_defaults(func=run_resolve)
 
 
@@ -57,9 +61,6 @@ def _fail(command: str, exc: BaseException) -> int:
 
 
 def _stage_row(entry: Any) -> dict[str, Any]:
-    from causalkv.caches.qvg.options import QVGKVQuantArgs
-    from causalkv.config import ServerArgs
-
     reg = entry.registration
     row: dict[str, Any] = {
         "name": reg.name,
@@ -91,8 +92,6 @@ def _stage_row(entry: Any) -> dict[str, Any]:
 
 def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
     """What ``causalkv plugins --json`` prints."""
-    from causalkv.plugin.registry import collect
-
     registry = collect(pm)
     infos = pm.plugin_infos()
     return {
@@ -163,8 +162,6 @@ def _print_plugins(report: dict[str, Any]) -> None:
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    from causalkv.plugin.manager import get_plugin_manager
-
     try:
         report = plugins_report(get_plugin_manager(), include_builtin=args.all)
     except (CausalKVError, RuntimeError, TypeError) as exc:
@@ -177,11 +174,6 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 
 def run_resolve(args: argparse.Namespace) -> int:
-    from causalkv.cli.generate import extension_records
-    from causalkv.config import ServerArgs
-    from causalkv.plugin.resolver import resolve
-    from causalkv.runtime.model_config import is_loadable_model, model_head_dim
-
     try:
         server_args = ServerArgs(
             options=extension_records(args),

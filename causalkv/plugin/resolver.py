@@ -26,6 +26,7 @@ from causalkv.options import (
     foreign_options_error,
 )
 from causalkv.plugin.errors import ResolutionError, UnsupportedRequestError
+from causalkv.plugin.manager import get_plugin_manager
 from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
 
 if TYPE_CHECKING:
@@ -360,8 +361,6 @@ def resolve(
             or one of a stage or cache that was not chosen (naming both).
     """
     if pm is None:
-        from causalkv.plugin.manager import get_plugin_manager
-
         pm = get_plugin_manager()
     args = server_args if server_args is not None else ServerArgs()
     for record in args.options:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,8 +63,6 @@ def make_scheduler(shift: float) -> Any:
 
 
 def _has_accelerate() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("accelerate") is not None
 
 
@@ -78,6 +77,7 @@ def load_wan_transformer(
     `cast_keeping_fp32_modules` applies the same dtype policy afterwards.
     """
     if cls is None:
+        # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
         from diffusers import WanTransformer3DModel as cls
     if _has_accelerate():
         return cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
@@ -185,6 +185,7 @@ def load_components(
     info: ModelInfo, folder: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
 ) -> Components:
     """Load transformer, text encoder and tokenizer from ``folder`` with ``from_pretrained``."""
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from transformers import AutoTokenizer, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
 
@@ -218,6 +219,7 @@ def load_components(
 
 def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
     """diffusers ``AutoencoderKLWan`` from ``folder/vae`` (float32: decoding is done once)."""
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from diffusers import AutoencoderKLWan
 
     with reading_component(Path(folder), "vae"):

@@ -32,6 +32,7 @@ from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
 from causalkv.plugin import Registry, collect, get_plugin_manager
 from causalkv.plugin.builtin import STAGES
+from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
     "CAUSALKV_FILE",
@@ -45,6 +46,9 @@ __all__ = [
     "model_head_dim",
     "model_info_from_dicts",
     "preset_choices",
+    "preset_info",
+    "preset_transformer_config",
+    "resolve_preset",
 ]
 
 #: the causalkv settings file inside a model folder
@@ -304,7 +308,7 @@ def model_info_from_dicts(
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
     if defaults is ... or config is ...:
-        found_defaults, found_config = family_of(registry or _registry(None), model_class)
+        found_defaults, found_config = family_of(_registry(None, registry), model_class)
         defaults = found_defaults if defaults is ... else defaults
         config = found_config if config is ... else config
     family: type[Options] | None = config  # type: ignore[assignment]
@@ -431,7 +435,7 @@ def _family_records(
 def _other_family(registry: Registry | None, keys: list[str], model_class: str) -> str:
     """``"; 'k' is a key of stage 's' (...)"`` for unknown keys another family declares."""
     try:
-        stages = (registry or _registry(None)).stages
+        stages = _registry(None, registry).stages
     except CausalKVError:  # a plugin conflict: the run reports it
         return ""
     notes = []
@@ -448,8 +452,34 @@ def _other_family(registry: Registry | None, keys: list[str], model_class: str) 
     return "".join(f"; {n}" for n in notes)
 
 
-def _registry(pm: Any) -> Registry:
+def _registry(pm: Any, registry: Registry | None = None) -> Registry:
+    if registry is not None:
+        return registry
     return collect(pm if pm is not None else get_plugin_manager())
+
+
+def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> PresetSpec:
+    """The preset ``name`` of ``registry`` (default: collected from ``pm``) with its family;
+    `ModelFolderError` naming the presets when no plugin declares it."""
+    reg = _registry(pm, registry)
+    spec = preset_spec(name, reg)
+    if spec is None:
+        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(reg.presets())}")
+    return spec
+
+
+def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
+    """The preset's `ModelInfo`, from its declaration (no files needed)."""
+    r = resolve_preset(name, pm=pm, registry=registry)
+    return model_info_from_dicts(
+        name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
+        path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
+    )
+
+
+def preset_transformer_config(name: str, *, pm: Any = None, registry: Registry | None = None) -> dict[str, Any]:
+    """The ``transformer/config.json`` the preset is built with (no files needed)."""
+    return dict(resolve_preset(name, pm=pm, registry=registry).transformer)
 
 
 def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
@@ -472,7 +502,7 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
     causalkv_path = folder / CAUSALKV_FILE
     index = _read_json(folder / "model_index.json")
     model_class = index.get("_class_name") if isinstance(index, dict) else None
-    registry = registry if registry is not None else _registry(pm)
+    registry = _registry(pm, registry)
     defaults, config = family_of(registry, model_class) if isinstance(model_class, str) else (None, None)
     return model_info_from_dicts(
         str(folder),
@@ -487,14 +517,13 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
     )
 
 
-def model_head_dim(model: str | Path, *, pm: Any = None) -> int | None:
+def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> int | None:
     """The attention ``head_dim`` of a preset or a model folder (its transformer config, JSON
     only); None for a bare model name or a folder without a readable transformer config."""
-    from causalkv.runtime.presets import preset_transformer_config
-
     name = str(model)
-    if name in _registry(pm).presets():
-        value = preset_transformer_config(name, pm=pm).get("attention_head_dim")
+    registry = _registry(pm, registry)
+    if name in registry.presets():
+        value = preset_transformer_config(name, registry=registry).get("attention_head_dim")
     else:
         folder = Path(name).expanduser()
         if folder.is_file() and folder.name == "model_index.json":
@@ -506,27 +535,25 @@ def model_head_dim(model: str | Path, *, pm: Any = None) -> int | None:
     return value if _is_int(value) and value > 0 else None
 
 
-def is_loadable_model(model: str | Path, *, pm: Any = None) -> bool:
+def is_loadable_model(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> bool:
     """True for a preset name or an existing path (what ``causalkv generate --model`` loads)."""
-    return str(model) in _registry(pm).presets() or Path(str(model)).expanduser().exists()
+    return str(model) in _registry(pm, registry).presets() or Path(str(model)).expanduser().exists()
 
 
-def load_model_info(model: str | Path, *, pm: Any = None) -> ModelInfo:
+def load_model_info(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
     """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
 
-    Presets are those the stage registrations of ``pm``'s plugins declare. Raises
-    ModelFolderError naming the presets when ``model`` is neither.
+    Presets are those the stage registrations of ``registry`` declare (default: collected
+    from ``pm``'s plugins). Raises ModelFolderError naming the presets when ``model`` is neither.
     """
-    from causalkv.runtime.presets import preset_info
-
     name = str(model)
-    presets = _registry(pm).presets()
+    registry = _registry(pm, registry)
+    presets = registry.presets()
     if name in presets:
-        return preset_info(name, pm=pm)
+        return preset_info(name, registry=registry)
     folder = Path(name).expanduser()
     if folder.exists():
-        return read_model_folder(folder, pm=pm)
-    registry = _registry(pm)
+        return read_model_folder(folder, registry=registry)
     serving = registry.serving(name)
     if serving:  # a name resolution matches (causalkv resolve accepts it) but nothing to load
         raise ModelFolderError(
