@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.hooks import CacheFactory, Preset, StageRegistration
 from causalkv.plugin.calls import call_each
 from causalkv.plugin.errors import PluginConflictError, ResolutionError
@@ -43,12 +44,12 @@ class StageEntry:
         try:
             cls = reg.load()
         except ImportError as exc:
-            raise ImportError(
+            raise ImportPathError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from "
                 f"{reg.target!r}: {exc}"
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
                 f"a subclass of causalkv.stages.base.CausalDenoisingStage"
             )
@@ -129,7 +130,7 @@ def _records(plugin: str, hook_name: str, result: Any, kind: type) -> Iterable[A
         items = (result,)
     for item in items:
         if not isinstance(item, kind):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"plugin {plugin!r}: {hook_name}() returned {item!r}; expected an iterable of "
                 f"{kind.__name__} records (from causalkv.hooks import {kind.__name__})"
             )

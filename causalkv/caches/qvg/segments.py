@@ -20,6 +20,7 @@ from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.spec import KVSegment
+from causalkv.errors import InvalidTypeError
 
 __all__ = [
     "Codebook",
@@ -263,5 +264,5 @@ class StorePlan:
 def dense_storage(seg: Segment) -> DenseKV:
     """``seg``'s `DenseKV` (a packed segment is refused: only dense ones are sliced or packed)."""
     if not isinstance(seg.storage, DenseKV):
-        raise TypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
+        raise InvalidTypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
     return seg.storage

@@ -66,7 +66,7 @@ from causalkv.caches.qvg.segments import (
     dense_storage,
 )
 from causalkv.caches.spec import KVSegment
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, UsageError
 
 __all__ = [
     "Codebook",
@@ -305,7 +305,7 @@ class SegmentStore:
         ``segments``: the layout to read (default: the store's now).
 
         Raises:
-            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
         """
         segs = self.segments if segments is None else segments
         out: list[tuple[Segment | None, int, int]] = []
@@ -329,7 +329,7 @@ class SegmentStore:
         piece held by one dense segment is returned as views of it, as a dense cache would.
 
         Raises:
-            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
         """
         segs = self.segments if segments is None else segments
         total = sum(n for _, n in pieces)
@@ -385,7 +385,7 @@ class SegmentStore:
 
     def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
         """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
-        RuntimeError for a position no segment holds."""
+        `UsageError` (a RuntimeError) for a position no segment holds."""
         out: list[tuple[Segment, int, int]] = []
         at = p0
         for seg in segs:
@@ -398,7 +398,7 @@ class SegmentStore:
             at = b
             if at >= p1:
                 return out
-        raise RuntimeError(
+        raise UsageError(
             f"SegmentStore: positions [{at}, {p1}) are not held (held: {iv.describe(self.held())})"
         )
 
