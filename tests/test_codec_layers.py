@@ -4,6 +4,8 @@
   function of the codec's modules (the edges are read from the source, so a future change
   that brings a loop back, or hides one in a function, fails here).
 - Both backends implement `format.Backend` with the protocol's very signatures.
+- The codec reads only its own settings (`format.CodecSettings`): an object holding just those
+  seven attributes packs the very bytes a `QVGKVQuantArgs` does, and counts the same bytes.
 - Without triton the codec still imports and packs (the PyTorch backend, byte for byte what
   it packs with triton installed), and asking for the Triton backend is a `ConfigError`.
 """
@@ -17,6 +19,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -116,6 +119,27 @@ def test_both_backends_implement_the_protocol():
             assert _params(getattr(module, name)) == _params(getattr(format.Backend, name)), (
                 f"{module.__name__}.{name}"
             )
+
+
+CODEC_FIELDS = ("bits", "centroids", "block_size", "stages", "kmeans_iters", "asymmetric", "grid")
+
+
+def test_the_codec_reads_only_its_own_settings():
+    full = QVGKVQuantArgs(bits=4, centroids=8, block_size=16, stages=2, asymmetric=True,
+                          keep_recent_chunks=3, span_chunks=2, codebook_chunks=2, sink=False)
+    only = SimpleNamespace(**{f: getattr(full, f) for f in CODEC_FIELDS})
+    x = torch.linspace(-2, 2, 2 * 3 * 24 * 32).reshape(2, 3, 24, 32).cos()
+    a = quantize(x, full, seed=3, head_offset=1, backend="torch")
+    b = quantize(x, only, seed=3, head_offset=1, backend="torch")
+    for ta, tb in [(a.codes, b.codes), (a.scale_exp, b.scale_exp), (a.zeros, b.zeros),
+                   (a.scales.view(torch.uint8), b.scales.view(torch.uint8)),
+                   *zip(a.ids, b.ids), *zip(a.centroids, b.centroids)]:
+        assert torch.equal(ta, tb)
+    again = quantize(x, only, seed=3, head_offset=1, codebooks=b.centroids, backend="torch")
+    assert again.centroids[0] is b.centroids[0]
+    assert torch.equal(dequantize(a, dtype=torch.float32), dequantize(b, dtype=torch.float32))
+    assert format.packed_nbytes_formula((2, 3, 24, 32), only) == b.nbytes
+    assert format.bits_per_element(24, 32, only) == format.bits_per_element(24, 32, full)
 
 
 def _digests(x: torch.Tensor) -> tuple[str, str]:

@@ -7,18 +7,22 @@
 - Registration validates with pluggy's ``check_pending``: an unknown hook is refused (the
   plugin left unregistered), an ``optionalhook`` one accepted, as pluggy defines them.
 - An entry point claiming a registered plugin's name is a conflict naming both.
+- The plugin machinery's modules import nothing inside functions (no hidden import cycle).
 """
 
 from __future__ import annotations
 
+import ast
 import sys
 import types
 from contextlib import ExitStack
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pluggy
 import pytest
 
+import causalkv
 import causalkv.runtime.plugin_faults as plugin_faults
 from causalkv.hooks import hookimpl
 from causalkv.plugin import PluginConflictError, make_plugin_manager
@@ -96,3 +100,15 @@ def test_an_entry_point_claiming_the_builtin_name_is_a_conflict(monkeypatch):
     ep = EntryPoint(name=BUILTIN_PLUGIN_NAME, value=mod.__name__, group="causalkv")
     with pytest.raises(PluginConflictError, match=f"plugin name '{BUILTIN_PLUGIN_NAME}' is claimed twice"):
         make_plugin_manager(env={}, entry_points=[ep])
+
+
+@pytest.mark.parametrize("module", [
+    "hooks/__init__.py", "hooks/markers.py", "hooks/specs.py", "plugin/calls.py", "plugin/errors.py",
+    "plugin/loader.py", "plugin/manager.py", "plugin/testing.py", "runtime/plugin_faults.py",
+])
+def test_the_plugin_machinery_imports_nothing_inside_functions(module):
+    tree = ast.parse((Path(causalkv.__file__).parent / module).read_text())
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner = [n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            assert not inner, f"{module}: {fn.name}() imports at line(s) {inner}"
