@@ -39,6 +39,7 @@ from causalkv.errors import CausalKVError
 
 __all__ = [
     "FP8_MAX",
+    "MIN_SCALE_EXP",
     "POISON_SCALE_EXP",
     "ZERO_BLOCK_SCALE_BYTE",
     "Backend",
@@ -84,6 +85,7 @@ class CodecSettings(Protocol):
     def asymmetric(self) -> bool: ...
     @property
     def grid(self) -> str: ...
+
 
 # ---------------------------------------------------------------------------------------------
 # The packed form

@@ -2,8 +2,8 @@
 
 This module is a `causalkv.caches.qvg.format.Backend`: `kmeans_assign`, `kmeans_update`,
 `quantize_pack` and `dequantize_into` have Triton twins in `causalkv.caches.qvg.triton_impl`
-with the same signatures; `causalkv.caches.qvg.codec` picks one. Layouts: ``x [BH, S, D]`` fp32 token
-vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
+with the same signatures; `causalkv.caches.qvg.codec` picks one. Layouts: ``x [BH, S, D]``
+fp32 token vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
 ``N = BH * S``, block scales ``[N, D // block]``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
-from causalkv.caches.qvg.scratch import WORKSPACE as _WORKSPACE  # noqa: F401 - its old home
+from causalkv.caches.qvg.scratch import WORKSPACE as _WORKSPACE  # noqa: F401 - read here by benchmarks
 from causalkv.caches.qvg.scratch import scratch as _scratch
 
 __all__ = [
