@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration
 from causalkv.plugin.errors import ResolutionError, UnsupportedRequestError
 from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
@@ -55,7 +56,7 @@ def model_ref(model: str | Path | ModelConfig) -> ModelRef:
         keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
         return ModelRef(model.name, model.model_class, keys, model, "model config")
     if not isinstance(model, (str, Path)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"model must be a preset name, a model folder or a ModelConfig, got {model!r}"
         )
     path = Path(model)

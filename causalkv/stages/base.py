@@ -35,7 +35,7 @@ from causalkv.caches.spec import (
     KVCacheSpec,
 )
 from causalkv.config import check_prompts
-from causalkv.errors import ConfigError, NonFiniteLatentsError, check_int
+from causalkv.errors import ConfigError, NonFiniteLatentsError, UsageError, check_int
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
@@ -471,7 +471,7 @@ class CausalDenoisingStage:
         it was) when the config gives invalid stream settings.
         """
         if self._cache_sets is not None:
-            raise RuntimeError(
+            raise UsageError(
                 f"stage {self.name!r}: its KV caches are already allocated; apply model "
                 "overrides before the first chunk (causalkv_configure_stage does)"
             )

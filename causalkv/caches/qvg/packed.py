@@ -74,6 +74,7 @@ from causalkv.caches.spec import (
     StoredSegment,
 )
 from causalkv.caches.stream import StreamState
+from causalkv.errors import ConfigError
 
 __all__ = [
     "DENSE_REASONS",
@@ -137,7 +138,7 @@ class QVGPackedCausalKVCache(StreamCache):
         quant = (quant or QVGKVQuantArgs()).validate()
         m = min_tokens_per_centroid
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            raise ValueError(f"min_tokens_per_centroid must be a positive int, got {m!r}")
+            raise ConfigError(f"min_tokens_per_centroid must be a positive int, got {m!r}")
         self.spec = spec
         self.quant = quant
         self.offload = offload
