@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, InvalidTypeError, check_int
 from causalkv.options import Options
 
 __all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts", "check_text"]
@@ -165,7 +165,7 @@ class ModelConfig:
         records = _by_class(options, "ModelConfig")
         for key, value in legacy.items():
             if key not in _MODEL_ALIASES:
-                raise TypeError(f"ModelConfig() got an unexpected keyword argument {key!r}")
+                raise InvalidTypeError(f"ModelConfig() got an unexpected keyword argument {key!r}")
             cls = _moved(_MODEL_ALIASES[key])
             records = _merged(records, replace(_option(records, cls), **{key: value}))
         object.__setattr__(self, "options", _by_class(records, "ModelConfig"))

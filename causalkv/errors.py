@@ -2,8 +2,9 @@
 
 Every error causalkv raises on purpose derives from `CausalKVError`, so a host (the
 ``causalkv`` command line included) catches one type. Each concrete error also derives from
-the builtin it has always been (``ValueError`` or ``RuntimeError``), so existing
-``except ValueError`` code keeps working. ``exit_code`` is the status ``causalkv generate``
+the builtin it has always been (``ValueError``, ``RuntimeError``, ``TypeError`` or
+``ImportError``), so existing ``except ValueError`` code keeps working;
+``tests/test_error_family.py`` fails on a deliberate ``raise`` of a bare builtin. ``exit_code`` is the status ``causalkv generate``
 ends with for it (docs/usage.md, "Errors and exit codes"). Torch-free.
 """
 
@@ -13,7 +14,10 @@ __all__ = [
     "CausalKVError",
     "ConfigError",
     "EncoderError",
+    "ImportPathError",
+    "InvalidTypeError",
     "NonFiniteLatentsError",
+    "UsageError",
     "check_int",
 ]
 
@@ -26,7 +30,26 @@ class CausalKVError(Exception):
 
 
 class ConfigError(CausalKVError, ValueError):
-    """A settings record (`ServerArgs`, `StreamSettings`, `QVGKVQuantArgs`, ...) holds a bad value."""
+    """A settings record (`ServerArgs`, `StreamSettings`, `QVGKVQuantArgs`, ...) or an argument
+    holds a bad value."""
+
+
+class InvalidTypeError(CausalKVError, TypeError):
+    """A value of the wrong type where causalkv declares one: a plugin record's field, a hook's
+    return value, an argument. The message names the value and the type expected."""
+
+
+class ImportPathError(CausalKVError, ImportError):
+    """A ``"package.module:Attribute"`` path (a plugin record's stage or cache) that does not
+    import; the message names the path and what is missing."""
+
+
+class UsageError(CausalKVError, RuntimeError):
+    """An object used against its contract: called out of order or outside the wrapper that
+    sets it up, or asked for what it never stored. A caller's bug, not a bad request, so
+    ``causalkv generate`` ends with status 1 for it, as for anything unexpected."""
+
+    exit_code = 1
 
 
 class EncoderError(CausalKVError, RuntimeError):

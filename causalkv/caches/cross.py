@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from causalkv.caches.spec import CacheWriteError
+from causalkv.errors import UsageError
+
 
 class CrossAttentionKVCache:
     """Holds cross-attention ``k``/``v`` ``[B, L, H, D]`` (detached) until reset."""
@@ -18,12 +21,12 @@ class CrossAttentionKVCache:
 
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.shape != v.shape:
-            raise ValueError(f"cross-attention k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+            raise CacheWriteError(f"cross-attention k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
         self.k, self.v = k.detach(), v.detach()
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k is None or self.v is None:
-            raise RuntimeError("cross-attention cache is empty: store() the prompt's K/V first")
+            raise UsageError("cross-attention cache is empty: store() the prompt's K/V first")
         return self.k, self.v
 
     def reset(self) -> None:

@@ -18,6 +18,7 @@ from causalkv.caches.spec import (
     concat_segments,
 )
 from causalkv.caches.stream import StreamState
+from causalkv.errors import ConfigError
 
 __all__ = ["DenseCausalKVCache"]
 
@@ -36,7 +37,7 @@ class DenseCausalKVCache(StreamCache):
 
     def __init__(self, spec: KVCacheSpec, quant: object | None = None) -> None:
         if quant is not None and getattr(quant, "enabled", False):
-            raise ValueError(
+            raise ConfigError(
                 "DenseCausalKVCache stores bf16 only; for QVG quantization use "
                 "QVGPackedCausalKVCache (cache 'qvg') or --kv-cache-quant off"
             )

@@ -180,9 +180,9 @@ class CausalAttentionKVView:
         device: torch.device | None = None,
     ) -> None:
         if (k is None) != (v is None):
-            raise ValueError("CausalAttentionKVView needs both k and v, or neither")
+            raise ConfigError("CausalAttentionKVView needs both k and v, or neither")
         if k is None and materialize is None:
-            raise ValueError("CausalAttentionKVView needs k/v or a materialize callable")
+            raise ConfigError("CausalAttentionKVView needs k/v or a materialize callable")
         self._k, self._v = k, v
         self._materialize = materialize
         self._segments = segments

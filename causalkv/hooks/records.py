@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from causalkv.capabilities import CacheCapabilities
+from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.options import CacheOptions, Options, StageOptions
 
 if TYPE_CHECKING:
@@ -33,13 +34,13 @@ def import_object(path: str) -> Any:
     """
     module_name, sep, qualname = path.partition(":")
     if not sep or not module_name or not qualname:
-        raise ImportError(f"{path!r} is not a 'package.module:Attribute' import path")
+        raise ImportPathError(f"{path!r} is not a 'package.module:Attribute' import path")
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ImportError(
+            raise ImportPathError(
                 f"{path!r}: module {module_name!r} has no attribute {qualname!r}"
             ) from None
     return obj
@@ -59,17 +60,17 @@ def _load(obj: Any) -> Any:
 
 def _check_name(owner: str, name: object) -> None:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"{owner}.name must be a non-empty string, got {name!r}")
+        raise InvalidTypeError(f"{owner}.name must be a non-empty string, got {name!r}")
 
 
 def _check_priority(owner: str, priority: object) -> None:
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise TypeError(f"{owner}: priority must be an int, got {priority!r}")
+        raise InvalidTypeError(f"{owner}: priority must be an int, got {priority!r}")
 
 
 def _check_record(owner: str, what: str, record: object, base: type[Options]) -> None:
     if record is not None and not (isinstance(record, type) and issubclass(record, base)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{owner}: {what} must be a causalkv.options.{base.__name__} subclass (a frozen "
             f"dataclass of option(...) fields) or None, got {record!r}"
         )
@@ -145,13 +146,13 @@ class StageRegistration:
         _check_name("StageRegistration", self.name)
         owner = f"StageRegistration {self.name!r}"
         if not isinstance(self.stage, (str, type)):
-            raise TypeError(f"{owner}: stage must be a class or a 'module:Class' string, got {self.stage!r}")
+            raise InvalidTypeError(f"{owner}: stage must be a class or a 'module:Class' string, got {self.stage!r}")
         models = (self.models,) if isinstance(self.models, str) else tuple(self.models)
         if not models or not all(isinstance(m, str) and m for m in models):
-            raise TypeError(f"{owner}: models must be non-empty strings, got {self.models!r}")
+            raise InvalidTypeError(f"{owner}: models must be non-empty strings, got {self.models!r}")
         presets = tuple(self.presets)
         if not all(isinstance(p, Preset) for p in presets):
-            raise TypeError(f"{owner}: presets must be Preset records, got {self.presets!r}")
+            raise InvalidTypeError(f"{owner}: presets must be Preset records, got {self.presets!r}")
         object.__setattr__(self, "models", models)
         object.__setattr__(self, "presets", presets)
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -219,7 +220,7 @@ class CacheFactory:
         _check_name("CacheFactory", self.name)
         owner = f"CacheFactory {self.name!r}"
         if not (isinstance(self.cache, str) or callable(self.cache)):
-            raise TypeError(f"{owner}: cache must be a class, a 'module:Class' string or a callable, got {self.cache!r}")
+            raise InvalidTypeError(f"{owner}: cache must be a class, a 'module:Class' string or a callable, got {self.cache!r}")
         _check_priority(owner, self.priority)
         _check_record(owner, "options", self.options, CacheOptions)
         caps = self.capabilities
@@ -228,7 +229,7 @@ class CacheFactory:
         elif caps is not None and not isinstance(caps, CacheCapabilities):
             items = (caps,) if isinstance(caps, str) else tuple(caps)
             if not all(isinstance(f, str) and f for f in items):
-                raise TypeError(f"{owner}: capabilities must be non-empty strings, got {caps!r}")
+                raise InvalidTypeError(f"{owner}: capabilities must be non-empty strings, got {caps!r}")
             object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(items)))
 
     def features(self) -> CacheCapabilities:
@@ -237,7 +238,7 @@ class CacheFactory:
             return self.capabilities
         caps = getattr(self.load(), "capabilities", None)
         if not isinstance(caps, CacheCapabilities):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"CacheFactory {self.name!r}: {self.target} declares no `capabilities` "
                 f"(a causalkv.capabilities.CacheCapabilities); pass capabilities=..."
             )

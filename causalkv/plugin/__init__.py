@@ -10,6 +10,7 @@ The contract plugin authors implement is `causalkv.hooks`; docs/plugins.md is th
 from causalkv.plugin.configure import configure_stage
 from causalkv.plugin.errors import (
     PluginConflictError,
+    PluginHookError,
     PluginLoadFailure,
     ResolutionError,
     UnsupportedRequestError,
@@ -29,6 +30,7 @@ __all__ = [
     "CausalKVPluginManager",
     "ModelRef",
     "PluginConflictError",
+    "PluginHookError",
     "PluginInfo",
     "PluginLoadFailure",
     "Registry",

@@ -7,6 +7,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import ConfigError, InvalidTypeError
 
 if TYPE_CHECKING:
     import pluggy
@@ -32,13 +33,13 @@ def configure_stage(
     merged: dict[str, Any] = {}
     for result in reversed(results):
         if not isinstance(result, Mapping):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"causalkv_configure_stage must return a mapping of ModelConfig overrides or "
                 f"None, got {result!r}"
             )
         unknown = sorted(set(result) - valid)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"causalkv_configure_stage returned unknown ModelConfig field(s) "
                 f"{', '.join(unknown)}; choose among: {', '.join(sorted(valid))}"
             )

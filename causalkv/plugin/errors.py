@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from causalkv.errors import CausalKVError
 
-__all__ = ["PluginConflictError", "PluginLoadFailure", "ResolutionError", "UnsupportedRequestError"]
+__all__ = [
+    "PluginConflictError",
+    "PluginHookError",
+    "PluginLoadFailure",
+    "ResolutionError",
+    "UnsupportedRequestError",
+]
 
 
 class PluginConflictError(CausalKVError, RuntimeError):
@@ -15,6 +21,14 @@ class PluginConflictError(CausalKVError, RuntimeError):
     The message names both plugins and the fix (uninstall or block one with
     ``CAUSALKV_DISABLE_PLUGINS``, or change a priority).
     """
+
+
+class PluginHookError(CausalKVError, RuntimeError):
+    """A plugin's hook implementation failed; ``plugin`` and ``hook`` name it."""
+
+    def __init__(self, message: str, *, plugin: str | None, hook: str) -> None:
+        super().__init__(message)
+        self.plugin, self.hook = plugin, hook
 
 
 class ResolutionError(CausalKVError, ValueError):

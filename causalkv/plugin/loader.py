@@ -8,19 +8,24 @@ Env vars (the prefix is ``causalkv.hooks.ENV_PREFIX``):
   ``causalkv.builtin`` blocks the built-in plugin).
 - ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points at all.
 - ``CAUSALKV_TRACE_PLUGINS=1``: print every hook call and its result to stderr.
+
+An installed entry point is loaded by pluggy's own loader
+(``PluginManager.load_setuptools_entrypoints(group, name=...)``, which also records its
+distribution); what pluggy does not do is done around it: the allow and block lists by
+plugin *or* distribution name, one plugin name claimed twice as a conflict (pluggy would
+silently keep the first), and a plugin that fails to import or validate reported and skipped.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
-from pluggy import PluginValidationError
-
-from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX, HOOK_NAMES
+from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX
 from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
 
 if TYPE_CHECKING:
@@ -34,7 +39,6 @@ __all__ = [
     "PluginSettings",
     "discover_entry_points",
     "load_entry_points",
-    "register_checked",
 ]
 
 ENV_ALLOW = f"{ENV_PREFIX}_PLUGINS"
@@ -49,12 +53,12 @@ def _names(raw: str) -> frozenset[str]:
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _norm(name: str) -> str:
+def norm(name: str) -> str:
     """PEP 503 normalization, so ``My_Plugin`` matches distribution ``my-plugin``."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _dist(ep: EntryPoint) -> tuple[str | None, str | None]:
+def distribution_of(ep: EntryPoint) -> tuple[str | None, str | None]:
     """``(distribution name, "<name> <version>")`` of an entry point, or ``(None, None)``."""
     dist = getattr(ep, "dist", None)
     if dist is None:
@@ -90,10 +94,10 @@ class PluginSettings:
 
     def wants(self, ep: EntryPoint) -> bool:
         """Is this entry point allowed and not blocked?"""
-        keys = {_norm(ep.name)} | ({_norm(d)} if (d := _dist(ep)[0]) else set())
+        keys = {norm(ep.name)} | ({norm(d)} if (d := distribution_of(ep)[0]) else set())
 
         def hit(names: frozenset[str]) -> bool:
-            return bool(keys & {_norm(n) for n in names})
+            return bool(keys & {norm(n) for n in names})
 
         return not hit(self.block) and (self.allow is None or hit(self.allow))
 
@@ -103,50 +107,22 @@ def discover_entry_points() -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
 
 
-def _fmt(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def _where(ep: EntryPoint) -> str:
+    return distribution_of(ep)[1] or repr(ep.value)
 
 
-def register_checked(
-    pm: CausalKVPluginManager, plugin: object, name: str, distribution: str | None
-) -> PluginLoadFailure | None:
-    """Register ``plugin`` under ``name``; a validation failure is returned, not raised.
-
-    A name already taken by another plugin is a conflict (`PluginConflictError`). A plugin
-    whose hooks fail pluggy's validation (wrong argument names, a hook name matching no
-    hookspec) is left unregistered and described by the returned `PluginLoadFailure`.
-    """
-    existing = pm.get_plugin(name)
-    if existing is not None and existing is not plugin:
-        other = pm.distributions.get(name)
-        raise PluginConflictError(
-            f"plugin name {name!r} is claimed twice: by {other or 'an already registered plugin'}"
-            f" and by {distribution or repr(plugin)}. Uninstall one, or block it with "
-            f"{ENV_BLOCK}=<distribution name>."
-        )
-    try:
-        pm.register(plugin, name=name)
-    except (PluginValidationError, ValueError) as exc:  # ValueError: object registered twice
-        return PluginLoadFailure(name, distribution, _fmt(exc))
-    unknown = sorted(
-        {
-            c.name
-            for c in pm.get_hookcallers(plugin) or ()
-            if not c.has_spec()
-            and any(i.plugin is plugin and not i.opts.get("optionalhook") for i in c.get_hookimpls())
-        }
-    )
-    if unknown:
-        pm.unregister(plugin)
-        return PluginLoadFailure(
-            name,
-            distribution,
-            f"PluginValidationError: unknown hook(s) {', '.join(unknown)}; "
-            f"causalkv hooks are: {', '.join(HOOK_NAMES)}",
-        )
-    if distribution is not None:
-        pm.distributions[name] = distribution
-    return None
+def _refuse_claimed_names(pm: CausalKVPluginManager, wanted: list[EntryPoint], eps: Iterable[EntryPoint]) -> None:
+    """`PluginConflictError` when a wanted plugin's name is registered already or declared by
+    another entry point (a wanted one, or an installed one pluggy's by-name loader could pick)."""
+    count = Counter(ep.name for ep in eps)
+    for ep in wanted:
+        if pm.get_plugin(ep.name) is not None or count[ep.name] > 1:
+            other = next((o for o in eps if o.name == ep.name and o is not ep), None)
+            first = _where(other) if other is not None else "an already registered plugin"
+            raise PluginConflictError(
+                f"plugin name {ep.name!r} is claimed twice: by {first} and by {_where(ep)}. "
+                f"Uninstall one, or block the name with {ENV_BLOCK}={ep.name}."
+            )
 
 
 def load_entry_points(
@@ -158,32 +134,36 @@ def load_entry_points(
 ) -> int:
     """Import and register the wanted entry points of group ``causalkv``.
 
-    A plugin whose import raises, or that fails validation, is recorded in
-    ``pm.load_failures``, passed to ``report`` and skipped; the others load.
+    An installed entry point goes through pluggy's ``load_setuptools_entrypoints``; one given
+    in-process without a distribution (``entry_points``, e.g. in a test) is imported and
+    registered the same way by hand. A plugin whose import raises, or that fails validation,
+    is recorded in ``pm.load_failures``, passed to ``report`` and skipped; the others load.
 
     Returns:
         The number of plugins registered.
+
+    Raises:
+        PluginConflictError: two entry points, or an entry point and a registered plugin,
+            claim one plugin name.
     """
-    eps = discover_entry_points() if entry_points is None else tuple(entry_points)
+    eps = [ep for ep in (discover_entry_points() if entry_points is None else entry_points)
+           if ep.group == ENTRY_POINT_GROUP]
+    wanted = [ep for ep in eps if settings.wants(ep) and not pm.is_blocked(ep.name)]
+    _refuse_claimed_names(pm, wanted, eps)
     loaded = 0
-    seen: set[str] = set()
-    for ep in eps:
-        if ep.group != ENTRY_POINT_GROUP or not settings.wants(ep) or pm.is_blocked(ep.name):
-            continue
-        dist_name, distribution = _dist(ep)
-        seen |= {_norm(ep.name)} | ({_norm(dist_name)} if dist_name else set())
+    for ep in wanted:
         try:
-            failure = register_checked(pm, ep.load(), ep.name, distribution)
-        except PluginConflictError:
-            raise
-        except Exception as exc:  # a broken plugin must not take the host down
-            failure = PluginLoadFailure(ep.name, distribution, _fmt(exc))
-        if failure is None:
-            loaded += 1
-            continue
-        pm.load_failures.append(failure)
-        if report is not None:
-            report(failure)
+            if getattr(ep, "dist", None) is not None:  # installed
+                loaded += pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            else:
+                pm.register(ep.load(), name=ep.name)
+                loaded += 1
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the host down
+            failure = PluginLoadFailure(ep.name, distribution_of(ep)[1], f"{type(exc).__name__}: {exc}")
+            pm.load_failures.append(failure)
+            if report is not None:
+                report(failure)
     if settings.allow is not None:
-        pm.missing_allowed = tuple(sorted(n for n in settings.allow if _norm(n) not in seen))
+        seen = {norm(k) for ep in wanted for k in (ep.name, distribution_of(ep)[0]) if k}
+        pm.missing_allowed = tuple(sorted(n for n in settings.allow if norm(n) not in seen))
     return loaded

@@ -12,14 +12,18 @@ from typing import Any
 
 import pluggy
 
-from causalkv.hooks import ENTRY_POINT_GROUP, NAME, specs
+from causalkv import __version__
+from causalkv.hooks import ENTRY_POINT_GROUP, HOOK_NAMES, NAME, specs
 from causalkv.plugin import builtin
-from causalkv.plugin.errors import PluginLoadFailure
+from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
 from causalkv.plugin.loader import (
+    ENV_ALLOW,
+    ENV_BLOCK,
     PluginSettings,
     discover_entry_points,
+    distribution_of,
     load_entry_points,
-    register_checked,
+    norm,
 )
 
 __all__ = [
@@ -65,29 +69,57 @@ class CausalKVPluginManager(pluggy.PluginManager):
         self.add_hookspecs(specs)
         self.settings = settings or PluginSettings()
         self.load_failures: list[PluginLoadFailure] = []
-        self.distributions: dict[str, str] = {}
         self.missing_allowed: tuple[str, ...] = ()
         #: the lines this manager printed on stderr while it was built (load failures,
         #: unknown names in the env vars), in order
         self.reported: list[str] = []
 
-    def register_plugin(self, plugin: object, name: str | None = None) -> str:
-        """Register an in-process plugin, validating it like an entry-point plugin.
+    @property
+    def distributions(self) -> dict[str, str]:
+        """Plugin name -> ``"<dist> <version>"`` of the plugins loaded from entry points
+        (pluggy's own record, `list_plugin_distinfo`)."""
+        return {
+            name: f"{dist.project_name} {dist.version}"
+            for plugin, dist in self.list_plugin_distinfo()
+            if (name := self.get_name(plugin)) is not None
+        }
 
-        Raises pluggy's `PluginValidationError` (rather than soft-failing) for a plugin you
-        register yourself, e.g. in a test. Returns the name it was registered under.
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        """pluggy's ``register``, then pluggy's ``check_pending``: a hook no causalkv hookspec
+        declares (a misspelled name) is a `pluggy.PluginValidationError` too, and the plugin
+        is left unregistered."""
+        registered = super().register(plugin, name)
+        try:
+            self.check_pending()
+        except pluggy.PluginValidationError as exc:
+            unknown = sorted(c.name for c in self.get_hookcallers(plugin) or () if not c.has_spec())
+            self.unregister(plugin)
+            raise pluggy.PluginValidationError(
+                plugin, f"unknown hook(s) {', '.join(unknown)}; causalkv hooks are: {', '.join(HOOK_NAMES)}"
+            ) from exc
+        return registered
+
+    def register_plugin(self, plugin: object, name: str | None = None) -> str:
+        """Register an in-process plugin (e.g. in a test); returns the name it got.
+
+        Raises:
+            PluginConflictError: another plugin holds ``name``.
+            pluggy.PluginValidationError: the plugin's hooks do not match the hookspecs.
         """
         name = name or self.get_canonical_name(plugin)
-        failure = register_checked(self, plugin, name, None)
-        if failure is not None:
-            raise pluggy.PluginValidationError(plugin, str(failure))
+        existing = self.get_plugin(name)
+        if existing is not None and existing is not plugin:
+            raise PluginConflictError(
+                f"plugin name {name!r} is claimed twice: by {self.distributions.get(name) or 'an already registered plugin'}"
+                f" and by {plugin!r}. Register it under another name, or block the other with {ENV_BLOCK}."
+            )
+        self.register(plugin, name=name)
         return name
 
     def plugin_infos(self) -> list[PluginInfo]:
         """Registered plugins: the built-in one first, then by name."""
-        from causalkv import __version__
-
         infos = []
+        dists = self.distributions
         for name, plugin in self.list_name_plugin():
             if plugin is None:  # a blocked name
                 continue
@@ -95,7 +127,7 @@ class CausalKVPluginManager(pluggy.PluginManager):
             if plugin is builtin:
                 dist_name, version = NAME, __version__
             else:
-                dist_name, _, version = (self.distributions.get(name) or "").rpartition(" ")
+                dist_name, _, version = (dists.get(name) or "").rpartition(" ")
             infos.append(PluginInfo(name, version or None, dist_name or None, hooks, plugin is builtin))
         infos.sort(key=lambda info: (not info.builtin, info.name))
         return infos
@@ -109,28 +141,18 @@ def _stderr_warn(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _unknown_names(names: Iterable[str], known: Iterable[str]) -> list[str]:
-    """The ``names`` that match none of ``known`` (PEP 503 normalized, as the env vars match)."""
-    from causalkv.plugin.loader import _norm
-
-    have = {_norm(k) for k in known}
-    return sorted(n for n in names if _norm(n) not in have)
-
-
 def unknown_name_warnings(settings: PluginSettings, entry_points: Iterable[EntryPoint]) -> list[str]:
     """One warning per env var whose names match no plugin: ``CAUSALKV_DISABLE_PLUGINS``
     against the built-in plugin and every installed entry point (and its distribution),
     ``CAUSALKV_PLUGINS`` against the installed entry points; each lists the known names."""
-    from causalkv.plugin.loader import ENV_ALLOW, ENV_BLOCK, _dist
-
     eps = [ep for ep in entry_points if ep.group == ENTRY_POINT_GROUP]
-    installed = sorted({ep.name for ep in eps} | {d for ep in eps if (d := _dist(ep)[0])})
+    installed = sorted({ep.name for ep in eps} | {d for ep in eps if (d := distribution_of(ep)[0])})
     out = []
     for var, names, known, effect in (
         (ENV_BLOCK, settings.block, [builtin.BUILTIN_PLUGIN_NAME, *installed], "blocking it does nothing"),
         (ENV_ALLOW, settings.allow or (), installed, "only the installed plugins it names load"),
     ):
-        unknown = _unknown_names(names, known)
+        unknown = sorted(n for n in names if norm(n) not in {norm(k) for k in known})  # as the env vars match
         if unknown:
             listed = ", ".join(known) if known else "none (no causalkv plugin is installed)"
             out.append(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.hooks import CacheFactory, Preset, StageRegistration
+from causalkv.plugin.calls import call_each
 from causalkv.plugin.errors import PluginConflictError, ResolutionError
 from causalkv.plugin.loader import ENV_BLOCK
 
@@ -42,12 +44,12 @@ class StageEntry:
         try:
             cls = reg.load()
         except ImportError as exc:
-            raise ImportError(
+            raise ImportPathError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from "
                 f"{reg.target!r}: {exc}"
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
                 f"a subclass of causalkv.stages.base.CausalDenoisingStage"
             )
@@ -119,25 +121,6 @@ class Registry:
         return serving[0].registration.defaults if serving else None
 
 
-def call_each(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-    """Call each plugin's implementation of a hook; yield ``(plugin name, result)``.
-
-    Each call goes through pluggy's own hook machinery (one subset caller per plugin), so
-    monitoring and tracing see it; registries need the plugin of every record to name both
-    sides of a conflict. A raising implementation is re-raised naming its plugin.
-    """
-    caller = getattr(pm.hook, hook_name)
-    plugins = [impl.plugin for impl in caller.get_hookimpls() if not (impl.hookwrapper or impl.wrapper)]
-    for plugin in plugins:
-        name = pm.get_name(plugin) or repr(plugin)
-        others = [p for _, p in pm.list_name_plugin() if p is not None and p is not plugin]
-        try:
-            results = pm.subset_hook_caller(hook_name, others)(**kwargs)
-        except Exception as exc:
-            raise RuntimeError(f"plugin {name!r}: {hook_name}() raised {type(exc).__name__}: {exc}") from exc
-        yield name, results[0] if results else None
-
-
 def _records(plugin: str, hook_name: str, result: Any, kind: type) -> Iterable[Any]:
     if result is None:
         return ()
@@ -147,7 +130,7 @@ def _records(plugin: str, hook_name: str, result: Any, kind: type) -> Iterable[A
         items = (result,)
     for item in items:
         if not isinstance(item, kind):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"plugin {plugin!r}: {hook_name}() returned {item!r}; expected an iterable of "
                 f"{kind.__name__} records (from causalkv.hooks import {kind.__name__})"
             )

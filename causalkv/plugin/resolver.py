@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration
 from causalkv.options import (
     CacheOptions,
@@ -68,7 +69,7 @@ def model_ref(model: str | Path | ModelConfig) -> ModelRef:
         keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
         return ModelRef(model.name, model.model_class, keys, model, "model config")
     if not isinstance(model, (str, Path)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"model must be a preset name, a model folder or a ModelConfig, got {model!r}"
         )
     path = Path(model)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from causalkv.caches.attention import attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
+from causalkv.errors import ConfigError, UsageError
 from causalkv.runtime.distributed import (
     ParallelContext,
     enable_sequence_parallel,
@@ -73,9 +74,9 @@ def rope_at_frame_offset(
     integral = float(frame_offset).is_integer()
     f0 = int(frame_offset) // p_t if integral else float(frame_offset) / p_t
     if f0 < 0:
-        raise ValueError(f"RoPE frame offset must be >= 0, got {frame_offset}")
+        raise ConfigError(f"RoPE frame offset must be >= 0, got {frame_offset}")
     if f0 + ppf > rope.max_seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"RoPE frames [{f0}, {f0 + ppf}) exceed the model's rope_max_seq_len={rope.max_seq_len}; "
             "generate fewer frames or raise rope_max_seq_len in transformer/config.json"
         )
@@ -172,7 +173,7 @@ class CausalWanSelfAttnProcessor:
     ) -> torch.Tensor:
         st = self.state
         if not st.active:
-            raise RuntimeError(
+            raise UsageError(
                 "causal Wan self-attention called outside CausalWanTransformer.__call__; "
                 "call the wrapper with the layer caches, not the diffusers model directly"
             )
@@ -186,7 +187,7 @@ class CausalWanSelfAttnProcessor:
         assert st.rope is not None
         cos, sin = st.rope
         if cos.shape[1] != query.shape[1]:
-            raise RuntimeError(
+            raise UsageError(
                 f"RoPE table covers {cos.shape[1]} tokens, the chunk has {query.shape[1]}"
             )
         query = apply_rotary(query, cos, sin)
@@ -231,7 +232,7 @@ class CachedWanCrossAttnProcessor:
     ) -> torch.Tensor:
         st = self.state
         if not st.active:
-            raise RuntimeError("cached Wan cross-attention called outside CausalWanTransformer.__call__")
+            raise UsageError("cached Wan cross-attention called outside CausalWanTransformer.__call__")
         cache = st.cross_caches[self.layer_index]
         if not cache.is_initialized:
             assert encoder_hidden_states is not None
@@ -256,7 +257,7 @@ def install_causal_processors(transformer: torch.nn.Module) -> CausalCallState:
     cross-attention also reads image tokens.
     """
     if getattr(transformer.config, "added_kv_proj_dim", None) is not None:
-        raise ValueError(
+        raise ConfigError(
             "image-conditioned Wan transformers (added_kv_proj_dim set) are not supported by "
             "the causal runtime; use a text-to-video Wan checkpoint"
         )
@@ -271,7 +272,7 @@ def install_causal_processors(transformer: torch.nn.Module) -> CausalCallState:
         elif parts[2] == "attn2":
             processors[name] = CachedWanCrossAttnProcessor(layer, state)
         else:
-            raise ValueError(f"unexpected attention module {name!r} in the Wan transformer")
+            raise ConfigError(f"unexpected attention module {name!r} in the Wan transformer")
     transformer.set_attn_processor(processors)
     return state
 
@@ -311,7 +312,7 @@ class CausalWanTransformer:
         ``head_offset``). Every rank must make the same calls with the same latents.
         """
         if self.state.parallel is not None:
-            raise RuntimeError("sequence parallelism is already enabled on this transformer")
+            raise UsageError("sequence parallelism is already enabled on this transformer")
         start, stop = ctx.head_slice(int(self.model.config.num_attention_heads))
         if ctx.world_size > 1:
             enable_sequence_parallel(self.model, ctx)
@@ -338,7 +339,7 @@ class CausalWanTransformer:
     ) -> torch.Tensor:
         b, c, f, h, w = latents.shape
         if len(kv_caches) != self.num_layers or len(cross_caches) != self.num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"need one cache per layer ({self.num_layers}), got {len(kv_caches)} KV and "
                 f"{len(cross_caches)} cross-attention caches"
             )

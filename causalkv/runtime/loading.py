@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, ConfigError
 from causalkv.runtime.attention import CausalWanTransformer
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.text import PromptEncoder
@@ -51,7 +51,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"dtype must be one of ['bfloat16', 'float16', 'float32'], got {name!r}"
         ) from None
 

@@ -16,9 +16,9 @@ import torch
 
 from causalkv.config import ServerArgs
 from causalkv.plugin import Resolution
+from causalkv.plugin.calls import ObserverHook
 from causalkv.runtime.load import build_stage, load_for_plan, make_parallel
 from causalkv.runtime.loading import Components
-from causalkv.runtime.plugin_faults import ObserverHook
 from causalkv.runtime.records import GenerationRun, Plan
 from causalkv.stages.records import ChunkStats, ForwardRecord
 

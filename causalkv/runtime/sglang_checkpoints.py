@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: bump when a checkpoint definition changes: old folders are rebuilt
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 _MARKER = ".causalkv-sglang-checkpoint.json"
 
 #: diffusers' Wan transformer names -> LongLive's original names (what sglang's
@@ -209,20 +209,23 @@ CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
             dit_class="CausalLingBotWorldTransformer3DModel",
             model_id="lingbot-world-fast-diffusers",
             description="LingBot-World fast (sglang's LingBotWorldCausalDMDPipeline): image to "
-            "video with camera actions, 2 blocks x 2 heads x 64, 2-frame chunks, 2-frame sink, "
-            "8-frame cache; the noise (4 channels) is concatenated with the image condition "
-            "(4 mask + 4 latent channels)",
-            transformer={"in_channels": 12, "out_channels": 4},
+            "video with camera actions, 2 blocks x 2 heads x 64, 1x1 patches (256 tokens per "
+            "latent frame at 128x128), 3-frame chunks (sglang's LingBot default, which its "
+            "realtime server takes as the chunk size), a 3-frame sink and a 12-frame cache (the "
+            "sink and three chunks: in a 5-chunk realtime stream cold chunks pack and the window "
+            "rolls); the noise (4 channels) is concatenated with the image condition (4 mask + "
+            "4 latent channels)",
+            transformer={"in_channels": 12, "out_channels": 4, "patch_size": [1, 1, 1]},
             native={
-                "num_frames_per_block": 2,
-                "sink_size": 2,
+                "num_frames_per_block": 3,
+                "sink_size": 3,
                 "local_attn_size": -1,
-                "sliding_window_num_frames": 8,
+                "sliding_window_num_frames": 12,
             },
             keys=_WAN_ORIGINAL_KEYS,
             camera=True,
             null_components=("image_encoder", "image_processor"),
-            request=("--height", "256", "--width", "256", "--num-frames", "5", "--seed", "0",
+            request=("--height", "128", "--width", "128", "--num-frames", "9", "--seed", "0",
                      "--prompt", _PROMPT, "--image-path", "{dir}/first_frame.png",
                      "--config", "{dir}/camera_actions.json", "--kv-cache-quant", "int2"),
             seed=3,
@@ -350,9 +353,9 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
         **{name: [None, None] for name in spec.null_components},
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    if spec.camera:  # the printed request's inputs: a first frame and WASD/IJKL camera actions
+    if spec.camera:  # the request's inputs: a 128x128 first frame, WASD/IJKL camera actions
         g = torch.Generator().manual_seed(spec.seed)
-        pixels = (torch.rand(256, 256, 3, generator=g) * 255).to(torch.uint8).numpy()
+        pixels = (torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()
         Image.fromarray(pixels).save(out / "first_frame.png")
         actions = {"actions": [["w"], ["w", "j"], ["w"], ["l"], ["w"]]}
         (out / "camera_actions.json").write_text(json.dumps(actions) + "\n")

@@ -36,6 +36,7 @@ import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
 from causalkv.stages import loop
 from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet, build_cache_set
@@ -169,11 +170,11 @@ class CausalDenoisingStage(StagePlanning):
     def apply_model(self, model: ModelConfig) -> None:
         """(Re)derive everything that depends on the model config. Only before caches exist.
 
-        Raises RuntimeError once the caches are allocated, and `ConfigError` (stage left as
+        Raises `UsageError` (a RuntimeError) once the caches are allocated, and `ConfigError` (stage left as
         it was) when the config gives invalid stream settings.
         """
         if self._cache_sets is not None:
-            raise RuntimeError(
+            raise UsageError(
                 f"stage {self.name!r}: its KV caches are already allocated; apply model "
                 "overrides before the first chunk (causalkv_configure_stage does)"
             )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from causalkv.errors import UsageError
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
@@ -67,7 +68,7 @@ class LongLiveStage(CausalDenoisingStage):
             idx = [f for f, _ in piece]
             x = latents[:, :, idx[0] : idx[-1] + 1]
             if x.shape[2] != len(idx):
-                raise RuntimeError(f"re-cache piece {idx} is not contiguous")
+                raise UsageError(f"re-cache piece {idx} is not contiguous")
             rope0 = piece[0][1]
             x_ctx = x
             if self.context_noise > 0:

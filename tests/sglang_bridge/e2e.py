@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +29,25 @@ SHOTS = {
 GEOMETRY = {"height": 256, "width": 256, "num_frames": 29, "seed": 0}
 
 _SUMMARY = re.compile(r"causalkv kv-cache summary: (.*)$", re.M)
+#: what `realtime_probe` prints (its lines quote a summary line, which `summaries` skips)
+PROBE_PREFIX = "causalkv test probe: "
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
 
 
 def summaries(log: str) -> list[dict[str, str]]:
-    """The ``causalkv kv-cache summary:`` lines of a log, as key=value dicts."""
-    return [dict(kv.split("=", 1) for kv in m.group(1).split()) for m in _SUMMARY.finditer(log)]
+    """The bridge's ``causalkv kv-cache summary:`` lines of a log, as key=value dicts."""
+    return [_fields(m.group(1)) for m in _SUMMARY.finditer(log)
+            if PROBE_PREFIX not in log[log.rfind("\n", 0, m.start()) + 1:m.start()]]
+
+
+def probe_records(log: str) -> list[dict[str, str]]:
+    """`realtime_probe`'s lines of a log (one per realtime chunk), as key=value dicts: the
+    stream's cursors and the bridge's summary fields for the session's caches."""
+    return [_fields(line.split(PROBE_PREFIX, 1)[1].replace("| causalkv kv-cache summary:", ""))
+            for line in log.splitlines() if PROBE_PREFIX in line]
 
 
 def serving_lines(log: str) -> list[str]:
@@ -105,3 +120,209 @@ def frames_of(result) -> np.ndarray:
     if isinstance(frames, list):
         frames = np.stack([np.asarray(f) for f in frames])
     return np.asarray(frames)
+
+
+# ---- sglang's realtime server (``sglang serve``, its /v1/realtime_video/generate websocket) ----
+#: the realtime request's geometry on the tiny LingBot-World checkpoint: 1x1 patches and an 8x
+#: VAE give 256 tokens per latent frame at 128x128, a chunk is 3 latent frames (768 tokens;
+#: the first chunk decodes to 9 video frames, every later one to 12)
+REALTIME_SIZE = (128, 128)
+_READY = re.compile(r"Uvicorn running on \S*?http://127\.0\.0\.1:(\d+)")
+
+
+def _free_port(taken: set[int]) -> int:
+    """A loopback port that is free, with the next one free too (sglang's HTTP server gives
+    its broker the next port), and neither in ``taken`` (which it joins)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if {port, port + 1} & taken:
+            continue
+        with socket.socket() as t:
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        taken.update((port, port + 1))
+        return port
+    raise RuntimeError("no two adjacent free loopback ports")
+
+
+#: ports handed to servers of this test session (two starting at once must not share one)
+_TAKEN: set[int] = set()
+
+
+class RealtimeServer:
+    """``sglang serve`` on the loopback interface, started as its own process group.
+
+    Args:
+        ckpt: the model folder; ``model_id`` the registered model sglang takes its configs from.
+        workdir: the server's working directory (sglang writes uploaded first frames there).
+        flags: more ``sglang serve`` flags (``--kv-cache-quant int2``).
+        env: environment overrides; a ``None`` value removes the variable.
+    """
+
+    def __init__(self, ckpt: Path, workdir: Path, *flags: str, model_id: str,
+                 env: dict[str, str | None] | None = None) -> None:
+        # --sleep-on-idle: an idle CPU worker otherwise spins a core polling for requests
+        # (10 CPU seconds in 10 s measured), which would starve the session in progress.
+        # Every port given: sglang's defaults (master 30005, scheduler 5555) are probed
+        # before they are bound, so two servers starting at once would race for them
+        ports = [str(_free_port(_TAKEN)) for _ in range(3)]
+        self.args = [SGLANG, "serve", "--model-path", str(ckpt), "--model-id", model_id,
+                     "--num-gpus", "1", "--host", "127.0.0.1", "--port", ports[0],
+                     "--master-port", ports[1], "--scheduler-port", ports[2],
+                     "--warmup-mode", "off", "--sleep-on-idle", *flags]
+        self.workdir = workdir
+        self.log_path = workdir / "server.log"
+        self.env = {k: v for k, v in os.environ.items()}
+        for key, value in (env or {}).items():
+            if value is None:
+                self.env.pop(key, None)
+            else:
+                self.env[key] = value
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    def start(self) -> RealtimeServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.args, cwd=self.workdir, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float = 300) -> int:
+        """Block until uvicorn listens; the port it listens on (sglang may pick another)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = _READY.search(self.log())
+            if m:
+                self.port = int(m.group(1))
+                return self.port
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"sglang serve exited before listening:\n{self.log()[-3000:]}")
+            time.sleep(0.25)
+        raise TimeoutError(f"sglang serve not listening after {timeout} s:\n{self.log()[-3000:]}")
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 60) -> None:
+        """Block until ``text`` is in the log ``count`` times (sglang logs some things after a
+        session's websocket closed, e.g. its release)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.log().count(text) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{text!r} not logged {count} times in {timeout} s:\n"
+                                   f"{self.log()[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM to the server's process group (uvicorn shuts down, the worker follows),
+        then SIGKILL whatever is left after ``timeout`` seconds."""
+        import signal
+
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group is the server's own
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # the worker and any straggler of the group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+
+@dataclass
+class RealtimeStream:
+    """What one realtime session sent back.
+
+    Attributes:
+        chunks: the decoded frames of each chunk in order, ``[frames, H, W, 3]`` uint8.
+        stats: the ``chunk_stats`` messages.
+        errors: the ``error`` messages' contents.
+        closed: how the websocket closed (code and reason).
+    """
+
+    chunks: list[np.ndarray] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    closed: str = ""
+
+    @property
+    def frames(self) -> np.ndarray:
+        """Every chunk's frames, ``[frames, H, W, 3]``."""
+        return np.concatenate(self.chunks) if self.chunks else np.zeros((0, 0, 0, 3), np.uint8)
+
+
+def realtime_init(ckpt: Path, *, max_chunks: int, actions: bool = True, seed: int = 0) -> dict:
+    """The ``init`` message of a LingBot-World realtime session: the checkpoint's first frame
+    (PNG bytes: the websocket carries no multipart upload), its camera actions
+    (``camera_actions.json``'s one list of WASD/IJKL keys per frame, as a script in
+    ``condition_inputs``), ``max_chunks`` chunks, noise drawn on the CPU."""
+    init = {"type": "init", "prompt": SHOTS["shot_prompts"][0],
+            "first_frame": (ckpt / "first_frame.png").read_bytes(),
+            "size": f"{REALTIME_SIZE[1]}x{REALTIME_SIZE[0]}", "max_chunks": max_chunks,
+            "seed": seed, "generator_device": "cpu"}
+    if actions:
+        camera = json.loads((ckpt / "camera_actions.json").read_text())["actions"]
+        init["condition_inputs"] = {"camera_actions": camera}
+    return init
+
+
+def realtime_stream(port: int, init: dict, *, timeout: float = 300) -> RealtimeStream:
+    """One session on sglang's ``/v1/realtime_video/generate``: send ``init``, read until the
+    server closes. Frame batches come as one ``frame_batch`` message, or (payloads of 64 KiB
+    and more) a ``frame_batch_header`` followed by the raw RGB bytes."""
+    import msgspec.msgpack
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    out = RealtimeStream()
+    parts: dict[int, list[np.ndarray]] = {}
+    with connect(f"ws://127.0.0.1:{port}/v1/realtime_video/generate", max_size=None,
+                 open_timeout=60, close_timeout=10) as ws:
+        ws.send(msgspec.msgpack.encode(init))
+        header = None
+        try:
+            while True:
+                message = ws.recv(timeout=timeout)
+                if header is not None:
+                    payload, batch, header = message, header, None
+                else:
+                    data = msgspec.msgpack.decode(message)
+                    kind = data.get("type")
+                    if kind == "frame_batch_header":
+                        header = data
+                        continue
+                    if kind == "chunk_stats":
+                        out.stats.append(data)
+                    elif kind == "error":
+                        out.errors.append(str(data.get("content")))
+                    if kind != "frame_batch":
+                        continue
+                    payload, batch = data.pop("payload"), data
+                h, w, c = int(batch["height"]), int(batch["width"]), int(batch["channels"])
+                frames = np.frombuffer(payload, np.uint8).reshape(int(batch["num_frames"]), h, w, c)
+                parts.setdefault(int(batch["chunk_index"]), []).append(frames)
+        except ConnectionClosed as closed:
+            frame = closed.rcvd  # the server's close frame (None: closed without one)
+            out.closed = "no close frame" if frame is None else f"{frame.code} {frame.reason}"
+    out.chunks = [np.concatenate(parts[i]) for i in sorted(parts)]
+    return out

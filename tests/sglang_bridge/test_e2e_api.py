@@ -160,14 +160,15 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
     (sglang's own QVG cache): each allocation line names its codec. Offline, sglang's LingBot
     pipeline denoises one chunk per request (multi-chunk streams need a realtime session), so
     no chunk completes and nothing is packed: both caches serve the chunk dense and the
-    videos are equal bit for bit."""
+    videos are equal bit for bit (a realtime stream that packs: test_e2e_realtime.py)."""
     from PIL import Image
     from sglang.multimodal_gen import DiffGenerator
 
     image = tmp_path / "first-frame.png"
     rng = np.random.default_rng(0)
-    Image.fromarray((rng.random((256, 256, 3)) * 255).astype(np.uint8)).save(image)
-    request = dict(GEOMETRY, num_frames=5, prompt=SHOTS["shot_prompts"][0],
+    Image.fromarray((rng.random((128, 128, 3)) * 255).astype(np.uint8)).save(image)
+    # one 3-latent-frame chunk (9 video frames) at 128x128: 256 tokens per latent frame
+    request = dict(GEOMETRY, height=128, width=128, num_frames=9, prompt=SHOTS["shot_prompts"][0],
                    image_path=str(image), actions=[["w"], ["w", "j"], ["w"], ["l"], ["w"]],
                    save_output=False, return_frames=True)
     runs = {}
@@ -191,5 +192,5 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
         assert f"{cache} x 2 blocks, codec {codec}" in line
         (s,) = summaries(log)
         assert s["cache"] == cache and s["packed_chunks"] == "0"
-        assert frames.ndim == 4 and frames.shape[1:] == (256, 256, 3)
+        assert frames.shape == (9, 128, 128, 3)
     assert np.array_equal(runs["causalkv"][1], runs["sglang"][1])

@@ -43,13 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from causalkv.caches.qvg.codec import PackedSegment, _triton_interpret
+from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.qvg.triton_impl import (
     _MODE_ASYM,
     _MODE_MSE,
     _MODE_REFERENCE,
     _e4m3_scale,
 )
+from causalkv.caches.qvg.triton_impl import interpreting as _triton_interpret
 from causalkv.errors import CausalKVError
 
 __all__ = [

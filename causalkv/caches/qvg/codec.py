@@ -11,22 +11,14 @@ PRQ (the Quant-VideoGen scheme), per (batch, head):
 
 Dequantize = sum of the assigned centroids + level x scale, in one pass per stage.
 
-Byte layout (all tensors contiguous when produced by `quantize`):
-
-- ``codes [B, H, S, D * bits // 8]`` uint8: byte ``i`` of a token holds channels
-  ``i*P .. i*P+P-1`` (``P = 8 // bits``), channel ``i*P + j`` in bits ``[j*bits, (j+1)*bits)``,
-  each field a two's-complement signed code ``v`` in ``[-2^(bits-1), 2^(bits-1) - 1]``.
-- Levels: grid ``"reference"`` symmetric: ``v * s`` with ``v`` in ``-q..q``, ``q = 2^(bits-1) - 1``
-  (three levels at 2 bits, as in the reference package); grid ``"mse4"``: ``(2v + 1) * s``, all
-  ``2^bits`` levels, odd multiples of a half-step ``s`` chosen by least squares; asymmetric:
-  ``(v - z) * s`` with the int8 zero point ``z``.
-- ``scales [B, H, S, D // block_size]`` float8_e4m3fn, decoded as ``fp8 * 2**scale_exp[b, h]``:
-  ``scale_exp [B, H]`` int16 holds one exponent per (batch, head), chosen so the head's largest
-  block scale lands in ``(224, 448]``, the top of e4m3's range. Every block scale within
-  ``2^-17`` of its head's largest keeps 4 significant bits; smaller ones flush toward the e4m3
-  subnormals (absolute error below ``2^-18`` of the head's largest scale). Symmetric and
-  asymmetric scales are rounded *up* to the next e4m3 value, so codes never clip and the
-  per-element error stays within half a (stored) step.
+The packed form, its byte layout and its scale table are `causalkv.caches.qvg.format` (the
+leaf both backends import); this module is the driver: it checks the input, normalizes each
+head, draws the k-means initialization, computes the block statistics and encodes the scales,
+and hands the kernels to a `format.Backend`: `torch_impl` (any device) or `triton_impl`
+(CUDA, when triton imports), picked by `resolve_backend`. ``args`` is any object with the
+codec's settings (`format.CodecSettings`: ``bits``, ``centroids``, ``block_size``,
+``stages``, ``kmeans_iters``, ``asymmetric``, ``grid``), e.g. a `QVGKVQuantArgs`; nothing
+else of it is read.
 
 Head independence: everything a head stores depends only on that head's input, the seed
 and the head's *global* index (``head_offset + h``): the k-means initialization draws from a
@@ -34,8 +26,6 @@ generator keyed by (seed, batch index, global head) and the exponents are per he
 ``quantize(x[:, a:b], args, seed=s, head_offset=a)`` equals ``quantize(x, args, seed=s)``
 restricted to heads ``[a, b)`` bit for bit (a rank packing its heads packs them exactly as
 one process packs the same global heads).
-- A block whose *input* is all zeros stores the scale byte ``0x80`` (e4m3 ``-0.0``, never
-  produced otherwise) and decodes to exact zeros regardless of its token's centroid.
 
 Host syncs: on the CPU `quantize` reads the per-head absolute maxima on the host (the
 non-finite check and the normalization exponents; free there). On any other device it makes
@@ -50,15 +40,33 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, replace
 
 import torch
 
-from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.torch_impl import _scratch as scratch
+from causalkv.caches.qvg import torch_impl, triton_impl
+from causalkv.caches.qvg.format import (  # noqa: F401 - re-exported: their home before format.py
+    FP8_MAX,
+    MIN_SCALE_EXP,
+    POISON_SCALE_EXP,
+    ZERO_BLOCK_SCALE_BYTE,
+    Backend,
+    CodecError,
+    CodecSettings,
+    PackedSegment,
+    bits_per_element,
+    encode_scales,
+    packed_nbytes_formula,
+    scale_exponent,
+    scale_exponents,
+    scale_table,
+)
+from causalkv.caches.qvg.scratch import scratch
+from causalkv.errors import ConfigError
 
 __all__ = [
     "BACKEND_ENV",
+    "Backend",
+    "CodecError",
     "PackedSegment",
     "bits_per_element",
     "dequantize",
@@ -69,178 +77,19 @@ __all__ = [
 
 BACKEND_ENV = "CAUSALKV_QVG_BACKEND"
 _BACKENDS = ("auto", "torch", "triton")
-ZERO_BLOCK_SCALE_BYTE = 0x80  # e4m3 -0.0: "this input block is all zeros"
-FP8_MAX = 448.0
 _MAX_ZERO_RANGE = 120.0  # asymmetric: |zero point| stays <= 120 + 2^(bits-1) (fits int8)
 _MSE_ITERS = 4
-_MIN_SCALE_EXP = -100
-POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
-
-
-# ---------------------------------------------------------------------------------------------
-# The packed form
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class PackedSegment:
-    """One PRQ-packed segment of K or V, logical shape ``[B, H, S, D]``.
-
-    Attributes:
-        centroids: per stage ``[B, H, K, D]`` bf16, ``K = min(args.centroids, S)``.
-        ids: per stage ``[B, H, S]`` uint8 cluster ids.
-        codes: ``[B, H, S, D * bits // 8]`` uint8 packed residual codes (see module doc).
-        scales: ``[B, H, S, D // block_size]`` float8_e4m3fn block scales (``x 2**scale_exp``).
-        scale_exp: ``[B, H]`` int16, the power-of-two exponent of every decoded scale of a head.
-        zeros: ``[B, H, S, D // block_size]`` int8 zero points when asymmetric, else None.
-        shape: ``(B, H, S, D)``.
-        dtype: dtype of the tensor that was quantized.
-        bits: residual bits (2 or 4).
-        block_size: channels per scale block.
-        grid: ``"reference"`` or ``"mse4"`` (how codes map to levels).
-    """
-
-    centroids: list[torch.Tensor]
-    ids: list[torch.Tensor]
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    scale_exp: torch.Tensor
-    shape: tuple[int, int, int, int]
-    dtype: torch.dtype
-    bits: int
-    block_size: int
-    grid: str = "reference"
-
-    @property
-    def nbytes(self) -> int:
-        """Exactly the stored bytes: the sum of every tensor's ``nbytes``."""
-        total = self.codes.nbytes + self.scales.nbytes + self.scale_exp.nbytes
-        total += sum(c.nbytes for c in self.centroids) + sum(i.nbytes for i in self.ids)
-        if self.zeros is not None:
-            total += self.zeros.nbytes
-        return int(total)
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def stages(self) -> int:
-        return len(self.centroids)
-
-    @property
-    def num_centroids(self) -> int:
-        """K, the centroids per (batch, head) per stage actually stored."""
-        return int(self.centroids[0].shape[2])
-
-    @property
-    def asymmetric(self) -> bool:
-        return self.zeros is not None
-
-    def _map(self, fn) -> PackedSegment:
-        return replace(
-            self,
-            centroids=[fn(c) for c in self.centroids],
-            ids=[fn(i) for i in self.ids],
-            codes=fn(self.codes),
-            scales=fn(self.scales),
-            zeros=None if self.zeros is None else fn(self.zeros),
-            scale_exp=fn(self.scale_exp),
-        )
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSegment:
-        """The same segment on ``device`` (for offload / onload)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> PackedSegment:
-        """The same segment in pinned host memory (CPU tensors only; needs a CUDA build)."""
-        return self._map(lambda t: t.pin_memory())
-
-    def select_heads(self, h0: int, h1: int) -> PackedSegment:
-        """Heads ``[h0, h1)`` as views (no copy); shape becomes ``[B, h1 - h0, S, D]``."""
-        B, H, S, D = self.shape
-        if not 0 <= h0 < h1 <= H:
-            raise ValueError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
-        out = self._map(lambda t: t[:, h0:h1])
-        out.shape = (B, h1 - h0, S, D)
-        return out
-
-    def select_tokens(self, a: int, b: int) -> PackedSegment:
-        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``.
-
-        The ids, codes, scales and zeros are sliced along S; the centroids and the per-head
-        scale exponents are shared with ``self`` (so `nbytes` of the slice counts them whole).
-        `dequantize` reads such a slice through its strides: decoding part of a segment
-        costs that part only.
-        """
-        B, H, S, D = self.shape
-        if not 0 <= a < b <= S:
-            raise ValueError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
-        if a == 0 and b == S:
-            return self
-        return replace(
-            self,
-            ids=[i[:, :, a:b] for i in self.ids],
-            codes=self.codes[:, :, a:b],
-            scales=self.scales[:, :, a:b],
-            zeros=None if self.zeros is None else self.zeros[:, :, a:b],
-            shape=(B, H, b - a, D),
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Byte accounting (docs/design.md, "Memory math")
-# ---------------------------------------------------------------------------------------------
-def packed_nbytes_formula(shape: tuple[int, int, int, int], args: QVGKVQuantArgs) -> int:
-    """Stored bytes of a segment ``shape = (B, H, S, D)`` packed with ``args``.
-
-    ``B*H*S*D*bits/8`` (codes) + ``B*H*S*D/block`` (fp8 scales) [+ the same for int8 zeros]
-    + ``stages*B*H*S`` (uint8 ids) + ``2*stages*B*H*K*D`` (bf16 centroids) + ``2*B*H`` (int16
-    scale exponents), ``K = min(centroids, S)``.
-    """
-    B, H, S, D = (int(v) for v in shape)
-    if not args.enabled:
-        raise ValueError("packed_nbytes_formula: quantization is off (args.bits is None)")
-    K = min(args.centroids, S)
-    n = B * H * S
-    blocks = n * (D // args.block_size)
-    return (
-        n * D * args.bits // 8
-        + blocks * (2 if args.asymmetric else 1)
-        + args.stages * n
-        + 2 * args.stages * B * H * K * D
-        + 2 * B * H
-    )
-
-
-def bits_per_element(S: int, D: int, args: QVGKVQuantArgs) -> float:
-    """``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S + 16/(S*D)``, ``K = min(centroids, S)``.
-
-    The last term is the per-head int16 scale exponent.
-    """
-    if not args.enabled:
-        return 16.0
-    K = min(args.centroids, S)
-    zeros = 8.0 / args.block_size if args.asymmetric else 0.0
-    return (
-        args.bits + 8.0 / args.block_size + zeros + 8.0 * args.stages / D
-        + 16.0 * args.stages * K / S + 16.0 / (S * D)
-    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Backend selection
 # ---------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
 def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return True
+    """Whether triton imports here (`triton_impl.AVAILABLE`)."""
+    return triton_impl.AVAILABLE
 
 
-def _triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+_triton_interpret = triton_impl.interpreting
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -248,61 +97,37 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
     ``backend`` (argument) wins, then the ``CAUSALKV_QVG_BACKEND`` env var, then auto:
     Triton for CUDA tensors when ``triton`` imports, PyTorch everywhere else.
+
+    Raises:
+        ConfigError: an unknown name, or ``"triton"`` where it cannot run.
     """
     name = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
     if name not in _BACKENDS:
-        raise ValueError(f"QVG codec backend must be one of {list(_BACKENDS)}, got {name!r}")
+        raise ConfigError(f"QVG codec backend must be one of {list(_BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+        return "triton" if device.type == "cuda" and triton_impl.AVAILABLE else "torch"
     if name == "triton":
-        if not _triton_importable():
-            raise ValueError(
+        if not triton_impl.AVAILABLE:
+            raise ConfigError(
                 "QVG codec backend 'triton' requested but triton does not import; "
                 "install causalkv[triton] or use backend='torch'"
             )
-        if device.type != "cuda" and not _triton_interpret():
-            raise ValueError(
+        if device.type != "cuda" and not triton_impl.interpreting():
+            raise ConfigError(
                 f"QVG codec backend 'triton' needs CUDA tensors (got {device.type}); "
                 "set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='torch'"
             )
     return name
 
 
-def _impl(name: str):
-    if name == "triton":
-        from causalkv.caches.qvg import triton_impl
-
-        return triton_impl
-    from causalkv.caches.qvg import torch_impl
-
-    return torch_impl
+def _impl(name: str) -> Backend:
+    """The backend module `resolve_backend` named."""
+    return triton_impl if name == "triton" else torch_impl
 
 
 # ---------------------------------------------------------------------------------------------
-# Scale encoding (shared by both backends)
+# Exact power-of-two scaling (the per-head normalization)
 # ---------------------------------------------------------------------------------------------
-def scale_exponent(max_scale: float) -> int:
-    """Smallest ``e`` with ``max_scale * 2**-e <= 448`` (0 for an all-zero segment)."""
-    if not max_scale > 0.0:
-        return 0
-    m, e = math.frexp(max_scale / FP8_MAX)  # max_scale / 448 = m * 2^e, m in [0.5, 1)
-    e = e - 1 if m == 0.5 else e
-    # 2**-e must stay a finite fp32 power of two: below 2^-100 a segment is numerically zero.
-    return max(e, _MIN_SCALE_EXP)
-
-
-def scale_exponents(max_scale: torch.Tensor) -> torch.Tensor:
-    """`scale_exponent` of every element of ``max_scale [...]`` (any float dtype), int32, no sync."""
-    m, e = torch.frexp(max_scale.to(torch.float64) / FP8_MAX)
-    e = (e - (m == 0.5).to(e.dtype)).clamp_min(_MIN_SCALE_EXP)
-    return torch.where(max_scale > 0, e, 0).to(torch.int32)
-
-
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """``2.0**e`` in float32 for int ``e`` within float32's normal range (exact)."""
-    return torch.exp2(e.to(torch.float64)).to(torch.float32)
-
-
 def _mul_pow2(t: torch.Tensor, e: list[int], dtype: torch.dtype) -> torch.Tensor:
     """``t [G, ...] * 2**e[g]`` as ``dtype`` (exact): one float32 multiply when every ``2**e``
     is a normal float32, else in float64 (an exponent outside float32's range)."""
@@ -312,48 +137,6 @@ def _mul_pow2(t: torch.Tensor, e: list[int], dtype: torch.dtype) -> torch.Tensor
         return torch.mul(t, p.to(device=t.device, dtype=torch.float32)).to(dtype)
     return (t.to(torch.float64) * p.to(t.device)).to(dtype)
 
-
-def encode_scales(
-    scale: torch.Tensor, exp: int | torch.Tensor, *, round_up: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scales ``[...]`` -> (e4m3 bytes uint8, decoded fp32 scales = fp8 * 2**exp).
-
-    ``exp``: an int, or an int tensor broadcastable to ``scale`` (e.g. one per head).
-    ``round_up`` picks the next e4m3 value at or above the scale (never below), so a
-    symmetric/asymmetric grid still covers the block's range after rounding.
-    """
-    if isinstance(exp, int):
-        down, up = math.ldexp(1.0, -exp), math.ldexp(1.0, exp)
-    else:
-        down, up = _pow2(-exp), _pow2(exp)
-    scaled = (scale * down).clamp_(0.0, FP8_MAX)
-    enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    if round_up:
-        low = enc.view(torch.float8_e4m3fn).float() < scaled
-        enc = enc.add_(low)
-    return enc, enc.view(torch.float8_e4m3fn).float().mul_(up)
-
-
-@functools.lru_cache(maxsize=4)
-def _fp8_table64() -> torch.Tensor:
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    table = torch.nan_to_num(table.double(), nan=0.0)  # 0x7F / 0xFF are never stored
-    table[ZERO_BLOCK_SCALE_BYTE] = 0.0
-    return table
-
-
-def scale_table(scale_exp: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Decoded value of every e4m3 byte times ``2**scale_exp`` (``0x80`` -> 0), float32.
-
-    ``scale_exp`` an int: ``[256]``; a ``[B, H]`` tensor (`PackedSegment.scale_exp`):
-    ``[B*H, 256]``, row ``b*H + h`` for head ``(b, h)``. Computed in float64, so an exponent
-    outside float32's range still gives every representable product exactly.
-    """
-    base = _fp8_table64().to(device)
-    if isinstance(scale_exp, int):
-        return (base * math.ldexp(1.0, scale_exp)).float()
-    e = scale_exp.reshape(-1, 1).to(device=device, dtype=torch.float64)
-    return (base * torch.exp2(e)).float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,19 +173,32 @@ def _block_scales(
 # ---------------------------------------------------------------------------------------------
 # quantize / dequantize
 # ---------------------------------------------------------------------------------------------
-def _check_args(args: QVGKVQuantArgs, D: int) -> None:
-    args.validate()
-    if not args.enabled:
-        raise ValueError(
+def _check_args(args: CodecSettings, D: int) -> None:
+    """The codec's own limits on ``args`` for head_dim ``D`` (a `QVGKVQuantArgs` checked its
+    ranges on construction; any other settings object is checked here)."""
+    if args.bits is None:
+        raise CodecError(
             "quantize: args.bits is None (quantization off); pass QVGKVQuantArgs(bits=2 or 4)"
         )
+    if args.bits not in (2, 4):
+        raise CodecError(f"quantize: bits must be 2 or 4, got {args.bits!r}")
+    for name in ("centroids", "block_size", "stages", "kmeans_iters"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise CodecError(f"quantize: {name} must be a positive int, got {value!r}")
+    if args.centroids > 256:
+        raise CodecError(
+            f"quantize: centroids must be <= 256 (cluster ids are uint8), got {args.centroids}"
+        )
+    if args.grid not in ("reference", "mse4"):
+        raise CodecError(f"quantize: grid must be 'reference' or 'mse4', got {args.grid!r}")
     if D % args.block_size:
-        raise ValueError(
+        raise CodecError(
             f"quantize: head_dim {D} is not divisible by block_size {args.block_size}; "
             f"choose a block size that divides {D}"
         )
     if (args.block_size * args.bits) % 8:
-        raise ValueError(
+        raise CodecError(
             f"quantize: block_size {args.block_size} x {args.bits} bits is not a whole number "
             f"of bytes; use a block size divisible by {8 // args.bits}"
         )
@@ -514,7 +310,7 @@ def _head_group(device: torch.device, BH: int, S: int) -> int:
 
 def quantize(
     x: torch.Tensor,
-    args: QVGKVQuantArgs,
+    args: CodecSettings,
     *,
     seed: int = 1234,
     backend: str | None = None,
@@ -538,17 +334,17 @@ def quantize(
     store it once (the cache counts shared tensors once).
 
     Raises:
-        ValueError: quantization off, bad shape, ``D % block_size != 0``, more than 256
-            centroids, a negative ``head_offset``, or (on the CPU) NaN/inf in ``x`` (the
-            message says how many). On other devices no host sync is made: a head with
+        CodecError (a ValueError): quantization off, bad shape, ``D % block_size != 0``,
+            more than 256 centroids, a negative ``head_offset``, or (on the CPU) NaN/inf in
+            ``x`` (the message says how many). On other devices no host sync is made: a head with
             NaN/inf is stored poisoned (see the module docstring).
     """
     if x.dim() != 4:
-        raise ValueError(f"quantize: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
+        raise CodecError(f"quantize: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
     if not x.is_floating_point():
-        raise ValueError(f"quantize: expected a floating-point tensor, got {x.dtype}")
+        raise CodecError(f"quantize: expected a floating-point tensor, got {x.dtype}")
     if not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(
+        raise CodecError(
             f"quantize: head_offset must be an int >= 0 (global index of x's first head), "
             f"got {head_offset!r}"
         )
@@ -559,12 +355,12 @@ def quantize(
             c.dim() != 4 or tuple(c.shape[:2]) != (B, H) or c.shape[3] != D
             or c.dtype != torch.bfloat16 for c in codebooks
         ):
-            raise ValueError(
+            raise CodecError(
                 f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
                 f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}"
             )
     if B * H * S == 0:
-        raise ValueError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
+        raise CodecError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
     # Per-head absolute maxima: NaN/inf propagate, so one read covers the non-finite check
     # and the per-head normalization exponents.
     head_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg())
@@ -580,7 +376,7 @@ def quantize(
         amaxes = head_amax.reshape(-1).tolist()
         if not all(math.isfinite(a) for a in amaxes):
             bad = int((~torch.isfinite(x)).sum())
-            raise ValueError(
+            raise CodecError(
                 f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of "
                 f"{x.numel()}; PRQ needs finite K/V"
             )
@@ -639,7 +435,7 @@ def quantize(
 def _quantize_heads(
     xg: torch.Tensor,
     norm: list[int] | torch.Tensor,
-    args: QVGKVQuantArgs,
+    args: CodecSettings,
     impl,
     *,
     seed: int,
@@ -754,16 +550,16 @@ def dequantize(
         out = torch.empty(shape, dtype=dtype, device=packed.device)
     else:
         if tuple(out.shape) != shape:
-            raise ValueError(
+            raise CodecError(
                 f"dequantize: out has shape {tuple(out.shape)}, the segment is {shape}"
             )
         if out.device != packed.device:
-            raise ValueError(
+            raise CodecError(
                 f"dequantize: out is on {out.device}, the segment on {packed.device}; "
                 "move the segment with packed.to(device) first"
             )
         if not out.is_floating_point():
-            raise ValueError(f"dequantize: out must be a float tensor, got {out.dtype}")
+            raise CodecError(f"dequantize: out must be a float tensor, got {out.dtype}")
     if out.numel() == 0:
         return out
     impl = _impl(resolve_backend(backend, packed.device))

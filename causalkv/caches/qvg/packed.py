@@ -181,7 +181,7 @@ class QVGPackedCausalKVCache(StreamCache):
         quant = (quant or QVGKVQuantArgs()).validate()
         m = min_tokens_per_centroid
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            raise ValueError(f"min_tokens_per_centroid must be a positive int, got {m!r}")
+            raise ConfigError(f"min_tokens_per_centroid must be a positive int, got {m!r}")
         self.spec = spec
         self.quant = quant
         self.offload = offload

@@ -33,8 +33,8 @@ holds and *what* to write; the store keeps the values:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -42,7 +42,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.codec import PackedSegment, packed_nbytes_formula
+from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
@@ -55,8 +55,18 @@ from causalkv.caches.qvg.policy import (
     PackingPolicy,
     centroids_for,
 )
+from causalkv.caches.qvg.segments import (
+    Codebook,
+    DenseKV,
+    KVWrite,
+    PackedKV,
+    PackingReport,
+    Segment,
+    StorePlan,
+    dense_storage,
+)
 from causalkv.caches.spec import KVSegment
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, UsageError
 
 __all__ = [
     "Codebook",
@@ -70,206 +80,6 @@ __all__ = [
 ]
 
 _PACKED = "packed"
-
-
-# ---------------------------------------------------------------------------------------------
-# Typed storage
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class DenseKV:
-    """Dense K and V ``[B, len, H, D]`` in the store's dtype."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def slice(self, lo: int, hi: int) -> DenseKV:
-        """Tokens ``[lo, hi)`` as a copy (so the rest can be freed)."""
-        return DenseKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
-
-    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
-        """Views of tokens ``[lo, hi)``, heads ``[h0, h1)``: ``[B, hi - lo, h1 - h0, D]``."""
-        return self.k[:, lo:hi, h0:h1], self.v[:, lo:hi, h0:h1]
-
-
-@dataclass(frozen=True, eq=False)
-class PackedKV:
-    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``."""
-
-    k: PackedSegment
-    v: PackedSegment
-
-    @property
-    def nbytes(self) -> int:
-        """Stored bytes of both (a shared codebook counted in each; see `resident_nbytes`)."""
-        return self.k.nbytes + self.v.nbytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def num_centroids(self) -> int:
-        return self.k.num_centroids
-
-    def select_heads(self, h0: int, h1: int) -> PackedKV:
-        """Heads ``[h0, h1)`` as views (no copy)."""
-        if h0 == 0 and h1 == self.k.shape[1]:
-            return self
-        return PackedKV(self.k.select_heads(h0, h1), self.v.select_heads(h0, h1))
-
-    def select_tokens(self, a: int, b: int) -> PackedKV:
-        """Tokens ``[a, b)`` as views (no copy)."""
-        return PackedKV(self.k.select_tokens(a, b), self.v.select_tokens(a, b))
-
-    def offloaded(self) -> PackedKV:
-        """The same K/V in CPU memory (pinned when it was on a GPU)."""
-        k, v = self.k.to("cpu"), self.v.to("cpu")
-        if self.device.type == "cuda":
-            k, v = k.pin_memory(), v.pin_memory()
-        return PackedKV(k, v)
-
-    def onloaded(self, device: torch.device) -> PackedKV:
-        """The same K/V on ``device`` (itself when already there)."""
-        here = self.device
-        if here == device or (here.type == device.type and device.index is None):
-            return self
-        return PackedKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
-
-
-@dataclass(frozen=True, eq=False)
-class Segment:
-    """A run ``[start, end)`` of global positions and its K/V ``storage``.
-
-    ``first_chunk``/``last_chunk`` are the indices of the chunks it came from (a packed span
-    covers several).
-    """
-
-    start: int
-    end: int
-    first_chunk: int
-    last_chunk: int
-    storage: DenseKV | PackedKV
-
-    @property
-    def packed(self) -> bool:
-        return isinstance(self.storage, PackedKV)
-
-    @property
-    def run(self) -> Intervals:
-        return ((self.start, self.end),)
-
-    @property
-    def chunks(self) -> range:
-        return range(self.first_chunk, self.last_chunk + 1)
-
-    @property
-    def nbytes(self) -> int:
-        return self.storage.nbytes
-
-    def dense_slice(self, a: int, b: int) -> Segment:
-        """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
-        return replace(self, start=a, end=b, storage=_dense(self).slice(a - self.start, b - self.start))
-
-
-@dataclass(frozen=True, eq=False)
-class Codebook:
-    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``).
-
-    Attributes:
-        k, v: per stage ``[B, H, K, D]`` bf16, the very tensors the packed segments reference.
-        chunks: chunks packed with it so far.
-    """
-
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    chunks: int
-
-    def used_by(self, seg: Segment) -> bool:
-        return isinstance(seg.storage, PackedKV) and seg.storage.k.centroids[0] is self.k[0]
-
-
-@dataclass(frozen=True)
-class PackingReport:
-    """What a store decided for every chunk written so far (the current one excluded).
-
-    Counts are cumulative since the store was built (across resets). A chunk still held
-    counts with its present storage (a ``"recent"`` chunk may be packed later); a chunk that
-    rolled out counts with the storage it had last.
-
-    Attributes:
-        chunks_packed: chunks stored packed.
-        chunks_dense: chunks kept dense, by reason (keys from ``DENSE_REASONS``: ``"recent"``,
-            ``"sink_keep"``, ``"sink"``, ``"waiting for span"``, ``"not smaller than dense"``,
-            ``"quant off"``, ``"policy"``); only reasons that occurred appear.
-        centroids: k-means centroids per (batch, head) per stage -> chunks packed with that
-            many (a chunk assigned to a shared codebook counts with the codebook's size).
-        quantize_calls: codec calls (one per packed segment, K and V together).
-    """
-
-    chunks_packed: int = 0
-    chunks_dense: Mapping[str, int] = field(default_factory=dict)
-    centroids: Mapping[int, int] = field(default_factory=dict)
-    quantize_calls: int = 0
-
-    @property
-    def chunks_kept_dense(self) -> int:
-        return sum(self.chunks_dense.values())
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain JSON-ready dict (centroid counts keyed by the string of K)."""
-        return {
-            "chunks_packed": self.chunks_packed,
-            "chunks_dense": dict(sorted(self.chunks_dense.items())),
-            "chunks_kept_dense": self.chunks_kept_dense,
-            "centroids": {str(k): n for k, n in sorted(self.centroids.items())},
-            "quantize_calls": self.quantize_calls,
-        }
-
-    @classmethod
-    def merge(cls, reports: Iterable[PackingReport]) -> PackingReport:
-        """The sum of several caches' reports (e.g. every layer of a run)."""
-        packed, calls = 0, 0
-        dense: Counter[str] = Counter()
-        books: Counter[int] = Counter()
-        for r in reports:
-            packed += r.chunks_packed
-            calls += r.quantize_calls
-            dense.update(r.chunks_dense)
-            books.update(r.centroids)
-        return cls(packed, dict(sorted(dense.items())), dict(sorted(books.items())), calls)
-
-
-@dataclass(frozen=True, eq=False)
-class KVWrite:
-    """A write of global positions ``[start, end)``, heads ``[h0, h1)`` (``heads``).
-
-    ``key``/``value`` ``[B, end - start, h1 - h0, D]``, or None: then the positions are only
-    allocated (zeros) and the host writes them afterwards with `SegmentStore.write`.
-    """
-
-    start: int
-    end: int
-    heads: tuple[int, int]
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-
-
-@dataclass
-class StorePlan:
-    """The store after one write, as values (`SegmentStore.plan`); `SegmentStore.commit` applies it."""
-
-    segments: list[Segment]
-    codebook: Codebook | None
-    current: int | None
-    chunk_tokens: int
-    next_chunk: int
-    write: KVWrite
-    packs: list[Segment] = field(default_factory=list)
-    reasons: dict[int, str] = field(default_factory=dict)  # chunk -> why it stays dense
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +305,7 @@ class SegmentStore:
         ``segments``: the layout to read (default: the store's now).
 
         Raises:
-            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
         """
         segs = self.segments if segments is None else segments
         out: list[tuple[Segment | None, int, int]] = []
@@ -519,7 +329,7 @@ class SegmentStore:
         piece held by one dense segment is returned as views of it, as a dense cache would.
 
         Raises:
-            RuntimeError: a position the store does not hold (a host bookkeeping bug).
+            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
         """
         segs = self.segments if segments is None else segments
         total = sum(n for _, n in pieces)
@@ -575,7 +385,7 @@ class SegmentStore:
 
     def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
         """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
-        RuntimeError for a position no segment holds."""
+        `UsageError` (a RuntimeError) for a position no segment holds."""
         out: list[tuple[Segment, int, int]] = []
         at = p0
         for seg in segs:
@@ -588,7 +398,7 @@ class SegmentStore:
             at = b
             if at >= p1:
                 return out
-        raise RuntimeError(
+        raise UsageError(
             f"SegmentStore: positions [{at}, {p1}) are not held (held: {iv.describe(self.held())})"
         )
 
@@ -596,15 +406,7 @@ class SegmentStore:
         self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
-        lo, hi = a - seg.start, b - seg.start
-        storage = seg.storage
-        if isinstance(storage, DenseKV):
-            k.copy_(storage.k[:, lo:hi, h0:h1])
-            v.copy_(storage.v[:, lo:hi, h0:h1])
-            return
-        packed = storage.onloaded(self.device).select_heads(h0, h1).select_tokens(lo, hi)
-        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
-        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
+        seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
 
     # ---- internals: writes ----------------------------------------------------------------
     def _covered(self, w: KVWrite, advance: bool) -> tuple[list[Segment], int, int | None, int]:
@@ -630,7 +432,7 @@ class SegmentStore:
             if seg.start > at:
                 out.append(new_chunk(at, seg.start))
             if isinstance(seg.storage, PackedKV):  # a write into it: back to dense
-                seg = replace(seg, storage=self._unpacked(seg))
+                seg = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
             out.append(seg)
             at = max(at, min(seg.end, w.end))
         if at < w.end:
@@ -642,16 +444,6 @@ class SegmentStore:
         out.sort(key=lambda s: s.start)
         return out, nxt, current, chunk_tokens
 
-    def _unpacked(self, seg: Segment) -> DenseKV:
-        assert isinstance(seg.storage, PackedKV)
-        packed = seg.storage.onloaded(self.device)
-        shape = (self.batch_size, seg.end - seg.start, self.num_heads, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
-        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
-        return DenseKV(k, v)
-
     @staticmethod
     def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None:
         """``w`` into the dense segments of ``segs`` it overlaps (a packed one overlapping it was
@@ -662,19 +454,19 @@ class SegmentStore:
         for seg in segs:
             if seg.end <= w.start or seg.start >= w.end or seg.packed:
                 continue
-            store = _dense(seg)
+            store = dense_storage(seg)
             lo, hi = max(w.start, seg.start), min(w.end, seg.end)
             store.k[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.key[:, lo - w.start : hi - w.start])
             store.v[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.value[:, lo - w.start : hi - w.start])
 
     def _with_write(self, seg: Segment, w: KVWrite) -> DenseKV:
         """``seg``'s dense K/V as they will be after ``w`` (a patched copy only if it overlaps)."""
-        store = _dense(seg)
+        store = dense_storage(seg)
         if w.key is None or seg.end <= w.start or seg.start >= w.end:
             return store
         patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
         self._copy_write([patched], w)
-        return _dense(patched)
+        return dense_storage(patched)
 
     def _chunk_infos(
         self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
@@ -778,9 +570,3 @@ class SegmentStore:
             storage=storage,
         )
         return seg, after
-
-
-def _dense(seg: Segment) -> DenseKV:
-    if not isinstance(seg.storage, DenseKV):
-        raise TypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
-    return seg.storage

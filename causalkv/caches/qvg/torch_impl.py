@@ -1,20 +1,19 @@
 """PyTorch implementation of the PRQ codec's kernels (any device; the CPU reference).
 
-Every function here has a Triton twin in `causalkv.caches.qvg.triton_impl` with the same
-signature; `causalkv.caches.qvg.codec` picks one. Layouts: ``x [BH, S, D]`` fp32 token
-vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
+This module is a `causalkv.caches.qvg.format.Backend`: `kmeans_assign`, `kmeans_update`,
+`quantize_pack` and `dequantize_into` have Triton twins in `causalkv.caches.qvg.triton_impl`
+with the same signatures; `causalkv.caches.qvg.codec` picks one. Layouts: ``x [BH, S, D]``
+fp32 token vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
 ``N = BH * S``, block scales ``[N, D // block]``.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from causalkv.caches.qvg.codec import PackedSegment
+from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
+from causalkv.caches.qvg.scratch import WORKSPACE as _WORKSPACE  # noqa: F401 - read here by benchmarks
+from causalkv.caches.qvg.scratch import scratch as _scratch
 
 __all__ = [
     "dequantize_into",
@@ -173,7 +172,6 @@ def quantize_pack(
 
 
 _TILE_ELEMS = 1 << 21  # outputs per dequantize tile: few ops per call, temporaries of a few MB
-_WORKSPACE = threading.local()  # per-thread reusable CPU temporaries, see `_scratch`
 _LUT_WORD = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 
 
@@ -193,20 +191,6 @@ def _tiles(B: int, H: int, S: int, D: int) -> list[tuple[int, int, int, int, int
     return tiles
 
 
-def _scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D ``[n]`` temporary. On the CPU it is kept per thread and reused across calls
-    (so two live temporaries need two names):
-    a fresh multi-MB allocation costs a page fault per 4 KiB, more than the work done in it
-    (tile-sized, so at most a few MB per buffer)."""
-    if device.type != "cpu":
-        return torch.empty(n, dtype=dtype, device=device)
-    bufs = _WORKSPACE.__dict__.setdefault("bufs", {})
-    buf = bufs.get((name, dtype))
-    if buf is None or buf.numel() < n:
-        buf = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
-    return buf[:n]
-
-
 def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype).
 
@@ -221,8 +205,6 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     ``packed`` may be a view (`PackedSegment.select_heads` / ``select_tokens``): its ids,
     codes, scales and zeros are read tile by tile through their strides, never copied whole.
     """
-    from causalkv.caches.qvg.codec import ZERO_BLOCK_SCALE_BYTE, scale_table
-
     B, H, S, D = packed.shape
     bs, bits = packed.block_size, packed.bits
     BH, N, nb = B * H, B * H * S, D // bs

@@ -1,6 +1,7 @@
 """Triton implementation of the PRQ codec's kernels (CUDA tensors; CPU under TRITON_INTERPRET=1).
 
-Same functions and layouts as `causalkv.caches.qvg.torch_impl`:
+A `causalkv.caches.qvg.format.Backend`, with the same functions and layouts as
+`causalkv.caches.qvg.torch_impl`:
 
 - `kmeans_assign`: per (batch-head, token tile) a running argmin of ``||c||^2 - 2 x.c`` over
   centroid tiles (``tl.dot`` in IEEE fp32).
@@ -13,23 +14,52 @@ Same functions and layouts as `causalkv.caches.qvg.torch_impl`:
   registers, sum the assigned centroids of every stage, store into any-strided ``out``
   (16-byte vector stores when ``out`` is contiguous along D).
 
-This module imports triton at import time; `causalkv.caches.qvg.codec` imports it only when
-the Triton backend is selected, so the CPU path never needs triton.
+triton is optional: this module imports it when it can and says so in `AVAILABLE`
+(`causalkv.caches.qvg.codec` selects this backend only then). Without triton the kernels
+below stay plain, never-launched functions. triton decides at import time whether its
+kernels run interpreted, so set ``TRITON_INTERPRET=1`` before this module (or the codec)
+is first imported to run them on CPU tensors.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
-if TYPE_CHECKING:
-    from causalkv.caches.qvg.codec import PackedSegment
+from causalkv.caches.qvg.format import POISON_SCALE_EXP, CodecError, PackedSegment
 
-__all__ = ["dequantize_into", "kmeans_assign", "kmeans_update", "quantize_pack"]
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - ImportError, or a broken install: the backend is off
+    triton = tl = None
+
+__all__ = [
+    "AVAILABLE",
+    "dequantize_into",
+    "interpreting",
+    "kmeans_assign",
+    "kmeans_update",
+    "quantize_pack",
+]
+
+#: whether triton imports here (the codec selects this backend only when it does)
+AVAILABLE: bool = triton is not None
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for triton's interpreter (the kernels on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit(fn)``; without triton, ``fn`` as it is (never launched: `AVAILABLE` is False)."""
+    return triton.jit(fn) if AVAILABLE else fn
+
 
 _MODE_REFERENCE, _MODE_MSE, _MODE_ASYM = 0, 1, 2
 
@@ -41,7 +71,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 # ---------------------------------------------------------------------------------------------
 # k-means
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _assign_kernel(
     x_ptr, c_ptr, cn_ptr, ids_ptr, S, K, D,
     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -88,7 +118,7 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ids.to(torch.int64)
 
 
-@triton.jit
+@_jit
 def _update_kernel(
     x_ptr, ids_ptr, c_ptr, out_ptr, S, K, D,
     BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -135,7 +165,7 @@ def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------------------------
 # residual quantize + pack
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _quant_pack_kernel(
     r_ptr, s_ptr, z_ptr, codes_ptr, N,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
@@ -203,11 +233,11 @@ def quantize_pack(
 # ---------------------------------------------------------------------------------------------
 # fused dequantize
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@_jit
 def _e4m3_scale(u, e):
     """Decoded e4m3 byte ``u`` (int32 [T]) times ``2**e`` (int32 scalar), as float32.
 
-    Exactly `codec.scale_table`: the byte is ``M * 2**(max(E, 1) - 10)`` with the integer
+    Exactly `format.scale_table`: the byte is ``M * 2**(max(E, 1) - 10)`` with the integer
     ``M = m + 8 * (E > 0)`` (``E`` the 4 exponent bits, ``m`` the 3 mantissa bits), so the
     product with ``2**e`` is the float64 ``M * 2**k`` (exact) rounded once to float32.
     ``0x80`` (all-zero input block) and the NaN bytes ``0x7F`` / ``0xFF`` decode to 0.
@@ -222,14 +252,14 @@ def _e4m3_scale(u, e):
     return tl.where((u == 128) | ((u & 127) == 127), 0.0, val)
 
 
-@triton.jit
+@_jit
 def _dequant_kernel(
     codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, exp_ptr, out_ptr,
     S, H, K, ids_sst, cent_sst, r_b, r_h, i_b, i_h,
     o_sb, o_sh, o_ss, o_sd,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
     STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
-    OUT_CONTIG: tl.constexpr,
+    OUT_CONTIG: tl.constexpr, POISON: tl.constexpr,
 ):
     """One program = ``BLOCK_T`` tokens of one (batch, head), every channel of their rows.
 
@@ -273,7 +303,7 @@ def _dequant_kernel(
     for blk in tl.static_range(NB):
         sb = tl.load(sb_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
         scale = _e4m3_scale(sb, e)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
-        scale = tl.where(e == 32767, float("nan"), scale)  # codec.POISON_SCALE_EXP: NaN out
+        scale = tl.where(e == POISON, float("nan"), scale)  # a poisoned head: NaN out
         keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
         byte = tl.load(
             codes_ptr + row0 * DB + lt[:, None] * DB + (blk * BSB + offs_b)[None, :],
@@ -319,7 +349,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     """
     B, H, S, D = packed.shape
     if B * H > 65535:  # the grid's second axis
-        raise ValueError(
+        raise CodecError(
             f"dequantize (triton): B*H = {B * H} exceeds 65535; dequantize the heads in slices "
             "(packed.select_heads) or use backend='torch'"
         )
@@ -356,7 +386,8 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         S, H, packed.centroids[0].shape[2], ids_sst, cent_sst, rows[0], rows[1], i_b, i_h,
         o_sb, o_sh, o_ss, o_sd,
         D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=stages,
-        BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, num_warps=4,
+        BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, POISON=POISON_SCALE_EXP,
+        num_warps=4,
     )
 
 

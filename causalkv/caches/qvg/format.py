@@ -1,0 +1,340 @@
+"""The PRQ packed format: `PackedSegment`, its constants, its byte formula and its scale table.
+
+The leaf of the QVG codec: the driver (`causalkv.caches.qvg.codec`) and both backends
+(`torch_impl`, `triton_impl`) import it, and it imports neither. `Backend` is the protocol
+the two backends implement.
+
+Byte layout (all tensors contiguous when produced by `quantize`):
+
+- ``codes [B, H, S, D * bits // 8]`` uint8: byte ``i`` of a token holds channels
+  ``i*P .. i*P+P-1`` (``P = 8 // bits``), channel ``i*P + j`` in bits ``[j*bits, (j+1)*bits)``,
+  each field a two's-complement signed code ``v`` in ``[-2^(bits-1), 2^(bits-1) - 1]``.
+- Levels: grid ``"reference"`` symmetric: ``v * s`` with ``v`` in ``-q..q``, ``q = 2^(bits-1) - 1``
+  (three levels at 2 bits, as in the reference package); grid ``"mse4"``: ``(2v + 1) * s``, all
+  ``2^bits`` levels, odd multiples of a half-step ``s`` chosen by least squares; asymmetric:
+  ``(v - z) * s`` with the int8 zero point ``z``.
+- ``scales [B, H, S, D // block_size]`` float8_e4m3fn, decoded as ``fp8 * 2**scale_exp[b, h]``:
+  ``scale_exp [B, H]`` int16 holds one exponent per (batch, head), chosen so the head's largest
+  block scale lands in ``(224, 448]``, the top of e4m3's range. Every block scale within
+  ``2^-17`` of its head's largest keeps 4 significant bits; smaller ones flush toward the e4m3
+  subnormals (absolute error below ``2^-18`` of the head's largest scale). Symmetric and
+  asymmetric scales are rounded *up* to the next e4m3 value, so codes never clip and the
+  per-element error stays within half a (stored) step.
+- A block whose *input* is all zeros stores the scale byte ``0x80`` (e4m3 ``-0.0``, never
+  produced otherwise) and decodes to exact zeros regardless of its token's centroid.
+- A head whose scale exponent is `POISON_SCALE_EXP` (non-finite input packed off the CPU,
+  where refusing it would cost a host sync) decodes to non-finite values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from causalkv.errors import CausalKVError
+
+__all__ = [
+    "FP8_MAX",
+    "MIN_SCALE_EXP",
+    "POISON_SCALE_EXP",
+    "ZERO_BLOCK_SCALE_BYTE",
+    "Backend",
+    "CodecError",
+    "CodecSettings",
+    "PackedSegment",
+    "bits_per_element",
+    "encode_scales",
+    "packed_nbytes_formula",
+    "scale_exponent",
+    "scale_exponents",
+    "scale_table",
+]
+
+ZERO_BLOCK_SCALE_BYTE = 0x80  # e4m3 -0.0: "this input block is all zeros"
+FP8_MAX = 448.0
+MIN_SCALE_EXP = -100  # 2**-e stays a finite float32 power of two
+POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
+
+
+class CodecError(CausalKVError, ValueError):
+    """The QVG codec was given what it cannot pack or decode (a shape, dtype, setting or
+    non-finite input; the message names the value and the fix)."""
+
+
+class CodecSettings(Protocol):
+    """The settings the codec reads (`causalkv.quant_config.QVGKVQuantArgs` has them): residual
+    ``bits`` (None: off, 2 or 4), ``centroids`` per (batch, head) per stage, ``block_size``
+    channels per scale, k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points,
+    and the level ``grid`` (``"reference"`` or ``"mse4"``)."""
+
+    @property
+    def bits(self) -> int | None: ...
+    @property
+    def centroids(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def stages(self) -> int: ...
+    @property
+    def kmeans_iters(self) -> int: ...
+    @property
+    def asymmetric(self) -> bool: ...
+    @property
+    def grid(self) -> str: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The packed form
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PackedSegment:
+    """One PRQ-packed segment of K or V, logical shape ``[B, H, S, D]``.
+
+    Attributes:
+        centroids: per stage ``[B, H, K, D]`` bf16, ``K = min(args.centroids, S)``.
+        ids: per stage ``[B, H, S]`` uint8 cluster ids.
+        codes: ``[B, H, S, D * bits // 8]`` uint8 packed residual codes (see module doc).
+        scales: ``[B, H, S, D // block_size]`` float8_e4m3fn block scales (``x 2**scale_exp``).
+        scale_exp: ``[B, H]`` int16, the power-of-two exponent of every decoded scale of a head.
+        zeros: ``[B, H, S, D // block_size]`` int8 zero points when asymmetric, else None.
+        shape: ``(B, H, S, D)``.
+        dtype: dtype of the tensor that was quantized.
+        bits: residual bits (2 or 4).
+        block_size: channels per scale block.
+        grid: ``"reference"`` or ``"mse4"`` (how codes map to levels).
+    """
+
+    centroids: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    scale_exp: torch.Tensor
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    bits: int
+    block_size: int
+    grid: str = "reference"
+
+    @property
+    def nbytes(self) -> int:
+        """Exactly the stored bytes: the sum of every tensor's ``nbytes``."""
+        total = self.codes.nbytes + self.scales.nbytes + self.scale_exp.nbytes
+        total += sum(c.nbytes for c in self.centroids) + sum(i.nbytes for i in self.ids)
+        if self.zeros is not None:
+            total += self.zeros.nbytes
+        return int(total)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def stages(self) -> int:
+        return len(self.centroids)
+
+    @property
+    def num_centroids(self) -> int:
+        """K, the centroids per (batch, head) per stage actually stored."""
+        return int(self.centroids[0].shape[2])
+
+    @property
+    def asymmetric(self) -> bool:
+        return self.zeros is not None
+
+    def _map(self, fn) -> PackedSegment:
+        return replace(
+            self,
+            centroids=[fn(c) for c in self.centroids],
+            ids=[fn(i) for i in self.ids],
+            codes=fn(self.codes),
+            scales=fn(self.scales),
+            zeros=None if self.zeros is None else fn(self.zeros),
+            scale_exp=fn(self.scale_exp),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSegment:
+        """The same segment on ``device`` (for offload / onload)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PackedSegment:
+        """The same segment in pinned host memory (CPU tensors only; needs a CUDA build)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def select_heads(self, h0: int, h1: int) -> PackedSegment:
+        """Heads ``[h0, h1)`` as views (no copy); shape becomes ``[B, h1 - h0, S, D]``."""
+        B, H, S, D = self.shape
+        if not 0 <= h0 < h1 <= H:
+            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
+        out = self._map(lambda t: t[:, h0:h1])
+        out.shape = (B, h1 - h0, S, D)
+        return out
+
+    def select_tokens(self, a: int, b: int) -> PackedSegment:
+        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``.
+
+        The ids, codes, scales and zeros are sliced along S; the centroids and the per-head
+        scale exponents are shared with ``self`` (so `nbytes` of the slice counts them whole).
+        `dequantize` reads such a slice through its strides: decoding part of a segment
+        costs that part only.
+        """
+        B, H, S, D = self.shape
+        if not 0 <= a < b <= S:
+            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
+        if a == 0 and b == S:
+            return self
+        return replace(
+            self,
+            ids=[i[:, :, a:b] for i in self.ids],
+            codes=self.codes[:, :, a:b],
+            scales=self.scales[:, :, a:b],
+            zeros=None if self.zeros is None else self.zeros[:, :, a:b],
+            shape=(B, H, b - a, D),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte accounting (docs/design.md, "Memory math")
+# ---------------------------------------------------------------------------------------------
+def packed_nbytes_formula(shape: tuple[int, int, int, int], args: CodecSettings) -> int:
+    """Stored bytes of a segment ``shape = (B, H, S, D)`` packed with ``args``.
+
+    ``B*H*S*D*bits/8`` (codes) + ``B*H*S*D/block`` (fp8 scales) [+ the same for int8 zeros]
+    + ``stages*B*H*S`` (uint8 ids) + ``2*stages*B*H*K*D`` (bf16 centroids) + ``2*B*H`` (int16
+    scale exponents), ``K = min(centroids, S)``.
+    """
+    B, H, S, D = (int(v) for v in shape)
+    if args.bits is None:
+        raise CodecError("packed_nbytes_formula: quantization is off (args.bits is None)")
+    K = min(args.centroids, S)
+    n = B * H * S
+    blocks = n * (D // args.block_size)
+    return (
+        n * D * args.bits // 8
+        + blocks * (2 if args.asymmetric else 1)
+        + args.stages * n
+        + 2 * args.stages * B * H * K * D
+        + 2 * B * H
+    )
+
+
+def bits_per_element(S: int, D: int, args: CodecSettings) -> float:
+    """``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S + 16/(S*D)``, ``K = min(centroids, S)``.
+
+    The last term is the per-head int16 scale exponent.
+    """
+    if args.bits is None:
+        return 16.0
+    K = min(args.centroids, S)
+    zeros = 8.0 / args.block_size if args.asymmetric else 0.0
+    return (
+        args.bits + 8.0 / args.block_size + zeros + 8.0 * args.stages / D
+        + 16.0 * args.stages * K / S + 16.0 / (S * D)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale encoding and decoding
+# ---------------------------------------------------------------------------------------------
+def scale_exponent(max_scale: float) -> int:
+    """Smallest ``e`` with ``max_scale * 2**-e <= 448`` (0 for an all-zero segment)."""
+    if not max_scale > 0.0:
+        return 0
+    m, e = math.frexp(max_scale / FP8_MAX)  # max_scale / 448 = m * 2^e, m in [0.5, 1)
+    e = e - 1 if m == 0.5 else e
+    # 2**-e must stay a finite fp32 power of two: below 2^-100 a segment is numerically zero.
+    return max(e, MIN_SCALE_EXP)
+
+
+def scale_exponents(max_scale: torch.Tensor) -> torch.Tensor:
+    """`scale_exponent` of every element of ``max_scale [...]`` (any float dtype), int32, no sync."""
+    m, e = torch.frexp(max_scale.to(torch.float64) / FP8_MAX)
+    e = (e - (m == 0.5).to(e.dtype)).clamp_min(MIN_SCALE_EXP)
+    return torch.where(max_scale > 0, e, 0).to(torch.int32)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` in float32 for int ``e`` within float32's normal range (exact)."""
+    return torch.exp2(e.to(torch.float64)).to(torch.float32)
+
+
+
+
+def encode_scales(
+    scale: torch.Tensor, exp: int | torch.Tensor, *, round_up: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scales ``[...]`` -> (e4m3 bytes uint8, decoded fp32 scales = fp8 * 2**exp).
+
+    ``exp``: an int, or an int tensor broadcastable to ``scale`` (e.g. one per head).
+    ``round_up`` picks the next e4m3 value at or above the scale (never below), so a
+    symmetric/asymmetric grid still covers the block's range after rounding.
+    """
+    if isinstance(exp, int):
+        down, up = math.ldexp(1.0, -exp), math.ldexp(1.0, exp)
+    else:
+        down, up = _pow2(-exp), _pow2(exp)
+    scaled = (scale * down).clamp_(0.0, FP8_MAX)
+    enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    if round_up:
+        low = enc.view(torch.float8_e4m3fn).float() < scaled
+        enc = enc.add_(low)
+    return enc, enc.view(torch.float8_e4m3fn).float().mul_(up)
+
+
+@functools.lru_cache(maxsize=4)
+def _fp8_table64() -> torch.Tensor:
+    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    table = torch.nan_to_num(table.double(), nan=0.0)  # 0x7F / 0xFF are never stored
+    table[ZERO_BLOCK_SCALE_BYTE] = 0.0
+    return table
+
+
+def scale_table(scale_exp: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Decoded value of every e4m3 byte times ``2**scale_exp`` (``0x80`` -> 0), float32.
+
+    ``scale_exp`` an int: ``[256]``; a ``[B, H]`` tensor (`PackedSegment.scale_exp`):
+    ``[B*H, 256]``, row ``b*H + h`` for head ``(b, h)``. Computed in float64, so an exponent
+    outside float32's range still gives every representable product exactly.
+    """
+    base = _fp8_table64().to(device)
+    if isinstance(scale_exp, int):
+        return (base * math.ldexp(1.0, scale_exp)).float()
+    e = scale_exp.reshape(-1, 1).to(device=device, dtype=torch.float64)
+    return (base * torch.exp2(e)).float()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# What a backend implements
+# ---------------------------------------------------------------------------------------------
+class Backend(Protocol):
+    """The kernels a codec backend provides (`torch_impl` and `triton_impl` are modules that
+    implement it). Layouts: ``x [G, S, D]`` float32 token vectors of ``G`` (batch, head)
+    pairs, ``c [G, K, D]`` float32 centroids, residual ``r [N, D]`` float32 (``N = G * S``),
+    block scales ``[N, D // block]``. The driver (`causalkv.caches.qvg.codec`) does the
+    rest: normalization, k-means draws, block statistics, scale encoding."""
+
+    def kmeans_assign(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Nearest centroid ``[G, S]`` int64 of each token (ties: the lowest index)."""
+        ...
+
+    def kmeans_update(self, x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Lloyd update ``[G, K, D]``: each cluster's mean, an empty cluster keeps ``c``."""
+        ...
+
+    def quantize_pack(
+        self, r: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, *,
+        bits: int, block: int, grid: str,
+    ) -> torch.Tensor:
+        """Residual ``r`` quantized with decoded block scales (and zero points), packed:
+        ``[N, D * bits // 8]`` uint8 (the codes of the module docstring)."""
+        ...
+
+    def dequantize_into(self, packed: PackedSegment, out: torch.Tensor) -> None:
+        """The reconstruction of ``packed`` written into ``out [B, H, S, D]`` (any strides,
+        float dtype, on ``packed.device``)."""
+        ...

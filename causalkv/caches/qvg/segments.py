@@ -1,0 +1,268 @@
+"""The segment store's records: the storage of a run of positions, writes, plans, reports.
+
+`Segment` is a run ``[start, end)`` of global positions of one chunk (or of a packed span of
+chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in the store's dtype) or `PackedKV`
+(one codec `PackedSegment` for K and one for V). `Codebook` is the k-means centroids that
+consecutive cold chunks share; `KVWrite` is what a host writes, `StorePlan` the store after a
+write as values, `PackingReport` what the store decided per chunk. All are values: the store
+(`causalkv.caches.qvg.store.SegmentStore`) builds new ones instead of mutating them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg import codec
+from causalkv.caches.qvg.format import PackedSegment
+from causalkv.caches.spec import KVSegment
+from causalkv.errors import InvalidTypeError
+
+__all__ = [
+    "Codebook",
+    "DenseKV",
+    "KVWrite",
+    "PackedKV",
+    "PackingReport",
+    "Segment",
+    "StorePlan",
+    "dense_storage",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed storage
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class DenseKV:
+    """Dense K and V ``[B, len, H, D]`` in the store's dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def slice(self, lo: int, hi: int) -> DenseKV:
+        """Tokens ``[lo, hi)`` as a copy (so the rest can be freed)."""
+        return DenseKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+
+    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
+        """Views of tokens ``[lo, hi)``, heads ``[h0, h1)``: ``[B, hi - lo, h1 - h0, D]``."""
+        return self.k[:, lo:hi, h0:h1], self.v[:, lo:hi, h0:h1]
+
+    def read_into(
+        self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        """Tokens ``[lo, hi)``, heads ``[h0, h1)`` copied into ``k``/``v`` ``[B, hi - lo, h1 - h0, D]``."""
+        k.copy_(self.k[:, lo:hi, h0:h1])
+        v.copy_(self.v[:, lo:hi, h0:h1])
+
+
+@dataclass(frozen=True, eq=False)
+class PackedKV:
+    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``."""
+
+    k: PackedSegment
+    v: PackedSegment
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of both (a shared codebook counted in each; see `resident_nbytes`)."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def num_centroids(self) -> int:
+        return self.k.num_centroids
+
+    def select_heads(self, h0: int, h1: int) -> PackedKV:
+        """Heads ``[h0, h1)`` as views (no copy)."""
+        if h0 == 0 and h1 == self.k.shape[1]:
+            return self
+        return PackedKV(self.k.select_heads(h0, h1), self.v.select_heads(h0, h1))
+
+    def select_tokens(self, a: int, b: int) -> PackedKV:
+        """Tokens ``[a, b)`` as views (no copy)."""
+        return PackedKV(self.k.select_tokens(a, b), self.v.select_tokens(a, b))
+
+    def read_into(
+        self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        """Tokens ``[lo, hi)``, heads ``[h0, h1)`` decoded straight into ``k``/``v``
+        ``[B, hi - lo, h1 - h0, D]`` on ``device`` (only that part is decoded)."""
+        packed = self.onloaded(device).select_heads(h0, h1).select_tokens(lo, hi)
+        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
+        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
+
+    def decoded(self, device: torch.device, dtype: torch.dtype) -> DenseKV:
+        """All of it decoded to dense ``[B, len, H, D]`` ``dtype`` K/V on ``device``."""
+        B, H, S, D = self.k.shape
+        k = torch.empty((B, S, H, D), dtype=dtype, device=device)
+        v = torch.empty((B, S, H, D), dtype=dtype, device=device)
+        self.read_into(0, S, 0, H, k, v, device)
+        return DenseKV(k, v)
+
+    def offloaded(self) -> PackedKV:
+        """The same K/V in CPU memory (pinned when it was on a GPU)."""
+        k, v = self.k.to("cpu"), self.v.to("cpu")
+        if self.device.type == "cuda":
+            k, v = k.pin_memory(), v.pin_memory()
+        return PackedKV(k, v)
+
+    def onloaded(self, device: torch.device) -> PackedKV:
+        """The same K/V on ``device`` (itself when already there)."""
+        here = self.device
+        if here == device or (here.type == device.type and device.index is None):
+            return self
+        return PackedKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """A run ``[start, end)`` of global positions and its K/V ``storage``.
+
+    ``first_chunk``/``last_chunk`` are the indices of the chunks it came from (a packed span
+    covers several).
+    """
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    storage: DenseKV | PackedKV
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.storage, PackedKV)
+
+    @property
+    def run(self) -> Intervals:
+        return ((self.start, self.end),)
+
+    @property
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+    def dense_slice(self, a: int, b: int) -> Segment:
+        """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
+        return replace(self, start=a, end=b, storage=dense_storage(self).slice(a - self.start, b - self.start))
+
+
+@dataclass(frozen=True, eq=False)
+class Codebook:
+    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``).
+
+    Attributes:
+        k, v: per stage ``[B, H, K, D]`` bf16, the very tensors the packed segments reference.
+        chunks: chunks packed with it so far.
+    """
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    chunks: int
+
+    def used_by(self, seg: Segment) -> bool:
+        return isinstance(seg.storage, PackedKV) and seg.storage.k.centroids[0] is self.k[0]
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    """What a store decided for every chunk written so far (the current one excluded).
+
+    Counts are cumulative since the store was built (across resets). A chunk still held
+    counts with its present storage (a ``"recent"`` chunk may be packed later); a chunk that
+    rolled out counts with the storage it had last.
+
+    Attributes:
+        chunks_packed: chunks stored packed.
+        chunks_dense: chunks kept dense, by reason (keys from ``DENSE_REASONS``: ``"recent"``,
+            ``"sink_keep"``, ``"sink"``, ``"waiting for span"``, ``"not smaller than dense"``,
+            ``"quant off"``, ``"policy"``); only reasons that occurred appear.
+        centroids: k-means centroids per (batch, head) per stage -> chunks packed with that
+            many (a chunk assigned to a shared codebook counts with the codebook's size).
+        quantize_calls: codec calls (one per packed segment, K and V together).
+    """
+
+    chunks_packed: int = 0
+    chunks_dense: Mapping[str, int] = field(default_factory=dict)
+    centroids: Mapping[int, int] = field(default_factory=dict)
+    quantize_calls: int = 0
+
+    @property
+    def chunks_kept_dense(self) -> int:
+        return sum(self.chunks_dense.values())
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready dict (centroid counts keyed by the string of K)."""
+        return {
+            "chunks_packed": self.chunks_packed,
+            "chunks_dense": dict(sorted(self.chunks_dense.items())),
+            "chunks_kept_dense": self.chunks_kept_dense,
+            "centroids": {str(k): n for k, n in sorted(self.centroids.items())},
+            "quantize_calls": self.quantize_calls,
+        }
+
+    @classmethod
+    def merge(cls, reports: Iterable[PackingReport]) -> PackingReport:
+        """The sum of several caches' reports (e.g. every layer of a run)."""
+        packed, calls = 0, 0
+        dense: Counter[str] = Counter()
+        books: Counter[int] = Counter()
+        for r in reports:
+            packed += r.chunks_packed
+            calls += r.quantize_calls
+            dense.update(r.chunks_dense)
+            books.update(r.centroids)
+        return cls(packed, dict(sorted(dense.items())), dict(sorted(books.items())), calls)
+
+
+@dataclass(frozen=True, eq=False)
+class KVWrite:
+    """A write of global positions ``[start, end)``, heads ``[h0, h1)`` (``heads``).
+
+    ``key``/``value`` ``[B, end - start, h1 - h0, D]``, or None: then the positions are only
+    allocated (zeros) and the host writes them afterwards with `SegmentStore.write`.
+    """
+
+    start: int
+    end: int
+    heads: tuple[int, int]
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+
+@dataclass
+class StorePlan:
+    """The store after one write, as values (`SegmentStore.plan`); `SegmentStore.commit` applies it."""
+
+    segments: list[Segment]
+    codebook: Codebook | None
+    current: int | None
+    chunk_tokens: int
+    next_chunk: int
+    write: KVWrite
+    packs: list[Segment] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)  # chunk -> why it stays dense
+
+
+
+def dense_storage(seg: Segment) -> DenseKV:
+    """``seg``'s `DenseKV` (a packed segment is refused: only dense ones are sliced or packed)."""
+    if not isinstance(seg.storage, DenseKV):
+        raise InvalidTypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
+    return seg.storage
