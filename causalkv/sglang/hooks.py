@@ -441,6 +441,19 @@ def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: An
         self.__dict__.pop(_TRACK, None)
 
 
+def prepare_realtime_caches(original: Callable[..., Any], self: Any, batch: Any,
+                            server_args: Any, ctx: Any):
+    """``_prepare_realtime_causal_caches``: a realtime session allocates its caches on chunk 0
+    and keeps them in the session, not on the stage; note them so each chunk's summary line
+    covers the caches the chunk used (packing shows from chunk 1 on)."""
+    cache_ctx = original(self, batch, server_args, ctx)
+    tracked = self.__dict__.get(_TRACK)
+    caches = getattr(cache_ctx, "kv_cache", None)
+    if tracked is not None and caches:
+        tracked.append(list(caches))
+    return cache_ctx
+
+
 def off_prepare_forward_context(
     original: Callable[..., Any], self: Any, batch: Any, server_args: Any
 ):
@@ -463,6 +476,7 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     (f"{_BASE}._allocate_causal_kv_cache", allocate),
     (f"{_LINGBOT}._allocate_causal_kv_cache", allocate),
     (f"{_BASE}.forward", forward),
+    (f"{_BASE}._prepare_realtime_causal_caches", prepare_realtime_caches),
     (f"{_LONGLIVE2}.forward", forward),
     (f"{_LINGBOT}.forward", forward),
 )

@@ -1,12 +1,11 @@
 """Test-environment observer: what the KV caches of a realtime LingBot-World session hold
 after every chunk, printed by sglang's worker.
 
-In a realtime session sglang allocates the caches on chunk 0, keeps them in the session's
-``RealtimeCausalDiTState`` and clears the stage's own references, so the bridge's
-``causalkv kv-cache summary:`` line (its ``forward`` hook reads the caches allocated during the
-request or held by the stage) is logged for chunk 0 only, before anything is packed. This
-probe reads the session's caches after each chunk and prints the bridge's own
-`causalkv.sglang.hooks.summary_line` for them, plus the stream's cursors.
+In a realtime session sglang allocates the caches on chunk 0 and keeps them in the session's
+``RealtimeCausalDiTState``. This probe reads the session's caches after each chunk and prints
+`causalkv.sglang.hooks.summary_line` for them plus the stream's cursors (tokens written, the
+cache size, quantize calls), from outside the bridge: for stock sglang too, where the bridge
+is off, and as a check of the bridge's own per-chunk summary line.
 
 It changes nothing: one AFTER hook, registered through sglang's own ``HookRegistry`` (the
 mechanism the bridge's hooks use), on ``_advance_realtime_causal_cache``, which sglang calls

@@ -146,7 +146,9 @@ def test_segment_view_cases_reached():
     """Runs after the property (file order): packed pieces, zero rows and lazy views occurred."""
     print(f"segment views: {SEEN}")
     assert SEEN["views"] > 3 * examples(150)
-    assert SEEN["packed pieces"] > SEEN["views"] // 4
+    # packed pieces must be common, not a corner: at least one view in eight shows one (the
+    # streams draw keep_recent 0 or 1 and caches of 1-4 chunks, so many views hold none)
+    assert SEEN["packed pieces"] > SEEN["views"] // 8
     assert SEEN["with zero rows"] > 0
     assert 0 < SEEN["materialized"] < SEEN["views"]
 

@@ -16,9 +16,9 @@ checkpoint's first frame and camera actions as sglang's realtime LingBot adapter
   ``QVGPackedCausalKVCache``), whose codec is quant-videogen's: not in this environment, so
   sglang refuses at its first pack, mid-stream.
 
-The worker logs the bridge's summary line on chunk 0 only (see `realtime_probe`), so what the
-caches hold after every chunk comes from the test environment's probe, which prints the
-bridge's own summary for the session's caches. Servers start one ahead of the session that
+The worker logs the bridge's summary line once per chunk, over the session's caches; the test
+environment's probe (`realtime_probe`) prints the same fields plus the stream's cursors from
+outside, for stock sglang too (where the bridge is off and says nothing). Servers start one ahead of the session that
 needs them (at most two alive), so a start overlaps the previous session.
 """
 
@@ -168,11 +168,14 @@ def test_quant_streams_on_causalkvs_caches_packs_and_rolls(realtime_runs, mode):
     (line,) = serving_lines(log)  # allocated once, on chunk 0, for the whole session
     assert "LingBotWorldCausalDMDDenoisingStage KV cache causalkv.sglang.cache.SGLangQVGKVCache" in line
     assert f"x 2 blocks, codec causalkv, qvg(int{mode[-1]}," in line and "keep-recent 1" in line
-    # the bridge's own summary comes once, for chunk 0 (nothing packed yet): the stage holds
-    # no reference to the session's caches on later chunks
-    (first,) = summaries(log)
-    assert first["cache"] == "SGLangQVGKVCache" and first["packed_chunks"] == "0"
+    # the bridge's own summary line, one per chunk (each realtime chunk is a request), covers
+    # the session's caches: what the probe reads from outside, the worker's log states itself
     records = probe_records(log)
+    lines = summaries(log)
+    assert len(lines) == CHUNKS
+    for line, record in zip(lines, records, strict=True):
+        for key in ("cache", "packed_chunks", "resident_bytes", "dense_bytes"):
+            assert line[key] == record[key], key
     assert [int(r["chunk"]) for r in records] == list(range(CHUNKS))
     assert {r["cache"] for r in records} == {"SGLangQVGKVCache"} and {r["persist"] for r in records} == {"1"}
     assert [int(r["quantize_calls"]) for r in records] == [0, 1, 1, 2, 3]
