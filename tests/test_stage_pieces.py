@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from dataclasses import fields
 
 from causalkv.config import ModelConfig
+from causalkv.hooks import specs
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.longlive2 import LongLive2Stage
 from causalkv.stages.records import ChunkStats
@@ -48,3 +51,11 @@ def test_chunk_stats_read_by_attribute_and_by_key() -> None:
     assert dict(s) == {"chunk": 1, "frames": (3, 6), "token_start": 48, "rope_frame_start": 3.0,
                        "prompt": "p", "seconds": 0.5, "kv_resident_bytes": 1024, "visible_tokens": 96}
     assert s.get("cache_bytes") is None and "cache_bytes" not in s
+
+
+def test_the_chunk_done_hookspec_names_exactly_the_stats_keys() -> None:
+    """``causalkv_chunk_done``'s docstring lists the keys a plugin may read: the `ChunkStats`
+    fields, no more (an undocumented key) and no less (a documented key no code emits)."""
+    doc = specs.causalkv_chunk_done.__doc__ or ""
+    listed = doc.split("mapping too:", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"``(\w+)``", listed)) == {f.name for f in fields(ChunkStats)}
