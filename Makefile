@@ -60,6 +60,8 @@ run-sglang: $(SGL_STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
+	# the layers (docs/design.md, "Layers"): lower layers never import higher ones, no cycles
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
 	$(MAKE) test-sglang
 
@@ -69,6 +71,7 @@ test-sglang: $(SGL_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks
+	$(BIN)/lint-imports
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python benchmarks/codec.py

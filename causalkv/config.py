@@ -1,33 +1,96 @@
 """`ModelConfig` and `ServerArgs`: what the resolver and the stages read, before any weights load.
 
-A torch-free leaf module (it imports only the QVG settings), so hooks, plugins, stages and
-the runtime share these records without import cycles and a plugin author imports it without
-loading torch. The runtime re-exports them.
+A torch-free leaf module, so hooks, plugins, stages and the runtime share these records without
+import cycles and a plugin author imports it without loading torch. The runtime re-exports them.
+
+Both records hold only what every model and every request has. What one extension adds lives
+in that extension's own records (`causalkv.options`), carried generically: a stage family's
+request knobs and a cache's settings in ``ServerArgs.options`` (the host gives each to the
+stage or cache it chose and refuses the others), a family's ``causalkv.json`` keys in
+``ModelConfig.options``.
+
+Compatibility: the family fields these records used to have (``ServerArgs.shots``, ``.motion``,
+``.kv_cache_quant_config``; ``ModelConfig.rope_offset_frames_per_shot``, ...) and the names
+that moved with them (``ShotRequest``, ``parse_motion``, ...) still work, as keywords,
+attributes and imports from here: they are read from their owners' modules on use (`_MOVED`),
+so importing this module imports no extension (and no torch).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
 
-from causalkv.errors import ConfigError, check_int
-from causalkv.quant_config import QVGKVQuantArgs
+from causalkv.errors import ConfigError, InvalidTypeError, check_int
+from causalkv.options import Options
 
-__all__ = [
-    "DEFAULT_SCENE_CUT_PREFIX",
-    "DTYPES",
-    "MOTION_LETTERS",
-    "ModelConfig",
-    "ServerArgs",
-    "ShotRequest",
-    "check_prompts",
-    "check_text",
-    "parse_motion",
-]
+__all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts", "check_text"]
+
+R = TypeVar("R", bound=Options)
+
+#: compatibility: names that moved to the extension that owns them -> ``"module:attribute"``;
+#: resolved on first use (module ``__getattr__``, the legacy keywords and attributes below)
+_MOVED = {
+    "ShotRequest": "causalkv.stages.longlive2:ShotRequest",
+    "DEFAULT_SCENE_CUT_PREFIX": "causalkv.stages.longlive2:SCENE_CUT_PREFIX",
+    "LongLive2Config": "causalkv.stages.longlive2:LongLive2Config",
+    "MotionOptions": "causalkv.stages.lingbot:MotionOptions",
+    "MOTION_LETTERS": "causalkv.stages.lingbot:MOTION_LETTERS",
+    "parse_motion": "causalkv.stages.lingbot:parse_motion",
+    "LingBotConfig": "causalkv.stages.lingbot:LingBotConfig",
+    "QVGKVQuantArgs": "causalkv.caches.qvg.options:QVGKVQuantArgs",
+}
+
+#: legacy `ServerArgs` keyword / attribute -> the record (a `_MOVED` name) that holds it now
+_SERVER_ALIASES = {"kv_cache_quant_config": "QVGKVQuantArgs", "shots": "ShotRequest", "motion": "MotionOptions"}
+
+#: legacy `ModelConfig` keyword / attribute -> the family config record that holds it now
+_MODEL_ALIASES = {
+    "rope_offset_frames_per_shot": "LongLive2Config",
+    "moving_window_frames": "LingBotConfig",
+    "still_window_frames": "LingBotConfig",
+    "still_chunks": "LingBotConfig",
+}
 
 
-@dataclass(frozen=True)
+def _moved(name: str) -> Any:
+    module, _, attr = _MOVED[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return _moved(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _by_class(records: Sequence[Any], owner: str) -> tuple[Options, ...]:
+    """``records`` as a tuple in a fixed order, one per record class (`ConfigError` otherwise)."""
+    out: dict[type, Options] = {}
+    for r in records:
+        if not isinstance(r, Options):
+            raise ConfigError(f"{owner}.options must hold causalkv.options.Options records, got {r!r}")
+        if type(r) in out:
+            raise ConfigError(f"{owner}.options holds two {type(r).__name__} records; give one")
+        out[type(r)] = r
+    return tuple(sorted(out.values(), key=lambda r: (type(r).__module__, type(r).__qualname__)))
+
+
+def _option(records: Sequence[Options], cls: type[R]) -> R:
+    for r in records:
+        if isinstance(r, cls):
+            return r
+    return cls()
+
+
+def _merged(records: Sequence[Options], record: Options) -> tuple[Options, ...]:
+    return (*(r for r in records if type(r) is not type(record)), record)
+
+
+@dataclass(frozen=True, init=False)
 class ModelConfig:
     """A causal video model's shape and streaming policy.
 
@@ -43,18 +106,18 @@ class ModelConfig:
             (defaults to ``sink_frames``).
         window_frames: frames attention sees at most (sink included).
         cache_frames: frames the cache retains (defaults to ``window_frames``).
-        recent_window_frames: LingBot-World recent-window sampling (frames before the chunk).
+        recent_window_frames: recent-window sampling (frames before the chunk; LingBot-World).
         timesteps: denoising timesteps before the shift (Self-Forcing: 1000, 750, 500, 250).
         shift: flow-matching shift.
         context_noise: timestep of the context pass that writes the clean K/V.
-        rope_offset_frames_per_shot: RoPE frame offset added per shot (LongLive 2.0; the
-            default of a request's ``multi_shot_rope_offset`` when it gives none).
-        moving_window_frames, still_window_frames: LingBot-World's interactive recent window
-            (frames before the chunk a chunk samples) while the camera moves / stands still;
-            used when a request carries a motion signal (None: no interactive window).
-        still_chunks: consecutive still chunks (the current one included) after which the
-            still window applies (LingBot-World's ``interactive_kv_still_chunks``, 2).
         path: the model folder, or None for a preset not yet materialized.
+        options: the serving family's own ``causalkv.json`` settings, as the records its
+            registration declares (``StageRegistration(config=...)``: LongLive 2.0's RoPE
+            offset per shot, LingBot-World's interactive window); `option` reads one.
+
+    The legacy keywords ``rope_offset_frames_per_shot``, ``moving_window_frames``,
+    ``still_window_frames`` and ``still_chunks`` (and the attributes of the same names) read
+    and write those families' records.
     """
 
     name: str
@@ -72,102 +135,85 @@ class ModelConfig:
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
     shift: float = 5.0
     context_noise: float = 0.0
-    rope_offset_frames_per_shot: int = 0
-    moving_window_frames: int | None = None
-    still_window_frames: int | None = None
-    still_chunks: int = 2
     path: str | None = None
+    options: tuple[Options, ...] = ()
+
+    def __init__(
+        self,
+        name: str,
+        model_class: str,
+        num_layers: int,
+        num_heads: int,
+        head_dim: int,
+        tokens_per_frame: int,
+        frames_per_chunk: int,
+        sink_frames: int = 0,
+        global_sink_frames: int | None = None,
+        window_frames: int = 21,
+        cache_frames: int | None = None,
+        recent_window_frames: int | None = None,
+        timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0),
+        shift: float = 5.0,
+        context_noise: float = 0.0,
+        path: str | None = None,
+        options: Sequence[Options] = (),
+        **legacy: Any,
+    ) -> None:
+        values = dict(locals())
+        for f in fields(self):
+            object.__setattr__(self, f.name, values[f.name])
+        records = _by_class(options, "ModelConfig")
+        for key, value in legacy.items():
+            if key not in _MODEL_ALIASES:
+                raise InvalidTypeError(f"ModelConfig() got an unexpected keyword argument {key!r}")
+            cls = _moved(_MODEL_ALIASES[key])
+            records = _merged(records, replace(_option(records, cls), **{key: value}))
+        object.__setattr__(self, "options", _by_class(records, "ModelConfig"))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _MODEL_ALIASES:  # compatibility: a field that moved to its family's record
+            return getattr(self.option(_moved(_MODEL_ALIASES[name])), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_frame * self.frames_per_chunk
 
+    def option(self, cls: type[R]) -> R:
+        """The model's ``cls`` record (its family's ``causalkv.json`` settings), else defaults."""
+        return _option(self.options, cls)
+
+    def override_keys(self, *extra: type[Options]) -> list[str]:
+        """What `with_overrides` accepts: the fields, and the keys of the family records
+        (those held and ``extra``)."""
+        own = [f.name for f in fields(self) if f.name != "options"]
+        classes = dict.fromkeys([*(type(r) for r in self.options), *extra])
+        return own + [k for cls in classes for k in cls.specs() if k not in own]
+
+    def with_overrides(self, overrides: Mapping[str, Any], *extra: type[Options]) -> ModelConfig:
+        """A copy with ``overrides`` applied: field names to the fields, a family key to its
+        record (held, or one of the ``extra`` record classes). `ConfigError` for anything
+        else, listing `override_keys`."""
+        keys = self.override_keys(*extra)
+        unknown = sorted(set(overrides) - set(keys))
+        if unknown:
+            raise ConfigError(
+                f"unknown ModelConfig field(s) {', '.join(unknown)}; choose among: {', '.join(sorted(keys))}"
+            )
+        own = {f.name for f in fields(self)} - {"options"}
+        records = self.options
+        for cls in dict.fromkeys([*(type(r) for r in records), *extra]):
+            mine = {k: v for k, v in overrides.items() if k in cls.specs() and k not in own}
+            if mine:
+                records = _merged(records, replace(_option(records, cls), **mine))
+        return replace(self, **{k: v for k, v in overrides.items() if k in own}, options=records)
+
 
 #: dtypes a request may name
 DTYPES = ("bfloat16", "float16", "float32")
 
-#: the seed runtime's default text put before the prompt of a shot's first chunk
-DEFAULT_SCENE_CUT_PREFIX = "The scene transitions. "
 
-#: letters of a per-chunk motion signal: ``m`` the camera moves, ``s`` it stands still
-MOTION_LETTERS = ("m", "s")
-
-
-@dataclass(frozen=True)
-class ShotRequest:
-    """How a LongLive 2.0 request's shots map onto chunks (the seed runtime's fields).
-
-    The shot prompts themselves are the request's prompts. Validated on construction
-    (`ConfigError` naming the value and the flag).
-
-    Attributes:
-        durations: chunks per shot, one positive int per shot (``--shot-durations``); None:
-            ``chunks_per_shot`` or an even split.
-        chunks_per_shot: chunks of every shot when ``durations`` is None (0: even split).
-        scene_cut_prefix: text put before the prompt of each shot's first chunk after the
-            first shot (may be empty).
-        multi_shot_sink: pin each cut chunk as its shot's sink (when the sink is non-zero).
-        multi_shot_rope_offset: RoPE frames added per shot index (float; None: the model's
-            ``rope_offset_frames_per_shot``).
-    """
-
-    durations: tuple[int, ...] | None = None
-    chunks_per_shot: int = 0
-    scene_cut_prefix: str = DEFAULT_SCENE_CUT_PREFIX
-    multi_shot_sink: bool = True
-    multi_shot_rope_offset: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.durations is not None:
-            durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
-            if not durations:
-                raise ConfigError(
-                    f"shot durations must be a non-empty list of chunk counts, got {self.durations!r} "
-                    "(--shot-durations 3,2,4)"
-                )
-            for d in durations:
-                if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-                    raise ConfigError(
-                        f"shot durations must be positive chunk counts, got {d!r} in "
-                        f"{list(durations)} (--shot-durations)"
-                    )
-            object.__setattr__(self, "durations", durations)
-        check_int("--chunks-per-shot", self.chunks_per_shot, minimum=0, hint="or 0 for an even split")
-        if not isinstance(self.scene_cut_prefix, str):
-            raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
-        check_text(self.scene_cut_prefix, "--scene-cut-prefix")
-        if not isinstance(self.multi_shot_sink, bool):
-            raise ConfigError(f"multi_shot_sink must be True or False, got {self.multi_shot_sink!r}")
-        off = self.multi_shot_rope_offset
-        if off is not None:
-            if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
-                raise ConfigError(
-                    f"multi-shot RoPE offset must be a finite number >= 0, got {off!r} "
-                    "(--multi-shot-rope-offset)"
-                )
-            object.__setattr__(self, "multi_shot_rope_offset", float(off))
-
-    @property
-    def is_default(self) -> bool:
-        """True when no shot field was given (a plain request)."""
-        return self == ShotRequest()
-
-
-def parse_motion(text: str | Sequence[str]) -> tuple[str, ...]:
-    """A motion signal ``"m,m,s"`` (or a sequence of letters) as ``("m", "m", "s")``.
-
-    `ConfigError` for an empty signal or a letter other than ``m`` (moving) / ``s`` (still).
-    """
-    items = [t.strip().lower() for t in text.split(",")] if isinstance(text, str) else list(text)
-    if not items or any(m not in MOTION_LETTERS for m in items):
-        raise ConfigError(
-            f"motion must be one letter per chunk, m (camera moves) or s (still), comma separated, "
-            f"got {text!r} (--motion m,m,s,s)"
-        )
-    return tuple(items)
-
-
-@dataclass
+@dataclass(init=False)
 class ServerArgs:
     """Per-request and per-server options that shape resolution and generation.
 
@@ -175,9 +221,8 @@ class ServerArgs:
     derive a changed copy with ``dataclasses.replace`` so the copy is validated too.
 
     Attributes:
-        kv_cache_quant_config: QVG settings (``bits=None`` = off).
         sink_frames, window_frames, recent_window_frames: overrides of the model config.
-        multi_shot: LongLive 2.0 scene cuts pin a shot sink (needs ``pinned_sink``).
+        multi_shot: scene cuts pin a shot sink (needs ``pinned_sink``; LongLive 2.0).
         heads_sharded: ranks sharing the heads (> 1 needs ``head_slice``).
         cache: force a cache factory by name (None: let resolution choose).
         seed, dtype, device: generation settings.
@@ -185,12 +230,15 @@ class ServerArgs:
             instructions (AVX2) bf16 matmuls run several times slower than fp32: computing in
             float32 with bf16 caches keeps the caches' bytes at bf16 and the speed of fp32.
         guidance_scale: classifier-free guidance (> 1 runs a negative branch with its own cache).
-        shots: LongLive 2.0 shot layout (`ShotRequest`; the default: a plain request).
-        motion: LingBot-World per-chunk motion signal, ``"m"``/``"s"`` per chunk (None: none;
-            its length is checked against the chunk count when the request is planned).
+        options: the extensions' own records (`causalkv.options`): a stage family's request
+            knobs (LongLive 2.0 shots, LingBot-World motion), a cache's settings (QVG); one per
+            record class. `option` reads one (its defaults when the request gives none).
+
+    The legacy keywords and attributes ``kv_cache_quant_config`` (the QVG cache's
+    `QVGKVQuantArgs`), ``shots`` (LongLive 2.0's `ShotRequest`) and ``motion`` (LingBot-World's
+    signal, ``"m"``/``"s"`` per chunk) read and write those records in ``options``.
     """
 
-    kv_cache_quant_config: QVGKVQuantArgs = field(default_factory=QVGKVQuantArgs)
     sink_frames: int | None = None
     window_frames: int | None = None
     recent_window_frames: int | None = None
@@ -201,15 +249,38 @@ class ServerArgs:
     dtype: str = "bfloat16"
     device: str = "cpu"
     guidance_scale: float = 1.0
-    shots: ShotRequest = field(default_factory=ShotRequest)
-    motion: tuple[str, ...] | None = None
     kv_cache_dtype: str | None = None
+    options: tuple[Options, ...] = ()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.kv_cache_quant_config, QVGKVQuantArgs):
-            raise ConfigError(
-                f"kv_cache_quant_config must be a QVGKVQuantArgs, got {self.kv_cache_quant_config!r}"
-            )
+    def __init__(
+        self,
+        kv_cache_quant_config: Any = None,
+        sink_frames: int | None = None,
+        window_frames: int | None = None,
+        recent_window_frames: int | None = None,
+        multi_shot: bool = False,
+        heads_sharded: int = 1,
+        cache: str | None = None,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        guidance_scale: float = 1.0,
+        shots: Any = None,
+        motion: Any = None,
+        kv_cache_dtype: str | None = None,
+        options: Sequence[Options] = (),
+    ) -> None:
+        values = dict(locals())
+        for f in fields(self):
+            setattr(self, f.name, values[f.name])
+        records = _by_class(options, "ServerArgs")
+        for alias in _SERVER_ALIASES:  # the legacy keywords, in their old order
+            if values[alias] is not None:
+                records = _merged(records, _legacy_record(alias, values[alias]))
+        self.options = _by_class(records, "ServerArgs")
+        self._validate()
+
+    def _validate(self) -> None:
         for name, flag, minimum in (
             ("sink_frames", "--sink-frames", 0),
             ("window_frames", "--window-frames", 1),
@@ -232,10 +303,77 @@ class ServerArgs:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")
         if self.cache is not None and (not isinstance(self.cache, str) or not self.cache):
             raise ConfigError(f"cache must be a cache name or None, got {self.cache!r} (--cache)")
-        if not isinstance(self.shots, ShotRequest):
-            raise ConfigError(f"shots must be a ShotRequest, got {self.shots!r}")
-        if self.motion is not None:
-            self.motion = parse_motion(self.motion)
+
+    def option(self, cls: type[R]) -> R:
+        """The request's ``cls`` record, else ``cls()`` (its defaults)."""
+        return _option(self.options, cls)
+
+    def with_options(self, *records: Options) -> ServerArgs:
+        """A validated copy holding ``records`` (each replaces the one of its class)."""
+        out = self.options
+        for r in records:
+            out = _merged(out, r)
+        return replace(self, options=out)
+
+    def without_options(self, kind: type[Options]) -> ServerArgs:
+        """A validated copy without the records of type ``kind`` (e.g. every cache's)."""
+        return replace(self, options=tuple(r for r in self.options if not isinstance(r, kind)))
+
+    def requirement_reasons(self, model: ModelConfig | None = None) -> dict[str, str]:
+        """Cache features this request needs -> why, as the user wrote it: the host's fields
+        (``--multi-shot``, ``--heads-sharded N``, a recent window of the request or the
+        model) and every record's `Options.requires`."""
+        out: dict[str, str] = {}
+        if self.multi_shot:
+            out["pinned_sink"] = "--multi-shot"
+        if self.heads_sharded > 1:
+            out["head_slice"] = f"--heads-sharded {self.heads_sharded}"
+        if self.recent_window_frames is not None:
+            out["recent_window"] = f"--recent-window-frames {self.recent_window_frames}"
+        elif model is not None and model.recent_window_frames is not None:
+            out["recent_window"] = f"model recent_window_frames={model.recent_window_frames}"
+        for record in self.options:
+            for feature, why in record.requires().items():
+                out.setdefault(feature, why)
+        return out
+
+    # ---- compatibility: the family fields this record used to have --------------------------
+    @property
+    def kv_cache_quant_config(self) -> Any:
+        """The QVG cache's `QVGKVQuantArgs` (defaults when the request gives none)."""
+        return self.option(_moved("QVGKVQuantArgs"))
+
+    @kv_cache_quant_config.setter
+    def kv_cache_quant_config(self, value: Any) -> None:
+        self.options = _by_class(_merged(self.options, _legacy_record("kv_cache_quant_config", value)), "ServerArgs")
+
+    @property
+    def shots(self) -> Any:
+        """LongLive 2.0's `ShotRequest` (defaults when the request gives none)."""
+        return self.option(_moved("ShotRequest"))
+
+    @shots.setter
+    def shots(self, value: Any) -> None:
+        self.options = _by_class(_merged(self.options, _legacy_record("shots", value)), "ServerArgs")
+
+    @property
+    def motion(self) -> tuple[str, ...] | None:
+        """LingBot-World's motion signal (None when the request gives none)."""
+        return self.option(_moved("MotionOptions")).motion
+
+    @motion.setter
+    def motion(self, value: Any) -> None:
+        self.options = _by_class(_merged(self.options, _legacy_record("motion", value)), "ServerArgs")
+
+
+def _legacy_record(alias: str, value: Any) -> Options:
+    """The record a legacy `ServerArgs` keyword gives (`ConfigError` for a wrong type)."""
+    cls = _moved(_SERVER_ALIASES[alias])
+    if alias == "motion":
+        return cls(motion=value)
+    if not isinstance(value, cls):
+        raise ConfigError(f"{alias} must be a {cls.__name__}, got {value!r}")
+    return value
 
 
 def check_text(text: str, flag: str) -> str:

@@ -73,7 +73,7 @@ def empty_home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 @pytest.fixture
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records every attempt to build a preset or load weights (it then fails)."""
-    from fault_helpers import runtime_generate
+    from fault_helpers import runtime_load
 
     calls: list[str] = []
 
@@ -84,6 +84,6 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return fn
 
-    monkeypatch.setattr(runtime_generate, "load_components", refuse("load_components"))
-    monkeypatch.setattr(runtime_generate, "materialize_preset", refuse("materialize_preset"))
+    monkeypatch.setattr(runtime_load, "load_components", refuse("load_components"))
+    monkeypatch.setattr(runtime_load, "materialize_preset", refuse("materialize_preset"))
     return calls

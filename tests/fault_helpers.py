@@ -19,10 +19,13 @@ from safetensors.torch import save_file
 
 from causalkv.cli import main
 from causalkv.hooks import hookimpl
-from causalkv.runtime import presets
+from causalkv.runtime import preset_configs, presets
 
 #: the module (``causalkv.runtime.generate`` the attribute is the function of that name)
 runtime_generate = importlib.import_module("causalkv.runtime.generate")
+#: the pipeline's load and write steps (the modules the loading and writing functions live in)
+runtime_load = importlib.import_module("causalkv.runtime.load")
+runtime_write = importlib.import_module("causalkv.runtime.write")
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "causalkv generate: error: "
 #: what a traceback or a C++ stack dump prints; none may reach stderr without --debug
@@ -92,8 +95,8 @@ def fake_model_folder(root: Path, causalkv: dict[str, Any] | None = None, **inde
     (root / "model_index.json").write_text(
         json.dumps({**presets._model_index("SelfForcingWanPipeline"), **index})
     )
-    for name, cfg in (("transformer", presets._TRANSFORMER), ("vae", presets._VAE),
-                      ("text_encoder", presets._TEXT_ENCODER)):
+    for name, cfg in (("transformer", preset_configs.TINY_TRANSFORMER), ("vae", preset_configs.TINY_VAE),
+                      ("text_encoder", preset_configs.TINY_TEXT_ENCODER)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(cfg))
         weights = "model" if name == "text_encoder" else "diffusion_pytorch_model"

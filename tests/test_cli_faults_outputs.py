@@ -31,7 +31,7 @@ from typing import Any
 import imageio_ffmpeg
 import pytest
 import torch
-from fault_helpers import ERROR, ChunkCounter, files, one_line, run_cli, runtime_generate
+from fault_helpers import ERROR, ChunkCounter, files, one_line, run_cli, runtime_write
 
 from causalkv.runtime import outputs
 from causalkv.runtime.outputs import load_latents
@@ -111,7 +111,7 @@ def test_metrics_on_a_full_disk_keeps_and_names_the_outputs_before_it(
     causalkv_home: str, tmp_path: Path, counter: ChunkCounter, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runtime_generate, "write_json_atomic", limited(outputs.write_json_atomic, 512))
+    monkeypatch.setattr(runtime_write, "write_json_atomic", limited(outputs.write_json_atomic, 512))
     v, m, lat = tmp_path / "v.mp4", tmp_path / "m.json", tmp_path / "l.safetensors"
     rc = run_cli([*BASE, "--output", str(v), "--metrics", str(m), "--save-latents", str(lat)])
     line = one_line(capsys.readouterr().err)
@@ -126,7 +126,7 @@ def test_latents_on_a_full_disk_stop_before_anything_else_is_written(
     causalkv_home: str, tmp_path: Path, counter: ChunkCounter, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runtime_generate, "save_latents", limited(outputs.save_latents, 512))
+    monkeypatch.setattr(runtime_write, "save_latents", limited(outputs.save_latents, 512))
     v, m, lat = tmp_path / "v.mp4", tmp_path / "m.json", tmp_path / "l.safetensors"
     rc = run_cli([*BASE, "--output", str(v), "--metrics", str(m), "--save-latents", str(lat)])
     line = one_line(capsys.readouterr().err)
@@ -161,7 +161,7 @@ def test_interrupted_while_writing_names_the_complete_files(
     def ctrl_c(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runtime_generate, "write_json_atomic", ctrl_c)
+    monkeypatch.setattr(runtime_write, "write_json_atomic", ctrl_c)
     v, lat = tmp_path / "v.gif", tmp_path / "l.safetensors"
     rc = run_cli([*BASE, "--output", str(v), "--metrics", str(tmp_path / "m.json"), "--save-latents", str(lat)])
     line = one_line(capsys.readouterr().err)

@@ -120,3 +120,32 @@ def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, proble
     else:
         with pytest.raises(ValueError, match=problem.replace("[", r"\[").replace("]", r"\]")):
             args.check_layout(head_dim)
+
+
+def test_importing_the_settings_loads_no_torch():
+    """The QVG settings are torch-free: their old homes and the record itself import without
+    torch (the caches packages export lazily)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import causalkv.caches.qvg.options, causalkv.quant_config, causalkv.caches.qvg.args\n"
+        "from causalkv.caches.qvg import QVGKVQuantArgs\n"
+        "assert QVGKVQuantArgs(bits=2).codec.bits == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_parts_are_declared_once_and_make_up_the_whole():
+    from causalkv.caches.qvg.options import QVGCodecOptions, QVGPackingOptions
+
+    a = QVGKVQuantArgs(bits=4, centroids=64, keep_recent_chunks=2, grid="mse4")
+    assert a.codec == QVGCodecOptions(bits=4, centroids=64, grid="mse4")
+    assert a.packing == QVGPackingOptions(keep_recent_chunks=2)
+    assert set(QVGKVQuantArgs.specs()) == set(QVGCodecOptions.specs()) | set(QVGPackingOptions.specs())
+    assert not set(QVGCodecOptions.specs()) & set(QVGPackingOptions.specs())
+    # the reference runtime's dict keys and flags come from the declarations
+    assert QVGKVQuantArgs.keys()["kv_cache_quant_iters"] == "kmeans_iters"
+    assert QVGKVQuantArgs.flags()["--kv-cache-quant-keep-recent"] == "keep_recent_chunks"

@@ -1,25 +1,49 @@
 """Causal KV caches: one contract (docs/caches.md), a dense rolling cache and a QVG packed cache.
 
     from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
+
+The names are exported lazily (PEP 562): importing a torch-free submodule such as
+`causalkv.caches.qvg.options` runs this package without importing torch; the first use of a
+name below imports its module.
 """
 
-from causalkv.caches.attention import AttendError, AttendStats, attend
-from causalkv.caches.cross import CrossAttentionKVCache
-from causalkv.caches.dense import DenseCausalKVCache
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.spec import (
-    GROWTH,
-    HEAD_SLICE,
-    INT_INDICES,
-    PINNED_SINK,
-    QUANT_QVG,
-    RECENT_WINDOW,
-    CacheCapabilities,
-    CacheWriteError,
-    CausalAttentionKVView,
-    CausalKVCache,
-    KVCacheSpec,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from causalkv.caches.attention import AttendError, AttendStats, attend
+    from causalkv.caches.cross import CrossAttentionKVCache
+    from causalkv.caches.dense import DenseCausalKVCache
+    from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+    from causalkv.caches.spec import (
+        GROWTH,
+        HEAD_SLICE,
+        INT_INDICES,
+        PINNED_SINK,
+        QUANT_QVG,
+        RECENT_WINDOW,
+        CacheCapabilities,
+        CacheWriteError,
+        CausalAttentionKVView,
+        CausalKVCache,
+        KVCacheSpec,
+    )
+
+#: exported name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(("AttendError", "AttendStats", "attend"), "causalkv.caches.attention"),
+    "CrossAttentionKVCache": "causalkv.caches.cross",
+    "DenseCausalKVCache": "causalkv.caches.dense",
+    "QVGPackedCausalKVCache": "causalkv.caches.qvg.packed",
+    **dict.fromkeys(
+        ("GROWTH", "HEAD_SLICE", "INT_INDICES", "PINNED_SINK", "QUANT_QVG", "RECENT_WINDOW",
+         "CacheCapabilities", "CacheWriteError", "CausalAttentionKVView", "CausalKVCache",
+         "KVCacheSpec"),
+        "causalkv.caches.spec",
+    ),
+}
 
 __all__ = [
     "GROWTH",
@@ -40,3 +64,11 @@ __all__ = [
     "QVGPackedCausalKVCache",
     "attend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

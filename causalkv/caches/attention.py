@@ -207,6 +207,7 @@ def _kernel_module() -> ModuleType:
     """`causalkv.caches.qvg.attention`, imported on first use: it imports triton, an optional
     dependency the decode path never needs (not an import cycle: that module imports only
     the codec)."""
+    # lazy: the kernel module imports triton, optional and never needed by the decode path
     from causalkv.caches.qvg import attention as kernel
 
     return kernel

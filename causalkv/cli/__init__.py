@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"causalkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, plugins, demo, sglang_checkpoint):
+    found = generate.collect_plugins()  # once: the flags of `generate` and `resolve`, and the run
+    generate.register(sub, plugins=found)
+    plugins.register(sub, plugins=found)
+    for module in (demo, sglang_checkpoint):
         module.register(sub)
     return parser
 

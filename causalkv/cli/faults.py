@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from causalkv.errors import CausalKVError
+from causalkv.runtime import launch
 
 __all__ = [
     "EXIT_ERROR",
@@ -218,8 +219,6 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
     """Run ``body`` and map what it raises to one stderr line and an exit status (module
     docstring). With ``debug`` the traceback is printed too. SIGTERM is handled like SIGINT
     while ``body`` runs (`sigterm_raises`)."""
-    from causalkv.runtime import launch
-
     progress = progress or Progress()
 
     def fail(line: str, code: int) -> int:

@@ -1,4 +1,11 @@
-"""``causalkv generate``: streaming chunk-by-chunk video generation on a preset or a folder."""
+"""``causalkv generate``: streaming chunk-by-chunk video generation on a preset or a folder.
+
+The command line is the host's flags (model, prompts, frames, seed, dtype, device, stream
+overrides, sharding, cache choice, outputs) plus, in one ``--help`` group per record, the
+flags every registered stage family and cache declares (`causalkv.options`: LongLive 2.0's
+shot flags, LingBot-World's ``--motion``, the QVG cache's ``--kv-cache-quant*``), read from
+the plugin registry (`add_extension_args`); this module names no family and no cache.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +14,118 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from causalkv import quant_config as qvg_args
-from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, DTYPES, ServerArgs, ShotRequest, parse_motion
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.cli.faults import Progress, Stdout, run_guarded
+from causalkv.config import DTYPES, ServerArgs
+from causalkv.errors import CausalKVError, ConfigError, check_int
+from causalkv.options import Options
+from causalkv.plugin import Registry
+from causalkv.runtime.distributed import (
+    env_world,
+    init_parallel,
+    launched_by_torchrun,
+    run_under_torchrun,
+    shutdown,
+)
+from causalkv.runtime.generate import generate, plan_generation
+from causalkv.runtime.launch import register_rank
+from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
+from causalkv.runtime.video import video_formats
 
 __all__ = [
+    "add_extension_args",
     "add_generate_args",
     "add_request_args",
+    "collect_plugins",
     "compare_table",
+    "extension_records",
     "options_from_args",
     "register",
     "run_generate",
 ]
 
+#: the namespace attributes `add_extension_args` sets: the records whose flags it added, and
+#: the flags it could not add (a clash), reported when the command runs
+_RECORDS, _PROBLEMS = "_causalkv_option_records", "_causalkv_option_problems"
+#: the namespace attribute `register` sets: the plugins the parser was built from (the run's)
+_PLUGINS = "_causalkv_plugins"
 
-def _preset_names() -> str:
-    from causalkv.plugin import collect, get_plugin_manager
 
+def collect_plugins() -> PluginSet | None:
+    """The process-wide plugin manager's plugins, collected once for the parser and the run;
+    None on a plugin conflict (which `generate` reports when it runs)."""
     try:
-        return ", ".join(collect(get_plugin_manager()).presets())
-    except CausalKVError:  # a plugin conflict: `generate` reports it when it runs
-        return "see causalkv plugins"
+        return PluginSet.collect()
+    except CausalKVError:
+        return None
 
 
-def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``generate`` flags (model, prompts, frames, stream overrides, QVG, output)."""
-    from causalkv.runtime.generate import DEFAULT_PROMPT
+def _registry(plugins: PluginSet | None | Any = ...) -> Registry | None:
+    plugins = collect_plugins() if plugins is ... else plugins
+    return plugins.registry if plugins is not None else None
 
+
+def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
+    """Each option record the registry's stages and caches declare -> its owners
+    (``"stage longlive2"``, ``"cache qvg"``), in registration order."""
+    out: dict[type[Options], list[str]] = {}
+    for e in registry.stages:
+        try:
+            record = e.registration.options_record()
+        except (ImportError, TypeError):  # a broken stage: it fails when it is chosen
+            continue
+        if record is not None:
+            out.setdefault(record, []).append(f"stage {e.name}")
+    for e in registry.caches:
+        if e.factory.options is not None:
+            out.setdefault(e.factory.options, []).append(f"cache {e.name}")
+    return out
+
+
+def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
+    """Add the flags of every option record the registry's stages and caches declare, one
+    group per record titled with the record and its owners. A record whose flag is taken
+    already is left out and named when the command runs (`extension_records`)."""
+    records: list[type[Options]] = []
+    problems: list[str] = []
+    taken = dict.fromkeys(parser._option_string_actions, "causalkv generate")
+    for record, owners in (_owned_records(registry) if registry is not None else {}).items():
+        clash = [f for f in record.flags() if f in taken]
+        if clash:
+            problems.append(
+                f"{clash[0]} of {', '.join(owners)} ({record.title}) is taken by {taken[clash[0]]}; "
+                "rename one of them in its plugin, or block one with CAUSALKV_DISABLE_PLUGINS"
+            )
+            continue
+        record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
+        taken.update(dict.fromkeys(record.flags(), ", ".join(owners)))
+        records.append(record)
+    parser.set_defaults(**{_RECORDS: tuple(records), _PROBLEMS: tuple(problems)})
+    return parser
+
+
+def extension_records(args: argparse.Namespace) -> list[Options]:
+    """The option records the parsed flags give (validated; `ConfigError` naming the flag),
+    one per record with at least one flag typed."""
+    problems = getattr(args, _PROBLEMS, ())
+    if problems:
+        raise ConfigError(problems[0])
+    out = []
+    for record in getattr(args, _RECORDS, ()):
+        given = record.given_in(args)
+        if given:
+            out.append(record(**given))
+    return out
+
+
+def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -> argparse.ArgumentParser:
+    """The ``generate`` flags: the host's, then the extensions' (`add_extension_args`, from
+    ``registry``; default: the process-wide plugin manager's)."""
+    if registry is ...:
+        registry = _registry()
+    presets = ", ".join(registry.presets()) if registry is not None else "see causalkv plugins"
     parser.add_argument(
         "--model", default="tiny-wan",
-        help=f"preset ({_preset_names()}) or a diffusers-format Wan folder "
+        help=f"preset ({presets}) or a diffusers-format Wan folder "
         "(default: tiny-wan; preset weights are random)",
     )
     parser.add_argument(
@@ -44,7 +133,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="prompt of one shot; repeat for several shots (frames split evenly, shots after "
         f"the first are scene cuts). Default: {DEFAULT_PROMPT!r}",
     )
-    add_request_args(parser)
+    parser.add_argument(
+        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
+        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
+    )
     parser.add_argument("--negative-prompt", default=None, help="negative CFG prompt (model default)")
     parser.add_argument("--frames", type=int, default=None,
                         help="latent frames, a multiple of the model's frames per chunk "
@@ -65,7 +157,6 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="classifier-free guidance scale (LongLive 2.0; model default)")
     parser.add_argument("--stage", default=None, help="force a stage by registration name")
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
-    qvg_args.add_cli_args(parser)
     parser.add_argument("--output", default=None, metavar="FILE",
                         help=f"video file; the installed encoders write {_video_formats()} "
                         "(default: out/<model>.mp4). Written atomically; if it cannot be written "
@@ -87,59 +178,15 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="sequence parallel on N local processes (torchrun; gloo on CPU, "
                         "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
                         "from torchrun and N, if given, must match its --nproc-per-node")
-    return parser
+    return add_extension_args(parser, registry)
 
 
 def _video_formats() -> str:
-    from causalkv.runtime.video import video_formats
-
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
 def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The shot flags (LongLive 2.0) and the motion signal (LingBot-World)."""
-    parser.add_argument(
-        "--shot-prompt", action="append", dest="shot_prompts", metavar="TEXT",
-        help="prompt of one shot (repeatable; same as --prompt, do not mix the two)",
-    )
-    parser.add_argument(
-        "--shot-durations", default=None, metavar="N,N,...",
-        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
-        "count; chunks left over go to the last shot)",
-    )
-    parser.add_argument(
-        "--chunks-per-shot", type=int, default=0, metavar="N",
-        help="chunks of every shot when --shot-durations is not given (default 0: even split, "
-        "the first shots one chunk longer)",
-    )
-    parser.add_argument(
-        "--scene-cut-prefix", default=DEFAULT_SCENE_CUT_PREFIX, metavar="TEXT",
-        help=f"text before the prompt of each shot's first chunk (default {DEFAULT_SCENE_CUT_PREFIX!r}; "
-        "may be empty)",
-    )
-    parser.add_argument(
-        "--no-multi-shot-sink", dest="multi_shot_sink", action="store_false",
-        help="do not pin each shot's first chunk as its sink",
-    )
-    parser.add_argument(
-        "--multi-shot-rope-offset", type=float, default=None, metavar="FRAMES",
-        help="RoPE frames added per shot index (float >= 0; default: the model's)",
-    )
-    parser.add_argument(
-        "--motion", default=None, metavar="m,s,...",
-        help="LingBot-World camera motion per chunk: m (moves) or s (still), one letter per "
-        "chunk; drives the moving/still recent KV window",
-    )
-    return parser
-
-
-def _shot_durations(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {text!r}"
-        ) from None
+    """Compatibility: the request flags the registered extensions declare
+    (`add_extension_args` with the process-wide plugin manager's registry)."""
+    return add_extension_args(parser, _registry())
 
 
 def _request_prompts(args: argparse.Namespace) -> list[str] | None:
@@ -148,8 +195,9 @@ def _request_prompts(args: argparse.Namespace) -> list[str] | None:
     return args.shot_prompts if args.shot_prompts is not None else args.prompts
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``generate`` subcommand."""
+def register(subparsers: Any, *, plugins: PluginSet | None | Any = ...) -> None:
+    """Add the ``generate`` subcommand, its flags from ``plugins`` (default: collected now);
+    the run uses the same ``plugins``."""
     p = subparsers.add_parser(
         "generate",
         help="generate a video chunk by chunk (causal KV cache chosen by the plugin system)",
@@ -158,24 +206,16 @@ def register(subparsers: Any) -> None:
             "KV cache are resolved from the model and the flags before any weights load."
         ),
     )
-    add_generate_args(p)
-    p.set_defaults(func=run_generate)
+    plugins = collect_plugins() if plugins is ... else plugins
+    add_generate_args(p, registry=_registry(plugins))
+    p.set_defaults(func=run_generate, **{_PLUGINS: plugins})
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    """`GenerateOptions` from parsed ``generate`` arguments (validates the QVG flags)."""
-    from causalkv.runtime.generate import DEFAULT_PROMPT, GenerateOptions
-
+    """`GenerateOptions` from parsed ``generate`` arguments (validates every option record)."""
     prompts = _request_prompts(args)
-    shots = ShotRequest(
-        durations=_shot_durations(args.shot_durations),
-        chunks_per_shot=args.chunks_per_shot,
-        scene_cut_prefix=args.scene_cut_prefix,
-        multi_shot_sink=args.multi_shot_sink,
-        multi_shot_rope_offset=args.multi_shot_rope_offset,
-    )
     server_args = ServerArgs(
-        kv_cache_quant_config=qvg_args.from_namespace(args),
+        options=extension_records(args),
         sink_frames=args.sink_frames,
         window_frames=args.window_frames,
         recent_window_frames=args.recent_window_frames,
@@ -183,8 +223,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
-        shots=shots,
-        motion=None if args.motion is None else parse_motion(args.motion),
         heads_sharded=_world_size(args),
         kv_cache_dtype=args.kv_cache_dtype,
     )
@@ -212,9 +250,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
-    from causalkv.errors import ConfigError, check_int
-    from causalkv.runtime.distributed import env_world, launched_by_torchrun
-
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)
@@ -262,30 +297,23 @@ def run_generate(args: argparse.Namespace) -> int:
     torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
     process group and rank 0 alone prints, writes the video and the metrics.
     """
-    from causalkv.cli.faults import Progress, Stdout, run_guarded
-
     out, progress = Stdout(), Progress()
+    plugins = getattr(args, _PLUGINS, None)
 
     def body() -> int:
-        from causalkv.runtime.distributed import launched_by_torchrun
-        from causalkv.runtime.launch import register_rank
-
         register_rank()  # a rank of `_launch`'s job: report to it, die with torchrun
         options = options_from_args(args)
         if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
-            return _launch(args, options, out)
+            return _launch(args, options, out, plugins)
         main_rank = True
         if launched_by_torchrun():
-            from causalkv.runtime.distributed import init_parallel
-
             main_rank = init_parallel(options.server_args.device).is_main
-        metrics, _run = _generate_and_leave(options, out, progress)
+        metrics, run = _generate_and_leave(options, out, progress, plugins)
         if not main_rank:
             return 0
-        s = metrics["seconds_per_chunk"]
         out(
-            f"done: {metrics['chunks']} chunks, {sum(s) / len(s):.3f} s/chunk, KV resident max "
-            f"{metrics['kv_resident_bytes_max']:,} B, final {metrics['kv_resident_bytes_final']:,} B"
+            f"done: {len(run.chunk_stats)} chunks, {run.seconds_per_chunk_mean:.3f} s/chunk, KV "
+            f"resident max {run.kv_resident_bytes_max:,} B, final {run.kv_resident_bytes_final:,} B"
         )
         if options.metrics is not None:
             out(f"metrics: {options.metrics}")
@@ -297,34 +325,27 @@ def run_generate(args: argparse.Namespace) -> int:
     return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
 
 
-def _generate_and_leave(options: Any, out: Any, progress: Any) -> Any:
+def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
-    from causalkv.runtime.distributed import shutdown
-    from causalkv.runtime.generate import generate
-
     try:
         return generate(
-            options, log=out, on_plan=progress.on_plan, on_chunk_done=progress.on_chunk_done,
-            on_written=progress.on_written,
+            options, plugins=plugins, log=out, on_plan=progress.on_plan,
+            on_chunk_done=progress.on_chunk_done, on_written=progress.on_written,
         )
     finally:
         shutdown()
 
 
-def _launch(args: argparse.Namespace, options: Any, out: Any) -> int:
+def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet | None) -> int:
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
     (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
-    from causalkv.plugin import get_plugin_manager
-    from causalkv.runtime.distributed import run_under_torchrun
-    from causalkv.runtime.generate import plan_generation
-
-    plan_generation(options)
+    plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)
     if argv is None:
         argv = sys.argv[1:]
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
     return run_under_torchrun(
         options.server_args.heads_sharded, argv, debug=bool(getattr(args, "debug", False)),
-        quiet=bool(options.quiet), seen=getattr(get_plugin_manager(), "reported", ()),
+        quiet=bool(options.quiet), seen=getattr(plan.plugin_set().pm, "reported", ()),
     )

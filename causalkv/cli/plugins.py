@@ -10,16 +10,20 @@ import json
 import sys
 from typing import Any
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.cli.generate import _registry, add_extension_args, extension_records
+from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
+from causalkv.plugin import collect, get_plugin_manager, resolve
+from causalkv.runtime.model_config import is_loadable_model, model_head_dim
 
 __all__ = ["register", "run_plugins", "run_resolve"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``plugins`` and ``resolve`` subcommands to the ``causalkv`` parser."""
-    from causalkv.quant_config import add_cli_args
-
+def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> None:
+    """Add the ``plugins`` and ``resolve`` subcommands to the ``causalkv`` parser; ``resolve``
+    takes the flags of ``plugins``' stages and caches (default: collected now)."""
     p = subparsers.add_parser(
         "plugins",
         help="list loaded plugins, stages and caches",
@@ -38,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and a cache under the given flags, and explain why. Exit status 2 on failure.",
     )
     r.add_argument("model", metavar="MODEL", help="preset name or diffusers-format folder")
-    add_cli_args(r)
     r.add_argument("--multi-shot", action="store_true",
                    help="scene cuts pin a shot sink (needs pinned_sink)")
     r.add_argument("--heads-sharded", type=int, default=1, metavar="N",
@@ -48,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--cache", default=None, metavar="NAME", help="force a cache by name")
     r.add_argument("--stage", default=None, metavar="NAME", help="force a stage by name")
     r.add_argument("--json", action="store_true", help="print JSON")
+    add_extension_args(r, _registry(plugins))  # the stages' and caches' own flags (--kv-cache-quant, ...)
     r.set_defaults(func=run_resolve)
 
 
@@ -57,9 +61,6 @@ def _fail(command: str, exc: BaseException) -> int:
 
 
 def _stage_row(entry: Any) -> dict[str, Any]:
-    from causalkv.config import ServerArgs
-    from causalkv.quant_config import QVGKVQuantArgs
-
     reg = entry.registration
     row: dict[str, Any] = {
         "name": reg.name,
@@ -91,8 +92,6 @@ def _stage_row(entry: Any) -> dict[str, Any]:
 
 def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
     """What ``causalkv plugins --json`` prints."""
-    from causalkv.plugin.registry import collect
-
     registry = collect(pm)
     infos = pm.plugin_infos()
     return {
@@ -163,8 +162,6 @@ def _print_plugins(report: dict[str, Any]) -> None:
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    from causalkv.plugin.manager import get_plugin_manager
-
     try:
         report = plugins_report(get_plugin_manager(), include_builtin=args.all)
     except (CausalKVError, RuntimeError, TypeError) as exc:
@@ -177,28 +174,24 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 
 def run_resolve(args: argparse.Namespace) -> int:
-    from causalkv.config import ServerArgs
-    from causalkv.plugin.resolver import resolve
-    from causalkv.quant_config import from_namespace
-    from causalkv.runtime.model_config import is_loadable_model, model_head_dim
-
     try:
         server_args = ServerArgs(
-            kv_cache_quant_config=from_namespace(args),
+            options=extension_records(args),
             multi_shot=args.multi_shot,
             heads_sharded=args.heads_sharded,
             recent_window_frames=args.recent_window_frames,
             cache=args.cache,
         )
         res = resolve(args.model, server_args, stage=args.stage)
-        quant = server_args.kv_cache_quant_config
-        head_dim = model_head_dim(args.model) if quant.enabled else None
+        settings = res.cache_options
+        given = settings is not None and bool(settings.changed())
+        head_dim = model_head_dim(args.model) if given else None
         if head_dim is not None:
-            quant.check_layout(head_dim)
+            settings.check_layout(head_dim)
     except (CausalKVError, ImportError, TypeError, RuntimeError) as exc:
         return _fail("resolve", exc)
     notes = []
-    if quant.enabled and head_dim is None:
+    if given and head_dim is None:
         notes.append(
             f"{args.model!r} has no transformer config here: the block size is checked against "
             "head_dim when causalkv generate reads one"

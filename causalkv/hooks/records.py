@@ -2,7 +2,10 @@
 
 Plain frozen dataclasses, torch-free: a ``"module:Class"`` string is imported only by ``load()``.
 A `StageRegistration` is the one place that describes a model family to the host: the stage
-class, the model names it serves, the model-config defaults of those models, and tiny presets.
+class, the model names it serves, the model-config defaults of those models, tiny presets, and
+the family's own option records (request knobs, ``causalkv.json`` keys). A `CacheFactory`
+describes a cache: its class, capabilities and settings record. The host builds the command
+line, the config parsing and the validation from those records (`causalkv.options`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from causalkv.capabilities import CacheCapabilities
 from causalkv.errors import ImportPathError, InvalidTypeError
+from causalkv.options import CacheOptions, Options, StageOptions
 
 if TYPE_CHECKING:
     from causalkv.caches.spec import CausalKVCache, KVCacheSpec
-    from causalkv.quant_config import QVGKVQuantArgs
     from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["CacheFactory", "Preset", "StageRegistration", "import_object"]
@@ -65,6 +68,21 @@ def _check_priority(owner: str, priority: object) -> None:
         raise InvalidTypeError(f"{owner}: priority must be an int, got {priority!r}")
 
 
+def _check_record(owner: str, what: str, record: object, base: type[Options]) -> None:
+    if record is not None and not (isinstance(record, type) and issubclass(record, base)):
+        raise InvalidTypeError(
+            f"{owner}: {what} must be a causalkv.options.{base.__name__} subclass (a frozen "
+            f"dataclass of option(...) fields) or None, got {record!r}"
+        )
+
+
+def _declared(owner: Any, attr: str, base: type[Options]) -> type[Options] | None:
+    """A class's own declaration of its option record (``attr``), checked; None if absent."""
+    record = getattr(owner, attr, None)
+    _check_record(f"{getattr(owner, '__qualname__', owner)}", attr, record, base)
+    return record
+
+
 @dataclass(frozen=True)
 class Preset:
     """A tiny model of a family, with seeded random weights, that a host can build locally.
@@ -106,6 +124,13 @@ class StageRegistration:
         defaults: model-config defaults (``causalkv.json`` keys) of the served models, used
             where a model folder's ``causalkv.json`` is absent or omits a key.
         presets: tiny models of this family (`Preset`); ``models[0]`` is their pipeline class.
+        options: the family's request knobs, a `causalkv.options.StageOptions` subclass (its
+            flags join ``causalkv generate``'s, under the record's title; the host gives the
+            request's record to this stage and refuses it for any other). None: the stage
+            class's ``request_options`` (read when the class is loaded).
+        config: the family's own ``causalkv.json`` keys, a `causalkv.options.Options` subclass
+            (``ModelConfig.option(config)`` reads them). None: the stage class's
+            ``config_options``.
     """
 
     name: str
@@ -114,6 +139,8 @@ class StageRegistration:
     priority: int = 0
     defaults: Mapping[str, Any] = field(default_factory=dict)
     presets: tuple[Preset, ...] = ()
+    options: type[StageOptions] | None = None
+    config: type[Options] | None = None
 
     def __post_init__(self) -> None:
         _check_name("StageRegistration", self.name)
@@ -130,6 +157,21 @@ class StageRegistration:
         object.__setattr__(self, "presets", presets)
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         _check_priority(owner, self.priority)
+        _check_record(owner, "options", self.options, StageOptions)
+        _check_record(owner, "config", self.config, Options)
+
+    def options_record(self) -> type[StageOptions] | None:
+        """The request-knob record: ``options``, else the stage class's ``request_options``
+        (importing a ``"module:Class"`` stage)."""
+        if self.options is not None:
+            return self.options
+        return _declared(self.load(), "request_options", StageOptions)  # type: ignore[return-value]
+
+    def config_record(self) -> type[Options] | None:
+        """The ``causalkv.json`` record: ``config``, else the stage class's ``config_options``."""
+        if self.config is not None:
+            return self.config
+        return _declared(self.load(), "config_options", Options)
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -153,19 +195,26 @@ class CacheFactory:
     Attributes:
         name: unique cache name (``--cache NAME`` forces it).
         cache: a cache class, a ``"module:Class"`` string imported only when needed, or any
-            callable ``(spec: KVCacheSpec, quant: QVGKVQuantArgs | None) -> cache``.
+            callable ``(spec: KVCacheSpec, options) -> cache``; ``options`` is the request's
+            record of the ``options`` class (its defaults when the request gives none), or
+            None when the factory declares no options record.
         capabilities: what it supports. None (the default) reads the cache class's own
             ``capabilities`` attribute (at once for a class, on first `features()` call for a
             ``"module:Class"`` string), so a cache declares them in one place; a
             `CacheCapabilities` or an iterable of feature strings overrides that.
         priority: among the caches that qualify, the highest wins unless a
             ``causalkv_select_cache_factory`` hook chooses.
+        options: the cache's settings, a `causalkv.options.CacheOptions` subclass (its flags
+            join ``causalkv generate``'s; the host gives the request's record to this cache
+            and refuses it for a cache it did not choose). The built-in ``qvg`` declares
+            `causalkv.caches.qvg.options.QVGKVQuantArgs`.
     """
 
     name: str
     cache: type | str | Callable[..., Any]
     capabilities: CacheCapabilities | Iterable[str] | None = None
     priority: int = 0
+    options: type[CacheOptions] | None = None
 
     def __post_init__(self) -> None:
         _check_name("CacheFactory", self.name)
@@ -173,6 +222,7 @@ class CacheFactory:
         if not (isinstance(self.cache, str) or callable(self.cache)):
             raise InvalidTypeError(f"{owner}: cache must be a class, a 'module:Class' string or a callable, got {self.cache!r}")
         _check_priority(owner, self.priority)
+        _check_record(owner, "options", self.options, CacheOptions)
         caps = self.capabilities
         if caps is None and isinstance(self.cache, type):
             object.__setattr__(self, "capabilities", self.features())  # declared by the class
@@ -203,6 +253,8 @@ class CacheFactory:
         """The cache class or callable (imports a ``"module:Class"`` string on demand)."""
         return _load(self.cache)
 
-    def build(self, spec: KVCacheSpec, quant: QVGKVQuantArgs | None = None) -> CausalKVCache:
-        """Build one layer's cache: ``load()(spec, quant)``."""
-        return self.load()(spec, quant)
+    def build(self, spec: KVCacheSpec, options: CacheOptions | None = None) -> CausalKVCache:
+        """Build one layer's cache: ``load()(spec, options)`` (``options``: the request's
+        settings record for this cache, e.g. a ``QVGKVQuantArgs``; the second positional
+        argument, as the ``quant`` of earlier releases was)."""
+        return self.load()(spec, options)

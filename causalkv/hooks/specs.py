@@ -113,8 +113,10 @@ def causalkv_chunk_done(
     """Event: a chunk finished denoising (for metrics and progress).
 
     Called: by the runtime after each chunk's context pass, with the 0-based
-    ``chunk_index`` and a ``stats`` dict (e.g. ``seconds``, ``frames``, ``cache_bytes``).
-    Every implementation runs; return values are ignored. Do not mutate ``stats``. An
+    ``chunk_index`` and ``stats``, a `causalkv.stages.records.ChunkStats` (a read-only
+    mapping too: ``chunk``, ``frames``, ``token_start``, ``rope_frame_start``, ``prompt``,
+    ``seconds``, ``kv_resident_bytes``, ``visible_tokens``).
+    Every implementation runs; return values are ignored. An
     implementation that raises is reported once (naming its plugin) and skipped for the rest
     of the run, which completes; the host's ``--strict-plugins`` makes it fatal instead.
     """

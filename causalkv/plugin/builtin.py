@@ -2,13 +2,15 @@
 
 Nothing here is special-cased by the resolver: block it (``CAUSALKV_DISABLE_PLUGINS=
 causalkv.builtin``) and a third-party plugin can supply stages and caches under the same
-names. Each stage module holds its family's registration; each cache class declares its
-capabilities, which the factories read.
+names. Each stage module holds its family's registration (and its option records); each cache
+class declares its capabilities, which the factories read; the ``qvg`` factory declares the
+QVG settings record (`causalkv.caches.qvg.options.QVGKVQuantArgs`).
 """
 
 from __future__ import annotations
 
 from causalkv.caches.dense import DenseCausalKVCache
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.stages import lingbot, longlive, longlive2, wan
@@ -28,7 +30,7 @@ STAGES: tuple[StageRegistration, ...] = (
 #: quant off -> dense (priority 10); QVG only where the dense cache does not qualify
 CACHES: tuple[CacheFactory, ...] = (
     CacheFactory("dense", DenseCausalKVCache, priority=10),
-    CacheFactory("qvg", QVGPackedCausalKVCache, priority=0),
+    CacheFactory("qvg", QVGPackedCausalKVCache, priority=0, options=QVGKVQuantArgs),
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
@@ -13,9 +13,7 @@ from causalkv.hooks import CacheFactory, Preset, StageRegistration
 from causalkv.plugin.calls import call_each
 from causalkv.plugin.errors import PluginConflictError, ResolutionError
 from causalkv.plugin.loader import ENV_BLOCK
-
-if TYPE_CHECKING:
-    from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["CacheEntry", "Registry", "StageEntry", "call_each", "collect"]
 
@@ -38,8 +36,6 @@ class StageEntry:
             ImportError: the ``"module:Class"`` cannot be imported (names stage and plugin).
             TypeError: the target is not a `CausalDenoisingStage` subclass.
         """
-        from causalkv.stages.base import CausalDenoisingStage
-
         reg = self.registration
         try:
             cls = reg.load()

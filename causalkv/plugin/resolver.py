@@ -1,7 +1,11 @@
 """Load-time resolution: the stage for a model and a cache that serves what it needs.
 
 Runs before any weights load: it reads at most a ``model_index.json`` and imports the
-chosen stage's module (never a cache module).
+chosen stage's module (never a cache module). It also routes the request's option records
+(`causalkv.options`): the chosen stage gets its family's record, the chosen cache its
+settings record (`Resolution.stage_options`, `Resolution.cache_options`), and a record of an
+extension that was not chosen is refused with one message naming the option, its owner and
+the chosen one (`causalkv.options.foreign_options_error`).
 """
 
 from __future__ import annotations
@@ -11,10 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from causalkv.capabilities import QUANT_QVG
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration
+from causalkv.options import (
+    CacheOptions,
+    Options,
+    StageOptions,
+    cache_record_for,
+    foreign_options_error,
+)
 from causalkv.plugin.errors import ResolutionError, UnsupportedRequestError
+from causalkv.plugin.manager import get_plugin_manager
 from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
 
 if TYPE_CHECKING:
@@ -100,6 +113,9 @@ class Resolution:
         stage_registration: the registration that won.
         stage_plugin, cache_plugin: the plugins that registered the stage and the cache.
         model_config: the `ModelConfig` resolution was given, else None.
+        stage_options: the request's record of the stage family's knobs (its defaults when
+            the request gives none), or None when the family declares none.
+        cache_options: the settings record the chosen cache is built with, or None.
     """
 
     stage: type[CausalDenoisingStage]
@@ -112,6 +128,8 @@ class Resolution:
     stage_plugin: str | None = None
     cache_plugin: str | None = None
     model_config: ModelConfig | None = None
+    stage_options: StageOptions | None = None
+    cache_options: CacheOptions | None = None
 
     @property
     def stage_name(self) -> str:
@@ -143,18 +161,57 @@ class Resolution:
         }
 
 
-def _describe_requirement(feature: str, args: ServerArgs, ref: ModelRef, stage: str) -> str:
-    if feature == "quant:qvg":
-        return f"quant:qvg (--kv-cache-quant int{args.kv_cache_quant_config.bits})"
-    if feature == "pinned_sink" and args.multi_shot:
-        return "pinned_sink (--multi-shot)"
-    if feature == "head_slice" and args.heads_sharded > 1:
-        return f"head_slice (--heads-sharded {args.heads_sharded})"
-    if feature == "recent_window" and args.recent_window_frames is not None:
-        return f"recent_window (--recent-window-frames {args.recent_window_frames})"
-    if feature == "recent_window" and ref.config is not None and ref.config.recent_window_frames is not None:
-        return f"recent_window (model recent_window_frames={ref.config.recent_window_frames})"
-    return f"{feature} (declared by stage {stage})"
+def _records_of(entries: tuple[Any, ...], record: Options) -> list[Any]:
+    """The stage or cache entries whose declared record class ``record`` is an instance of."""
+    found = []
+    for e in entries:
+        try:
+            cls = e.registration.options_record() if isinstance(e, StageEntry) else e.factory.options
+        except (ImportError, TypeError):  # a broken stage: it fails when it is chosen
+            continue
+        if cls is not None and isinstance(record, cls):
+            found.append(e)
+    return found
+
+
+def _refuse_foreign_stage_records(
+    registry: Registry, entry: StageEntry, cls: type[Any], args: ServerArgs
+) -> StageOptions | None:
+    """The chosen stage's record (or None); `ConfigError` for another family's given record."""
+    own = entry.registration.options_record()
+    for record in args.options:
+        if not isinstance(record, StageOptions) or (own is not None and isinstance(record, own)):
+            continue
+        if record.changed():
+            owners = _records_of(registry.stages, record)
+            owner = f"stage {owners[0].name!r}" if owners else None
+            raise foreign_options_error(
+                record, chosen=f"{cls.__name__} (stage {entry.name!r})", owner=owner,
+                alternative=f"a model {owner} serves" if owner else None,
+            )
+    return args.option(own) if own is not None else None
+
+
+def _refuse_foreign_cache_records(registry: Registry, chosen: CacheEntry, args: ServerArgs) -> None:
+    """`ConfigError` for a given cache record the chosen cache does not take: not of its
+    ``options`` class (a factory without one takes a record asking for a feature it covers)."""
+    own = chosen.factory.options
+    for record in args.options:
+        if not isinstance(record, CacheOptions) or not record.changed():
+            continue
+        if (own is not None and isinstance(record, own)) or (own is None and record.requires()):
+            continue
+        owners = _records_of(registry.caches, record)
+        owner = f"cache {owners[0].name!r}" if owners else None
+        raise foreign_options_error(
+            record, chosen=f"cache {chosen.name!r}", owner=owner,
+            alternative=f"--cache {owners[0].name}" if owners else None,
+        )
+
+
+def _describe_requirement(feature: str, reasons: dict[str, str], stage: str) -> str:
+    why = reasons.get(feature)
+    return f"{feature} ({why})" if why else f"{feature} (declared by stage {stage})"
 
 
 def _stage_list(entries: list[StageEntry]) -> str:
@@ -196,7 +253,7 @@ def _check_stage(
     ref: ModelRef,
     args: ServerArgs,
 ) -> None:
-    if args.kv_cache_quant_config.enabled and not cls._supports_qvg_kv_cache_quantization():
+    if QUANT_QVG in args.requirement_reasons(ref.config) and not cls._supports_qvg_kv_cache_quantization():
         able = [e for e in serving if e is not entry and e.supports("qvg")]
         fix = (
             f"Registered stages serving {ref.label} that support it: {_stage_list(able)}; "
@@ -279,6 +336,7 @@ def resolve(
     *,
     pm: pluggy.PluginManager | None = None,
     stage: str | None = None,
+    registry: Registry | None = None,
 ) -> Resolution:
     """Choose the stage for ``model`` and a cache that serves what it needs.
 
@@ -289,6 +347,8 @@ def resolve(
         server_args: flags that shape the requirements (default `ServerArgs()`).
         pm: the plugin manager (default: the process-wide one).
         stage: force a stage by registration name (it must serve the model).
+        registry: the registrations collected from ``pm`` (default: collected here; a host
+            collects once per run and passes it).
 
     Raises:
         ResolutionError: unknown model (lists the served ones), unknown or unqualified
@@ -298,17 +358,20 @@ def resolve(
             ``"<StageClass> does not support QVG KV-cache quantization"``), or multi-shot
             on a stage without it.
         PluginConflictError: plugins claim the same stage, model priority or cache name.
+        ConfigError: an option record whose given values do nothing (`Options.check_used`),
+            or one of a stage or cache that was not chosen (naming both).
     """
     if pm is None:
-        from causalkv.plugin.manager import get_plugin_manager
-
         pm = get_plugin_manager()
     args = server_args if server_args is not None else ServerArgs()
+    for record in args.options:
+        record.check_used()
     ref = model_ref(model)
-    registry = collect(pm)
+    registry = registry if registry is not None else collect(pm)
     entry, serving = _pick_stage(registry, ref, stage)
     cls = entry.load()
     reg = entry.registration
+    stage_options = _refuse_foreign_stage_records(registry, entry, cls, args)
     reasons = [f"model {ref.label}: matched by {ref.source}"]
     matched = next(k for k in ref.keys if k in reg.served)
     how = "forced by --stage" if stage is not None else f"priority {reg.priority}"
@@ -319,10 +382,12 @@ def resolve(
     )
     _check_stage(cls, entry, serving, registry, ref, args)
     requirements = frozenset(cls.required_cache_features(args, ref.config))
-    described = [_describe_requirement(f, args, ref, reg.name) for f in sorted(requirements)]
+    why_needed = args.requirement_reasons(ref.config)
+    described = [_describe_requirement(f, why_needed, reg.name) for f in sorted(requirements)]
     reasons.append(f"requirements: {', '.join(described) or 'none'}")
     cache_entry, why = _pick_cache(pm, registry, cls, reg.name, requirements, args)
     reasons.append(why)
+    _refuse_foreign_cache_records(registry, cache_entry, args)
     return Resolution(
         stage=cls,
         cache_factory=cache_entry.factory,
@@ -334,4 +399,6 @@ def resolve(
         stage_plugin=entry.plugin,
         cache_plugin=cache_entry.plugin,
         model_config=ref.config,
+        stage_options=stage_options,
+        cache_options=cache_record_for(cache_entry.factory, args.options),
     )

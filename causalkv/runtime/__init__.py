@@ -3,9 +3,12 @@
     from causalkv.runtime import GenerateOptions, generate
     metrics, run = generate(GenerateOptions(model="tiny-longlive2", prompts=["a", "b"]))
 
-Submodules: `model_config` (reading a model folder or preset), `presets` (tiny models with
-random weights), `attention` (causal processors for diffusers' Wan transformer), `text`
-(UMT5 prompt encoding), `loading`, `video`, `generate`. The command line is `causalkv.cli`.
+Submodules: `records` (the host's records), the pipeline's steps `plan`, `load`, `run`,
+`compare`, `write` (with `report` and `checks`) and `generate` running them in order;
+`model_config` (reading a model folder or preset), `presets` and `preset_configs` (tiny models
+with random weights), `attention` (causal processors for diffusers' Wan transformer), `text`
+(UMT5 prompt encoding), `loading`, `video`, `outputs`, `distributed` and `launch`. The command
+line is `causalkv.cli`.
 """
 
 from causalkv.config import ModelConfig, ServerArgs
@@ -14,6 +17,7 @@ from causalkv.runtime.generate import (
     GenerateOptions,
     GenerationRun,
     Plan,
+    PluginSet,
     build_stage,
     compare_unquantized,
     generate,
@@ -36,6 +40,7 @@ __all__ = [
     "ModelFolderError",
     "ModelInfo",
     "Plan",
+    "PluginSet",
     "ServerArgs",
     "build_stage",
     "compare_unquantized",

@@ -36,7 +36,12 @@ from causalkv.caches.attention import attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
 from causalkv.errors import ConfigError, UsageError
-from causalkv.runtime.distributed import ParallelContext, heads_to_seq, seq_to_heads
+from causalkv.runtime.distributed import (
+    ParallelContext,
+    enable_sequence_parallel,
+    heads_to_seq,
+    seq_to_heads,
+)
 
 __all__ = [
     "CachedWanCrossAttnProcessor",
@@ -306,8 +311,6 @@ class CausalWanTransformer:
         Call once, before the stage allocates its caches (their spec reads ``num_heads`` and
         ``head_offset``). Every rank must make the same calls with the same latents.
         """
-        from causalkv.runtime.distributed import enable_sequence_parallel
-
         if self.state.parallel is not None:
             raise UsageError("sequence parallelism is already enabled on this transformer")
         start, stop = ctx.head_slice(int(self.model.config.num_attention_heads))

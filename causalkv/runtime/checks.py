@@ -1,13 +1,15 @@
 """Checks of a planned request that need no weights: run before anything loads.
 
-`check_before_load` is called by `causalkv.runtime.generate.plan_generation`, so every fault
+`check_before_load` is called by `causalkv.runtime.plan.plan_generation`, so every fault
 knowable up front fails there, in milliseconds, before a preset is built, a weight is read or
 a chunk runs:
 
 - classifier-free guidance: ``--guidance-scale``/``--negative-prompt`` (or the model's) only
   on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
-- QVG: its settings only with quantization on; the block layout fits ``head_dim``; the codec
-  backend (``CAUSALKV_QVG_BACKEND``) exists and runs on the device (`check_quant`);
+- the chosen cache's settings: what its class checks before the load (``check_request``; the
+  QVG cache: the block layout fits ``head_dim``, the codec backend ``CAUSALKV_QVG_BACKEND``
+  exists and runs on the device) (`check_cache`); settings that would do nothing, and those
+  of a stage or cache that was not chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
   fit the transformer's ``rope_max_seq_len``;
 - memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
@@ -29,7 +31,6 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -40,13 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError
-from causalkv.quant_config import QVGKVQuantArgs
-from causalkv.runtime.model_config import REQUIRED_FILES, ModelFolderError, ModelInfo
+from causalkv.runtime.loading import parse_dtype
+from causalkv.runtime.model_config import (
+    REQUIRED_FILES,
+    ModelFolderError,
+    ModelInfo,
+    preset_transformer_config,
+)
+from causalkv.runtime.outputs import latents_path_for
+from causalkv.runtime.presets import causalkv_home, is_complete_preset
+from causalkv.runtime.video import check_video_suffix
 
 if TYPE_CHECKING:
-    from causalkv.runtime.generate import GenerateOptions, Plan
+    from causalkv.runtime.records import GenerateOptions, Plan
 
 __all__ = [
     "MAX_SEED",
@@ -58,8 +68,8 @@ __all__ = [
     "check_home",
     "check_memory",
     "check_model_files",
+    "check_cache",
     "check_output_files",
-    "check_quant",
     "check_writable_file",
     "latents_nbytes",
     "memory_floor",
@@ -79,18 +89,19 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 _WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder")
 
 
-def check_before_load(plan: Plan, options: GenerateOptions, *, pm: Any = None) -> None:
-    """Every check of the module docstring, on a plan `plan_generation` has built."""
+def check_before_load(plan: Plan, options: GenerateOptions) -> None:
+    """Every check of the module docstring, on a plan `plan_generation` has built (presets are
+    looked up in the plan's plugins)."""
     args = plan.server_args
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
     check_guidance(plan, options)
-    check_quant(plan)
+    check_cache(plan)
     check_device(args.device, args.dtype)
     check_model_files(plan.info)
     check_home(plan.info)
-    check_frames(plan, pm=pm)
-    check_memory(plan, pm=pm)
+    check_frames(plan)
+    check_memory(plan)
     check_output_files(
         output=options.output,
         metrics=getattr(options, "metrics", None),
@@ -120,45 +131,19 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
     )
 
 
-# ---- QVG -----------------------------------------------------------------------------------------
-def _changed_quant_fields(quant: QVGKVQuantArgs) -> list[str]:
-    default = QVGKVQuantArgs()
-    return [
-        "--kv-cache-quant-" + {"kmeans_iters": "iters", "keep_recent_chunks": "keep-recent",
-                               "sink_keep_chunks": "sink-keep"}.get(f.name, f.name.replace("_", "-"))
-        for f in dataclasses.fields(QVGKVQuantArgs)
-        if f.name != "bits" and getattr(quant, f.name) != getattr(default, f.name)
-    ]
-
-
-def check_quant(plan: Plan) -> None:
-    """QVG settings: refused when quantization is off (they would do nothing); when it is on,
-    the block layout must fit the model's ``head_dim`` (`QVGKVQuantArgs.check_layout`) and
-    the codec backend ``CAUSALKV_QVG_BACKEND`` names must exist and run on the device."""
-    from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
-
-    quant, args = plan.server_args.kv_cache_quant_config, plan.server_args
-    if not quant.enabled:
-        changed = _changed_quant_fields(quant)
-        if changed:
-            raise ConfigError(
-                f"{', '.join(changed)} set(s) QVG quantization, which is off; pass --kv-cache-quant "
-                "int4 or int2, or drop them"
-            )
+# ---- the chosen cache ---------------------------------------------------------------------------
+def check_cache(plan: Plan) -> None:
+    """What the chosen cache's class checks before any weights load, if it checks anything
+    (``check_request(options, head_dim=..., device=...)``; the QVG cache: its block layout
+    and its codec backend)."""
+    res = plan.resolution
+    try:
+        cache_cls = res.cache_factory.load()
+    except ImportError:  # the build names it
         return
-    quant.check_layout(plan.model.head_dim)
-    name = os.environ.get(BACKEND_ENV)
-    try:
-        dev = torch.device(args.device)
-    except (RuntimeError, ValueError, TypeError):
-        return  # check_device names it
-    try:
-        resolve_backend(None, dev)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{BACKEND_ENV}={name!r}: {exc}; set {BACKEND_ENV} to auto (or unset it) to let "
-            "causalkv pick the backend that runs here"
-        ) from None
+    check = getattr(cache_cls, "check_request", None)
+    if callable(check):
+        check(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
 # ---- CAUSALKV_HOME ---------------------------------------------------------------------------
@@ -167,8 +152,6 @@ def check_home(info: ModelInfo) -> None:
     created; `ConfigError` naming it otherwise (a file, a read-only file system, no rights)."""
     if info.preset is None or info.path is None:
         return
-    from causalkv.runtime.presets import causalkv_home, is_complete_preset
-
     if is_complete_preset(info.path):
         return
     home = causalkv_home()
@@ -215,8 +198,6 @@ def check_device(device: str, dtype: str) -> torch.device:
     The dtype probe is one 8x8 matmul on the device (it initializes CUDA on a GPU, which the
     run would do anyway).
     """
-    from causalkv.runtime.loading import parse_dtype
-
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
@@ -252,11 +233,10 @@ def check_device(device: str, dtype: str) -> torch.device:
 
 
 # ---- frames ---------------------------------------------------------------------------------
-def _transformer_config(info: ModelInfo, pm: Any) -> dict[str, Any]:
+def _transformer_config(plan: Plan) -> dict[str, Any]:
+    info = plan.info
     if info.preset is not None:
-        from causalkv.runtime.presets import preset_transformer_config
-
-        return preset_transformer_config(info.preset, pm=pm)
+        return preset_transformer_config(info.preset, registry=plan.plugin_set().registry)
     assert info.path is not None
     return json.loads((info.path / "transformer" / "config.json").read_text())
 
@@ -278,10 +258,10 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def check_frames(plan: Plan, *, pm: Any = None) -> None:
+def check_frames(plan: Plan) -> None:
     """Refuse a frame count beyond the RoPE limit or whose latents cannot fit in memory."""
     info, fpc, n = plan.info, plan.settings.frames_per_chunk, plan.num_frames
-    cfg = _transformer_config(info, pm)
+    cfg = _transformer_config(plan)
     limit = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
     p_t = int(cfg.get("patch_size", (1, 2, 2))[0])
     where = f"{info.config.name}'s transformer/config.json"
@@ -318,7 +298,7 @@ def _device_memory_bytes(device: str) -> int | None:
     return None
 
 
-def memory_floor(plan: Plan, *, pm: Any = None) -> dict[str, int]:
+def memory_floor(plan: Plan) -> dict[str, int]:
     """Bytes a run needs at least, by part (a floor: weights, the text encoder, attention
     temporaries and the VAE come on top):
 
@@ -330,18 +310,16 @@ def memory_floor(plan: Plan, *, pm: Any = None) -> dict[str, int]:
     - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
       transformer allocates when it loads.
     """
-    from causalkv.runtime.loading import parse_dtype
-
     s, args, model = plan.settings, plan.server_args, plan.model
     heads = model.num_heads // max(1, args.heads_sharded)
     kv_item = parse_dtype(args.kv_cache_dtype or args.dtype).itemsize
     item = parse_dtype(args.dtype).itemsize
     frames = min(plan.num_frames, s.cache_frames)
-    if args.kv_cache_quant_config.enabled:
+    if QUANT_QVG in plan.resolution.requirements:  # packed: only the chunk being written is dense
         frames = min(frames, s.frames_per_chunk)
     branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
     kv_tokens = frames * s.tokens_per_frame
-    cfg = _transformer_config(plan.info, pm)
+    cfg = _transformer_config(plan)
     rope = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
     return {
         "latents": 2 * latents_nbytes(plan),
@@ -359,10 +337,10 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_memory(plan: Plan, *, pm: Any = None) -> None:
+def check_memory(plan: Plan) -> None:
     """Refuse a run whose `memory_floor` exceeds the device's memory (the host's RAM on CPU),
     naming the largest part and the setting that drives it."""
-    floor = memory_floor(plan, pm=pm)
+    floor = memory_floor(plan)
     memory = _device_memory_bytes(plan.server_args.device)
     total = sum(floor.values())
     if memory is None or total <= memory:
@@ -454,9 +432,6 @@ def check_output_files(
     the latents of a video that fails to encode included, and that each file system has room
     (`MIN_FREE_BYTES`, plus ``latents_nbytes`` for latents files: a full disk is refused here,
     a disk that fills up during the run fails when the file is written)."""
-    from causalkv.runtime.outputs import latents_path_for
-    from causalkv.runtime.video import check_video_suffix
-
     named: list[tuple[str, Path]] = []
     if output is not None:
         named.append(("--output", check_writable_file(output, "--output")))
@@ -539,8 +514,6 @@ def check_model_files(info: ModelInfo) -> None:
     if folder is None:
         return
     if info.preset is not None:
-        from causalkv.runtime.presets import is_complete_preset
-
         if not is_complete_preset(folder):
             return
         fix = f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"

@@ -31,8 +31,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from causalkv.errors import ConfigError
+from causalkv.runtime.launch import run_supervised
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -48,6 +50,8 @@ __all__ = [
     "gather_ints",
     "heads_to_seq",
     "init_parallel",
+    "is_main_rank",
+    "join_ranks",
     "launched_by_torchrun",
     "local_main_first",
     "seq_to_heads",
@@ -119,6 +123,29 @@ EXCHANGE = ExchangeCounter()
 def current() -> ParallelContext | None:
     """The context `init_parallel` set up in this process (None: one process)."""
     return _CURRENT
+
+
+def is_main_rank() -> bool:
+    """True on one process, and on rank 0 of a sequence-parallel job (it alone logs and writes)."""
+    ctx = current()
+    return ctx is None or ctx.is_main
+
+
+def join_ranks(heads_sharded: int, device: str) -> ParallelContext | None:
+    """The `ParallelContext` of a request of ``heads_sharded`` ranks (joins torchrun's process
+    group on first use), None on one process. `ConfigError` when the ranks do not match."""
+    if heads_sharded <= 1:
+        return None
+    ctx = current()
+    if ctx is None and launched_by_torchrun():
+        ctx = init_parallel(device)
+    if ctx is None or ctx.world_size != heads_sharded:
+        have = 1 if ctx is None else ctx.world_size
+        raise ConfigError(
+            f"heads_sharded={heads_sharded} needs as many torchrun ranks, this job has {have}; "
+            f"run `causalkv generate --nproc-per-node {heads_sharded} ...` or torchrun"
+        )
+    return ctx
 
 
 def env_world() -> tuple[int, int, int, int]:
@@ -316,9 +343,9 @@ def enable_sequence_parallel(transformer: torch.nn.Module, ctx: ParallelContext)
     zero on a machine without an accelerator, so it cannot run on CPU/gloo; the hooks it would
     install are the same.
     """
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from diffusers import ContextParallelConfig
     from diffusers.hooks.context_parallel import apply_context_parallel
-    from torch.distributed.device_mesh import init_device_mesh
 
     plan = getattr(transformer, "_cp_plan", None)
     if plan is None:
@@ -352,6 +379,4 @@ def run_under_torchrun(nproc_per_node: int, argv: Sequence[str], **supervise: An
     """Run ``causalkv <argv>`` on ``nproc_per_node`` local ranks, supervised
     (`causalkv.runtime.launch.run_supervised`: one line for the job, no rank left behind);
     the job's exit status. ``supervise``: `run_supervised`'s keyword arguments."""
-    from causalkv.runtime.launch import run_supervised
-
     return run_supervised(torchrun_command(nproc_per_node, argv), nproc=nproc_per_node, **supervise)

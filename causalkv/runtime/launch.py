@@ -70,6 +70,7 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
     nothing elsewhere."""
     if not sys.platform.startswith("linux"):
         return
+    # lazy: Linux only
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
@@ -104,6 +105,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     """True when ``exc`` is a collective failing because another rank went away (torch's
     ``DistError`` family, or gloo/NCCL's connection errors): a consequence, not a cause."""
     try:
+        # lazy: the supervising launcher classifies errors without loading torch
         from torch.distributed import DistError
     except ImportError:  # pragma: no cover - torch without distributed
         DistError = ()  # type: ignore[assignment]  # noqa: N806

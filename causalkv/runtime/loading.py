@@ -4,13 +4,14 @@
   (causal processors installed; weights untouched);
 - text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
 - scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift (the base
-  stage's sampler; a stage may declare its own with ``make_scheduler(model)``, which the
-  host uses when it builds the stage);
+  stage's sampler; a stage declares its own with ``scheduler_spec(model)``, which the host
+  builds when it builds the stage);
 - vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from causalkv.errors import CausalKVError, ConfigError
 from causalkv.runtime.attention import CausalWanTransformer
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.text import PromptEncoder
+from causalkv.stages.scheduler import flow_match
 
 __all__ = [
     "Components",
@@ -55,15 +57,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def make_scheduler(shift: float) -> Any:
-    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0): the base stage's
+    declared sampler (`causalkv.stages.scheduler.flow_match`)."""
+    return flow_match(shift).build()
 
 
 def _has_accelerate() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("accelerate") is not None
 
 
@@ -78,6 +77,7 @@ def load_wan_transformer(
     `cast_keeping_fp32_modules` applies the same dtype policy afterwards.
     """
     if cls is None:
+        # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
         from diffusers import WanTransformer3DModel as cls
     if _has_accelerate():
         return cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
@@ -185,6 +185,7 @@ def load_components(
     info: ModelInfo, folder: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
 ) -> Components:
     """Load transformer, text encoder and tokenizer from ``folder`` with ``from_pretrained``."""
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from transformers import AutoTokenizer, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
 
@@ -218,6 +219,7 @@ def load_components(
 
 def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
     """diffusers ``AutoencoderKLWan`` from ``folder/vae`` (float32: decoding is done once)."""
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from diffusers import AutoencoderKLWan
 
     with reading_component(Path(folder), "vae"):

@@ -9,6 +9,11 @@ A model folder is a diffusers Wan pipeline folder plus one small causalkv file::
     tokenizer/                  the UMT5 tokenizer files
     causalkv.json               frames per chunk, sink, window, ... (optional for known classes)
 
+``causalkv.json`` holds the host's keys (`STREAM_KEYS`: chunking, sink, window, schedule, video
+size, ...) and the serving family's own keys, declared by its registration's config record
+(``StageRegistration(config=...)``, e.g. LongLive 2.0's ``rope_offset_frames_per_shot``);
+each is validated by its declaration and lands in ``ModelConfig.options``.
+
 Everything here reads JSON only: `load_model_info` runs before any weights load, so bad
 input is refused in milliseconds.
 """
@@ -23,11 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, ConfigError
+from causalkv.options import Options
+from causalkv.plugin import Registry, collect, get_plugin_manager
+from causalkv.plugin.builtin import STAGES
+from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
     "CAUSALKV_FILE",
     "REQUIRED_FILES",
+    "STREAM_KEYS",
     "ModelFolderError",
     "ModelInfo",
     "check_stream_values",
@@ -36,6 +46,9 @@ __all__ = [
     "model_head_dim",
     "model_info_from_dicts",
     "preset_choices",
+    "preset_info",
+    "preset_transformer_config",
+    "resolve_preset",
 ]
 
 #: the causalkv settings file inside a model folder
@@ -50,7 +63,7 @@ REQUIRED_FILES = (
     "tokenizer",
 )
 
-#: causalkv.json keys and their defaults when a key is absent
+#: the host's causalkv.json keys (every family has them) and their defaults when a key is absent
 _STREAM_DEFAULTS: dict[str, Any] = {
     "frames_per_chunk": 3,
     "sink_frames": 0,
@@ -61,10 +74,6 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "timesteps": [1000.0, 750.0, 500.0, 250.0],
     "shift": 5.0,
     "context_noise": 0.0,
-    "rope_offset_frames_per_shot": 0,
-    "moving_window_frames": None,
-    "still_window_frames": None,
-    "still_chunks": 2,
     "height": 480,
     "width": 832,
     "text_max_length": 512,
@@ -77,6 +86,9 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "realtime_causal_kv_cache_num_frames": None,
 }
 
+#: the host's causalkv.json keys
+STREAM_KEYS = tuple(_STREAM_DEFAULTS)
+
 SGLANG_KEYS_POSITIVE = "realtime_causal_kv_cache_num_frames"
 #: sglang override key -> the causalkv.json key it sets (the KV-cache frames are the window)
 SGLANG_KEYS = {
@@ -86,14 +98,10 @@ SGLANG_KEYS = {
 
 #: int keys and their minimum (None allowed for the optional ones)
 _INT_KEYS = {
-    "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1, "still_chunks": 1,
+    "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1,
     "height": 1, "width": 1, "text_max_length": 1, "default_frames": 1, "fps": 1,
-    "rope_offset_frames_per_shot": 0,
 }
-_OPTIONAL_INT_KEYS = {
-    "global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0,
-    "moving_window_frames": 0, "still_window_frames": 0,
-}
+_OPTIONAL_INT_KEYS = {"global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0}
 #: number keys: (lowest, highest, lowest excluded)
 _NUMBER_KEYS = {
     "shift": (0.0, math.inf, True),
@@ -187,13 +195,23 @@ def preset_choices(presets: Iterable[str]) -> str:
     )
 
 
-
 def __getattr__(name: str) -> Any:
     if name == "CLASS_DEFAULTS":  # compatibility: the built-in families' defaults, by pipeline
-        from causalkv.plugin.builtin import STAGES
-
         return {m: dict(reg.defaults) for reg in STAGES for m in reg.models}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] | None, type[Options] | None]:
+    """``(defaults, config record)`` of the best stage serving ``model_class`` (None, None if
+    none serves it)."""
+    serving = registry.serving(model_class)
+    if not serving:
+        return None, None
+    reg = serving[0].registration
+    try:
+        return reg.defaults, reg.config_record()
+    except (ImportError, TypeError):  # a broken stage: resolution names it
+        return reg.defaults, reg.config
 
 
 class ModelFolderError(CausalKVError, ValueError):
@@ -271,27 +289,37 @@ def model_info_from_dicts(
     path: Path | None = None,
     preset: str | None = None,
     defaults: Mapping[str, Any] | None | object = ...,
+    config: type[Options] | None | object = ...,
+    registry: Registry | None = None,
 ) -> ModelInfo:
     """Build a `ModelInfo` from the parsed config files (see the module docstring).
 
     ``defaults`` are the model family's (its stage registration's), applied under
-    ``causalkv.json``; None when no registered stage serves the pipeline class; omitted, they
-    are looked up among the process-wide plugin manager's registrations.
+    ``causalkv.json``, and ``config`` its config record (the family's own keys); None when no
+    registered stage serves the pipeline class; omitted, they are looked up among
+    ``registry``'s registrations (default: the process-wide plugin manager's).
 
-    Raises ModelFolderError for an unknown key in ``causalkv.json``, a missing
+    Raises ModelFolderError for an unknown key in ``causalkv.json`` (naming the family a key
+    of another family belongs to), a value of the wrong type or range, a missing
     ``_class_name``, or a resolution the VAE and patch size cannot divide.
     """
     where = str(path) if path is not None else name
     model_class = model_index.get("_class_name")
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
-    if defaults is ...:
-        defaults = _registry(None).defaults(model_class)
+    if defaults is ... or config is ...:
+        found_defaults, found_config = family_of(_registry(None, registry), model_class)
+        defaults = found_defaults if defaults is ... else defaults
+        config = found_config if config is ... else config
+    family: type[Options] | None = config  # type: ignore[assignment]
+    family_keys = family.keys() if family is not None else {}
     user = dict(causalkv or {})
-    unknown = sorted(set(user) - set(_STREAM_DEFAULTS))
+    valid = sorted({*_STREAM_DEFAULTS, *family_keys})
+    unknown = sorted(set(user) - set(valid))
     if unknown:
         raise ModelFolderError(
-            f"{where}: unknown key(s) {unknown} in {CAUSALKV_FILE}; valid keys: {sorted(_STREAM_DEFAULTS)}"
+            f"{where}: unknown key(s) {unknown} in {CAUSALKV_FILE}; valid keys: {valid}"
+            + _other_family(registry, unknown, model_class)
         )
     if causalkv is None and defaults is None:
         raise ModelFolderError(
@@ -311,6 +339,7 @@ def model_info_from_dicts(
                 f"set {key} in {CAUSALKV_FILE}, or fix the plugin that declares the defaults")
 
     check_stream_values(s, origin)
+    records = _family_records(family, s, origin, where)
     _check_model_json(where, transformer, vae)
     for key, target in SGLANG_KEYS.items():
         value = s[key]
@@ -358,11 +387,8 @@ def model_info_from_dicts(
         timesteps=tuple(float(t) for t in s["timesteps"]),
         shift=float(s["shift"]),
         context_noise=float(s["context_noise"]),
-        rope_offset_frames_per_shot=int(s["rope_offset_frames_per_shot"]),
-        moving_window_frames=_opt_int(s["moving_window_frames"]),
-        still_window_frames=_opt_int(s["still_window_frames"]),
-        still_chunks=int(s["still_chunks"]),
         path=str(path) if path is not None else None,
+        options=records,
     )
     return ModelInfo(
         config=config,
@@ -381,21 +407,87 @@ def model_info_from_dicts(
     )
 
 
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _family_records(
+    family: type[Options] | None,
+    values: Mapping[str, Any],
+    origin: Callable[[str], tuple[str, str]],
+    where: str,
+) -> tuple[Options, ...]:
+    """The family's config record from ``values`` (its keys there), each value checked by its
+    declaration (`ModelFolderError` naming where it came from and the fix)."""
+    if family is None:
+        return ()
+    given: dict[str, Any] = {}
+    for key, name in family.keys().items():
+        if key not in values:
+            continue
+        problem = family.field_problem(name, values[key])
+        if problem is not None:
+            at, fix = origin(key)
+            raise ModelFolderError(f"{at}: {key} {problem}, got {values[key]!r}; {fix}")
+        given[name] = values[key]
+    try:
+        return (family(**given),)
+    except ConfigError as exc:
+        raise ModelFolderError(f"{where}: {exc}; fix {CAUSALKV_FILE}") from None
 
 
-def _registry(pm: Any) -> Any:
-    from causalkv.plugin import collect, get_plugin_manager
+def _other_family(registry: Registry | None, keys: list[str], model_class: str) -> str:
+    """``"; 'k' is a key of stage 's' (...)"`` for unknown keys another family declares."""
+    try:
+        stages = _registry(None, registry).stages
+    except CausalKVError:  # a plugin conflict: the run reports it
+        return ""
+    notes = []
+    for key in keys:
+        for e in stages:
+            try:
+                record = e.registration.config_record()
+            except (ImportError, TypeError):
+                continue
+            if record is not None and key in record.keys():
+                notes.append(f"{key!r} is a key of stage {e.name!r} ({record.title}), which does "
+                             f"not serve {model_class!r}")
+                break
+    return "".join(f"; {n}" for n in notes)
 
+
+def _registry(pm: Any, registry: Registry | None = None) -> Registry:
+    if registry is not None:
+        return registry
     return collect(pm if pm is not None else get_plugin_manager())
 
 
-def read_model_folder(path: str | Path, *, pm: Any = None) -> ModelInfo:
+def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> PresetSpec:
+    """The preset ``name`` of ``registry`` (default: collected from ``pm``) with its family;
+    `ModelFolderError` naming the presets when no plugin declares it."""
+    reg = _registry(pm, registry)
+    spec = preset_spec(name, reg)
+    if spec is None:
+        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(reg.presets())}")
+    return spec
+
+
+def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
+    """The preset's `ModelInfo`, from its declaration (no files needed)."""
+    r = resolve_preset(name, pm=pm, registry=registry)
+    return model_info_from_dicts(
+        name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
+        path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
+    )
+
+
+def preset_transformer_config(name: str, *, pm: Any = None, registry: Registry | None = None) -> dict[str, Any]:
+    """The ``transformer/config.json`` the preset is built with (no files needed)."""
+    return dict(resolve_preset(name, pm=pm, registry=registry).transformer)
+
+
+def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
     """`ModelInfo` of a diffusers-format model folder (JSON only, no weights).
 
     Defaults for keys ``causalkv.json`` omits come from the stage registration serving the
-    folder's pipeline class (plugins of ``pm``, default the process-wide manager).
+    folder's pipeline class (``registry``, else collected from ``pm``, default the
+    process-wide manager).
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -410,6 +502,8 @@ def read_model_folder(path: str | Path, *, pm: Any = None) -> ModelInfo:
     causalkv_path = folder / CAUSALKV_FILE
     index = _read_json(folder / "model_index.json")
     model_class = index.get("_class_name") if isinstance(index, dict) else None
+    registry = _registry(pm, registry)
+    defaults, config = family_of(registry, model_class) if isinstance(model_class, str) else (None, None)
     return model_info_from_dicts(
         str(folder),
         index,
@@ -417,18 +511,19 @@ def read_model_folder(path: str | Path, *, pm: Any = None) -> ModelInfo:
         _read_json(folder / "vae" / "config.json"),
         _read_json(causalkv_path) if causalkv_path.exists() else None,
         path=folder,
-        defaults=_registry(pm).defaults(model_class) if isinstance(model_class, str) else None,
+        defaults=defaults,
+        config=config,
+        registry=registry,
     )
 
 
-def model_head_dim(model: str | Path, *, pm: Any = None) -> int | None:
+def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> int | None:
     """The attention ``head_dim`` of a preset or a model folder (its transformer config, JSON
     only); None for a bare model name or a folder without a readable transformer config."""
-    from causalkv.runtime.presets import preset_transformer_config
-
     name = str(model)
-    if name in _registry(pm).presets():
-        value = preset_transformer_config(name, pm=pm).get("attention_head_dim")
+    registry = _registry(pm, registry)
+    if name in registry.presets():
+        value = preset_transformer_config(name, registry=registry).get("attention_head_dim")
     else:
         folder = Path(name).expanduser()
         if folder.is_file() and folder.name == "model_index.json":
@@ -440,27 +535,25 @@ def model_head_dim(model: str | Path, *, pm: Any = None) -> int | None:
     return value if _is_int(value) and value > 0 else None
 
 
-def is_loadable_model(model: str | Path, *, pm: Any = None) -> bool:
+def is_loadable_model(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> bool:
     """True for a preset name or an existing path (what ``causalkv generate --model`` loads)."""
-    return str(model) in _registry(pm).presets() or Path(str(model)).expanduser().exists()
+    return str(model) in _registry(pm, registry).presets() or Path(str(model)).expanduser().exists()
 
 
-def load_model_info(model: str | Path, *, pm: Any = None) -> ModelInfo:
+def load_model_info(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
     """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
 
-    Presets are those the stage registrations of ``pm``'s plugins declare. Raises
-    ModelFolderError naming the presets when ``model`` is neither.
+    Presets are those the stage registrations of ``registry`` declare (default: collected
+    from ``pm``'s plugins). Raises ModelFolderError naming the presets when ``model`` is neither.
     """
-    from causalkv.runtime.presets import preset_info
-
     name = str(model)
-    presets = _registry(pm).presets()
+    registry = _registry(pm, registry)
+    presets = registry.presets()
     if name in presets:
-        return preset_info(name, pm=pm)
+        return preset_info(name, registry=registry)
     folder = Path(name).expanduser()
     if folder.exists():
-        return read_model_folder(folder, pm=pm)
-    registry = _registry(pm)
+        return read_model_folder(folder, registry=registry)
     serving = registry.serving(name)
     if serving:  # a name resolution matches (causalkv resolve accepts it) but nothing to load
         raise ModelFolderError(

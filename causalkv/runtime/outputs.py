@@ -108,6 +108,7 @@ def save_latents(path: str | Path, latents: torch.Tensor, metadata: Mapping[str,
     The tensor is stored under `LATENTS_KEY`; ``metadata`` (model, seed, frames, ...) is
     stored as strings in the file header.
     """
+    # lazy: safetensors is needed only with --save-latents
     from safetensors.torch import save_file
 
     tensor = latents.detach().to("cpu", torch.float32).contiguous()
@@ -197,6 +198,7 @@ def keep_latents(
 
 def load_latents(path: str | Path) -> tuple[torch.Tensor, dict[str, str]]:
     """The latents ``[B, C, F, h, w]`` and metadata of a file `save_latents` wrote."""
+    # lazy: safetensors is needed only to read saved latents
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:

@@ -21,21 +21,28 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from causalkv.hooks import Preset
+from causalkv.plugin.builtin import STAGES
+from causalkv.plugin.registry import Registry
 from causalkv.runtime.model_config import (
     CAUSALKV_FILE,
-    ModelFolderError,
-    ModelInfo,
-    model_info_from_dicts,
-    preset_choices,
+    preset_info,
+    preset_transformer_config,
+    resolve_preset,
 )
-from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE, build_byte_tokenizer
+from causalkv.runtime.preset_configs import (
+    TINY_TEXT_ENCODER,
+    TINY_VAE,
+    PresetSpec,
+    causalkv_home,
+    preset_dir,
+)
+from causalkv.runtime.text import build_byte_tokenizer
 
 __all__ = [
     "PRESETS",
@@ -54,65 +61,9 @@ __all__ = [
 PRESET_FORMAT = 1
 _MARKER = ".causalkv-preset.json"
 
-_TEXT_DIM = 32
-
-_TRANSFORMER: dict[str, Any] = {
-    "patch_size": [1, 2, 2],
-    "num_attention_heads": 2,
-    "attention_head_dim": 64,
-    "in_channels": 4,
-    "out_channels": 4,
-    "text_dim": _TEXT_DIM,
-    "freq_dim": 32,
-    "ffn_dim": 256,
-    "num_layers": 2,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "rope_max_seq_len": 1024,
-}
-
-_VAE: dict[str, Any] = {
-    "base_dim": 8,
-    "z_dim": 4,
-    "dim_mult": [1, 2, 2, 2],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "latents_mean": [0.0, 0.0, 0.0, 0.0],
-    "latents_std": [1.0, 1.0, 1.0, 1.0],
-    "scale_factor_temporal": 4,
-    "scale_factor_spatial": 8,
-}
-
-_TEXT_ENCODER: dict[str, Any] = {
-    "vocab_size": BYTE_TOKENIZER_VOCAB_SIZE,
-    "d_model": _TEXT_DIM,
-    "d_kv": 8,
-    "d_ff": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "relative_attention_num_buckets": 8,
-    "relative_attention_max_distance": 32,
-    "feed_forward_proj": "gated-gelu",
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "decoder_start_token_id": 0,
-}
-
-#: shared by all presets: 64x64 video = 8x8 latents = 16 tokens per latent frame
-_COMMON: dict[str, Any] = {
-    "height": 64,
-    "width": 64,
-    "text_max_length": 32,
-    "fps": 16,
-    "timesteps": [1000.0, 750.0, 500.0, 250.0],
-    "shift": 5.0,
-    "context_noise": 0.0,
-}
-
 
 def _diffusers_version() -> str:
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     import diffusers
 
     return diffusers.__version__
@@ -133,8 +84,6 @@ class _BuiltinPresets(Mapping[str, Preset]):
     """``PRESETS``: the built-in plugin's presets by name (read-only, built on first use)."""
 
     def _all(self) -> dict[str, Preset]:
-        from causalkv.plugin.builtin import STAGES
-
         return {p.name: p for reg in STAGES for p in reg.presets}
 
     def __getitem__(self, name: str) -> Preset:
@@ -149,57 +98,6 @@ class _BuiltinPresets(Mapping[str, Preset]):
 
 #: the built-in presets by name (plugins may add more: `causalkv.hooks.Preset`)
 PRESETS: Mapping[str, Preset] = _BuiltinPresets()
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    """A preset with what building it needs: its pipeline class and its family's defaults."""
-
-    preset: Preset
-    model_class: str
-    defaults: Mapping[str, Any]
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {**_COMMON, **self.preset.settings}
-
-    @property
-    def transformer(self) -> dict[str, Any]:
-        return {**_TRANSFORMER, **self.preset.transformer}
-
-
-def causalkv_home() -> Path:
-    """``$CAUSALKV_HOME`` or ``~/.cache/causalkv``."""
-    return Path(os.environ.get("CAUSALKV_HOME") or Path.home() / ".cache" / "causalkv").expanduser()
-
-
-def preset_dir(name: str) -> Path:
-    return causalkv_home() / "presets" / name
-
-
-def _get(name: str, pm: Any = None) -> _Resolved:
-    from causalkv.plugin import collect, get_plugin_manager
-
-    presets = collect(pm if pm is not None else get_plugin_manager()).presets()
-    if name not in presets:
-        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
-    entry, preset = presets[name]
-    reg = entry.registration
-    return _Resolved(preset, reg.models[0], reg.defaults)
-
-
-def preset_info(name: str, *, pm: Any = None) -> ModelInfo:
-    """The preset's `ModelInfo`, from its declaration (no files needed)."""
-    r = _get(name, pm)
-    return model_info_from_dicts(
-        name, _model_index(r.model_class), r.transformer, _VAE, r.settings,
-        path=preset_dir(name), preset=name, defaults=r.defaults,
-    )
-
-
-def preset_transformer_config(name: str, *, pm: Any = None) -> dict[str, Any]:
-    """The ``transformer/config.json`` the preset is built with (no files needed)."""
-    return dict(_get(name, pm).transformer)
 
 
 def is_complete_preset(folder: Path) -> bool:
@@ -238,7 +136,7 @@ def _build_lock(parent: Path, name: str) -> Iterator[None]:
     wait for each other). Without ``fcntl`` (Windows) no lock is taken: the atomic rename in
     `materialize_preset` still keeps exactly one complete folder."""
     try:
-        import fcntl
+        import fcntl  # POSIX only: without it (Windows) no lock is taken
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
@@ -250,14 +148,15 @@ def _build_lock(parent: Path, name: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def materialize_preset(name: str, *, pm: Any = None) -> Path:
+def materialize_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> Path:
     """Create the preset's folder on first use (seeded random weights); return its path.
 
-    Built with `build_atomically` (lock, temporary sibling, rename), so the preset folder is
-    either absent or complete; a folder without the completion marker (a build of an older
-    version killed half-way, or a stale preset format) is replaced.
+    The preset is looked up in ``registry`` (default: collected from ``pm``, default the
+    process-wide manager). Built with `build_atomically` (lock, temporary sibling, rename),
+    so the preset folder is either absent or complete; a folder without the completion marker
+    (a build of an older version killed half-way, or a stale preset format) is replaced.
     """
-    p = _get(name, pm)
+    p = resolve_preset(name, pm=pm, registry=registry)
     return build_atomically(preset_dir(name), lambda out: _write_preset(p, out), is_complete_preset)
 
 
@@ -310,11 +209,12 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_preset(_Resolved(preset, registration.models[0], registration.defaults), folder)
+    _write_preset(PresetSpec(preset, registration.models[0], registration.defaults), folder)
     return folder
 
 
-def _write_preset(r: _Resolved, out: Path) -> None:
+def _write_preset(r: PresetSpec, out: Path) -> None:
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
@@ -324,8 +224,8 @@ def _write_preset(r: _Resolved, out: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(p.seed)
         transformer = WanTransformer3DModel(**r.transformer)
-        vae = AutoencoderKLWan(**_VAE)
-        text_encoder = UMT5EncoderModel(UMT5Config(**_TEXT_ENCODER))
+        vae = AutoencoderKLWan(**TINY_VAE)
+        text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))
     transformer.save_pretrained(out / "transformer")
     vae.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")

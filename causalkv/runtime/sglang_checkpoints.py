@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
+from safetensors.torch import save_file
 
 from causalkv.errors import ConfigError
-from causalkv.runtime import presets
+from causalkv.runtime import preset_configs, presets
 from causalkv.runtime.text import build_byte_tokenizer
 
 __all__ = [
@@ -315,18 +317,18 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
 
 
 def _write(spec: SGLangCheckpoint, out: Path) -> None:
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-    from safetensors.torch import save_file
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    config = {**presets._TRANSFORMER, **spec.transformer}
+    config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         transformer = WanTransformer3DModel(**config)
-        vae = AutoencoderKLWan(**(spec.vae or presets._VAE))
-        text_encoder = UMT5EncoderModel(UMT5Config(**presets._TEXT_ENCODER))
+        vae = AutoencoderKLWan(**(spec.vae or preset_configs.TINY_VAE))
+        text_encoder = UMT5EncoderModel(UMT5Config(**preset_configs.TINY_TEXT_ENCODER))
     weights = {_rename(k, spec.keys): v.contiguous() for k, v in transformer.state_dict().items()}
     if spec.camera:
         weights.update(_camera_weights(config, spec.seed))
@@ -338,7 +340,7 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
     (out / "transformer" / "config.json").write_text(json.dumps(dit_config, indent=2) + "\n")
     vae.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")
-    build_byte_tokenizer(presets._COMMON["text_max_length"]).save_pretrained(out / "tokenizer")
+    build_byte_tokenizer(preset_configs.TINY_COMMON["text_max_length"]).save_pretrained(out / "tokenizer")
     FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
     index = {
         "_class_name": spec.pipeline_class,
@@ -352,8 +354,6 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     if spec.camera:  # the request's inputs: a 128x128 first frame, WASD/IJKL camera actions
-        from PIL import Image
-
         g = torch.Generator().manual_seed(spec.seed)
         pixels = (torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()
         Image.fromarray(pixels).save(out / "first_frame.png")

@@ -25,6 +25,7 @@ BYTE_TOKENIZER_VOCAB_SIZE = len(_SPECIALS) + 256
 
 def build_byte_tokenizer(model_max_length: int = 512) -> Any:
     """A byte-level ``PreTrainedTokenizerFast`` built in code (no files, no network)."""
+    # lazy: tokenizers/transformers load only when a preset's tokenizer is built
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -68,6 +68,7 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     the bundled one), then read back: any error ffmpeg reports (its exit status, or an error
     line such as "Error writing trailer", which older ffmpeg versions report with status 0)
     or a file that does not decode to every frame raises `EncoderError`."""
+    # lazy: ffmpeg is looked up only when a video is written
     import imageio_ffmpeg
 
     t, h, w, _ = frames.shape
@@ -110,6 +111,7 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
 
 def _write_gif(frames: np.ndarray, path: Path, fps: int) -> None:
     """An animated GIF through Pillow, then read back (every frame must decode)."""
+    # lazy: Pillow loads only for a .gif output
     from PIL import Image
 
     images = [Image.fromarray(f) for f in frames]
@@ -135,6 +137,7 @@ def _ffmpeg_ready() -> bool:
     on ``PATH``)."""
     if not _has("imageio_ffmpeg"):
         return False
+    # lazy: present only when _has said so
     import imageio_ffmpeg
 
     try:

@@ -70,6 +70,7 @@ def register() -> bool:
     if off:
         logger.info("causalkv sglang bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
     try:
+        # lazy: sglang calls register() from its own plugin loading; importing causalkv.sglang loads no sglang
         from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
     except ImportError as exc:
         if off:
@@ -84,6 +85,7 @@ def register() -> bool:
             "causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND", _PLUGIN_API
         )
         return False
+    # lazy: the hooks' module is needed only once sglang's plugin API is known to be there
     from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS, fused_attention
 
     if off:  # an observer that only warns when sglang silently drops --kv-cache-quant

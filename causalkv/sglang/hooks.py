@@ -1,5 +1,9 @@
 """The bridge's AROUND hooks on sglang (dotted targets; sglang is imported only inside hooks).
 
+sglang imports this module while it loads its plugins, so it imports no sglang module (nor
+`causalkv.sglang.cache` / `.attention`, which do) at import time: those imports are made
+inside the hooks, when sglang calls them.
+
 Each hook receives sglang's original method first (sglang's AROUND convention).
 
 - Stages served: `SERVED` (exact classes: LongLive 2.0, the Wan causal DMD / Self-Forcing base
@@ -36,8 +40,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
-from causalkv.quant_config import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 __all__ = [
@@ -135,6 +139,7 @@ def sglang_quant_args(value: Any) -> Any:
     flag names (``kv_cache_quant``, ``kv_cache_quant_<field>``). Raises ConfigError for anything
     else, an unknown key, or a value sglang refuses.
     """
+    # lazy: no sglang import at this module's import (module docstring)
     from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
     if isinstance(value, QVGKVQuantArgs):
@@ -200,6 +205,7 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) 
     lingbot = SERVED_PIPELINES[pipeline_name] == _LINGBOT
     if lingbot and lingbot_codec() == "sglang":
         return
+    # lazy: cache imports sglang (module docstring)
     from causalkv.sglang.cache import causalkv_quant_args
 
     try:
@@ -225,6 +231,7 @@ def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) ->
 
 def _pipeline_name_of(server_args: Any) -> str | None:
     try:
+        # lazy: no sglang import at this module's import (module docstring)
         from sglang.multimodal_gen.registry import get_model_info
 
         info = get_model_info(server_args.model_path, server_args.backend, server_args.model_id)
@@ -301,6 +308,7 @@ def _describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "") 
     if quant is None or not quant.enabled:
         return (f"causalkv sglang bridge: {type(stage).__name__} keeps sglang's dense KV cache "
                 f"{name} x {len(caches)} blocks (kv-cache-quant off)")
+    # lazy: cache imports sglang (module docstring)
     from causalkv.sglang.cache import causalkv_quant_args
 
     args = causalkv_quant_args(quant) if codec == "causalkv" else None
@@ -330,6 +338,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     if quant is None or not getattr(quant, "enabled", False):
         caches = original(self, **kw)
         return _track(self, caches, _describe(caches, None, self, "none"))
+    # lazy: cache imports sglang (module docstring)
     from causalkv.sglang.cache import SGLangQVGKVCache, can_serve, causalkv_quant_args
 
     if lingbot and lingbot_codec() == "sglang":
@@ -345,6 +354,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
             f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache "
             f"({reason}); set --kv-cache-quant-block-size to a divisor of the head_dim"
         )
+    # lazy: this module imports no torch until sglang calls a hook
     import torch
 
     device = kw["device"]
@@ -383,6 +393,7 @@ def _nbytes(cache: Any) -> tuple[int | None, int]:
     v = getattr(cache, "v", None)
     if k is not None and v is not None and hasattr(k, "nbytes"):  # sglang's dense buffers
         return int(k.nbytes + v.nbytes), int(k.nbytes + v.nbytes)
+    # lazy: this module imports no torch until sglang calls a hook
     import torch
 
     itemsize = torch.empty((), dtype=cache.dtype).element_size()
@@ -492,6 +503,7 @@ _route: Any = None
 def _route_module() -> Any:
     global _route
     if _route is None:
+        # lazy: the route imports sglang and torch; loaded only when the setting is on
         from causalkv.sglang import attention
 
         _route = attention

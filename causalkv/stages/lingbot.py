@@ -8,8 +8,10 @@ plus only the ``r`` frames before it (and itself), not the whole window.
 
 Which ``r`` (the seed runtime's interactive KV window, sglang 0.5.23 LingBot-World):
 
-- With a per-chunk motion signal (``ServerArgs.motion``, ``"m"`` the camera moves, ``"s"``
-  it stands still; `window_per_chunk`): a "moving" window of ``moving_window_frames``, and
+- With a per-chunk motion signal (the family's request record `MotionOptions`, flag
+  ``--motion``: ``"m"`` the camera moves, ``"s"`` it stands still; `window_per_chunk`): a
+  "moving" window of ``moving_window_frames`` (a key of the family's ``causalkv.json``
+  record `LingBotConfig`, like ``still_window_frames`` and ``still_chunks``), and
   a smaller "still" one of ``still_window_frames`` once the count of consecutive still
   chunks, the current one included, reaches ``still_chunks`` (N, default 2). A moving chunk
   resets the count and the window; a still chunk below N keeps the window the previous
@@ -23,17 +25,88 @@ window (the seed runtime's cache-update call passes no sample size).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from causalkv.caches.spec import RECENT_WINDOW
+from causalkv.capabilities import RECENT_WINDOW
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
+from causalkv.options import Options, StageOptions, option
 from causalkv.stages.base import CausalDenoisingStage, StreamSettings
 
-__all__ = ["REGISTRATION", "LingBotWorldStage", "window_per_chunk"]
+__all__ = [
+    "MOTION_LETTERS",
+    "REGISTRATION",
+    "LingBotConfig",
+    "LingBotWorldStage",
+    "MotionOptions",
+    "parse_motion",
+    "window_per_chunk",
+]
+
+#: letters of a per-chunk motion signal: ``m`` the camera moves, ``s`` it stands still
+MOTION_LETTERS = ("m", "s")
+
+
+def parse_motion(text: str | Sequence[str]) -> tuple[str, ...]:
+    """A motion signal ``"m,m,s"`` (or a sequence of letters) as ``("m", "m", "s")``.
+
+    `ConfigError` for an empty signal or a letter other than ``m`` (moving) / ``s`` (still).
+    """
+    items = [t.strip().lower() for t in text.split(",")] if isinstance(text, str) else list(text)
+    if not items or any(m not in MOTION_LETTERS for m in items):
+        raise ConfigError(
+            f"motion must be one letter per chunk, m (camera moves) or s (still), comma separated, "
+            f"got {text!r} (--motion m,m,s,s)"
+        )
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class MotionOptions(StageOptions):
+    """LingBot-World's request record (``StageRegistration(options=...)``): the per-chunk
+    camera motion that drives the interactive KV window (None: no motion signal)."""
+
+    title = "LingBot-World motion"
+    scope = "LingBot-World's interactive window"
+    pick = "a LingBot-World model"
+
+    motion: tuple[str, ...] | None = option(
+        None, flag="--motion", parse=parse_motion, metavar="m,s,...",
+        help="camera motion per chunk: m (moves) or s (still), one letter per chunk; drives "
+        "the moving/still recent KV window",
+    )
+
+    def __post_init__(self) -> None:
+        if self.motion is not None:
+            object.__setattr__(self, "motion", parse_motion(self.motion))
+        super().__post_init__()
+
+    def requires(self) -> dict[str, str]:
+        """A motion signal samples a recent window per chunk: ``recent_window``."""
+        return {RECENT_WINDOW: "--motion"} if self.motion is not None else {}
+
+
+@dataclass(frozen=True)
+class LingBotConfig(Options):
+    """LingBot-World's own ``causalkv.json`` keys (``StageRegistration(config=...)``): the
+    interactive window a motion signal drives."""
+
+    title = "LingBot-World model settings"
+
+    moving_window_frames: int | None = option(
+        None, minimum=0, help="recent frames a chunk samples while the camera moves",
+    )
+    still_window_frames: int | None = option(
+        None, minimum=0, help="recent frames a chunk samples once the camera stands still",
+    )
+    still_chunks: int = option(
+        2, minimum=1,
+        help="consecutive still chunks (the current one included) before the still window applies",
+    )
 
 
 def window_per_chunk(
@@ -65,24 +138,19 @@ def window_per_chunk(
 class LingBotWorldStage(CausalDenoisingStage):
     """LingBot-World: the base loop with a recent window per chunk (motion-driven) or static."""
 
+    request_options = MotionOptions
+    config_options = LingBotConfig
+    options: MotionOptions
+
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
 
     @classmethod
-    def required_cache_features(
-        cls, server_args: ServerArgs, model: ModelConfig | None = None
-    ) -> frozenset[str]:
-        """The base features, plus ``recent_window`` for a request with a motion signal."""
-        base = super().required_cache_features(server_args, model)
-        return base | {RECENT_WINDOW} if server_args.motion is not None else base
-
-    @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
-        """Shot flags are refused; a motion signal needs one letter per chunk."""
-        if not server_args.shots.is_default:
-            raise ConfigError("shot flags apply to LongLive 2.0 models, not to LingBot-World; drop them")
-        motion = server_args.motion
+        """The base checks; a motion signal needs one letter per chunk."""
+        super().check_request_fields(server_args, num_chunks)
+        motion = server_args.option(MotionOptions).motion
         if motion is not None and len(motion) != num_chunks:
             raise ConfigError(
                 f"--motion has {len(motion)} letters for {num_chunks} chunks; give one letter "
@@ -100,19 +168,16 @@ class LingBotWorldStage(CausalDenoisingStage):
         """The base checks; with a motion signal, one letter per chunk, the model must
         configure the interactive window and its moving/still windows must fit the window."""
         settings = super().check_request(model, server_args, num_frames, chunk_prompts)
-        if server_args.motion is None:
+        if server_args.option(MotionOptions).motion is None:
             return settings
         cls.check_request_fields(server_args, num_frames // settings.frames_per_chunk)
-        if model.moving_window_frames is None:
+        window = model.option(LingBotConfig)  # its bounds were checked when it was read
+        if window.moving_window_frames is None:
             raise ConfigError(
                 f"--motion needs an interactive window, but {model.name} sets no "
                 "moving_window_frames; add moving_window_frames / still_window_frames to causalkv.json"
             )
-        check_int("moving_window_frames", model.moving_window_frames, hint="fix causalkv.json")
-        if model.still_window_frames is not None:
-            check_int("still_window_frames", model.still_window_frames, hint="fix causalkv.json")
-        check_int("still_chunks", model.still_chunks, minimum=1, hint="fix causalkv.json")
-        widest = max(model.moving_window_frames, model.still_window_frames or 0)
+        widest = max(window.moving_window_frames, window.still_window_frames or 0)
         need = settings.sink_frames + widest + settings.frames_per_chunk
         if settings.window_frames < need:
             raise ConfigError(
@@ -126,7 +191,7 @@ class LingBotWorldStage(CausalDenoisingStage):
     @property
     def interactive(self) -> bool:
         """True when the request carries a motion signal (the interactive window is on)."""
-        return self.server_args.motion is not None
+        return self.options.motion is not None
 
     def _reset_stream(self) -> None:
         super()._reset_stream()
@@ -140,8 +205,8 @@ class LingBotWorldStage(CausalDenoisingStage):
             return
         if chunk_index == 0:
             self.kv_window_per_chunk = []
-        m = self.model
-        motion = self.server_args.motion or ()
+        m = self.model.option(LingBotConfig)
+        motion = self.options.motion or ()
         # the rule is a prefix scan: the window of chunk i depends on motion[: i + 1] only
         self._chunk_window = window_per_chunk(
             motion[: chunk_index + 1], moving_frames=m.moving_window_frames or 0,

@@ -3,8 +3,10 @@
 The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongLive 2.0):
 
 - Shots: the request's prompts are the shot prompts; `expand_shots` turns them into one
-  prompt per chunk, a scene-cut mask and a shot index per chunk (`ShotPlan`), from
-  ``ServerArgs.shots`` (`causalkv.config.ShotRequest`): explicit durations in chunks, else
+  prompt per chunk, a scene-cut mask and a shot index per chunk (`ShotPlan`), from the
+  family's request record `ShotRequest` (its flags ``--shot-durations``, ``--chunks-per-shot``,
+  ``--scene-cut-prefix``, ``--no-multi-shot-sink``, ``--multi-shot-rope-offset`` are declared
+  there and reach ``causalkv generate`` through the registration): explicit durations in chunks, else
   ``chunks_per_shot`` for every shot, else an even split with the first shots one chunk
   longer; durations are clamped to the chunk count and the chunks left over go to the last
   shot. A cut is the first chunk of every shot after the first; its prompt is
@@ -18,7 +20,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
 - RoPE: chunk ``i`` of shot ``k`` starts at RoPE frame ``i * frames_per_chunk + k *
   offset``, ``offset`` = ``multi_shot_rope_offset`` (a float; fractional offsets are
   continuous RoPE positions), or the model's ``rope_offset_frames_per_shot`` when the
-  request gives none.
+  request gives none (a key of the family's ``causalkv.json`` record `LongLive2Config`).
 - Sampler: the seed runtime's ``FlowUniPCMultistepScheduler(num_train_timesteps=1000,
   shift=1, use_dynamic_shifting=False)``, reset per chunk with ``set_timesteps(steps,
   shift=flow_shift)``. Its diffusers equivalent (`make_scheduler`, `unipc_sigmas`)::
@@ -29,7 +31,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
           final_sigmas_type="zero")
       .set_timesteps(sigmas=linspace(sigma_max, 0, steps + 1)[:-1])
 
-  where ``sigma_max = float32(1 - 1/1000)`` is the top of the shift-1 training schedule
+  (declared as data, `scheduler_spec`), where ``sigma_max = float32(1 - 1/1000)`` is the top of the shift-1 training schedule
   (diffusers' own flow sigmas would start at 1 instead). The shift applied to the
   inference sigmas is the model's ``shift`` (the seed runtime passes the pipeline's
   ``flow_shift``, 5 for LongLive 2.0, to ``set_timesteps``); the step count is the number of
@@ -43,6 +45,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,24 +53,137 @@ from typing import Any
 import numpy as np
 import torch
 
-from causalkv.config import DEFAULT_SCENE_CUT_PREFIX, ModelConfig, ServerArgs, check_prompts
+from causalkv.config import ModelConfig, ServerArgs, check_prompts, check_text
 from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
+from causalkv.options import Options, StageOptions, option
 from causalkv.stages.base import CacheSet, CausalDenoisingStage, ForwardRecord, GenerationResult
+from causalkv.stages.scheduler import SchedulerSpec
 
 __all__ = [
     "REGISTRATION",
     "SCENE_CUT_PREFIX",
+    "LongLive2Config",
     "LongLive2Stage",
     "ShotLayout",
     "ShotPlan",
+    "ShotRequest",
     "expand_shots",
     "is_scene_cut",
     "unipc_sigmas",
 ]
 
-#: the seed runtime's default scene-cut prefix
-SCENE_CUT_PREFIX = DEFAULT_SCENE_CUT_PREFIX
+#: the seed runtime's default text put before the prompt of a shot's first chunk
+SCENE_CUT_PREFIX = "The scene transitions. "
+
+
+def _durations(value: Any) -> Any:
+    """``--shot-durations 3,2,4`` as ``(3, 2, 4)`` (a sequence passes through to validation)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tuple(int(t) for t in value.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ShotRequest(StageOptions):
+    """How a LongLive 2.0 request's shots map onto chunks (the seed runtime's fields).
+
+    The family's request record (``StageRegistration(options=...)``): its flags join
+    ``causalkv generate``'s and it reaches this stage as ``stage.options``. The shot prompts
+    themselves are the request's prompts. Validated on construction (`ConfigError` naming the
+    value and the flag).
+
+    Attributes:
+        durations: chunks per shot, one positive int per shot (``--shot-durations``); None:
+            ``chunks_per_shot`` or an even split.
+        chunks_per_shot: chunks of every shot when ``durations`` is None (0: even split).
+        scene_cut_prefix: text put before the prompt of each shot's first chunk after the
+            first shot (may be empty).
+        multi_shot_sink: pin each cut chunk as its shot's sink (when the sink is non-zero).
+        multi_shot_rope_offset: RoPE frames added per shot index (float; None: the model's
+            ``rope_offset_frames_per_shot``).
+    """
+
+    title = "LongLive 2.0 shots"
+    label = "shot flags"
+    scope = "multi-shot stages"
+    pick = "a LongLive 2.0 model"
+
+    durations: tuple[int, ...] | None = option(
+        None, flag="--shot-durations", parse=_durations, metavar="N,N,...",
+        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
+        "count; chunks left over go to the last shot)",
+    )
+    chunks_per_shot: int = option(
+        0, flag="--chunks-per-shot", type=int, minimum=0, metavar="N",
+        help="chunks of every shot when --shot-durations is not given (0: even split, the "
+        "first shots one chunk longer)",
+    )
+    scene_cut_prefix: str = option(
+        SCENE_CUT_PREFIX, flag="--scene-cut-prefix", metavar="TEXT",
+        help="text before the prompt of each shot's first chunk (may be empty)",
+    )
+    multi_shot_sink: bool = option(
+        True, flag="--no-multi-shot-sink", action="store_false",
+        help="do not pin each shot's first chunk as its sink",
+    )
+    multi_shot_rope_offset: float | None = option(
+        None, flag="--multi-shot-rope-offset", type=float, metavar="FRAMES",
+        help="RoPE frames added per shot index (float >= 0; default: the model's)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.durations is not None:
+            durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
+            if not durations:
+                raise ConfigError(
+                    f"shot durations must be a non-empty list of chunk counts, got {self.durations!r} "
+                    "(--shot-durations 3,2,4)"
+                )
+            object.__setattr__(self, "durations", durations)
+        super().__post_init__()
+
+    def validate(self) -> Any:
+        for d in self.durations or ():
+            if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+                raise ConfigError(
+                    f"shot durations must be positive chunk counts, got {d!r} in "
+                    f"{list(self.durations or ())} (--shot-durations)"
+                )
+        if not isinstance(self.scene_cut_prefix, str):
+            raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
+        check_text(self.scene_cut_prefix, "--scene-cut-prefix")
+        off = self.multi_shot_rope_offset
+        if off is not None:
+            if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
+                raise ConfigError(
+                    f"multi-shot RoPE offset must be a finite number >= 0, got {off!r} "
+                    "(--multi-shot-rope-offset)"
+                )
+            object.__setattr__(self, "multi_shot_rope_offset", float(off))
+        return super().validate()
+
+    @property
+    def is_default(self) -> bool:
+        """True when no shot field was given (a plain request)."""
+        return not self.changed()
+
+
+@dataclass(frozen=True)
+class LongLive2Config(Options):
+    """LongLive 2.0's own ``causalkv.json`` keys (``StageRegistration(config=...)``)."""
+
+    title = "LongLive 2.0 model settings"
+
+    rope_offset_frames_per_shot: int = option(
+        0, minimum=0,
+        help="RoPE frames added per shot (when the request gives no --multi-shot-rope-offset)",
+    )
 
 #: the seed runtime's UniPC training schedule: 1000 timesteps, shift 1; its top sigma
 NUM_TRAIN_TIMESTEPS = 1000
@@ -167,7 +283,7 @@ def layout_of(chunk_prompts: Sequence[str], server_args: ServerArgs) -> ShotLayo
     if isinstance(chunk_prompts, ShotPlan):
         return chunk_prompts.layout
     prompts = list(chunk_prompts)
-    prefix = server_args.shots.scene_cut_prefix
+    prefix = server_args.option(ShotRequest).scene_cut_prefix
     cuts = tuple(
         i > 0 and (is_scene_cut(p, prefix) if prefix else p != prompts[i - 1]) for i, p in enumerate(prompts)
     )
@@ -186,6 +302,10 @@ class LongLive2Stage(CausalDenoisingStage):
     """LongLive 2.0: shots expanded to chunks, global sink + pinned shot sink, per-shot
     RoPE offset, UniPC sampling, CFG."""
 
+    request_options = ShotRequest
+    config_options = LongLive2Config
+    options: ShotRequest
+
     #: the layout of the request being generated (set by `generate`)
     layout: ShotLayout | None = None
 
@@ -202,38 +322,36 @@ class LongLive2Stage(CausalDenoisingStage):
         return True
 
     @classmethod
-    def make_scheduler(cls, model: ModelConfig) -> Any:
+    def scheduler_spec(cls, model: ModelConfig) -> SchedulerSpec:
         """diffusers ``UniPCMultistepScheduler`` set up as the seed runtime's flow UniPC
         (see the module docstring)."""
-        from diffusers import UniPCMultistepScheduler
-
-        return UniPCMultistepScheduler(
-            num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-            solver_order=2,
-            prediction_type="flow_prediction",
-            use_flow_sigmas=True,
-            flow_shift=float(model.shift),
-            predict_x0=True,
-            solver_type="bh2",
-            lower_order_final=True,
-            final_sigmas_type="zero",
-        )
+        return SchedulerSpec("diffusers:UniPCMultistepScheduler", {
+            "num_train_timesteps": NUM_TRAIN_TIMESTEPS,
+            "solver_order": 2,
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "flow_shift": float(model.shift),
+            "predict_x0": True,
+            "solver_type": "bh2",
+            "lower_order_final": True,
+            "final_sigmas_type": "zero",
+        })
 
     @classmethod
-    def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
-        if server_args.motion is not None:
-            raise ConfigError(
-                "--motion applies to LingBot-World's interactive window, not to LongLive 2.0; drop it"
-            )
+    def wants_multi_shot(cls, model: ModelConfig, server_args: ServerArgs, num_shots: int) -> bool:
+        """The base rule, unless the request turned multi-shot sinks off (``--no-multi-shot-sink``)."""
+        return super().wants_multi_shot(model, server_args, num_shots) and (
+            server_args.option(ShotRequest).multi_shot_sink
+        )
 
     @classmethod
     def plan_chunks(
         cls, prompts: Sequence[str], num_chunks: int, server_args: ServerArgs
     ) -> list[str]:
         """The request's prompts are the shots: their `expand_shots` expansion under
-        ``server_args.shots``, as a `ShotPlan` (a list of chunk prompts with its layout)."""
+        the request's `ShotRequest`, as a `ShotPlan` (a list of chunk prompts with its layout)."""
         cls.check_request_fields(server_args, num_chunks)
-        shots = server_args.shots
+        shots = server_args.option(ShotRequest)
         if len(check_prompts(prompts)) == 1 and not shots.is_default:
             raise ConfigError(
                 "shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
@@ -297,15 +415,15 @@ class LongLive2Stage(CausalDenoisingStage):
     @property
     def rope_offset_per_shot(self) -> float:
         """RoPE frames added per shot index: the request's, else the model's."""
-        off = self.server_args.shots.multi_shot_rope_offset
-        return float(self.model.rope_offset_frames_per_shot if off is None else off)
+        off = self.options.multi_shot_rope_offset
+        return float(self.model.option(LongLive2Config).rope_offset_frames_per_shot if off is None else off)
 
     @property
     def pins_shot_sinks(self) -> bool:
         """Cut chunks are pinned: a multi-shot request with multi-shot sinks and a sink."""
         return (
             self.server_args.multi_shot
-            and self.server_args.shots.multi_shot_sink
+            and self.options.multi_shot_sink
             and self.settings.sink_frames > 0
         )
 
@@ -343,8 +461,8 @@ class LongLive2Stage(CausalDenoisingStage):
         chunk_prompts: Sequence[str],
     ) -> list[float]:
         """Chunk start plus shot index x the per-shot RoPE offset (as `rope_frame_offset`)."""
-        off = server_args.shots.multi_shot_rope_offset
-        per_shot = float(model.rope_offset_frames_per_shot if off is None else off)
+        off = server_args.option(ShotRequest).multi_shot_rope_offset
+        per_shot = float(model.option(LongLive2Config).rope_offset_frames_per_shot if off is None else off)
         shots = layout_of(chunk_prompts, server_args).shot_indices
         fpc = settings.frames_per_chunk
         return [i * fpc + shot * per_shot for i, shot in enumerate(shots)]

@@ -6,33 +6,70 @@ reconstructs it, optionally straight into a slice of a larger buffer. See docs/q
 
 `causalkv.caches.qvg.attention.packed_attention` attends queries over a packed segment
 without decoding it to memory (a Triton kernel; that module needs triton, so it is not
-imported here). See docs/attention.md.
+exported here). See docs/attention.md.
 
 `SegmentStore` (`causalkv.caches.qvg.store`) holds one layer's K/V by global position with
 cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `CAUSALKV`,
 `SGLANG`); causalkv's `QVGPackedCausalKVCache` and the sglang bridge's cache both use it.
+
+The settings (`causalkv.caches.qvg.options`: `QVGCodecOptions`, `QVGPackingOptions`,
+`QVGKVQuantArgs`) are torch-free; the names are exported lazily (PEP 562), so importing the
+settings loads no torch.
 """
 
-from causalkv.caches.qvg.args import QUANT_CHOICES, QVGKVQuantArgs, add_cli_args, from_namespace
-from causalkv.caches.qvg.codec import (
-    BACKEND_ENV,
-    PackedSegment,
-    bits_per_element,
-    dequantize,
-    packed_nbytes_formula,
-    quantize,
-    resolve_backend,
-)
-from causalkv.caches.qvg.policy import (
-    CAUSALKV,
-    SGLANG,
-    CausalKVPolicy,
-    ChunkInfo,
-    PackingDecision,
-    PackingPolicy,
-    SGLangPolicy,
-)
-from causalkv.caches.qvg.store import KVWrite, SegmentStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from causalkv.caches.qvg.codec import (
+        BACKEND_ENV,
+        PackedSegment,
+        bits_per_element,
+        dequantize,
+        packed_nbytes_formula,
+        quantize,
+        resolve_backend,
+    )
+    from causalkv.caches.qvg.options import (
+        QUANT_CHOICES,
+        QVGCodecOptions,
+        QVGKVQuantArgs,
+        QVGPackingOptions,
+        add_cli_args,
+        from_namespace,
+    )
+    from causalkv.caches.qvg.policy import (
+        CAUSALKV,
+        SGLANG,
+        CausalKVPolicy,
+        ChunkInfo,
+        PackingDecision,
+        PackingPolicy,
+        SGLangPolicy,
+    )
+    from causalkv.caches.qvg.store import KVWrite, SegmentStore
+
+#: exported name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        ("QUANT_CHOICES", "QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions",
+         "add_cli_args", "from_namespace"),
+        "causalkv.caches.qvg.options",
+    ),
+    **dict.fromkeys(
+        ("BACKEND_ENV", "PackedSegment", "bits_per_element", "dequantize",
+         "packed_nbytes_formula", "quantize", "resolve_backend"),
+        "causalkv.caches.qvg.codec",
+    ),
+    **dict.fromkeys(
+        ("CAUSALKV", "SGLANG", "CausalKVPolicy", "ChunkInfo", "PackingDecision", "PackingPolicy",
+         "SGLangPolicy"),
+        "causalkv.caches.qvg.policy",
+    ),
+    **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
+}
 
 __all__ = [
     "BACKEND_ENV",
@@ -45,7 +82,9 @@ __all__ = [
     "PackedSegment",
     "PackingDecision",
     "PackingPolicy",
+    "QVGCodecOptions",
     "QVGKVQuantArgs",
+    "QVGPackingOptions",
     "SGLangPolicy",
     "SegmentStore",
     "add_cli_args",
@@ -56,3 +95,11 @@ __all__ = [
     "quantize",
     "resolve_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

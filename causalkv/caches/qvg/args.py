@@ -1,5 +1,5 @@
-"""Re-export of `causalkv.quant_config` (the QVG settings live in a torch-free module)."""
+"""Re-export of `causalkv.caches.qvg.options` (the QVG settings, torch-free)."""
 
-from causalkv.quant_config import QUANT_CHOICES, QVGKVQuantArgs, add_cli_args, from_namespace
+from causalkv.caches.qvg.options import QUANT_CHOICES, QVGKVQuantArgs, add_cli_args, from_namespace
 
 __all__ = ["QUANT_CHOICES", "QVGKVQuantArgs", "add_cli_args", "from_namespace"]

@@ -38,12 +38,14 @@ so holds one decoded segment at a time, or, on its fused path,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
 
 from causalkv.caches.base import StreamCache
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     DENSE_REASONS,
     MIN_TOKENS_PER_CENTROID,
@@ -122,6 +124,47 @@ class QVGPackedCausalKVCache(StreamCache):
     capabilities = CacheCapabilities.of(
         PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG
     )
+
+    # ---- before any weights load (the host calls these on the chosen cache's class) -----------
+    @classmethod
+    def check_request(cls, options: QVGKVQuantArgs | None, *, head_dim: int, device: str) -> None:
+        """Refuse settings that cannot run (`ConfigError`): a block layout that does not fit
+        ``head_dim`` (`QVGKVQuantArgs.check_layout`), a codec backend
+        (``CAUSALKV_QVG_BACKEND``) that does not exist or does not run on ``device``."""
+        if options is None or not options.enabled:
+            return
+        options.check_layout(head_dim)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError, TypeError):
+            return  # the host names a bad device
+        try:
+            resolve_backend(None, dev)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV)!r}: {exc}; set {BACKEND_ENV} to auto "
+                "(or unset it) to let causalkv pick the backend that runs here"
+            ) from None
+
+    @classmethod
+    def describe_request(
+        cls, options: QVGKVQuantArgs | None, *, tokens_per_chunk: int, sink_tokens: int
+    ) -> list[str]:
+        """The run header's lines for these settings: the centroids a packed span gets."""
+        if options is None or not options.enabled:
+            return []
+        span = tokens_per_chunk * options.span_chunks
+        whole_sink = (
+            f"; the whole sink ({sink_tokens:,} tokens) {centroids_for(sink_tokens, options.centroids)}"
+            if options.sink and options.sink_span == "full" and sink_tokens else ""
+        )
+        return [
+            f"centroids: {centroids_for(span, options.centroids)} per packed span of {span:,} "
+            f"tokens{whole_sink} (at most {options.centroids}; a span of S tokens gets min("
+            f"{options.centroids}, 2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost "
+            "at most half a bit per element; metrics kv_packing.centroids counts the chunks by "
+            "centroids used)"
+        ]
 
     def __init__(
         self,

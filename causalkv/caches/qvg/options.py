@@ -1,0 +1,301 @@
+"""The QVG cache's settings, declared once: codec options and packing options.
+
+- `QVGCodecOptions`: how one segment is quantized (PRQ: bits, centroids, block size, stages,
+  k-means iterations, zero points, the 2-bit grid). The codec (`causalkv.caches.qvg.codec`)
+  reads these attributes from whatever object it is given.
+- `QVGPackingOptions`: which chunks are packed and how they are grouped (keep-recent, the
+  sink, spans, shared codebooks). The packing policies (`causalkv.caches.qvg.policy`) and the
+  segment store read these.
+- `QVGKVQuantArgs`: both, the record the ``qvg`` cache factory declares
+  (``CacheFactory("qvg", ..., options=QVGKVQuantArgs)``) and the reference runtime's class
+  (same name, field names, defaults, dict keys and flags, so configs carry over).
+
+Each field's flag, dict key, bounds and help are written once, in its declaration; the
+command line, `QVGKVQuantArgs.from_dict` and the validation messages (the reference
+runtime's) derive from them. Torch-free: importing this module loads no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from causalkv.errors import ConfigError
+from causalkv.options import CacheOptions, option
+
+__all__ = [
+    "QUANT_CHOICES",
+    "QVGCodecOptions",
+    "QVGKVQuantArgs",
+    "QVGPackingOptions",
+    "add_cli_args",
+    "from_namespace",
+]
+
+QUANT_CHOICES = ("off", "int4", "int2")
+_BITS_BY_NAME: dict[Any, int | None] = {"off": None, "int4": 4, "int2": 2, "none": None, None: None}
+_SINK_SPANS = ("chunk", "full")
+_GRIDS = ("reference", "mse4")
+
+
+def _bits(value: Any) -> int | None:
+    """``--kv-cache-quant`` / ``kv_cache_quant``: ``off``/``int4``/``int2`` (or 2, 4, None)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _BITS_BY_NAME:
+        raise ConfigError(f"kv-cache-quant must be one of {list(QUANT_CHOICES)}, got {value!r}")
+    return _BITS_BY_NAME[key]
+
+
+def _switch(value: Any) -> bool:
+    """A 0/1 flag or dict value (``"0"``, 1, True) as a bool."""
+    return bool(int(value)) if isinstance(value, (str, int)) else bool(value)
+
+
+class _ReferenceMessages:
+    """The reference runtime's message style: ``kv-cache-quant-centroids must be > 0``."""
+
+    @classmethod
+    def label_of(cls, name: str) -> str:
+        spec = cls.specs()[name]  # type: ignore[attr-defined]
+        return (spec.flag or name).lstrip("-")
+
+    @classmethod
+    def _int_problem(cls, minimum: int, *, optional: bool) -> str:
+        return "must be > 0" if minimum == 1 else f"must be >= {minimum}"
+
+
+@dataclass(frozen=True)
+class QVGCodecOptions(_ReferenceMessages, CacheOptions):
+    """PRQ codec settings of one packed segment ``[B, H, S, D]`` (docs/qvg.md).
+
+    Attributes:
+        bits: residual bits, ``None`` (off), 2 or 4.
+        centroids: k-means centroids per (batch, head) per stage (<= 256: ids are uint8).
+        block_size: channels per residual quantization block (must divide head_dim).
+        stages: residual k-means stages.
+        kmeans_iters: Lloyd iterations per stage.
+        asymmetric: store a zero point per block (else symmetric codes ``-q..q``).
+        grid: 2-bit residual grid: ``"reference"`` (symmetric codes -1..1, scale = absmax,
+            or a zero point when asymmetric) or ``"mse4"`` (all four levels
+            ``{-1.5,-0.5,0.5,1.5} * s`` with an error-minimizing scale). Beyond the reference.
+    """
+
+    title = "QVG codec"
+
+    bits: int | None = option(
+        None, flag="--kv-cache-quant", key="kv_cache_quant", choices=QUANT_CHOICES, parse=_bits,
+        help="quantize cold KV-cache chunks with QVG/PRQ (default: off)",
+    )
+    centroids: int = option(
+        128, flag="--kv-cache-quant-centroids", key="kv_cache_quant_centroids", type=int, minimum=1,
+        help="k-means centroids per head per stage, <= 256",
+    )
+    block_size: int = option(
+        64, flag="--kv-cache-quant-block-size", key="kv_cache_quant_block_size", type=int, minimum=1,
+        help="channels per residual scale block",
+    )
+    stages: int = option(
+        1, flag="--kv-cache-quant-stages", key="kv_cache_quant_stages", type=int, minimum=1,
+        help="residual k-means stages",
+    )
+    kmeans_iters: int = option(
+        2, flag="--kv-cache-quant-iters", key="kv_cache_quant_iters", type=int, minimum=1,
+        help="k-means iterations per stage",
+    )
+    asymmetric: bool = option(
+        False, flag="--kv-cache-quant-asymmetric", key="kv_cache_quant_asymmetric",
+        action="store_true", parse=_switch, help="store a zero point per residual block",
+    )
+    grid: str = option(
+        "reference", flag="--kv-cache-quant-grid", key="kv_cache_quant_grid", choices=_GRIDS,
+        help="2-bit residual grid (beyond the reference)",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.bits is not None
+
+    def validate(self) -> Any:
+        """The reference runtime's rules across fields (`ConfigError`, a ValueError)."""
+        if self.bits is not None and self.bits not in (2, 4):
+            raise ConfigError("kv-cache-quant bits must be 2 or 4")
+        if self.centroids > 256:
+            raise ConfigError(
+                f"kv-cache-quant-centroids must be <= 256 (cluster ids are uint8), got {self.centroids}"
+            )
+        if self.bits is not None and (self.block_size * self.bits) % 8:
+            raise ConfigError(
+                f"kv-cache-quant-block-size {self.block_size} x {self.bits} bits is not a whole "
+                f"number of bytes; use a block size divisible by {8 // self.bits}"
+            )
+        return super().validate()
+
+    def layout_problem(self, head_dim: int) -> str | None:
+        """Why these settings cannot pack K/V of ``head_dim`` channels, or None when they can.
+
+        Knowable before any weights load (``head_dim`` comes from the model's config): a host
+        calls it at start-up, so a bad block size is refused before the first chunk.
+        """
+        if self.enabled and head_dim % self.block_size:
+            divisors = [d for d in range(8 // self.bits, head_dim + 1)
+                        if head_dim % d == 0 and (d * self.bits) % 8 == 0]
+            return (
+                f"kv-cache-quant-block-size {self.block_size} does not divide head_dim={head_dim}; "
+                f"choose one of {divisors}"
+            )
+        return None
+
+    def check_layout(self, head_dim: int) -> Any:
+        """Raise `ConfigError` with `layout_problem`'s message when there is one; return self."""
+        problem = self.layout_problem(head_dim)
+        if problem is not None:
+            raise ConfigError(problem)
+        return self
+
+
+@dataclass(frozen=True)
+class QVGPackingOptions(_ReferenceMessages, CacheOptions):
+    """Which cold chunks are packed, and how they are grouped.
+
+    Attributes:
+        keep_recent_chunks: completed chunks kept in bf16 besides the current one.
+        sink: quantize the attention sink too (True, the reference default); False keeps
+            every chunk that holds sink tokens (stream-start sink or pinned shot sink) in bf16.
+        sink_span: how sink chunks are packed when ``sink``: ``"chunk"`` one segment per
+            chunk, ``"full"`` the whole sink as one span (one codebook).
+        sink_keep_chunks: leading sink chunks kept in bf16 forever.
+        span_chunks: cold chunks packed together as one segment (shares the codebook across
+            chunks; beyond the reference, 1 = reference behaviour).
+        codebook_chunks: consecutive cold chunks that share one k-means codebook, each still
+            packed as soon as it is cold: the first runs k-means, the next ones only assign
+            to its centroids, which are stored once (beyond the reference, 1 = reference).
+    """
+
+    title = "QVG packing"
+
+    keep_recent_chunks: int = option(
+        1, flag="--kv-cache-quant-keep-recent", key="kv_cache_quant_keep_recent", type=int,
+        minimum=0, help="completed chunks kept in bf16",
+    )
+    sink: bool = option(
+        True, flag="--kv-cache-quant-sink", key="kv_cache_quant_sink", type=int, choices=(0, 1),
+        parse=_switch, help="1: quantize the attention sink too; 0: keep sink chunks in bf16 (default: 1)",
+    )
+    sink_span: str = option(
+        "chunk", flag="--kv-cache-quant-sink-span", key="kv_cache_quant_sink_span",
+        choices=_SINK_SPANS, help="pack the sink per chunk (chunk) or as one span (full)",
+    )
+    sink_keep_chunks: int = option(
+        0, flag="--kv-cache-quant-sink-keep", key="kv_cache_quant_sink_keep", type=int, minimum=0,
+        help="leading sink chunks kept in bf16 forever",
+    )
+    span_chunks: int = option(
+        1, flag="--kv-cache-quant-span-chunks", key="kv_cache_quant_span_chunks", type=int,
+        minimum=1, help="cold chunks packed as one segment sharing a codebook",
+    )
+    codebook_chunks: int = option(
+        1, flag="--kv-cache-quant-codebook-chunks", key="kv_cache_quant_codebook_chunks", type=int,
+        minimum=1, help="consecutive cold chunks sharing one k-means codebook, each packed "
+        "when cold (beyond the reference)",
+    )
+
+
+@dataclass(frozen=True)
+class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
+    """QVG (PRQ) KV-cache quantization settings: `QVGCodecOptions` + `QVGPackingOptions`.
+
+    The options record of the ``qvg`` cache (``--kv-cache-quant int4|int2`` asks for the
+    ``quant:qvg`` feature, which picks it) and the reference runtime's class. Validates
+    itself on construction (`ConfigError`, a ValueError, with the reference's messages).
+    """
+
+    title = "QVG KV-cache quantization"
+
+    @property
+    def codec(self) -> QVGCodecOptions:
+        """The codec part (what `quantize` reads)."""
+        return QVGCodecOptions(**{n: getattr(self, n) for n in QVGCodecOptions.specs()})
+
+    @property
+    def packing(self) -> QVGPackingOptions:
+        """The packing part (what the packing policies read)."""
+        return QVGPackingOptions(**{n: getattr(self, n) for n in QVGPackingOptions.specs()})
+
+    # ---- the record's hooks (causalkv.options.Options) -------------------------------------
+    def check_used(self) -> None:
+        """Settings given while quantization is off would do nothing: refused."""
+        if self.enabled:
+            return
+        changed = [self.specs()[n].flag for n in self.changed() if n != "bits"]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set(s) QVG quantization, which is off; pass --kv-cache-quant "
+                "int4 or int2, or drop them"
+            )
+
+    def requires(self) -> dict[str, str]:
+        return {"quant:qvg": f"--kv-cache-quant int{self.bits}"} if self.enabled else {}
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        parts = [
+            f"int{self.bits}",
+            f"centroids={self.centroids}",
+            f"block={self.block_size}",
+            f"stages={self.stages}",
+            f"iters={self.kmeans_iters}",
+            "asym" if self.asymmetric else "sym",
+            f"keep_recent={self.keep_recent_chunks}",
+            f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
+            f"sink_keep={self.sink_keep_chunks}",
+        ]
+        if self.grid != "reference":
+            parts.append(f"grid={self.grid}")
+        if self.span_chunks != 1:
+            parts.append(f"span={self.span_chunks}")
+        if self.codebook_chunks != 1:
+            parts.append(f"codebook_chunks={self.codebook_chunks}")
+        return "qvg(" + ", ".join(parts) + ")"
+
+    # ---- the reference runtime's surface ------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Field name -> value (the reference runtime's ``asdict``)."""
+        return {n: getattr(self, n) for n in self.specs()}
+
+    @classmethod
+    def from_bits_name(cls, name: str | None, **overrides: Any) -> QVGKVQuantArgs:
+        """``"off"``/``"int4"``/``"int2"`` (``ConfigError`` otherwise), with field overrides."""
+        key = name.lower() if isinstance(name, str) else name
+        if key not in _BITS_BY_NAME:
+            raise ConfigError(f"kv-cache-quant must be one of {list(QUANT_CHOICES)}, got {name!r}")
+        return replace(cls(), bits=_BITS_BY_NAME[key], **overrides)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QVGKVQuantArgs:
+        """Read the reference runtime's keys (``kv_cache_quant``, ``kv_cache_quant_<field>``)
+        and field names; other keys and None values are ignored."""
+        keys, specs = cls.keys(), cls.specs()
+        kw: dict[str, Any] = {}
+        for key, value in d.items():
+            name = keys.get(key, key if key in specs else None)
+            if name is None or value is None:
+                continue
+            parse = specs[name].parse
+            kw[name] = parse(value) if parse is not None else value
+        return cls(**kw)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the reference runtime's ``--kv-cache-quant*`` flags to ``parser`` (one group)."""
+    QVGKVQuantArgs.add_arguments(parser)
+    return parser
+
+
+def from_namespace(ns: argparse.Namespace) -> QVGKVQuantArgs:
+    """Validated args from a namespace parsed with `add_cli_args` (flags left out: defaults)."""
+    return QVGKVQuantArgs(**QVGKVQuantArgs.given_in(ns))

@@ -1,0 +1,91 @@
+"""Step 2 of `causalkv.runtime.generate`: load the plan's model and build its stage.
+
+`load_for_plan` joins the ranks of a sequence-parallel request, materializes a preset on first
+use (once per node), loads the components with ``from_pretrained`` and makes the transformer
+one rank of the job. `build_stage` builds the stage over them: its declared sampler, the
+chosen cache factory and both option records, then ``causalkv_configure_stage``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.runtime.distributed import join_ranks, local_main_first
+from causalkv.runtime.loading import Components, load_components
+from causalkv.runtime.model_config import ModelInfo
+from causalkv.runtime.plugin_faults import configure_stage_checked
+from causalkv.runtime.presets import materialize_preset
+from causalkv.runtime.records import Plan
+from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]
+
+
+def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
+    """The folder to load from: a preset is created on first use."""
+    if info.preset is not None:
+        return materialize_preset(info.preset, pm=pm, registry=registry)
+    assert info.path is not None
+    return info.path
+
+
+def make_parallel(components: Components, server_args: ServerArgs) -> None:
+    """Make ``components``' transformer one rank of the request's sequence-parallel job (a
+    no-op on one process, or when it is one already)."""
+    ctx = join_ranks(server_args.heads_sharded, server_args.device)
+    if ctx is not None and components.transformer.world_size == 1:
+        components.transformer.enable_sequence_parallel(ctx)
+
+
+def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
+    """Load the plan's model components (a preset folder is built on first use, by each
+    node's first rank), as one rank of the job when the request is sequence parallel."""
+    args = plan.server_args
+    registry = plan.plugin_set(pm).registry
+    join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
+    folder = local_main_first(lambda: model_folder(plan.info, registry=registry))
+    components = load_components(plan.info, folder, dtype=args.dtype, device=args.device)
+    make_parallel(components, args)
+    return components
+
+
+def build_stage(
+    stage_cls: type[CausalDenoisingStage],
+    cache_factory: Any,
+    model: ModelConfig,
+    server_args: ServerArgs,
+    components: Components,
+    *,
+    negative_prompt: str = "",
+    pm: Any = None,
+    name: str | None = None,
+    options: Any = None,
+    cache_options: Any = ...,
+) -> CausalDenoisingStage:
+    """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
+
+    The sampler is the stage's own (``stage_cls.make_scheduler(model)``, built from its
+    ``scheduler_spec``). ``options`` is the family's request record and ``cache_options`` the
+    cache's settings record (defaults: taken from ``server_args``, `CausalDenoisingStage`).
+
+    With a plugin manager, ``causalkv_configure_stage`` runs on the built stage: attributes
+    its implementations set stay, and the `ModelConfig` overrides they return are applied
+    to the same stage before its caches are allocated (once, on first use).
+    """
+    stage = stage_cls(
+        model,
+        server_args,
+        denoiser=components.transformer,
+        scheduler=stage_cls.make_scheduler(model),
+        cache_factory=cache_factory,
+        encode_prompt=components.prompt_encoder,
+        negative_prompt=negative_prompt,
+        name=name,
+        options=options,
+        cache_options=cache_options,
+    )
+    if pm is not None:  # a raising implementation: PluginHookError naming the plugin
+        configure_stage_checked(pm, stage, model, server_args)
+    return stage

@@ -1,0 +1,84 @@
+"""Step 1 of `causalkv.runtime.generate`: plan a request, before any weights load.
+
+`plan_generation` reads the model's config files (JSON only), resolves the stage and the
+cache through the plugin registry (which also routes the request's option records to them),
+lets the stage split the prompts into chunks and validate the request, and runs every check
+that needs no weights (`causalkv.runtime.checks.check_before_load`). Every bad input is
+refused here, in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from causalkv.config import ServerArgs, check_prompts
+from causalkv.errors import ConfigError
+from causalkv.plugin import resolve
+from causalkv.runtime.checks import check_before_load
+from causalkv.runtime.distributed import check_parallel_request
+from causalkv.runtime.model_config import load_model_info
+from causalkv.runtime.records import GenerateOptions, Plan, PluginSet
+from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = ["plan_generation", "split_prompts"]
+
+
+def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: PluginSet | None = None) -> Plan:
+    """Read the model config, resolve stage and cache, validate the request (no weights).
+
+    ``plugins``: the run's plugins (default: collected from ``pm``, default the process-wide
+    manager); the plan carries them to the later steps. Multi-shot is automatic: with more
+    than one prompt and a stage that wants it (`CausalDenoisingStage.wants_multi_shot`:
+    LongLive 2.0, unless multi-shot sinks are off or the sink is empty), the request is
+    resolved again with ``multi_shot=True`` (the cache must then support a pinned shot
+    sink). The stage's `plan_chunks` expands the prompts with its own option record. Raises
+    a `causalkv.errors.CausalKVError` (a ValueError) naming the bad value and the fix.
+    """
+    plugins = plugins if plugins is not None else PluginSet.collect(pm)
+    pm, registry = plugins.pm, plugins.registry
+    prompts = check_prompts(options.prompts)
+    info = load_model_info(options.model, registry=registry)
+    model = info.config
+    guidance = options.guidance_scale if options.guidance_scale is not None else info.guidance_scale
+    args = replace(options.server_args, guidance_scale=float(guidance))
+    num_frames = options.frames if options.frames is not None else info.default_frames
+    res = resolve(model, args, pm=pm, stage=options.stage, registry=registry)
+    if res.stage.wants_multi_shot(model, args, len(prompts)):
+        args = replace(args, multi_shot=True)
+        res = resolve(model, args, pm=pm, stage=options.stage, registry=registry)
+    settings = res.stage.check_request(model, args, num_frames)
+    if args.heads_sharded > 1:
+        check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
+                               tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
+    chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
+    res.stage.check_request(model, args, num_frames, chunk_prompts)
+    negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
+    plan = Plan(
+        info=info,
+        server_args=args,
+        resolution=res,
+        num_frames=num_frames,
+        prompts=prompts,
+        chunk_prompts=chunk_prompts,
+        settings=settings,
+        stage_name=options.stage,
+        negative_prompt=negative,
+        plugins=plugins,
+    )
+    check_before_load(plan, options)
+    return plan
+
+
+def split_prompts(prompts: Sequence[str], num_chunks: int, *, scene_cuts: bool) -> list[str]:
+    """One prompt per chunk, as the base stage splits them; with ``scene_cuts`` as the
+    highest-priority registered multi-shot stage does for a multi-shot request (compatibility
+    wrapper of `CausalDenoisingStage.plan_chunks`)."""
+    stage: type[CausalDenoisingStage] = CausalDenoisingStage
+    if scene_cuts:
+        multi = [e for e in PluginSet.collect().registry.stages if e.supports("multi_shot")]
+        if not multi:
+            raise ConfigError("no registered stage supports multi-shot generation (scene cuts)")
+        stage = max(multi, key=lambda e: e.registration.priority).load()
+    return stage.plan_chunks(prompts, num_chunks, ServerArgs(multi_shot=scene_cuts))

@@ -1,0 +1,140 @@
+"""What a run reports: the metrics (`run_report`, the keys docs/usage.md lists), the run's
+header lines (`describe_plan`) and the header of saved latents (`latents_metadata`).
+
+Read from the typed records: the plan, the `GenerationRun` and its `ChunkStats`, the
+stage's own `report()`, the chosen cache's settings record (`cache_description`) and class
+(``describe_request``); nothing here names a stage family or a cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from causalkv.plugin import Resolution
+from causalkv.runtime.distributed import current, gather_ints
+from causalkv.runtime.records import GenerationRun, Plan
+from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = [
+    "cache_description",
+    "describe_plan",
+    "latents_metadata",
+    "packing_summary",
+    "rank_metrics",
+    "run_report",
+]
+
+
+def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
+    """The run's metrics: request, stream settings, per-chunk timings and KV bytes, and the
+    stage's own entries (`CausalDenoisingStage.report`)."""
+    res, s, args = plan.resolution, plan.settings, plan.server_args
+    return {
+        "model": plan.model.name,
+        "model_class": plan.model.model_class,
+        "stage": res.stage_name,
+        "stage_class": f"{res.stage.__module__}:{res.stage.__qualname__}",
+        "cache": res.cache_factory.name,
+        "kv_cache_quant": cache_description(res),
+        "requirements": sorted(res.requirements),
+        "reasons": list(res.reasons),
+        "prompts": plan.prompts,
+        "chunk_prompts": plan.chunk_prompts,
+        "multi_shot": args.multi_shot,
+        "guidance_scale": args.guidance_scale,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype or args.dtype,
+        "device": args.device,
+        "frames": plan.num_frames,
+        "frames_per_chunk": s.frames_per_chunk,
+        "tokens_per_frame": s.tokens_per_frame,
+        "sink_frames": s.sink_frames,
+        "global_sink_frames": s.global_sink_frames,
+        "window_frames": s.window_frames,
+        "cache_frames": s.cache_frames,
+        "recent_window_frames": s.recent_window_frames,
+        "chunks": plan.num_chunks,
+        "latent_shape": list(run.latents.shape),
+        "seconds_per_chunk": run.seconds_per_chunk,
+        "seconds_per_chunk_mean": run.seconds_per_chunk_mean,
+        "load_seconds": run.load_seconds,
+        "kv_resident_bytes_per_chunk": [int(st.kv_resident_bytes) for st in run.chunk_stats],
+        "kv_resident_bytes_max": run.kv_resident_bytes_max,
+        "kv_resident_bytes_final": run.kv_resident_bytes_final,
+        "kv_packing": packing_summary(run.stage),
+        **rank_metrics(run),
+        **run.stage.report(),
+    }
+
+
+def packing_summary(stage: CausalDenoisingStage) -> dict[str, Any] | None:
+    """What the stage's packed caches did, all layers and branches summed: chunks packed, chunks
+    kept dense by reason (``"recent"``, ``"not smaller than dense"``, ...), centroids used.
+    None when no cache reports packing (a dense cache)."""
+    reports = [
+        cache.packing_report()
+        for cs in stage.cache_sets()
+        for cache in cs.kv
+        if callable(getattr(cache, "packing_report", None))
+    ]
+    if not reports:
+        return None
+    return type(reports[0]).merge(reports).to_dict()
+
+
+def rank_metrics(run: GenerationRun) -> dict[str, Any]:
+    """``world_size`` and the KV bytes of every rank (``kv_resident_bytes_max`` is this
+    rank's; one collective on a sequence-parallel run, so every rank must call it)."""
+    ctx = current()
+    world = int(getattr(run.stage.denoiser, "world_size", 1))
+    per_rank = [run.kv_resident_bytes_max]
+    if ctx is not None and world > 1:
+        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
+    return {
+        "world_size": world,
+        "kv_heads_per_rank": int(run.stage.denoiser.num_heads),
+        "kv_resident_bytes_max_per_rank": per_rank,
+        "kv_resident_bytes_max_total": sum(per_rank),
+    }
+
+
+def cache_description(res: Resolution) -> str:
+    """The chosen cache's settings in one line (``kv_cache_quant`` of the metrics): its
+    options record's `describe` (``"qvg(int2, ...)"``), ``"off"`` for a cache without one."""
+    return res.cache_options.describe() if res.cache_options is not None else "off"
+
+
+def describe_plan(plan: Plan) -> list[str]:
+    """The human-readable header of a run: model, stage, cache, reasons, stream."""
+    res, s = plan.resolution, plan.settings
+    lines = [
+        f"model: {plan.model.name} ({plan.model.model_class})",
+        f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
+        f"cache: {res.cache_factory.name} (kv-cache-quant {cache_description(res)})",
+        *(f"  - {line}" for line in res.reasons),
+    ]
+    describe = getattr(res.cache_factory.load(), "describe_request", None)
+    if callable(describe):
+        lines += [f"  - {line}" for line in describe(
+            res.cache_options, tokens_per_chunk=s.tokens_per_chunk,
+            sink_tokens=s.sink_frames * s.tokens_per_frame,
+        )]
+    lines.append(
+        f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
+        f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "
+        f"{s.cache_frames} frames"
+        + (f", recent window {s.recent_window_frames}" if s.recent_window_frames is not None else "")
+        + (f"; multi-shot ({len(plan.prompts)} shots)" if plan.server_args.multi_shot else "")
+    )
+    return lines
+
+
+def latents_metadata(plan: Plan) -> dict[str, str]:
+    """What a saved latents file records about its run (safetensors header strings)."""
+    res, args = plan.resolution, plan.server_args
+    return {
+        "model": plan.model.name, "stage": res.stage_name, "cache": res.cache_factory.name,
+        "kv_cache_quant": cache_description(res), "seed": str(args.seed),
+        "frames": str(plan.num_frames), "fps": str(plan.info.fps), "layout": "B,C,F,h,w",
+    }

@@ -1,0 +1,83 @@
+"""Step 3 of `causalkv.runtime.generate`: run the plan's chunk loop.
+
+`run_plan` builds the stage (`causalkv.runtime.load.build_stage`, with the resolution's option
+records and the run's ``causalkv_configure_stage`` hooks), draws the initial noise from one
+CPU generator seeded with the request's seed (which also draws every re-noising), and runs the
+stage's chunk loop with the ``causalkv_chunk_done`` observers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from causalkv.config import ServerArgs
+from causalkv.plugin import Resolution
+from causalkv.plugin.calls import ObserverHook
+from causalkv.runtime.load import build_stage, load_for_plan, make_parallel
+from causalkv.runtime.loading import Components
+from causalkv.runtime.records import GenerationRun, Plan
+from causalkv.stages.records import ChunkStats, ForwardRecord
+
+__all__ = ["run_plan"]
+
+
+def run_plan(
+    plan: Plan,
+    *,
+    pm: Any = None,
+    components: Components | None = None,
+    server_args: ServerArgs | None = None,
+    resolution: Resolution | None = None,
+    on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
+    on_forward: Callable[[ForwardRecord], None] | None = None,
+    strict_plugins: bool = False,
+) -> GenerationRun:
+    """Build the stage over ``components`` (default: loaded now, `load_for_plan`) and run the
+    chunk loop.
+
+    ``server_args``/``resolution`` replace the plan's (`compare_unquantized` reruns without
+    the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
+    A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
+    skipped for the rest of the run, or, with ``strict_plugins``, stops it
+    (`causalkv.runtime.plugin_faults.ObserverHook`).
+    """
+    pm = plan.plugin_set(pm).pm
+    args = server_args if server_args is not None else plan.server_args
+    res = resolution if resolution is not None else plan.resolution
+    load_seconds = 0.0
+    if components is None:
+        t0 = time.perf_counter()
+        components = load_for_plan(plan, pm=pm)
+        load_seconds = time.perf_counter() - t0
+    make_parallel(components, args)
+    stage = build_stage(
+        res.stage, res.cache_factory, plan.model, args, components,
+        negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
+        options=res.stage_options, cache_options=res.cache_options,
+    )
+    generator = torch.Generator(device="cpu").manual_seed(int(args.seed))
+    info = plan.info
+    shape = (1, info.latent_channels, plan.num_frames, info.latent_height, info.latent_width)
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(components.device)
+    observers = ObserverHook(pm, "causalkv_chunk_done", strict=strict_plugins)
+
+    def chunk_done(i: int, stats: ChunkStats) -> None:
+        if on_chunk_done is not None:  # the caller's count first: the chunk is done
+            on_chunk_done(i, stats)
+        observers(stage=stage, chunk_index=i, stats=stats)
+
+    result = stage.generate(
+        noise, plan.chunk_prompts, generator=generator, on_chunk_done=chunk_done, on_forward=on_forward
+    )
+    return GenerationRun(
+        latents=result.latents,
+        chunk_stats=result.chunk_stats,
+        stage=stage,
+        kv_resident_bytes_final=stage.kv_resident_nbytes(),
+        components=components,
+        load_seconds=load_seconds,
+    )

@@ -1,0 +1,56 @@
+"""`CacheSet`: one branch's caches, and their allocation (`build_cache_set`).
+
+A stage allocates one set per CFG branch, once, on first use (after
+``causalkv_configure_stage`` had its say): a causal KV cache per self-attention layer, built
+by the chosen cache factory with the request's settings record, and a cross-attention cache
+per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from causalkv.caches.cross import CrossAttentionKVCache
+from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+
+__all__ = ["CacheFactoryLike", "CacheSet", "build_cache_set"]
+
+
+class CacheFactoryLike(Protocol):
+    """What a stage needs of a cache factory (`causalkv.hooks.CacheFactory` is one)."""
+
+    name: str
+
+    def build(self, spec: KVCacheSpec, options: Any = None) -> CausalKVCache: ...
+
+
+@dataclass
+class CacheSet:
+    """One branch's caches: a causal KV cache and a cross-attention cache per layer.
+
+    ``prompt`` is the text whose cross-attention K/V the cross caches hold (None: empty).
+    """
+
+    kv: list[CausalKVCache]
+    cross: list[CrossAttentionKVCache]
+    prompt: str | None = None
+
+    def reset(self) -> None:
+        for cache in self.kv:
+            cache.reset_indices()
+        self.reset_cross()
+
+    def reset_cross(self) -> None:
+        for cache in self.cross:
+            cache.reset()
+        self.prompt = None
+
+    def kv_resident_nbytes(self) -> int:
+        return sum(cache.resident_nbytes() for cache in self.kv)
+
+
+def build_cache_set(factory: CacheFactoryLike, spec: KVCacheSpec, options: Any, num_layers: int) -> CacheSet:
+    """``num_layers`` caches ``factory.build(spec, options)`` and as many cross caches."""
+    kv = [factory.build(spec, options) for _ in range(num_layers)]
+    return CacheSet(kv=kv, cross=[CrossAttentionKVCache() for _ in range(num_layers)])

@@ -1,0 +1,128 @@
+"""`StreamSettings`: the streaming policy of one request (model config + request overrides),
+validated where it is derived, and `even_split`, the base stage's prompts-to-chunks rule.
+
+Part of the stage's planning (`causalkv.stages.planning`): everything here is known before
+any weights load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from causalkv.caches.spec import KVCacheSpec
+from causalkv.errors import ConfigError, check_int
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["StreamSettings", "even_split"]
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """The effective streaming policy of one request, in latent frames (model + overrides).
+
+    Validated on construction (`ConfigError`, a ValueError naming the value and the flag).
+
+    Attributes:
+        frames_per_chunk, tokens_per_frame: chunk geometry.
+        sink_frames: the sink (LongLive 2.0: the pinned shot sink's size).
+        global_sink_frames: the stream-start sink kept while a shot sink is pinned.
+        window_frames: frames attention sees at most (sink and current chunk included).
+        cache_frames: frames each cache retains.
+        recent_window_frames: LingBot-World recent-window sampling, or None.
+        multi_shot: shot sinks are pinned: the window must hold both sinks plus a chunk.
+    """
+
+    frames_per_chunk: int
+    tokens_per_frame: int
+    sink_frames: int
+    global_sink_frames: int
+    window_frames: int
+    cache_frames: int
+    recent_window_frames: int | None
+    multi_shot: bool = False
+
+    def __post_init__(self) -> None:
+        fpc = check_int("frames_per_chunk", self.frames_per_chunk, minimum=1,
+                        hint="fix frames_per_chunk in causalkv.json")
+        check_int("tokens_per_frame", self.tokens_per_frame, minimum=1,
+                  hint="check the model's resolution and patch size")
+        sink = check_int("sink frames", self.sink_frames, hint="fix --sink-frames")
+        check_int("global sink frames", self.global_sink_frames, hint="fix global_sink_frames")
+        window = check_int("window frames", self.window_frames, minimum=1, hint="fix --window-frames")
+        if self.recent_window_frames is not None:
+            check_int("recent window frames", self.recent_window_frames,
+                      hint="fix --recent-window-frames")
+        if self.global_sink_frames > sink:
+            raise ConfigError(
+                f"global sink of {self.global_sink_frames} frames exceeds the sink of {sink} "
+                f"frames; lower global_sink_frames"
+            )
+        if window < fpc:
+            raise ConfigError(
+                f"window of {window} frames is smaller than a chunk of {fpc} frames; "
+                f"pass --window-frames >= {fpc}"
+            )
+        max_sink = self.global_sink_frames + sink if self.multi_shot else sink
+        if window < max_sink + fpc:
+            what = (
+                f"the global sink ({self.global_sink_frames}) plus a pinned shot sink ({sink})"
+                if self.multi_shot
+                else f"the sink ({sink})"
+            )
+            raise ConfigError(
+                f"window of {window} frames cannot hold {what} plus a chunk of {fpc} frames; "
+                f"pass --window-frames >= {max_sink + fpc} or a smaller --sink-frames"
+            )
+        if check_int("cache frames", self.cache_frames, minimum=1) < window:
+            raise ConfigError(f"cache of {self.cache_frames} frames is smaller than the window of {window}")
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.frames_per_chunk * self.tokens_per_frame
+
+    @property
+    def recent_window_tokens(self) -> int | None:
+        if self.recent_window_frames is None:
+            return None
+        return self.recent_window_frames * self.tokens_per_frame
+
+    def kv_spec(
+        self,
+        *,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        head_offset: int = 0,
+    ) -> KVCacheSpec:
+        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
+        ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
+        tpf = self.tokens_per_frame
+        return KVCacheSpec(
+            batch_size=batch_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            cache_size=self.cache_frames * tpf,
+            sink_tokens=self.sink_frames * tpf,
+            global_sink_tokens=self.global_sink_frames * tpf,
+            attention_window_size=self.window_frames * tpf,
+            dtype=dtype,
+            device=device,
+            head_offset=head_offset,
+        )
+
+
+def even_split(num_chunks: int, num_shots: int) -> list[int]:
+    """Chunks per shot: ``num_chunks // num_shots`` each, the first shots one more while
+    chunks remain. `ConfigError` when there are fewer chunks than shots."""
+    if num_chunks < num_shots:
+        raise ConfigError(
+            f"{num_shots} prompts need at least {num_shots} chunks, the request has "
+            f"{num_chunks}; pass more --frames or fewer --prompt"
+        )
+    base, extra = divmod(num_chunks, num_shots)
+    return [base + (k < extra) for k in range(num_shots)]
