@@ -9,32 +9,20 @@ Shapes stay small: the interpreter is slow.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreter import INTERPRETED, run_interpreted
 
 from causalkv.caches.qvg import QVGKVQuantArgs, dequantize, quantize
 from causalkv.caches.qvg import torch_impl as ti
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BF16_ULP = 2.0**-7  # bf16 spacing relative to the value's power of two
 
 
 if not INTERPRETED:
 
     def test_triton_kernels_under_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env.pop("PYTEST_XDIST_WORKER", None)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env, capture_output=True, text=True, timeout=900,
-        )
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, tail
-        assert " passed" in tail and "skipped" not in tail, tail
+        run_interpreted(__file__)
 
 
 if INTERPRETED:  # the cases, run only in the interpreted child process

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter import INTERPRETED, run_interpreted
 
 from causalkv.caches import KVCacheSpec, QVGPackedCausalKVCache
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import PackedSegment, QVGKVQuantArgs, dequantize, quantize
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_ROUNDOFF = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
@@ -220,15 +220,7 @@ def run_case(case: Case) -> Errors:
 if not INTERPRETED:
 
     def test_packed_attention_cases_under_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env.pop("PYTEST_XDIST_WORKER", None)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env=env, capture_output=True, text=True, timeout=900,
-        )
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, tail
-        assert " passed" in tail and "skipped" not in tail, tail
+        run_interpreted(__file__)
 
     def test_packed_attention_refuses_cpu_tensors_without_the_interpreter():
         from causalkv.caches.qvg.attention import PackedAttentionError, packed_attention
