@@ -134,7 +134,7 @@ class CausalDenoisingStage(StagePlanning):
             denoiser: the causal transformer (see `ChunkDenoiser`).
             scheduler: a diffusers flow-matching scheduler (``FlowMatchEulerDiscreteScheduler``
                 with ``shift = model.shift``).
-            cache_factory: builds one layer's cache: ``build(spec, quant)``.
+            cache_factory: builds one layer's cache: ``build(spec, cache_options)``.
             encode_prompt: text -> prompt embeddings ``[B, L, text_dim]``.
             batch_size: B of the latents and caches.
             negative_prompt: text of the negative branch of stages that run CFG.
@@ -162,7 +162,6 @@ class CausalDenoisingStage(StagePlanning):
         self.encode_prompt = encode_prompt
         self.batch_size = batch_size
         self.negative_prompt = negative_prompt
-        self.quant = cache_options  # the name of earlier releases (the QVG settings)
         self._cache_sets: list[CacheSet] | None = None
         self.apply_model(model)
         self._reset_stream()
@@ -230,6 +229,11 @@ class CausalDenoisingStage(StagePlanning):
                 for _ in range(self.num_branches())
             ]
         return self._cache_sets
+
+    @property
+    def quant(self) -> Any:
+        """`cache_options` under the name of earlier releases (there: the QVG settings)."""
+        return self.cache_options
 
     @property
     def caches(self) -> CacheSet:
