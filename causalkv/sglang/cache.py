@@ -31,10 +31,12 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
     QVGPackedCausalKVCache as _SGLangQVGCache,
 )
 
+from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals, normalize
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import SGLANG
-from causalkv.caches.qvg.store import KVWrite, PackedKV, SegmentStore
+from causalkv.caches.qvg.store import KVWrite, PackedKV, Segment, SegmentStore
 from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
@@ -42,11 +44,17 @@ from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, vis
 __all__ = ["SGLangQVGKVCache", "SegmentView", "causalkv_quant_args", "can_serve"]
 
 
-def causalkv_quant_args(sglang_args: object) -> QVGKVQuantArgs:
-    """causalkv's `QVGKVQuantArgs` from sglang's (the field names are shared)."""
+def causalkv_quant_args(sglang_args: object, recent_tier: str = "bf16") -> QVGKVQuantArgs:
+    """causalkv's `QVGKVQuantArgs` from sglang's (the field names are shared); ``recent_tier``
+    is causalkv's own setting (sglang has no such field: the bridge reads it from
+    ``CAUSALKV_SGLANG_RECENT_TIER``)."""
+    if isinstance(sglang_args, QVGKVQuantArgs):
+        return sglang_args
     names = ("bits", "centroids", "block_size", "stages", "kmeans_iters", "asymmetric",
              "keep_recent_chunks", "sink", "sink_keep_chunks")
-    return QVGKVQuantArgs(**{n: getattr(sglang_args, n) for n in names}).validate()
+    return QVGKVQuantArgs(
+        **{n: getattr(sglang_args, n) for n in names}, recent_tier=recent_tier
+    ).validate()
 
 
 def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -69,6 +77,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         sink_tokens, global_sink_tokens, attention_window_size, allow_growth: as sglang's
             dense cache.
         quant_args: sglang's or causalkv's QVG settings (``bits=None``: nothing is packed).
+        scratch: the stage's `ChunkScratch` (shared by every block of the stage, CFG sets
+            included): the chunk being generated lives there, once, instead of in every
+            block, and the writes made inside ``scratch.context_pass()`` move the chunk to its
+            tier at once. None keeps it in each block (sglang's layout).
     """
 
     def __init__(
@@ -88,8 +100,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         quant_args: object,
         global_sink_tokens: int = 0,
         allow_growth: bool = False,
+        scratch: ChunkScratch | None = None,
     ) -> None:
-        quant = quant_args if isinstance(quant_args, QVGKVQuantArgs) else causalkv_quant_args(quant_args)
+        quant = causalkv_quant_args(quant_args)
         reason = can_serve(quant, head_dim, dtype)
         if reason is not None:
             raise ValueError(f"SGLangQVGKVCache cannot hold this cache: {reason}")
@@ -112,7 +125,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.store = SegmentStore(
             batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
             device=device, quant=quant, policy=SGLANG, min_tokens_per_centroid=None,
+            scratch=scratch,
         )
+        self.scratch = scratch
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
     def _state(self) -> SlotState:
@@ -184,7 +199,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         return self.store.quantize_calls
 
     def resident_nbytes(self) -> int:
-        """Bytes of the stored K/V: dense chunks plus packed chunks' stored bytes."""
+        """Bytes of the stored K/V: dense chunks plus packed chunks' stored bytes (the stage's
+        `ChunkScratch`, when given, is counted once by the scratch, not here)."""
         return self.store.resident_nbytes()
 
     def packed_chunks(self) -> int:
@@ -221,7 +237,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         """
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
-        k, v = self.store.gather(w.pieces, *w.heads)
+        k, v = self.store.gather(w.pieces, *w.heads, w.layout)
         return CausalAttentionKVView(
             k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
             visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
@@ -257,7 +273,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
         store, (h0, h1), pieces = self.store, w.heads, w.pieces
-        layout = store.segments  # a commit replaces this list, never mutates it
+        layout = w.layout  # a commit replaces this list, never mutates it
         located = store.locate_pieces(pieces, layout)
         shape = (self.batch_size, h1 - h0, self.head_dim)
 
@@ -337,15 +353,32 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         write = KVWrite(start, start + n, heads, key, value)
         held = tuple(slots.positions())
         advanced = start + n > global_end
-        if held == self.store.held() and self.store.covers_dense(start, start + n):
+        store = self.store
+        if held == store.held() and store.covers_dense(start, start + n):
             stored = None  # the layout stays: one in-place copy at the commit
         else:
-            stored = self.store.plan(
+            stored = store.plan(
                 held=held, write=write, advance=advanced, sink_end=self.sink_tokens,
-                pinned=self._pinned_positions(slots, pinned_start, plan.grow_to),
+                pinned=self._pinned_positions(slots, pinned_start, self.pinned_len, plan.grow_to),
             )
 
-        # commit (nothing above changed the cache, nothing below can fail)
+        # the store's commit; a context write then moves the chunk to its tier (undone whole
+        # if that cannot be planned)
+        snap = store.snapshot()
+        if stored is None:
+            store.write(write)
+        else:
+            store.commit(stored)
+        layout = store.segments  # what this call's view reads (the chunk still in the scratch)
+        if self.scratch is not None and self.scratch.committing:
+            try:
+                final = store.plan_commit(**self._after_context(slots, plan, pinned_start, start, n))
+            except BaseException:
+                store.restore(snap)
+                raise
+            store.commit(final)
+
+        # the cache's own commit (nothing above changed it, nothing below can fail)
         if plan.grow_to != self.cache_size:
             if self.attention_window_size == self.cache_size:
                 self.attention_window_size = plan.grow_to
@@ -353,10 +386,6 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.pinned_start = pinned_start
         self._heads = heads
         self._slots = slots
-        if stored is None:
-            self.store.write(write)
-        else:
-            self.store.commit(stored)
         view_slots = visible_slots(
             self._state(), plan.local_start, plan.updated_local_end, recent_window_tokens
         )
@@ -366,8 +395,47 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         return _Written(
             pieces=self._pieces(view_slots), heads=heads, local_start=plan.local_start,
             local_end=plan.local_end, visible_local_end=plan.updated_local_end,
-            visible_global_end=plan.updated_global_end,
+            visible_global_end=plan.updated_global_end, layout=layout,
         )
+
+    def _after_context(
+        self, slots: SlotMap, plan: WritePlan, pinned_start: int, start: int, n: int
+    ) -> dict[str, Any]:
+        """`SegmentStore.plan_commit`'s arguments once the chunk ``[start, start + n)`` is
+        context: the positions sglang's buffer keeps after the next advance by a chunk of
+        the same size (nothing else is read again), the sink, and the pinned shot sink (the
+        one announced for this chunk by ``scratch.context_pass(pin=True)``, else the
+        current one). A next chunk smaller than this one would need positions dropped here:
+        the store then refuses the read (`UsageError`) instead of showing other values."""
+        assert self.scratch is not None
+        pin_len = self.pinned_len
+        if self.scratch.pin:  # sglang's pin_current_chunk(n), made right after this pass
+            if self.sink_tokens > 0 and n > 0:
+                pinned_start, pin_len = plan.updated_local_end - n, min(self.sink_tokens, n)
+            else:
+                pinned_start, pin_len = -1, 0
+        size = plan.grow_to
+        pinned = self._pinned_positions(slots, pinned_start, pin_len, size)
+        held = tuple(slots.positions())
+        ahead = SlotState(
+            cache_size=size, sink_tokens=self.sink_tokens,
+            attention_window_size=(size if self.attention_window_size == self.cache_size
+                                   else self.attention_window_size),
+            allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
+            pinned_start=pinned_start, pinned_len=pin_len,
+        )
+        end = plan.updated_global_end
+        try:
+            nxt = plan_write(ahead, end, plan.updated_local_end, end, n, "next chunk")
+        except RuntimeError:
+            nxt = None  # sglang would refuse that advance: keep everything
+        if nxt is not None and nxt.grow_to == size:
+            later = SlotMap(list(slots.runs))
+            if nxt.roll is not None:
+                later.copy(*nxt.roll)
+            later.write(nxt.local_start, nxt.local_end, end)
+            held = iv.subtract(normalize(later.positions()), ((end, end + n),))
+        return {"held": held, "sink_end": self.sink_tokens, "pinned": pinned}
 
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
@@ -385,12 +453,14 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                 )
 
     # ---- positions -> the store ------------------------------------------------------------
-    def _pinned_positions(self, slots: SlotMap, pinned_start: int, size: int) -> Intervals:
+    def _pinned_positions(
+        self, slots: SlotMap, pinned_start: int, pinned_len: int, size: int
+    ) -> Intervals:
         """Global positions held by the pinned slots (the LongLive 2.0 shot sink): with
         ``sink=False`` the store keeps their chunks dense, as causalkv's own cache does."""
-        if not (pinned_start >= 0 and self.pinned_len > 0):
+        if not (pinned_start >= 0 and pinned_len > 0):
             return ()
-        a, b = max(0, pinned_start), min(size, pinned_start + self.pinned_len)
+        a, b = max(0, pinned_start), min(size, pinned_start + pinned_len)
         if b <= a:
             return ()
         return normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
@@ -427,3 +497,4 @@ class _Written:
     local_end: int
     visible_local_end: int
     visible_global_end: int
+    layout: list[Segment]  # the store's segments this view reads

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         PackingPolicy,
         SGLangPolicy,
     )
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
     from causalkv.caches.qvg.store import KVWrite, SegmentStore
 
 #: exported name -> the module that defines it
@@ -69,6 +70,7 @@ _EXPORTS = {
         "causalkv.caches.qvg.policy",
     ),
     **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
+    "ChunkScratch": "causalkv.caches.qvg.chunk_scratch",
 }
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "SGLANG",
     "CausalKVPolicy",
     "ChunkInfo",
+    "ChunkScratch",
     "KVWrite",
     "PackedSegment",
     "PackingDecision",

@@ -27,6 +27,7 @@ from causalkv.options import CacheOptions, option
 
 __all__ = [
     "QUANT_CHOICES",
+    "RECENT_TIERS",
     "QVGCodecOptions",
     "QVGKVQuantArgs",
     "QVGPackingOptions",
@@ -37,6 +38,7 @@ __all__ = [
 QUANT_CHOICES = ("off", "int4", "int2")
 _BITS_BY_NAME: dict[Any, int | None] = {"off": None, "int4": 4, "int2": 2, "none": None, None: None}
 _SINK_SPANS = ("chunk", "full")
+RECENT_TIERS = ("bf16", "int4")
 _GRIDS = ("reference", "mse4")
 
 
@@ -173,6 +175,11 @@ class QVGPackingOptions(_ReferenceMessages, CacheOptions):
         codebook_chunks: consecutive cold chunks that share one k-means codebook, each still
             packed as soon as it is cold: the first runs k-means, the next ones only assign
             to its centroids, which are stored once (beyond the reference, 1 = reference).
+        recent_tier: how the chunks kept out of the main codec are held: the newest
+            ``keep_recent_chunks`` and, with ``sink=False``, the sink chunks (stream-start
+            and pinned shot sink). ``"bf16"`` (the reference) or ``"int4"``: packed at 4 bits
+            with the same codec settings, re-packed at ``bits`` once the policy no longer
+            keeps them (beyond the reference). ``sink_keep_chunks`` stay bf16 either way.
     """
 
     title = "QVG packing"
@@ -202,6 +209,12 @@ class QVGPackingOptions(_ReferenceMessages, CacheOptions):
         minimum=1, help="consecutive cold chunks sharing one k-means codebook, each packed "
         "when cold (beyond the reference)",
     )
+    recent_tier: str = option(
+        "bf16", flag="--kv-cache-quant-recent-tier", key="kv_cache_quant_recent_tier",
+        choices=RECENT_TIERS, help="how the keep-recent chunks (and, with --kv-cache-quant-sink 0, "
+        "the sink chunks) are held: bf16, or int4 (packed at 4 bits, re-packed at the cache's "
+        "bits when they leave recency; beyond the reference)",
+    )
 
 
 @dataclass(frozen=True)
@@ -227,14 +240,22 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
 
     # ---- the record's hooks (causalkv.options.Options) -------------------------------------
     def check_used(self) -> None:
-        """Settings given while quantization is off would do nothing: refused."""
-        if self.enabled:
+        """Settings that would do nothing are refused: any setting while quantization is
+        off, a recency tier with nothing held at it."""
+        if not self.enabled:
+            changed = [self.specs()[n].flag for n in self.changed() if n != "bits"]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(changed)} set(s) QVG quantization, which is off; pass "
+                    "--kv-cache-quant int4 or int2, or drop them"
+                )
             return
-        changed = [self.specs()[n].flag for n in self.changed() if n != "bits"]
-        if changed:
+        if self.recent_tier != "bf16" and self.keep_recent_chunks == 0 and self.sink:
             raise ConfigError(
-                f"{', '.join(changed)} set(s) QVG quantization, which is off; pass --kv-cache-quant "
-                "int4 or int2, or drop them"
+                f"--kv-cache-quant-recent-tier {self.recent_tier} holds the keep-recent chunks "
+                "and bf16 sink chunks, and there are none (--kv-cache-quant-keep-recent 0, sink "
+                "packed); raise --kv-cache-quant-keep-recent, pass --kv-cache-quant-sink 0, or "
+                "drop the flag"
             )
 
     def requires(self) -> dict[str, str]:
@@ -260,6 +281,8 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
             parts.append(f"span={self.span_chunks}")
         if self.codebook_chunks != 1:
             parts.append(f"codebook_chunks={self.codebook_chunks}")
+        if self.recent_tier != "bf16":
+            parts.append(f"recent_tier={self.recent_tier}")
         return "qvg(" + ", ".join(parts) + ")"
 
     # ---- the reference runtime's surface ------------------------------------------------------

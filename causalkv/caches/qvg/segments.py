@@ -18,6 +18,7 @@ import torch
 
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg import codec
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
@@ -25,6 +26,7 @@ from causalkv.errors import InvalidTypeError
 __all__ = [
     "Codebook",
     "DenseKV",
+    "ScratchKV",
     "KVWrite",
     "PackedKV",
     "PackingReport",
@@ -66,11 +68,32 @@ class DenseKV:
 
 
 @dataclass(frozen=True, eq=False)
+class ScratchKV(DenseKV):
+    """The chunk being generated: ``k``/``v`` are views of the stage's shared `ChunkScratch`
+    ``[B, len, H, D]``, held once for every layer, so a layer counts no bytes for them.
+
+    Valid only for the cache that wrote the scratch last (``scratch.writer``); the store
+    checks that before every read.
+    """
+
+    scratch: ChunkScratch
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True, eq=False)
 class PackedKV:
-    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``."""
+    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``.
+
+    ``recent``: packed at the recency tier (``recent_tier``) while the policy keeps the chunk
+    for recency; re-packed at the cache's bits once it no longer does.
+    """
 
     k: PackedSegment
     v: PackedSegment
+    recent: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +112,11 @@ class PackedKV:
         """Heads ``[h0, h1)`` as views (no copy)."""
         if h0 == 0 and h1 == self.k.shape[1]:
             return self
-        return PackedKV(self.k.select_heads(h0, h1), self.v.select_heads(h0, h1))
+        return replace(self, k=self.k.select_heads(h0, h1), v=self.v.select_heads(h0, h1))
 
     def select_tokens(self, a: int, b: int) -> PackedKV:
         """Tokens ``[a, b)`` as views (no copy)."""
-        return PackedKV(self.k.select_tokens(a, b), self.v.select_tokens(a, b))
+        return replace(self, k=self.k.select_tokens(a, b), v=self.v.select_tokens(a, b))
 
     def read_into(
         self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
@@ -118,14 +141,16 @@ class PackedKV:
         k, v = self.k.to("cpu"), self.v.to("cpu")
         if self.device.type == "cuda":
             k, v = k.pin_memory(), v.pin_memory()
-        return PackedKV(k, v)
+        return replace(self, k=k, v=v)
 
     def onloaded(self, device: torch.device) -> PackedKV:
         """The same K/V on ``device`` (itself when already there)."""
         here = self.device
         if here == device or (here.type == device.type and device.index is None):
             return self
-        return PackedKV(self.k.to(device, non_blocking=True), self.v.to(device, non_blocking=True))
+        return replace(
+            self, k=self.k.to(device, non_blocking=True), v=self.v.to(device, non_blocking=True)
+        )
 
 
 @dataclass(frozen=True, eq=False)

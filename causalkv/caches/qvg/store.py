@@ -41,14 +41,17 @@ import torch
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.format import packed_nbytes_formula
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
     NOT_SMALLER,
     POLICY,
     QUANT_OFF,
+    RECENT,
+    SINK,
     WAITING,
     ChunkInfo,
     PackingDecision,
@@ -61,6 +64,7 @@ from causalkv.caches.qvg.segments import (
     KVWrite,
     PackedKV,
     PackingReport,
+    ScratchKV,
     Segment,
     StorePlan,
     dense_storage,
@@ -74,6 +78,7 @@ __all__ = [
     "KVWrite",
     "PackedKV",
     "PackingReport",
+    "ScratchKV",
     "Segment",
     "SegmentStore",
     "StorePlan",
@@ -98,6 +103,10 @@ class SegmentStore:
             ``device`` when read.
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
             ``quant.centroids`` as given.
+        scratch: the stage's `ChunkScratch`: the chunk being generated lives there (one
+            buffer for all layers), not in this store; the host then ends every chunk with a
+            context write (`plan_commit`), and the store reports its bytes to the scratch's
+            ledger. None keeps the chunk being generated here.
 
     Raises:
         ConfigError: a block size that does not divide ``head_dim``, a non-float dtype with
@@ -118,6 +127,7 @@ class SegmentStore:
         head_offset: int = 0,
         offload: bool = False,
         min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
+        scratch: ChunkScratch | None = None,
     ) -> None:
         quant = quant.validate()
         if quant.enabled and head_dim % quant.block_size != 0:
@@ -141,6 +151,9 @@ class SegmentStore:
         self.head_offset = head_offset
         self.offload = offload
         self.min_tokens_per_centroid = m
+        if scratch is not None and not isinstance(scratch, ChunkScratch):
+            raise ConfigError(f"SegmentStore scratch must be a ChunkScratch or None, got {scratch!r}")
+        self.scratch = scratch
         self.segments: list[Segment] = []
         self.codebook: Codebook | None = None
         #: index of the chunk being written (None before the first advance)
@@ -210,6 +223,7 @@ class SegmentStore:
     # ---- writes ---------------------------------------------------------------------------
     def write(self, w: KVWrite) -> None:
         """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`)."""
+        self._claim_scratch(self.segments, w)
         self._copy_write(self.segments, w)
 
     def plan(
@@ -230,6 +244,67 @@ class SegmentStore:
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
+        kept, book = self._keep_held(segs, held)
+        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
+        completed = {c for s in kept for c in s.chunks if c != current}
+        if not self.quant.enabled:
+            plan.reasons = dict.fromkeys(completed, QUANT_OFF)
+        elif advance and current is not None:
+            decision = self.policy.decide(
+                self.quant, self._chunk_infos(kept, current, sink_end, pinned), current,
+                sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
+                chunk_tokens=chunk_tokens,
+            )
+            self._pack_cold(plan, decision, current)
+        else:
+            plan.reasons = {c: self._reasons.get(c, POLICY) for c in completed}
+        return plan
+
+    def plan_commit(self, *, held: Intervals, sink_end: int = 0, pinned: Intervals = ()) -> StorePlan:
+        """The store once the chunk being generated is context (a context pass wrote it last).
+
+        The chunk leaves the scratch for its tier at once (packed now when the policy does
+        not keep it; a kept chunk gets its own dense copy, or its recency-tier packing), and
+        only the positions in ``held`` stay: the host passes what its next advance will keep
+        (the chunk being generated no longer needs room here), so nothing is held only to be
+        evicted at the next chunk. ``sink_end``/``pinned`` as in `plan`, for the stream
+        after this chunk (a pin announced for this chunk included). ``self`` is untouched.
+
+        Raises:
+            UsageError (a RuntimeError): no chunk is being generated, or the scratch holds
+                another layer's K/V (the context write was not made through this store).
+            What the codec raises for a chunk it cannot pack.
+        """
+        current = self.current
+        if current is None:
+            raise UsageError("SegmentStore.plan_commit: no chunk is being generated")
+        for seg in self.segments:
+            if isinstance(seg.storage, ScratchKV):
+                seg.storage.scratch.check_reader(self, "SegmentStore.plan_commit")
+        kept, book = self._keep_held(self.segments, held)
+        ahead = self._next_chunk  # the chunk after this one: every chunk held is completed
+        plan = StorePlan(kept, book, None, self.chunk_tokens, ahead, KVWrite(0, 0, (0, 0)))
+        if not self.quant.enabled:
+            plan.reasons = {c: QUANT_OFF for s in kept for c in s.chunks}
+        else:
+            decision = self.policy.decide(
+                self.quant, self._chunk_infos(kept, ahead, sink_end, pinned), ahead,
+                sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=self.chunk_tokens,
+            )
+            self._pack_cold(plan, decision, ahead)
+        # what stays dense leaves the scratch: the chunk's own copy
+        plan.segments = [
+            replace(s, storage=DenseKV(s.storage.k.clone(), s.storage.v.clone()))
+            if isinstance(s.storage, ScratchKV) else s
+            for s in plan.segments
+        ]
+        return plan
+
+    def _keep_held(
+        self, segs: Sequence[Segment], held: Intervals
+    ) -> tuple[list[Segment], Codebook | None]:
+        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
+        and the codebook that is still in use."""
         kept: list[Segment] = []
         for seg in segs:
             live = iv.intersect(seg.run, held)
@@ -242,23 +317,11 @@ class SegmentStore:
         book = self.codebook
         if book is not None and not any(book.used_by(seg) for seg in kept):
             book = None  # every segment using it rolled out: start a fresh one
-        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
-        completed = {c for s in kept for c in s.chunks if c != current}
-        if not self.quant.enabled:
-            plan.reasons = dict.fromkeys(completed, QUANT_OFF)
-        elif advance and current is not None:
-            decision = self.policy.decide(
-                self.quant, self._chunk_infos(kept, current, sink_end, pinned), current,
-                sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
-                chunk_tokens=chunk_tokens,
-            )
-            self._pack_cold(plan, decision)
-        else:
-            plan.reasons = {c: self._reasons.get(c, POLICY) for c in completed}
-        return plan
+        return kept, book
 
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan` on this very state); nothing here can fail."""
+        self._claim_scratch(plan.segments, plan.write)
         self._copy_write(plan.segments, plan.write)
         live = {
             c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
@@ -274,6 +337,8 @@ class SegmentStore:
         self.segments, self.codebook = plan.segments, plan.codebook
         self.current, self.chunk_tokens = plan.current, plan.chunk_tokens
         self._next_chunk = plan.next_chunk
+        if self.scratch is not None:
+            self.scratch.account(self, self.resident_nbytes())
 
     def reset(self) -> None:
         """Free every segment (a new stream); the packing report keeps counting."""
@@ -285,6 +350,25 @@ class SegmentStore:
         self._reasons = {}
         self._settled.update(self._live.values())
         self._live = {}
+        if self.scratch is not None:
+            self.scratch.account(self, 0)
+
+    def snapshot(self) -> tuple:
+        """Everything `commit` and `reset` change (`restore` puts it back): a host that commits
+        two plans in one call undoes the first when the second cannot be planned."""
+        return (
+            self.segments, self.codebook, self.current, self.chunk_tokens, self._next_chunk,
+            self.quantize_calls, dict(self._reasons), dict(self._live), Counter(self._settled),
+            Counter(self._centroids_used),
+        )
+
+    def restore(self, snap: tuple) -> None:
+        """Back to a `snapshot` (the K/V a commit copied into the scratch are not the store's)."""
+        (self.segments, self.codebook, self.current, self.chunk_tokens, self._next_chunk,
+         self.quantize_calls, self._reasons, self._live, self._settled,
+         self._centroids_used) = snap
+        if self.scratch is not None:
+            self.scratch.account(self, self.resident_nbytes())
 
     # ---- reads ----------------------------------------------------------------------------
     def locate(self, positions: Intervals) -> list[tuple[Segment, Intervals]]:
@@ -338,6 +422,7 @@ class SegmentStore:
             p, n = pieces[0]
             for seg in segs:
                 if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
+                    self._check_read(seg)
                     return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -351,6 +436,8 @@ class SegmentStore:
             at += n
         if decoded:
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        if self.scratch is not None:
+            self.scratch.transient(k.nbytes + v.nbytes)
         return k, v
 
     def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
@@ -358,6 +445,7 @@ class SegmentStore:
         of a dense segment when one run); for attention that visits one segment at a time."""
         if isinstance(seg.storage, DenseKV) and len(runs) == 1:
             (a, b), = runs
+            self._check_read(seg)
             return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
         shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -406,9 +494,29 @@ class SegmentStore:
         self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
+        self._check_read(seg)
         seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
 
+    def _check_read(self, seg: Segment) -> None:
+        """A segment in the scratch is readable only by the store that wrote the scratch last."""
+        if isinstance(seg.storage, ScratchKV):
+            seg.storage.scratch.check_reader(self, "SegmentStore read")
+
     # ---- internals: writes ----------------------------------------------------------------
+    def _claim_scratch(self, segs: Sequence[Segment], w: KVWrite) -> None:
+        """Before ``w`` is copied into a scratch segment of ``segs``: the scratch is this
+        store's now, and heads outside ``w`` read as zeros (another layer wrote them)."""
+        if w.key is None or self.scratch is None:
+            return
+        for seg in segs:
+            if isinstance(seg.storage, ScratchKV) and seg.start < w.end and w.start < seg.end:
+                if seg.storage.scratch.writer is not self:
+                    h0, h1 = w.heads
+                    if (h0, h1) != (0, self.num_heads):
+                        seg.storage.k.zero_()
+                        seg.storage.v.zero_()
+                seg.storage.scratch.claim(self)
+
     def _covered(self, w: KVWrite, advance: bool) -> tuple[list[Segment], int, int | None, int]:
         """The segments once ``w``'s positions are all held: new zero chunks where none held
         them, packed ones it touches decoded to dense. Returns (segments, next chunk index,
@@ -417,14 +525,27 @@ class SegmentStore:
         nxt, current, chunk_tokens = self._next_chunk, self.current, self.chunk_tokens
         at = w.start
 
-        def new_chunk(a: int, b: int) -> Segment:
+        def new_chunk(a: int, b: int, scratch: ChunkScratch | None = None) -> Segment:
             nonlocal nxt
             shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
-            storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+            if scratch is not None:  # the chunk being generated: the stage's one buffer
+                storage: DenseKV = ScratchKV(*scratch.buffer(shape, self.dtype, self.device, self),
+                                             scratch=scratch)
+            else:
+                storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                  torch.zeros(shape, dtype=self.dtype, device=self.device))
             nxt += 1
             return Segment(a, b, nxt - 1, nxt - 1, storage)
 
+        if self.scratch is not None:
+            for seg in self.segments:
+                if isinstance(seg.storage, ScratchKV) and not (seg.start == w.start and seg.end == w.end):
+                    raise UsageError(
+                        f"SegmentStore: chunk [{seg.start}, {seg.end}) was generated in the stage's "
+                        "scratch but never committed by a context pass, and the write of "
+                        f"[{w.start}, {w.end}) would lose it; end every chunk with its context "
+                        "pass inside ChunkScratch.context_pass()"
+                    )
         for seg in self.segments:
             if seg.end <= w.start or seg.start >= w.end:
                 out.append(seg)
@@ -436,7 +557,7 @@ class SegmentStore:
             out.append(seg)
             at = max(at, min(seg.end, w.end))
         if at < w.end:
-            tail = new_chunk(at, w.end)
+            tail = new_chunk(at, w.end, self.scratch if advance else None)
             out.append(tail)
             if advance:
                 current = tail.first_chunk
@@ -485,10 +606,15 @@ class SegmentStore:
             for c, ss in sorted(by_chunk.items())
         )
 
-    def _pack_cold(self, plan: StorePlan, decision: PackingDecision) -> None:
-        """Pack the cold dense segments of ``plan.segments`` under ``decision`` (in place on the plan)."""
-        assert plan.current is not None
-        keep = set(decision.dense) | {plan.current}
+    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> None:
+        """Pack the cold dense segments of ``plan.segments`` under ``decision`` (in place on the
+        plan; ``current``: the chunk being generated, or the one after a committed chunk).
+
+        With ``recent_tier="int4"`` a kept chunk the policy holds for recency or as a bf16 sink
+        is packed at 4 bits instead, and a chunk so packed that the policy no longer keeps is
+        decoded and packed at the cache's bits (with the other cold chunks)."""
+        keep = set(decision.dense) | {current}
+        tiered = self.quant.recent_tier != "bf16"
         segs, plan.segments = plan.segments, []
         pending: list[Segment] = []  # adjacent packable dense segments of one group
         pending_group: frozenset[int] | None = None
@@ -500,7 +626,19 @@ class SegmentStore:
 
         for seg in segs:
             chunks = set(seg.chunks)
-            if seg.packed or chunks & keep:
+            why = {decision.dense.get(c, POLICY) for c in chunks}
+            if (tiered and chunks & keep and current not in chunks and not seg.packed
+                    and why <= {RECENT, SINK} and self._pays(
+                        [seg], None, self._tier_quant(seg.end - seg.start))):
+                flush_dense(WAITING)
+                packed = self._pack_tier(seg, plan.write)
+                plan.segments.append(packed)
+                plan.packs.append(packed)
+                continue
+            if seg.packed and not chunks & keep and isinstance(seg.storage, PackedKV) \
+                    and seg.storage.recent:  # left recency: re-packed at the cache's bits
+                seg = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
+            elif seg.packed or chunks & keep:
                 flush_dense(WAITING)
                 plan.segments.append(seg)
                 plan.reasons.update((c, decision.dense.get(c, POLICY)) for c in chunks)
@@ -530,13 +668,32 @@ class SegmentStore:
         k = centroids_for(tokens, self.quant.centroids, self.min_tokens_per_centroid)
         return self.quant if k == self.quant.centroids else replace(self.quant, centroids=k)
 
-    def _pays(self, pieces: list[Segment], book: Codebook | None) -> bool:
+    def _tier_quant(self, tokens: int) -> QVGKVQuantArgs:
+        """The settings a recency-tier chunk of ``tokens`` is packed with (4 bits)."""
+        q = self._span_quant(tokens)
+        return q if q.bits == 4 else replace(q, bits=4)
+
+    def _pack_tier(self, seg: Segment, write: KVWrite) -> Segment:
+        """``seg`` (dense, as after ``write``) packed at the recency tier, its own codebook."""
+        store = self._with_write(seg, write)
+        q = self._tier_quant(seg.end - seg.start)
+        pk = codec.quantize(store.k.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset)
+        pv = codec.quantize(store.v.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset)
+        storage = PackedKV(pk, pv, recent=self.quant.bits != q.bits)
+        if self.offload:
+            storage = storage.offloaded()
+        return replace(seg, storage=storage)
+
+    def _pays(
+        self, pieces: list[Segment], book: Codebook | None, q: QVGKVQuantArgs | None = None
+    ) -> bool:
         """True when packing ``pieces`` stores fewer bytes than keeping them dense (no quantize).
 
         Counted without sharing: a span that would join ``book`` is charged its centroids too.
+        ``q``: the settings (default: the span's at the cache's bits).
         """
         tokens = pieces[-1].end - pieces[0].start
-        q = self._span_quant(tokens)
+        q = self._span_quant(tokens) if q is None else q
         chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
         if book is not None and book.chunks + chunks <= q.codebook_chunks:
             q = replace(q, centroids=int(book.k[0].shape[2]))  # it would assign to ``book``

@@ -1,0 +1,154 @@
+"""`ChunkScratch`: the chunk being generated, held once for all the layers of a stage.
+
+A causal video model rewrites the K/V of the chunk it is generating on every denoising pass,
+and each self-attention layer consumes the view of its write inside the same call; only the
+context-update pass (the clean latents at ``context_noise``) writes K/V that later chunks
+read. So the chunk being generated does not have to live in every layer: the layers of a
+stage run one after another, and one buffer of one chunk serves them all.
+
+A `ChunkScratch` is that buffer, shared by every cache of a stage (its CFG branches too),
+plus the stage's word on which pass is the context update:
+
+- ``buffer(shape, dtype, device)``: K and V ``[B, n, H, D]`` views of the shared storage
+  (grown when a larger chunk comes, never shrunk until `release`);
+- ``with scratch.context_pass(pin=...)``: the writes made inside are context: each cache
+  moves the chunk straight to its tier (packed at once with ``keep_recent_chunks=0``) and
+  drops what the next chunk's advance would drop. ``pin=True`` announces that the stage
+  pins this chunk as the shot sink right after the pass (``pin_current_chunk``), so the
+  tier it gets is the one a pinned chunk gets;
+- the byte ledger of the whole cache set: every cache reports its resident bytes after each
+  write (`account`) and every one-call buffer it fills (`transient`), so `peak_nbytes` is the
+  most the stage's caches held at once over the request, all layers, the scratch and the
+  largest one-call buffer included.
+
+A cache given no scratch keeps the chunk being generated in its own storage (the contract of
+`causalkv.caches.spec.CausalKVCache` without any stage cooperation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from causalkv.errors import UsageError
+
+__all__ = ["ChunkScratch"]
+
+
+class ChunkScratch:
+    """One chunk of K/V shared by the caches of a stage, the context-pass flag, the ledger.
+
+    Attributes:
+        committing: True inside `context_pass`.
+        pin: the announcement of the current `context_pass` (False outside one).
+        writer: the cache that wrote the buffer last (a reader that is not it would read
+            another layer's K/V: `check_reader` refuses that).
+        resident_nbytes: the sum of the resident bytes the caches last reported.
+        peak_resident_nbytes: the largest ``resident_nbytes + nbytes`` seen.
+        peak_nbytes: the largest ``resident_nbytes + nbytes + one call's buffer`` seen.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self.committing = False
+        self.pin = False
+        self.writer: object | None = None
+        self._resident: dict[int, int] = {}
+        self.resident_nbytes = 0
+        self.peak_resident_nbytes = 0
+        self.peak_nbytes = 0
+        self.peak_transient_nbytes = 0
+
+    # ---- the buffer ------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared K and V storage now."""
+        if self._k is None or self._v is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes
+
+    def buffer(
+        self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+        writer: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V views ``shape = [B, n, H, D]`` of the shared storage, now ``writer``'s.
+
+        The storage grows to the largest ``B * n * H * D`` asked for (dtype and device are
+        the first caller's; another is a `UsageError`: one stage, one cache dtype).
+        """
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        k = self._k
+        if k is not None and (k.dtype != dtype or k.device != device):
+            raise UsageError(
+                f"ChunkScratch holds {k.dtype} on {k.device}; a cache of {dtype} on {device} "
+                "cannot share it (give each cache dtype and device its own scratch)"
+            )
+        if k is None or k.numel() < numel:
+            self._k = self._v = None  # free the old storage before the new one is allocated
+            self._k = torch.empty(numel, dtype=dtype, device=device)
+            self._v = torch.empty(numel, dtype=dtype, device=device)
+            self._record()
+        assert self._k is not None and self._v is not None
+        kb, vb = self._k[:numel].view(shape), self._v[:numel].view(shape)
+        kb.zero_()
+        vb.zero_()
+        self.writer = writer
+        return kb, vb
+
+    def claim(self, writer: object) -> None:
+        """``writer`` writes the buffer now (the views it holds are its chunk's K/V)."""
+        self.writer = writer
+
+    def check_reader(self, reader: object, what: str) -> None:
+        """`UsageError` unless ``reader`` wrote the buffer last."""
+        if self.writer is not reader:
+            raise UsageError(
+                f"{what}: the chunk being generated lives in the stage's shared scratch, which "
+                "another layer has written since; read a cache's view inside the call that "
+                "wrote it, or end the chunk with a context pass (ChunkScratch.context_pass)"
+            )
+
+    def release(self) -> None:
+        """Free the storage (a new request allocates it again on its first write)."""
+        self._k = self._v = None
+        self.writer = None
+
+    # ---- the context pass ------------------------------------------------------------------
+    @contextmanager
+    def context_pass(self, *, pin: bool = False) -> Iterator[ChunkScratch]:
+        """Writes inside are the chunk's context update (see the module docstring)."""
+        if self.committing:
+            raise UsageError("ChunkScratch.context_pass is already open (passes do not nest)")
+        self.committing, self.pin = True, bool(pin)
+        try:
+            yield self
+        finally:
+            self.committing, self.pin = False, False
+
+    # ---- the ledger ------------------------------------------------------------------------
+    def account(self, cache: object, resident: int) -> None:
+        """``cache`` holds ``resident`` bytes now (its own storage, the scratch excluded)."""
+        key = id(cache)
+        self.resident_nbytes += resident - self._resident.get(key, 0)
+        self._resident[key] = resident
+        self._record()
+
+    def transient(self, nbytes: int) -> None:
+        """A call filled a one-call buffer of ``nbytes`` (freed when its view is consumed)."""
+        self.peak_transient_nbytes = max(self.peak_transient_nbytes, nbytes)
+        self._record(nbytes)
+
+    def reset_peaks(self) -> None:
+        """Start the peaks afresh from what is held now (a new request)."""
+        self.peak_resident_nbytes = self.peak_nbytes = self.resident_nbytes + self.nbytes
+        self.peak_transient_nbytes = 0
+
+    def _record(self, transient: int = 0) -> None:
+        held = self.resident_nbytes + self.nbytes
+        self.peak_resident_nbytes = max(self.peak_resident_nbytes, held)
+        self.peak_nbytes = max(self.peak_nbytes, held + transient)
