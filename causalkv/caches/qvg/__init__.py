@@ -23,6 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
     from causalkv.caches.qvg.codec import (
         BACKEND_ENV,
         PackedSegment,
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
         PackingPolicy,
         SGLangPolicy,
     )
-    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
     from causalkv.caches.qvg.store import KVWrite, SegmentStore
 
 #: exported name -> the module that defines it
