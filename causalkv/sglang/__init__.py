@@ -31,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_NAME",
     "ENV_FUSED_ATTENTION",
     "ENV_LINGBOT_QVG",
+    "ENV_RECENT_TIER",
     "ENV_SWITCH",
     "enabled",
     "register",
@@ -45,6 +46,9 @@ ENV_LINGBOT_QVG = "CAUSALKV_SGLANG_LINGBOT_QVG"
 #: route sglang's causal self-attention over a bridge cache through ``causalkv.caches.attend``
 #: on CUDA (``1``/``true``/``on``/``yes``; default off: no GPU run has shown it no slower yet)
 ENV_FUSED_ATTENTION = "CAUSALKV_SGLANG_FUSED_ATTENTION"
+#: how the bridge holds the keep-recent chunks (and bf16 sink chunks): ``bf16`` (sglang's
+#: default) or ``int4`` (causalkv's recency tier; sglang's QVG flags have no such field)
+ENV_RECENT_TIER = "CAUSALKV_SGLANG_RECENT_TIER"
 #: the entry point's name in sglang's plugin group (what ``SGLANG_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
 _PLUGIN_API = "sglang.multimodal_gen.runtime.platforms.plugins"

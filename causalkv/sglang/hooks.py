@@ -15,9 +15,21 @@ Each hook receives sglang's original method first (sglang's AROUND convention).
   ``QVGKVQuantArgs`` and refuse, with one `ConfigError` naming the flag and the fix, settings
   causalkv's codec cannot pack for that model (centroids, block size x bits, head_dim).
 - What the worker's log shows (it is configured by then): one line when a cache set is
-  allocated (stage, cache class, QVG settings, keep-recent, sink handling, which codec), and one
-  ``causalkv kv-cache summary:`` line per request (cache class, resident and dense KV bytes,
-  packed chunks, pinned shot sink).
+  allocated (stage, cache class, QVG settings, keep-recent, recency tier, sink handling, which
+  codec, where the chunk being generated lives), and one ``causalkv kv-cache summary:`` line
+  per request: the peak bytes of the stage's whole cache set over the request (all blocks,
+  the shared chunk scratch and the largest one-call buffer included), the bytes held at the
+  end, what sglang's dense cache allocates for the same request, packed chunks, pinned shot
+  sink.
+- The chunk being generated: with quantization on, the blocks of a served stage share one
+  `causalkv.caches.qvg.ChunkScratch` (its CFG sets too), and the context-update pass
+  (``_update_causal_context_cache``, every served class's own) runs inside
+  ``scratch.context_pass``, so each block moves the chunk straight to its tier; LongLive 2.0's
+  ``_is_scene_cut`` announces the pin made after that pass. sglang's attention consumes the
+  view of each write inside the same call (``causal_wanvideo.py``, ``lingbot_world.py``), and
+  nothing else reads a denoising pass's K/V (docs/sglang.md).
+- ``CAUSALKV_SGLANG_RECENT_TIER`` (`recent_tier`, ``bf16`` or ``int4``) sets causalkv's
+  recency tier, checked at start-up with the other settings.
 
 - With ``CAUSALKV_SGLANG_FUSED_ATTENTION=1`` (`fused_attention`; default off) `register` also
   registers `FUSED_ATTENTION_HOOKS`: sglang's causal self-attention over a bridge cache on CUDA
@@ -40,9 +52,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from causalkv.caches.qvg.options import RECENT_TIERS
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
-from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
+from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_RECENT_TIER, ENV_SWITCH
 
 __all__ = [
     "ENV_FUSED_ATTENTION",
@@ -114,6 +127,20 @@ def lingbot_codec() -> str:
 
 
 _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+
+
+def recent_tier() -> str:
+    """``CAUSALKV_SGLANG_RECENT_TIER``: ``bf16`` (default, sglang's layout) or ``int4``;
+    ConfigError for another value."""
+    raw = os.environ.get(ENV_RECENT_TIER, "")
+    value = raw.strip().lower() or "bf16"
+    if value not in RECENT_TIERS:
+        raise ConfigError(
+            f"{ENV_RECENT_TIER}={raw!r}: choose one of {list(RECENT_TIERS)} (int4: the bridge "
+            "packs the keep-recent chunks, and bf16 sink chunks, at 4 bits until they are packed "
+            "at --kv-cache-quant's bits)"
+        )
+    return value
 
 
 def fused_attention() -> bool:
@@ -209,7 +236,8 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) 
     from causalkv.sglang.cache import causalkv_quant_args
 
     try:
-        args = causalkv_quant_args(quant)
+        args = causalkv_quant_args(quant, recent_tier())
+        args.check_used()
         if head_dim is not None and not lingbot:
             args.check_layout(head_dim)
     except ConfigError as exc:
@@ -221,6 +249,7 @@ def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) ->
     the settings are checked at start-up when the pipeline and a local model folder are known
     (``CAUSALKV_SGLANG_FUSED_ATTENTION`` always)."""
     fused_attention()
+    recent_tier()
     quant = _normalize(self)
     out = original(self, *args, **kw)
     if quant.enabled and os.path.isdir(str(getattr(self, "model_path", "") or "")):
@@ -311,14 +340,19 @@ def _describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "") 
     # lazy: cache imports sglang (module docstring)
     from causalkv.sglang.cache import causalkv_quant_args
 
-    args = causalkv_quant_args(quant) if codec == "causalkv" else None
+    args = causalkv_quant_args(quant, recent_tier()) if codec == "causalkv" else None
     settings = args.describe() if args is not None else (
         f"int{quant.bits}, centroids={quant.centroids}, block={quant.block_size}")
-    sink = ("sink chunks (stream-start and pinned shot sinks) kept bf16" if not quant.sink
+    tier = args.recent_tier if args is not None else "bf16"
+    sink = (f"sink chunks (stream-start and pinned shot sinks) kept {tier}" if not quant.sink
             else "sink chunks (stream-start and pinned shot sinks) packed")
+    where = ("the chunk being generated held once for the stage (shared scratch), completed "
+             "chunks moved to their tier by the context pass" if codec == "causalkv"
+             else "the chunk being generated held in every block")
     return (f"causalkv sglang bridge: {type(stage).__name__} KV cache {name} x {len(caches)} "
-            f"blocks, codec {codec}, {settings}, keep-recent {quant.keep_recent_chunks}, "
-            f"{sink}, sink-keep {quant.sink_keep_chunks}" + (f" ({note})" if note else ""))
+            f"blocks, codec {codec}, {settings}, keep-recent {quant.keep_recent_chunks} "
+            f"({tier}), {sink}, sink-keep {quant.sink_keep_chunks}, {where}"
+            + (f" ({note})" if note else ""))
 
 
 def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
@@ -357,7 +391,13 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     # lazy: this module imports no torch until sglang calls a hook
     import torch
 
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+
     device = kw["device"]
+    scratch = self.__dict__.get(_SCRATCH)
+    if scratch is None:  # one per stage: its blocks and its CFG sets run one after another
+        scratch = self.__dict__[_SCRATCH] = ChunkScratch()
+    args = causalkv_quant_args(quant, recent_tier())
     caches = [
         SGLangQVGKVCache(
             batch_size=kw["batch_size"], cache_size=kw["kv_cache_size"],
@@ -367,12 +407,39 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
             local_end_index=torch.zeros(1, dtype=torch.long, device=device),
             use_int_indices=kw.get("use_int_indices", False), sink_tokens=kw.get("sink_tokens", 0),
             attention_window_size=kw.get("attention_window_size") or kw["kv_cache_size"],
-            quant_args=quant, global_sink_tokens=kw.get("global_sink_tokens", 0),
-            allow_growth=kw.get("allow_growth", False),
+            quant_args=args, global_sink_tokens=kw.get("global_sink_tokens", 0),
+            allow_growth=kw.get("allow_growth", False), scratch=scratch,
         )
         for _ in range(self.num_transformer_blocks)
     ]
     return _track(self, caches, _describe(caches, quant, self, "causalkv"))
+
+
+# ---- the context pass -------------------------------------------------------------------------
+_SCRATCH = "_causalkv_chunk_scratch"
+_SCENE_CUT = "_causalkv_scene_cut"
+
+
+def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
+    """LongLive 2.0's ``_is_scene_cut`` (asked once per block, before it is denoised): noted,
+    so the block's context pass announces the pin sglang makes right after it."""
+    out = original(self, batch, block_index)
+    if served(self):
+        self.__dict__[_SCENE_CUT] = bool(out)
+    return out
+
+
+def context_update(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+    """``_update_causal_context_cache`` (the chunk's context-update pass, offline, realtime and
+    warm-up alike): run inside the stage scratch's ``context_pass``, so every block that shares
+    it moves the chunk to its tier in this pass."""
+    scratch = self.__dict__.get(_SCRATCH) if served(self) else None
+    caches = kw.get("kv_cache") or ()
+    if (scratch is None or scratch.committing
+            or not any(getattr(c, "scratch", None) is scratch for c in caches)):
+        return original(self, *args, **kw)
+    with scratch.context_pass(pin=bool(self.__dict__.get(_SCENE_CUT, False))):
+        return original(self, *args, **kw)
 
 
 # ---- what the log shows per request ---------------------------------------------------------
@@ -403,13 +470,22 @@ def _nbytes(cache: Any) -> tuple[int | None, int]:
 
 
 def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
-    """One ``causalkv kv-cache summary:`` line over the stage's cache sets (positive, CFG)."""
+    """One ``causalkv kv-cache summary:`` line over the stage's cache sets (positive, CFG).
+
+    ``peak_bytes``: the most the sets held at once over the request: every block's storage,
+    the shared chunk scratch and the largest one-call buffer (a view gathered for attention);
+    for sglang's own caches, their preallocated buffers. ``resident_bytes``: what they hold
+    now (the scratch included). ``dense_bytes``: what sglang's dense cache allocates for the
+    same request. ``ratio``: ``dense_bytes / peak_bytes``, so a request that never packed
+    reads 1.00 or less, not a compression.
+    """
     sets = [s for s in cache_sets if s]
     if not sets:
         return None
     cls = type(sets[0][0])
     resident = dense = 0
     known = True
+    scratches: dict[int, Any] = {}
     for caches in sets:
         for cache in caches:
             r, d = _nbytes(cache)
@@ -418,13 +494,21 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
                 known = False
             else:
                 resident += r
+            scratch = getattr(cache, "scratch", None)
+            if scratch is not None:
+                scratches[id(scratch)] = scratch
+    resident += sum(s.nbytes for s in scratches.values())
+    if scratches:  # the ledger of the stage: every block that shares the scratch reports to it
+        peak = max(max(s.peak_nbytes for s in scratches.values()), resident)
+    else:
+        peak = resident
     first = sets[0][0]
     packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
     pinned = int(getattr(first, "pinned_len", 0) or 0)
-    ratio = f"{dense / resident:.2f}" if known and resident else "n/a"
+    ratio = f"{dense / peak:.2f}" if known and peak else "n/a"
     return (
         f"causalkv kv-cache summary: stage={type(stage).__name__} cache={cls.__name__} "
-        f"sets={len(sets)} layers={len(sets[0])} "
+        f"sets={len(sets)} layers={len(sets[0])} peak_bytes={peak if known else 'n/a'} "
         f"resident_bytes={resident if known else 'n/a'} dense_bytes={dense} ratio={ratio} "
         f"packed_chunks={packed} pinned_tokens={pinned}"
     )
@@ -435,6 +519,10 @@ def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: An
     if not served(self):
         return original(self, batch, server_args)
     self.__dict__[_TRACK] = tracked = []
+    self.__dict__.pop(_SCENE_CUT, None)
+    scratch = self.__dict__.get(_SCRATCH)
+    if scratch is not None:
+        scratch.reset_peaks()
     try:
         out = original(self, batch, server_args)
         sets: list[list] = []
@@ -490,6 +578,10 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     (f"{_BASE}._prepare_realtime_causal_caches", prepare_realtime_caches),
     (f"{_LONGLIVE2}.forward", forward),
     (f"{_LINGBOT}.forward", forward),
+    (f"{_BASE}._update_causal_context_cache", context_update),
+    (f"{_LONGLIVE2}._update_causal_context_cache", context_update),
+    (f"{_LINGBOT}._update_causal_context_cache", context_update),
+    (f"{_LONGLIVE2}._is_scene_cut", scene_cut),
 )
 
 # ---- the fused-attention route (causalkv.sglang.attention; imports sglang, on first use) ------

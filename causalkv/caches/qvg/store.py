@@ -537,16 +537,22 @@ class SegmentStore:
             nxt += 1
             return Segment(a, b, nxt - 1, nxt - 1, storage)
 
-        if self.scratch is not None:
-            for seg in self.segments:
-                if isinstance(seg.storage, ScratchKV) and not (seg.start == w.start and seg.end == w.end):
-                    raise UsageError(
-                        f"SegmentStore: chunk [{seg.start}, {seg.end}) was generated in the stage's "
-                        "scratch but never committed by a context pass, and the write of "
-                        f"[{w.start}, {w.end}) would lose it; end every chunk with its context "
-                        "pass inside ChunkScratch.context_pass()"
-                    )
-        for seg in self.segments:
+        segments = list(self.segments)
+        for i, seg in enumerate(segments):
+            if not isinstance(seg.storage, ScratchKV) or (seg.start, seg.end) == (w.start, w.end):
+                continue
+            # a chunk that left the scratch without a context pass: its own copy while the
+            # scratch still holds its K/V (no other layer wrote it since), else it is lost
+            if seg.storage.scratch.writer is not self:
+                raise UsageError(
+                    f"SegmentStore: chunk [{seg.start}, {seg.end}) was generated in the stage's "
+                    "scratch, another layer has written the scratch since, and it was never "
+                    "committed by a context pass: the write of "
+                    f"[{w.start}, {w.end}) would lose it; end every chunk with its context pass "
+                    "inside ChunkScratch.context_pass()"
+                )
+            segments[i] = replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
+        for seg in segments:
             if seg.end <= w.start or seg.start >= w.end:
                 out.append(seg)
                 continue
