@@ -30,11 +30,14 @@ height, latent width), float32 outside the transformer.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CausalKVCache, KVCacheSpec
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
@@ -228,7 +231,30 @@ class CausalDenoisingStage(StagePlanning):
                 build_cache_set(self.cache_factory, spec, self.cache_options, layers)
                 for _ in range(self.num_branches())
             ]
+            caches = [c for cs in self._cache_sets for c in cs.kv]
+            if caches and all(isinstance(c, QVGPackedCausalKVCache) for c in caches):
+                # the chunk being generated: once for the stage (its layers and branches run
+                # one after another, and each consumes its view inside the call)
+                self.chunk_scratch = ChunkScratch()
+                for cache in caches:
+                    cache.use_scratch(self.chunk_scratch)
         return self._cache_sets
+
+    #: the stage's `ChunkScratch` once its caches hold the chunk being generated there
+    chunk_scratch: ChunkScratch | None = None
+
+    def pins_after_context(self) -> bool:
+        """True when the chunk whose context pass runs now is pinned as the shot sink right
+        after it (LongLive 2.0's scene cuts); its caches then give it a pinned chunk's tier."""
+        return False
+
+    def context_scope(self) -> AbstractContextManager[Any]:
+        """The context of a context-update pass: the writes inside are the chunk's last, which
+        the caches move to their tier (`ChunkScratch.context_pass`); nothing without a scratch."""
+        scratch = self.chunk_scratch
+        if scratch is None or scratch.committing:
+            return nullcontext()
+        return scratch.context_pass(pin=self.pins_after_context())
 
     @property
     def quant(self) -> Any:
@@ -318,10 +344,12 @@ class CausalDenoisingStage(StagePlanning):
     def context_pass(
         self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
-        """Rewrite the chunk's K/V from the clean ``latents`` at ``context_noise`` (all branches)."""
-        return self._forward(
-            self.caches, prompt, latents, self.context_noise, token_start, rope_frame_start
-        )
+        """Rewrite the chunk's K/V from the clean ``latents`` at ``context_noise`` (all branches),
+        inside `context_scope`."""
+        with self.context_scope():
+            return self._forward(
+                self.caches, prompt, latents, self.context_noise, token_start, rope_frame_start
+            )
 
     # ---- the loop ------------------------------------------------------------------------------
     def _noise_like(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -63,6 +63,10 @@ class LongLiveStage(CausalDenoisingStage):
             cs.reset()
         super()._reset_stream()
         fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
+        with self.context_scope():  # every re-cache write is context
+            self._recache_groups(prompt, latents, frames, fpc, tpf)
+
+    def _recache_groups(self, prompt, latents, frames, fpc: int, tpf: int) -> None:
         for _, group in groupby(frames, key=lambda fr: fr[0] // fpc):
             piece = list(group)
             idx = [f for f, _ in piece]

@@ -472,7 +472,15 @@ class LongLive2Stage(CausalDenoisingStage):
         offset = shot * self.rope_offset_per_shot
         return int(offset) if float(offset).is_integer() else offset
 
+    def pins_after_context(self) -> bool:
+        i = self._chunk_index
+        return bool(self.pins_shot_sinks and self.layout is not None and i is not None
+                    and self.layout.scene_cuts[i])
+
+    _chunk_index: int | None = None
+
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
+        self._chunk_index = chunk_index
         f0 = chunk_index * self.settings.frames_per_chunk
         self.rope_frame_starts.append(f0 + self.rope_frame_offset(chunk_index, prompt))
 
@@ -499,12 +507,13 @@ class LongLive2Stage(CausalDenoisingStage):
     def context_pass(
         self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
-        pred = super().context_pass(prompt, latents, token_start, rope_frame_start)
-        if self.negative_caches is not None:
-            self._forward(
-                self.negative_caches, self.negative_prompt, latents, self.context_noise,
-                token_start, rope_frame_start,
-            )
+        with self.context_scope():
+            pred = super().context_pass(prompt, latents, token_start, rope_frame_start)
+            if self.negative_caches is not None:
+                self._forward(
+                    self.negative_caches, self.negative_prompt, latents, self.context_noise,
+                    token_start, rope_frame_start,
+                )
         return pred
 
 

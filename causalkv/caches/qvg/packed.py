@@ -43,7 +43,9 @@ from collections.abc import Iterator
 
 import torch
 
+from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
@@ -76,7 +78,7 @@ from causalkv.caches.spec import (
     StoredSegment,
 )
 from causalkv.caches.stream import StreamState
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, UsageError
 
 __all__ = [
     "DENSE_REASONS",
@@ -111,6 +113,11 @@ class QVGPackedCausalKVCache(StreamCache):
             (sglang's: the newest ``keep_recent_chunks`` non-sink chunks; sink chunks are
             packed as soon as they are completed unless ``sink=False`` or among the leading
             ``sink_keep_chunks``). The names ``"causalkv"``/``"sglang"`` are accepted too.
+        scratch: the stage's `ChunkScratch` (shared by every layer and CFG branch of the
+            stage): the chunk being generated lives there, once, not in this cache, and a
+            write made inside ``scratch.context_pass()`` moves the chunk to its tier at once
+            and drops what the next advance would drop. The stage must end every chunk with
+            such a context write. None (default) keeps the chunk here (no cooperation needed).
 
     Attributes:
         store: the `SegmentStore` holding the K/V.
@@ -176,6 +183,7 @@ class QVGPackedCausalKVCache(StreamCache):
         min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
         head_offset: int | None = None,
         policy: PackingPolicy | str = "causalkv",
+        scratch: ChunkScratch | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)
         quant = (quant or QVGKVQuantArgs()).validate()
@@ -193,8 +201,55 @@ class QVGPackedCausalKVCache(StreamCache):
             batch_size=spec.batch_size, num_heads=spec.num_heads, head_dim=spec.head_dim,
             dtype=spec.dtype, device=spec.torch_device, quant=quant, policy=self.policy,
             seed=seed, head_offset=self.head_offset, offload=offload, min_tokens_per_centroid=m,
+            scratch=scratch,
         )
         self.state = StreamState.from_spec(spec)
+
+    def use_scratch(self, scratch: ChunkScratch) -> None:
+        """Hold the chunk being generated in ``scratch`` from now on (before the first write:
+        a `UsageError` once the cache holds K/V)."""
+        if self.store.segments:
+            raise UsageError("QVGPackedCausalKVCache.use_scratch: the cache already holds K/V; "
+                             "give it the scratch before the first write (or after reset_indices)")
+        if not isinstance(scratch, ChunkScratch):
+            raise ConfigError(f"use_scratch takes a ChunkScratch, got {scratch!r}")
+        self.store.scratch = scratch
+
+    @property
+    def scratch(self) -> ChunkScratch | None:
+        return self.store.scratch
+
+    def update_and_get_attention_kv(self, **kw):  # type: ignore[override]
+        """`StreamCache.update_and_get_attention_kv`; inside ``scratch.context_pass()`` the
+        chunk then moves to its tier (the view returned shows it as written). A commit that
+        fails (the codec refuses non-finite K/V) leaves the cache as it was."""
+        scratch = self.store.scratch
+        if scratch is None or not scratch.committing:
+            return super().update_and_get_attention_kv(**kw)
+        state, snap = self.state, self.store.snapshot()
+        view = super().update_and_get_attention_kv(**kw)
+        try:
+            self.store.commit(self._context_plan(scratch))
+        except BaseException:
+            self.state = state
+            self.store.restore(snap)
+            raise
+        return view
+
+    def _context_plan(self, scratch: ChunkScratch):
+        """The store once the chunk just written is context: what the next advance by a chunk
+        of the same size keeps (an announced pin included), the rest dropped now."""
+        st = self.state
+        after = st.pinned_to(st.cur_n) if scratch.pin else st
+        try:
+            ahead = after.advanced(st.cur_n, "the next chunk")
+            held = iv.subtract(ahead.retained, ((st.global_end, ahead.global_end),))
+        except ValueError:  # the next chunk would not fit: keep everything
+            held = st.retained
+        return self.store.plan_commit(
+            held=held, sink_end=after.sink_prefix_end(),
+            pinned=(after.pinned,) if after.pinned else (),
+        )
 
     # ---- the store's figures -----------------------------------------------------------
     @property
@@ -271,7 +326,9 @@ class QVGPackedCausalKVCache(StreamCache):
                         yield st.heads(lo, hi, h0, h1)
 
         k = v = None
-        if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now
+        # nothing to decode: build k/v now (not when a context commit already dropped some
+        # visible positions: a read of this view between chunks is positions only)
+        if not any(seg.packed for seg, _ in located) and iv.contains(store.held(), visible):
             k, v = materialize()
         return self._make_view(
             visible, k=k, v=v, segments=segments, materialize=materialize, stored=stored,
