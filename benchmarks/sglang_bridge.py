@@ -72,6 +72,8 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from cache import StreamKV  # noqa: E402  (benchmarks/cache.py: the structured K/V)
 
+from causalkv.caches.qvg import ChunkScratch  # noqa: E402
+from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuant  # noqa: E402
 from causalkv.sglang.cache import SGLangQVGKVCache  # noqa: E402
 
 
@@ -125,9 +127,10 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
         return lambda: QVGPackedCausalKVCache(**common, **_indices(device),
                                               quant_args=QVGKVQuantArgs(bits=bits))
 
-    def bridge(bits):
+    def bridge(bits, scratch=False):
         return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
-                                        quant_args=QVGKVQuantArgs(bits=bits))
+                                        quant_args=QVGKVQuantArgs(bits=bits),
+                                        scratch=ChunkScratch() if scratch else None)
 
     out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}
     if device.type == "cuda":
@@ -135,13 +138,18 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
         out["sglang QVG int2"] = (sglang_qvg(2), False)
     out["bridge int4"] = (bridge(4), True)
     out["bridge int2"] = (bridge(2), True)
+    # as sglang's served stages run it now: the chunk being generated in the stage's scratch,
+    # the context update inside its context pass (the chunk packed there, not at the advance)
+    out["bridge int4, stage scratch"] = (bridge(4, True), True)
+    out["bridge int2, stage scratch"] = (bridge(2, True), True)
     return out
 
 
 def resident(cache) -> int:
     if isinstance(cache, CausalSelfAttentionKVCache):
         return cache.k.nbytes + cache.v.nbytes
-    return int(cache.resident_nbytes())
+    scratch = getattr(cache, "scratch", None)
+    return int(cache.resident_nbytes()) + (scratch.nbytes if scratch is not None else 0)
 
 
 class Peak:
@@ -177,12 +185,17 @@ def stream(g: Geometry, factory, pins: bool, data, device, *, measure=None):
     cache = factory()
     calls, top_resident, view = [], 0, None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    scratch = getattr(cache, "scratch", None)
     for c in range(g.chunks):
         k, v = data[c]
         for p in range(g.passes):
-            def call(k=k, v=v, c=c):
-                return cache.update_and_get_attention_kv(
-                    key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
+            def call(k=k, v=v, c=c, p=p):
+                if scratch is None or p < g.passes - 1:
+                    return cache.update_and_get_attention_kv(
+                        key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
+                with scratch.context_pass(pin=pins and c == g.pin_after):
+                    return cache.update_and_get_attention_kv(
+                        key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
             if measure is None:
                 sync()
                 t0 = time.perf_counter()
@@ -303,6 +316,147 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- the whole request, all layers (``--layers``) -------------------------------------------
+@dataclass(frozen=True)
+class ModelGeometry:
+    """One model's cache at its real geometry (heads reduced: every byte scales with them)."""
+
+    name: str
+    layers: int
+    tokens_per_frame: int
+    frames_per_chunk: int
+    sink_frames: int
+    window_frames: int
+    heads: int = 2
+    head_dim: int = 128
+    pin_after: int | None = None  # LongLive 2.0: a shot pinned after this chunk
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens_per_frame * self.frames_per_chunk
+
+    @property
+    def cache(self) -> int:
+        return self.tokens_per_frame * self.window_frames
+
+    @property
+    def chunks(self) -> int:
+        """Enough for the steady state: the window full, rolled twice."""
+        return self.window_frames // self.frames_per_chunk + 2
+
+
+MODELS = {
+    # sglang 0.5.23's LongLive 2.0 (704x1280): 30 x 24 x 128, 880 tokens/frame, 8-frame chunks,
+    # an 8-frame global sink and shot sink, a 32-frame window = 4 chunk slots
+    "longlive2": ModelGeometry("longlive2", 30, 880, 8, 8, 32, pin_after=2),
+    # LingBot-World (480x832): 40 x 40 x 128, 1560 tokens/frame, 3-frame chunks, sink 3, the
+    # 12-frame cache of its sink-3 config
+    "lingbot": ModelGeometry("lingbot", 40, 1560, 3, 3, 12),
+    # Self-Forcing Wan 1.3B (480x832): 30 x 12 x 128, 3-frame chunks, no sink, 21 frames
+    "self-forcing": ModelGeometry("self-forcing", 30, 1560, 3, 0, 21),
+}
+#: what the test runs: 3 layers, 512-token chunks (int2 packing pays), 4 slots, a pin
+QUICK_MODEL = ModelGeometry("longlive2", 3, 256, 2, 2, 8, heads=1, head_dim=64, pin_after=2)
+
+#: setting -> causalkv's QVG settings for the bridge cache (sglang's defaults otherwise)
+SETTINGS = {
+    "off": CausalKVQuant(),
+    "int2-default": CausalKVQuant(bits=2),
+    "int2-recent0": CausalKVQuant(bits=2, keep_recent_chunks=0),
+    "int2-recent-int4": CausalKVQuant(bits=2, recent_tier="int4"),
+    "int2-sink0": CausalKVQuant(bits=2, sink=False),
+    "int4-default": CausalKVQuant(bits=4),
+    "int4-recent0": CausalKVQuant(bits=4, keep_recent_chunks=0),
+}
+
+
+def _attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA of ``q`` ``[B, n, H, D]`` over ``k``/``v`` ``[B, S, H, D]`` in float32."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
+    """One request through ``m.layers`` bridge blocks sharing a `ChunkScratch` (4 denoising
+    passes and the context update per chunk, as sglang's stage makes them), beside sglang's
+    dense cache for layer 0 on the same K/V and queries.
+
+    Returns the peak bytes over the request (every block's storage, the scratch and the
+    largest one-call buffer, from the scratch's ledger), the resident bytes at the end, sglang
+    dense's allocation for all layers, and the largest relative L2 error of layer 0's
+    attention output against dense attention on the same queries (512 of each chunk's, at its
+    first denoising pass and at its context update).
+    """
+    quant = SETTINGS[setting]
+    scratch = ChunkScratch()
+    common = dict(batch_size=1, cache_size=m.cache, num_heads=m.heads, head_dim=m.head_dim,
+                  dtype=torch.bfloat16, device=device, attention_window_size=m.cache)
+    sink = m.sink_frames * m.tokens_per_frame
+    common["sink_tokens"] = sink
+    blocks = [SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=sink,
+                               quant_args=quant, scratch=scratch) for _ in range(m.layers)]
+    shape = (1, m.cache, m.heads, m.head_dim)
+    dense = CausalSelfAttentionKVCache(
+        k=torch.zeros(shape, dtype=torch.bfloat16, device=device),
+        v=torch.zeros(shape, dtype=torch.bfloat16, device=device), **_indices(device),
+        cache_size=m.cache, sink_tokens=sink, attention_window_size=m.cache,
+        global_sink_tokens=sink)
+    data = [StreamKV(m.heads, m.head_dim, seed=layer) for layer in range(m.layers)]
+    qdata = StreamKV(m.heads, m.head_dim, seed=10_000)
+    err = 0.0
+    for c in range(m.chunks):
+        kv = [(d.chunk(c, m.chunk, 0).to(device), d.chunk(c, m.chunk, 1).to(device)) for d in data]
+        for step in range(5):  # 4 denoising passes, then the context update
+            ctx = scratch.context_pass(pin=c == m.pin_after) if step == 4 else None
+            if ctx is not None:
+                ctx.__enter__()
+            try:
+                for layer, block in enumerate(blocks):
+                    k, v = kv[layer]
+                    view = block.update_and_get_attention_kv(
+                        key=k, value=v, current_chunk_start=c * m.chunk)
+                    if layer == 0 and step in (0, 4):
+                        ref = dense.update_and_get_attention_kv(
+                            key=k, value=v, current_chunk_start=c * m.chunk)
+                        # queries: the first 512 of the chunk (the error of those rows;
+                        # every query against the whole window would cost more than the stream)
+                        q = qdata.chunk(c, min(m.chunk, 512), step).to(device)
+                        a, b = _attn(q, view.k, view.v), _attn(q, ref.k, ref.v)
+                        err = max(err, float((a - b).norm() / b.norm().clamp_min(1e-30)))
+                    del view
+            finally:
+                if ctx is not None:
+                    ctx.__exit__(None, None, None)
+        if m.pin_after is not None and c == m.pin_after:
+            for block in blocks:
+                block.pin_current_chunk(m.chunk)
+            dense.pin_current_chunk(m.chunk)
+    dense_bytes = m.layers * (dense.k.nbytes + dense.v.nbytes)
+    held = sum(b.resident_nbytes() for b in blocks) + scratch.nbytes
+    return {
+        "geometry": m.name, "setting": setting, "layers": m.layers, "heads": m.heads,
+        "chunk_tokens": m.chunk, "cache_tokens": m.cache, "chunks": m.chunks,
+        "peak_bytes": scratch.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
+        "peak_ratio": scratch.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
+        "attn_rel_err": err,
+    }
+
+
+def layers_table(rows: list[dict]) -> str:
+    lines = [
+        "All layers, the whole request (decode then attend; heads reduced, every byte scales "
+        "with them): peak = every block's storage + the stage's chunk scratch + the largest "
+        "one-call buffer; ratios to sglang's dense cache (all layers) in the same run",
+        f"{'geometry':<13} {'setting':<17} {'peak/dense':>10} {'resident/dense':>14} "
+        f"{'attn rel err':>12}",
+    ]
+    for r in rows:
+        lines.append(f"{r['geometry']:<13} {r['setting']:<17} {r['peak_ratio']:>10.3f} "
+                     f"{r['resident_ratio']:>14.3f} {r['attn_rel_err']:>12.2e}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -315,11 +469,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed streams per cache (the least counts)")
     ap.add_argument("--quick", action="store_true", help="a tiny geometry (what the test runs)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--layers", action="store_true",
+                    help="the whole-request view instead: every layer of each model "
+                         f"({', '.join(MODELS)}) through the bridge per setting "
+                         f"({', '.join(SETTINGS)}); --json prints a list of objects with "
+                         "geometry, setting, peak_ratio, resident_ratio, attn_rel_err")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="with --layers: which geometries (comma-separated)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.layers:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        unknown = sorted(set(names) - set(MODELS))
+        if unknown:
+            raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
+        models = [QUICK_MODEL] if args.quick else [
+            ModelGeometry(**{**MODELS[n].__dict__, "heads": args.heads}) for n in names]
+        rows = []
+        for m in models:
+            for setting in SETTINGS:
+                rows.append(request(m, setting, torch.device(args.device)))
+                print(f"... {m.name} {setting}", file=sys.stderr, flush=True)
+        print(json.dumps(rows, indent=2) if args.json else layers_table(rows))
+        return 0
     g = QUICK if args.quick else Geometry(heads=args.heads, chunks=args.chunks, pin_after=args.pin)
     result = run(g, torch.device(args.device), repeat=max(1, args.repeat))
     print(json.dumps(result, indent=2) if args.json else table(result))

@@ -46,6 +46,7 @@ def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> di
         "latent_identical": psnr is None,
         "latent_max_abs_diff": float((run.latents - ref.latents).abs().max()),
         "reference_kv_resident_bytes_max": ref.kv_resident_bytes_max,
+        "reference_kv_peak_bytes": ref.stage.kv_peak_nbytes(),
         "reference_seconds_per_chunk_mean": ref.seconds_per_chunk_mean,
         "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
     }

@@ -62,6 +62,7 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_per_chunk": [int(st.kv_resident_bytes) for st in run.chunk_stats],
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
+        "kv_peak_bytes": run.stage.kv_peak_nbytes(),
         "kv_packing": packing_summary(run.stage),
         **rank_metrics(run),
         **run.stage.report(),

@@ -281,11 +281,25 @@ class CausalDenoisingStage(StagePlanning):
         if self._cache_sets is not None:
             for cs in self._cache_sets:
                 cs.reset()
+        if self.chunk_scratch is not None:
+            self.chunk_scratch.reset_peaks()
         self._reset_stream()
 
     def kv_resident_nbytes(self) -> int:
-        """Bytes all self-attention caches of all branches hold now."""
-        return sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
+        """Bytes all self-attention caches of all branches hold now (the stage's chunk
+        scratch, when they share one, counted once)."""
+        scratch = self.chunk_scratch
+        held = sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
+        return held + (scratch.nbytes if scratch is not None else 0)
+
+    def kv_peak_nbytes(self) -> int:
+        """The most the self-attention caches held at once since the request began: with a
+        chunk scratch its ledger (every layer and branch, the scratch, the largest one-call
+        buffer a view filled), else the bytes held now (a preallocated cache holds its most
+        from the first chunk on)."""
+        resident = self.kv_resident_nbytes()
+        scratch = self.chunk_scratch
+        return resident if scratch is None else max(scratch.peak_nbytes, resident)
 
     @property
     def cache_name(self) -> str:
