@@ -59,6 +59,10 @@ SETTINGS = {
     "int2-recent0": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0),
     "int2-sink0": QVGKVQuantArgs(bits=2, block_size=16, sink=False),
     "int2-recent-int4": QVGKVQuantArgs(bits=2, block_size=16, recent_tier="int4"),
+    "int2-sink-full": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, sink_span="full"),
+    "int2-span2": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, span_chunks=2),
+    "int2-codebook2": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, codebook_chunks=2),
+    "int4-sink0-recent-int4": QVGKVQuantArgs(bits=4, block_size=16, sink=False, recent_tier="int4"),
 }
 
 
