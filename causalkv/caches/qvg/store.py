@@ -456,6 +456,8 @@ class SegmentStore:
             at += b - a
         if seg.packed:
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        if self.scratch is not None:
+            self.scratch.transient(k.nbytes + v.nbytes)
         return k, v
 
     # ---- internals: reads -----------------------------------------------------------------
