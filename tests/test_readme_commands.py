@@ -1,7 +1,8 @@
 """The README's command blocks show what the Makefile runs: every ``make X`` line names a
 Makefile target, and every ``causalkv ...`` command is, flag for flag, one of the Makefile's
 recipe commands (``$(BIN)/causalkv`` there), so running the README's block verbatim does what
-``make run`` does (its video and metrics file included)."""
+``make run`` does (its video and metrics file included). And the demos the README names run
+nothing from tests/."""
 
 from __future__ import annotations
 
@@ -76,3 +77,22 @@ def test_make_run_is_the_command_the_readme_says_it_runs() -> None:
     assert run[run.index("--metrics") + 1] == "out/tiny-longlive2-1k-metrics.json"
     assert run[run.index("--output") + 1] == "out/tiny-longlive2-1k.mp4"
     assert "`out/tiny-longlive2-1k.mp4` and `out/tiny-longlive2-1k-metrics.json`" in README
+
+
+def test_the_demos_run_nothing_from_tests_and_the_package_never_loads_the_cpu_stand_ins() -> None:
+    """``make run`` and ``make run-sglang`` are the product's demos: no test file on their
+    path. The CPU stand-ins for sglang's kernels (``demo/sglang/cpu_stand_ins``) live outside
+    the package, which never names them."""
+    for target in ("run", "run-sglang"):
+        for argv in RECIPES[target]:
+            assert not any("tests/" in arg for arg in argv), (target, argv)
+    (sglang_run,) = RECIPES["run-sglang"]
+    assert "PYTHONPATH=demo/sglang/cpu_stand_ins" in sglang_run
+    stand_ins = ROOT / "demo" / "sglang" / "cpu_stand_ins"
+    assert {p.name for p in stand_ins.glob("*.py")} == {"sitecustomize.py", "cpu_kernels.py", "tvshim.py"}
+    for path in (ROOT / "demo").rglob("*.py"):
+        imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", path.read_text(), re.M)
+        assert not any(name.split(".")[0] in {"tests", "e2e", "realtime_probe"} for name in imports), path
+    for path in (ROOT / "causalkv").rglob("*.py"):
+        text = path.read_text()
+        assert "tvshim" not in text and "cpu_kernels" not in text and "cpu_stand_ins" not in text, path
