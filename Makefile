@@ -51,15 +51,16 @@ run: $(STAMP)
 	  --kv-cache-quant int2 --kv-cache-quant-keep-recent 0 --compare-bf16 --quiet \
 	  --output out/tiny-longlive2-1k.mp4 --metrics out/tiny-longlive2-1k-metrics.json
 
-# causalkv inside `sglang generate`: the tiny LongLive 2.0 checkpoint in sglang's own format,
-# two shots, int2 vs off on the same seed; the last lines are the summary. PYTHONPATH brings
-# the test environment's CPU shims (tests/sglang_bridge/site) into sglang's processes.
+# causalkv inside sglang's runtime: the tiny LongLive 2.0 checkpoint (random weights) in
+# sglang's own format, two shots, off vs int2 on the same seed, each timed warm; the last lines
+# are the summary. PYTHONPATH brings the CPU stand-ins for sglang's GPU kernels
+# (demo/sglang/cpu_stand_ins, docs/sglang.md) into sglang's processes; never on a GPU machine.
 run-sglang: $(SGL_STAMP)
-	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/tests/sglang_bridge/site \
-	  $(SGL_BIN)/python tests/sglang_bridge/make_run_sglang.py --out out/sglang
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/sglang/cpu_stand_ins \
+	  $(SGL_BIN)/python demo/sglang/run_int2_vs_off.py --out out/sglang
 
 test: $(STAMP)
-	$(BIN)/ruff check causalkv tests benchmarks
+	$(BIN)/ruff check causalkv tests benchmarks demo
 	# the layers (docs/design.md, "Layers"): lower layers never import higher ones, no cycles
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q
@@ -70,7 +71,7 @@ test-sglang: $(SGL_STAMP)
 	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check causalkv tests benchmarks
+	$(BIN)/ruff check causalkv tests benchmarks demo
 	$(BIN)/lint-imports
 
 bench: $(BENCH_STAMP)

@@ -278,7 +278,7 @@ def sglang_bridge(geos: tuple[Geometry, ...], bits_list: list[int], device: torc
     from causalkv.sglang import ENV_FUSED_ATTENTION
 
     try:
-        sys.path.insert(0, str(ROOT / "tests" / "sglang_bridge"))
+        sys.path.insert(0, str(ROOT / "demo" / "sglang" / "cpu_stand_ins"))
         import tvshim  # the registry's CUDA-built torchvision on a CPU-only torch
 
         tvshim.install()

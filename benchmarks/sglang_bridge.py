@@ -51,9 +51,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "sglang_bridge"))
+sys.path.insert(0, str(HERE.parent / "demo" / "sglang" / "cpu_stand_ins"))
 
-try:  # the registry's torchvision for torch 2.13 needs the test environment's shim on a CPU
+try:  # the registry's torchvision for torch 2.13 needs the CPU stand-in (docs/sglang.md) on a CPU
     import tvshim
 
     tvshim.install()

@@ -7,8 +7,8 @@ import pytest
 import torch
 from runtime_helpers import make_options, plan_and_run
 
-from causalkv.cli.generate import compare_table
 from causalkv.config import ConfigError, ServerArgs
+from causalkv.runtime.compare import compare_table
 from causalkv.runtime.model_config import load_model_info
 
 
@@ -39,19 +39,60 @@ def test_float32_compute_with_bf16_caches_stores_bf16_bytes(pm, causalkv_home) -
 
 def test_compare_table_reports_ratios_from_the_metrics() -> None:
     metrics = {
+        "model": "tiny-longlive2-1k",
+        "random_weights": True,
+        "cache": "qvg",
+        "reference_cache": "dense",
+        "cache_class": "causalkv.caches.qvg.packed:QVGPackedCausalKVCache",
+        "reference_cache_class": "causalkv.caches.dense:DenseCausalKVCache",
         "kv_cache_quant": "qvg(int2, centroids=128, block=64)",
         "kv_cache_dtype": "bfloat16",
         "kv_resident_bytes_max": 1_000_000,
         "reference_kv_resident_bytes_max": 4_000_000,
         "latent_psnr_db": 31.25,
-        "seconds_per_chunk_mean": 3.0,
-        "reference_seconds_per_chunk_mean": 2.0,
+        "seconds_per_chunk_mean": 9.0,  # timed once: not what the table shows
+        "reference_seconds_per_chunk_mean": 1.0,
+        "timing_repeats": 3,
+        "seconds_per_chunk_best": 3.0,
+        "reference_seconds_per_chunk_best": 2.0,
     }
-    table = compare_table(metrics)
-    lines = table.splitlines()
-    assert len(lines) == 4
-    assert "off (bfloat16)" in lines[0] and "int2" in lines[0]
-    assert "4,000,000" in lines[1] and "1,000,000" in lines[1] and "4.00x smaller" in lines[1]
-    assert "31.2 dB" in lines[2]
-    assert "2.00" in lines[3] and "3.00" in lines[3] and "1.50x time" in lines[3]
+    lines = compare_table(metrics).splitlines()
+    assert len(lines) == 7
+    assert lines[0].startswith("causalkv generate --compare-bf16 on tiny-longlive2-1k (a preset: RANDOM weights)")
+    assert "off (bfloat16)" in lines[1] and "int2" in lines[1]
+    assert lines[2].startswith("causalkv cache")
+    assert "dense: DenseCausalKVCache" in lines[2] and "qvg: QVGPackedCausalKVCache" in lines[2]
+    assert "4,000,000" in lines[3] and "1,000,000" in lines[3] and "4.00x smaller" in lines[3]
+    assert "31.2 dB" in lines[4] and "(*)" in lines[4]
+    assert "least of 3 warm runs" in lines[5]
+    assert "2.000" in lines[5] and "3.000" in lines[5] and "1.50x time" in lines[5]
+    assert lines[6].startswith("(*) the weights are random")
     assert "identical" in compare_table({**metrics, "latent_psnr_db": None})
+    # no timed repeats: no time row; real weights: no random-weights note
+    untimed = compare_table({**metrics, "timing_repeats": 0, "seconds_per_chunk_best": None,
+                             "reference_seconds_per_chunk_best": None, "random_weights": False})
+    assert "seconds per chunk" not in untimed and "random" not in untimed.lower()
+    assert "(its own weights)" in untimed.splitlines()[0]
+
+
+def test_compare_times_both_settings_warm_and_alike(pm, causalkv_home, monkeypatch) -> None:
+    """`compare_unquantized` reruns each setting ``repeats`` times after the warm-up pair,
+    alternating, and reports each setting's least seconds per chunk over its repeats."""
+    from causalkv.runtime import compare
+
+    plan, run = plan_and_run(make_options("tiny-longlive2", quant="int2"), pm)
+    calls: list[bool] = []
+    real = compare.run_plan
+
+    def counting(plan_, **kw):
+        calls.append("resolution" in kw)  # the reference run passes its own resolution
+        return real(plan_, **kw)
+
+    monkeypatch.setattr(compare, "run_plan", counting)
+    metrics = compare.compare_unquantized(plan, run, pm=pm, repeats=2)
+    assert calls == [True, False, True, False, True]  # reference, then (int2, off) x 2
+    assert metrics["timing_repeats"] == 2
+    assert metrics["seconds_per_chunk_best"] > 0 and metrics["reference_seconds_per_chunk_best"] > 0
+    assert metrics["cache_class"].endswith(":QVGPackedCausalKVCache")
+    assert metrics["reference_cache_class"].endswith(":DenseCausalKVCache")
+    assert metrics["random_weights"] is True

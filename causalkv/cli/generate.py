@@ -19,6 +19,7 @@ from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.options import Options
 from causalkv.plugin import Registry
+from causalkv.runtime.compare import compare_table
 from causalkv.runtime.distributed import (
     env_world,
     init_parallel,
@@ -36,7 +37,6 @@ __all__ = [
     "add_generate_args",
     "add_request_args",
     "collect_plugins",
-    "compare_table",
     "extension_records",
     "options_from_args",
     "register",
@@ -262,31 +262,6 @@ def _world_size(args: argparse.Namespace) -> int:
             "node; drop --nproc-per-node under torchrun or pass the same value"
         )
     return world
-def compare_table(metrics: dict[str, Any]) -> str:
-    """The end-of-run summary of a ``--compare-bf16`` run: KV bytes, latent PSNR and seconds
-    per chunk of the quantized run next to the unquantized reference (same seed).
-
-    Reads ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``,
-    ``latent_psnr_db``, ``seconds_per_chunk_mean`` and ``reference_seconds_per_chunk_mean``.
-    """
-    quant = str(metrics.get("kv_cache_quant", "quantized")).split("(", 1)[-1].split(",")[0]
-    ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
-    ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
-    ref_s, q_s = metrics["reference_seconds_per_chunk_mean"], metrics["seconds_per_chunk_mean"]
-    psnr = metrics["latent_psnr_db"]
-    rows = [
-        ("", ref_name, quant, "ratio"),
-        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
-        ("latent PSNR vs off", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
-        ("seconds per chunk", f"{ref_s:.2f}", f"{q_s:.2f}", f"{q_s / ref_s:.2f}x time"),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-        for r in rows
-    )
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """Entry of ``causalkv generate``: the exit status (`causalkv.cli.faults`: 0 done, 1
     unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr.

@@ -1,6 +1,13 @@
 """Step 4 of `causalkv.runtime.generate` (``--compare-bf16``): the same request without the
-cache's settings (quantization off), on the same seed and components, and how far apart the
-two runs' latents and KV bytes are.
+cache's settings (quantization off), on the same seed and components, how far apart the two
+runs' latents and KV bytes are, and how long a chunk takes with each setting, timed fairly.
+
+The timing: the run and its reference are the warm-up; then `TIMING_REPEATS` more runs of
+each setting, alternating (this setting, the reference, this setting, ...) in this one
+process on the same components, and each setting's least total over its repeats, per chunk
+(``seconds_per_chunk_best``). One run each, timed once, says little: the first run in a
+process pays for warming up and whatever else the machine runs lands on one of the two.
+`compare_table` is the end-of-run summary the command line prints.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ from causalkv.plugin import resolve
 from causalkv.runtime.records import GenerationRun, Plan
 from causalkv.runtime.run import run_plan
 
-__all__ = ["compare_unquantized", "latent_psnr_db"]
+__all__ = ["TIMING_REPEATS", "compare_table", "compare_unquantized", "latent_psnr_db"]
+
+#: timed runs of each setting after the warm-up pair (`compare_unquantized`)
+TIMING_REPEATS = 3
 
 
 def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | None:
@@ -32,21 +42,92 @@ def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | No
     return 10.0 * math.log10(peak * peak / mse)
 
 
-def compare_unquantized(plan: Plan, run: GenerationRun, *, pm: Any = None) -> dict[str, Any]:
+def cache_class(run: GenerationRun) -> str:
+    """``module:qualname`` of the KV cache class ``run`` ran on (its first layer's)."""
+    cls = type(run.stage.caches.kv[0])
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def compare_unquantized(
+    plan: Plan, run: GenerationRun, *, pm: Any = None, repeats: int = TIMING_REPEATS
+) -> dict[str, Any]:
     """Rerun ``plan`` without any cache's settings and without a forced cache (so with
-    quantization off), same seed, same components; the comparison metrics."""
+    quantization off), same seed, same components; then ``repeats`` timed runs of each setting,
+    alternating (``0``: no timing, ``None`` for the best times); the comparison metrics.
+    The timed runs are full runs of the request (``causalkv_chunk_done`` sees their chunks)."""
     plugins = plan.plugin_set(pm)
     ref_args = replace(plan.server_args.without_options(CacheOptions), cache=None)
     ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.stage_name, registry=plugins.registry)
-    ref = run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args, resolution=ref_res)
+
+    def again(reference: bool) -> GenerationRun:
+        if reference:
+            return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args,
+                            resolution=ref_res)
+        return run_plan(plan, pm=plugins.pm, components=run.components)
+
+    ref = again(True)
+    best: dict[bool, float | None] = {False: None, True: None}
+    for _ in range(repeats):
+        for reference in (False, True):
+            seconds = sum(again(reference).seconds_per_chunk) / max(1, plan.num_chunks)
+            least = best[reference]
+            best[reference] = seconds if least is None else min(least, seconds)
     psnr = latent_psnr_db(run.latents, ref.latents)
     return {
+        "random_weights": plan.info.preset is not None,
         "reference_cache": ref_res.cache_factory.name,
+        "cache_class": cache_class(run),
+        "reference_cache_class": cache_class(ref),
         "latent_psnr_db": psnr,
         "latent_identical": psnr is None,
         "latent_max_abs_diff": float((run.latents - ref.latents).abs().max()),
         "reference_kv_resident_bytes_max": ref.kv_resident_bytes_max,
         "reference_kv_peak_bytes": ref.stage.kv_peak_nbytes(),
         "reference_seconds_per_chunk_mean": ref.seconds_per_chunk_mean,
+        "timing_repeats": repeats,
+        "seconds_per_chunk_best": best[False],
+        "reference_seconds_per_chunk_best": best[True],
         "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
     }
+
+
+def compare_table(metrics: dict[str, Any]) -> str:
+    """The end-of-run summary of a ``--compare-bf16`` run: the cache each setting ran on, KV
+    bytes, latent PSNR and seconds per chunk of the quantized run next to the unquantized
+    reference (same seed), and what the PSNR means on a preset's random weights.
+
+    Reads ``model``, ``random_weights``, ``cache``/``reference_cache``, ``cache_class``/``reference_cache_class``,
+    ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``, ``latent_psnr_db``,
+    ``timing_repeats``, ``seconds_per_chunk_best`` and ``reference_seconds_per_chunk_best``
+    (no time row without timed repeats).
+    """
+    quant = str(metrics.get("kv_cache_quant", "quantized")).split("(", 1)[-1].split(",")[0]
+    ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
+    ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
+    psnr = metrics["latent_psnr_db"]
+
+    def cache(prefix: str) -> str:
+        cls = str(metrics.get(f"{prefix}cache_class", "?")).rsplit(":", 1)[-1]
+        return f"{metrics.get(f'{prefix}cache', '?')}: {cls}"
+
+    rows = [
+        ("", ref_name, quant, "ratio"),
+        ("causalkv cache", cache("reference_"), cache(""), ""),
+        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
+        ("latent PSNR vs off (*)", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
+    ]
+    ref_s, q_s = metrics.get("reference_seconds_per_chunk_best"), metrics.get("seconds_per_chunk_best")
+    if ref_s is not None and q_s is not None:
+        rows.append((f"seconds per chunk (least of {metrics['timing_repeats']} warm runs)",
+                     f"{ref_s:.3f}", f"{q_s:.3f}", f"{q_s / max(ref_s, 1e-9):.2f}x time"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    table = "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    )
+    model = metrics.get("model", "the model")
+    weights = "a preset: RANDOM weights" if metrics.get("random_weights") else "its own weights"
+    note = (f"(*) the weights are random: the PSNR says how far the {quant} run's latents drift "
+            f"from the off run's, not how good either video is" if metrics.get("random_weights")
+            else f"(*) how far the {quant} run's latents drift from the off run's")
+    return f"causalkv generate --compare-bf16 on {model} ({weights}), same seed:\n{table}\n{note}"

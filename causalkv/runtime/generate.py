@@ -42,6 +42,7 @@ from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, Generation
 from causalkv.runtime.report import (
     cache_description,
     describe_plan,
+    describe_stream,
     latents_metadata,
     packing_summary,
     run_report,
@@ -107,7 +108,12 @@ def generate(
     t0 = time.perf_counter()
     components = load_for_plan(plan)
     load_seconds = time.perf_counter() - t0
-    run = _run(plan, options, components, on_chunk_done)
+
+    def say_stream(stage: Any) -> None:  # what the built stage runs: overrides included
+        for line in describe_stream(plan, stage.settings):
+            say(line)
+
+    run = _run(plan, options, components, on_chunk_done, on_stage=say_stream)
     run.load_seconds = load_seconds
     metrics = run_report(plan, run)
     if options.compare_bf16:
@@ -130,6 +136,7 @@ def _run(
     options: GenerateOptions,
     components: Any,
     on_chunk_done: Callable[[int, ChunkStats], None] | None,
+    on_stage: Callable[[Any], None] | None = None,
 ) -> GenerationRun:
     """`run_plan` behind a progress bar (off when quiet, on other ranks, or without a terminal)."""
     bar = tqdm(total=plan.num_chunks, unit="chunk", desc="chunks",
@@ -142,6 +149,6 @@ def _run(
 
     try:
         return run_plan(plan, components=components, on_chunk_done=chunk_done,
-                        strict_plugins=options.strict_plugins)
+                        strict_plugins=options.strict_plugins, on_stage=on_stage)
     finally:
         bar.close()

@@ -1,5 +1,5 @@
 """What a run reports: the metrics (`run_report`, the keys docs/usage.md lists), the run's
-header lines (`describe_plan`) and the header of saved latents (`latents_metadata`).
+header lines (`describe_plan`, `describe_stream`) and the header of saved latents (`latents_metadata`).
 
 Read from the typed records: the plan, the `GenerationRun` and its `ChunkStats`, the
 stage's own `report()`, the chosen cache's settings record (`cache_description`) and class
@@ -14,10 +14,12 @@ from causalkv.plugin import Resolution
 from causalkv.runtime.distributed import current, gather_ints
 from causalkv.runtime.records import GenerationRun, Plan
 from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.settings import StreamSettings
 
 __all__ = [
     "cache_description",
     "describe_plan",
+    "describe_stream",
     "latents_metadata",
     "packing_summary",
     "rank_metrics",
@@ -27,8 +29,11 @@ __all__ = [
 
 def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
     """The run's metrics: request, stream settings, per-chunk timings and KV bytes, and the
-    stage's own entries (`CausalDenoisingStage.report`)."""
-    res, s, args = plan.resolution, plan.settings, plan.server_args
+    stage's own entries (`CausalDenoisingStage.report`).
+
+    The stream settings are the ones the stage ran with (``run.stage.settings``), so a
+    ``causalkv_configure_stage`` override (``window_frames``, ...) shows here, not the plan's."""
+    res, s, args = plan.resolution, run.stage.settings, plan.server_args
     return {
         "model": plan.model.name,
         "model_class": plan.model.model_class,
@@ -107,14 +112,24 @@ def cache_description(res: Resolution) -> str:
 
 
 def describe_plan(plan: Plan) -> list[str]:
-    """The human-readable header of a run: model, stage, cache, reasons, stream."""
-    res, s = plan.resolution, plan.settings
-    lines = [
+    """The first lines of a run's human-readable header, known before any weights load:
+    model, stage, cache, reasons (the rest: `describe_stream`)."""
+    res = plan.resolution
+    return [
         f"model: {plan.model.name} ({plan.model.model_class})",
         f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
         f"cache: {res.cache_factory.name} (kv-cache-quant {cache_description(res)})",
         *(f"  - {line}" for line in res.reasons),
     ]
+
+
+def describe_stream(plan: Plan, s: StreamSettings) -> list[str]:
+    """The rest of the header, which depends on the stream settings ``s``: the cache's
+    description of the request (``describe_request``) and the ``stream:`` line.
+    `causalkv.runtime.generate` prints them once the stage is built, for the settings it runs
+    with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
+    res = plan.resolution
+    lines: list[str] = []
     describe = getattr(res.cache_factory.load(), "describe_request", None)
     if callable(describe):
         lines += [f"  - {line}" for line in describe(

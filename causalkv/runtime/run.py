@@ -20,6 +20,7 @@ from causalkv.plugin.calls import ObserverHook
 from causalkv.runtime.load import build_stage, load_for_plan, make_parallel
 from causalkv.runtime.loading import Components
 from causalkv.runtime.records import GenerationRun, Plan
+from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.records import ChunkStats, ForwardRecord
 
 __all__ = ["run_plan"]
@@ -35,6 +36,7 @@ def run_plan(
     on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
     on_forward: Callable[[ForwardRecord], None] | None = None,
     strict_plugins: bool = False,
+    on_stage: Callable[[CausalDenoisingStage], None] | None = None,
 ) -> GenerationRun:
     """Build the stage over ``components`` (default: loaded now, `load_for_plan`) and run the
     chunk loop.
@@ -43,7 +45,8 @@ def run_plan(
     the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
     A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
     skipped for the rest of the run, or, with ``strict_plugins``, stops it
-    (`causalkv.runtime.plugin_faults.ObserverHook`).
+    (`causalkv.runtime.plugin_faults.ObserverHook`). ``on_stage`` receives the built stage
+    (``causalkv_configure_stage`` applied) before its first chunk.
     """
     pm = plan.plugin_set(pm).pm
     args = server_args if server_args is not None else plan.server_args
@@ -59,6 +62,8 @@ def run_plan(
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
         options=res.stage_options, cache_options=res.cache_options,
     )
+    if on_stage is not None:
+        on_stage(stage)
     generator = torch.Generator(device="cpu").manual_seed(int(args.seed))
     info = plan.info
     shape = (1, info.latent_channels, plan.num_frames, info.latent_height, info.latent_width)

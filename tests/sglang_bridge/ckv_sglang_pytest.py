@@ -1,9 +1,11 @@
-"""pytest plugin for the sglang environment: the torchvision shim, then sglang's own plugin
-lifecycle (``load_plugins()``, ``apply_plugin_hooks()``), which discovers causalkv through its
-entry point and applies the bridge's hooks before any test runs.
+"""pytest plugin for the sglang environment: the torchvision stand-in
+(``demo/sglang/cpu_stand_ins/tvshim.py``, which run.py puts on ``sys.path``), then sglang's own
+plugin lifecycle (``load_plugins()``, ``apply_plugin_hooks()``), which discovers causalkv through
+its entry point and applies the bridge's hooks before any test runs.
 
-The shim is installed at import: ``-p`` plugins are imported before the conftest files of
-sglang's test tree, which import sglang (and so torchvision)."""
+The stand-in is installed at import (a no-op when run.py's start-up already did): ``-p``
+plugins are imported before the conftest files of sglang's test tree, which import sglang (and
+so torchvision)."""
 
 from __future__ import annotations
 

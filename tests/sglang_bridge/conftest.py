@@ -1,10 +1,17 @@
 """tests/sglang_bridge runs in the sglang environment only (`make test-sglang`, its run.py).
 
 The main environment has no sglang: there these modules are not collected (they run in the
-same `make test`, in .venv-sglang, right after the main suite).
+same `make test`, in .venv-sglang, right after the main suite). ``demo/sglang`` (the CPU
+demo's request, `longlive2_request`, which the end-to-end tests share) goes on ``sys.path``.
 """
 
 import importlib.util
+import sys
+from pathlib import Path
+
+_DEMO = str(Path(__file__).resolve().parents[2] / "demo" / "sglang")
+if _DEMO not in sys.path:
+    sys.path.insert(0, _DEMO)
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]

@@ -1,8 +1,10 @@
 """Helpers of the end-to-end tests: sglang's own entry points on the tiny sglang checkpoints.
 
-Every process these tests start inherits ``PYTHONPATH`` from ``run.py`` (the test
-environment's shims). ``sglang generate`` exits 0 even when its request failed, so the tests
-read the outputs and the worker's log, never the exit code alone.
+Every process these tests start inherits ``PYTHONPATH`` from ``run.py`` (the CPU stand-ins).
+``sglang generate`` exits 0 even when its request failed, so the tests read the outputs and
+the worker's log, never the exit code alone. The LongLive 2.0 request itself (`GEOMETRY`,
+`SHOTS`, ``run_cli``) and the readers of its outputs are the CPU demo's
+(``demo/sglang/longlive2_request.py``, on ``sys.path`` through conftest.py).
 """
 
 from __future__ import annotations
@@ -11,42 +13,27 @@ import json
 import os
 import re
 import subprocess
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from longlive2_request import SGLANG, SHOTS, fields
+from longlive2_request import summaries as request_summaries
 
-SGLANG = str(Path(sys.executable).with_name("sglang"))
-#: a two-shot LongLive 2.0 request: 29 frames = 8 latent frames = 4 chunks of 2, the second
-#: shot (chunks 2-3) opens with a scene cut that sglang pins as the shot sink
-SHOTS = {
-    "shot_prompts": ["A red fox trots through fresh snow in a pine forest at dawn",
-                     "A neon-lit city street at night in the rain"],
-    "shot_durations": [2, 2],
-}
-GEOMETRY = {"height": 256, "width": 256, "num_frames": 29, "seed": 0}
-
-_SUMMARY = re.compile(r"causalkv kv-cache summary: (.*)$", re.M)
 #: what `realtime_probe` prints (its lines quote a summary line, which `summaries` skips)
 PROBE_PREFIX = "causalkv test probe: "
 
 
-def _fields(text: str) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
-
-
 def summaries(log: str) -> list[dict[str, str]]:
-    """The bridge's ``causalkv kv-cache summary:`` lines of a log, as key=value dicts."""
-    return [_fields(m.group(1)) for m in _SUMMARY.finditer(log)
-            if PROBE_PREFIX not in log[log.rfind("\n", 0, m.start()) + 1:m.start()]]
+    """The bridge's ``causalkv kv-cache summary:`` lines of a log, as key=value dicts (the
+    realtime probe's quotes of them left out)."""
+    return request_summaries(log, skip=PROBE_PREFIX)
 
 
 def probe_records(log: str) -> list[dict[str, str]]:
     """`realtime_probe`'s lines of a log (one per realtime chunk), as key=value dicts: the
     stream's cursors and the bridge's summary fields for the session's caches."""
-    return [_fields(line.split(PROBE_PREFIX, 1)[1].replace("| causalkv kv-cache summary:", ""))
+    return [fields(line.split(PROBE_PREFIX, 1)[1].replace("| causalkv kv-cache summary:", ""))
             for line in log.splitlines() if PROBE_PREFIX in line]
 
 
@@ -54,72 +41,6 @@ def serving_lines(log: str) -> list[str]:
     """The bridge's allocation lines (which cache serves a stage) of a log."""
     return [line for line in log.splitlines() if "causalkv sglang bridge: " in line
             and (" blocks, codec " in line or "keeps sglang's dense KV cache" in line)]
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR in dB of uint8-range frames ``a`` against ``b``."""
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-
-
-def read_video(path: str | Path) -> np.ndarray:
-    """Decode a saved video to ``[frames, H, W, 3]`` uint8."""
-    import imageio.v3 as iio
-
-    return np.asarray(iio.imread(str(path)))
-
-
-def cli_args(ckpt: Path, out: Path, name: str, *flags: str, shots: bool = True) -> list[str]:
-    """The ``sglang generate`` command of `run_cli` (writes the shots config it names)."""
-    args = [SGLANG, "generate", "--model-path", str(ckpt), "--model-id", "LongLive-2.0-5B",
-            "--num-gpus", "1", "--output-path", str(out), "--output-file-name", name]
-    for key, value in GEOMETRY.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    if shots:
-        config = out / f"{name}-shots.json"
-        config.write_text(json.dumps(SHOTS))
-        args += ["--config", str(config)]
-    else:
-        args += ["--prompt", SHOTS["shot_prompts"][0]]
-    return [*args, *flags]
-
-
-def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = None,
-            shots: bool = True, timeout: int = 600) -> tuple[int, str, Path]:
-    """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request); (rc, log, video path)."""
-    args = cli_args(ckpt, out, name, *flags, shots=shots)
-    proc = subprocess.run(args, env={**os.environ, **(env or {})}, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc.returncode, proc.stdout, out / f"{name}.mp4"
-
-
-@contextmanager
-def fd_log(path: Path):
-    """Send this process's fds 1 and 2 (and so its spawned workers') to ``path``; yield a
-    callable returning what was written so far."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-    try:
-        yield lambda: path.read_text(errors="replace")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-
-
-def frames_of(result) -> np.ndarray:
-    """The decoded frames of one DiffGenerator result as ``[frames, H, W, 3]`` uint8."""
-    frames = result.frames
-    if isinstance(frames, list):
-        frames = np.stack([np.asarray(f) for f in frames])
-    return np.asarray(frames)
 
 
 # ---- sglang's realtime server (``sglang serve``, its /v1/realtime_video/generate websocket) ----

@@ -1,9 +1,10 @@
 """Run the sglang bridge tests in the sglang environment: ours, then sglang's own unit tests.
 
-One pytest process, with ``PYTHONPATH`` pointing at ``site/`` (the test environment's shims
-reach every process the tests start), `ckv_sglang_pytest` loaded first (it applies causalkv's hooks through
-sglang's own plugin lifecycle). sglang's test files run from the installed package, minus the
-tests in `DESELECTED` that assert the very refusal the bridge removes.
+One pytest process, with ``PYTHONPATH`` pointing at ``site/`` (its ``sitecustomize`` runs the
+CPU stand-ins of ``demo/sglang/cpu_stand_ins`` in every process the tests start),
+`ckv_sglang_pytest` loaded first (it applies causalkv's hooks through sglang's own plugin
+lifecycle). sglang's test files run from the installed package, minus the tests in
+`DESELECTED` that assert the very refusal the bridge removes.
 
     .venv-sglang/bin/python tests/sglang_bridge/run.py [extra pytest args]
 """
@@ -11,6 +12,7 @@ tests in `DESELECTED` that assert the very refusal the bridge removes.
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -48,17 +50,15 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # the suite states which hooks sglang applies; the fused route's tests turn it on themselves
     os.environ.pop("CAUSALKV_SGLANG_FUSED_ATTENTION", None)
-    # every process the tests start (`sglang generate`, DiffGenerator's workers) gets the
-    # test environment's shims from site/sitecustomize.py
+    # every process the tests start (`sglang generate`, DiffGenerator's workers) runs
+    # site/sitecustomize.py: the CPU stand-ins (demo/sglang/cpu_stand_ins), the realtime probe
     site = str(HERE / "site")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([site, *[p for p in paths if p != site]])
     sys.path.insert(0, str(HERE))
-    import cpu_kernels
-    import tvshim
-
-    tvshim.install()  # importing sglang (even to locate its tests) imports torchvision
-    cpu_kernels.install()
+    # and so does this one, before sglang is imported (even locating its tests imports
+    # torchvision); it puts the stand-ins' folder on sys.path for ckv_sglang_pytest
+    runpy.run_path(str(HERE / "site" / "sitecustomize.py"))
     unit = sglang_unit_dir()
     root = HERE.parent.parent
     args = ["-p", "ckv_sglang_pytest", "-p", "no:cacheprovider", f"--rootdir={root}", "-q"]

@@ -173,7 +173,7 @@ except NotImplementedError as e:
 
 def test_bridge_off_brings_the_seed_errors_back():
     env = dict(os.environ, CAUSALKV_SGLANG_BRIDGE="0", HF_HUB_OFFLINE="1")
-    here = str(Path(__file__).resolve().parent)
+    here = str(Path(__file__).resolve().parents[2] / "demo" / "sglang" / "cpu_stand_ins")
     out = subprocess.run([sys.executable, "-c", _BRIDGE_OFF.format(here=here)], env=env,
                          capture_output=True, text=True, check=True).stdout
     seeds = [line for line in out.splitlines() if line.startswith("SEED ")]

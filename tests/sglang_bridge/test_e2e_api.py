@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from e2e import GEOMETRY, SHOTS, fd_log, frames_of, psnr, serving_lines, summaries
+from e2e import serving_lines, summaries
+from longlive2_request import GEOMETRY, SHOTS, fd_log, frames_of, psnr
 
 pytestmark = pytest.mark.slow
 

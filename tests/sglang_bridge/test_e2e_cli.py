@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from e2e import GEOMETRY, psnr, read_video, run_cli, serving_lines, summaries
+from e2e import serving_lines, summaries
+from longlive2_request import GEOMETRY, psnr, read_video, run_cli
 
 pytestmark = pytest.mark.slow
 

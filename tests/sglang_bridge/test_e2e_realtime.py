@@ -34,12 +34,12 @@ from e2e import (
     REALTIME_SIZE,
     RealtimeServer,
     probe_records,
-    psnr,
     realtime_init,
     realtime_stream,
     serving_lines,
     summaries,
 )
+from longlive2_request import psnr
 
 pytestmark = pytest.mark.slow
 

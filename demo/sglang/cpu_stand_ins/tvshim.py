@@ -1,14 +1,17 @@
-"""Test-environment shim: let a CUDA-built torchvision import on a CPU-only torch.
+"""CPU stand-in: let a CUDA-built torchvision import on a CPU-only torch (installed by this
+folder's ``sitecustomize``).
 
 The registry's torchvision wheel for torch 2.13 is a CUDA build: its ``_C`` extension does
 not load on the CPU torch, and ``torchvision/_meta_registrations.py`` then registers fake
 kernels for ``torchvision::nms`` and ``torchvision::qnms`` without checking that the ops
 exist, so ``import torchvision`` raises. sglang imports torchvision at import time (its
-multimodal helpers), though nothing the bridge tests run calls a torchvision op.
+multimodal helpers), though nothing the CPU demo or the bridge tests run calls a torchvision
+op.
 
 `install()` defines the schemas of those two ops (no kernels) only when torchvision is
 installed and its extension does not load, before torchvision is imported. It touches no
-file; it lives in this process only and is undone by not calling it.
+file; it lives in this process only and is undone by not calling it. Not part of the causalkv
+distribution.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Test-environment shim: reference CPU implementations of the two ``sgl_kernel`` ops that
-sglang's diffusion runtime calls on a CPU.
+"""CPU stand-in: reference CPU implementations of the two ``sgl_kernel`` ops that sglang's
+diffusion runtime calls on a CPU (installed by this folder's ``sitecustomize``).
 
 sglang 0.5.23's CPU platform dispatches its fused norm layers (``LayerNormScaleShift``,
 ``ScaleResidualLayerNormScaleShift`` and their RMS twins, ``runtime/layers/layernorm.py``)
@@ -7,10 +7,11 @@ to ``torch.ops.sgl_kernel.fused_norm_scale_shift_cpu`` and
 ``torch.ops.sgl_kernel.fused_scale_residual_norm_scale_shift_cpu``. They live in sglang's
 kernel wheel, whose registry builds are for GPUs, so on this machine the ops do not exist and
 every Wan block fails. `install()` defines them, in this process only and only when they are
-missing, as plain PyTorch: the same arithmetic as sglang's own ``forward_native`` (norm in
-float32, cast back, ``* (1 + scale) + shift``; the residual variant first adds ``x * gate``
-to the residual and also returns the sum). ``tests/sglang_bridge/test_cpu_kernels.py`` checks
-them against ``forward_native``. Never part of causalkv.
+missing (an installed kernel wheel that has them wins), as plain PyTorch: the same arithmetic
+as sglang's own ``forward_native`` (norm in float32, cast back, ``* (1 + scale) + shift``; the
+residual variant first adds ``x * gate`` to the residual and also returns the sum).
+``tests/sglang_bridge/test_e2e_settings.py`` (``test_cpu_norm_ops_match_sglangs_forward_native``)
+checks them against ``forward_native``. Not part of the causalkv distribution.
 """
 
 from __future__ import annotations
