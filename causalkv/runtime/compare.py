@@ -97,13 +97,15 @@ def compare_table(metrics: dict[str, Any]) -> str:
     reference (same seed), and what the PSNR means on a preset's random weights.
 
     Reads ``model``, ``random_weights``, ``cache``/``reference_cache``, ``cache_class``/``reference_cache_class``,
-    ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``, ``latent_psnr_db``,
+    ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``, ``kv_peak_bytes``,
+    ``reference_kv_peak_bytes``, ``latent_psnr_db``,
     ``timing_repeats``, ``seconds_per_chunk_best`` and ``reference_seconds_per_chunk_best``
     (no time row without timed repeats).
     """
     quant = str(metrics.get("kv_cache_quant", "quantized")).split("(", 1)[-1].split(",")[0]
     ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
     ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
+    ref_p, q_p = metrics["reference_kv_peak_bytes"], metrics["kv_peak_bytes"]
     psnr = metrics["latent_psnr_db"]
 
     def cache(prefix: str) -> str:
@@ -114,6 +116,8 @@ def compare_table(metrics: dict[str, Any]) -> str:
         ("", ref_name, quant, "ratio"),
         ("causalkv cache", cache("reference_"), cache(""), ""),
         ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
+        ("KV bytes (peak: all layers, scratch, one call's buffer)", f"{ref_p:,}", f"{q_p:,}",
+         f"{ref_p / max(1, q_p):.2f}x smaller"),
         ("latent PSNR vs off (*)", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
     ]
     ref_s, q_s = metrics.get("reference_seconds_per_chunk_best"), metrics.get("seconds_per_chunk_best")
