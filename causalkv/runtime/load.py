@@ -17,7 +17,7 @@ from causalkv.runtime.loading import Components, load_components
 from causalkv.runtime.model_config import ModelInfo
 from causalkv.runtime.plugin_faults import configure_stage_checked
 from causalkv.runtime.presets import materialize_preset
-from causalkv.runtime.records import Plan
+from causalkv.runtime.records import DEFAULT_PROMPT, Plan
 from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]
@@ -47,6 +47,8 @@ def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
     folder = local_main_first(lambda: model_folder(plan.info, registry=registry))
     components = load_components(plan.info, folder, dtype=args.dtype, device=args.device)
+    # the host's own default prompt is not the user's: its cut on a tiny preset is not reported
+    components.prompt_encoder.quiet_texts = frozenset({DEFAULT_PROMPT})
     make_parallel(components, args)
     return components
 
