@@ -175,7 +175,8 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
         )
     if s.sink_frames == 0:
         for record in given:
-            sink = [label for label in record.given_labels() if "sink" in label]
+            sink = [label if label.startswith("-") else f"--{label}"
+                    for label in record.given_labels() if "sink" in label]
             if sink:
                 raise ConfigError(
                     f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
@@ -775,7 +776,7 @@ def check_output_files(
             _check_free_space(flag, path, metrics_nbytes, "the metrics file")
         else:
             _check_free_space("--output" if flag.startswith("the latents") else flag, path,
-                              FILE_OVERHEAD_BYTES + latents_nbytes, "the latents")
+                              FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file")
 
 
 def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:

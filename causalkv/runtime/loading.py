@@ -66,6 +66,11 @@ def captured_library_warnings(what: str) -> Iterator[list[str]]:
     captured texts are dropped (``--debug`` shows the traceback)."""
     collect = _Collect()
     saved = []
+    for name in CAPTURED_LOGGERS:  # configured now, so no handler of theirs arrives later
+        try:
+            importlib.import_module(f"{name}.utils.logging").get_logger(name)
+        except ImportError:  # not installed: nothing of it to capture
+            pass
     for name in CAPTURED_LOGGERS:
         logger = logging.getLogger(name)
         saved.append((logger, logger.handlers[:], logger.propagate))
@@ -73,8 +78,7 @@ def captured_library_warnings(what: str) -> Iterator[list[str]]:
         logger.propagate = False
     lines: list[str] = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
+        with warnings.catch_warnings(record=True) as caught:  # the filters stay as they are
             yield lines
     finally:
         for logger, handlers, propagate in saved:
