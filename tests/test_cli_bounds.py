@@ -242,6 +242,50 @@ def test_a_checkpoint_build_that_cannot_write_is_one_line_exit_1(
     assert {p.name for p in tmp_path.iterdir()} == {".ckpt.lock"}
 
 
+def test_a_preset_folder_holding_another_preset_is_refused_not_rebuilt(
+    tmp_path: Path, empty_home: Path, counter: ChunkCounter, loads: list[str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = fake_model_folder(empty_home / "presets" / "tiny-wan")
+    (folder / presets._MARKER).write_text(json.dumps({"format": presets.PRESET_FORMAT, "name": "tiny-lingbot"}))
+    before = files(empty_home)
+    rc = run_cli(["generate", "--quiet", "--no-video"])
+    line = one_line(capsys.readouterr().err)
+    assert rc == 2 and loads == [] and files(empty_home) == before
+    assert line == (f"{ERROR}{folder} holds the complete preset 'tiny-lingbot', not 'tiny-wan'; move it to "
+                    f"'{folder.parent / 'tiny-lingbot'}' or delete the preset folder '{folder}'; it is rebuilt "
+                    "on the next run")
+
+
+def test_a_preset_build_that_cannot_write_is_one_line_exit_1(
+    tmp_path: Path, empty_home: Path, counter: ChunkCounter, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def full_disk(r: Any, out: Path) -> None:
+        (out / "transformer").mkdir()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(presets, "_write_preset", full_disk)
+    rc = run_cli(["generate", "--quiet", "--no-video"])
+    line = one_line(capsys.readouterr().err)
+    assert rc == 1 and counter.chunks == []
+    assert line == (f"{ERROR}could not build the preset 'tiny-wan' in '{empty_home / 'presets'}' (no space left "
+                    "on its file system); nothing was left there; free some space or set CAUSALKV_HOME to a "
+                    "writable folder")
+    assert files(empty_home) == {"presets", "presets/.tiny-wan.lock"}  # no half-built preset
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    (30, "a read-only file system"),  # EROFS
+    (13, "permission denied"),  # EACCES
+    (28, "no space left on its file system"),  # ENOSPC
+    (2, "its file system takes no new files (a virtual file system such as /proc or /sys)"),  # ENOENT
+    (5, "Input/output error"),  # EIO: the errno's own text
+])
+def test_file_system_errors_are_named_in_words_a_user_can_act_on(code: int, reason: str, tmp_path: Path) -> None:
+    assert checks.fs_error_reason(OSError(code, os.strerror(code)), tmp_path) == reason
+
+
 @pytest.mark.parametrize(("flag", "name", "content", "held", "expected"), [
     ("--metrics", "v.mp4", OLD_VIDEO, "an MP4 video", "causalkv metrics"),
     ("--metrics", "README.md", b"# my notes\n", "11 bytes of text", "causalkv metrics"),

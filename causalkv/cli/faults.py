@@ -5,16 +5,20 @@ exit   fault
 =====  =========================================================================================
 0      success (also when stdout is a closed pipe, e.g. ``| head -1``, or closed: the files are
        written)
-1      an unexpected error (one line; the traceback only with ``--debug``), or a finished
-       generation whose output could not be written (the line names what was kept)
+1      an unexpected error (one line; the traceback only with ``--debug``), memory that ran
+       out where no check foresaw it, or a finished generation whose output could not be
+       written (the line names what was kept)
 2      a bad request, an unreadable or corrupt model folder, a plugin fault, a usage error,
        or a stdout that cannot be written
 3      the latents became NaN or infinite: the run stops at that chunk and writes nothing
-130    interrupted (SIGINT, Ctrl-C): "interrupted after chunk i of N; nothing written"
-143    terminated (SIGTERM): "terminated after chunk i of N; nothing written"
+130    interrupted (SIGINT, Ctrl-C), at any moment: "interrupted while planning the request",
+       "while loading the model, before chunk 1 of N", "after chunk i of N; nothing written"
+       (`Progress`; before the commands import: `causalkv.cli.main`)
+143    terminated (SIGTERM): the same lines with "terminated"
 =====  =========================================================================================
 
-A signal ends the run like an error: the file being written is removed, the files already
+Every command ends this way: ``demo`` and ``sglang-checkpoint`` run their body through
+`run_guarded` too (`Steps` says what a signal left). A signal ends the run like an error: the file being written is removed, the files already
 complete are named. SIGINT keeps the disposition the command inherited (a background job of
 a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
 

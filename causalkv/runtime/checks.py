@@ -55,7 +55,7 @@ from causalkv.runtime.model_config import (
     preset_transformer_config,
 )
 from causalkv.runtime.outputs import latents_path_for
-from causalkv.runtime.presets import causalkv_home, is_complete_preset
+from causalkv.runtime.presets import causalkv_home, is_complete_preset, preset_name
 from causalkv.runtime.video import check_video_suffix
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
@@ -840,6 +840,12 @@ def check_model_files(info: ModelInfo) -> None:
         if not is_complete_preset(folder):
             return
         fix = f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"
+        held = preset_name(folder)
+        if held not in (None, info.preset):  # a complete preset of another kind: never replaced
+            raise ModelFolderError(
+                f"{folder} holds the complete preset {held!r}, not {info.preset!r}; move it to "
+                f"{str(folder.parent / held)!r} or {fix}"
+            )
     else:
         fix = "restore the file (re-download or re-convert the model)"
     _check_json(folder / "model_index.json", fix)
