@@ -157,6 +157,16 @@ def test_demo_ends_in_one_line_on_a_signal_or_no_memory(
     assert one_line(captured.err) == line
 
 
+def test_demo_into_a_closed_pipe_exits_0_quietly(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # 128 chunks print a frame map of 128 x 1,024 characters, more than a pipe holds (64 KiB):
+    # the reader is gone before the report is written
+    cmd = f"set -o pipefail; {sys.executable} -m causalkv demo --chunks 128 | head -1"
+    p = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr) == (0, "")
+    assert p.stdout.startswith("causalkv demo: ")
+
+
 # ---- 2. no overwrite of finished work -----------------------------------------------------------
 def _quick_checkpoints(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """`_write` replaced by one that writes the marker only (the folder handling is tested)."""

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from causalkv.caches.demo import DemoConfig, format_report, run_demo
-from causalkv.cli.faults import Steps, run_guarded
+from causalkv.cli.faults import Stdout, Steps, run_guarded
 from causalkv.errors import ConfigError
 from causalkv.runtime.checks import host_memory_bytes
 
@@ -83,7 +83,9 @@ def _main(args: argparse.Namespace) -> int:
 
     def body() -> int:
         check_demo_sizes(config, host_memory_bytes())
-        print(format_report(config, run_demo(config)))
+        out = Stdout()  # a reader that goes away (`| head`) ends the printing, not the command
+        out(format_report(config, run_demo(config)))
+        out.flush()
         return 0
 
     return run_guarded("causalkv demo", body, progress=Steps("the report was not printed"))
