@@ -5,6 +5,11 @@ cache through the plugin registry (which also routes the request's option record
 lets the stage split the prompts into chunks and validate the request, and runs every check
 that needs no weights (`causalkv.runtime.checks.check_before_load`). Every bad input is
 refused here, in milliseconds.
+
+Bounds before cost: the only part of a plan proportional to the request, the per-chunk prompt
+list (a reference per chunk), is built after `causalkv.runtime.checks.check_sizes` has held
+the frames to the RoPE limit and every size to the memory (the RoPE tables of that limit cost
+64 times the list's 8 bytes per chunk), so planning never holds more than the run would.
 """
 
 from __future__ import annotations
