@@ -8,8 +8,9 @@ refused here, in milliseconds.
 
 Bounds before cost: the only part of a plan proportional to the request, the per-chunk prompt
 list (a reference per chunk), is built after `causalkv.runtime.checks.check_sizes` has held
-the frames to the RoPE limit and every size to the memory (the RoPE tables of that limit cost
-64 times the list's 8 bytes per chunk), so planning never holds more than the run would.
+the frames to the RoPE limit and every size to the memory (the RoPE tables of that limit,
+8 x head_dim bytes a position, cost more than the list's 8 bytes a chunk), so planning never
+holds more than the run would.
 """
 
 from __future__ import annotations
