@@ -212,7 +212,7 @@ class Options:
             if spec.action is not None:  # a switch: its help says what it does
                 kw["action"] = spec.action
             else:
-                if shown is not None:
+                if shown is not None and "(default" not in (spec.help or ""):  # said once
                     help_text = f"{spec.help} (default: {shown})"
                 metavar = spec.metavar
                 if metavar is None and spec.choices is None:

@@ -30,6 +30,7 @@ import pytest
 import torch
 from fault_helpers import (
     ERROR,
+    OLD_VIDEO,
     ROOT,
     ChunkCounter,
     assert_refused_up_front,
@@ -398,7 +399,7 @@ def test_output_replaced_only_by_a_complete_file_and_latents_saved_on_request(
     causalkv_home: str, tmp_path: Path, counter: ChunkCounter, capsys: pytest.CaptureFixture[str],
 ) -> None:
     out, m, lat = tmp_path / "v.mp4", tmp_path / "m.json", tmp_path / "run.safetensors"
-    out.write_bytes(b"an older video")
+    out.write_bytes(OLD_VIDEO)
     rc = run_cli(["generate", "--quiet", "--dtype", "float32", "--frames", "3", "--output", str(out),
                   "--metrics", str(m), "--save-latents", str(lat)])
     captured = capsys.readouterr()
@@ -423,7 +424,7 @@ def test_encoding_failure_keeps_the_latents_and_the_old_file(
 
     monkeypatch.setattr(video, "_write_mp4", dying_encoder)
     out, requested = tmp_path / "v.mp4", tmp_path / "requested.safetensors"
-    out.write_bytes(b"an older video")
+    out.write_bytes(OLD_VIDEO)
     rc = run_cli(["generate", "--quiet", "--dtype", "float32", "--frames", "3", "--output", str(out),
                   "--metrics", str(tmp_path / "m.json"), "--save-latents", str(requested)])
     lines = causalkv_lines(capsys.readouterr().err)
@@ -433,7 +434,7 @@ def test_encoding_failure_keeps_the_latents_and_the_old_file(
                      f"latents are kept in '{kept}'; the files written before it are kept: "
                      f"'{requested}' (--save-latents)"]
     assert files(tmp_path) == {"v.mp4", "requested.safetensors", "v.latents.safetensors"}
-    assert out.read_bytes() == b"an older video"
+    assert out.read_bytes() == OLD_VIDEO
     assert torch.equal(load_latents(kept)[0], load_latents(requested)[0])
 
 

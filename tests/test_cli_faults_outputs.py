@@ -31,7 +31,7 @@ from typing import Any
 import imageio_ffmpeg
 import pytest
 import torch
-from fault_helpers import ERROR, ChunkCounter, files, one_line, run_cli, runtime_write
+from fault_helpers import ERROR, OLD_VIDEO, ChunkCounter, files, one_line, run_cli, runtime_write
 
 from causalkv.runtime import outputs
 from causalkv.runtime.outputs import load_latents
@@ -93,7 +93,7 @@ def test_video_that_does_not_encode_is_never_renamed_into_place(
     out_dir.mkdir()
     monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(ffmpeg_wrapper(tmp_path, body)))
     v, m, lat = out_dir / "v.mp4", out_dir / "m.json", out_dir / "l.safetensors"
-    v.write_bytes(b"an older video")
+    v.write_bytes(OLD_VIDEO)
     rc = run_cli([*BASE, "--output", str(v), "--metrics", str(m), "--save-latents", str(lat)])
     line = one_line(capsys.readouterr().err)
     kept = out_dir / "v.latents.safetensors"
@@ -103,7 +103,7 @@ def test_video_that_does_not_encode_is_never_renamed_into_place(
         + re.escape(f"); the generated latents are kept in '{kept}'; the files written before it are "
                     f"kept: '{lat}' (--save-latents)"), line), line
     assert files(out_dir) == {"v.mp4", "v.latents.safetensors", "l.safetensors"}  # no temporary, no metrics
-    assert v.read_bytes() == b"an older video"
+    assert v.read_bytes() == OLD_VIDEO
     assert torch.equal(load_latents(kept)[0], load_latents(lat)[0])
 
 

@@ -167,8 +167,9 @@ def test_a_full_file_system_is_refused_before_loading(
     monkeypatch.setattr(checks, "_free_bytes", lambda folder: 0)
     assert_refused_up_front(
         ["--no-video", "--metrics", str(tmp_path / "m.json")],
-        [f"--metrics '{tmp_path}/m.json': the file system of '{tmp_path}' has 0 bytes free, the file needs "
-         "about 1,048,576; free some space or choose another folder for --metrics"],
+        # the metrics floor: 4,096 B (a block) + 5 per-chunk lists x 8 B x 4 chunks = 4,256
+        [f"--metrics '{tmp_path}/m.json': the file system of '{tmp_path}' has 0 bytes free, the metrics file "
+         "needs at least 4,256; free some space or choose another folder for --metrics"],
         tmp_path, empty_home, counter, loads, capsys,
     )
 

@@ -34,6 +34,9 @@ class DenseCausalKVCache(StreamCache):
     """
 
     capabilities = CacheCapabilities.of(PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES)
+    #: the whole ``cache_size`` is allocated when the cache is built (the host's memory check
+    #: counts all of it, whatever the video's length)
+    preallocates = True
 
     def __init__(self, spec: KVCacheSpec, quant: object | None = None) -> None:
         if quant is not None and getattr(quant, "enabled", False):

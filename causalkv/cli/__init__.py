@@ -2,53 +2,60 @@
 
 Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
 (`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`), ``sglang-checkpoint``
-(`causalkv.cli.sglang_checkpoint`). Every error causalkv raises on
-purpose (`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit
-status 2; usage errors are one line too (exit 2). ``generate``'s exit statuses for every
-fault are listed in `causalkv.cli.faults`.
+(`causalkv.cli.sglang_checkpoint`); the parser is `causalkv.cli.commands`. Every error
+causalkv raises on purpose (`causalkv.errors.CausalKVError`) ends the command with one line
+on stderr and exit status 2; usage errors are one line too (exit 2). ``generate``'s exit
+statuses for every fault are listed in `causalkv.cli.faults`.
+
+This module is light (no torch): `main` is the console script, and a SIGINT or SIGTERM while
+the commands import (torch, diffusers: seconds) or parse ends in one line, exit 130 or 143.
 """
 
 from __future__ import annotations
 
-import argparse
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from causalkv import __version__
-from causalkv.cli import demo, generate, plugins, sglang_checkpoint
-from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
+from causalkv.cli.signals import Terminated, sigterm_raises
 
 __all__ = ["build_parser", "main"]
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(  # subcommand parsers inherit the one-line usage errors
-        prog="causalkv",
-        description=(
-            "Causal KV caches for chunk-by-chunk video diffusion: generate video on a tiny "
-            "embedded model or a local diffusers-format Wan checkpoint, inspect plugins and "
-            "cache resolution, or walk through the cache."
-        ),
-    )
-    parser.add_argument("--version", action="version", version=f"causalkv {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    found = generate.collect_plugins()  # once: the flags of `generate` and `resolve`, and the run
-    generate.register(sub, plugins=found)
-    plugins.register(sub, plugins=found)
-    for module in (demo, sglang_checkpoint):
-        module.register(sub)
-    return parser
+#: the line of a signal that arrives before a command's own handling (imports, parsing)
+STARTING = "causalkv: {how} while starting (before any work); nothing written"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    reserve_standard_fds()  # `>&-`: no file the run opens may land on descriptor 1 or 2
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # re-executed under torchrun
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    return int(args.func(args) or 0)
+    """The ``causalkv`` command: import the commands, parse ``argv``, run one."""
+    try:
+        with sigterm_raises():
+            # lazy: the commands import torch; a signal during that import is one line here
+            from causalkv.cli.commands import main as run
+
+            return run(argv)
+    except KeyboardInterrupt:
+        _stderr(STARTING.format(how="interrupted"))
+        return 128 + signal.SIGINT
+    except Terminated:
+        _stderr(STARTING.format(how="terminated"))
+        return 128 + signal.SIGTERM
+
+
+def _stderr(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone
+        pass
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_parser":
+        # lazy: the parser needs the commands, which import torch
+        from causalkv.cli.commands import build_parser
+
+        return build_parser
+    raise AttributeError(f"module 'causalkv.cli' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -5,16 +5,20 @@ exit   fault
 =====  =========================================================================================
 0      success (also when stdout is a closed pipe, e.g. ``| head -1``, or closed: the files are
        written)
-1      an unexpected error (one line; the traceback only with ``--debug``), or a finished
-       generation whose output could not be written (the line names what was kept)
+1      an unexpected error (one line; the traceback only with ``--debug``), memory that ran
+       out where no check foresaw it, or a finished generation whose output could not be
+       written (the line names what was kept)
 2      a bad request, an unreadable or corrupt model folder, a plugin fault, a usage error,
        or a stdout that cannot be written
 3      the latents became NaN or infinite: the run stops at that chunk and writes nothing
-130    interrupted (SIGINT, Ctrl-C): "interrupted after chunk i of N; nothing written"
-143    terminated (SIGTERM): "terminated after chunk i of N; nothing written"
+130    interrupted (SIGINT, Ctrl-C), at any moment: "interrupted while planning the request",
+       "while loading the model, before chunk 1 of N", "after chunk i of N; nothing written"
+       (`Progress`; before the commands import: `causalkv.cli.main`)
+143    terminated (SIGTERM): the same lines with "terminated"
 =====  =========================================================================================
 
-A signal ends the run like an error: the file being written is removed, the files already
+Every command ends this way: ``demo`` and ``sglang-checkpoint`` run their body through
+`run_guarded` too (`Steps` says what a signal left). A signal ends the run like an error: the file being written is removed, the files already
 complete are named. SIGINT keeps the disposition the command inherited (a background job of
 a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
 
@@ -25,15 +29,14 @@ it goes to the launching process (`causalkv.runtime.launch`), which prints one l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
+from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.errors import CausalKVError
 from causalkv.runtime import launch
 
@@ -45,6 +48,7 @@ __all__ = [
     "EXIT_TERMINATED",
     "OneLineErrorParser",
     "Progress",
+    "Steps",
     "Stdout",
     "StdoutError",
     "Terminated",
@@ -65,34 +69,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_REQUEST, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread the way SIGINT raises ``KeyboardInterrupt`` (a
-    ``BaseException``, so ``except Exception`` cleanup code lets it through)."""
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Within the block, SIGTERM raises `Terminated` in the main thread (once: a second
-    SIGTERM during the clean-up is ignored). An inherited ``SIG_IGN`` is kept."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_IGN:
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def reserve_standard_fds() -> None:
@@ -178,15 +154,20 @@ class Stdout:
 
 
 class Progress:
-    """Chunks done out of the plan's total and the files written, for the interruption line."""
+    """Where a run is, for the interruption line: planning, loading, chunks done out of the
+    plan's total, and the files written."""
 
     def __init__(self) -> None:
         self.total: int | None = None
         self.done = 0
+        self.loaded = False
         self.written: list[str] = []
 
     def on_plan(self, plan: Any) -> None:
         self.total = int(plan.num_chunks)
+
+    def on_loaded(self) -> None:
+        self.loaded = True
 
     def on_chunk_done(self, index: int, stats: Any) -> None:
         self.done = index + 1
@@ -197,7 +178,9 @@ class Progress:
     def interrupted(self, how: str = "interrupted") -> str:
         """``how`` (``"interrupted"``, ``"terminated"``) and where the run was."""
         if self.total is None:
-            return f"{how} before the first chunk; nothing written"
+            return f"{how} while planning the request, before loading anything; nothing written"
+        if not self.loaded and self.done == 0:
+            return f"{how} while loading the model, before chunk 1 of {self.total}; nothing written"
         if self.done < self.total:
             return f"{how} after chunk {self.done} of {self.total}; nothing written"
         kept = (
@@ -206,6 +189,18 @@ class Progress:
             else "nothing written"
         )
         return f"{how} after chunk {self.done} of {self.total}, while writing the outputs; {kept}"
+
+
+class Steps(Progress):
+    """The interruption line of a command without chunks (``demo``, ``sglang-checkpoint``):
+    ``"{how}; {what}"``."""
+
+    def __init__(self, what: str = "nothing written") -> None:
+        super().__init__()
+        self.what = what
+
+    def interrupted(self, how: str = "interrupted") -> str:
+        return f"{how}; {self.what}"
 
 
 def _stderr(line: str) -> None:
@@ -247,6 +242,8 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
         return fail(progress.interrupted("terminated"), EXIT_TERMINATED)
     except CausalKVError as exc:
         return fail(f"error: {exc}", int(getattr(exc, "exit_code", EXIT_REQUEST)))
+    except MemoryError:  # a size no check foresaw: one line, not a traceback
+        return fail("error: out of memory; free memory or make the request smaller", EXIT_ERROR)
     except BrokenPipeError:  # stdout went away outside of `Stdout` (a plugin printing)
         _silence_stdout()
         return fail("error: stdout was closed before the command finished", EXIT_ERROR)

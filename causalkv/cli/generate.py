@@ -166,6 +166,9 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
                         help="write the metrics JSON here (atomically)")
     parser.add_argument("--save-latents", default=None, metavar="FILE.safetensors",
                         help="also save the generated latents [B, C, F, h, w] (float32, key 'latents')")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an --output, --metrics or --save-latents file that holds "
+                        "something else (another kind of file, not a previous run's), atomically")
     parser.add_argument("--strict-plugins", action="store_true",
                         help="a causalkv_chunk_done plugin that raises stops the run (exit 2) "
                         "instead of being reported once and skipped")
@@ -245,6 +248,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         metrics=getattr(args, "metrics", None),
         save_latents=getattr(args, "save_latents", None),
         strict_plugins=bool(getattr(args, "strict_plugins", False)),
+        force=bool(getattr(args, "force", False)),
     )
 
 
@@ -304,7 +308,7 @@ def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSe
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
     try:
         return generate(
-            options, plugins=plugins, log=out, on_plan=progress.on_plan,
+            options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
             on_chunk_done=progress.on_chunk_done, on_written=progress.on_written,
         )
     finally:

@@ -31,6 +31,7 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -44,6 +45,8 @@ import torch
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError
+from causalkv.options import CacheOptions
+from causalkv.plugin.loader import ENV_AUTOLOAD_OFF, ENV_TRACE
 from causalkv.runtime.loading import parse_dtype
 from causalkv.runtime.model_config import (
     REQUIRED_FILES,
@@ -52,8 +55,9 @@ from causalkv.runtime.model_config import (
     preset_transformer_config,
 )
 from causalkv.runtime.outputs import latents_path_for
-from causalkv.runtime.presets import causalkv_home, is_complete_preset
+from causalkv.runtime.presets import causalkv_home, is_complete_preset, preset_name
 from causalkv.runtime.video import check_video_suffix
+from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 if TYPE_CHECKING:
     from causalkv.runtime.records import GenerateOptions, Plan
@@ -62,7 +66,13 @@ __all__ = [
     "MAX_SEED",
     "WEIGHT_SUFFIXES",
     "check_before_load",
+    "check_creatable_folder",
     "check_device",
+    "check_environment",
+    "check_request_effect",
+    "check_sizes",
+    "describe_file",
+    "fs_error_reason",
     "check_frames",
     "check_guidance",
     "check_home",
@@ -71,8 +81,11 @@ __all__ = [
     "check_cache",
     "check_output_files",
     "check_writable_file",
+    "host_memory_bytes",
     "latents_nbytes",
     "memory_floor",
+    "metrics_nbytes_floor",
+    "video_nbytes_floor",
     "rope_frame_ends",
 ]
 
@@ -107,7 +120,102 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
         metrics=getattr(options, "metrics", None),
         save_latents=getattr(options, "save_latents", None),
         latents_nbytes=latents_nbytes(plan),
+        video_nbytes=video_nbytes_floor(plan),
+        metrics_nbytes=metrics_nbytes_floor(plan),
+        force=bool(getattr(options, "force", False)),
     )
+
+
+def check_sizes(plan: Plan) -> None:
+    """The sizes a request implies, checked before anything proportional to them is built
+    (the per-chunk prompt list included): the frame count against the RoPE limit, then every
+    part of `memory_floor` against the device's memory. ``plan.chunk_prompts`` may be empty."""
+    _check_rope_limit(plan)
+    check_memory(plan)
+
+
+# ---- options that would change nothing -------------------------------------------------------
+def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
+    """Refuse what the request asks for that would do nothing (`ConfigError` naming why and
+    the fix), and add a `Plan.warnings` line for what runs differently from what was asked.
+
+    - a guidance scale below 1 on a CFG stage: the negative branch runs only above 1, so any
+      scale <= 1 samples exactly as 1 (guidance off);
+    - ``--compare-bf16`` while no cache setting is given: the reference would be the same run;
+    - ``--recent-window-frames`` of at least the window less a chunk: a chunk sees no more
+      than that anyway;
+    - a cache setting about the sink (its flag names the sink) while the sink is empty;
+    - ``--window-frames`` longer than the video: a warning (the preallocated cache holds
+      frames the video never has).
+    """
+    args, s, res = plan.server_args, plan.settings, plan.resolution
+    stage = res.stage
+    if stage.supports_guidance() and args.guidance_scale < 1.0:
+        where = (f"--guidance-scale {options.guidance_scale:g}" if options.guidance_scale is not None
+                 else f"guidance_scale {plan.info.guidance_scale:g} in {plan.model.name}'s causalkv.json")
+        raise ConfigError(
+            f"{where} does nothing: stage {res.stage_name!r} runs the negative CFG branch only "
+            "above 1, so a scale <= 1 samples exactly as 1 (guidance off); pass a scale > 1, or 1 "
+            "to turn guidance off"
+        )
+    given = [r for r in args.options if isinstance(r, CacheOptions) and r.changed()]
+    if getattr(options, "compare_bf16", False) and not given and args.cache is None:
+        raise ConfigError(
+            f"--compare-bf16 compares the run with the same run without the cache's settings, and "
+            f"this request gives none (cache {res.cache_factory.name!r}, kv-cache-quant off): both "
+            "runs would be the same; pass --kv-cache-quant int4 or int2, or drop --compare-bf16"
+        )
+    recent, fpc = args.recent_window_frames, s.frames_per_chunk
+    if recent is not None and recent > s.window_frames - fpc:
+        raise ConfigError(
+            f"--recent-window-frames {recent} does nothing: a chunk sees at most the "
+            f"{s.window_frames - fpc} frames before it that the {s.window_frames}-frame window "
+            f"holds besides the chunk; pass --recent-window-frames {s.window_frames - fpc} or "
+            "fewer, or drop it"
+        )
+    if s.sink_frames == 0:
+        for record in given:
+            sink = [label if label.startswith("-") else f"--{label}"
+                    for label in record.given_labels() if "sink" in label]
+            if sink:
+                raise ConfigError(
+                    f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
+                    f"(sink 0 frames on {plan.model.name}): it would do nothing; drop it or pass "
+                    "--sink-frames N"
+                )
+    if args.window_frames is not None and args.window_frames > plan.num_frames:
+        floor = memory_floor(plan)["kv_caches"]
+        plan.warnings.append(
+            f"--window-frames {args.window_frames} is longer than the video ({plan.num_frames} "
+            f"frames): attention sees every frame, as with --window-frames {plan.num_frames}, but "
+            f"the caches hold room for {args.window_frames} frames ({_size(floor)} of KV); pass "
+            f"--window-frames {plan.num_frames} for the same video in less memory"
+        )
+
+
+# ---- the environment ----------------------------------------------------------------------------
+#: a switch's values (case and surrounding blanks ignored; empty: unset)
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+#: the documented environment variables with a fixed set of values -> (values, what each does)
+ENV_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    ENV_TRACE: ((*_ON, *_OFF), "1 prints every plugin hook call, 0 (or unset) does not"),
+    ENV_AUTOLOAD_OFF: ((*_ON, *_OFF), "1 loads no plugin entry point, 0 (or unset) loads them"),
+    ENV_SWITCH: ((*_ON, *_OFF[:-1]), "0 turns the sglang bridge off, 1 (or unset) keeps it on"),
+    ENV_FUSED_ATTENTION: ((*_ON, *_OFF), "1 routes sglang's attention through causalkv, 0 (or unset) does not"),
+    ENV_LINGBOT_QVG: (("causalkv", "sglang"), "causalkv (default) or sglang: whose QVG codec serves LingBot-World"),
+}
+
+
+def check_environment(environ: Any = None) -> None:
+    """Refuse a documented environment variable set to a value it does not take
+    (`ENV_VALUES`; ``CAUSALKV_TRACE_PLUGINS=2`` would be read as off, ``CAUSALKV_SGLANG_BRIDGE=maybe``
+    as on): `ConfigError` naming the variable, its values and what they do."""
+    env = os.environ if environ is None else environ
+    for name, (values, meaning) in ENV_VALUES.items():
+        raw = env.get(name)
+        if raw is not None and raw.strip().lower() not in values:
+            shown = ", ".join(v for v in values if v) + (" or empty" if "" in values else "")
+            raise ConfigError(f"{name}={raw!r} is not one of its values ({shown}): {meaning}; set one of them or unset it")
 
 
 # ---- options the stage cannot use --------------------------------------------------------------
@@ -169,7 +277,7 @@ def check_home(info: ModelInfo) -> None:
     except OSError as exc:
         raise ConfigError(
             f"CAUSALKV_HOME={shown!r}: cannot create the preset {info.preset!r} in {str(folder)!r} "
-            f"({exc.strerror or exc}); {fix}"
+            f"({fs_error_reason(exc, _nearest_existing(folder))}); {fix}"
         ) from None
     os.close(fd)
     os.unlink(name)
@@ -218,6 +326,8 @@ def check_device(device: str, dtype: str) -> torch.device:
             reason = "no XPU device is visible"
     elif dev.type != "cpu":
         reason = f"causalkv generates on cpu, cuda, mps or xpu, not on {dev.type!r}"
+    elif dev.index not in (None, 0):  # torch accepts any index for the CPU and ignores it
+        reason = f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}"
     if reason is not None:
         raise ConfigError(f"--device {device!r} is not available: {reason}; use --device cpu")
     torch_dtype = parse_dtype(dtype)
@@ -258,28 +368,64 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def check_frames(plan: Plan) -> None:
-    """Refuse a frame count beyond the RoPE limit or whose latents cannot fit in memory."""
-    info, fpc, n = plan.info, plan.settings.frames_per_chunk, plan.num_frames
+def _rope_limit(plan: Plan) -> tuple[int, int, str]:
+    """``(rope_max_seq_len, temporal patch, where it is set)`` of the plan's transformer."""
     cfg = _transformer_config(plan)
     limit = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
     p_t = int(cfg.get("patch_size", (1, 2, 2))[0])
-    where = f"{info.config.name}'s transformer/config.json"
-    if n // p_t > limit:  # no offsets needed to know (and no per-chunk walk of a huge request)
+    return limit, p_t, f"{plan.info.config.name}'s transformer/config.json"
+
+
+def _check_rope_limit(plan: Plan) -> None:
+    """The frames alone against the RoPE limit: no offsets and no chunk list needed."""
+    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
+    limit, p_t, where = _rope_limit(plan)
+    if n // p_t > limit:
         raise ConfigError(
             f"--frames {n} exceeds the RoPE limit: rope_max_seq_len={limit} in {where}; "
             f"pass --frames {(limit * p_t) // fpc * fpc} or fewer"
         )
-    for i, end in enumerate(rope_frame_ends(plan)):
+
+
+def check_frames(plan: Plan) -> None:
+    """Refuse a frame count whose chunks' RoPE frames (per-shot offsets included) go beyond
+    the RoPE limit; the hint is the frame count, or the per-shot offset, that fits."""
+    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
+    _check_rope_limit(plan)
+    limit, p_t, where = _rope_limit(plan)
+    ends = rope_frame_ends(plan)
+    for i, end in enumerate(ends):
         start = end - fpc
         if start // p_t + fpc // p_t > limit:
             offset = start - i * fpc
             best = max(0, (limit * p_t - offset) // fpc * fpc)
+            if best >= fpc:
+                fix = f"pass --frames {best} or fewer"
+            else:  # the offsets alone pass the limit: the hint is the per-shot offset that fits
+                fix = _offset_fix(plan, ends, limit * p_t)
             raise ConfigError(
                 f"--frames {n}: chunk {i} would use RoPE frames up to {end} (its frames plus a "
-                f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; "
-                + (f"pass --frames {best} or fewer" if best >= fpc else "pass fewer shots")
+                f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; {fix}"
             )
+
+
+def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
+    """The hint when the per-shot RoPE offsets alone pass the limit: the largest per-shot
+    offset the last chunk fits with (chunk ``L`` of shot ``K`` starts at ``L fpc + K off``)."""
+    fpc = plan.settings.frames_per_chunk
+    starts = plan.resolution.stage.planned_rope_frame_starts(
+        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
+    )
+    offsets = [start - i * fpc for i, start in enumerate(starts)]
+    steps = sorted({round(o, 6) for o in offsets})
+    per_shot = min((b - a for a, b in zip(steps, steps[1:]) if b - a > 0), default=0.0)
+    last = len(starts) - 1
+    if per_shot <= 0 or offsets[last] <= 0:
+        return "pass fewer shots"
+    shots = round(offsets[last] / per_shot)
+    room = max(0, frames_limit - last * fpc - fpc) / max(1, shots)
+    return (f"lower the per-shot RoPE offset (--multi-shot-rope-offset, now {per_shot:g}) to at most "
+            f"{math.floor(room * 1000) / 1000:g}, or pass fewer --frames or shots")
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -289,12 +435,38 @@ def latents_nbytes(plan: Plan) -> int:
     return 4 * plan.num_frames * info.latent_channels * info.latent_height * info.latent_width
 
 
+def _address_space_left() -> int | None:
+    """Bytes this process may still map under its ``RLIMIT_AS`` (``ulimit -v``), or None."""
+    try:
+        import resource  # POSIX only: without it there is no address-space limit to read
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        mapped = int(Path("/proc/self/statm").read_text().split()[0]) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        mapped = 0
+    return max(0, int(soft) - mapped)
+
+
+def host_memory_bytes() -> int | None:
+    """The memory a run on the CPU can have: the physical memory, or less under an
+    address-space limit."""
+    known = [m for m in (_physical_memory_bytes(), _address_space_left()) if m is not None]
+    return min(known) if known else None
+
+
 def _device_memory_bytes(device: str) -> int | None:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):  # `check_device` names it
+        return None
     if dev.type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
     if dev.type == "cpu":
-        return _physical_memory_bytes()
+        return host_memory_bytes()
     return None
 
 
@@ -304,8 +476,10 @@ def memory_floor(plan: Plan) -> dict[str, int]:
 
     - ``latents``: the noise and the output, float32 (on the host);
     - ``kv_caches``: K and V of every layer and branch, in the cache dtype, of the tokens the
-      caches hold by the last chunk (unquantized: ``min(frames, cache_frames)`` frames; QVG:
-      the chunk being written, which stays unpacked), for this rank's heads;
+      caches hold by the last chunk, for this rank's heads: a cache that preallocates its
+      buffer (``preallocates = True``, the dense cache) its whole ``cache_frames``, whatever
+      the video's length; one that grows ``min(frames, cache_frames)``; QVG the chunk being
+      written, which stays unpacked;
     - ``activations``: one chunk's q, k, v and attention output in the compute dtype;
     - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
       transformer allocates when it loads.
@@ -317,6 +491,8 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     frames = min(plan.num_frames, s.cache_frames)
     if QUANT_QVG in plan.resolution.requirements:  # packed: only the chunk being written is dense
         frames = min(frames, s.frames_per_chunk)
+    elif _preallocates(plan):
+        frames = s.cache_frames
     branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
     kv_tokens = frames * s.tokens_per_frame
     cfg = _transformer_config(plan)
@@ -327,6 +503,14 @@ def memory_floor(plan: Plan) -> dict[str, int]:
         "activations": 4 * s.tokens_per_chunk * model.num_heads * model.head_dim * item,
         "rope_tables": 2 * rope * model.head_dim * 4,
     }
+
+
+def _preallocates(plan: Plan) -> bool:
+    """Does the chosen cache allocate its whole ``cache_size`` up front?"""
+    try:
+        return bool(getattr(plan.resolution.cache_factory.load(), "preallocates", False))
+    except ImportError:
+        return False
 
 
 def _size(n: float) -> str:
@@ -365,6 +549,51 @@ def check_memory(plan: Plan) -> None:
 
 
 # ---- output files ---------------------------------------------------------------------------
+def fs_error_reason(exc: OSError, folder: str | Path) -> str:
+    """Why a file could not be created in ``folder``, in words a user can act on: the
+    errno's text, except where it misleads (``/proc`` answers "No such file or directory"
+    for a folder that exists: a virtual file system that takes no new files)."""
+    folder = Path(folder)
+    code = exc.errno
+    try:
+        readonly = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        readonly = False
+    if code == errno.EROFS or readonly:
+        return "a read-only file system"
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if code == errno.ENOENT and folder.is_dir():
+        return "its file system takes no new files (a virtual file system such as /proc or /sys)"
+    if code == errno.ENOSPC:
+        return "no space left on its file system"
+    return exc.strerror or str(exc)
+
+
+def _nearest_existing(path: Path) -> Path:
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def check_creatable_folder(path: str | Path, what: str, fix: str) -> Path:
+    """``path`` (absolute) if a folder can be created there (or is one, writable); else
+    `ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why, and ``fix``.
+    Probed by creating and removing a temporary file in the nearest existing folder."""
+    p = Path(os.path.abspath(Path(str(path)).expanduser()))
+    probe = _nearest_existing(p)
+    if not probe.is_dir():
+        raise ConfigError(f"{what}: {str(probe)!r} is a file, not a folder; {fix}")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=probe)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create files in {str(probe)!r} ({fs_error_reason(exc, probe)}); {fix}") from None
+    os.close(fd)
+    os.unlink(name)
+    return p
+
+
 def check_writable_file(path: str | Path, flag: str) -> Path:
     """``path`` (absolute) if a file can be written there: not a folder or a special file,
     its folder exists or can be created, and a file can be created in it. Else `ConfigError`.
@@ -378,16 +607,14 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
         raise ConfigError(f"{flag} {text!r} is a folder; name a file in it")
     if p.exists() and not p.is_file():
         raise ConfigError(f"{flag} {text!r} exists and is not a regular file; name a regular file")
-    folder = p.parent
-    while not folder.exists():
-        folder = folder.parent
+    folder = _nearest_existing(p.parent)
     if not folder.is_dir():
         raise ConfigError(f"{flag} {text!r}: {str(folder)!r} is a file, not a folder; choose another {flag}")
     try:
         fd, probe = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
     except OSError as exc:
         raise ConfigError(
-            f"{flag} {text!r}: cannot create files in {str(folder)!r} ({exc.strerror or exc}); "
+            f"{flag} {text!r}: cannot create files in {str(folder)!r} ({fs_error_reason(exc, folder)}); "
             f"choose a writable folder for {flag}"
         ) from None
     os.close(fd)
@@ -395,8 +622,37 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
     return p
 
 
-#: the least free space an output's file system must have: a metrics file or a small video
-MIN_FREE_BYTES = 1 << 20
+#: bytes of every file's floor besides its content (a file system block, headers)
+FILE_OVERHEAD_BYTES = 4096
+#: compatibility name: what was once the fixed floor of every output
+MIN_FREE_BYTES = FILE_OVERHEAD_BYTES
+#: the video floor's compression: an encoded video is at least raw RGB / this (H.264 of the
+#: tiny presets' noise compresses about 14x, of natural video 50-100x; a floor, not a guess)
+VIDEO_FLOOR_COMPRESSION = 200
+
+
+def video_nbytes_floor(plan: Plan) -> int:
+    """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
+    Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
+    info = plan.info
+    frames = 1 + 4 * (plan.num_frames - 1)
+    return FILE_OVERHEAD_BYTES + frames * info.height * info.width * 3 // VIDEO_FLOOR_COMPRESSION
+
+
+def metrics_nbytes_floor(plan: Plan) -> int:
+    """The least bytes the metrics JSON of ``plan`` takes: its fixed keys and one number per
+    chunk in each per-chunk list (at least 8 bytes each, five lists)."""
+    return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
+
+
+def _check_free_space(flag: str, path: Path, need: int, what: str = "the file") -> None:
+    folder = _nearest_existing(path.parent)
+    free = _free_bytes(folder)
+    if free is not None and free < need:
+        raise ConfigError(
+            f"{flag} {str(path)!r}: the file system of {str(folder)!r} has {free:,} bytes free, "
+            f"{what} needs at least {need:,}; free some space or choose another folder for {flag}"
+        )
 
 
 def _free_bytes(folder: Path) -> int | None:
@@ -407,16 +663,72 @@ def _free_bytes(folder: Path) -> int | None:
     return int(st.f_bavail) * int(st.f_frsize)
 
 
-def _check_free_space(flag: str, path: Path, need: int) -> None:
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
-    free = _free_bytes(folder)
-    if free is not None and free < need:
-        raise ConfigError(
-            f"{flag} {str(path)!r}: the file system of {str(folder)!r} has {free:,} bytes free, "
-            f"the file needs about {need:,}; free some space or choose another folder for {flag}"
-        )
+def describe_file(path: str | Path) -> str | None:
+    """What an existing, non-empty file holds, in words (``"an MP4 video"``, ``"a GIF
+    image"``, ``"causalkv metrics"``, ``"saved latents (safetensors)"``, ``"a safetensors
+    file"``, ``"a JSON file"``, ``"1,234 bytes of text"``...); None when there is no file or
+    it is empty (nothing to lose)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size == 0 or not p.is_file():
+            return None
+        with open(p, "rb") as f:
+            head = f.read(65536)
+    except OSError:
+        return None
+    if head[4:8] == b"ftyp":
+        return "an MP4 video"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "a GIF image"
+    if len(head) >= 9 and head[8:9] == b"{":
+        n = int.from_bytes(head[:8], "little")
+        if 0 < n <= size - 8:
+            with open(p, "rb") as f:
+                f.seek(8)
+                try:
+                    header = json.loads(f.read(n))
+                except (ValueError, UnicodeDecodeError):
+                    header = None
+            if isinstance(header, dict):
+                return "saved latents (safetensors)" if "latents" in header else "a safetensors file"
+    if size <= 1 << 24:
+        try:
+            obj = json.loads(p.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError, OSError):
+            obj = None
+        else:
+            if isinstance(obj, dict) and {"model", "stage", "chunks"} <= set(obj):
+                return "causalkv metrics"
+            return "a JSON file"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"{size:,} bytes of other data"
+    return f"{size:,} bytes of text"
+
+
+def _expected_content(flag: str, path: Path) -> str:
+    if flag == "--metrics":
+        return "causalkv metrics"
+    if "latents" in flag:
+        return "saved latents (safetensors)"
+    return {".mp4": "an MP4 video", ".gif": "a GIF image"}.get(path.suffix.lower(), "a video")
+
+
+def check_no_other_work(flag: str, path: Path, *, force: bool) -> None:
+    """Refuse to replace a file that holds something else than what ``flag`` writes (a video
+    under ``--metrics``, a metrics file under ``--output``, a README, a model's weights):
+    `ConfigError` naming the path and what it holds, unless ``force``. A file of the same
+    kind (the previous run's video) is replaced, atomically, as before."""
+    held = describe_file(path)
+    expected = _expected_content(flag, path)
+    if force or held is None or held == expected:
+        return
+    raise ConfigError(
+        f"{flag} {str(path)!r} exists and holds {held}, not {expected}; choose another {flag}, "
+        "or pass --force to replace it (atomically, once the run has its result)"
+    )
 
 
 def check_output_files(
@@ -425,13 +737,18 @@ def check_output_files(
     metrics: str | Path | None = None,
     save_latents: str | Path | None = None,
     latents_nbytes: int = 0,
+    video_nbytes: int = FILE_OVERHEAD_BYTES,
+    metrics_nbytes: int = FILE_OVERHEAD_BYTES,
+    force: bool = False,
 ) -> None:
     """Check the video (``--output``), metrics (``--metrics``) and ``--save-latents`` targets
     (`check_writable_file`; the video's suffix must be one an installed encoder writes,
     saved latents end in ``.safetensors``), that no two name the same file, the file kept for
-    the latents of a video that fails to encode included, and that each file system has room
-    (`MIN_FREE_BYTES`, plus ``latents_nbytes`` for latents files: a full disk is refused here,
-    a disk that fills up during the run fails when the file is written)."""
+    the latents of a video that fails to encode included, that none would replace a file of
+    another kind (`check_no_other_work`; ``force`` allows it), and that each file system has
+    room for the file's floor (``video_nbytes``, ``metrics_nbytes``, ``latents_nbytes`` plus
+    `FILE_OVERHEAD_BYTES`: a full disk is refused here, a disk that fills up during the run
+    fails when the file is written)."""
     named: list[tuple[str, Path]] = []
     if output is not None:
         named.append(("--output", check_writable_file(output, "--output")))
@@ -451,9 +768,15 @@ def check_output_files(
             named.append(("the latents kept if the video fails to encode", kept))
     _check_distinct(named)
     for flag, path in named:
-        latents = flag == "--save-latents" or flag.startswith("the latents")
-        _check_free_space("--output" if flag.startswith("the latents") else flag, path,
-                          MIN_FREE_BYTES + (latents_nbytes if latents else 0))
+        check_no_other_work(flag, path, force=force)
+    for flag, path in named:
+        if flag == "--output":
+            _check_free_space(flag, path, video_nbytes, "the video")
+        elif flag == "--metrics":
+            _check_free_space(flag, path, metrics_nbytes, "the metrics file")
+        else:
+            _check_free_space("--output" if flag.startswith("the latents") else flag, path,
+                              FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file")
 
 
 def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
@@ -517,6 +840,12 @@ def check_model_files(info: ModelInfo) -> None:
         if not is_complete_preset(folder):
             return
         fix = f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"
+        held = preset_name(folder)
+        if held not in (None, info.preset):  # a complete preset of another kind: never replaced
+            raise ModelFolderError(
+                f"{folder} holds the complete preset {held!r}, not {info.preset!r}; move it to "
+                f"{str(folder.parent / held)!r} or {fix}"
+            )
     else:
         fix = "restore the file (re-download or re-convert the model)"
     _check_json(folder / "model_index.json", fix)

@@ -83,6 +83,7 @@ def generate(
     on_plan: Callable[[Plan], None] | None = None,
     on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
     on_written: Callable[[Path], None] | None = None,
+    on_loaded: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], GenerationRun]:
     """Plan, load, run, optionally compare with the run without the cache's settings, write.
 
@@ -90,7 +91,10 @@ def generate(
     ``pm``, default the process-wide manager). ``log`` receives the human-readable lines
     (stage, cache, reasons, where the video went); ``on_plan`` the validated plan,
     ``on_chunk_done`` each chunk of the main run (the command line counts them for its
-    interruption message), ``on_written`` each output file once it is complete. The first
+    interruption message), ``on_loaded`` the end of the load, ``on_written`` each output
+    file once it is complete. What the run changes of the request (`Plan.warnings`) and
+    cache settings that packed nothing (`unused_cache_settings`) are one ``causalkv:
+    warning:`` line each on stderr (rank 0). The first
     output that fails stops the run with `OutputWriteError` naming the files already
     written, which are kept (`causalkv.runtime.outputs.OutputLog`).
     """
@@ -105,9 +109,13 @@ def generate(
         on_plan(plan)
     for line in describe_plan(plan):
         say(line)
+    for line in plan.warnings:
+        warn(line)
     t0 = time.perf_counter()
     components = load_for_plan(plan)
     load_seconds = time.perf_counter() - t0
+    if on_loaded is not None:
+        on_loaded()
 
     def say_stream(stage: Any) -> None:  # what the built stage runs: overrides included
         for line in describe_stream(plan, stage.settings):
@@ -116,6 +124,9 @@ def generate(
     run = _run(plan, options, components, on_chunk_done, on_stage=say_stream)
     run.load_seconds = load_seconds
     metrics = run_report(plan, run)
+    unused = unused_cache_settings(plan, metrics)
+    if unused is not None:
+        warn(unused)
     if options.compare_bf16:
         say("reference run: kv-cache-quant off, same seed")
         comparison = compare_unquantized(plan, run)
@@ -129,6 +140,33 @@ def generate(
         )
     write_files(plan, run, options, metrics, started=started, say=say, on_written=on_written)
     return metrics, run
+
+
+def warn(line: str) -> None:
+    """One ``causalkv: warning:`` line on stderr (rank 0 alone)."""
+    if not is_main_rank():
+        return
+    try:
+        print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone
+        pass
+
+
+def unused_cache_settings(plan: Plan, metrics: dict[str, Any]) -> str | None:
+    """The warning when the request gave the cache settings and the cache packed no chunk
+    with them (``kv_packing``: ``chunks_packed`` 0): it held what an unquantized cache holds.
+    The reasons are the cache's own (``chunks_dense``: reason -> chunk writes)."""
+    packing = metrics.get("kv_packing")
+    if not isinstance(packing, dict) or packing.get("chunks_packed", 1) != 0:
+        return None
+    reasons = packing.get("chunks_dense") or {}
+    why = ", ".join(f"{n} {reason}" for reason, n in reasons.items()) or "none completed"
+    return (
+        f"the cache {plan.resolution.cache_factory.name!r} packed no chunk with its settings "
+        f"({cache_description(plan.resolution)}): every chunk stayed unquantized (chunk writes "
+        f"kept dense: {why}), so the run used the memory of an unquantized cache; change the "
+        "settings named by those reasons (a smaller keep-recent count, fewer stages) or more --frames"
+    )
 
 
 def _run(

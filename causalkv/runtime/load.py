@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.runtime.checks import fs_error_reason
 from causalkv.runtime.distributed import join_ranks, local_main_first
 from causalkv.runtime.loading import Components, load_components
 from causalkv.runtime.model_config import ModelInfo
+from causalkv.runtime.outputs import OutputWriteError
 from causalkv.runtime.plugin_faults import configure_stage_checked
-from causalkv.runtime.presets import materialize_preset
-from causalkv.runtime.records import Plan
+from causalkv.runtime.presets import causalkv_home, materialize_preset
+from causalkv.runtime.records import DEFAULT_PROMPT, Plan
 from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]
@@ -26,7 +28,15 @@ __all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]
 def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
     """The folder to load from: a preset is created on first use."""
     if info.preset is not None:
-        return materialize_preset(info.preset, pm=pm, registry=registry)
+        try:
+            return materialize_preset(info.preset, pm=pm, registry=registry)
+        except OSError as exc:  # a file system that fills up or turns read-only while it builds
+            where = info.path.parent if info.path is not None else causalkv_home()
+            raise OutputWriteError(
+                f"could not build the preset {info.preset!r} in {str(where)!r} "
+                f"({fs_error_reason(exc, where)}); nothing was left there; free some space or set "
+                "CAUSALKV_HOME to a writable folder"
+            ) from None
     assert info.path is not None
     return info.path
 
@@ -47,6 +57,8 @@ def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
     folder = local_main_first(lambda: model_folder(plan.info, registry=registry))
     components = load_components(plan.info, folder, dtype=args.dtype, device=args.device)
+    # the host's own default prompt is not the user's: its cut on a tiny preset is not reported
+    components.prompt_encoder.quiet_texts = frozenset({DEFAULT_PROMPT})
     make_parallel(components, args)
     return components
 

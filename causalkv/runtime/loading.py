@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import torch
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.runtime.attention import CausalWanTransformer
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo
-from causalkv.runtime.text import PromptEncoder
+from causalkv.runtime.text import PromptEncoder, warn_line
 from causalkv.stages.scheduler import flow_match
 
 __all__ = [
@@ -32,7 +34,59 @@ __all__ = [
     "cast_keeping_fp32_modules",
     "load_components",
     "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype",
-    "reading_component"]
+    "captured_library_warnings", "reading_component"]
+
+#: the libraries whose log records a load captures (their own handlers print several lines)
+CAPTURED_LOGGERS = ("diffusers", "transformers")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    more = f" (+{len(lines) - 1} more line{'s' if len(lines) > 2 else ''})" if len(lines) > 1 else ""
+    return lines[0] + more
+
+
+@contextmanager
+def captured_library_warnings(what: str) -> Iterator[list[str]]:
+    """Within the block, the warnings diffusers and transformers log and Python ``warnings``
+    are captured instead of printed (their multi-line texts would precede causalkv's own
+    line); each becomes one ``causalkv: warning: <what>: <first line> (+N more lines)`` line
+    when the block succeeds. When it raises, the error's one line says what went wrong and the
+    captured texts are dropped (``--debug`` shows the traceback)."""
+    collect = _Collect()
+    saved = []
+    for name in CAPTURED_LOGGERS:  # configured now, so no handler of theirs arrives later
+        try:
+            importlib.import_module(f"{name}.utils.logging").get_logger(name)
+        except ImportError:  # not installed: nothing of it to capture
+            pass
+    for name in CAPTURED_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.handlers[:], logger.propagate))
+        logger.handlers = [collect]
+        logger.propagate = False
+    lines: list[str] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filters stay as they are
+            yield lines
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+    texts = [r.getMessage() for r in collect.records] + [str(w.message) for w in caught]
+    for text in dict.fromkeys(t for t in (_one_line(t) for t in texts) if t):
+        lines.append(text)
+        warn_line(f"{what}: {text}")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -147,9 +201,11 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 def reading_component(folder: Path, component: str, *, preset: str | None = None) -> Iterator[None]:
     """Turn a failure to read ``folder/component`` (corrupt config or weights, missing file,
     unreadable tokenizer) into a one-line `ModelFolderError` with the fix, and running out of
-    memory into `LoadMemoryError` (not a corrupt file). causalkv's own errors pass through."""
+    memory into `LoadMemoryError` (not a corrupt file). causalkv's own errors pass through.
+    The libraries' warnings are captured (`captured_library_warnings`)."""
     try:
-        yield
+        with captured_library_warnings(f"loading {component}"):
+            yield
     except CausalKVError:
         raise
     except Exception as exc:  # noqa: BLE001 - what from_pretrained raises varies by library

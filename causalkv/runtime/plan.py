@@ -5,6 +5,12 @@ cache through the plugin registry (which also routes the request's option record
 lets the stage split the prompts into chunks and validate the request, and runs every check
 that needs no weights (`causalkv.runtime.checks.check_before_load`). Every bad input is
 refused here, in milliseconds.
+
+Bounds before cost: the only part of a plan proportional to the request, the per-chunk prompt
+list (a reference per chunk), is built after `causalkv.runtime.checks.check_sizes` has held
+the frames to the RoPE limit and every size to the memory (the RoPE tables of that limit,
+8 x head_dim bytes a position, cost more than the list's 8 bytes a chunk), so planning never
+holds more than the run would.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 from causalkv.config import ServerArgs, check_prompts
 from causalkv.errors import ConfigError
 from causalkv.plugin import resolve
-from causalkv.runtime.checks import check_before_load
+from causalkv.runtime.checks import check_before_load, check_request_effect, check_sizes
 from causalkv.runtime.distributed import check_parallel_request
 from causalkv.runtime.model_config import load_model_info
 from causalkv.runtime.records import GenerateOptions, Plan, PluginSet
@@ -52,8 +58,6 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
     if args.heads_sharded > 1:
         check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
                                tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
-    chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
-    res.stage.check_request(model, args, num_frames, chunk_prompts)
     negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
     plan = Plan(
         info=info,
@@ -61,12 +65,19 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
         resolution=res,
         num_frames=num_frames,
         prompts=prompts,
-        chunk_prompts=chunk_prompts,
+        chunk_prompts=[],
         settings=settings,
         stage_name=options.stage,
         negative_prompt=negative,
         plugins=plugins,
     )
+    # bounds before cost: the frame count against the RoPE limit and every size against the
+    # memory, before the per-chunk prompt list (one entry per chunk) is built
+    check_sizes(plan)
+    check_request_effect(plan, options)
+    chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
+    res.stage.check_request(model, args, num_frames, chunk_prompts)
+    plan.chunk_prompts = chunk_prompts
     check_before_load(plan, options)
     return plan
 

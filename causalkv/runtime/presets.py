@@ -53,6 +53,7 @@ __all__ = [
     "materialize_preset",
     "preset_dir",
     "preset_info",
+    "preset_name",
     "preset_transformer_config",
     "write_preset_folder",
 ]
@@ -109,6 +110,16 @@ def is_complete_preset(folder: Path) -> bool:
         return json.loads(marker.read_text()).get("format") == PRESET_FORMAT
     except (OSError, json.JSONDecodeError):
         return False
+
+
+def preset_name(folder: Path) -> str | None:
+    """The name a preset folder's completion marker records, or None (no marker, or one
+    written before markers held names)."""
+    try:
+        name = json.loads((folder / _MARKER).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _pid_alive(pid: int) -> bool:

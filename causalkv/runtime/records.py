@@ -53,6 +53,8 @@ class GenerateOptions:
         strict_plugins: a ``causalkv_chunk_done`` implementation that raises stops the run
             (`causalkv.runtime.plugin_faults.PluginHookError`) instead of being reported
             once and skipped.
+        force: replace an output file that holds something else than what its flag writes
+            (`causalkv.runtime.checks.check_no_other_work`), atomically.
     """
 
     model: str = "tiny-wan"
@@ -68,6 +70,7 @@ class GenerateOptions:
     metrics: str | Path | None = None
     save_latents: str | Path | None = None
     strict_plugins: bool = False
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class Plan:
     stage_name: str | None = None
     negative_prompt: str = ""
     plugins: PluginSet | None = None
+    #: what the run changes of what the request asked (one ``causalkv: warning:`` line each,
+    #: printed before the load): e.g. a window longer than the video
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def model(self) -> ModelConfig:

@@ -33,12 +33,15 @@ from safetensors.torch import save_file
 
 from causalkv.errors import ConfigError
 from causalkv.runtime import preset_configs, presets
+from causalkv.runtime.checks import check_creatable_folder, fs_error_reason
+from causalkv.runtime.outputs import OutputWriteError
 from causalkv.runtime.text import build_byte_tokenizer
 
 __all__ = [
     "CHECKPOINTS",
     "SGLangCheckpoint",
     "build_sglang_checkpoint",
+    "describe_folder",
     "generate_command",
     "is_complete_checkpoint",
 ]
@@ -254,25 +257,73 @@ def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
     return meta.get("format") == CHECKPOINT_FORMAT and (name is None or meta.get("name") == name)
 
 
-def build_sglang_checkpoint(name: str, folder: str | Path) -> Path:
+def describe_folder(folder: str | Path) -> str:
+    """What an existing folder holds, for a refusal: a causalkv sglang checkpoint (its name),
+    a causalkv preset, a diffusers model folder, or how many entries."""
+    folder = Path(folder)
+    for marker, what in ((_MARKER, "a complete tiny {name} sglang checkpoint"),
+                         (presets._MARKER, "the causalkv preset {name!r}")):
+        try:
+            meta = json.loads((folder / marker).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict):
+            return what.format(name=meta.get("name", "?"))
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):
+        index = None
+    if isinstance(index, dict):
+        return f"a model folder ({index.get('_class_name', 'model_index.json')})"
+    try:
+        n = sum(1 for _ in folder.iterdir())
+    except OSError:
+        return "files this process cannot list"
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def build_sglang_checkpoint(name: str, folder: str | Path, *, force: bool = False) -> Path:
     """Build checkpoint ``name`` into ``folder`` (atomically; a complete one is kept).
 
+    ``force``: replace a complete checkpoint of another name (or format), atomically.
+
     Raises:
-        ConfigError: for an unknown ``name``, or a ``folder`` that exists, is not empty and
-            holds no causalkv sglang checkpoint (it is never overwritten).
+        ConfigError: for an unknown ``name``; a ``folder`` that holds a complete checkpoint
+            of another name (without ``force``); one that exists, is not empty and holds no
+            causalkv sglang checkpoint (never overwritten, ``force`` or not); a place where
+            no folder can be created (a file, a read-only or unwritable file system), each
+            naming the path, what it holds and the fix.
+        OutputWriteError: the build failed to write (a full disk): the folder is as it was.
     """
     spec = _spec(name)
     folder = Path(folder).expanduser().absolute()
+    where = f"sglang-checkpoint DIR {str(folder)!r}"
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{where} is a file, not a folder; choose a new or empty folder")
     if folder.exists() and not (folder / _MARKER).exists():
-        if not folder.is_dir() or any(folder.iterdir()):
+        if any(folder.iterdir()):
             raise ConfigError(
-                f"{folder} exists and is not a causalkv sglang checkpoint; choose a new or "
-                "empty folder (it is never overwritten)"
+                f"{where} exists, holds {describe_folder(folder)} and is not a causalkv sglang "
+                "checkpoint; choose a new or empty folder (it is never overwritten)"
             )
         folder.rmdir()
-    return presets.build_atomically(
-        folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
-    )
+    elif folder.exists() and not is_complete_checkpoint(folder, name) and is_complete_checkpoint(folder):
+        if not force:
+            raise ConfigError(
+                f"{where} holds {describe_folder(folder)}, not {name}; choose another folder, or "
+                "pass --force to replace it (atomically)"
+            )
+    check_creatable_folder(folder.parent if not folder.exists() else folder, where,
+                           "choose a folder where files can be created")
+    try:
+        return presets.build_atomically(
+            folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
+        )
+    except OSError as exc:
+        raise OutputWriteError(
+            f"could not write the {name} checkpoint into {str(folder)!r} ({fs_error_reason(exc, folder.parent)}); "
+            "nothing was changed there; free some space or choose another folder"
+        ) from None
 
 
 def generate_command(name: str, folder: str | Path, *extra: str) -> str:

@@ -2,7 +2,9 @@
 
 `PromptEncoder` follows diffusers' Wan pipeline: tokenize to ``max_length`` with padding,
 run the UMT5 encoder, keep the real tokens and zero the padding, so an embedding is
-``[1, max_length, d_model]``. Embeddings are memoized per text.
+``[1, max_length, d_model]``. Embeddings are memoized per text. A prompt longer than
+``max_length`` tokens is cut there, as diffusers does, and one warning line says how many
+tokens were kept and dropped.
 
 `build_byte_tokenizer` makes a byte-level tokenizer from code (the `tokenizers` library, no
 vocabulary file to download): 256 byte symbols plus ``<pad>``, ``</s>``, ``<unk>``, with
@@ -12,11 +14,23 @@ back with ``AutoTokenizer.from_pretrained``.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE"]
+__all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE", "warn_line"]
+
+
+def warn_line(line: str) -> None:
+    """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone
+        pass
 
 _SPECIALS = ("<pad>", "</s>", "<unk>")
 #: vocabulary size of `build_byte_tokenizer` (3 specials + 256 bytes)
@@ -55,8 +69,10 @@ class PromptEncoder:
     Args:
         tokenizer: a transformers tokenizer (UMT5's, or `build_byte_tokenizer`'s).
         text_encoder: a transformers ``UMT5EncoderModel``.
-        max_length: text tokens (Wan: 512); shorter prompts are zero-padded.
+        max_length: text tokens (Wan: 512); shorter prompts are zero-padded, longer ones cut
+            (``warn`` gets one line saying how many tokens were kept).
         device, dtype: of the returned embeddings.
+        warn: receives the truncation line (default `warn_line`: stderr).
     """
 
     def __init__(
@@ -67,19 +83,37 @@ class PromptEncoder:
         max_length: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        warn: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder.eval()
         self.max_length = max_length
         self.device = torch.device(device)
         self.dtype = dtype
+        self.warn = warn if warn is not None else warn_line
+        #: texts whose truncation is not reported (the host's default prompt)
+        self.quiet_texts: frozenset[str] = frozenset()
         self._memo: dict[str, torch.Tensor] = {}
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` with the end mark, before any truncation."""
+        return len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
+                                  verbose=False)["input_ids"])
 
     @torch.no_grad()
     def __call__(self, text: str) -> torch.Tensor:
         hit = self._memo.get(text)
         if hit is not None:
             return hit
+        n = self.count_tokens(text)
+        if n > self.max_length and text not in self.quiet_texts:
+            shown = text.strip()
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            self.warn(
+                f"the prompt {shown!r} is {n:,} tokens and the text encoder reads {self.max_length:,} "
+                f"(text_max_length): the first {self.max_length:,} are kept (the end mark included), "
+                f"{n - self.max_length:,} dropped; shorten the prompt to keep all of it"
+            )
         enc = self.tokenizer(
             [text.strip()],
             padding="max_length",

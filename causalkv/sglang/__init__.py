@@ -71,6 +71,10 @@ def register() -> bool:
     it at start-up). Never raises for a setting: sglang would drop the whole bridge.
     """
     off = not enabled()
+    raw = os.environ.get(ENV_SWITCH)
+    if raw is not None and raw.strip().lower() not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+        logger.warning("causalkv: warning: %s=%r is not 0/false/off/no or 1/true/on/yes; the sglang bridge "
+                       "stays on (set %s=0 to turn it off)", ENV_SWITCH, raw, ENV_SWITCH)
     if off:
         logger.info("causalkv sglang bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
     try:

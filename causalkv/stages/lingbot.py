@@ -58,9 +58,10 @@ def parse_motion(text: str | Sequence[str]) -> tuple[str, ...]:
     """
     items = [t.strip().lower() for t in text.split(",")] if isinstance(text, str) else list(text)
     if not items or any(m not in MOTION_LETTERS for m in items):
+        fixed = ",".join(m if m in MOTION_LETTERS else "m" for m in items) or "m"  # as many letters
         raise ConfigError(
             f"motion must be one letter per chunk, m (camera moves) or s (still), comma separated, "
-            f"got {text!r} (--motion m,m,s,s)"
+            f"got {text!r} (e.g. --motion {fixed})"
         )
     return tuple(items)
 

@@ -358,15 +358,32 @@ class LongLive2Stage(CausalDenoisingStage):
                 "--no-multi-shot-sink, --multi-shot-rope-offset) shape a multi-shot request, and "
                 "this one has a single shot; drop them or pass one --prompt per shot"
             )
-        return ShotPlan(
-            expand_shots(
-                prompts,
-                num_chunks,
-                durations=shots.durations,
-                chunks_per_shot=shots.chunks_per_shot,
-                scene_cut_prefix=shots.scene_cut_prefix,
+        if shots.durations is not None and shots.chunks_per_shot > 0:
+            raise ConfigError(
+                f"--chunks-per-shot {shots.chunks_per_shot} does nothing beside --shot-durations (the "
+                "durations win); pass one of them"
             )
+        layout = expand_shots(
+            prompts,
+            num_chunks,
+            durations=shots.durations,
+            chunks_per_shot=shots.chunks_per_shot,
+            scene_cut_prefix=shots.scene_cut_prefix,
         )
+        got = len(set(layout.shot_indices))
+        if got < len(prompts):  # the seed runtime drops a shot that finds no chunk: refused here
+            wanted = (list(shots.durations) if shots.durations is not None
+                      else [shots.chunks_per_shot] * len(prompts) if shots.chunks_per_shot else None)
+            need = sum(wanted[:-1]) + 1 if wanted is not None else len(prompts)
+            shorter = ("shorter --shot-durations, " if shots.durations is not None
+                       else "fewer --chunks-per-shot, " if shots.chunks_per_shot else "")
+            raise ConfigError(
+                f"{len(prompts)} shots on {num_chunks} chunks: shot {got + 1} ({prompts[got]!r}) "
+                + (f"and the {len(prompts) - got - 1} after it " if len(prompts) - got > 1 else "")
+                + f"would get no chunk (the shots before it take all {num_chunks}); pass --frames "
+                f"for at least {need} chunks, {shorter}or fewer shots"
+            )
+        return ShotPlan(layout)
 
     # ---- schedule --------------------------------------------------------------------------
     def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:

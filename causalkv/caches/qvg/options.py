@@ -114,7 +114,8 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
     )
     grid: str = option(
         "reference", flag="--kv-cache-quant-grid", key="kv_cache_quant_grid", choices=_GRIDS,
-        help="2-bit residual grid (beyond the reference)",
+        help="residual grid at either bit width: mse4 uses all 2**bits levels with a least-squares "
+        "scale (int2: 4 levels, int4: 16), reference the symmetric absmax grid (beyond the reference)",
     )
 
     @property

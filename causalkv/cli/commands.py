@@ -1,0 +1,56 @@
+"""The ``causalkv`` parser and its dispatch (`causalkv.cli.main` is the light entry point
+that imports this module): the subcommands' parsers, then one command run.
+
+Before a command runs, the documented environment variables are checked
+(`causalkv.runtime.checks.check_environment`): a value they do not take is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from causalkv import __version__
+from causalkv.cli import demo, generate, plugins, sglang_checkpoint
+from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
+from causalkv.errors import CausalKVError
+from causalkv.runtime.checks import check_environment
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(  # subcommand parsers inherit the one-line usage errors
+        prog="causalkv",
+        description=(
+            "Causal KV caches for chunk-by-chunk video diffusion: generate video on a tiny "
+            "embedded model or a local diffusers-format Wan checkpoint, inspect plugins and "
+            "cache resolution, or walk through the cache."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"causalkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    found = generate.collect_plugins()  # once: the flags of `generate` and `resolve`, and the run
+    generate.register(sub, plugins=found)
+    plugins.register(sub, plugins=found)
+    for module in (demo, sglang_checkpoint):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    reserve_standard_fds()  # `>&-`: no file the run opens may land on descriptor 1 or 2
+    try:
+        check_environment()
+    except CausalKVError as exc:
+        print(f"causalkv: error: {exc}", file=sys.stderr)
+        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # re-executed under torchrun
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
