@@ -6,7 +6,7 @@ The distribution ``causalkv-example-plugin`` declares three entry points in grou
 ``pip install --no-deps --no-build-isolation --no-index --target <tmp>``; each scenario runs
 the ``plugins``/``resolve`` subcommands in a fresh interpreter whose PYTHONPATH holds the
 target, so discovery goes through importlib.metadata exactly as for an installed plugin.
-(The runner builds a parser with `causalkv.plugin.cli.register` only, so the other
+(The runner builds a parser with `causalkv.cli.plugins.register` only, so the other
 subcommands' imports do not slow these subprocesses down.)
 """
 
@@ -25,7 +25,7 @@ DIST = Path(__file__).parent / "plugin_dist" / "causalkv-example-plugin"
 ENTRY_POINTS = {"example", "broken", "misspelled"}
 RUNNER = (
     "import argparse, sys\n"
-    "from causalkv.plugin import cli\n"
+    "from causalkv.cli import plugins as cli\n"
     "parser = argparse.ArgumentParser(prog='causalkv')\n"
     "cli.register(parser.add_subparsers())\n"
     "args = parser.parse_args(sys.argv[1:])\n"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from causalkv.caches import KVCacheSpec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.qvg.policy import CAUSALKV, SGLANG
 from causalkv.sglang.policy import sglang_dense_chunks

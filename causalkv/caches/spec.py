@@ -128,7 +128,7 @@ class KVCacheSpec:
 
 
 if TYPE_CHECKING:
-    from causalkv.caches.qvg.codec import PackedSegment
+    from causalkv.caches.qvg.format import PackedSegment
 
 KVSegment = tuple[torch.Tensor, torch.Tensor]
 #: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``

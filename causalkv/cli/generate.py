@@ -26,15 +26,15 @@ from causalkv.runtime.distributed import (
     run_under_torchrun,
     shutdown,
 )
-from causalkv.runtime.generate import generate, plan_generation
+from causalkv.runtime.generate import generate
 from causalkv.runtime.launch import register_rank
+from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.video import video_formats
 
 __all__ = [
     "add_extension_args",
     "add_generate_args",
-    "add_request_args",
     "collect_plugins",
     "compare_table",
     "extension_records",
@@ -183,12 +183,6 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
 
 def _video_formats() -> str:
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
-def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Compatibility: the request flags the registered extensions declare
-    (`add_extension_args` with the process-wide plugin manager's registry)."""
-    return add_extension_args(parser, _registry())
-
-
 def _request_prompts(args: argparse.Namespace) -> list[str] | None:
     if args.prompts is not None and args.shot_prompts is not None:
         raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")

@@ -31,7 +31,6 @@ from causalkv.config import ModelConfig
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
 from causalkv.plugin import Registry, collect, get_plugin_manager
-from causalkv.plugin.builtin import STAGES
 from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
@@ -193,12 +192,6 @@ def preset_choices(presets: Iterable[str]) -> str:
         "no preset is registered: the plugins that declare presets are blocked or not "
         "installed (the built-in one is causalkv.builtin; causalkv plugins lists what loaded)"
     )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "CLASS_DEFAULTS":  # compatibility: the built-in families' defaults, by pipeline
-        return {m: dict(reg.defaults) for reg in STAGES for m in reg.models}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] | None, type[Options] | None]:

@@ -32,7 +32,7 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
 )
 
 from causalkv.caches.intervals import Intervals, normalize
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import SGLANG
 from causalkv.caches.qvg.store import KVWrite, PackedKV, SegmentStore
 from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment

@@ -231,11 +231,6 @@ class CausalDenoisingStage(StagePlanning):
         return self._cache_sets
 
     @property
-    def quant(self) -> Any:
-        """`cache_options` under the name of earlier releases (there: the QVG settings)."""
-        return self.cache_options
-
-    @property
     def caches(self) -> CacheSet:
         """The positive branch's caches."""
         return self.cache_sets()[0]

@@ -41,8 +41,8 @@ import torch
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
 from causalkv.caches.qvg.format import packed_nbytes_formula
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
