@@ -29,7 +29,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import collect, make_plugin_manager, resolve
-from causalkv.plugin.loader import discover_entry_points
+from causalkv.plugin.manager import discover_entry_points
 
 TARGET_MS = 20.0
 FEATURES = ("pinned_sink", "head_slice", "recent_window", "growth", "int_indices")

@@ -105,30 +105,35 @@ class ModelConfig:
         """The model's ``cls`` record (its family's ``causalkv.json`` settings), else defaults."""
         return _option(self.options, cls)
 
-    def override_keys(self, *extra: type[Options]) -> list[str]:
-        """What `with_overrides` accepts: the fields, and the keys of the family records
-        (those held and ``extra``)."""
-        own = [f.name for f in fields(self) if f.name != "options"]
-        classes = dict.fromkeys([*(type(r) for r in self.options), *extra])
-        return own + [k for cls in classes for k in cls.specs() if k not in own]
+    def override_keys(self) -> list[str]:
+        """What `with_overrides` accepts (a ``causalkv_configure_stage`` hook may return): the
+        streaming fields (not the model's identity or its weights' geometry), then the keys of
+        the family records it holds."""
+        own = [f.name for f in fields(self) if f.name not in _NOT_OVERRIDES]
+        return own + [k for r in self.options for k in type(r).specs() if k not in own]
 
-    def with_overrides(self, overrides: Mapping[str, Any], *extra: type[Options]) -> ModelConfig:
-        """A copy with ``overrides`` applied: field names to the fields, a family key to its
-        record (held, or one of the ``extra`` record classes). `ConfigError` for anything
-        else, listing `override_keys`."""
-        keys = self.override_keys(*extra)
+    def with_overrides(self, overrides: Mapping[str, Any]) -> ModelConfig:
+        """A copy with ``overrides`` applied (field names to the fields, a family key to its
+        record); `ConfigError` for any other key, listing `override_keys`. The one check of
+        overrides (``causalkv_configure_stage`` results, `causalkv.plugin.configure_stage`)."""
+        keys = self.override_keys()
         unknown = sorted(set(overrides) - set(keys))
         if unknown:
             raise ConfigError(
-                f"unknown ModelConfig field(s) {', '.join(unknown)}; choose among: {', '.join(sorted(keys))}"
+                f"unknown ModelConfig override(s) {', '.join(unknown)}; the overrides are: {', '.join(keys)}"
             )
-        own = {f.name for f in fields(self)} - {"options"}
+        own = {k: v for k, v in overrides.items() if k in {f.name for f in fields(self)}}
         records = self.options
-        for cls in dict.fromkeys([*(type(r) for r in records), *extra]):
-            mine = {k: v for k, v in overrides.items() if k in cls.specs() and k not in own}
+        for r in records:
+            mine = {k: v for k, v in overrides.items() if k in type(r).specs() and k not in own}
             if mine:
-                records = _merged(records, replace(_option(records, cls), **mine))
-        return replace(self, **{k: v for k, v in overrides.items() if k in own}, options=records)
+                records = _merged(records, replace(r, **mine))
+        return replace(self, **own, options=records)
+
+
+#: `ModelConfig` fields no override may change: the model's identity and its weights' geometry
+_NOT_OVERRIDES = frozenset({"name", "model_class", "path", "options", "num_layers", "num_heads", "head_dim",
+                            "tokens_per_frame"})
 
 
 #: dtypes a request may name

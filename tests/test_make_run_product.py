@@ -39,7 +39,7 @@ def test_float32_compute_with_bf16_caches_stores_bf16_bytes(pm, causalkv_home) -
 
 def test_compare_table_reports_ratios_from_the_metrics() -> None:
     metrics = {
-        "kv_cache_quant": "qvg(int2, centroids=128, block=64)",
+        "cache_options": "qvg(int2, centroids=128, block=64)",
         "kv_cache_dtype": "bfloat16",
         "kv_resident_bytes_max": 1_000_000,
         "reference_kv_resident_bytes_max": 4_000_000,

@@ -13,6 +13,7 @@ import torch
 from causalkv.cli.generate import add_generate_args, options_from_args
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError
+from causalkv.plugin import resolve
 from causalkv.stages.lingbot import LingBotWorldStage, MotionOptions, parse_motion, window_per_chunk
 from causalkv.stages.longlive2 import SCENE_CUT_PREFIX as P
 from causalkv.stages.longlive2 import (
@@ -116,12 +117,13 @@ def test_plan_chunks_carries_the_layout_and_refuses_foreign_fields() -> None:
     assert layout_of(plan, args) is plan.layout
     # a plain list: cuts where the prompt carries the prefix
     assert layout_of(list(plan), args).shot_indices == (0, 0, 1, 2, 2, 2)
+    # another family's knobs: the one refusal is the resolution's (foreign_options_error)
     with pytest.raises(ConfigError, match="--motion applies to LingBot-World"):
-        LongLive2Stage.plan_chunks(["a"], 2, ServerArgs(options=[MotionOptions(motion=("m", "s"))]))
-    # the one message for another family's knobs (causalkv.options.foreign_options_error)
+        resolve("tiny-longlive2", ServerArgs(options=[MotionOptions(motion=("m", "s"))]))
     with pytest.raises(ConfigError, match=r"shot flags \(--shot-durations.*\) apply to multi-shot "
-                       "stages, not to LingBotWorldStage; drop them or pick a LongLive 2.0 model"):
-        LingBotWorldStage.plan_chunks(["a"], 2, args)
+                       "stages, not to LingBotWorldStage .stage 'lingbot-world'.; they are options "
+                       "of stage 'longlive2'; drop them or pick a LongLive 2.0 model"):
+        resolve("tiny-lingbot", args)
 
 
 # ---- the sampler ----------------------------------------------------------------------------

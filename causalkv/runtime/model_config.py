@@ -201,10 +201,7 @@ def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] |
     if not serving:
         return None, None
     reg = serving[0].registration
-    try:
-        return reg.defaults, reg.config_record()
-    except (ImportError, TypeError):  # a broken stage: resolution names it
-        return reg.defaults, reg.config
+    return reg.defaults, reg.config
 
 
 class ModelFolderError(CausalKVError, ValueError):
@@ -434,10 +431,7 @@ def _other_family(registry: Registry | None, keys: list[str], model_class: str) 
     notes = []
     for key in keys:
         for e in stages:
-            try:
-                record = e.registration.config_record()
-            except (ImportError, TypeError):
-                continue
+            record = e.registration.config
             if record is not None and key in record.keys():
                 notes.append(f"{key!r} is a key of stage {e.name!r} ({record.title}), which does "
                              f"not serve {model_class!r}")

@@ -43,7 +43,7 @@ def run_plan(
     the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
     A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
     skipped for the rest of the run, or, with ``strict_plugins``, stops it
-    (`causalkv.runtime.plugin_faults.ObserverHook`).
+    (`causalkv.plugin.calls.ObserverHook`).
     """
     pm = plan.plugin_set(pm).pm
     args = server_args if server_args is not None else plan.server_args
