@@ -429,3 +429,14 @@ def test_causalkv_chunk_done_reaches_every_plugin(pm):
     )
     pm.hook.causalkv_chunk_done(stage=stage, chunk_index=3, stats={})  # plugins gone
     assert len(events) == 6
+
+
+def test_blocking_one_claimant_by_its_distribution_name_loads_the_other(fake_plugins):
+    """Two distributions declare entry point ``alpha``: blocking one by its distribution name
+    (as docs/plugins.md allows) leaves the other, which loads (a blocked one claims nothing)."""
+    installed = types.SimpleNamespace(name="alpha", value="causalkv_tests_plugin_alpha", group="causalkv",
+                                      dist=types.SimpleNamespace(metadata={"Name": "dist-a"}, version="1.0"))
+    in_process = _ep("alpha", "causalkv_tests_plugin_beta")
+    pm, names, reports = _load({"CAUSALKV_DISABLE_PLUGINS": "dist-a"}, [installed, in_process])
+    assert names == ["alpha"] and reports == []
+    assert resolve("beta-model", pm=pm).stage_plugin == "alpha"  # the in-process one, beta's module
