@@ -28,19 +28,7 @@ from causalkv.hooks.records import (
 HOOK_NAMES: tuple[str, ...] = tuple(n for n, f in vars(specs).items() if hasattr(f, f"{NAME}_spec"))
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
-    "ENV_PREFIX",
-    "HOOK_NAMES",
-    "NAME",
-    "CacheFactory",
-    "CacheKind",
-    "CacheReporting",
-    "PackingReport",
-    "Preset",
-    "Stage",
-    "StageRegistration",
-    "hookimpl",
-    "hookspec",
-    "import_object",
-    "specs",
+    "ENTRY_POINT_GROUP", "ENV_PREFIX", "HOOK_NAMES", "NAME", "CacheFactory", "CacheKind",
+    "CacheReporting", "PackingReport", "Preset", "Stage", "StageRegistration", "hookimpl",
+    "hookspec", "import_object", "specs",
 ]

@@ -21,11 +21,8 @@ from causalkv.hooks.markers import hookspec
 from causalkv.hooks.records import CacheFactory, Stage, StageRegistration
 
 __all__ = [
-    "causalkv_chunk_done",
-    "causalkv_configure_stage",
-    "causalkv_register_cache_factories",
-    "causalkv_register_stages",
-    "causalkv_select_cache_factory",
+    "causalkv_chunk_done", "causalkv_configure_stage", "causalkv_register_cache_factories",
+    "causalkv_register_stages", "causalkv_select_cache_factory",
 ]
 
 

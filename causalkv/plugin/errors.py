@@ -8,12 +8,8 @@ from causalkv.errors import CausalKVError
 from causalkv.hooks import ENV_PREFIX
 
 __all__ = [
-    "PluginConflictError",
-    "PluginHookError",
-    "PluginLoadFailure",
-    "PluginSetAsideError",
-    "ResolutionError",
-    "UnsupportedRequestError",
+    "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
+    "ResolutionError", "UnsupportedRequestError",
 ]
 
 

@@ -9,7 +9,7 @@ conflict check of the registries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,11 +120,6 @@ class Registry:
     def presets(self) -> dict[str, tuple[StageEntry, Preset]]:
         """Preset name -> (the stage entry registering it, the preset), in registration order."""
         return {p.name: (e, p) for e in self.stages for p in e.registration.presets}
-
-    def defaults(self, model: str) -> Mapping[str, Any] | None:
-        """Model-config defaults of the best stage serving ``model`` (None if none serves it)."""
-        serving = self.serving(model)
-        return serving[0].registration.defaults if serving else None
 
 
 def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
