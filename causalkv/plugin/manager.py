@@ -292,19 +292,14 @@ def make_plugin_manager(
     if autoload and settings.autoload:
         eps = discover_entry_points() if entry_points is None else tuple(entry_points)
 
-        def say(line: str) -> None:
+        def say(line: str, failure: PluginLoadFailure | None = None) -> None:
             pm.reported.append(line)
-            if warn is not None:
+            if failure is not None and report is not None:
+                report(failure)
+            elif warn is not None:
                 warn(line)
 
-        def reported(failure: PluginLoadFailure) -> None:
-            if report is not None:
-                pm.reported.append(f"{NAME}: warning: {failure}")
-                report(failure)
-            else:
-                say(f"{NAME}: warning: {failure}")
-
-        pm.load_entry_points(eps, reported)
+        pm.load_entry_points(eps, lambda failure: say(f"{NAME}: warning: {failure}", failure))
         for line in unknown_name_warnings(settings, eps):
             say(line)
     return pm
