@@ -13,7 +13,8 @@ import torch
 import causalkv.hooks as hooks
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.spec import CacheCapabilities, KVCacheSpec
+from causalkv.caches.spec import KVCacheSpec
+from causalkv.capabilities import CacheCapabilities
 from causalkv.hooks import CacheFactory, StageRegistration, import_object, specs
 from causalkv.stages.longlive2 import LongLive2Stage
 

@@ -12,7 +12,7 @@ from runtime_helpers import make_options, plan_and_run
 
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.spec import PINNED_SINK
+from causalkv.capabilities import PINNED_SINK
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.runtime.plan import plan_generation
