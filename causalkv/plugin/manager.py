@@ -22,7 +22,6 @@ import os
 import re
 import sys
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -186,13 +185,13 @@ class CausalKVPluginManager(pluggy.PluginManager):
         ``load_failures`` and passed to ``report``) while the others load."""
         eps = [ep for ep in eps if ep.group == ENTRY_POINT_GROUP]
         wanted = [ep for ep in eps if self.settings.wants(ep) and not self.is_blocked(ep.name)]
-        count = Counter(ep.name for ep in wanted)  # blocked ones claim nothing
+        # blocked ones claim nothing: two distributions declaring one name, one blocked, load
+        where = lambda ep: distribution_of(ep)[1] or repr(ep.value)  # noqa: E731
         for ep in wanted:
-            where = distribution_of(ep)[1] or repr(ep.value)
-            other = next((distribution_of(o)[1] or repr(o.value) for o in wanted if o.name == ep.name and o is not ep), None)
-            why = f"plugin name {ep.name!r} is claimed twice: by {other} and by {where}" if count[ep.name] > 1 else None
+            others = [where(o) for o in wanted if o.name == ep.name and o is not ep]
+            why = f"plugin name {ep.name!r} is claimed twice: by {others[0]} and by {where(ep)}" if others else None
             try:
-                if why := why or self.claimed(ep.name, where):
+                if why := why or self.claimed(ep.name, where(ep)):
                     raise PluginConflictError(why)
                 if distribution_of(ep)[0] is not None:  # installed: pluggy's loader
                     self.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)

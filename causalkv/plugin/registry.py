@@ -174,7 +174,8 @@ def collect(
             raise kind(f"{failure} (--strict-plugins)")
         failed.setdefault(plugin, failure)
 
-    for hook, kind in (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory)):
+    hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory))
+    for hook, kind in hooks:
         for plugin, caller in plugin_callers(pm, hook):
             try:
                 results = caller()
@@ -195,7 +196,8 @@ def collect(
                 other = held.get(key) or mine.get(key)
                 if other is not None and not (key[0] == "flag" and other[1] is r.options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
-                mine[key] = (f"{'stage' if isinstance(r, StageRegistration) else 'cache'} {r.name!r} of plugin {plugin!r}", r.options)
+                owner = f"{'stage' if isinstance(r, StageRegistration) else 'cache'} {r.name!r} of plugin {plugin!r}"
+                mine[key] = (owner, r.options)
         if clash is not None:
             set_aside(plugin, clash[0], f"{clash[1]}, or turn the plugin off with {ENV_BLOCK}={plugin}", PluginConflictError)
         if plugin in failed:
