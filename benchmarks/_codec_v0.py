@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 
 _CHUNK_ELEMS = 1 << 24  # bound on the [chunk, S, K] distance / one-hot temporaries
 

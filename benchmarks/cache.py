@@ -42,8 +42,9 @@ import torch
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
 from causalkv.caches.attention import AttendStats, attend, attend_dense
-from causalkv.caches.qvg.args import QVGKVQuantArgs
-from causalkv.caches.qvg.codec import bits_per_element, dequantize, quantize
+from causalkv.caches.qvg.codec import dequantize, quantize
+from causalkv.caches.qvg.format import bits_per_element
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache, centroids_for
 
 

@@ -43,11 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs  # noqa: E402
 from causalkv.config import ServerArgs  # noqa: E402
 from causalkv.hooks import Preset  # noqa: E402
-from causalkv.quant_config import QVGKVQuantArgs  # noqa: E402
-from causalkv.runtime.generate import GenerateOptions, plan_generation, run_plan  # noqa: E402
+from causalkv.runtime.plan import plan_generation  # noqa: E402
 from causalkv.runtime.presets import write_preset_folder  # noqa: E402
+from causalkv.runtime.records import GenerateOptions  # noqa: E402
+from causalkv.runtime.run import run_plan  # noqa: E402
 
 MODES: dict[str, int | None] = {"off": None, "int4": 4, "int2": 2}
 
@@ -121,7 +123,7 @@ def _registration(stage: str) -> Any:
 
 def _options(folder: Path, g: Geometry, bits: int | None) -> GenerateOptions:
     quant = QVGKVQuantArgs(bits=bits)
-    args = ServerArgs(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_quant_config=quant)
+    args = ServerArgs(dtype="float32", kv_cache_dtype="bfloat16", options=[quant])
     return GenerateOptions(model=str(folder), prompts=list(PROMPTS[: g.shots]), server_args=args, quiet=True)
 
 

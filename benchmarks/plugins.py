@@ -25,11 +25,11 @@ import torch  # noqa: F401  (excluded from the timing on purpose)
 
 import causalkv.config  # noqa: F401
 import causalkv.stages  # noqa: F401
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import collect, make_plugin_manager, resolve
-from causalkv.plugin.loader import discover_entry_points
+from causalkv.plugin.manager import discover_entry_points
 
 TARGET_MS = 20.0
 FEATURES = ("pinned_sink", "head_slice", "recent_window", "growth", "int_indices")
@@ -67,7 +67,7 @@ def one_run(fake: list[EntryPoint], n: int) -> dict[str, float]:
     t2 = time.perf_counter()
     registry = collect(pm)
     t3 = time.perf_counter()
-    quant = ServerArgs(kv_cache_quant_config=QVGKVQuantArgs(bits=4), multi_shot=True)
+    quant = ServerArgs(options=[QVGKVQuantArgs(bits=4)], multi_shot=True)
     results = [
         resolve("tiny-longlive2", quant, pm=pm),
         resolve("tiny-wan", ServerArgs(), pm=pm),

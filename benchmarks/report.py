@@ -40,7 +40,7 @@ from cache import StreamConfig, StreamKV  # noqa: E402
 
 from causalkv.caches import DenseCausalKVCache  # noqa: E402
 from causalkv.caches.attention import AttendStats, attend  # noqa: E402
-from causalkv.caches.qvg.args import QVGKVQuantArgs  # noqa: E402
+from causalkv.caches.qvg.options import QVGKVQuantArgs  # noqa: E402
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache  # noqa: E402
 
 COLORS = {"off": "#444444", "int4": "#1f77b4", "int2": "#d62728"}

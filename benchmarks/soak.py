@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache import StreamKV  # noqa: E402
 
 from causalkv.caches import KVCacheSpec  # noqa: E402
-from causalkv.caches.qvg.args import QVGKVQuantArgs  # noqa: E402
+from causalkv.caches.qvg.options import QVGKVQuantArgs  # noqa: E402
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache  # noqa: E402
 
 

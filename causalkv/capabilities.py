@@ -1,7 +1,7 @@
 """Cache capabilities: the named features a cache supports, and the built-in feature names.
 
 Torch-free, so plugin registrations (`causalkv.hooks.CacheFactory`) and the resolver use it
-without loading torch. `causalkv.caches` and `causalkv.caches.spec` re-export everything here.
+without loading torch. This module is their one import path.
 """
 
 from __future__ import annotations

@@ -1,70 +1,29 @@
 """`ModelConfig` and `ServerArgs`: what the resolver and the stages read, before any weights load.
 
 A torch-free leaf module, so hooks, plugins, stages and the runtime share these records without
-import cycles and a plugin author imports it without loading torch. The runtime re-exports them.
+import cycles and a plugin author imports it without loading torch. It imports only
+`causalkv.options` and `causalkv.errors` (a test scans its imports).
 
 Both records hold only what every model and every request has. What one extension adds lives
 in that extension's own records (`causalkv.options`), carried generically: a stage family's
 request knobs and a cache's settings in ``ServerArgs.options`` (the host gives each to the
 stage or cache it chose and refuses the others), a family's ``causalkv.json`` keys in
 ``ModelConfig.options``.
-
-Compatibility: the family fields these records used to have (``ServerArgs.shots``, ``.motion``,
-``.kv_cache_quant_config``; ``ModelConfig.rope_offset_frames_per_shot``, ...) and the names
-that moved with them (``ShotRequest``, ``parse_motion``, ...) still work, as keywords,
-attributes and imports from here: they are read from their owners' modules on use (`_MOVED`),
-so importing this module imports no extension (and no torch).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from causalkv.errors import ConfigError, InvalidTypeError, check_int
+from causalkv.errors import ConfigError, check_int
 from causalkv.options import Options
 
 __all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts", "check_text"]
 
 R = TypeVar("R", bound=Options)
-
-#: compatibility: names that moved to the extension that owns them -> ``"module:attribute"``;
-#: resolved on first use (module ``__getattr__``, the legacy keywords and attributes below)
-_MOVED = {
-    "ShotRequest": "causalkv.stages.longlive2:ShotRequest",
-    "DEFAULT_SCENE_CUT_PREFIX": "causalkv.stages.longlive2:SCENE_CUT_PREFIX",
-    "LongLive2Config": "causalkv.stages.longlive2:LongLive2Config",
-    "MotionOptions": "causalkv.stages.lingbot:MotionOptions",
-    "MOTION_LETTERS": "causalkv.stages.lingbot:MOTION_LETTERS",
-    "parse_motion": "causalkv.stages.lingbot:parse_motion",
-    "LingBotConfig": "causalkv.stages.lingbot:LingBotConfig",
-    "QVGKVQuantArgs": "causalkv.caches.qvg.options:QVGKVQuantArgs",
-}
-
-#: legacy `ServerArgs` keyword / attribute -> the record (a `_MOVED` name) that holds it now
-_SERVER_ALIASES = {"kv_cache_quant_config": "QVGKVQuantArgs", "shots": "ShotRequest", "motion": "MotionOptions"}
-
-#: legacy `ModelConfig` keyword / attribute -> the family config record that holds it now
-_MODEL_ALIASES = {
-    "rope_offset_frames_per_shot": "LongLive2Config",
-    "moving_window_frames": "LingBotConfig",
-    "still_window_frames": "LingBotConfig",
-    "still_chunks": "LingBotConfig",
-}
-
-
-def _moved(name: str) -> Any:
-    module, _, attr = _MOVED[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return _moved(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _by_class(records: Sequence[Any], owner: str) -> tuple[Options, ...]:
@@ -90,7 +49,7 @@ def _merged(records: Sequence[Options], record: Options) -> tuple[Options, ...]:
     return (*(r for r in records if type(r) is not type(record)), record)
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class ModelConfig:
     """A causal video model's shape and streaming policy.
 
@@ -115,9 +74,6 @@ class ModelConfig:
             registration declares (``StageRegistration(config=...)``: LongLive 2.0's RoPE
             offset per shot, LingBot-World's interactive window); `option` reads one.
 
-    The legacy keywords ``rope_offset_frames_per_shot``, ``moving_window_frames``,
-    ``still_window_frames`` and ``still_chunks`` (and the attributes of the same names) read
-    and write those families' records.
     """
 
     name: str
@@ -138,42 +94,8 @@ class ModelConfig:
     path: str | None = None
     options: tuple[Options, ...] = ()
 
-    def __init__(
-        self,
-        name: str,
-        model_class: str,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        tokens_per_frame: int,
-        frames_per_chunk: int,
-        sink_frames: int = 0,
-        global_sink_frames: int | None = None,
-        window_frames: int = 21,
-        cache_frames: int | None = None,
-        recent_window_frames: int | None = None,
-        timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0),
-        shift: float = 5.0,
-        context_noise: float = 0.0,
-        path: str | None = None,
-        options: Sequence[Options] = (),
-        **legacy: Any,
-    ) -> None:
-        values = dict(locals())
-        for f in fields(self):
-            object.__setattr__(self, f.name, values[f.name])
-        records = _by_class(options, "ModelConfig")
-        for key, value in legacy.items():
-            if key not in _MODEL_ALIASES:
-                raise InvalidTypeError(f"ModelConfig() got an unexpected keyword argument {key!r}")
-            cls = _moved(_MODEL_ALIASES[key])
-            records = _merged(records, replace(_option(records, cls), **{key: value}))
-        object.__setattr__(self, "options", _by_class(records, "ModelConfig"))
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _MODEL_ALIASES:  # compatibility: a field that moved to its family's record
-            return getattr(self.option(_moved(_MODEL_ALIASES[name])), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", _by_class(self.options, "ModelConfig"))
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -183,37 +105,42 @@ class ModelConfig:
         """The model's ``cls`` record (its family's ``causalkv.json`` settings), else defaults."""
         return _option(self.options, cls)
 
-    def override_keys(self, *extra: type[Options]) -> list[str]:
-        """What `with_overrides` accepts: the fields, and the keys of the family records
-        (those held and ``extra``)."""
-        own = [f.name for f in fields(self) if f.name != "options"]
-        classes = dict.fromkeys([*(type(r) for r in self.options), *extra])
-        return own + [k for cls in classes for k in cls.specs() if k not in own]
+    def override_keys(self) -> list[str]:
+        """What `with_overrides` accepts (a ``causalkv_configure_stage`` hook may return): the
+        streaming fields (not the model's identity or its weights' geometry), then the keys of
+        the family records it holds."""
+        own = [f.name for f in fields(self) if f.name not in _NOT_OVERRIDES]
+        return own + [k for r in self.options for k in type(r).specs() if k not in own]
 
-    def with_overrides(self, overrides: Mapping[str, Any], *extra: type[Options]) -> ModelConfig:
-        """A copy with ``overrides`` applied: field names to the fields, a family key to its
-        record (held, or one of the ``extra`` record classes). `ConfigError` for anything
-        else, listing `override_keys`."""
-        keys = self.override_keys(*extra)
+    def with_overrides(self, overrides: Mapping[str, Any]) -> ModelConfig:
+        """A copy with ``overrides`` applied (field names to the fields, a family key to its
+        record); `ConfigError` for any other key, listing `override_keys`. The one check of
+        overrides (``causalkv_configure_stage`` results, `causalkv.plugin.configure_stage`)."""
+        keys = self.override_keys()
         unknown = sorted(set(overrides) - set(keys))
         if unknown:
             raise ConfigError(
-                f"unknown ModelConfig field(s) {', '.join(unknown)}; choose among: {', '.join(sorted(keys))}"
+                f"unknown ModelConfig override(s) {', '.join(unknown)}; the overrides are: {', '.join(keys)}"
             )
-        own = {f.name for f in fields(self)} - {"options"}
+        own = {k: v for k, v in overrides.items() if k in {f.name for f in fields(self)}}
         records = self.options
-        for cls in dict.fromkeys([*(type(r) for r in records), *extra]):
-            mine = {k: v for k, v in overrides.items() if k in cls.specs() and k not in own}
+        for r in records:
+            mine = {k: v for k, v in overrides.items() if k in type(r).specs() and k not in own}
             if mine:
-                records = _merged(records, replace(_option(records, cls), **mine))
-        return replace(self, **{k: v for k, v in overrides.items() if k in own}, options=records)
+                records = _merged(records, replace(r, **mine))
+        return replace(self, **own, options=records)
+
+
+#: `ModelConfig` fields no override may change: the model's identity and its weights' geometry
+_NOT_OVERRIDES = frozenset({"name", "model_class", "path", "options", "num_layers", "num_heads", "head_dim",
+                            "tokens_per_frame"})
 
 
 #: dtypes a request may name
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclass(init=False)
+@dataclass(frozen=True)
 class ServerArgs:
     """Per-request and per-server options that shape resolution and generation.
 
@@ -234,9 +161,6 @@ class ServerArgs:
             knobs (LongLive 2.0 shots, LingBot-World motion), a cache's settings (QVG); one per
             record class. `option` reads one (its defaults when the request gives none).
 
-    The legacy keywords and attributes ``kv_cache_quant_config`` (the QVG cache's
-    `QVGKVQuantArgs`), ``shots`` (LongLive 2.0's `ShotRequest`) and ``motion`` (LingBot-World's
-    signal, ``"m"``/``"s"`` per chunk) read and write those records in ``options``.
     """
 
     sink_frames: int | None = None
@@ -252,32 +176,8 @@ class ServerArgs:
     kv_cache_dtype: str | None = None
     options: tuple[Options, ...] = ()
 
-    def __init__(
-        self,
-        kv_cache_quant_config: Any = None,
-        sink_frames: int | None = None,
-        window_frames: int | None = None,
-        recent_window_frames: int | None = None,
-        multi_shot: bool = False,
-        heads_sharded: int = 1,
-        cache: str | None = None,
-        seed: int = 0,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        guidance_scale: float = 1.0,
-        shots: Any = None,
-        motion: Any = None,
-        kv_cache_dtype: str | None = None,
-        options: Sequence[Options] = (),
-    ) -> None:
-        values = dict(locals())
-        for f in fields(self):
-            setattr(self, f.name, values[f.name])
-        records = _by_class(options, "ServerArgs")
-        for alias in _SERVER_ALIASES:  # the legacy keywords, in their old order
-            if values[alias] is not None:
-                records = _merged(records, _legacy_record(alias, values[alias]))
-        self.options = _by_class(records, "ServerArgs")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", _by_class(self.options, "ServerArgs"))
         self._validate()
 
     def _validate(self) -> None:
@@ -336,44 +236,6 @@ class ServerArgs:
             for feature, why in record.requires().items():
                 out.setdefault(feature, why)
         return out
-
-    # ---- compatibility: the family fields this record used to have --------------------------
-    @property
-    def kv_cache_quant_config(self) -> Any:
-        """The QVG cache's `QVGKVQuantArgs` (defaults when the request gives none)."""
-        return self.option(_moved("QVGKVQuantArgs"))
-
-    @kv_cache_quant_config.setter
-    def kv_cache_quant_config(self, value: Any) -> None:
-        self.options = _by_class(_merged(self.options, _legacy_record("kv_cache_quant_config", value)), "ServerArgs")
-
-    @property
-    def shots(self) -> Any:
-        """LongLive 2.0's `ShotRequest` (defaults when the request gives none)."""
-        return self.option(_moved("ShotRequest"))
-
-    @shots.setter
-    def shots(self, value: Any) -> None:
-        self.options = _by_class(_merged(self.options, _legacy_record("shots", value)), "ServerArgs")
-
-    @property
-    def motion(self) -> tuple[str, ...] | None:
-        """LingBot-World's motion signal (None when the request gives none)."""
-        return self.option(_moved("MotionOptions")).motion
-
-    @motion.setter
-    def motion(self, value: Any) -> None:
-        self.options = _by_class(_merged(self.options, _legacy_record("motion", value)), "ServerArgs")
-
-
-def _legacy_record(alias: str, value: Any) -> Options:
-    """The record a legacy `ServerArgs` keyword gives (`ConfigError` for a wrong type)."""
-    cls = _moved(_SERVER_ALIASES[alias])
-    if alias == "motion":
-        return cls(motion=value)
-    if not isinstance(value, cls):
-        raise ConfigError(f"{alias} must be a {cls.__name__}, got {value!r}")
-    return value
 
 
 def check_text(text: str, flag: str) -> str:

@@ -196,7 +196,8 @@ class Options:
     # ---- the command line ----------------------------------------------------------------
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, *, title: str | None = None) -> None:
-        """Add one argument group (``title``, default `title`) of this record's flags.
+        """Add one argument group (``title``, default `title`) of this record's flags; each
+        flag's help ends with ``(default: X)`` unless the help names its default itself.
 
         A flag left out is absent from the parsed namespace (not a default), so
         `given_in` tells what the user typed.

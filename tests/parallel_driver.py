@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
-from causalkv.quant_config import QVGKVQuantArgs
-from causalkv.runtime.generate import GenerateOptions
+from causalkv.runtime.records import GenerateOptions
 
 #: name -> (preset, prompts, frames): every built-in stage; LongLive 2.0 also with a scene cut
 #: (two shots: the second shot's first chunk is pinned)
@@ -39,7 +39,7 @@ def options_for(config: str, quant: str, world_size: int) -> GenerateOptions:
     """The float32 request of ``config`` with ``quant`` on ``world_size`` ranks."""
     preset, prompts, frames = CONFIGS[config]
     args = ServerArgs(
-        kv_cache_quant_config=QVGKVQuantArgs.from_bits_name(quant),
+        options=[QVGKVQuantArgs.from_bits_name(quant)],
         dtype="float32",
         heads_sharded=world_size,
     )
@@ -62,7 +62,10 @@ def cache_record(run: Any) -> dict[str, Any]:
 def main(outdir: str) -> int:
     from causalkv.plugin.testing import fresh_plugin_manager
     from causalkv.runtime.distributed import init_parallel, shutdown
-    from causalkv.runtime.generate import load_for_plan, plan_generation, run_plan, run_report
+    from causalkv.runtime.load import load_for_plan
+    from causalkv.runtime.plan import plan_generation
+    from causalkv.runtime.report import run_report
+    from causalkv.runtime.run import run_plan
 
     ctx = init_parallel("cpu")
     out = Path(outdir)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
-from causalkv.quant_config import QVGKVQuantArgs
-from causalkv.runtime.generate import (
-    GenerateOptions,
-    GenerationRun,
-    Plan,
-    plan_generation,
-    run_plan,
-)
+from causalkv.options import Options
+from causalkv.runtime.plan import plan_generation
+from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan
+from causalkv.runtime.run import run_plan
 
 __all__ = ["make_options", "plan_and_run"]
 
@@ -26,11 +24,13 @@ def make_options(
     seed: int = 0,
     dtype: str = "float32",
     cache: str | None = None,
+    options: Sequence[Options] = (),
     **server: Any,
 ) -> GenerateOptions:
-    """Options for a small float32 run (float32 is the fast dtype on CPU)."""
+    """Options for a small float32 run (float32 is the fast dtype on CPU); ``options``: the
+    stage family's records (`ShotRequest`, `MotionOptions`, ...) next to the QVG settings."""
     args = ServerArgs(
-        kv_cache_quant_config=QVGKVQuantArgs.from_bits_name(quant),
+        options=[QVGKVQuantArgs.from_bits_name(quant), *options],
         seed=seed,
         dtype=dtype,
         cache=cache,

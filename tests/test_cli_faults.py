@@ -310,7 +310,7 @@ def test_the_limits_themselves_are_accepted(empty_home: Path, pm: Any) -> None:
     """The boundaries the messages suggest plan fine (no weights are needed to know)."""
     from runtime_helpers import make_options
 
-    from causalkv.runtime.generate import plan_generation
+    from causalkv.runtime.plan import plan_generation
 
     assert plan_generation(make_options("tiny-wan", frames=1023), pm=pm).num_chunks == 341
     opts = make_options("tiny-longlive2", frames=1020, prompts=["a", "b", "c"])

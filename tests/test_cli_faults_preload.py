@@ -131,7 +131,7 @@ def test_qvg_backend_is_not_checked_when_quantization_is_off(
 ) -> None:
     from runtime_helpers import make_options
 
-    from causalkv.runtime.generate import plan_generation
+    from causalkv.runtime.plan import plan_generation
 
     monkeypatch.setenv("CAUSALKV_QVG_BACKEND", "triton")  # exported for GPU runs; harmless here
     assert plan_generation(make_options("tiny-wan"), pm=pm).num_chunks == 4

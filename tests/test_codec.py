@@ -17,7 +17,8 @@ from causalkv.caches.qvg import (
     resolve_backend,
 )
 from causalkv.caches.qvg import torch_impl as ti
-from causalkv.caches.qvg.codec import BACKEND_ENV, ZERO_BLOCK_SCALE_BYTE, scale_exponent
+from causalkv.caches.qvg.codec import BACKEND_ENV
+from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, scale_exponent
 
 BF16_EPS = 2.0**-8  # relative rounding bound of bf16 (8 significant bits)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from causalkv.caches.qvg import QVGKVQuantArgs, codec, dequantize, quantize
+from causalkv.caches.qvg.format import POISON_SCALE_EXP
 
 ARGS = [
     QVGKVQuantArgs(bits=2, centroids=8, block_size=16),
@@ -98,8 +99,8 @@ def test_poisoned_heads_decode_to_non_finite_values(monkeypatch):
         m.setattr(torch.Tensor, "tolist", _sync)
         m.setattr(torch.Tensor, "item", _sync)
         p = quantize(x, q)
-    assert p.scale_exp[0].tolist() == [p.scale_exp[0, 0].item(), codec.POISON_SCALE_EXP,
-                                       codec.POISON_SCALE_EXP]
+    assert p.scale_exp[0].tolist() == [p.scale_exp[0, 0].item(), POISON_SCALE_EXP,
+                                       POISON_SCALE_EXP]
     out = dequantize(p, dtype=torch.float32)
     assert not torch.isfinite(out[0, 1:]).any()
     clean = quantize(x[:, :1], q)  # head 0 alone, on the host path: the same bytes

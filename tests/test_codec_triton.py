@@ -132,7 +132,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
     def test_poisoned_head_decodes_to_nan_like_the_torch_path(tr):
         """A head stored with `POISON_SCALE_EXP` (non-finite input on the sync-free device
         path) decodes to non-finite values in the kernel too; the other heads are untouched."""
-        from causalkv.caches.qvg.codec import POISON_SCALE_EXP
+        from causalkv.caches.qvg.format import POISON_SCALE_EXP
 
         x = torch.randn(1, 3, 40, 48).to(torch.bfloat16)
         x[0, 1, :5] = 0  # zero blocks in the poisoned head must not decode to exact zeros
@@ -149,7 +149,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         """Every e4m3 scale byte under per-head exponents at both ends of the range decodes
         in the kernel to exactly `scale_table` (float64 product rounded once); 0x80 and the
         NaN bytes give 0. Level 1 on zero centroids isolates the decoded scale."""
-        from causalkv.caches.qvg.codec import PackedSegment, scale_table
+        from causalkv.caches.qvg.format import PackedSegment, scale_table
 
         exps = [-100, -3, 0, 119]
         H, S, D = len(exps), 256, 16

@@ -7,17 +7,14 @@ import pytest
 import torch
 from oracle import encode_kv
 
-from causalkv.caches import (
+from causalkv.caches import CausalKVCache, CrossAttentionKVCache, DenseCausalKVCache, KVCacheSpec
+from causalkv.capabilities import (
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
     PINNED_SINK,
     QUANT_QVG,
     RECENT_WINDOW,
-    CausalKVCache,
-    CrossAttentionKVCache,
-    DenseCausalKVCache,
-    KVCacheSpec,
 )
 
 SPEC = KVCacheSpec(batch_size=2, num_heads=3, head_dim=4, cache_size=10, sink_tokens=2,

@@ -29,8 +29,8 @@ def doc(name: str) -> str:
 
 # ---- docs/design.md: the byte formula -------------------------------------------------------------
 def test_design_quotes_the_int2_bits_the_formula_gives() -> None:
-    from causalkv.caches.qvg.codec import bits_per_element
-    from causalkv.quant_config import QVGKVQuantArgs
+    from causalkv.caches.qvg.format import bits_per_element
+    from causalkv.caches.qvg.options import QVGKVQuantArgs
 
     bits = bits_per_element(4680, 128, QVGKVQuantArgs(bits=2))  # the reference's defaults
     text = " ".join(doc("design.md").split())
@@ -114,8 +114,8 @@ def test_packed_cache_quotes_the_tiny_preset_bytes() -> None:
     from test_packed_cache import PRESET_GEOMETRIES, _preset_stream
 
     from causalkv.caches.dense import DenseCausalKVCache
+    from causalkv.caches.qvg.options import QVGKVQuantArgs
     from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-    from causalkv.quant_config import QVGKVQuantArgs
 
     text = " ".join(doc("packed_cache.md").split())
     for name in PRESET_GEOMETRIES:

@@ -29,18 +29,12 @@ EXCLUDED_PACKAGES = {"sglang": "raises sglang's own types and texts, which sglan
 
 #: (module path, enclosing function, builtin type) -> why that raise stays a builtin
 JUSTIFIED = {
-    ("runtime/model_config.py", "__getattr__", "AttributeError"):
-        "a module __getattr__ must raise AttributeError for a missing name (Python's attribute "
-        "protocol: hasattr() and the import system rely on it)",
     ("cli/__init__.py", "__getattr__", "AttributeError"):
         "the light entry point's lazy build_parser (PEP 562): a missing name must raise AttributeError",
     ("caches/__init__.py", "__getattr__", "AttributeError"):
         "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
     ("caches/qvg/__init__.py", "__getattr__", "AttributeError"):
         "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
-    ("config.py", "__getattr__", "AttributeError"):
-        "the compatibility names that moved (the module's and ModelConfig's __getattr__): a "
-        "missing name must raise AttributeError (hasattr(), getattr() defaults, pickling)",
     ("stages/records.py", "__getitem__", "KeyError"):
         "ChunkStats is a read-only Mapping: a missing key must raise KeyError (Mapping.get, "
         "`in` and dict() rely on it)",

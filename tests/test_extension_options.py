@@ -27,7 +27,7 @@ from causalkv.errors import ConfigError
 from causalkv.hooks import CacheFactory, Preset, StageRegistration
 from causalkv.options import CacheOptions, Options, StageOptions, option
 from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
-from causalkv.runtime.generate import run_report
+from causalkv.runtime.report import run_report
 from causalkv.stages.base import CausalDenoisingStage
 
 RING = "myorg:ring"
@@ -53,10 +53,8 @@ class WorldConfig(Options):
 
 
 class TinyWorldStage(CausalDenoisingStage):
-    """A made-up family: needs the ring cache, reports what reached it."""
-
-    request_options = WorldOptions
-    config_options = WorldConfig
+    """A made-up family: needs the ring cache, reports what reached it (its records are
+    declared on its registration)."""
 
     @classmethod
     def required_cache_features(cls, server_args: ServerArgs, model: Any = None) -> frozenset[str]:
@@ -87,7 +85,7 @@ def build_ring(spec: Any, options: Any) -> DenseCausalKVCache:
 
 PLUGIN = RecordsPlugin(
     stages=[StageRegistration(
-        "tiny-world2", TinyWorldStage, models=("TinyWorld2Pipeline",),
+        "tiny-world2", TinyWorldStage, models=("TinyWorld2Pipeline",), options=WorldOptions, config=WorldConfig,
         defaults={"frames_per_chunk": 2, "sink_frames": 2, "window_frames": 6},
         presets=(Preset("tiny-world2", {"default_frames": 4, "world_rate": 3}, seed=8,
                         description="a made-up family with knobs of its own"),),
@@ -152,7 +150,7 @@ def test_the_stage_and_the_cache_get_their_records(cli_pm: Any, capsys: pytest.C
                   "--quiet", "--no-video", "--dtype", "float32", "--metrics", str(metrics)])
     assert rc == 0, capsys.readouterr().err
     m = json.loads(metrics.read_text())
-    assert (m["stage"], m["cache"], m["kv_cache_quant"]) == ("tiny-world2", "ring", "ring(slack=3)")
+    assert (m["stage"], m["cache"], m["cache_options"]) == ("tiny-world2", "ring", "ring(slack=3)")
     assert (m["world_speed"], m["world_rate"]) == (2.5, 3)  # the flag, and the preset's causalkv.json key
     assert BUILT == [RingOptions(slack=3)] * 2  # one cache per layer of the 2-layer preset
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from runtime_helpers import make_options
 
-from causalkv.caches.spec import PINNED_SINK, RECENT_WINDOW
-from causalkv.runtime.generate import plan_generation, split_prompts
+from causalkv.capabilities import PINNED_SINK, RECENT_WINDOW
+from causalkv.runtime.plan import plan_generation, split_prompts
 from causalkv.runtime.presets import preset_dir
 from causalkv.stages.longlive2 import SCENE_CUT_PREFIX
 

@@ -3,7 +3,9 @@ they promise: a copy of the package with one upward import or one cycle breaks t
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,3 +49,96 @@ def test_the_contracts_hold_and_each_kind_of_break_fails(tree: Path) -> None:
             "def _f():\n    from causalkv.caches.qvg import torch_impl  # noqa")
     out = _lint(tree)
     assert out.returncode == 1 and "No cycles are allowed in causalkv.caches.qvg" in out.stdout
+
+
+# ---- the lowest layers, by their syntax trees (import-linter cannot see importlib strings) ----
+PKG = ROOT / "causalkv"
+#: module (or package) -> what it may import from causalkv: itself and the layers below it
+BELOW = {
+    "causalkv.errors": (),
+    "causalkv.options": ("causalkv.errors", "causalkv.capabilities"),
+    "causalkv.config": ("causalkv.options", "causalkv.errors", "causalkv.capabilities"),
+    "causalkv.hooks": ("causalkv.config", "causalkv.options", "causalkv.errors", "causalkv.capabilities"),
+}
+_IMPORTERS = {"import_module", "__import__", "import_object", "find_spec"}
+
+
+def _names_imported(tree: ast.AST, module: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import in ``tree``: statements (TYPE_CHECKING ones and
+    those inside functions included, relative ones resolved), calls of importlib.import_module,
+    __import__, import_object and find_spec with a literal name, and any other string literal
+    that names a causalkv module (``"causalkv.stages.longlive2:ShotRequest"``)."""
+    out: list[tuple[int, str]] = []
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    package = module if (PKG / module.removeprefix("causalkv.").replace(".", "/")).is_dir() else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Call):
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if fn in _IMPORTERS and node.args and isinstance(node.args[0], ast.Constant):
+                out.append((node.lineno, str(node.args[0].value).partition(":")[0]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            m = re.fullmatch(r"(causalkv(?:\.\w+)+)(?::[\w.]+)?", node.value.strip())
+            if m and _is_module(m[1]):
+                out.append((node.lineno, m[1]))
+    return out
+
+
+def _is_module(name: str) -> bool:
+    rel = PKG.parent / name.replace(".", "/")
+    return rel.is_dir() or rel.with_suffix(".py").is_file()
+
+
+def _sources(layer: str) -> list[tuple[str, Path]]:
+    rel = layer.removeprefix("causalkv.").replace(".", "/")
+    if (PKG / rel).is_dir():
+        return [(f"{layer}.{p.stem}" if p.stem != "__init__" else layer, p) for p in sorted((PKG / rel).glob("*.py"))]
+    return [(layer, PKG / f"{rel}.py")]
+
+
+def _above(layer: str, name: str) -> bool:
+    allowed = (layer, *BELOW[layer])
+    return (name == "causalkv" or name.startswith("causalkv.")) and not any(
+        name == a or name.startswith(a + ".") for a in allowed
+    )
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW))
+def test_the_lowest_layers_import_nothing_above_them_by_any_mechanism(layer: str) -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for module, path in _sources(layer)
+        for line, name in _names_imported(ast.parse(path.read_text()), module)
+        if _above(layer, name)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_sees_every_mechanism(tmp_path: Path) -> None:
+    code = (
+        "import importlib\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from causalkv.stages.base import CausalDenoisingStage\n"
+        "def f():\n    from ..runtime import plan\n"
+        "    importlib.import_module('causalkv.caches.qvg.options')\n"
+        "    __import__('causalkv.cli')\n"
+        "MOVED = {'ShotRequest': 'causalkv.stages.longlive2:ShotRequest'}\n"
+        "from causalkv.options import Options\n"
+    )
+    names = [n for _, n in _names_imported(ast.parse(code), "causalkv.hooks.records")]
+    above = [n for n in names if _above("causalkv.hooks", n)]
+    assert set(above) == {
+        "causalkv.stages.base.CausalDenoisingStage", "causalkv.runtime.plan",
+        "causalkv.caches.qvg.options", "causalkv.cli", "causalkv.stages.longlive2",
+    }
+    assert "causalkv.options.Options" in names and not _above("causalkv.hooks", "causalkv.options.Options")

@@ -45,10 +45,12 @@ def test_compare_table_reports_ratios_from_the_metrics() -> None:
         "reference_cache": "dense",
         "cache_class": "causalkv.caches.qvg.packed:QVGPackedCausalKVCache",
         "reference_cache_class": "causalkv.caches.dense:DenseCausalKVCache",
-        "kv_cache_quant": "qvg(int2, centroids=128, block=64)",
+        "cache_options": "qvg(int2, centroids=128, block=64)",
         "kv_cache_dtype": "bfloat16",
         "kv_resident_bytes_max": 1_000_000,
         "reference_kv_resident_bytes_max": 4_000_000,
+        "kv_peak_bytes": 1_250_000,
+        "reference_kv_peak_bytes": 4_000_000,
         "latent_psnr_db": 31.25,
         "seconds_per_chunk_mean": 9.0,  # timed once: not what the table shows
         "reference_seconds_per_chunk_mean": 1.0,
@@ -57,16 +59,18 @@ def test_compare_table_reports_ratios_from_the_metrics() -> None:
         "reference_seconds_per_chunk_best": 2.0,
     }
     lines = compare_table(metrics).splitlines()
-    assert len(lines) == 7
+    assert len(lines) == 8
     assert lines[0].startswith("causalkv generate --compare-bf16 on tiny-longlive2-1k (a preset: RANDOM weights)")
     assert "off (bfloat16)" in lines[1] and "int2" in lines[1]
     assert lines[2].startswith("causalkv cache")
     assert "dense: DenseCausalKVCache" in lines[2] and "qvg: QVGPackedCausalKVCache" in lines[2]
     assert "4,000,000" in lines[3] and "1,000,000" in lines[3] and "4.00x smaller" in lines[3]
-    assert "31.2 dB" in lines[4] and "(*)" in lines[4]
-    assert "least of 3 warm runs" in lines[5]
-    assert "2.000" in lines[5] and "3.000" in lines[5] and "1.50x time" in lines[5]
-    assert lines[6].startswith("(*) the weights are random")
+    assert lines[4].startswith("KV bytes (peak")
+    assert "4,000,000" in lines[4] and "1,250,000" in lines[4] and "3.20x smaller" in lines[4]
+    assert "31.2 dB" in lines[5] and "(*)" in lines[5]
+    assert "least of 3 warm runs" in lines[6]
+    assert "2.000" in lines[6] and "3.000" in lines[6] and "1.50x time" in lines[6]
+    assert lines[7].startswith("(*) the weights are random")
     assert "identical" in compare_table({**metrics, "latent_psnr_db": None})
     # no timed repeats: no time row; real weights: no random-weights note
     untimed = compare_table({**metrics, "timing_repeats": 0, "seconds_per_chunk_best": None,

@@ -17,7 +17,8 @@ import torch
 from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg import format as qvg_format
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import (
     PackedKV,
     PackingReport,
@@ -388,7 +389,7 @@ def test_chunk_whose_packed_form_is_not_smaller_stays_dense(monkeypatch):
     monkeypatch.setattr(codec, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
     q = quant(keep_recent_chunks=0)
     # one-token chunks: the centroid alone is 16 bits per element, so packed > bf16 ...
-    assert codec.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
+    assert qvg_format.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
     cache = QVGPackedCausalKVCache(spec(), q)
     dense = DenseCausalKVCache(spec())
     for i in range(8):
@@ -413,7 +414,7 @@ def test_reference_centroids_on_tiny_chunks_would_cost_more_than_bf16():
     def make(s):
         return QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=2), min_tokens_per_centroid=1)
 
-    assert codec.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(bits=2)) > 32 * 2 * 64 * 2
+    assert qvg_format.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(bits=2)) > 32 * 2 * 64 * 2
     peak, cache = _preset_stream("tiny-longlive2", make)
     off, _ = _preset_stream("tiny-longlive2", DenseCausalKVCache)
     assert cache.quantize_calls == 0

@@ -21,7 +21,7 @@ from oracle import (
 )
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 PARITY_SEQUENCES = examples(2000)

@@ -22,7 +22,9 @@ from parallel_driver import CONFIGS, QUANTS, options_for
 
 from causalkv.errors import ConfigError
 from causalkv.runtime.distributed import check_parallel_request, torchrun_command
-from causalkv.runtime.generate import load_for_plan, plan_generation, run_plan
+from causalkv.runtime.load import load_for_plan
+from causalkv.runtime.plan import plan_generation
+from causalkv.runtime.run import run_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

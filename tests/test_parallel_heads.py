@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from causalkv.caches import KVCacheSpec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
 

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import pytest
 
+from causalkv.cli import plugins as plugin_cli
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
-from causalkv.plugin import cli as plugin_cli
 from causalkv.plugin import get_plugin_manager, reset_plugin_manager
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.stages.base import CausalDenoisingStage
@@ -169,7 +169,7 @@ def test_resolve_qvg_error_on_a_third_party_stage(capsys):
 def test_commands_load_no_weights_and_no_diffusers_or_transformers():
     code = (
         "import argparse, sys\n"
-        "from causalkv.plugin import cli\n"
+        "from causalkv.cli import plugins as cli\n"
         "p = argparse.ArgumentParser(); cli.register(p.add_subparsers())\n"
         "for argv in (['plugins', '--json'], ['resolve', 'tiny-wan', '--kv-cache-quant', 'int4']):\n"
         "    a = p.parse_args(argv); assert a.func(a) == 0\n"

@@ -1,13 +1,14 @@
 """The plugin layer on pluggy's own machinery: the per-plugin caller, validation, name claims.
 
-- `call_each` (the registries) and `ObserverHook` (the host's observer hooks) are one helper,
-  `plugin_callers`: `ObserverHook` visits the plugins in the very order pluggy's own hook
-  call does (``tryfirst``/``trylast`` included), `call_each` in the reverse (registration
-  order), and a raising implementation is a `PluginHookError` naming its plugin.
+- The registries, `configure_stage` and `ObserverHook` (the host's observer hooks) use one
+  helper, `plugin_callers`: `ObserverHook` visits the plugins in the very order pluggy's own
+  hook call does (``tryfirst``/``trylast`` included), `plugin_callers` lists them in the
+  reverse (registration order), and a raising implementation is pinned on its plugin.
 - Registration validates with pluggy's ``check_pending``: an unknown hook is refused (the
   plugin left unregistered), an ``optionalhook`` one accepted, as pluggy defines them.
-- An entry point claiming a registered plugin's name is a conflict naming both.
-- The plugin machinery's modules import nothing inside functions (no hidden import cycle).
+- An entry point claiming a registered plugin's name is set aside, naming both.
+- The plugin machinery's modules import nothing inside functions, and no two of them import
+  each other (not even under TYPE_CHECKING).
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ import pluggy
 import pytest
 
 import causalkv
-import causalkv.runtime.plugin_faults as plugin_faults
 from causalkv.hooks import hookimpl
-from causalkv.plugin import PluginConflictError, make_plugin_manager
+from causalkv.plugin import PluginSetAsideError, collect, make_plugin_manager
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME
-from causalkv.plugin.calls import ObserverHook, call_each
+from causalkv.plugin.calls import ObserverHook, plugin_callers
 from causalkv.plugin.errors import PluginHookError
-from causalkv.plugin.registry import call_each as registry_call_each
 from causalkv.plugin.testing import temporary_plugin
 
 
@@ -43,7 +42,7 @@ def _observer(name: str, seen: list[str], **opts):
     return Observer()
 
 
-def test_observer_order_is_pluggys_call_order_and_call_each_the_reverse(pm):
+def test_observer_order_is_pluggys_call_order_and_plugin_callers_the_reverse(pm):
     seen: list[str] = []
     event = {"stage": None, "stats": {}}
     with ExitStack() as stack:
@@ -53,27 +52,39 @@ def test_observer_order_is_pluggys_call_order_and_call_each_the_reverse(pm):
         pluggy_order, seen[:] = list(seen), []
         ObserverHook(pm, "causalkv_chunk_done")(chunk_index=1, **event)
         assert seen == pluggy_order == ["first", "b", "a", "last"]
-        results = list(call_each(pm, "causalkv_chunk_done", chunk_index=2, **event))
-        assert results == [(n, n) for n in pluggy_order[::-1]]
+        results = [(n, call(chunk_index=2, **event)) for n, call in plugin_callers(pm, "causalkv_chunk_done")]
+        assert results == [(n, [n]) for n in pluggy_order[::-1]]
 
 
-def test_a_raising_implementation_is_a_plugin_hook_error_naming_it(pm):
+def test_a_raising_registration_hook_sets_its_plugin_aside_naming_it(pm):
+    class Raising:
+        @hookimpl
+        def causalkv_register_stages(self):
+            raise KeyError("oops")
+
+    lines = []
+    with temporary_plugin(pm, Raising(), "raiser"):
+        registry = collect(pm, report=lines.append)
+        assert [e.plugin for e in registry.stages] == [BUILTIN_PLUGIN_NAME] * 4  # the others work
+        assert [str(f) for f in lines] == [
+            "plugin 'raiser' is set aside: causalkv_register_stages() raised KeyError: 'oops'; fix the "
+            "plugin, or turn it off with CAUSALKV_DISABLE_PLUGINS=raiser"
+        ]
+        with pytest.raises(PluginSetAsideError, match="plugin 'raiser' is set aside.*--strict-plugins"):
+            collect(pm, strict=True)
+
+
+def test_a_raising_observer_is_a_plugin_hook_error_naming_it(pm):
     class Raising:
         @hookimpl
         def causalkv_chunk_done(self):
             raise KeyError("oops")
 
     with temporary_plugin(pm, Raising(), "raiser"):
-        with pytest.raises(PluginHookError, match="plugin 'raiser': causalkv_chunk_done.. raised KeyError") as info:
-            list(call_each(pm, "causalkv_chunk_done", stage=None, chunk_index=0, stats={}))
+        with pytest.raises(PluginHookError, match="plugin 'raiser' failed in causalkv_chunk_done at chunk 0 .KeyError") as info:
+            ObserverHook(pm, "causalkv_chunk_done", strict=True)(stage=None, chunk_index=0, stats={})
     assert isinstance(info.value, RuntimeError)
     assert (info.value.plugin, info.value.hook) == ("raiser", "causalkv_chunk_done")
-
-
-def test_the_moved_names_stay_importable_where_they_were():
-    assert plugin_faults.PluginHookError is PluginHookError
-    assert plugin_faults.ObserverHook is ObserverHook
-    assert registry_call_each is call_each
 
 
 def test_unknown_hooks_are_refused_and_optional_ones_accepted(pm):
@@ -94,17 +105,19 @@ def test_unknown_hooks_are_refused_and_optional_ones_accepted(pm):
     assert pm.register(Optional(), name="optional") == "optional"
 
 
-def test_an_entry_point_claiming_the_builtin_name_is_a_conflict(monkeypatch):
+def test_an_entry_point_claiming_the_builtin_name_is_set_aside(monkeypatch):
     mod = types.ModuleType("causalkv_tests_plugin_claims_builtin")
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     ep = EntryPoint(name=BUILTIN_PLUGIN_NAME, value=mod.__name__, group="causalkv")
-    with pytest.raises(PluginConflictError, match=f"plugin name '{BUILTIN_PLUGIN_NAME}' is claimed twice"):
-        make_plugin_manager(env={}, entry_points=[ep])
+    lines: list[str] = []
+    pm = make_plugin_manager(env={}, entry_points=[ep], warn=lines.append)
+    assert pm.get_plugin(BUILTIN_PLUGIN_NAME).__name__ == "causalkv.plugin.builtin"
+    assert len(lines) == 1 and f"plugin name '{BUILTIN_PLUGIN_NAME}' is claimed twice" in lines[0]
 
 
 @pytest.mark.parametrize("module", [
-    "hooks/__init__.py", "hooks/markers.py", "hooks/specs.py", "plugin/calls.py", "plugin/errors.py",
-    "plugin/loader.py", "plugin/manager.py", "plugin/testing.py", "runtime/plugin_faults.py",
+    "hooks/__init__.py", "hooks/markers.py", "hooks/records.py", "hooks/specs.py", "plugin/calls.py",
+    "plugin/errors.py", "plugin/manager.py", "plugin/registry.py", "plugin/resolver.py", "plugin/testing.py",
 ])
 def test_the_plugin_machinery_imports_nothing_inside_functions(module):
     tree = ast.parse((Path(causalkv.__file__).parent / module).read_text())
@@ -112,3 +125,19 @@ def test_the_plugin_machinery_imports_nothing_inside_functions(module):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             inner = [n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
             assert not inner, f"{module}: {fn.name}() imports at line(s) {inner}"
+
+
+def test_no_two_plugin_modules_import_each_other_even_for_annotations():
+    """The plugin layer's modules form no import cycle, TYPE_CHECKING imports included."""
+    root = Path(causalkv.__file__).parent
+    graph = {}
+    for path in [*sorted((root / "plugin").glob("*.py")), *sorted((root / "hooks").glob("*.py"))]:
+        module = f"causalkv.{path.parent.name}" + ("" if path.stem == "__init__" else f".{path.stem}")
+        graph[module] = {f"{n.module}.{a.name}" if (root.parent / n.module.replace(".", "/") / f"{a.name}.py").exists()
+                         else n.module for n in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("causalkv.") for a in n.names}
+    assert "causalkv.plugin.loader" not in graph  # merged into manager: it imported manager back
+    for a, deps in graph.items():
+        for b in deps:
+            if b in graph and b != a and a in graph[b]:
+                pytest.fail(f"{a} and {b} import each other")

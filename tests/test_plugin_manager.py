@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import replace
 from importlib.metadata import EntryPoint
 
 import pluggy
@@ -18,6 +17,7 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import (
     PluginConflictError,
+    PluginHookError,
     ResolutionError,
     collect,
     configure_stage,
@@ -27,7 +27,7 @@ from causalkv.plugin import (
     resolve,
 )
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
-from causalkv.plugin.loader import PluginSettings
+from causalkv.plugin.manager import PluginSettings
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
 from causalkv.stages.longlive import LongLiveStage
 
@@ -191,7 +191,8 @@ def test_broken_plugins_are_reported_and_skipped(fake_plugins):
     assert "causalkv_tests_plugin_does_not_exist" in by_name["missing"].error
     assert by_name["badargs"].error.startswith("PluginValidationError:")
     assert "unexpected_argument" in by_name["badargs"].error
-    assert "failed to load and was skipped" in str(by_name["missing"])
+    assert str(by_name["missing"]).startswith("plugin 'missing' is set aside: ModuleNotFoundError")
+    assert str(by_name["missing"]).endswith("; fix the plugin, or turn it off with CAUSALKV_DISABLE_PLUGINS=missing")
     # the others work
     assert resolve("beta-model", pm=pm).stage is LongLiveStage
 
@@ -223,10 +224,12 @@ def test_autoload_off_loads_no_entry_points(fake_plugins):
     assert [n for n, _ in pm.list_name_plugin()] == [BUILTIN_PLUGIN_NAME]
 
 
-def test_two_distributions_claiming_one_plugin_name_conflict(fake_plugins):
-    twice = [fake_plugins[0], _ep("alpha", "causalkv_tests_plugin_beta")]
-    with pytest.raises(PluginConflictError, match="plugin name 'alpha' is claimed twice"):
-        make_plugin_manager(env={}, entry_points=twice)
+def test_two_entry_points_claiming_one_plugin_name_are_set_aside(fake_plugins):
+    twice = [fake_plugins[0], _ep("alpha", "causalkv_tests_plugin_beta"), fake_plugins[1]]
+    pm, names, reports = _load({}, twice)
+    assert names == ["beta"]  # the others load
+    assert [f.name for f in reports] == ["alpha", "alpha"]
+    assert all("plugin name 'alpha' is claimed twice" in str(f) and "uninstall one" in str(f) for f in reports)
 
 
 def test_trace_env_var_traces_hook_calls_to_stderr(capsys):
@@ -279,8 +282,9 @@ def test_registration_hooks_accept_a_single_record_or_none(pm):
 
 def test_registration_hook_returning_junk_names_the_plugin(pm):
     with temporary_plugin(pm, StagesPlugin(stages=[("not", "a", "record")]), name="junk"):
-        with pytest.raises(TypeError, match="plugin 'junk': causalkv_register_stages.*StageRegistration"):
-            collect(pm)
+        assert [f.name for f in collect(pm, report=None).failures] == ["junk"]
+        with pytest.raises(TypeError, match="plugin 'junk' is set aside: causalkv_register_stages.*StageRegistration"):
+            collect(pm, strict=True)
 
 
 def test_registration_hook_raising_names_the_plugin(pm):
@@ -290,17 +294,22 @@ def test_registration_hook_raising_names_the_plugin(pm):
             raise KeyError("oops")
 
     with temporary_plugin(pm, Raising(), name="raiser"):
-        with pytest.raises(RuntimeError, match="plugin 'raiser': causalkv_register_cache_factories"):
-            collect(pm)
+        assert [c.name for c in collect(pm, report=None).caches] == list(BUILTIN_CACHES)
+        with pytest.raises(RuntimeError, match="plugin 'raiser' is set aside: causalkv_register_cache_factories"):
+            collect(pm, strict=True)
 
 
 def test_conflict_same_stage_name_names_both_plugins(pm):
     dup = StagesPlugin(stages=[StageRegistration("longlive", LongLiveStage, ["OtherPipeline"])])
     with temporary_plugin(pm, dup, name="copycat"):
+        registry = collect(pm, report=None)
         with pytest.raises(PluginConflictError) as info:
-            collect(pm)
-    msg = str(info.value)
-    assert "stage 'longlive'" in msg
+            collect(pm, strict=True)
+    assert registry.stage("longlive").plugin == BUILTIN_PLUGIN_NAME  # the built-in keeps it
+    assert "OtherPipeline" not in registry.served_models()  # the whole plugin is set aside
+    msg = str(registry.failures[0])
+    assert msg == str(info.value).removesuffix(" (--strict-plugins)")
+    assert "stage name 'longlive' is taken by stage 'longlive'" in msg
     assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'copycat'" in msg
     assert "CAUSALKV_DISABLE_PLUGINS=copycat" in msg
 
@@ -308,11 +317,12 @@ def test_conflict_same_stage_name_names_both_plugins(pm):
 def test_conflict_same_model_same_priority_names_both_plugins(pm):
     same = StagesPlugin(stages=[StageRegistration("wan2", LongLiveStage, ["WanPipeline"])])
     with temporary_plugin(pm, same, name="wan-fork"):
+        assert resolve("WanPipeline", pm=pm).stage_registration.name == "self-forcing-wan"
         with pytest.raises(PluginConflictError) as info:
-            resolve("WanPipeline", pm=pm)
+            collect(pm, strict=True)
     msg = str(info.value)
-    assert "model 'WanPipeline' is served at priority 0" in msg
-    assert "'self-forcing-wan'" in msg and "'wan2'" in msg
+    assert "model 'WanPipeline' at priority 0 is taken by stage 'self-forcing-wan'" in msg
+    assert "give the registration another priority" in msg
     assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'wan-fork'" in msg
 
 
@@ -330,7 +340,7 @@ def test_conflict_same_cache_name_names_both_plugins(pm):
     dup = StagesPlugin(caches=[CacheFactory("dense", "x.y:Z", ["growth"])])
     with temporary_plugin(pm, dup, name="dense-fork"):
         with pytest.raises(PluginConflictError) as info:
-            collect(pm)
+            collect(pm, strict=True)
     msg = str(info.value)
     assert "cache 'dense'" in msg
     assert f"plugin '{BUILTIN_PLUGIN_NAME}'" in msg and "plugin 'dense-fork'" in msg
@@ -365,14 +375,15 @@ def test_causalkv_configure_stage_merges_overrides(pm):
         def causalkv_configure_stage(self, stage):
             stage.tag = "configured"  # implementations may also set attributes
 
-    stage = types.SimpleNamespace(name="a built stage")
+    applied = []
+    stage = types.SimpleNamespace(name="a built stage", apply_overrides=applied.append)
     with temporary_plugin(pm, Silent()), temporary_plugin(pm, Late()), temporary_plugin(pm, First()):
         overrides = configure_stage(pm, stage, MODEL, ServerArgs(multi_shot=True))
     # the tryfirst implementation is called first and wins "window_frames"
-    assert overrides == {"sink_frames": 2, "window_frames": 12}
+    assert overrides == {"sink_frames": 2, "window_frames": 12} and applied == [overrides]
     assert seen == [("first", True), ("late", stage, "tiny")]
     assert stage.tag == "configured"
-    assert replace(MODEL, **overrides).window_frames == 12
+    assert MODEL.with_overrides(overrides).window_frames == 12
 
 
 def test_causalkv_configure_stage_rejects_unknown_fields(pm):
@@ -381,9 +392,17 @@ def test_causalkv_configure_stage_rejects_unknown_fields(pm):
         def causalkv_configure_stage(self):
             return {"window": 3}
 
-    with temporary_plugin(pm, Bad()):
-        with pytest.raises(ValueError, match="unknown ModelConfig field.*window.*window_frames"):
+    with temporary_plugin(pm, Bad(), name="bad-override"):
+        with pytest.raises(PluginHookError) as info:
             configure_stage(pm, types.SimpleNamespace(), MODEL, ServerArgs())
+    # names the plugin and lists only what an override may change
+    assert str(info.value) == (
+        "plugin 'bad-override' failed in causalkv_configure_stage (unknown override(s) window; the "
+        "overrides are: frames_per_chunk, sink_frames, global_sink_frames, window_frames, cache_frames, "
+        "recent_window_frames, timesteps, shift, context_noise); fix it, or turn it off with "
+        "CAUSALKV_DISABLE_PLUGINS=bad-override"
+    )
+    assert info.value.plugin == "bad-override"
 
 
 def test_causalkv_chunk_done_reaches_every_plugin(pm):
@@ -410,3 +429,14 @@ def test_causalkv_chunk_done_reaches_every_plugin(pm):
     )
     pm.hook.causalkv_chunk_done(stage=stage, chunk_index=3, stats={})  # plugins gone
     assert len(events) == 6
+
+
+def test_blocking_one_claimant_by_its_distribution_name_loads_the_other(fake_plugins):
+    """Two distributions declare entry point ``alpha``: blocking one by its distribution name
+    (as docs/plugins.md allows) leaves the other, which loads (a blocked one claims nothing)."""
+    installed = types.SimpleNamespace(name="alpha", value="causalkv_tests_plugin_alpha", group="causalkv",
+                                      dist=types.SimpleNamespace(metadata={"Name": "dist-a"}, version="1.0"))
+    in_process = _ep("alpha", "causalkv_tests_plugin_beta")
+    pm, names, reports = _load({"CAUSALKV_DISABLE_PLUGINS": "dist-a"}, [installed, in_process])
+    assert names == ["alpha"] and reports == []
+    assert resolve("beta-model", pm=pm).stage_plugin == "alpha"  # the in-process one, beta's module

@@ -123,14 +123,14 @@ def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, proble
 
 
 def test_importing_the_settings_loads_no_torch():
-    """The QVG settings are torch-free: their old homes and the record itself import without
-    torch (the caches packages export lazily)."""
+    """The QVG settings are torch-free: the record imports without torch (the caches packages
+    export lazily)."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "import causalkv.caches.qvg.options, causalkv.quant_config, causalkv.caches.qvg.args\n"
+        "import causalkv.caches.qvg.options\n"
         "from causalkv.caches.qvg import QVGKVQuantArgs\n"
         "assert QVGKVQuantArgs(bits=2).codec.bits == 2\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

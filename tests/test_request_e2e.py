@@ -12,17 +12,19 @@ from runtime_helpers import make_options, plan_and_run
 
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.spec import PINNED_SINK
-from causalkv.config import ShotRequest
+from causalkv.capabilities import PINNED_SINK
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.generate import plan_generation, run_report
+from causalkv.runtime.plan import plan_generation
+from causalkv.runtime.report import run_report
+from causalkv.stages.lingbot import MotionOptions
+from causalkv.stages.longlive2 import ShotRequest
 
 
 def test_longlive2_three_shots_pin_exactly_the_cut_chunks_with_int2(causalkv_home: str, pm) -> None:
     # 12 frames = 6 chunks of 2 frames (32 tokens); shots of 2, 1, 3 chunks: cuts at chunks 2, 3
     options = make_options("tiny-longlive2", prompts=["a forest", "a city", "a beach"], frames=12,
-                           quant="int2", shots=ShotRequest(durations=(2, 1, 3)))
+                           quant="int2", options=[ShotRequest(durations=(2, 1, 3))])
     plan, run = plan_and_run(options, pm)
     stage = run.stage
     assert plan.server_args.multi_shot and PINNED_SINK in plan.resolution.requirements
@@ -46,7 +48,7 @@ def test_longlive2_three_shots_pin_exactly_the_cut_chunks_with_int2(causalkv_hom
 def test_longlive2_fractional_offset_and_sinks_off(causalkv_home: str, pm) -> None:
     shots = ShotRequest(multi_shot_rope_offset=1.5, multi_shot_sink=False, scene_cut_prefix="")
     plan, run = plan_and_run(
-        make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=8, shots=shots), pm
+        make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=8, options=[shots]), pm
     )
     # sinks off: no multi-shot resolution, no pins; the cut still shifts RoPE by 1.5 frames
     assert not plan.server_args.multi_shot and PINNED_SINK not in plan.resolution.requirements
@@ -87,7 +89,8 @@ def test_lingbot_motion_switches_the_window_per_chunk(causalkv_home: str, pm, ca
         def causalkv_configure_stage(self, stage):
             stage.denoiser = _WindowRecorder(stage.denoiser, calls)
 
-    options = make_options("tiny-lingbot", frames=18, cache=cache, quant=quant, motion=MOTION)
+    options = make_options("tiny-lingbot", frames=18, cache=cache, quant=quant,
+                           options=[MotionOptions(motion=MOTION)])
     with temporary_plugin(pm, Record()):
         plan, run = plan_and_run(options, pm)
     cache_cls = DenseCausalKVCache if cache == "dense" else QVGPackedCausalKVCache

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from causalkv.cli.generate import add_generate_args, options_from_args
-from causalkv.config import DEFAULT_SCENE_CUT_PREFIX as P
-from causalkv.config import ModelConfig, ServerArgs, ShotRequest, parse_motion
+from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError
-from causalkv.stages.lingbot import LingBotWorldStage, window_per_chunk
+from causalkv.plugin import resolve
+from causalkv.stages.lingbot import LingBotWorldStage, MotionOptions, parse_motion, window_per_chunk
+from causalkv.stages.longlive2 import SCENE_CUT_PREFIX as P
 from causalkv.stages.longlive2 import (
     LongLive2Stage,
     ShotPlan,
+    ShotRequest,
     expand_shots,
     layout_of,
     unipc_sigmas,
@@ -107,7 +109,7 @@ def test_shot_request_validates_on_construction(kwargs, message) -> None:
 
 
 def test_plan_chunks_carries_the_layout_and_refuses_foreign_fields() -> None:
-    args = ServerArgs(shots=ShotRequest(durations=(2, 1, 3)))
+    args = ServerArgs(options=[ShotRequest(durations=(2, 1, 3))])
     plan = LongLive2Stage.plan_chunks(["a", "b", "c"], 6, args)
     assert isinstance(plan, ShotPlan) and isinstance(plan, list)
     assert plan == ["a", "a", P + "b", P + "c", "c", "c"]
@@ -115,12 +117,13 @@ def test_plan_chunks_carries_the_layout_and_refuses_foreign_fields() -> None:
     assert layout_of(plan, args) is plan.layout
     # a plain list: cuts where the prompt carries the prefix
     assert layout_of(list(plan), args).shot_indices == (0, 0, 1, 2, 2, 2)
+    # another family's knobs: the one refusal is the resolution's (foreign_options_error)
     with pytest.raises(ConfigError, match="--motion applies to LingBot-World"):
-        LongLive2Stage.plan_chunks(["a"], 2, ServerArgs(motion=("m", "s")))
-    # the one message for another family's knobs (causalkv.options.foreign_options_error)
+        resolve("tiny-longlive2", ServerArgs(options=[MotionOptions(motion=("m", "s"))]))
     with pytest.raises(ConfigError, match=r"shot flags \(--shot-durations.*\) apply to multi-shot "
-                       "stages, not to LingBotWorldStage; drop them or pick a LongLive 2.0 model"):
-        LingBotWorldStage.plan_chunks(["a"], 2, args)
+                       "stages, not to LingBotWorldStage .stage 'lingbot-world'.; they are options "
+                       "of stage 'longlive2'; drop them or pick a LongLive 2.0 model"):
+        resolve("tiny-lingbot", args)
 
 
 # ---- the sampler ----------------------------------------------------------------------------
@@ -242,11 +245,11 @@ def test_window_rule_without_a_still_window_stays_moving() -> None:
 
 
 def test_motion_is_validated() -> None:
-    assert ServerArgs(motion="m, s,S").motion == ("m", "s", "s")
+    assert MotionOptions(motion="m, s,S").motion == ("m", "s", "s")
     with pytest.raises(ConfigError, match="one letter per chunk, m .* or s"):
-        ServerArgs(motion="m,x")
+        MotionOptions(motion="m,x")
     with pytest.raises(ConfigError, match="--motion has 3 letters for 4 chunks"):
-        LingBotWorldStage.plan_chunks(["a"], 4, ServerArgs(motion="m,s,s"))
+        LingBotWorldStage.plan_chunks(["a"], 4, ServerArgs(options=[MotionOptions(motion="m,s,s")]))
 
 
 # ---- CLI ------------------------------------------------------------------------------------
@@ -262,11 +265,11 @@ def test_shot_flags_build_the_request() -> None:
                  "--scene-cut-prefix", "", "--no-multi-shot-sink", "--multi-shot-rope-offset", "1.5",
                  "--chunks-per-shot", "2")
     assert list(o.prompts) == ["a", "b"]
-    assert o.server_args.shots == ShotRequest(
+    assert o.server_args.option(ShotRequest) == ShotRequest(
         durations=(3, 2), chunks_per_shot=2, scene_cut_prefix="", multi_shot_sink=False,
         multi_shot_rope_offset=1.5)
-    assert _options("--prompt", "a", "--prompt", "b").server_args.shots.is_default
-    assert _options("--motion", "m,s").server_args.motion == ("m", "s")
+    assert _options("--prompt", "a", "--prompt", "b").server_args.option(ShotRequest).is_default
+    assert _options("--motion", "m,s").server_args.option(MotionOptions).motion == ("m", "s")
     with pytest.raises(ConfigError, match="with --prompt or with --shot-prompt, not both"):
         _options("--prompt", "a", "--shot-prompt", "b")
     with pytest.raises(ConfigError, match="comma-separated chunk counts"):

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
@@ -33,7 +33,7 @@ QUANT_BITS = {"off": None, "int4": 4, "int2": 2}
 
 
 def _args(quant: str = "off", **kw) -> ServerArgs:
-    return ServerArgs(kv_cache_quant_config=QVGKVQuantArgs.from_bits_name(quant), **kw)
+    return ServerArgs(options=[QVGKVQuantArgs.from_bits_name(quant)], **kw)
 
 
 class NoQVGStage(CausalDenoisingStage):

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from causalkv.plugin.builtin import STAGES
 from causalkv.runtime.model_config import (
     ModelFolderError,
     load_model_info,
     model_info_from_dicts,
     read_model_folder,
 )
-from causalkv.runtime.presets import PRESETS, materialize_preset, preset_dir, preset_info
+from causalkv.runtime.presets import materialize_preset, preset_dir, preset_info
+from causalkv.stages.longlive2 import LongLive2Config
 
 WAN21_TRANSFORMER = {"patch_size": [1, 2, 2], "num_layers": 30, "num_attention_heads": 12,
                      "attention_head_dim": 128, "in_channels": 16}
@@ -42,7 +44,7 @@ def test_longlive2_class_defaults_match_facts() -> None:
     cfg = info.config
     assert cfg.tokens_per_frame == (704 // 16 // 2) * (1280 // 16 // 2) == 880
     assert (cfg.frames_per_chunk, cfg.sink_frames, cfg.global_sink_frames) == (8, 8, 8)
-    assert (cfg.window_frames, cfg.rope_offset_frames_per_shot) == (32, 8)
+    assert (cfg.window_frames, cfg.option(LongLive2Config).rope_offset_frames_per_shot) == (32, 8)
 
 
 def test_causalkv_json_overrides_class_defaults() -> None:
@@ -86,7 +88,7 @@ def test_folder_missing_files_is_refused(tmp_path: Path) -> None:
 
 
 def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home: str) -> None:
-    for name in PRESETS:
+    for name in (p.name for reg in STAGES for p in reg.presets):
         info = preset_info(name)
         assert info.config.head_dim % 64 == 0, "QVG's default block_size 64 must divide head_dim"
         # 64x64 / VAE 8 / patch 2 = 4x4; make run's preset: 128x128 / 8 / patch 1 = 16x16
@@ -97,9 +99,9 @@ def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home
     expected = preset_info("tiny-longlive2")
     assert on_disk.config.model_class == "LongLive2Pipeline"
     for field in ("frames_per_chunk", "sink_frames", "global_sink_frames", "window_frames",
-                  "tokens_per_frame", "num_layers", "num_heads", "head_dim",
-                  "rope_offset_frames_per_shot"):
+                  "tokens_per_frame", "num_layers", "num_heads", "head_dim", "options"):
         assert getattr(on_disk.config, field) == getattr(expected.config, field), field
+    assert on_disk.config.option(LongLive2Config).rope_offset_frames_per_shot == 2
     assert on_disk.guidance_scale == expected.guidance_scale == 3.0
     assert "RANDOM" in (folder / "README.md").read_text()
     # a second call reuses the folder (weights are created once)

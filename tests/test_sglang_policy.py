@@ -1,7 +1,7 @@
 """`QVGPackedCausalKVCache(policy=SGLANG)`: sglang's packing rule in causalkv's own cache.
 
 Runs in the main environment (no sglang needed); the bridge's cache uses the same policy
-object (`causalkv.caches.qvg.policy.SGLANG`, re-exported by `causalkv.sglang.policy`) over
+object (`causalkv.caches.qvg.policy.SGLANG`) over
 the same segment store and is tested against sglang itself in tests/sglang_bridge.
 """
 
@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from causalkv.caches import KVCacheSpec
-from causalkv.caches.qvg.args import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.qvg.policy import CAUSALKV, SGLANG
-from causalkv.sglang.policy import sglang_dense_chunks
+from causalkv.caches.qvg.policy import CAUSALKV, SGLANG, sglang_dense_chunks
 
 CHUNK = 8
 SPEC = KVCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,

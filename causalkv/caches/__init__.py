@@ -4,7 +4,8 @@
 
 The names are exported lazily (PEP 562): importing a torch-free submodule such as
 `causalkv.caches.qvg.options` runs this package without importing torch; the first use of a
-name below imports its module.
+name below imports its module. The feature names and `CacheCapabilities` live in
+`causalkv.capabilities` (torch-free), their one import path.
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ if TYPE_CHECKING:
     from causalkv.caches.dense import DenseCausalKVCache
     from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
     from causalkv.caches.spec import (
-        GROWTH,
-        HEAD_SLICE,
-        INT_INDICES,
-        PINNED_SINK,
-        QUANT_QVG,
-        RECENT_WINDOW,
-        CacheCapabilities,
         CacheWriteError,
         CausalAttentionKVView,
         CausalKVCache,
@@ -38,23 +32,14 @@ _EXPORTS = {
     "DenseCausalKVCache": "causalkv.caches.dense",
     "QVGPackedCausalKVCache": "causalkv.caches.qvg.packed",
     **dict.fromkeys(
-        ("GROWTH", "HEAD_SLICE", "INT_INDICES", "PINNED_SINK", "QUANT_QVG", "RECENT_WINDOW",
-         "CacheCapabilities", "CacheWriteError", "CausalAttentionKVView", "CausalKVCache",
-         "KVCacheSpec"),
+        ("CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "KVCacheSpec"),
         "causalkv.caches.spec",
     ),
 }
 
 __all__ = [
-    "GROWTH",
-    "HEAD_SLICE",
-    "INT_INDICES",
-    "PINNED_SINK",
-    "QUANT_QVG",
-    "RECENT_WINDOW",
     "AttendError",
     "AttendStats",
-    "CacheCapabilities",
     "CacheWriteError",
     "CausalAttentionKVView",
     "CausalKVCache",

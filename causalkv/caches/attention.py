@@ -31,7 +31,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from causalkv.caches.qvg.codec import PackedSegment, _triton_importable, dequantize
+from causalkv.caches.qvg.codec import _triton_importable, dequantize
+from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.errors import CausalKVError
 

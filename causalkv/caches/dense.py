@@ -6,18 +6,16 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
-from causalkv.caches.spec import (
+from causalkv.caches.spec import CausalAttentionKVView, KVCacheSpec, concat_segments
+from causalkv.caches.stream import StreamState
+from causalkv.capabilities import (
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
     PINNED_SINK,
     RECENT_WINDOW,
     CacheCapabilities,
-    CausalAttentionKVView,
-    KVCacheSpec,
-    concat_segments,
 )
-from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
 
 __all__ = ["DenseCausalKVCache"]

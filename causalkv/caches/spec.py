@@ -14,29 +14,11 @@ import torch
 
 from causalkv.caches.intervals import Intervals, count, to_positions
 from causalkv.capabilities import (
-    GROWTH,
-    HEAD_SLICE,
-    INT_INDICES,
-    PINNED_SINK,
-    QUANT_QVG,
-    RECENT_WINDOW,
     CacheCapabilities,
 )
 from causalkv.errors import CausalKVError, ConfigError, check_int
 
-__all__ = [
-    "CacheCapabilities",
-    "CacheWriteError",
-    "CausalAttentionKVView",
-    "CausalKVCache",
-    "KVCacheSpec",
-    "PINNED_SINK",
-    "HEAD_SLICE",
-    "RECENT_WINDOW",
-    "GROWTH",
-    "INT_INDICES",
-    "QUANT_QVG",
-]
+__all__ = ["CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "KVCacheSpec"]
 
 def _dtype_nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -128,7 +110,7 @@ class KVCacheSpec:
 
 
 if TYPE_CHECKING:
-    from causalkv.caches.qvg.codec import PackedSegment
+    from causalkv.caches.qvg.format import PackedSegment
 
 KVSegment = tuple[torch.Tensor, torch.Tensor]
 #: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``

@@ -27,15 +27,15 @@ from causalkv.runtime.distributed import (
     run_under_torchrun,
     shutdown,
 )
-from causalkv.runtime.generate import generate, plan_generation
+from causalkv.runtime.generate import generate
 from causalkv.runtime.launch import register_rank
+from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.video import video_formats
 
 __all__ = [
     "add_extension_args",
     "add_generate_args",
-    "add_request_args",
     "collect_plugins",
     "extension_records",
     "options_from_args",
@@ -43,18 +43,24 @@ __all__ = [
     "run_generate",
 ]
 
-#: the namespace attributes `add_extension_args` sets: the records whose flags it added, and
-#: the flags it could not add (a clash), reported when the command runs
-_RECORDS, _PROBLEMS = "_causalkv_option_records", "_causalkv_option_problems"
+#: the namespace attribute `add_extension_args` sets: the records whose flags it added
+_RECORDS = "_causalkv_option_records"
 #: the namespace attribute `register` sets: the plugins the parser was built from (the run's)
 _PLUGINS = "_causalkv_plugins"
 
 
+def host_flags() -> frozenset[str]:
+    """The flags of ``causalkv generate`` and ``resolve`` themselves: a plugin record that
+    declares one is set aside when the plugins are collected (`causalkv.plugin.collect`)."""
+    return frozenset(add_generate_args(argparse.ArgumentParser(), registry=None)._option_string_actions) | {"--json"}
+
+
 def collect_plugins() -> PluginSet | None:
-    """The process-wide plugin manager's plugins, collected once for the parser and the run;
-    None on a plugin conflict (which `generate` reports when it runs)."""
+    """The process-wide plugin manager's plugins, collected once for the parser and the run
+    (a plugin that fails or clashes, with a host flag too, is set aside with one line); None
+    when they cannot be collected (which `generate` reports when it runs)."""
     try:
-        return PluginSet.collect()
+        return PluginSet.collect(reserved_flags=host_flags())
     except CausalKVError:
         return None
 
@@ -69,12 +75,8 @@ def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
     (``"stage longlive2"``, ``"cache qvg"``), in registration order."""
     out: dict[type[Options], list[str]] = {}
     for e in registry.stages:
-        try:
-            record = e.registration.options_record()
-        except (ImportError, TypeError):  # a broken stage: it fails when it is chosen
-            continue
-        if record is not None:
-            out.setdefault(record, []).append(f"stage {e.name}")
+        if e.registration.options is not None:
+            out.setdefault(e.registration.options, []).append(f"stage {e.name}")
     for e in registry.caches:
         if e.factory.options is not None:
             out.setdefault(e.factory.options, []).append(f"cache {e.name}")
@@ -83,32 +85,25 @@ def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
 
 def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
     """Add the flags of every option record the registry's stages and caches declare, one
-    group per record titled with the record and its owners. A record whose flag is taken
-    already is left out and named when the command runs (`extension_records`)."""
-    records: list[type[Options]] = []
-    problems: list[str] = []
-    taken = dict.fromkeys(parser._option_string_actions, "causalkv generate")
-    for record, owners in (_owned_records(registry) if registry is not None else {}).items():
-        clash = [f for f in record.flags() if f in taken]
-        if clash:
-            problems.append(
-                f"{clash[0]} of {', '.join(owners)} ({record.title}) is taken by {taken[clash[0]]}; "
-                "rename one of them in its plugin, or block one with CAUSALKV_DISABLE_PLUGINS"
-            )
-            continue
+    group per record titled with the record and its owners (the registry holds no clashing
+    flag: a plugin declaring one is set aside), and one group naming each plugin set aside,
+    so ``--help`` drops none silently."""
+    owned = _owned_records(registry) if registry is not None else {}
+    for record, owners in owned.items():
         record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
-        taken.update(dict.fromkeys(record.flags(), ", ".join(owners)))
-        records.append(record)
-    parser.set_defaults(**{_RECORDS: tuple(records), _PROBLEMS: tuple(problems)})
+    failures = registry.failures if registry is not None else ()
+    if failures:
+        parser.add_argument_group(
+            "plugins set aside (their stages, caches and flags are not here)",
+            description="\n".join(str(f) for f in failures),
+        )
+    parser.set_defaults(**{_RECORDS: tuple(owned)})
     return parser
 
 
 def extension_records(args: argparse.Namespace) -> list[Options]:
     """The option records the parsed flags give (validated; `ConfigError` naming the flag),
     one per record with at least one flag typed."""
-    problems = getattr(args, _PROBLEMS, ())
-    if problems:
-        raise ConfigError(problems[0])
     out = []
     for record in getattr(args, _RECORDS, ()):
         given = record.given_in(args)
@@ -170,8 +165,10 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
                         help="replace an --output, --metrics or --save-latents file that holds "
                         "something else (another kind of file, not a previous run's), atomically")
     parser.add_argument("--strict-plugins", action="store_true",
-                        help="a causalkv_chunk_done plugin that raises stops the run (exit 2) "
-                        "instead of being reported once and skipped")
+                        help="any plugin fault stops the run (exit 2): a plugin set aside while "
+                        "loading (import error, a registration hook that raises, a clashing flag "
+                        "or name) and a causalkv_chunk_done implementation that raises, instead "
+                        "of one line and going on without it")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (exit codes: docs/usage.md)")
     parser.add_argument("--compare-bf16", action="store_true",
@@ -186,12 +183,6 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
 
 def _video_formats() -> str:
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
-def add_request_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Compatibility: the request flags the registered extensions declare
-    (`add_extension_args` with the process-wide plugin manager's registry)."""
-    return add_extension_args(parser, _registry())
-
-
 def _request_prompts(args: argparse.Namespace) -> list[str] | None:
     if args.prompts is not None and args.shot_prompts is not None:
         raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")

@@ -11,7 +11,13 @@ import sys
 from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.cli.generate import _registry, add_extension_args, extension_records
+from causalkv.cli.generate import (
+    _PLUGINS,
+    add_extension_args,
+    collect_plugins,
+    extension_records,
+    host_flags,
+)
 from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
@@ -51,8 +57,10 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.add_argument("--cache", default=None, metavar="NAME", help="force a cache by name")
     r.add_argument("--stage", default=None, metavar="NAME", help="force a stage by name")
     r.add_argument("--json", action="store_true", help="print JSON")
-    add_extension_args(r, _registry(plugins))  # the stages' and caches' own flags (--kv-cache-quant, ...)
-    r.set_defaults(func=run_resolve)
+    plugins = collect_plugins() if plugins is ... else plugins
+    # the stages' and caches' own flags (--kv-cache-quant, ...)
+    add_extension_args(r, plugins.registry if plugins is not None else None)
+    r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
 def _fail(command: str, exc: BaseException) -> int:
@@ -77,7 +85,7 @@ def _stage_row(entry: Any) -> dict[str, Any]:
     qvg, multi = cls._supports_qvg_kv_cache_quantization(), cls.supports_multi_shot()
     cases = {
         "always": ServerArgs(),
-        "--kv-cache-quant": ServerArgs(kv_cache_quant_config=QVGKVQuantArgs(bits=4)) if qvg else None,
+        "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(bits=4)]) if qvg else None,
         "--multi-shot": ServerArgs(multi_shot=True) if multi else None,
         "--heads-sharded": ServerArgs(heads_sharded=2),
         "--recent-window-frames": ServerArgs(recent_window_frames=1),
@@ -91,8 +99,9 @@ def _stage_row(entry: Any) -> dict[str, Any]:
 
 
 def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
-    """What ``causalkv plugins --json`` prints."""
-    registry = collect(pm)
+    """What ``causalkv plugins --json`` prints: the plugins set aside included (the same
+    `causalkv generate` meets: its flags are the reserved ones)."""
+    registry = collect(pm, reserved_flags=host_flags(), report=None)
     infos = pm.plugin_infos()
     return {
         "plugins": [
@@ -119,8 +128,8 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
             for e in registry.caches
         ],
         "failures": [
-            {"name": f.name, "distribution": f.distribution, "error": f.error}
-            for f in pm.load_failures
+            {"name": f.name, "distribution": f.distribution, "error": f.error, "line": str(f)}
+            for f in (*pm.load_failures, *registry.failures)
         ],
         "missing_allowed": list(pm.missing_allowed),
     }
@@ -153,10 +162,9 @@ def _print_plugins(report: dict[str, Any]) -> None:
         print(f"  {c['name']} ({c['target']}, plugin {c['plugin']}, priority {c['priority']})")
         print(f"      capabilities: {', '.join(c['capabilities']) or '(none)'}")
     if report["failures"]:
-        print("Failed to load (skipped):")
+        print("Set aside (every other plugin and model works; --strict-plugins makes it fatal):")
         for f in report["failures"]:
-            dist = f" ({f['distribution']})" if f["distribution"] else ""
-            print(f"  {f['name']}{dist}: {f['error']}")
+            print(f"  {f['line']}")
     if report["missing_allowed"]:
         print(f"Allowed but not installed: {', '.join(report['missing_allowed'])}")
 
@@ -182,7 +190,9 @@ def run_resolve(args: argparse.Namespace) -> int:
             recent_window_frames=args.recent_window_frames,
             cache=args.cache,
         )
-        res = resolve(args.model, server_args, stage=args.stage)
+        found = getattr(args, _PLUGINS, None)  # the plugins the parser was built from
+        where = {"pm": found.pm, "registry": found.registry} if found is not None else {}
+        res = resolve(args.model, server_args, stage=args.stage, **where)
         settings = res.cache_options
         given = settings is not None and bool(settings.changed())
         head_dim = model_head_dim(args.model) if given else None

@@ -11,20 +11,68 @@ line, the config parsing and the validation from those records (`causalkv.option
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from causalkv.capabilities import CacheCapabilities
+from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.options import CacheOptions, Options, StageOptions
 
-if TYPE_CHECKING:
-    from causalkv.caches.spec import CausalKVCache, KVCacheSpec
-    from causalkv.stages.base import CausalDenoisingStage
+__all__ = ["CacheFactory", "CacheKind", "Preset", "Stage", "StageRegistration", "import_object"]
 
-__all__ = ["CacheFactory", "Preset", "StageRegistration", "import_object"]
+
+class Stage(Protocol):
+    """What a hook sees of a denoising stage (`causalkv.stages.base.CausalDenoisingStage` is
+    one): its registration name, its model config, the request, and its family's record."""
+
+    name: str
+    model: ModelConfig
+    server_args: ServerArgs
+    options: StageOptions | None
+
+
+class CacheKind(Protocol):
+    """What a `CacheFactory`'s ``cache`` is once loaded: a cache class (or a callable) that
+    builds one layer's cache, and the calls the host makes on it and on what it built. Define
+    the ones you need (the two request calls as classmethods; docs/plugins.md, "A cache
+    kind"); one left out gets the default written here. The host calls them through the
+    factory (`CacheFactory.check_request`, `.describe_request`, `.packing_report`).
+    """
+
+    def __call__(self, spec: Any, options: CacheOptions | None) -> CacheReporting:
+        """One layer's cache for ``spec`` (a `causalkv.caches.spec.KVCacheSpec`), honouring
+        the cache contract (docs/caches.md) for every capability it declares."""
+
+    def check_request(self, options: CacheOptions | None, *, head_dim: int, device: str) -> None:
+        """Before any weights load: refuse ``options`` that cannot run for K/V of ``head_dim``
+        channels on ``device`` (`causalkv.errors.ConfigError` naming the flag and the fix).
+        Default: nothing to refuse."""
+
+    def describe_request(
+        self, options: CacheOptions | None, *, tokens_per_chunk: int, sink_tokens: int
+    ) -> list[str]:
+        """Lines the run header adds under the cache (after the resolution's reasons).
+        Default: none."""
+
+
+class CacheReporting(Protocol):
+    """What the host asks a built cache after the run (every layer's and branch's)."""
+
+    def packing_report(self) -> PackingReport | None:
+        """What this cache did, as a report the host merges over all caches of the run into
+        the ``kv_packing`` metric. Default (a cache without it): no ``kv_packing``."""
+
+
+class PackingReport(Protocol):
+    """A cache's `CacheReporting.packing_report`: merged over the run's caches, then a dict."""
+
+    @classmethod
+    def merge(cls, reports: Sequence[Any]) -> PackingReport: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 def import_object(path: str) -> Any:
@@ -76,13 +124,6 @@ def _check_record(owner: str, what: str, record: object, base: type[Options]) ->
         )
 
 
-def _declared(owner: Any, attr: str, base: type[Options]) -> type[Options] | None:
-    """A class's own declaration of its option record (``attr``), checked; None if absent."""
-    record = getattr(owner, attr, None)
-    _check_record(f"{getattr(owner, '__qualname__', owner)}", attr, record, base)
-    return record
-
-
 @dataclass(frozen=True)
 class Preset:
     """A tiny model of a family, with seeded random weights, that a host can build locally.
@@ -126,15 +167,14 @@ class StageRegistration:
         presets: tiny models of this family (`Preset`); ``models[0]`` is their pipeline class.
         options: the family's request knobs, a `causalkv.options.StageOptions` subclass (its
             flags join ``causalkv generate``'s, under the record's title; the host gives the
-            request's record to this stage and refuses it for any other). None: the stage
-            class's ``request_options`` (read when the class is loaded).
+            request's record to this stage, ``stage.options``, and refuses it for any other).
+            Declared here only, so ``--help`` reads it without importing the stage.
         config: the family's own ``causalkv.json`` keys, a `causalkv.options.Options` subclass
-            (``ModelConfig.option(config)`` reads them). None: the stage class's
-            ``config_options``.
+            (``ModelConfig.option(config)`` reads them).
     """
 
     name: str
-    stage: type[CausalDenoisingStage] | str
+    stage: type | str
     models: tuple[str, ...]
     priority: int = 0
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -160,19 +200,6 @@ class StageRegistration:
         _check_record(owner, "options", self.options, StageOptions)
         _check_record(owner, "config", self.config, Options)
 
-    def options_record(self) -> type[StageOptions] | None:
-        """The request-knob record: ``options``, else the stage class's ``request_options``
-        (importing a ``"module:Class"`` stage)."""
-        if self.options is not None:
-            return self.options
-        return _declared(self.load(), "request_options", StageOptions)  # type: ignore[return-value]
-
-    def config_record(self) -> type[Options] | None:
-        """The ``causalkv.json`` record: ``config``, else the stage class's ``config_options``."""
-        if self.config is not None:
-            return self.config
-        return _declared(self.load(), "config_options", Options)
-
     @property
     def served(self) -> tuple[str, ...]:
         """Every name this stage serves: ``models`` then the preset names."""
@@ -183,7 +210,7 @@ class StageRegistration:
         """``"module:Class"`` of the stage, without importing it."""
         return _target(self.stage)
 
-    def load(self) -> type[CausalDenoisingStage]:
+    def load(self) -> type:
         """The stage class (imports a ``"module:Class"`` string on first use)."""
         return _load(self.stage)
 
@@ -253,8 +280,32 @@ class CacheFactory:
         """The cache class or callable (imports a ``"module:Class"`` string on demand)."""
         return _load(self.cache)
 
-    def build(self, spec: KVCacheSpec, options: CacheOptions | None = None) -> CausalKVCache:
+    def build(self, spec: Any, options: CacheOptions | None = None) -> Any:
         """Build one layer's cache: ``load()(spec, options)`` (``options``: the request's
-        settings record for this cache, e.g. a ``QVGKVQuantArgs``; the second positional
-        argument, as the ``quant`` of earlier releases was)."""
+        settings record for this cache, e.g. a ``QVGKVQuantArgs``)."""
         return self.load()(spec, options)
+
+    # ---- the host's calls on the cache kind (`CacheKind`; defaults where the kind has none)
+    def check_request(self, options: CacheOptions | None, *, head_dim: int, device: str) -> None:
+        """`CacheKind.check_request` of the loaded kind (nothing to refuse without one)."""
+        self._call("check_request", None, options, head_dim=head_dim, device=device)
+
+    def describe_request(self, options: CacheOptions | None, *, tokens_per_chunk: int, sink_tokens: int) -> list[str]:
+        """`CacheKind.describe_request` of the loaded kind (no lines without one)."""
+        return list(self._call("describe_request", (), options, tokens_per_chunk=tokens_per_chunk,
+                               sink_tokens=sink_tokens))
+
+    def packing_report(self, caches: Sequence[Any]) -> dict[str, Any] | None:
+        """The ``kv_packing`` metric: the `CacheReporting.packing_report` of ``caches`` (the
+        run's, built by this factory) merged (`PackingReport.merge`); None when none reports."""
+        reports = [r for c in caches if (r := _hook(c, "packing_report", None)()) is not None]
+        return type(reports[0]).merge(reports).to_dict() if reports else None
+
+    def _call(self, hook: str, default: Any, *args: Any, **kwargs: Any) -> Any:
+        return _hook(self.load(), hook, default)(*args, **kwargs)
+
+
+def _hook(obj: Any, name: str, default: Any) -> Callable[..., Any]:
+    """``obj``'s `CacheKind` / `CacheReporting` call ``name``, else one returning ``default``."""
+    fn = getattr(obj, name, None)  # a kind defines only the calls it needs
+    return fn if callable(fn) else lambda *a, **k: default

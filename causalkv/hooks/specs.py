@@ -14,21 +14,15 @@ each generated chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks.markers import hookspec
-from causalkv.hooks.records import CacheFactory, StageRegistration
-
-if TYPE_CHECKING:
-    from causalkv.config import ModelConfig, ServerArgs
-    from causalkv.stages.base import CausalDenoisingStage
+from causalkv.hooks.records import CacheFactory, Stage, StageRegistration
 
 __all__ = [
-    "causalkv_chunk_done",
-    "causalkv_configure_stage",
-    "causalkv_register_cache_factories",
-    "causalkv_register_stages",
-    "causalkv_select_cache_factory",
+    "causalkv_chunk_done", "causalkv_configure_stage", "causalkv_register_cache_factories",
+    "causalkv_register_stages", "causalkv_select_cache_factory",
 ]
 
 
@@ -63,7 +57,7 @@ def causalkv_register_cache_factories() -> Iterable[CacheFactory] | None:
 
 @hookspec(firstresult=True)
 def causalkv_select_cache_factory(
-    stage: type[CausalDenoisingStage],
+    stage: type[Stage],
     requirements: frozenset[str],
     candidates: tuple[CacheFactory, ...],
 ) -> CacheFactory | str | None:
@@ -88,7 +82,7 @@ def causalkv_select_cache_factory(
 
 @hookspec
 def causalkv_configure_stage(
-    stage: CausalDenoisingStage, model: ModelConfig, server_args: ServerArgs
+    stage: Stage, model: ModelConfig, server_args: ServerArgs
 ) -> Mapping[str, Any] | None:
     """Per-model overrides for a freshly built stage (sink, window, and so on).
 
@@ -108,7 +102,7 @@ def causalkv_configure_stage(
 
 @hookspec
 def causalkv_chunk_done(
-    stage: CausalDenoisingStage, chunk_index: int, stats: Mapping[str, Any]
+    stage: Stage, chunk_index: int, stats: Mapping[str, Any]
 ) -> None:
     """Event: a chunk finished denoising (for metrics and progress).
 

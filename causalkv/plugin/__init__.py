@@ -7,42 +7,26 @@
 The contract plugin authors implement is `causalkv.hooks`; docs/plugins.md is the guide.
 """
 
-from causalkv.plugin.configure import configure_stage
+from causalkv.plugin.calls import configure_stage
 from causalkv.plugin.errors import (
     PluginConflictError,
     PluginHookError,
     PluginLoadFailure,
+    PluginSetAsideError,
     ResolutionError,
     UnsupportedRequestError,
 )
 from causalkv.plugin.manager import (
     CausalKVPluginManager,
-    PluginInfo,
     get_plugin_manager,
     make_plugin_manager,
     reset_plugin_manager,
 )
-from causalkv.plugin.registry import CacheEntry, Registry, StageEntry, collect
-from causalkv.plugin.resolver import ModelRef, Resolution, model_ref, resolve
+from causalkv.plugin.registry import Registry, collect
+from causalkv.plugin.resolver import Resolution, resolve
 
 __all__ = [
-    "CacheEntry",
-    "CausalKVPluginManager",
-    "ModelRef",
-    "PluginConflictError",
-    "PluginHookError",
-    "PluginInfo",
-    "PluginLoadFailure",
-    "Registry",
-    "Resolution",
-    "ResolutionError",
-    "StageEntry",
-    "UnsupportedRequestError",
-    "collect",
-    "configure_stage",
-    "get_plugin_manager",
-    "make_plugin_manager",
-    "model_ref",
-    "reset_plugin_manager",
-    "resolve",
+    "CausalKVPluginManager", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
+    "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect", "configure_stage",
+    "get_plugin_manager", "make_plugin_manager", "reset_plugin_manager", "resolve",
 ]

@@ -15,7 +15,7 @@ from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.stages import lingbot, longlive, longlive2, wan
 
-__all__ = ["BUILTIN_PLUGIN_NAME", "CACHES", "STAGES", "builtin_caches"]
+__all__ = ["BUILTIN_PLUGIN_NAME", "CACHES", "STAGES"]
 
 #: the name this module is registered under in every causalkv plugin manager
 BUILTIN_PLUGIN_NAME = "causalkv.builtin"
@@ -32,11 +32,6 @@ CACHES: tuple[CacheFactory, ...] = (
     CacheFactory("dense", DenseCausalKVCache, priority=10),
     CacheFactory("qvg", QVGPackedCausalKVCache, priority=0, options=QVGKVQuantArgs),
 )
-
-
-def builtin_caches() -> tuple[CacheFactory, ...]:
-    """The built-in cache factories (`CACHES`)."""
-    return CACHES
 
 
 @hookimpl

@@ -1,22 +1,26 @@
-"""Calling a hook one plugin at a time, so a result or a failure is known by its plugin.
+"""Calling a hook one plugin at a time: the one way a result or a failure is pinned on a plugin.
 
 `plugin_callers` is the one helper: a pluggy subset caller per plugin implementing a hook.
-The registries use it through `call_each` (each record names the plugin that returned it,
-so a conflict names both sides); the host's observer hooks through `ObserverHook` (a
+The registries use it (`causalkv.plugin.registry.collect`: a plugin whose registration hook
+raises is set aside), the host's ``causalkv_configure_stage`` through `configure_stage` (a
+fault stops the run, naming the plugin) and its observer hooks through `ObserverHook` (a
 failing plugin is reported and skipped, never keeping an event from the others).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pluggy
 
+from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import CausalKVError
+from causalkv.hooks import ENV_PREFIX, Stage
 from causalkv.plugin.errors import PluginHookError
 
-__all__ = ["ObserverHook", "call_each", "describe_exception", "hook_failure", "plugin_callers"]
+__all__ = ["ObserverHook", "configure_stage", "describe_exception", "hook_failure", "plugin_callers"]
 
 
 def plugin_callers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Callable[..., list[Any]]]]:
@@ -33,38 +37,55 @@ def plugin_callers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Calla
     ]
 
 
-def call_each(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-    """Call each plugin's implementation of a hook; yield ``(plugin name, result)``.
-
-    Raises:
-        PluginHookError (a RuntimeError): an implementation raised; the message names its
-            plugin, the hook and the error.
-    """
-    for name, caller in plugin_callers(pm, hook_name):
-        try:
-            results = caller(**kwargs)
-        except Exception as exc:
-            raise PluginHookError(
-                f"plugin {name!r}: {hook_name}() raised {type(exc).__name__}: {exc}", plugin=name, hook=hook_name
-            ) from exc
-        yield name, results[0] if results else None
-
-
 def describe_exception(exc: BaseException) -> str:
     """``"<Type>: <first line of the message>"``."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def hook_failure(hook: str, plugin: str | None, exc: BaseException, where: str = "") -> str:
+def hook_failure(hook: str, plugin: str, exc: BaseException | str, where: str = "") -> str:
     """The one line that reports ``plugin``'s failure in ``hook`` and how to turn it off."""
-    who = f"plugin {plugin!r}" if plugin else "a plugin"
-    fix = (
-        f"fix it, or turn it off with CAUSALKV_DISABLE_PLUGINS={plugin}"
-        if plugin
-        else "fix it, or turn it off with CAUSALKV_DISABLE_PLUGINS (causalkv plugins lists them)"
-    )
-    return f"{who} failed in {hook}{where} ({describe_exception(exc)}); {fix}"
+    what = exc if isinstance(exc, str) else describe_exception(exc)
+    return (f"plugin {plugin!r} failed in {hook}{where} ({what}); fix it, or turn it off with "
+            f"{ENV_PREFIX}_DISABLE_PLUGINS={plugin}")
+
+
+def configure_stage(pm: pluggy.PluginManager, stage: Stage, model: ModelConfig, server_args: ServerArgs) -> dict[str, Any]:
+    """Call each plugin's ``causalkv_configure_stage`` on ``stage`` (built, its caches not
+    allocated), merge the `ModelConfig` overrides they return and apply them to the stage
+    (``stage.apply_overrides``); return the merged overrides.
+
+    Implementations run in pluggy's call order (``tryfirst`` first, then the most recently
+    registered); on a key two return, the one called earlier wins.
+
+    Raises:
+        PluginHookError: naming the plugin: its implementation raised, returned something
+            other than a mapping or None, a key that is no override (the message lists
+            `ModelConfig.override_keys`), or overrides the stage refuses.
+    """
+    hook, merged, by = "causalkv_configure_stage", {}, {}
+    for name, caller in plugin_callers(pm, hook)[::-1]:
+        try:
+            results = caller(stage=stage, model=model, server_args=server_args)
+        except Exception as exc:  # noqa: BLE001 - any fault of a plugin stops the run, named
+            raise PluginHookError(hook_failure(hook, name, exc), plugin=name, hook=hook) from exc
+        result, problem = results[0] if results else None, None
+        if result is not None and not isinstance(result, Mapping):
+            problem = f"it returned {result!r}, not a mapping of ModelConfig overrides or None"
+        elif unknown := sorted(set(result or ()) - set(model.override_keys())):
+            problem = f"unknown override(s) {', '.join(unknown)}; the overrides are: {', '.join(model.override_keys())}"
+        if problem:
+            raise PluginHookError(hook_failure(hook, name, problem), plugin=name, hook=hook)
+        for key, value in (result or {}).items():
+            merged.setdefault(key, value)
+            by.setdefault(key, name)
+    try:
+        stage.apply_overrides(merged)  # type: ignore[attr-defined]
+    except (CausalKVError, ValueError, TypeError) as exc:
+        names = sorted(set(by.values()))
+        raise PluginHookError(hook_failure(hook, names[0], f"the overrides {merged} are invalid: {describe_exception(exc)}"),
+                              plugin=names[0], hook=hook) from exc
+    return merged
 
 
 def _warn(line: str) -> None:

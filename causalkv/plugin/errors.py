@@ -1,17 +1,15 @@
-"""Errors and load reports of the plugin system."""
+"""Errors of the plugin system, and the record of a plugin set aside."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from causalkv.errors import CausalKVError
+from causalkv.hooks import ENV_PREFIX
 
 __all__ = [
-    "PluginConflictError",
-    "PluginHookError",
-    "PluginLoadFailure",
-    "ResolutionError",
-    "UnsupportedRequestError",
+    "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
+    "ResolutionError", "UnsupportedRequestError",
 ]
 
 
@@ -43,20 +41,29 @@ class UnsupportedRequestError(CausalKVError, ValueError):
     """
 
 
+class PluginSetAsideError(CausalKVError, RuntimeError):
+    """``--strict-plugins`` (``strict=True``): a plugin that would be set aside is fatal."""
+
+
 @dataclass(frozen=True)
 class PluginLoadFailure:
-    """A plugin that failed to import or failed validation, and was skipped.
+    """A plugin set aside: it failed to import or validate, a registration hook of it raised
+    or returned junk, or it claims a plugin name, a stage, cache or model, or a flag another
+    holds. Every other plugin and model keeps working.
 
     Attributes:
         name: the entry-point (plugin) name.
         distribution: ``"<dist name> <version>"`` that declared it, or None if unknown.
-        error: ``"<ExceptionType>: <message>"``.
+        error: what went wrong (``"<ExceptionType>: <message>"`` for an exception).
+        fix: how to fix it (default: fix the plugin, or turn it off by name).
     """
 
     name: str
     distribution: str | None
     error: str
+    fix: str | None = None
 
     def __str__(self) -> str:
         dist = f" (from {self.distribution})" if self.distribution else ""
-        return f"plugin {self.name!r}{dist} failed to load and was skipped: {self.error}"
+        fix = self.fix or f"fix the plugin, or turn it off with {ENV_PREFIX}_DISABLE_PLUGINS={self.name}"
+        return f"plugin {self.name!r}{dist} is set aside: {self.error}; {fix}"

@@ -1,39 +1,105 @@
-"""The plugin manager: a factory for fresh managers and a lazily built process-wide default."""
+"""The plugin manager: the env var controls, entry-point discovery, and broken plugins set aside.
+
+Env vars (the prefix is ``causalkv.hooks.ENV_PREFIX``):
+
+- ``CAUSALKV_PLUGINS``: comma-separated allow list of plugin (entry-point) or distribution
+  names; only those load. Set but empty: no third-party plugin loads.
+- ``CAUSALKV_DISABLE_PLUGINS``: comma-separated block list (plugin or distribution names;
+  ``causalkv.builtin`` blocks the built-in plugin).
+- ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points at all.
+- ``CAUSALKV_TRACE_PLUGINS=1``: print every hook call and its result to stderr.
+
+An installed entry point is loaded by pluggy's own loader
+(``PluginManager.load_setuptools_entrypoints(group, name=...)``, which also records its
+distribution); what pluggy does not do is done around it: the allow and block lists by
+plugin *or* distribution name, and a plugin that fails to import or validate, or claims a
+name another plugin holds, set aside with one line (`PluginLoadFailure`) while the others load.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import pluggy
 
 from causalkv import __version__
-from causalkv.hooks import ENTRY_POINT_GROUP, HOOK_NAMES, NAME, specs
+from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX, HOOK_NAMES, NAME, specs
 from causalkv.plugin import builtin
 from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
-from causalkv.plugin.loader import (
-    ENV_ALLOW,
-    ENV_BLOCK,
-    PluginSettings,
-    discover_entry_points,
-    distribution_of,
-    load_entry_points,
-    norm,
-)
 
 __all__ = [
-    "CausalKVPluginManager",
-    "PluginInfo",
-    "get_plugin_manager",
-    "make_plugin_manager",
-    "reset_plugin_manager",
-    "unknown_name_warnings",
+    "ENV_ALLOW", "ENV_AUTOLOAD_OFF", "ENV_BLOCK", "ENV_TRACE", "CausalKVPluginManager", "PluginInfo",
+    "PluginSettings", "discover_entry_points", "get_plugin_manager", "make_plugin_manager",
+    "reset_plugin_manager", "unknown_name_warnings",
 ]
+
+ENV_ALLOW = f"{ENV_PREFIX}_PLUGINS"
+ENV_BLOCK = f"{ENV_PREFIX}_DISABLE_PLUGINS"
+ENV_AUTOLOAD_OFF = f"{ENV_PREFIX}_DISABLE_PLUGIN_AUTOLOAD"
+ENV_TRACE = f"{ENV_PREFIX}_TRACE_PLUGINS"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _names(raw: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+def norm(name: str) -> str:
+    """PEP 503 normalization, so ``My_Plugin`` matches distribution ``my-plugin``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distribution_of(ep: EntryPoint) -> tuple[str | None, str | None]:
+    """``(distribution name, "<name> <version>")`` of an entry point, or ``(None, None)``."""
+    dist = getattr(ep, "dist", None)  # an EntryPoint made in-process has none
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], f"{dist.metadata['Name']} {dist.version}"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin-loading controls read from the environment.
+
+    Attributes:
+        allow: names allowed to load (None: every installed plugin).
+        block: names never loaded.
+        autoload: load entry points at all.
+        trace: print hook calls to stderr.
+    """
+
+    allow: frozenset[str] | None = None
+    block: frozenset[str] = frozenset()
+    autoload: bool = True
+    trace: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PluginSettings:
+        allow_raw = env.get(ENV_ALLOW)
+        return cls(
+            allow=None if allow_raw is None else _names(allow_raw),
+            block=_names(env.get(ENV_BLOCK, "")),
+            autoload=env.get(ENV_AUTOLOAD_OFF, "").strip().lower() not in _TRUE,
+            trace=env.get(ENV_TRACE, "").strip().lower() in _TRUE,
+        )
+
+    def wants(self, ep: EntryPoint) -> bool:
+        """Is this entry point allowed and not blocked (by its name or its distribution's)?"""
+        keys = {norm(ep.name)} | ({norm(d)} if (d := distribution_of(ep)[0]) else set())
+        hit = lambda names: bool(keys & {norm(n) for n in names})  # noqa: E731
+        return not hit(self.block) and (self.allow is None or hit(self.allow))
+
+
+def discover_entry_points() -> tuple[EntryPoint, ...]:
+    """The installed entry points of group ``causalkv``."""
+    return tuple(entry_points(group=ENTRY_POINT_GROUP))
 
 
 @dataclass(frozen=True)
@@ -55,13 +121,13 @@ class PluginInfo:
 
 
 class CausalKVPluginManager(pluggy.PluginManager):
-    """A pluggy manager for project ``causalkv`` that remembers load reports.
+    """A pluggy manager for project ``causalkv`` that sets broken plugins aside.
 
     Attributes:
-        load_failures: plugins that failed to import or validate, and were skipped.
-        distributions: plugin name -> ``"<dist> <version>"`` for entry-point plugins.
+        load_failures: plugins set aside while loading (import, validation, a claimed name).
         missing_allowed: names in ``CAUSALKV_PLUGINS`` that matched no installed plugin.
         settings: the env var controls this manager was built under.
+        reported: the lines this manager printed on stderr while it was built, in order.
     """
 
     def __init__(self, settings: PluginSettings | None = None) -> None:
@@ -70,19 +136,13 @@ class CausalKVPluginManager(pluggy.PluginManager):
         self.settings = settings or PluginSettings()
         self.load_failures: list[PluginLoadFailure] = []
         self.missing_allowed: tuple[str, ...] = ()
-        #: the lines this manager printed on stderr while it was built (load failures,
-        #: unknown names in the env vars), in order
         self.reported: list[str] = []
 
     @property
     def distributions(self) -> dict[str, str]:
-        """Plugin name -> ``"<dist> <version>"`` of the plugins loaded from entry points
-        (pluggy's own record, `list_plugin_distinfo`)."""
-        return {
-            name: f"{dist.project_name} {dist.version}"
-            for plugin, dist in self.list_plugin_distinfo()
-            if (name := self.get_name(plugin)) is not None
-        }
+        """Plugin name -> ``"<dist> <version>"`` of the plugins loaded from entry points."""
+        return {name: f"{dist.project_name} {dist.version}" for plugin, dist in self.list_plugin_distinfo()
+                if (name := self.get_name(plugin)) is not None}
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
         """pluggy's ``register``, then pluggy's ``check_pending``: a hook no causalkv hookspec
@@ -99,6 +159,13 @@ class CausalKVPluginManager(pluggy.PluginManager):
             ) from exc
         return registered
 
+    def claimed(self, name: str, by: str) -> str | None:
+        """The one name-conflict check: why ``by`` cannot take plugin name ``name`` (None: it can)."""
+        if self.get_plugin(name) is None:
+            return None
+        holder = self.distributions.get(name) or "an already registered plugin"
+        return f"plugin name {name!r} is claimed twice: by {holder} and by {by}"
+
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register an in-process plugin (e.g. in a test); returns the name it got.
 
@@ -107,38 +174,48 @@ class CausalKVPluginManager(pluggy.PluginManager):
             pluggy.PluginValidationError: the plugin's hooks do not match the hookspecs.
         """
         name = name or self.get_canonical_name(plugin)
-        existing = self.get_plugin(name)
-        if existing is not None and existing is not plugin:
-            raise PluginConflictError(
-                f"plugin name {name!r} is claimed twice: by {self.distributions.get(name) or 'an already registered plugin'}"
-                f" and by {plugin!r}. Register it under another name, or block the other with {ENV_BLOCK}."
-            )
+        if self.get_plugin(name) is not plugin and (why := self.claimed(name, repr(plugin))):
+            raise PluginConflictError(f"{why}. Register it under another name, or block the other with {ENV_BLOCK}.")
         self.register(plugin, name=name)
         return name
 
+    def load_entry_points(self, eps: Iterable[EntryPoint], report: Callable[[PluginLoadFailure], None]) -> None:
+        """Import and register the wanted entry points of group ``causalkv``; each one that
+        fails to import or validate, or claims a name another holds, is set aside (recorded in
+        ``load_failures`` and passed to ``report``) while the others load."""
+        eps = [ep for ep in eps if ep.group == ENTRY_POINT_GROUP]
+        wanted = [ep for ep in eps if self.settings.wants(ep) and not self.is_blocked(ep.name)]
+        # blocked ones claim nothing: two distributions declaring one name, one blocked, load
+        where = lambda ep: distribution_of(ep)[1] or repr(ep.value)  # noqa: E731
+        for ep in wanted:
+            others = [where(o) for o in wanted if o.name == ep.name and o is not ep]
+            why = f"plugin name {ep.name!r} is claimed twice: by {others[0]} and by {where(ep)}" if others else None
+            try:
+                if why := why or self.claimed(ep.name, where(ep)):
+                    raise PluginConflictError(why)
+                if distribution_of(ep)[0] is not None:  # installed: pluggy's loader
+                    self.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+                else:
+                    self.register(ep.load(), name=ep.name)
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the host down
+                fix = f"uninstall one, or block one distribution with {ENV_BLOCK}=<its name>" if why else None
+                failure = PluginLoadFailure(ep.name, distribution_of(ep)[1], f"{type(exc).__name__}: {exc}", fix)
+                self.load_failures.append(failure)
+                report(failure)
+        if self.settings.allow is not None:
+            seen = {norm(k) for ep in wanted for k in (ep.name, distribution_of(ep)[0]) if k}
+            self.missing_allowed = tuple(sorted(n for n in self.settings.allow if norm(n) not in seen))
+
     def plugin_infos(self) -> list[PluginInfo]:
         """Registered plugins: the built-in one first, then by name."""
-        infos = []
-        dists = self.distributions
+        infos, dists = [], self.distributions
         for name, plugin in self.list_name_plugin():
             if plugin is None:  # a blocked name
                 continue
             hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
-            if plugin is builtin:
-                dist_name, version = NAME, __version__
-            else:
-                dist_name, _, version = (dists.get(name) or "").rpartition(" ")
+            dist_name, _, version = (f"{NAME} {__version__}" if plugin is builtin else dists.get(name) or "").rpartition(" ")
             infos.append(PluginInfo(name, version or None, dist_name or None, hooks, plugin is builtin))
-        infos.sort(key=lambda info: (not info.builtin, info.name))
-        return infos
-
-
-def _stderr_report(failure: PluginLoadFailure) -> None:
-    print(f"{NAME}: {failure}", file=sys.stderr)
-
-
-def _stderr_warn(line: str) -> None:
-    print(line, file=sys.stderr)
+        return sorted(infos, key=lambda info: (not info.builtin, info.name))
 
 
 def unknown_name_warnings(settings: PluginSettings, entry_points: Iterable[EntryPoint]) -> list[str]:
@@ -177,13 +254,18 @@ def _trace(pm: pluggy.PluginManager) -> None:
     pm.add_hookcall_monitoring(before, after)
 
 
+def warn(line: str) -> None:
+    """Print ``line`` on stderr (the default of every plugin report)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def make_plugin_manager(
     *,
     autoload: bool = True,
     env: Mapping[str, str] | None = None,
     entry_points: Iterable[EntryPoint] | None = None,
-    report: Callable[[PluginLoadFailure], None] | None = _stderr_report,
-    warn: Callable[[str], None] | None = _stderr_warn,
+    report: Callable[[PluginLoadFailure], None] | None = None,
+    warn: Callable[[str], None] | None = warn,
 ) -> CausalKVPluginManager:
     """A fresh manager: the hookspecs, the built-in plugin, then the installed plugins.
 
@@ -192,11 +274,11 @@ def make_plugin_manager(
             ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD``). Tests pass False.
         env: where the ``CAUSALKV_*`` controls are read (default ``os.environ``).
         entry_points: use these instead of the installed ones (tests).
-        report: called with each plugin that failed to load (default: a line on stderr).
-        warn: called with a warning line for each env var naming plugins that do not exist
-            (`unknown_name_warnings`; checked when entry points are loaded).
+        report: called with each plugin set aside (default: its line to ``warn``).
+        warn: called with each line: a plugin set aside (unless ``report`` is given), an env
+            var naming plugins that do not exist (`unknown_name_warnings`).
 
-    Every line ``report`` and ``warn`` get is also kept in ``pm.reported``.
+    Every line is also kept in ``pm.reported``.
     """
     settings = PluginSettings.from_env(os.environ if env is None else env)
     pm = CausalKVPluginManager(settings)
@@ -209,16 +291,16 @@ def make_plugin_manager(
     if autoload and settings.autoload:
         eps = discover_entry_points() if entry_points is None else tuple(entry_points)
 
-        def reported(failure: PluginLoadFailure) -> None:
-            pm.reported.append(f"{NAME}: {failure}")
-            if report is not None:
-                report(failure)
-
-        load_entry_points(pm, settings, entry_points=eps, report=reported)
-        for line in unknown_name_warnings(settings, eps):
+        def say(line: str, failure: PluginLoadFailure | None = None) -> None:
             pm.reported.append(line)
-            if warn is not None:
+            if failure is not None and report is not None:
+                report(failure)
+            elif warn is not None:
                 warn(line)
+
+        pm.load_entry_points(eps, lambda failure: say(f"{NAME}: warning: {failure}", failure))
+        for line in unknown_name_warnings(settings, eps):
+            say(line)
     return pm
 
 

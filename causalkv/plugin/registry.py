@@ -1,21 +1,31 @@
-"""Collect stage registrations and cache factories from every plugin, and detect conflicts."""
+"""Collect stage registrations and cache factories from every plugin; set a faulty plugin aside.
+
+A plugin whose registration hook raises or returns junk, or whose records claim a stage,
+cache or model (at one priority) another plugin holds, or a flag another record or the host
+holds, is set aside as a whole (`PluginLoadFailure`, one line naming it and the fix); the
+plugins before it, the built-in one first, keep everything they registered. This is the one
+conflict check of the registries.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import pluggy
-
 from causalkv.errors import ImportPathError, InvalidTypeError
-from causalkv.hooks import CacheFactory, Preset, StageRegistration
-from causalkv.plugin.calls import call_each
-from causalkv.plugin.errors import PluginConflictError, ResolutionError
-from causalkv.plugin.loader import ENV_BLOCK
+from causalkv.hooks import NAME, CacheFactory, Preset, StageRegistration
+from causalkv.plugin.calls import describe_exception, plugin_callers
+from causalkv.plugin.errors import (
+    PluginConflictError,
+    PluginLoadFailure,
+    PluginSetAsideError,
+    ResolutionError,
+)
+from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, warn
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["CacheEntry", "Registry", "StageEntry", "call_each", "collect"]
+__all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,7 @@ class StageEntry:
             cls = reg.load()
         except ImportError as exc:
             raise ImportPathError(
-                f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from "
-                f"{reg.target!r}: {exc}"
+                f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from {reg.target!r}: {exc}"
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
             raise InvalidTypeError(
@@ -76,28 +85,29 @@ class CacheEntry:
         return self.factory.name
 
 
-def _named(kind: str, name: str, entries: tuple[Any, ...]) -> Any:
-    for e in entries:
-        if e.name == name:
-            return e
-    choices = ", ".join(e.name for e in entries) or "(none)"
-    raise ResolutionError(f"no {kind} named {name!r}. Choose one of: {choices}")
-
-
 @dataclass(frozen=True)
 class Registry:
-    """Every registered stage and cache, in plugin registration order."""
+    """Every registered stage and cache, in plugin registration order, and the plugins set
+    aside while collecting them (``failures``)."""
 
     stages: tuple[StageEntry, ...]
     caches: tuple[CacheEntry, ...]
+    failures: tuple[PluginLoadFailure, ...] = ()
+
+    def _named(self, kind: str, name: str, entries: tuple[Any, ...]) -> Any:
+        found = next((e for e in entries if e.name == name), None)
+        if found is None:
+            choices = ", ".join(e.name for e in entries) or "(none)"
+            raise ResolutionError(f"no {kind} named {name!r}. Choose one of: {choices}")
+        return found
 
     def stage(self, name: str) -> StageEntry:
         """The stage registered as ``name``; ResolutionError listing the stages otherwise."""
-        return _named("stage", name, self.stages)
+        return self._named("stage", name, self.stages)
 
     def cache(self, name: str) -> CacheEntry:
         """The cache registered as ``name``; ResolutionError listing the caches otherwise."""
-        return _named("cache", name, self.caches)
+        return self._named("cache", name, self.caches)
 
     def serving(self, model: str) -> tuple[StageEntry, ...]:
         """Stages serving ``model``, highest priority first (registration order breaks ties)."""
@@ -111,69 +121,91 @@ class Registry:
         """Preset name -> (the stage entry registering it, the preset), in registration order."""
         return {p.name: (e, p) for e in self.stages for p in e.registration.presets}
 
-    def defaults(self, model: str) -> Mapping[str, Any] | None:
-        """Model-config defaults of the best stage serving ``model`` (None if none serves it)."""
-        serving = self.serving(model)
-        return serving[0].registration.defaults if serving else None
 
-
-def _records(plugin: str, hook_name: str, result: Any, kind: type) -> Iterable[Any]:
-    if result is None:
-        return ()
+def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
+    items = () if result is None else (result,) if isinstance(result, kind) else result
     try:
-        items = (result,) if isinstance(result, kind) else tuple(result)
+        items = tuple(items)
     except TypeError:
         items = (result,)
     for item in items:
         if not isinstance(item, kind):
             raise InvalidTypeError(
-                f"plugin {plugin!r}: {hook_name}() returned {item!r}; expected an iterable of "
-                f"{kind.__name__} records (from causalkv.hooks import {kind.__name__})"
+                f"{hook}() returned {item!r}; expected an iterable of {kind.__name__} records "
+                f"(from causalkv.hooks import {kind.__name__})"
             )
     return items
 
 
-def _conflict(what: str, a: str, b: str, fix: str) -> PluginConflictError:
-    return PluginConflictError(
-        f"{what} by both plugin {a!r} and plugin {b!r}. Fix: {fix}, or uninstall one plugin, "
-        f"or block it with {ENV_BLOCK}={b}."
-    )
+def _claims(r: StageRegistration | CacheFactory) -> list[tuple[tuple[Any, ...], str, str]]:
+    """``(key, what it is, the fix)`` of each thing a record claims: its name, the models it
+    serves at its priority (a stage), the flags of its options record."""
+    if isinstance(r, StageRegistration):
+        out = [(("stage", r.name), f"stage name {r.name!r}", "rename the stage")]
+        out += [(("model", m, r.priority), f"model {m!r} at priority {r.priority}",
+                 "give the registration another priority (the higher wins)") for m in r.served]
+    else:
+        out = [(("cache", r.name), f"cache name {r.name!r}", "rename the cache")]
+    flags = r.options.flags() if r.options is not None else ()
+    return out + [(("flag", f), f"flag {f} ({r.options.title})", "rename the flag") for f in flags]
 
 
-def collect(pm: pluggy.PluginManager) -> Registry:
-    """Run the registration hooks of every plugin and check for conflicts.
+def collect(
+    pm: CausalKVPluginManager,
+    *,
+    reserved_flags: Iterable[str] = (),
+    strict: bool = False,
+    report: Callable[[PluginLoadFailure], None] | None = lambda f: warn(f"{NAME}: warning: {f}"),
+) -> Registry:
+    """Run the registration hooks of every plugin; set aside each plugin that fails or clashes
+    (module docstring; ``reserved_flags``: the host's own flags, e.g. ``--seed``), passing each
+    to ``report`` (default: one line on stderr).
 
     Raises:
-        PluginConflictError: two stages share a name, two stages serve one model at the
-            same priority, or two caches share a name; the message names both plugins.
+        PluginConflictError, InvalidTypeError, PluginSetAsideError: with ``strict``, for the
+            first plugin that would be set aside (the message names it and the fix).
     """
-    stages: dict[str, StageEntry] = {}
-    by_model: dict[tuple[str, int], StageEntry] = {}
-    for plugin, result in call_each(pm, "causalkv_register_stages"):
-        for reg in _records(plugin, "causalkv_register_stages", result, StageRegistration):
-            entry = StageEntry(reg, plugin)
-            if reg.name in stages:
-                other = stages[reg.name]
-                what = f"stage {reg.name!r} is registered ({other.registration.target} and {reg.target})"
-                raise _conflict(what, other.plugin, plugin, "rename one stage")
-            stages[reg.name] = entry
-            for model in reg.served:
-                other = by_model.setdefault((model, reg.priority), entry)
-                if other is not entry:
-                    what = (
-                        f"model {model!r} is served at priority {reg.priority} by stage "
-                        f"{other.name!r} and by stage {reg.name!r}, registered"
-                    )
-                    raise _conflict(
-                        what, other.plugin, plugin,
-                        "give one registration a different priority (the higher wins)",
-                    )
-    caches: dict[str, CacheEntry] = {}
-    for plugin, result in call_each(pm, "causalkv_register_cache_factories"):
-        for factory in _records(plugin, "causalkv_register_cache_factories", result, CacheFactory):
-            if factory.name in caches:
-                other = caches[factory.name]
-                what = f"cache {factory.name!r} is registered ({other.factory.target} and {factory.target})"
-                raise _conflict(what, other.plugin, plugin, "rename one cache")
-            caches[factory.name] = CacheEntry(factory, plugin)
-    return Registry(tuple(stages.values()), tuple(caches.values()))
+    found: dict[str, list[Any]] = {}
+    failed: dict[str, PluginLoadFailure] = {}
+
+    def set_aside(plugin: str, error: str, fix: str | None, kind: type[Exception]) -> None:
+        failure = PluginLoadFailure(plugin, pm.distributions.get(plugin), error, fix)
+        if strict:
+            raise kind(f"{failure} (--strict-plugins)")
+        failed.setdefault(plugin, failure)
+
+    hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory))
+    for hook, kind in hooks:
+        for plugin, caller in plugin_callers(pm, hook):
+            try:
+                results = caller()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the host down
+                set_aside(plugin, f"{hook}() raised {describe_exception(exc)}", None, PluginSetAsideError)
+                continue
+            try:
+                found.setdefault(plugin, []).extend(_records(hook, results[0] if results else None, kind))
+            except InvalidTypeError as exc:
+                set_aside(plugin, str(exc), None, InvalidTypeError)
+    held = {("flag", f): (f"{NAME}'s own flags", None) for f in reserved_flags}
+    stages, caches = [], []
+    for plugin, records in found.items():
+        mine: dict[tuple[Any, ...], tuple[str, Any]] = {}
+        clash = None
+        for r in records if plugin not in failed else ():
+            for key, what, fix in _claims(r):
+                other = held.get(key) or mine.get(key)
+                if other is not None and not (key[0] == "flag" and other[1] is r.options):
+                    clash = clash or (f"its {what} is taken by {other[0]}", fix)
+                owner = f"{'stage' if isinstance(r, StageRegistration) else 'cache'} {r.name!r} of plugin {plugin!r}"
+                mine[key] = (owner, r.options)
+        if clash is not None:
+            set_aside(plugin, clash[0], f"{clash[1]}, or turn the plugin off with {ENV_BLOCK}={plugin}", PluginConflictError)
+        if plugin in failed:
+            continue
+        held.update(mine)
+        stages += [StageEntry(r, plugin) for r in records if isinstance(r, StageRegistration)]
+        caches += [CacheEntry(r, plugin) for r in records if isinstance(r, CacheFactory)]
+    for failure in failed.values():
+        if report is not None:
+            report(failure)
+    return Registry(tuple(stages), tuple(caches), tuple(failed.values()))

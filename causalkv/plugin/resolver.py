@@ -21,7 +21,6 @@ from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration
 from causalkv.options import (
     CacheOptions,
-    Options,
     StageOptions,
     cache_record_for,
     foreign_options_error,
@@ -161,52 +160,24 @@ class Resolution:
         }
 
 
-def _records_of(entries: tuple[Any, ...], record: Options) -> list[Any]:
-    """The stage or cache entries whose declared record class ``record`` is an instance of."""
-    found = []
-    for e in entries:
-        try:
-            cls = e.registration.options_record() if isinstance(e, StageEntry) else e.factory.options
-        except (ImportError, TypeError):  # a broken stage: it fails when it is chosen
+def _refuse_foreign_records(registry: Registry, stage: StageEntry, cache: CacheEntry, cls: type, args: ServerArgs) -> None:
+    """The one refusal of option records given to an extension that was not chosen
+    (`foreign_options_error`, naming the record's owner): a stage record not of the chosen
+    stage's ``options`` class, a cache record the chosen cache does not take (not of its
+    ``options`` class; a factory without one takes a record asking for a feature it covers)."""
+    own_stage, own_cache = stage.registration.options, cache.factory.options
+    for record in (r for r in args.options if r.changed()):
+        if isinstance(record, StageOptions) and not (own_stage and isinstance(record, own_stage)):
+            kind, chosen = "stage", f"{cls.__name__} (stage {stage.name!r})"
+            owners = [e for e in registry.stages if e.registration.options and isinstance(record, e.registration.options)]
+        elif isinstance(record, CacheOptions) and not (isinstance(record, own_cache) if own_cache else record.requires()):
+            kind, chosen = "cache", f"cache {cache.name!r}"
+            owners = [e for e in registry.caches if e.factory.options and isinstance(record, e.factory.options)]
+        else:
             continue
-        if cls is not None and isinstance(record, cls):
-            found.append(e)
-    return found
-
-
-def _refuse_foreign_stage_records(
-    registry: Registry, entry: StageEntry, cls: type[Any], args: ServerArgs
-) -> StageOptions | None:
-    """The chosen stage's record (or None); `ConfigError` for another family's given record."""
-    own = entry.registration.options_record()
-    for record in args.options:
-        if not isinstance(record, StageOptions) or (own is not None and isinstance(record, own)):
-            continue
-        if record.changed():
-            owners = _records_of(registry.stages, record)
-            owner = f"stage {owners[0].name!r}" if owners else None
-            raise foreign_options_error(
-                record, chosen=f"{cls.__name__} (stage {entry.name!r})", owner=owner,
-                alternative=f"a model {owner} serves" if owner else None,
-            )
-    return args.option(own) if own is not None else None
-
-
-def _refuse_foreign_cache_records(registry: Registry, chosen: CacheEntry, args: ServerArgs) -> None:
-    """`ConfigError` for a given cache record the chosen cache does not take: not of its
-    ``options`` class (a factory without one takes a record asking for a feature it covers)."""
-    own = chosen.factory.options
-    for record in args.options:
-        if not isinstance(record, CacheOptions) or not record.changed():
-            continue
-        if (own is not None and isinstance(record, own)) or (own is None and record.requires()):
-            continue
-        owners = _records_of(registry.caches, record)
-        owner = f"cache {owners[0].name!r}" if owners else None
-        raise foreign_options_error(
-            record, chosen=f"cache {chosen.name!r}", owner=owner,
-            alternative=f"--cache {owners[0].name}" if owners else None,
-        )
+        owner = f"{kind} {owners[0].name!r}" if owners else None
+        fix = (f"a model {owner} serves" if kind == "stage" else f"--cache {owners[0].name}") if owners else None
+        raise foreign_options_error(record, chosen=chosen, owner=owner, alternative=fix)
 
 
 def _describe_requirement(feature: str, reasons: dict[str, str], stage: str) -> str:
@@ -371,7 +342,6 @@ def resolve(
     entry, serving = _pick_stage(registry, ref, stage)
     cls = entry.load()
     reg = entry.registration
-    stage_options = _refuse_foreign_stage_records(registry, entry, cls, args)
     reasons = [f"model {ref.label}: matched by {ref.source}"]
     matched = next(k for k in ref.keys if k in reg.served)
     how = "forced by --stage" if stage is not None else f"priority {reg.priority}"
@@ -387,7 +357,7 @@ def resolve(
     reasons.append(f"requirements: {', '.join(described) or 'none'}")
     cache_entry, why = _pick_cache(pm, registry, cls, reg.name, requirements, args)
     reasons.append(why)
-    _refuse_foreign_cache_records(registry, cache_entry, args)
+    _refuse_foreign_records(registry, entry, cache_entry, cls, args)
     return Resolution(
         stage=cls,
         cache_factory=cache_entry.factory,
@@ -399,6 +369,6 @@ def resolve(
         stage_plugin=entry.plugin,
         cache_plugin=cache_entry.plugin,
         model_config=ref.config,
-        stage_options=stage_options,
+        stage_options=args.option(reg.options) if reg.options is not None else None,
         cache_options=cache_record_for(cache_entry.factory, args.options),
     )

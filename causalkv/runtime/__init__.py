@@ -11,37 +11,25 @@ with random weights), `attention` (causal processors for diffusers' Wan transfor
 line is `causalkv.cli`.
 """
 
-from causalkv.config import ModelConfig, ServerArgs
-from causalkv.runtime.generate import (
-    DEFAULT_PROMPT,
-    GenerateOptions,
-    GenerationRun,
-    Plan,
-    PluginSet,
-    build_stage,
-    compare_unquantized,
-    generate,
-    latent_psnr_db,
-    plan_generation,
-    run_plan,
-    run_report,
-    split_prompts,
-    write_outputs,
-)
+from causalkv.runtime.compare import compare_unquantized, latent_psnr_db
+from causalkv.runtime.generate import generate
+from causalkv.runtime.load import build_stage
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo, load_model_info
-from causalkv.runtime.presets import PRESETS, materialize_preset
+from causalkv.runtime.plan import plan_generation, split_prompts
+from causalkv.runtime.presets import materialize_preset
+from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, GenerationRun, Plan, PluginSet
+from causalkv.runtime.report import run_report
+from causalkv.runtime.run import run_plan
+from causalkv.runtime.write import write_outputs
 
 __all__ = [
     "DEFAULT_PROMPT",
-    "PRESETS",
     "GenerateOptions",
     "GenerationRun",
-    "ModelConfig",
     "ModelFolderError",
     "ModelInfo",
     "Plan",
     "PluginSet",
-    "ServerArgs",
     "build_stage",
     "compare_unquantized",
     "generate",

@@ -241,17 +241,15 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
 
 # ---- the chosen cache ---------------------------------------------------------------------------
 def check_cache(plan: Plan) -> None:
-    """What the chosen cache's class checks before any weights load, if it checks anything
-    (``check_request(options, head_dim=..., device=...)``; the QVG cache: its block layout
-    and its codec backend)."""
+    """What the chosen cache kind checks before any weights load
+    (`causalkv.hooks.CacheKind.check_request`; the QVG cache: its block layout and its codec
+    backend)."""
     res = plan.resolution
     try:
-        cache_cls = res.cache_factory.load()
+        res.cache_factory.load()
     except ImportError:  # the build names it
         return
-    check = getattr(cache_cls, "check_request", None)
-    if callable(check):
-        check(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
+    res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
 # ---- CAUSALKV_HOME ---------------------------------------------------------------------------

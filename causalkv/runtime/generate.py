@@ -20,8 +20,8 @@ N > 1``, N torchrun ranks): the plan refuses what cannot be split, every rank ru
 steps and ends with the same latents, rank 0 alone logs and writes.
 
 The host imports no model-specific module: everything a model family or a cache adds comes
-from its registration and its option records. This module re-exports the steps' public
-names (their import path of earlier releases).
+from its registration and its option records. Each step's names are imported from the step's
+own module.
 """
 
 from __future__ import annotations
@@ -34,44 +34,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from causalkv.runtime.compare import compare_unquantized, latent_psnr_db
+from causalkv.runtime.compare import compare_unquantized
 from causalkv.runtime.distributed import is_main_rank
-from causalkv.runtime.load import build_stage, load_for_plan, model_folder
-from causalkv.runtime.plan import plan_generation, split_prompts
-from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, GenerationRun, Plan, PluginSet
-from causalkv.runtime.report import (
-    cache_description,
-    describe_plan,
-    describe_stream,
-    latents_metadata,
-    packing_summary,
-    run_report,
-)
+from causalkv.runtime.load import load_for_plan
+from causalkv.runtime.plan import plan_generation
+from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan, PluginSet
+from causalkv.runtime.report import cache_description, describe_plan, describe_stream, run_report
 from causalkv.runtime.run import run_plan
-from causalkv.runtime.write import write_files, write_outputs
+from causalkv.runtime.write import write_files
 from causalkv.stages.records import ChunkStats
 
-__all__ = [
-    "DEFAULT_PROMPT",
-    "GenerateOptions",
-    "GenerationRun",
-    "Plan",
-    "PluginSet",
-    "build_stage",
-    "cache_description",
-    "compare_unquantized",
-    "generate",
-    "latent_psnr_db",
-    "latents_metadata",
-    "load_for_plan",
-    "model_folder",
-    "packing_summary",
-    "plan_generation",
-    "run_plan",
-    "run_report",
-    "split_prompts",
-    "write_outputs",
-]
+__all__ = ["generate"]
 
 
 def generate(

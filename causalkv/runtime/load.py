@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.plugin import configure_stage
 from causalkv.runtime.checks import fs_error_reason
 from causalkv.runtime.distributed import join_ranks, local_main_first
 from causalkv.runtime.loading import Components, load_components
 from causalkv.runtime.model_config import ModelInfo
 from causalkv.runtime.outputs import OutputWriteError
-from causalkv.runtime.plugin_faults import configure_stage_checked
 from causalkv.runtime.presets import causalkv_home, materialize_preset
 from causalkv.runtime.records import DEFAULT_PROMPT, Plan
 from causalkv.stages.base import CausalDenoisingStage
@@ -99,5 +99,5 @@ def build_stage(
         cache_options=cache_options,
     )
     if pm is not None:  # a raising implementation: PluginHookError naming the plugin
-        configure_stage_checked(pm, stage, model, server_args)
+        configure_stage(pm, stage, model, server_args)
     return stage

@@ -31,7 +31,6 @@ from causalkv.config import ModelConfig
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
 from causalkv.plugin import Registry, collect, get_plugin_manager
-from causalkv.plugin.builtin import STAGES
 from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
@@ -195,12 +194,6 @@ def preset_choices(presets: Iterable[str]) -> str:
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name == "CLASS_DEFAULTS":  # compatibility: the built-in families' defaults, by pipeline
-        return {m: dict(reg.defaults) for reg in STAGES for m in reg.models}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] | None, type[Options] | None]:
     """``(defaults, config record)`` of the best stage serving ``model_class`` (None, None if
     none serves it)."""
@@ -208,10 +201,7 @@ def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] |
     if not serving:
         return None, None
     reg = serving[0].registration
-    try:
-        return reg.defaults, reg.config_record()
-    except (ImportError, TypeError):  # a broken stage: resolution names it
-        return reg.defaults, reg.config
+    return reg.defaults, reg.config
 
 
 class ModelFolderError(CausalKVError, ValueError):
@@ -441,10 +431,7 @@ def _other_family(registry: Registry | None, keys: list[str], model_class: str) 
     notes = []
     for key in keys:
         for e in stages:
-            try:
-                record = e.registration.config_record()
-            except (ImportError, TypeError):
-                continue
+            record = e.registration.config
             if record is not None and key in record.keys():
                 notes.append(f"{key!r} is a key of stage {e.name!r} ({record.title}), which does "
                              f"not serve {model_class!r}")

@@ -43,6 +43,8 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
     a `causalkv.errors.CausalKVError` (a ValueError) naming the bad value and the fix.
     """
     plugins = plugins if plugins is not None else PluginSet.collect(pm)
+    if options.strict_plugins:
+        plugins.refuse_failures()
     pm, registry = plugins.pm, plugins.registry
     prompts = check_prompts(options.prompts)
     info = load_model_info(options.model, registry=registry)

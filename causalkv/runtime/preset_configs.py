@@ -121,4 +121,4 @@ def preset_spec(name: str, registry: Registry) -> PresetSpec | None:
         return None
     entry, preset = presets[name]
     reg = entry.registration
-    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config_record())
+    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config)

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from causalkv.hooks import Preset
-from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.registry import Registry
 from causalkv.runtime.model_config import (
     CAUSALKV_FILE,
@@ -45,7 +44,6 @@ from causalkv.runtime.preset_configs import (
 from causalkv.runtime.text import build_byte_tokenizer
 
 __all__ = [
-    "PRESETS",
     "Preset",
     "build_atomically",
     "causalkv_home",
@@ -79,26 +77,6 @@ def _model_index(model_class: str) -> dict[str, Any]:
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
     }
-
-
-class _BuiltinPresets(Mapping[str, Preset]):
-    """``PRESETS``: the built-in plugin's presets by name (read-only, built on first use)."""
-
-    def _all(self) -> dict[str, Preset]:
-        return {p.name: p for reg in STAGES for p in reg.presets}
-
-    def __getitem__(self, name: str) -> Preset:
-        return self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-
-#: the built-in presets by name (plugins may add more: `causalkv.hooks.Preset`)
-PRESETS: Mapping[str, Preset] = _BuiltinPresets()
 
 
 def is_complete_preset(folder: Path) -> bool:

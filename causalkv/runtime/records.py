@@ -7,13 +7,19 @@ these; none of them holds logic beyond what its fields derive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.plugin import Registry, collect, get_plugin_manager
+from causalkv.plugin import (
+    PluginLoadFailure,
+    PluginSetAsideError,
+    Registry,
+    collect,
+    get_plugin_manager,
+)
 
 if TYPE_CHECKING:
     import pluggy
@@ -50,9 +56,10 @@ class GenerateOptions:
         quiet: no progress bar.
         metrics: write the metrics JSON here (atomically; None: do not write).
         save_latents: save the latents ``[B, C, F, h, w]`` to this ``.safetensors`` file.
-        strict_plugins: a ``causalkv_chunk_done`` implementation that raises stops the run
-            (`causalkv.runtime.plugin_faults.PluginHookError`) instead of being reported
-            once and skipped.
+        strict_plugins: any plugin fault is fatal: a plugin set aside while loading or
+            collecting (`causalkv.plugin.PluginSetAsideError`, before anything loads) and a
+            ``causalkv_chunk_done`` implementation that raises (`causalkv.plugin.PluginHookError`)
+            instead of being reported once and skipped.
         force: replace an output file that holds something else than what its flag writes
             (`causalkv.runtime.checks.check_no_other_work`), atomically.
     """
@@ -83,10 +90,21 @@ class PluginSet:
     registry: Registry
 
     @classmethod
-    def collect(cls, pm: Any = None) -> PluginSet:
-        """Collect ``pm``'s registrations (default: the process-wide manager's)."""
+    def collect(cls, pm: Any = None, *, reserved_flags: Iterable[str] = ()) -> PluginSet:
+        """Collect ``pm``'s registrations (default: the process-wide manager's); a plugin that
+        fails or clashes (with ``reserved_flags`` too: the host's own) is set aside."""
         pm = pm if pm is not None else get_plugin_manager()
-        return cls(pm, collect(pm))
+        return cls(pm, collect(pm, reserved_flags=reserved_flags))
+
+    @property
+    def failures(self) -> tuple[PluginLoadFailure, ...]:
+        """Every plugin set aside: while loading (``pm.load_failures``) and collecting."""
+        return (*getattr(self.pm, "load_failures", ()), *self.registry.failures)  # a bare pluggy manager has none
+
+    def refuse_failures(self) -> None:
+        """``--strict-plugins``: `PluginSetAsideError` naming the first plugin set aside."""
+        if self.failures:
+            raise PluginSetAsideError(f"{self.failures[0]} (--strict-plugins makes this fatal)")
 
 
 @dataclass

@@ -2,14 +2,16 @@
 header lines (`describe_plan`, `describe_stream`) and the header of saved latents (`latents_metadata`).
 
 Read from the typed records: the plan, the `GenerationRun` and its `ChunkStats`, the
-stage's own `report()`, the chosen cache's settings record (`cache_description`) and class
-(``describe_request``); nothing here names a stage family or a cache.
+stage's own `report()`, the chosen cache's settings record (`cache_description`) and its
+kind's `causalkv.hooks.CacheKind` calls (``describe_request``, ``packing_report``), through
+the factory; nothing here names a stage family or a cache.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from causalkv.hooks import CacheFactory
 from causalkv.plugin import Resolution
 from causalkv.runtime.distributed import current, gather_ints
 from causalkv.runtime.records import GenerationRun, Plan
@@ -18,6 +20,7 @@ from causalkv.stages.settings import StreamSettings
 
 __all__ = [
     "cache_description",
+    "cache_label",
     "describe_plan",
     "describe_stream",
     "latents_metadata",
@@ -40,7 +43,7 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "stage": res.stage_name,
         "stage_class": f"{res.stage.__module__}:{res.stage.__qualname__}",
         "cache": res.cache_factory.name,
-        "kv_cache_quant": cache_description(res),
+        "cache_options": cache_description(res),
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
         "prompts": plan.prompts,
@@ -68,25 +71,17 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
         "kv_peak_bytes": run.stage.kv_peak_nbytes(),
-        "kv_packing": packing_summary(run.stage),
+        "kv_packing": packing_summary(res.cache_factory, run.stage),
         **rank_metrics(run),
         **run.stage.report(),
     }
 
 
-def packing_summary(stage: CausalDenoisingStage) -> dict[str, Any] | None:
-    """What the stage's packed caches did, all layers and branches summed: chunks packed, chunks
-    kept dense by reason (``"recent"``, ``"not smaller than dense"``, ...), centroids used.
-    None when no cache reports packing (a dense cache)."""
-    reports = [
-        cache.packing_report()
-        for cs in stage.cache_sets()
-        for cache in cs.kv
-        if callable(getattr(cache, "packing_report", None))
-    ]
-    if not reports:
-        return None
-    return type(reports[0]).merge(reports).to_dict()
+def packing_summary(factory: CacheFactory, stage: CausalDenoisingStage) -> dict[str, Any] | None:
+    """What the stage's caches did, all layers and branches merged
+    (`causalkv.hooks.CacheFactory.packing_report`; QVG: chunks packed, chunks kept dense by
+    reason, centroids used). None when no cache reports (a dense cache)."""
+    return factory.packing_report([cache for cs in stage.cache_sets() for cache in cs.kv])
 
 
 def rank_metrics(run: GenerationRun) -> dict[str, Any]:
@@ -106,9 +101,17 @@ def rank_metrics(run: GenerationRun) -> dict[str, Any]:
 
 
 def cache_description(res: Resolution) -> str:
-    """The chosen cache's settings in one line (``kv_cache_quant`` of the metrics): its
-    options record's `describe` (``"qvg(int2, ...)"``), ``"off"`` for a cache without one."""
-    return res.cache_options.describe() if res.cache_options is not None else "off"
+    """The chosen cache's settings in one line (``cache_options`` of the metrics): its
+    options record's `describe` (``"qvg(int2, ...)"``), ``"none"`` for a cache without one."""
+    return res.cache_options.describe() if res.cache_options is not None else "none"
+
+
+def cache_label(res: Resolution) -> str:
+    """``"<the record's title>: <its describe()>"`` (the header's label of the chosen cache's
+    settings), ``"no settings"`` for a cache without a record."""
+    if res.cache_options is None:
+        return "no settings"
+    return f"{type(res.cache_options).title}: {res.cache_options.describe()}"
 
 
 def describe_plan(plan: Plan) -> list[str]:
@@ -118,7 +121,7 @@ def describe_plan(plan: Plan) -> list[str]:
     return [
         f"model: {plan.model.name} ({plan.model.model_class})",
         f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
-        f"cache: {res.cache_factory.name} (kv-cache-quant {cache_description(res)})",
+        f"cache: {res.cache_factory.name} ({cache_label(res)})",
         *(f"  - {line}" for line in res.reasons),
     ]
 
@@ -130,12 +133,10 @@ def describe_stream(plan: Plan, s: StreamSettings) -> list[str]:
     with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
     res = plan.resolution
     lines: list[str] = []
-    describe = getattr(res.cache_factory.load(), "describe_request", None)
-    if callable(describe):
-        lines += [f"  - {line}" for line in describe(
-            res.cache_options, tokens_per_chunk=s.tokens_per_chunk,
-            sink_tokens=s.sink_frames * s.tokens_per_frame,
-        )]
+    lines += [f"  - {line}" for line in res.cache_factory.describe_request(
+        res.cache_options, tokens_per_chunk=s.tokens_per_chunk,
+        sink_tokens=s.sink_frames * s.tokens_per_frame,
+    )]
     lines.append(
         f"stream: {plan.num_frames} latent frames in {plan.num_chunks} chunks of "
         f"{s.frames_per_chunk}; sink {s.sink_frames}, window {s.window_frames}, cache "
@@ -151,6 +152,6 @@ def latents_metadata(plan: Plan) -> dict[str, str]:
     res, args = plan.resolution, plan.server_args
     return {
         "model": plan.model.name, "stage": res.stage_name, "cache": res.cache_factory.name,
-        "kv_cache_quant": cache_description(res), "seed": str(args.seed),
+        "cache_options": cache_description(res), "seed": str(args.seed),
         "frames": str(plan.num_frames), "fps": str(plan.info.fps), "layout": "B,C,F,h,w",
     }

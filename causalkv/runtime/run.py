@@ -45,7 +45,7 @@ def run_plan(
     the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
     A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
     skipped for the rest of the run, or, with ``strict_plugins``, stops it
-    (`causalkv.runtime.plugin_faults.ObserverHook`). ``on_stage`` receives the built stage
+    (`causalkv.plugin.calls.ObserverHook`). ``on_stage`` receives the built stage
     (``causalkv_configure_stage`` applied) before its first chunk.
     """
     pm = plan.plugin_set(pm).pm

@@ -142,17 +142,14 @@ class CausalDenoisingStage(StagePlanning):
             batch_size: B of the latents and caches.
             negative_prompt: text of the negative branch of stages that run CFG.
             name: the stage's registration name (default: the class name).
-            options: the request's record of `request_options` (default: the one in
-                ``server_args``, else its defaults); the stage reads its knobs there.
+            options: the request's record of the family's knobs (``StageRegistration.options``;
+                the host passes `Resolution.stage_options`); the stage reads its knobs there.
             cache_options: the settings record each cache is built with
                 (``cache_factory.build(spec, cache_options)``); default: the request's record
                 of the factory's ``options`` class (`causalkv.options.cache_record_for`).
         """
         self.name = name or type(self).__name__
-        cls = type(self)
-        if options is None and cls.request_options is not None:
-            options = server_args.option(cls.request_options)
-        #: the request's record of this family's knobs (`request_options`), or None
+        #: the request's record of this family's knobs (``StageRegistration.options``), or None
         self.options = options
         if cache_options is ...:
             cache_options = cache_record_for(cache_factory, server_args.options)
@@ -196,10 +193,9 @@ class CausalDenoisingStage(StagePlanning):
 
     def apply_overrides(self, overrides: Mapping[str, Any]) -> None:
         """Apply `ModelConfig` overrides (``causalkv_configure_stage``) to this stage: field
-        names, and keys of the family's `config_options` (`ModelConfig.with_overrides`)."""
+        names, and keys of the family's config record (`ModelConfig.with_overrides`)."""
         if overrides:
-            extra = (type(self).config_options,) if type(self).config_options is not None else ()
-            self.apply_model(self.model.with_overrides(overrides, *extra))
+            self.apply_model(self.model.with_overrides(overrides))
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -255,11 +251,6 @@ class CausalDenoisingStage(StagePlanning):
         if scratch is None or scratch.committing:
             return nullcontext()
         return scratch.context_pass(pin=self.pins_after_context())
-
-    @property
-    def quant(self) -> Any:
-        """`cache_options` under the name of earlier releases (there: the QVG settings)."""
-        return self.cache_options
 
     @property
     def caches(self) -> CacheSet:

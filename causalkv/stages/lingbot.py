@@ -139,9 +139,7 @@ def window_per_chunk(
 class LingBotWorldStage(CausalDenoisingStage):
     """LingBot-World: the base loop with a recent window per chunk (motion-driven) or static."""
 
-    request_options = MotionOptions
-    config_options = LingBotConfig
-    options: MotionOptions
+    options: MotionOptions  # the request's record (the registration declares it)
 
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
@@ -243,6 +241,8 @@ REGISTRATION = StageRegistration(
     "lingbot-world",
     LingBotWorldStage,
     models=("LingBotWorldPipeline", "LingBotWorldCausalDMDPipeline"),
+    options=MotionOptions,
+    config=LingBotConfig,
     defaults={
         "frames_per_chunk": 3,
         "sink_frames": 3,

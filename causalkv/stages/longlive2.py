@@ -302,9 +302,7 @@ class LongLive2Stage(CausalDenoisingStage):
     """LongLive 2.0: shots expanded to chunks, global sink + pinned shot sink, per-shot
     RoPE offset, UniPC sampling, CFG."""
 
-    request_options = ShotRequest
-    config_options = LongLive2Config
-    options: ShotRequest
+    options: ShotRequest  # the request's record (the registration declares it)
 
     #: the layout of the request being generated (set by `generate`)
     layout: ShotLayout | None = None
@@ -539,6 +537,8 @@ REGISTRATION = StageRegistration(
     "longlive2",
     LongLive2Stage,
     models=("LongLive2Pipeline",),
+    options=ShotRequest,
+    config=LongLive2Config,
     defaults={
         "frames_per_chunk": 8,
         "sink_frames": 8,

@@ -11,11 +11,10 @@ nothing here needs weights, a device or the runtime.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from causalkv.config import check_prompts
 from causalkv.errors import ConfigError, check_int
-from causalkv.options import Options, StageOptions, foreign_options_error
 from causalkv.stages.scheduler import SchedulerSpec, flow_match
 from causalkv.stages.settings import StreamSettings, even_split
 
@@ -28,12 +27,6 @@ __all__ = ["StagePlanning"]
 class StagePlanning:
     """Load-time declarations and request planning of a stage (classmethods; see the module
     docstring). `CausalDenoisingStage` adds the run-time half."""
-
-    #: the family's request knobs (a `causalkv.options.StageOptions` subclass, or None); the
-    #: registration reads it unless it names its own (``StageRegistration(options=...)``)
-    request_options: ClassVar[type[StageOptions] | None] = None
-    #: the family's own ``causalkv.json`` keys (a `causalkv.options.Options` subclass, or None)
-    config_options: ClassVar[type[Options] | None] = None
 
     # ---- load-time declarations -----------------------------------------------------------
     @classmethod
@@ -129,14 +122,9 @@ class StagePlanning:
 
     @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
-        """Refuse another family's request knobs (`ConfigError`,
-        `causalkv.options.foreign_options_error`): a `StageOptions` record the request gives
-        that is not this stage's `request_options`. (The host refuses them earlier, naming
-        their owner; this keeps a stage used without the host just as strict.)"""
-        for record in server_args.options:
-            mine = cls.request_options is not None and isinstance(record, cls.request_options)
-            if isinstance(record, StageOptions) and not mine and record.changed():
-                raise foreign_options_error(record, chosen=cls.__name__)
+        """Refuse values of the family's own request knobs that cannot serve ``num_chunks``
+        chunks (`ConfigError`). Nothing here. (Another family's knobs are refused by the
+        resolution, `causalkv.plugin.resolve`, the one refusal of foreign records.)"""
 
     @classmethod
     def plan_chunks(

@@ -43,7 +43,7 @@ from test_bridge_parity import streams
 
 import causalkv.sglang as bridge
 from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.codec import PackedSegment
+from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.spec import CacheWriteError
 from causalkv.errors import ConfigError
 from causalkv.sglang import attention as route

@@ -24,15 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-    from causalkv.caches.qvg.codec import (
-        BACKEND_ENV,
-        PackedSegment,
-        bits_per_element,
-        dequantize,
-        packed_nbytes_formula,
-        quantize,
-        resolve_backend,
-    )
+    from causalkv.caches.qvg.codec import BACKEND_ENV, dequantize, quantize, resolve_backend
+    from causalkv.caches.qvg.format import PackedSegment, bits_per_element, packed_nbytes_formula
     from causalkv.caches.qvg.options import (
         QUANT_CHOICES,
         QVGCodecOptions,
@@ -60,9 +53,10 @@ _EXPORTS = {
         "causalkv.caches.qvg.options",
     ),
     **dict.fromkeys(
-        ("BACKEND_ENV", "PackedSegment", "bits_per_element", "dequantize",
-         "packed_nbytes_formula", "quantize", "resolve_backend"),
-        "causalkv.caches.qvg.codec",
+        ("BACKEND_ENV", "dequantize", "quantize", "resolve_backend"), "causalkv.caches.qvg.codec"
+    ),
+    **dict.fromkeys(
+        ("PackedSegment", "bits_per_element", "packed_nbytes_formula"), "causalkv.caches.qvg.format"
     ),
     **dict.fromkeys(
         ("CAUSALKV", "SGLANG", "CausalKVPolicy", "ChunkInfo", "PackingDecision", "PackingPolicy",

@@ -44,36 +44,20 @@ import os
 import torch
 
 from causalkv.caches.qvg import torch_impl, triton_impl
-from causalkv.caches.qvg.format import (  # noqa: F401 - re-exported: their home before format.py
-    FP8_MAX,
-    MIN_SCALE_EXP,
+from causalkv.caches.qvg.format import (
     POISON_SCALE_EXP,
     ZERO_BLOCK_SCALE_BYTE,
     Backend,
     CodecError,
     CodecSettings,
     PackedSegment,
-    bits_per_element,
     encode_scales,
-    packed_nbytes_formula,
-    scale_exponent,
     scale_exponents,
-    scale_table,
 )
 from causalkv.caches.qvg.scratch import scratch
 from causalkv.errors import ConfigError
 
-__all__ = [
-    "BACKEND_ENV",
-    "Backend",
-    "CodecError",
-    "PackedSegment",
-    "bits_per_element",
-    "dequantize",
-    "packed_nbytes_formula",
-    "quantize",
-    "resolve_backend",
-]
+__all__ = ["BACKEND_ENV", "dequantize", "quantize", "resolve_backend"]
 
 BACKEND_ENV = "CAUSALKV_QVG_BACKEND"
 _BACKENDS = ("auto", "torch", "triton")

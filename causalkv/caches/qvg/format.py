@@ -66,7 +66,7 @@ class CodecError(CausalKVError, ValueError):
 
 
 class CodecSettings(Protocol):
-    """The settings the codec reads (`causalkv.quant_config.QVGKVQuantArgs` has them): residual
+    """The settings the codec reads (`causalkv.caches.qvg.options.QVGKVQuantArgs` has them): residual
     ``bits`` (None: off, 2 or 4), ``centroids`` per (batch, head) per stage, ``block_size``
     channels per scale, k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points,
     and the level ``grid`` (``"reference"`` or ``"mse4"``)."""

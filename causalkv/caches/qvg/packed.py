@@ -64,7 +64,9 @@ from causalkv.caches.qvg.store import (
     Segment,
     SegmentStore,
 )
-from causalkv.caches.spec import (
+from causalkv.caches.spec import CausalAttentionKVView, KVCacheSpec, KVSegment, StoredSegment
+from causalkv.caches.stream import StreamState
+from causalkv.capabilities import (
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
@@ -72,12 +74,7 @@ from causalkv.caches.spec import (
     QUANT_QVG,
     RECENT_WINDOW,
     CacheCapabilities,
-    CausalAttentionKVView,
-    KVCacheSpec,
-    KVSegment,
-    StoredSegment,
 )
-from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError, UsageError
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Two causalkv plugins that fail on purpose (``raising``, ``seedflag``)."""
