@@ -46,7 +46,7 @@ from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError
 from causalkv.options import CacheOptions
-from causalkv.plugin.loader import ENV_AUTOLOAD_OFF, ENV_TRACE
+from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
 from causalkv.runtime.loading import parse_dtype
 from causalkv.runtime.model_config import (
     REQUIRED_FILES,
