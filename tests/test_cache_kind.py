@@ -19,7 +19,7 @@ from causalkv.hooks import CacheFactory, hookimpl
 from causalkv.options import CacheOptions, option
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.report import describe_plan, run_report
+from causalkv.runtime.report import describe_plan, describe_stream, run_report
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ THIS_PLUGIN = sys.modules[__name__]
 def test_the_host_calls_the_new_kinds_check_description_and_report(causalkv_home: str, pm) -> None:
     with temporary_plugin(pm, THIS_PLUGIN, "tally-plugin"):
         plan, run = plan_and_run(make_options("tiny-wan", options=[TallyOptions(limit=4)]), pm)
-        header = describe_plan(plan)
+        header = describe_plan(plan) + describe_stream(plan, run.stage.settings)
         metrics = run_report(plan, run)
         with pytest.raises(ConfigError, match="--tally-limit 999 exceeds head_dim 64; pass at most 64"):
             plan_generation(make_options("tiny-wan", options=[TallyOptions(limit=999)]), pm=pm)
