@@ -1,0 +1,299 @@
+"""`causalkv memory` and its planner (`causalkv.runtime.memory`): the command line, the JSON,
+the budget answer, the validation, and the planner's bytes against the real caches'."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.spec import KVCacheSpec
+from causalkv.cli import main
+from causalkv.errors import ConfigError
+from causalkv.runtime import memory as mem
+from causalkv.runtime.memory import (
+    BUILTIN_MODELS,
+    SETTINGS,
+    MemoryRequest,
+    ModelGeometry,
+    parse_bytes,
+    plan_memory,
+    plan_setting,
+    positions,
+    read_model_geometry,
+    stream_layout,
+)
+
+LL2 = BUILTIN_MODELS["longlive2"]
+NAMES = ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0", "int2-recent-int4"]
+
+#: a tiny LongLive-2.0-like geometry: 2 layers x 2 heads x 64, 32 tokens per frame (32x64 px,
+#: VAE 8, 1x1 patches), 2-frame chunks of 64 tokens, a 1-chunk sink, 4 chunk slots
+TINY = ModelGeometry(
+    "tiny", 2, 2, 64, vae_scale_spatial=8, vae_scale_temporal=4, patch=(1, 1),
+    frames_per_chunk=2, sink_frames=2, global_sink_frames=2, window_frames=8, height=32,
+    width=64, fps=16, default_frames=29, shot_sinks=True,
+)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["memory", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- the command line ---------------------------------------------------------------------------
+def test_table_longlive2_names_every_setting(capsys) -> None:
+    code, out, err = run(capsys, "longlive2", "--frames", "61")
+    assert code == 0 and err == ""
+    assert "880 tokens per latent frame" in out and "2 chunks of 8 frames" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] and line.split()[0] in SETTINGS]
+    assert rows == NAMES
+
+
+def test_json_fields_and_dense_bytes(capsys) -> None:
+    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["setting"] for r in rows] == NAMES
+    dense = 30 * 1 * 2 * 28_160 * 24 * 128 * 2  # layers x sets x (K,V) x window x H x D x bf16
+    for r in rows:
+        assert {"setting", "kv_bytes", "dense_bytes", "peak_bytes"} <= set(r)
+        assert "fits" not in r
+        assert r["dense_bytes"] == dense
+        assert r["kv_bytes"] < r["peak_bytes"]
+    with_cfg = json.loads(run(capsys, "longlive2", "--frames", "61", "--json", "--cfg")[1])
+    for a, b in zip(rows, with_cfg):
+        assert b["dense_bytes"] == 2 * a["dense_bytes"]
+        scratch = a["scratch_bytes"]  # one scratch for both sets
+        assert b["kv_bytes"] - scratch == 2 * (a["kv_bytes"] - scratch)
+
+
+def test_off_is_the_held_context_plus_the_scratch() -> None:
+    """Quant off at LongLive 2.0: 3 of the 4 slots hold context once the window is full."""
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80), settings=["off"])
+    r = plan.rows[0]
+    token = 2 * 24 * 128 * 2  # K and V of one token, one layer
+    assert r.scratch_bytes == 7_040 * token
+    assert r.kv_bytes == 30 * 3 * 7_040 * token + r.scratch_bytes
+    assert r.transient_bytes == 28_160 * token
+    assert r.peak_bytes == r.kv_bytes + r.transient_bytes
+
+
+def test_issue_targets_at_longlive2_geometry() -> None:
+    """issue 23's peak ratios (all layers, a shot pinned, the window full) hold in the model."""
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80, shots=2))
+    peak = {r.setting: r.peak_ratio for r in plan.rows}
+    assert peak["int2-recent0"] <= 0.17
+    assert peak["int2-recent-int4"] <= 0.19
+    assert peak["int2-default"] <= 0.37
+    assert peak["int4-recent0"] <= 0.26
+    assert peak["off"] <= 0.80
+
+
+def test_budget_answer_is_the_longest_window(capsys) -> None:
+    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    budget = 80 * 2**30
+    for r in rows:
+        assert r["fits"] is (r["peak_bytes"] <= budget)
+        w = r["max_window_frames"]
+        assert w % 8 == 0
+        memo: dict = {}
+        setting = SETTINGS[r["setting"]]
+        req = MemoryRequest(frames=61)
+        assert mem._peak_at(LL2, req, setting, w, memo) <= budget
+        assert mem._peak_at(LL2, req, setting, w + 8, memo) > budget
+    table = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB")[1]
+    assert "max_window_frames" in table and "fits" in table
+
+
+def test_budget_answer_is_the_longest_video_for_self_forcing(capsys) -> None:
+    rows = json.loads(run(capsys, "self-forcing", "--budget", "16GiB", "--json",
+                          "--setting", "off", "--setting", "int2-recent0")[1])
+    sf = BUILTIN_MODELS["self-forcing"]
+    for r in rows:
+        v = r["max_video_frames"]
+        assert "max_window_frames" not in r and v % 3 == 0
+        memo: dict = {}
+        assert mem._peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v, memo) <= 16 * 2**30
+        assert mem._peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v + 3, memo) > 16 * 2**30
+    assert rows[1]["max_video_frames"] > 4 * rows[0]["max_video_frames"]
+
+
+def test_nothing_fits_a_tiny_budget(capsys) -> None:
+    rows = json.loads(run(capsys, "lingbot", "--budget", "1MiB", "--json")[1])
+    assert all(r["fits"] is False and r["max_window_frames"] is None for r in rows)
+
+
+def test_help_explains_every_column(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for column in ("setting", "kv_bytes", "peak_bytes", "dense_bytes", "fits",
+                   "max_window_frames", "max_video_frames", *NAMES):
+        assert f"  {column}" in text, column
+    assert "sequence-parallel" in text.lower()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["longlive2", "--height", "700"], ["--height 700", "multiple of 32", "704"]),
+        (["longlive2", "--frames", "62"], ["--frames 62", "--frames 61 or 65"]),
+        (["longlive2", "--frames", "65"], ["17 latent frames", "--frames 61 or 93"]),
+        (["longlive2", "--latent-frames", "12"], ["12 latent frames", "--latent-frames 8 or 16"]),
+        (["longlive2", "--frames", "0"], ["--frames must be a positive int, got 0"]),
+        (["longlive2", "--budget", "80XB"], ["--budget '80XB'", "80GiB"]),
+        (["longlive2", "--budget", "0"], ["--budget '0'", "at least 1 byte"]),
+        (["lingbot", "--shots", "2"], ["--shots 2", "no shot sinks", "--shots 1"]),
+        (["longlive2", "--frames", "61", "--shots", "3"], ["--shots 3", "has 2 (16 latent frames", "fewer --shots"]),
+        (["longlive2", "--window-frames", "12"], ["--window-frames 12", "--window-frames 16"]),
+        (["longlive2", "--window-frames", "8"], ["--window-frames 8", "--window-frames 16"]),
+        (["longlive2", "--batch-size", "0"], ["--batch-size must be a positive int, got 0"]),
+        (["longlive2", "--seconds", "-1"], ["--seconds must be a finite number > 0, got -1.0"]),
+        (["no-such-model"], ["unknown model 'no-such-model'", "longlive2, lingbot, self-forcing"]),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value_and_the_fix(capsys, argv, words) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("causalkv memory: error: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["longlive2", "--frames", "61", "--seconds", "3"], ["longlive2", "--setting", "int3"],
+     ["longlive2", "--host", "vllm"], ["longlive2", "--height", "x"],
+     ["longlive2", "--kv-cache-quant-sink", "2"]],
+)
+def test_bad_flags_are_usage_errors(capsys, argv) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_seconds_round_up_to_whole_chunks() -> None:
+    lay = stream_layout(LL2, MemoryRequest(seconds=10))  # 240 frames at 24 fps
+    assert lay.latent_frames == 64 and lay.num_chunks == 8 and lay.video_frames >= 240
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("123") == 123
+    with pytest.raises(ConfigError, match="is not a size"):
+        parse_bytes("lots")
+
+
+def test_model_folders_are_read_by_their_config(tmp_path) -> None:
+    """An sglang folder (native causal fields) and a diffusers one (causalkv.json)."""
+    sg = tmp_path / "sg"
+    (sg / "transformer").mkdir(parents=True)
+    (sg / "vae").mkdir()
+    (sg / "model_index.json").write_text(json.dumps({"_class_name": "LongLive2Pipeline"}))
+    (sg / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 30, "num_attention_heads": 24, "attention_head_dim": 128,
+        "patch_size": [1, 2, 2], "num_frames_per_block": 8, "sink_size": 8,
+        "local_attn_size": 32, "sliding_window_num_frames": 32,
+    }))
+    (sg / "vae" / "config.json").write_text(json.dumps({"scale_factor_spatial": 16,
+                                                         "scale_factor_temporal": 4}))
+    g = read_model_geometry(sg)
+    assert (g.num_layers, g.num_heads, g.head_dim, g.frames_per_chunk, g.sink_frames,
+            g.window_frames, g.shot_sinks) == (30, 24, 128, 8, 8, 32, True)
+    assert g.tokens_per_frame(704, 1280) == 880
+    folder_rows = plan_memory(g, MemoryRequest(frames=61)).as_json()
+    builtin_rows = plan_memory(LL2, MemoryRequest(frames=61)).as_json()
+    assert [r["kv_bytes"] for r in folder_rows] == [r["kv_bytes"] for r in builtin_rows]
+
+    df = tmp_path / "df"
+    (df / "transformer").mkdir(parents=True)
+    (df / "vae").mkdir()
+    (df / "model_index.json").write_text(json.dumps({"_class_name": "SelfForcingWanPipeline"}))
+    (df / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128,
+        "patch_size": [1, 2, 2]}))
+    (df / "vae" / "config.json").write_text(json.dumps({"dim_mult": [1, 2, 4, 4],
+                                                         "temperal_downsample": [False, True, True]}))
+    (df / "causalkv.json").write_text(json.dumps({"window_frames": 12}))
+    g = read_model_geometry(df)
+    assert (g.frames_per_chunk, g.sink_frames, g.window_frames) == (3, 0, 12)
+    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video
+
+    (df / "transformer" / "config.json").write_text(json.dumps({"num_layers": 30}))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        read_model_geometry(df)
+    (df / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 0, "num_attention_heads": 12, "attention_head_dim": 128}))
+    with pytest.raises(ConfigError, match="num_layers must be a positive int, got 0"):
+        read_model_geometry(df)
+
+
+# ---- the planner against the real caches ------------------------------------------------------
+def _kv(n: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, n, heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, n, heads, dim, generator=g).to(torch.bfloat16)
+    return k, v
+
+
+def _tiny_spec(lay) -> KVCacheSpec:
+    return KVCacheSpec(
+        batch_size=1, num_heads=TINY.num_heads, head_dim=TINY.head_dim,
+        cache_size=lay.cache_tokens, sink_tokens=lay.sink_tokens,
+        global_sink_tokens=lay.global_sink_tokens, attention_window_size=lay.cache_tokens,
+        dtype=torch.bfloat16,
+    )
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_positions_and_tiers_equal_the_cache_without_a_scratch(sink: bool) -> None:
+    """A cache given no scratch holds the chunk being generated itself and decides the tiers at
+    the next advance: after chunk i+1's first write it holds what the planner says one layer
+    holds after chunk i's context pass, plus chunk i+1 in bf16 (own host, 8 chunks, a shot
+    pinned at chunk 4, every setting without the recent tier)."""
+    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink)
+    lay = stream_layout(TINY, req)
+    assert lay.num_chunks == 8 and lay.pins == {4} and lay.chunk_tokens == 64
+    states = positions(lay, "causalkv")
+    n, token = lay.chunk_tokens, 2 * TINY.num_heads * TINY.head_dim * 2
+    for name in NAMES[:-1]:
+        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", sink=sink, states=states)
+        q = SETTINGS[name].quant_args(sink=sink)
+        cache = QVGPackedCausalKVCache(_tiny_spec(lay), q if q.enabled else None)
+        measured = []
+        for i in range(lay.num_chunks + 1):
+            k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=i)
+            cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+            if i:  # chunk i-1's context as the next chunk's advance left it
+                held = cache.state.retained
+                assert held[-1][1] == (i + 1) * n
+                assert iv.subtract(held, ((i * n, (i + 1) * n),)) == states[i - 1].held
+                measured.append(cache.resident_nbytes() - n * token)
+            if i in lay.pins:
+                cache.pin_current_chunk(n)
+        assert tuple(measured) == plan.resident_per_chunk, name
+        assert cache.quantize_calls == sum(
+            1 for c in range(lay.num_chunks) if any(t.get(c, "bf16") != "bf16" for t in plan.tiers_per_chunk)
+        ), name
+
+
+def test_request_fields_reach_the_bytes() -> None:
+    base = plan_memory(TINY, MemoryRequest(latent_frames=16), settings=["off"]).rows[0]
+    b2 = plan_memory(TINY, MemoryRequest(latent_frames=16, batch_size=2), settings=["off"]).rows[0]
+    f32 = plan_memory(TINY, MemoryRequest(latent_frames=16, dtype="float32"), settings=["off"]).rows[0]
+    assert b2.kv_bytes == 2 * base.kv_bytes and f32.kv_bytes == 2 * base.kv_bytes
+    wide = plan_memory(TINY, replace(MemoryRequest(latent_frames=16), window_frames=12),
+                       settings=["off"]).rows[0]
+    assert wide.dense_bytes == base.dense_bytes * 12 // 8
