@@ -1,0 +1,68 @@
+"""`causalkv memory --host sglang` against the bridge's real cache (`SGLangQVGKVCache`).
+
+The planner's sglang host models the bridge: sglang's slot arithmetic decides what a layer
+holds, sglang's packing rule (`SGLANG`) which chunk is packed, the centroids as sglang's flags
+give them. A bridge cache given no scratch holds the chunk being generated itself and packs at
+the next advance, so after chunk i+1's first write it holds what the planner says one layer
+holds after chunk i's context pass, plus chunk i+1 in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.runtime.memory import (
+    SETTINGS,
+    MemoryRequest,
+    ModelGeometry,
+    plan_setting,
+    positions,
+    stream_layout,
+)
+from causalkv.sglang.cache import SGLangQVGKVCache
+
+#: 2 layers x 2 heads x 64; 128 tokens per frame (64x128 px, VAE 8, 1x1 patches), 2-frame
+#: chunks of 256 tokens (where 128 centroids pay at int2 and int4), a 1-chunk sink, 4 slots
+TINY = ModelGeometry(
+    "tiny-sglang", 2, 2, 64, vae_scale_spatial=8, vae_scale_temporal=4, patch=(1, 1),
+    frames_per_chunk=2, sink_frames=2, global_sink_frames=2, window_frames=8, height=64,
+    width=128, fps=16, default_frames=29, shot_sinks=True,
+)
+
+
+def _kv(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+
+
+@pytest.mark.parametrize("sink", [True, False])
+@pytest.mark.parametrize("name", ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0"])
+def test_planner_equals_the_bridge_cache_without_a_scratch(name: str, sink: bool) -> None:
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=14, shots=2, sink=sink))
+    assert lay.num_chunks == 7 and lay.pins == {4} and lay.chunk_tokens == 256
+    states = positions(lay, "sglang")
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="sglang", sink=sink, states=states)
+    n, token = lay.chunk_tokens, 2 * 2 * 64 * 2
+    cache = SGLangQVGKVCache(
+        batch_size=1, cache_size=lay.cache_tokens, num_heads=2, head_dim=64,
+        dtype=torch.bfloat16, device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
+        local_end_index=torch.zeros(1, dtype=torch.long), use_int_indices=True,
+        sink_tokens=lay.sink_tokens, attention_window_size=lay.cache_tokens,
+        quant_args=SETTINGS[name].quant_args(sink=sink),
+        global_sink_tokens=lay.global_sink_tokens,
+    )
+    measured = []
+    for i in range(lay.num_chunks + 1):
+        k, v = _kv(n, i)
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+        if i:
+            held = cache.store.held()
+            assert iv.subtract(held, ((i * n, (i + 1) * n),)) == states[i - 1].held
+            measured.append(cache.resident_nbytes() - n * token)
+        if i in lay.pins:
+            cache.pin_current_chunk(n)
+    assert tuple(measured) == plan.resident_per_chunk
+    if name != "off":
+        assert cache.quantize_calls > 0
