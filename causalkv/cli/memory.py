@@ -81,8 +81,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"sink {g.sink_frames} frames, window {lay.window_frames} frames ({lay.cache_tokens:,} "
         f"tokens, {slots} chunk slots); {lay.sets} cache set{'s' if lay.sets > 1 else ''} (CFG "
         f"{'on' if lay.sets > 1 else 'off'}), batch {req.batch_size}, {req.dtype}"
-        + (f"; shot sinks pinned after chunks {', '.join(map(str, sorted(lay.pins)))}"
-           if lay.pins else "")
+        + (f"; a shot sink pinned at chunk{'s' if len(lay.pins) > 1 else ''} "
+           f"{', '.join(map(str, sorted(lay.pins)))}" if lay.pins else "")
         + ("" if req.sink else "; --kv-cache-quant-sink 0"),
     ]
     if plan.rows:

@@ -788,9 +788,10 @@ class _Held:
 def plan_setting(
     geom: ModelGeometry, lay: StreamLayout, setting: Setting, *, host: str = "sglang",
     dtype: str = "bfloat16", batch_size: int = 1, sink: bool = True,
-    states: Sequence[ChunkState] | None = None,
+    states: Sequence[ChunkState] | None = None, record: bool = True,
 ) -> SettingPlan:
-    """``setting``'s figures for the stream ``lay`` (see the module docstring)."""
+    """``setting``'s figures for the stream ``lay`` (see the module docstring); ``states``:
+    `positions` of ``lay`` when already computed; ``record``: keep the per-chunk tiers."""
     B, H, D = batch_size, geom.num_heads, geom.head_dim
     item = DTYPE_BYTES[dtype]
     n = lay.chunk_tokens
@@ -864,7 +865,8 @@ def plan_setting(
             h = store[c]
             total += tokens * per_token if h.tier == "bf16" else h.nbytes
         resident.append(total)
-        tiers.append({c: store[c].tier for c, *_ in held})
+        if record:
+            tiers.append({c: store[c].tier for c, *_ in held})
     kv = sets_layers * max(resident, default=0) + scratch
     transient = max((cs.visible for cs in states), default=0) * per_token
     return SettingPlan(
@@ -919,7 +921,7 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: 
     if setting.name not in peaks:
         peaks[setting.name] = plan_setting(
             geom, lay, setting, host=req.host, dtype=req.dtype, batch_size=req.batch_size,
-            sink=req.sink, states=states,
+            sink=req.sink, states=states, record=False,
         ).peak_bytes
     return peaks[setting.name]
 
