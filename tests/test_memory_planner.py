@@ -158,6 +158,8 @@ def test_help_explains_every_column(capsys) -> None:
         (["longlive2", "--window-frames", "8"], ["--window-frames 8", "--window-frames 16"]),
         (["longlive2", "--batch-size", "0"], ["--batch-size must be a positive int, got 0"]),
         (["longlive2", "--seconds", "-1"], ["--seconds must be a finite number > 0, got -1.0"]),
+        (["longlive2", "--fps", "30"], ["--fps 30", "pass --seconds or drop --fps"]),
+        (["longlive2", "--seconds", "5", "--fps", "0"], ["--fps must be a positive int, got 0"]),
         (["no-such-model"], ["unknown model 'no-such-model'", "longlive2, lingbot, self-forcing"]),
     ],
 )
@@ -185,6 +187,11 @@ def test_bad_flags_are_usage_errors(capsys, argv) -> None:
 def test_seconds_round_up_to_whole_chunks() -> None:
     lay = stream_layout(LL2, MemoryRequest(seconds=10))  # 240 frames at 24 fps
     assert lay.latent_frames == 64 and lay.num_chunks == 8 and lay.video_frames >= 240
+    lay = stream_layout(LL2, MemoryRequest(seconds=10, fps=16))  # 160 frames need 41 latent
+    assert lay.latent_frames == 48 and lay.video_frames >= 160
+    budget = plan_memory(LL2, MemoryRequest(seconds=10, fps=16), settings=["off"],
+                         budget=parse_bytes("40GiB")).rows[0]
+    assert budget.max_window_frames is not None and budget.max_window_frames > 32
 
 
 def test_parse_bytes() -> None:

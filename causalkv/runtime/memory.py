@@ -527,6 +527,13 @@ def _request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int
     if len(given) > 1:
         raise ConfigError(f"{' and '.join(given)} both give the video's length; pass one of them")
     fpc, s = geom.frames_per_chunk, geom.vae_scale_temporal
+    if req.fps is not None:
+        _positive("--fps", req.fps, "pass e.g. 16")
+        if req.seconds is None:
+            raise ConfigError(
+                f"--fps {req.fps} sets the frame rate of --seconds, which is not given; pass "
+                "--seconds or drop --fps"
+            )
     if req.latent_frames is not None:
         latent = _positive("--latent-frames", req.latent_frames,
                            f"pass a multiple of {fpc} (frames per chunk)")
@@ -534,7 +541,7 @@ def _request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int
         sec = req.seconds
         if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not math.isfinite(sec) or sec <= 0:
             raise ConfigError(f"--seconds must be a finite number > 0, got {sec!r}; pass e.g. 10")
-        fps = geom.fps if req.fps is None else _positive("--fps", req.fps, "pass e.g. 16")
+        fps = geom.fps if req.fps is None else req.fps
         need = max(1, math.ceil(sec * fps - 1e-9))
         latent = geom.latent_frames(need)
         if geom.video_frames(latent) < need:
@@ -898,25 +905,20 @@ MAX_SEARCH_FRAMES = 1 << 16
 
 
 def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: int,
-             memo: dict[int, Any]) -> int | None:
+             memo: dict[int, Any]) -> int:
     """``setting``'s peak bytes with a ``window``-frame window once that window is full (the
     request is lengthened to fill it when shorter; a window-is-video model's video is the
-    window); None when the window is not a valid one."""
+    window)."""
     fpc = geom.frames_per_chunk
     if window not in memo:  # the positions are the same for every setting
         if geom.window_is_video:
             latent = window
         else:
             latent = max(_request_latent_frames(geom, req)[0], window + 2 * fpc)
-        r = replace(req, frames=None, seconds=None, latent_frames=latent, window_frames=window)
-        try:
-            lay = stream_layout(geom, r)
-        except ConfigError:
-            memo[window] = None
-        else:
-            memo[window] = (lay, positions(lay, req.host), {})
-    if memo[window] is None:
-        return None
+        r = replace(req, frames=None, seconds=None, fps=None, latent_frames=latent,
+                    window_frames=window)
+        lay = stream_layout(geom, r)  # valid: the search starts at the smallest valid window
+        memo[window] = (lay, positions(lay, req.host), {})
     lay, states, peaks = memo[window]
     if setting.name not in peaks:
         peaks[setting.name] = plan_setting(
@@ -939,8 +941,7 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
     top = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
 
     def fits(w: int) -> bool:
-        peak = _peak_at(geom, req, setting, w, memo)
-        return peak is not None and peak <= budget
+        return _peak_at(geom, req, setting, w, memo) <= budget
 
     if not fits(smallest):
         return None
@@ -950,7 +951,7 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
     guess = smallest
     for _ in range(4):
         (wa, pa), (wb, pb) = pts[-2] if len(pts) > 1 else pts[-1], pts[-1]
-        if pa is None or pb is None or wb == wa or pb <= pa:
+        if wb == wa or pb <= pa:
             break
         guess = int(wb + (budget - pb) * (wb - wa) / (pb - pa)) // fpc * fpc
         guess = min(top, max(smallest, guess))
