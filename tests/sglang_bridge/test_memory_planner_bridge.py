@@ -66,3 +66,46 @@ def test_planner_equals_the_bridge_cache_without_a_scratch(name: str, sink: bool
     assert tuple(measured) == plan.resident_per_chunk
     if name != "off":
         assert cache.quantize_calls > 0
+
+
+@pytest.mark.parametrize("name", ["off", "int4-default", "int4-recent0", "int2-default",
+                                  "int2-recent0", "int2-recent-int4"])
+def test_planner_equals_the_bridge_caches_with_a_scratch(name: str) -> None:
+    """The exactness test through the bridge: 2 layers x 2 CFG sets sharing one `ChunkScratch`,
+    per chunk two denoising passes and the context pass (the pin announced), then the pin."""
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=14, shots=2, cfg=True))
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="sglang")
+    scratch = ChunkScratch()
+    n = lay.chunk_tokens
+    caches = [
+        SGLangQVGKVCache(
+            batch_size=1, cache_size=lay.cache_tokens, num_heads=2, head_dim=64,
+            dtype=torch.bfloat16, device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
+            local_end_index=torch.zeros(1, dtype=torch.long), use_int_indices=True,
+            sink_tokens=lay.sink_tokens, attention_window_size=lay.cache_tokens,
+            quant_args=SETTINGS[name].quant_args(), global_sink_tokens=lay.global_sink_tokens,
+            scratch=scratch,
+        )
+        for _ in range(TINY.num_layers * lay.sets)
+    ]
+    resident = []
+    for i in range(lay.num_chunks):
+        for p in range(3):
+            k, v = _kv(n, 10 * i + p)
+            if p < 2:
+                for c in caches:
+                    c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+                continue
+            with scratch.context_pass(pin=i in lay.pins):
+                for c in caches:
+                    c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+        if i in lay.pins:
+            for c in caches:
+                c.pin_current_chunk(n)
+        resident.append(sum(c.resident_nbytes() for c in caches))
+    assert resident == [len(caches) * r for r in plan.resident_per_chunk]
+    assert scratch.nbytes == plan.scratch_bytes
+    assert max(resident) + scratch.nbytes == plan.kv_bytes
+    assert scratch.peak_nbytes == plan.peak_bytes
