@@ -40,6 +40,16 @@ TINY = ModelGeometry(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The caches here hold a few KiB: torch's intra-op threads only contend (on a loaded
+    2-core machine the file ran 8x slower with them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(["memory", *argv])
     out, err = capsys.readouterr()
@@ -304,3 +314,53 @@ def test_request_fields_reach_the_bytes() -> None:
     wide = plan_memory(TINY, replace(MemoryRequest(latent_frames=16), window_frames=12),
                        settings=["off"]).rows[0]
     assert wide.dense_bytes == base.dense_bytes * 12 // 8
+
+
+# ---- the planner against the caches with the shared scratch (the new layout) -------------------
+def _drive_with_scratch(lay, make_cache, layers: int):
+    """Drive ``layers x sets`` caches sharing one `ChunkScratch` through ``lay``'s stream: per
+    chunk two denoising passes, then the context pass (``pin`` announced for a cut chunk), then
+    the pin. Returns per chunk the caches' resident bytes after the context pass, the scratch's
+    bytes, and the scratch's ledger peak."""
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+
+    scratch = ChunkScratch()
+    caches = [make_cache(scratch) for _ in range(layers * lay.sets)]
+    n = lay.chunk_tokens
+    resident = []
+    for i in range(lay.num_chunks):
+        for p in range(2):
+            k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=10 * i + p)
+            if p < 1:
+                for c in caches:
+                    c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+                continue
+            with scratch.context_pass(pin=i in lay.pins):
+                for c in caches:  # attention reads the window as one buffer (sglang's way)
+                    view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+                    assert view.k.shape == view.v.shape
+        if i in lay.pins:
+            for c in caches:
+                c.pin_current_chunk(n)
+        resident.append(sum(c.resident_nbytes() for c in caches))
+    return resident, scratch.nbytes, scratch.peak_nbytes
+
+
+@pytest.mark.parametrize(("name", "cfg"), [*((n, False) for n in NAMES), ("int2-recent-int4", True)])
+def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool) -> None:
+    """The exactness test: ``causalkv memory --host causalkv`` equals the bytes the real
+    `QVGPackedCausalKVCache` s hold, 2 layers (x 2 CFG sets) sharing one scratch, 8 chunks of
+    64 tokens in 4 slots, a shot pinned at chunk 4: per chunk the caches' resident bytes,
+    ``kv_bytes`` (their most plus the scratch) and ``peak_bytes`` (the scratch's ledger)."""
+    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg)
+    lay = stream_layout(TINY, req)
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv")
+    q = SETTINGS[name].quant_args()
+    spec = _tiny_spec(lay)
+    resident, scratch_nbytes, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers)
+    per_layer = TINY.num_layers * lay.sets
+    assert resident == [per_layer * r for r in plan.resident_per_chunk]
+    assert scratch_nbytes == plan.scratch_bytes
+    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert peak == plan.peak_bytes

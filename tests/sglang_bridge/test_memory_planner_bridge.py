@@ -32,6 +32,15 @@ TINY = ModelGeometry(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The caches here hold a few hundred KiB: torch's intra-op threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _kv(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
