@@ -133,7 +133,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         plan = plan_memory(geom, req, settings=args.setting, budget=budget)
     except CausalKVError as exc:
-        print(f"causalkv memory: error: {exc}", file=sys.stderr)
+        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan.as_json(), indent=2))
