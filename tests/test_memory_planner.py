@@ -3,6 +3,7 @@ the budget answer, the validation, and the planner's bytes against the real cach
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 
@@ -331,11 +332,7 @@ def _drive_with_scratch(lay, make_cache, layers: int):
     for i in range(lay.num_chunks):
         for p in range(2):
             k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=10 * i + p)
-            if p < 1:
-                for c in caches:
-                    c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
-                continue
-            with scratch.context_pass(pin=i in lay.pins):
+            with scratch.context_pass(pin=i in lay.pins) if p else contextlib.nullcontext():
                 for c in caches:  # attention reads the window as one buffer (sglang's way)
                     view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
                     assert view.k.shape == view.v.shape
@@ -363,4 +360,22 @@ def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool
     assert resident == [per_layer * r for r in plan.resident_per_chunk]
     assert scratch_nbytes == plan.scratch_bytes
     assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert peak == plan.peak_bytes
+
+
+#: a sink that is not a whole number of chunks (3 frames of 2-frame chunks) whose global part
+#: is 1 frame: after a pin, chunk 1 is held in part, and a packed part is kept whole
+UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_frames=1, window_frames=10)
+
+
+@pytest.mark.parametrize(("name", "sink"), [("int2-recent-int4", False), ("int4-default", False),
+                                            ("int2-recent0", False), ("int2-default", True)])
+def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sink: bool) -> None:
+    lay = stream_layout(UNALIGNED, MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink))
+    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], host="causalkv", sink=sink)
+    q = SETTINGS[name].quant_args(sink=sink)
+    spec = _tiny_spec(lay)
+    resident, _, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), UNALIGNED.num_layers)
+    assert resident == [UNALIGNED.num_layers * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes

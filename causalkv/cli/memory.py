@@ -33,8 +33,11 @@ columns (--json gives the same fields, in bytes, per setting):
   kv_bytes       the most the stage's caches hold after any chunk's context pass, all
                  layers and CFG sets, plus the one scratch buffer of the chunk being
                  generated (shared by all layers and sets)
-  peak_bytes     kv_bytes plus the largest one-call buffer: one layer's visible window
-                 gathered as one dense buffer (the whole window once the cache is full)
+  peak_bytes     the most held at once over the request: while a chunk is generated,
+                 the caches (the larger of the context before it and after it) plus
+                 the scratch plus one layer's visible window gathered as one dense
+                 buffer (the whole window once the cache is full); at most kv_bytes +
+                 that window
   dense_bytes    what sglang's dense cache allocates for the same request: layers x sets
                  x 2 (K, V) x window tokens x heads x head_dim x 2 bytes (bf16)
   kv/dense, peak/dense   the ratios (the table only; --json: kv_ratio, peak_ratio)

@@ -24,9 +24,13 @@ The memory model (docs/design.md, "Memory math"; issue 23):
   ``recent``) or as a sink with ``sink=0`` (reason ``sink``); such a chunk is re-packed at the
   main bits when it leaves recency. A chunk is packed only if that stores fewer bytes.
 - ``kv_bytes``: the most the caches hold after any chunk's context pass (all layers, all CFG
-  sets) plus the scratch; ``peak_bytes``: ``kv_bytes`` plus the largest one-call buffer, one
-  layer's visible window gathered dense (``2 x B x visible x H x D x itemsize``; the whole
-  window, ``cache_tokens``, once the cache is full); ``dense_bytes``: sglang's dense cache,
+  sets) plus the scratch; ``peak_bytes``: the most held at once over the request, every call
+  gathering the window it sees as one dense buffer (``2 x B x visible x H x D x itemsize``;
+  the whole window, ``cache_tokens``, once the cache is full): per chunk i, the caches at
+  the larger of chunk i-1's and chunk i's context (the denoising passes see the first, the
+  context pass moves the layers one by one to the second) plus the scratch plus that window;
+  at most ``kv_bytes`` plus the largest window, equal to it once the window is full and the
+  context no longer changes; ``dense_bytes``: sglang's dense cache,
   ``layers x sets x 2 x B x cache_tokens x H x D x itemsize``, allocated whole at the start.
 
 Out of scope: sequence-parallel and head-sliced caches (each rank would hold its heads'
@@ -631,7 +635,8 @@ class ChunkState:
         index: the chunk.
         held: the positions held (trimmed to what the next chunk's advance keeps).
         sink_end: positions below it are stream-start sink (the host's bookkeeping).
-        pinned: the pinned shot-sink positions.
+        pinned: the pinned shot-sink positions (as the host gives them to its store: some
+            may be no longer held).
         visible: tokens the chunk's context pass saw (its one-call window).
     """
 
@@ -654,7 +659,7 @@ def _own_host_positions(lay: StreamLayout) -> list[ChunkState]:
             st = st.pinned_to(n)
         nxt = st.advanced(n, "causalkv memory")
         held = iv.subtract(nxt.retained, ((st.global_end, nxt.global_end),))
-        pinned = iv.intersect((nxt.pinned,), held) if nxt.pinned else ()
+        pinned = (nxt.pinned,) if nxt.pinned else ()
         out.append(ChunkState(i, held, nxt.sink_prefix_end(), pinned, visible))
     return out
 
@@ -696,15 +701,13 @@ def _sglang_positions(lay: StreamLayout) -> list[ChunkState]:
         visible = sum(b - a for a, b in visible_slots(st, plan.local_start, local_end, None))
         if i in lay.pins and st.sink_tokens > 0:
             st = replace(st, pinned_start=local_end - n, pinned_len=min(st.sink_tokens, n))
-        _, nslots, nst = write(slots, st, global_end, local_end)
+        _, nslots, _ = write(slots, st, global_end, local_end)
         held = iv.subtract(iv.normalize(nslots.positions()), ((global_end, global_end + n),))
-        pinned: Intervals = ()
-        if nst.has_pinned_sink():
-            a, b = max(0, nst.pinned_start), min(nst.cache_size, nst.pinned_start + nst.pinned_len)
+        pinned: Intervals = ()  # the positions the pinned slots hold now (the bridge's rule)
+        if st.has_pinned_sink():
+            a, b = max(0, st.pinned_start), min(st.cache_size, st.pinned_start + st.pinned_len)
             if a < b:
-                pinned = iv.intersect(
-                    iv.normalize((p, p + ln) for ln, p in nslots.read(a, b) if p is not None), held
-                )
+                pinned = iv.normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
         out.append(ChunkState(i, held, lay.sink_tokens, pinned, visible))
     return out
 
@@ -724,7 +727,8 @@ class SettingPlan:
     Attributes:
         setting: the row's name.
         kv_bytes: the most held after any chunk's context pass, plus the scratch.
-        peak_bytes: ``kv_bytes`` plus the largest one-call buffer (`transient_bytes`).
+        peak_bytes: the most held at once (the module docstring): at most ``kv_bytes`` plus
+            the largest one-call buffer (`transient_bytes`).
         dense_bytes: what sglang's dense cache allocates for the request.
         scratch_bytes: the shared buffer of the chunk being generated.
         transient_bytes: one layer's largest visible window gathered dense.
@@ -789,7 +793,11 @@ class _Held:
 
     tier: str  # "bf16" or "int2" / "int4"
     nbytes: int = 0  # packed bytes (a packed chunk is kept whole until all of it rolled out)
-    tokens: int = 0  # tokens it was packed from
+    span: tuple[int, int] = (0, 0)  # the positions it was packed from
+
+    @property
+    def tokens(self) -> int:
+        return self.span[1] - self.span[0]
 
 
 def plan_setting(
@@ -843,6 +851,8 @@ def plan_setting(
         if q.enabled:
             infos = []
             for c, lo, hi, _t in held:
+                if store[c].tier != "bf16":  # a packed chunk is its whole segment to the policy
+                    lo, hi = store[c].span
                 is_pinned = bool(cs.pinned) and bool(iv.intersect(((lo, hi),), cs.pinned))
                 key = (c, lo, hi, lo < cs.sink_end, is_pinned)
                 info = infos_seen.get(key)
@@ -853,20 +863,20 @@ def plan_setting(
                                      sink_open=cs.sink_end > (cs.index + 1) * n, chunk_tokens=n)
             if decision.groups:
                 raise ConfigError("causalkv memory models sink_span='chunk' only")
-            for c, _lo, _hi, tokens in held:
+            for c, lo, hi, tokens in held:
                 h = store[c]
                 if h.tier == main:
                     continue  # packed at the main bits: never again
                 reason = decision.dense.get(c)
                 if reason is None:  # cold: packed at the main bits (re-packed from the tier)
-                    span = tokens if h.tier == "bf16" else h.tokens
-                    nb = packed(q.bits, span)
-                    if nb < span * per_token:
+                    span = (lo, hi) if h.tier == "bf16" else h.span
+                    nb = packed(q.bits, span[1] - span[0])
+                    if nb < (span[1] - span[0]) * per_token:
                         store[c] = _Held(main, nb, span)
                 elif int4_tier and h.tier == "bf16" and reason in (RECENT, SINK):
                     nb = packed(4, tokens)
                     if nb < tokens * per_token:
-                        store[c] = _Held("int4", nb, tokens)
+                        store[c] = _Held("int4", nb, (lo, hi))
         total = 0
         for c, _lo, _hi, tokens in held:
             h = store[c]
@@ -876,8 +886,15 @@ def plan_setting(
             tiers.append({c: store[c].tier for c, *_ in held})
     kv = sets_layers * max(resident, default=0) + scratch
     transient = max((cs.visible for cs in states), default=0) * per_token
+    # while chunk i is generated every layer holds chunk i-1's context (its denoising passes),
+    # then, layer by layer, chunk i's (its context pass); each call gathers the window it sees
+    peak = max(
+        (sets_layers * max(before, after) + scratch + cs.visible * per_token
+         for before, after, cs in zip((0, *resident), resident, states)),
+        default=scratch,
+    )
     return SettingPlan(
-        setting=setting.name, kv_bytes=kv, peak_bytes=kv + transient, dense_bytes=dense_bytes,
+        setting=setting.name, kv_bytes=kv, peak_bytes=peak, dense_bytes=dense_bytes,
         scratch_bytes=scratch, transient_bytes=transient, resident_per_chunk=tuple(resident),
         tiers_per_chunk=tuple(tiers),
     )

@@ -9,6 +9,8 @@ holds after chunk i's context pass, plus chunk i+1 in bf16.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,13 +85,28 @@ def test_planner_equals_the_bridge_cache_without_a_scratch(name: str, sink: bool
                             "int2-recent0", "int2-recent-int4")), ("int2-recent-int4", True)],
 )
 def test_planner_equals_the_bridge_caches_with_a_scratch(name: str, cfg: bool) -> None:
+    _check_with_scratch(TINY, name, cfg=cfg, sink=True)
+
+
+#: a sink that is not a whole number of chunks (3 frames of 2-frame chunks) whose global part
+#: is 1 frame: after a pin, chunk 1 is held in part, and a packed part is kept whole
+UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_frames=1,
+                    window_frames=10)
+
+
+@pytest.mark.parametrize("name", ["int2-recent-int4", "int4-default", "int2-recent0"])
+def test_planner_equals_the_bridge_caches_at_an_unaligned_sink(name: str) -> None:
+    _check_with_scratch(UNALIGNED, name, cfg=False, sink=False)
+
+
+def _check_with_scratch(geom: ModelGeometry, name: str, *, cfg: bool, sink: bool) -> None:
     """The exactness test through the bridge: 2 layers (x 2 CFG sets) sharing one `ChunkScratch`,
     per chunk a denoising pass and the context pass (the pin announced), then the pin; the
     views are read as one buffer (sglang's attention), so the ledger sees the gathered window."""
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 
-    lay = stream_layout(TINY, MemoryRequest(latent_frames=14, shots=2, cfg=cfg))
-    plan = plan_setting(TINY, lay, SETTINGS[name], host="sglang")
+    lay = stream_layout(geom, MemoryRequest(latent_frames=14, shots=2, cfg=cfg, sink=sink))
+    plan = plan_setting(geom, lay, SETTINGS[name], host="sglang", sink=sink)
     scratch = ChunkScratch()
     n = lay.chunk_tokens
     caches = [
@@ -98,10 +115,10 @@ def test_planner_equals_the_bridge_caches_with_a_scratch(name: str, cfg: bool) -
             dtype=torch.bfloat16, device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
             local_end_index=torch.zeros(1, dtype=torch.long), use_int_indices=True,
             sink_tokens=lay.sink_tokens, attention_window_size=lay.cache_tokens,
-            quant_args=SETTINGS[name].quant_args(), global_sink_tokens=lay.global_sink_tokens,
-            scratch=scratch,
+            quant_args=SETTINGS[name].quant_args(sink=sink),
+            global_sink_tokens=lay.global_sink_tokens, scratch=scratch,
         )
-        for _ in range(TINY.num_layers * lay.sets)
+        for _ in range(geom.num_layers * lay.sets)
     ]
     resident = []
     for i in range(lay.num_chunks):
