@@ -379,3 +379,21 @@ def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sin
         lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), UNALIGNED.num_layers)
     assert resident == [UNALIGNED.num_layers * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes
+
+
+def test_a_causalkv_preset_is_a_model(capsys) -> None:
+    """``causalkv generate``'s presets plan by their declaration (no files): tiny-longlive2-1k
+    is 2 layers x 2 heads x 64, 256 tokens per frame, 4-frame chunks in a 24-frame window."""
+    code, out, _ = run(capsys, "tiny-longlive2-1k", "--host", "causalkv", "--cfg",
+                       "--latent-frames", "24", "--shots", "2", "--json")
+    assert code == 0
+    rows = {r["setting"]: r for r in json.loads(out)}
+    token = 2 * 2 * 64 * 2
+    assert rows["off"]["dense_bytes"] == 2 * 2 * 6_144 * token  # layers x sets x window x token
+    assert rows["off"]["scratch_bytes"] == 1_024 * token
+    # `causalkv generate --model tiny-longlive2-1k --prompt a --prompt b --frames 24
+    # --kv-cache-quant int2` measured kv_resident_bytes_per_chunk [2621440, 2981920, 3342400,
+    # 3702880, 4063360, 4063360] and kv_peak_bytes 4063360 (its attention streams the window)
+    assert rows["int2-default"]["kv_bytes"] == 4_063_360
+    text = run(capsys, "tiny-longlive2-1k")[1]
+    assert "note: off is the QVG cache with quantization off" in text

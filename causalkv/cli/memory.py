@@ -37,7 +37,9 @@ columns (--json gives the same fields, in bytes, per setting):
                  the caches (the larger of the context before it and after it) plus
                  the scratch plus one layer's visible window gathered as one dense
                  buffer (the whole window once the cache is full); at most kv_bytes +
-                 that window
+                 that window. sglang's attention reads the window that way; causalkv
+                 generate's attention streams it a segment at a time, so its measured
+                 kv_peak_bytes is kv_bytes
   dense_bytes    what sglang's dense cache allocates for the same request: layers x sets
                  x 2 (K, V) x window tokens x heads x head_dim x 2 bytes (bf16)
   kv/dense, peak/dense   the ratios (the table only; --json: kv_ratio, peak_ratio)
@@ -113,6 +115,13 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append("  ".join(
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
         ).rstrip())
+    if any(r.setting == "off" for r in plan.rows):
+        lines.append(
+            "note: off is the QVG cache with quantization off (the chunk in the scratch, context "
+            "bf16); "
+            "a run with --kv-cache-quant off keeps sglang's (or causalkv's) dense cache: "
+            "dense_bytes"
+        )
     if budget is not None:
         what = ("video that fits with the window = the video" if g.window_is_video
                 else "window whose full steady state fits")
@@ -160,7 +169,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "model", help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a local diffusers / "
+        "model", help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a causalkv preset "
+        "(causalkv generate's --model names, e.g. tiny-longlive2-1k) or a local diffusers / "
         "sglang model folder (read from transformer/config.json, vae/config.json, "
         "model_index.json and causalkv.json)",
     )

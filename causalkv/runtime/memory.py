@@ -80,6 +80,7 @@ __all__ = [
     "parse_bytes",
     "plan_memory",
     "plan_setting",
+    "preset_geometry",
     "read_model_geometry",
     "resolve_model",
     "stream_layout",
@@ -133,8 +134,9 @@ class Setting:
 SETTINGS: Mapping[str, Setting] = {
     s.name: s
     for s in (
-        Setting("off", None, help="quantization off: every context chunk bf16 (the QVG cache's "
-                "layout; sglang's own dense cache allocates dense_bytes)"),
+        Setting("off", None, help="the QVG cache with quantization off: every context chunk bf16 "
+                "(the benchmark's row; a run with --kv-cache-quant off keeps the dense cache, "
+                "dense_bytes)"),
         Setting("int4-default", 4, 1, help="int4, sglang's defaults (keep-recent 1, sink packed)"),
         Setting("int4-recent0", 4, 0, help="int4, keep-recent 0 (every context chunk packed)"),
         Setting("int2-default", 2, 1, help="int2, sglang's defaults (keep-recent 1, sink packed)"),
@@ -501,18 +503,51 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
     )
 
 
+def preset_geometry(name: str) -> ModelGeometry | None:
+    """The `ModelGeometry` of a causalkv preset (``causalkv generate --model NAME``: the tiny
+    models the plugins declare; no files needed), or None when no plugin declares ``name``."""
+    from causalkv.runtime.model_config import (
+        ModelFolderError,
+        preset_info,
+        preset_transformer_config,
+    )
+
+    try:
+        info = preset_info(name)
+    except ModelFolderError:
+        return None
+    cfg = info.config
+    patch = preset_transformer_config(name).get("patch_size", [1, 2, 2])
+    sink = cfg.sink_frames
+    global_sink = sink if cfg.global_sink_frames is None else min(cfg.global_sink_frames, sink)
+    return ModelGeometry(
+        f"preset {name}", cfg.num_layers, cfg.num_heads, cfg.head_dim,
+        vae_scale_spatial=info.vae_scale_spatial, vae_scale_temporal=info.vae_scale_temporal,
+        patch=(int(patch[1]), int(patch[2])), frames_per_chunk=cfg.frames_per_chunk,
+        sink_frames=sink, global_sink_frames=global_sink,
+        window_frames=max(cfg.window_frames, cfg.cache_frames or 0), height=info.height,
+        width=info.width, fps=info.fps, default_frames=info.video_frames(info.default_frames),
+        shot_sinks=cfg.model_class == "LongLive2Pipeline", window_is_video=sink == 0,
+    )
+
+
 def resolve_model(model: str) -> ModelGeometry:
-    """A built-in model by name (`BUILTIN_MODELS`, or an alias), else a model folder."""
+    """A built-in model by name (`BUILTIN_MODELS`, or an alias), a causalkv preset
+    (`preset_geometry`), else a model folder (`read_model_geometry`)."""
     key = model.strip().lower()
     key = _ALIASES.get(key, key)
     if key in BUILTIN_MODELS:
         return BUILTIN_MODELS[key]
-    if Path(model).expanduser().exists():
-        return read_model_geometry(model)
-    raise ConfigError(
-        f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
-        "folder; pass one of those names or a local diffusers / sglang model folder"
-    )
+    if not Path(model).expanduser().exists():
+        geom = preset_geometry(model)
+        if geom is not None:
+            return geom
+        raise ConfigError(
+            f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), not "
+            "a causalkv preset (causalkv plugins lists them) and not a folder; pass one of those "
+            "names or a local diffusers / sglang model folder"
+        )
+    return read_model_geometry(model)
 
 
 # ---------------------------------------------------------------------------------------------
