@@ -318,11 +318,12 @@ def test_request_fields_reach_the_bytes() -> None:
 
 
 # ---- the planner against the caches with the shared scratch (the new layout) -------------------
-def _drive_with_scratch(lay, make_cache, layers: int):
+def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered"):
     """Drive ``layers x sets`` caches sharing one `ChunkScratch` through ``lay``'s stream: per
-    chunk two denoising passes, then the context pass (``pin`` announced for a cut chunk), then
-    the pin. Returns per chunk the caches' resident bytes after the context pass, the scratch's
-    bytes, and the scratch's ledger peak."""
+    chunk a denoising pass, then the context pass (``pin`` announced for a cut chunk), then
+    the pin; every view read as attention reads it (``gathered``: its ``k``/``v``, one buffer;
+    ``streamed``: its segments one at a time). Returns per chunk the caches' resident bytes
+    after the context pass, the scratch's bytes, and the scratch's ledger peak."""
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 
     scratch = ChunkScratch()
@@ -333,9 +334,12 @@ def _drive_with_scratch(lay, make_cache, layers: int):
         for p in range(2):
             k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=10 * i + p)
             with scratch.context_pass(pin=i in lay.pins) if p else contextlib.nullcontext():
-                for c in caches:  # attention reads the window as one buffer (sglang's way)
+                for c in caches:
                     view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
-                    assert view.k.shape == view.v.shape
+                    if attention == "gathered":
+                        assert view.k.shape == view.v.shape
+                    else:
+                        assert sum(sk.shape[1] for sk, _ in view.iter_segments()) > 0
         if i in lay.pins:
             for c in caches:
                 c.pin_current_chunk(n)
@@ -351,7 +355,7 @@ def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool
     ``kv_bytes`` (their most plus the scratch) and ``peak_bytes`` (the scratch's ledger)."""
     req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg)
     lay = stream_layout(TINY, req)
-    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv")
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
     q = SETTINGS[name].quant_args()
     spec = _tiny_spec(lay)
     resident, scratch_nbytes, peak = _drive_with_scratch(
@@ -363,6 +367,24 @@ def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool
     assert peak == plan.peak_bytes
 
 
+@pytest.mark.parametrize(("name", "cfg"), [("off", False), ("int4-recent0", False),
+                                           ("int2-default", False), ("int2-recent-int4", True)])
+def test_planner_equals_the_own_hosts_caches_read_by_streaming_attention(name: str, cfg: bool) -> None:
+    """causalkv generate's attention (`attend`) decodes one packed segment at a time: the
+    ledger's peak is the caches plus the scratch plus the largest segment decoded, and the
+    planner's ``--attention streamed`` (the causalkv host's default) says the same."""
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg))
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv")
+    q = SETTINGS[name].quant_args()
+    spec = _tiny_spec(lay)
+    resident, _, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers, "streamed")
+    assert resident == [TINY.num_layers * lay.sets * r for r in plan.resident_per_chunk]
+    assert peak == plan.peak_bytes
+    gathered = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
+    assert peak < gathered.peak_bytes if name != "off" else peak == gathered.peak_bytes
+
+
 #: a sink that is not a whole number of chunks (3 frames of 2-frame chunks) whose global part
 #: is 1 frame: after a pin, chunk 1 is held in part, and a packed part is kept whole
 UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_frames=1, window_frames=10)
@@ -372,7 +394,8 @@ UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_fram
                                             ("int2-recent0", False), ("int2-default", True)])
 def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sink: bool) -> None:
     lay = stream_layout(UNALIGNED, MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink))
-    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], host="causalkv", sink=sink)
+    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], host="causalkv", sink=sink,
+                        attention="gathered")
     q = SETTINGS[name].quant_args(sink=sink)
     spec = _tiny_spec(lay)
     resident, _, peak = _drive_with_scratch(
@@ -393,7 +416,26 @@ def test_a_causalkv_preset_is_a_model(capsys) -> None:
     assert rows["off"]["scratch_bytes"] == 1_024 * token
     # `causalkv generate --model tiny-longlive2-1k --prompt a --prompt b --frames 24
     # --kv-cache-quant int2` measured kv_resident_bytes_per_chunk [2621440, 2981920, 3342400,
-    # 3702880, 4063360, 4063360] and kv_peak_bytes 4063360 (its attention streams the window)
+    # 3702880, 4063360, 4063360] and kv_peak_bytes 4587648 (its attention streams the window:
+    # one decoded chunk, 512 KiB, on top)
     assert rows["int2-default"]["kv_bytes"] == 4_063_360
+    assert rows["int2-default"]["peak_bytes"] == 4_587_648
     text = run(capsys, "tiny-longlive2-1k")[1]
     assert "note: off is the QVG cache with quantization off" in text
+
+
+@pytest.mark.parametrize("attention", ["gathered", "streamed"])
+@pytest.mark.parametrize("frames", [2, 4])
+def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, frames: int) -> None:
+    """One and two chunks: the chunk alone is read as views (no buffer), and with nothing
+    packed visible causalkv's cache builds the window when the view is made, before the move."""
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=frames, host="causalkv", cfg=True))
+    spec = _tiny_spec(lay)
+    for name in ("int2-default", "int2-recent0"):
+        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention=attention)
+        q = SETTINGS[name].quant_args()
+        resident, _, peak = _drive_with_scratch(
+            lay, lambda s, q=q: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers,
+            attention)
+        assert resident == [TINY.num_layers * 2 * r for r in plan.resident_per_chunk], name
+        assert peak == plan.peak_bytes, name

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from causalkv.errors import CausalKVError
 from causalkv.runtime.memory import (
+    ATTENTION,
     BUILTIN_MODELS,
     HOSTS,
     SETTINGS,
     MemoryPlan,
     MemoryRequest,
+    attention_of,
     format_bytes,
     parse_bytes,
     plan_memory,
@@ -37,9 +40,10 @@ columns (--json gives the same fields, in bytes, per setting):
                  the caches (the larger of the context before it and after it) plus
                  the scratch plus one layer's visible window gathered as one dense
                  buffer (the whole window once the cache is full); at most kv_bytes +
-                 that window. sglang's attention reads the window that way; causalkv
-                 generate's attention streams it a segment at a time, so its measured
-                 kv_peak_bytes is kv_bytes
+                 that window (--attention gathered: sglang's attention reads the
+                 view that way, the default with --host sglang), or one packed
+                 segment decoded at a time (--attention streamed: causalkv generate's
+                 attention, the default with --host causalkv; its metric kv_peak_bytes)
   dense_bytes    what sglang's dense cache allocates for the same request: layers x sets
                  x 2 (K, V) x window tokens x heads x head_dim x 2 bytes (bf16)
   kv/dense, peak/dense   the ratios (the table only; --json: kv_ratio, peak_ratio)
@@ -91,11 +95,15 @@ def format_plan(plan: MemoryPlan) -> str:
         + ("" if req.sink else "; --kv-cache-quant-sink 0"),
     ]
     if plan.rows:
-        r = plan.rows[0]
+        scratch = format_bytes(plan.rows[0].scratch_bytes)
+        if attention_of(req.host, req.attention) == "gathered":
+            buffer = f"one layer's window gathered: {format_bytes(plan.rows[0].transient_bytes)}"
+        else:
+            buffer = "attention streamed, the largest packed segment decoded: " + ", ".join(
+                f"{format_bytes(r.transient_bytes)} ({r.setting})" for r in plan.rows)
         lines.append(
-            f"scratch (the chunk being generated, one for all layers and sets): "
-            f"{format_bytes(r.scratch_bytes)}; one layer's window gathered: "
-            f"{format_bytes(r.transient_bytes)}"
+            f"scratch (the chunk being generated, one for all layers and sets): {scratch}; "
+            f"{buffer}"
         )
     budget = plan.budget
     longest = "max_video_frames" if g.window_is_video else "max_window_frames"
@@ -142,15 +150,18 @@ def _main(args: argparse.Namespace) -> int:
             latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
             shots=args.shots, batch_size=args.batch_size, host=args.host, dtype=args.kv_dtype,
             window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
+            attention=args.attention,
         )
         plan = plan_memory(geom, req, settings=args.setting, budget=budget)
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(plan.as_json(), indent=2))
-    else:
-        print(format_plan(plan))
+    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return 0
 
 
@@ -197,6 +208,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="whose cache: sglang (the bridge: sglang's packing rule and slot "
                         "arithmetic, the centroids as given; the default) or causalkv (causalkv "
                         "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid)")
+    parser.add_argument("--attention", choices=ATTENTION, default=None,
+                        help="how a call reads its window, for peak_bytes: gathered (one dense "
+                        "buffer: sglang's attention; the default with --host sglang) or streamed "
+                        "(one packed segment decoded at a time: causalkv generate's; the default "
+                        "with --host causalkv)")
     parser.add_argument("--kv-cache-quant-sink", type=_bool01, default=True, metavar="{0,1}",
                         help="1: pack the sink chunks (the default); 0: keep them bf16 (at int4 "
                         "in int2-recent-int4)")

@@ -24,13 +24,15 @@ The memory model (docs/design.md, "Memory math"; issue 23):
   ``recent``) or as a sink with ``sink=0`` (reason ``sink``); such a chunk is re-packed at the
   main bits when it leaves recency. A chunk is packed only if that stores fewer bytes.
 - ``kv_bytes``: the most the caches hold after any chunk's context pass (all layers, all CFG
-  sets) plus the scratch; ``peak_bytes``: the most held at once over the request, every call
-  gathering the window it sees as one dense buffer (``2 x B x visible x H x D x itemsize``;
-  the whole window, ``cache_tokens``, once the cache is full): per chunk i, the caches at
-  the larger of chunk i-1's and chunk i's context (the denoising passes see the first, the
-  context pass moves the layers one by one to the second) plus the scratch plus that window;
-  at most ``kv_bytes`` plus the largest window, equal to it once the window is full and the
-  context no longer changes; ``dense_bytes``: sglang's dense cache,
+  sets) plus the scratch; ``peak_bytes``: the most held at once over the request: per chunk
+  i, the caches (chunk i-1's context during the denoising passes, then layer by layer chunk
+  i's during the context pass) plus the scratch plus one call's buffer: with attention
+  ``gathered`` (sglang's) one layer's visible window as one dense buffer
+  (``2 x B x visible x H x D x itemsize``; the whole window, ``cache_tokens``, once the
+  cache is full), with ``streamed`` (causalkv's `attend`) the largest packed segment
+  decoded alone (`_call_buffers` has the hosts' exact rules); at most ``kv_bytes`` plus the
+  window, equal to it once the window is full and the context no longer changes;
+  ``dense_bytes``: sglang's dense cache,
   ``layers x sets x 2 x B x cache_tokens x H x D x itemsize``, allocated whole at the start.
 
 Out of scope: sequence-parallel and head-sliced caches (each rank would hold its heads'
@@ -65,6 +67,7 @@ from causalkv.errors import ConfigError
 from causalkv.sglang.slots import SlotMap, SlotState, plan_write, visible_slots
 
 __all__ = [
+    "ATTENTION",
     "BUILTIN_MODELS",
     "DTYPE_BYTES",
     "HOSTS",
@@ -76,6 +79,7 @@ __all__ = [
     "Setting",
     "SettingPlan",
     "StreamLayout",
+    "attention_of",
     "format_bytes",
     "parse_bytes",
     "plan_memory",
@@ -93,6 +97,20 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: (`causalkv.sglang.cache.SGLangQVGKVCache`, sglang's packing rule, the centroids as given)
 #: and causalkv's own host (`QVGPackedCausalKVCache`, causalkv's rule, `centroids_for`)
 HOSTS = ("sglang", "causalkv")
+
+#: how a call's attention reads the window it sees: ``gathered`` into one dense buffer
+#: (sglang's attention reads the view's ``k``/``v``: the bridge's default) or ``streamed``, one
+#: packed segment decoded at a time (`causalkv.caches.attend`: causalkv generate's attention)
+ATTENTION = ("gathered", "streamed")
+
+
+def attention_of(host: str, attention: str | None) -> str:
+    """``attention`` checked (`ConfigError`), or the host's own way when None."""
+    if attention is None:
+        return "gathered" if host == "sglang" else "streamed"
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {list(ATTENTION)}, got {attention!r}")
+    return attention
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +312,7 @@ class MemoryRequest:
         window_frames: a window override in latent frames (None: the model's).
         sink: ``--kv-cache-quant-sink``: pack sink chunks (True, sglang's default) or keep
             them bf16 (or at the recent tier, ``int2-recent-int4``).
+        attention: how a call reads its window (`ATTENTION`; None: the host's way).
     """
 
     height: int | None = None
@@ -309,6 +328,7 @@ class MemoryRequest:
     dtype: str = "bfloat16"
     window_frames: int | None = None
     sink: bool = True
+    attention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -672,7 +692,8 @@ class ChunkState:
         sink_end: positions below it are stream-start sink (the host's bookkeeping).
         pinned: the pinned shot-sink positions (as the host gives them to its store: some
             may be no longer held).
-        visible: tokens the chunk's context pass saw (its one-call window).
+        visible: tokens the chunk's calls see (their one-call window).
+        seen: the positions of that window (sglang: zero slots are not positions).
     """
 
     index: int
@@ -680,6 +701,7 @@ class ChunkState:
     sink_end: int
     pinned: Intervals
     visible: int
+    seen: Intervals = ()
 
 
 def _own_host_positions(lay: StreamLayout) -> list[ChunkState]:
@@ -689,13 +711,14 @@ def _own_host_positions(lay: StreamLayout) -> list[ChunkState]:
     out = []
     for i in range(lay.num_chunks):
         st = st.advanced(n, "causalkv memory")
-        visible = iv.count(st.visible())
+        seen = st.visible()
+        visible = iv.count(seen)
         if i in lay.pins:
             st = st.pinned_to(n)
         nxt = st.advanced(n, "causalkv memory")
         held = iv.subtract(nxt.retained, ((st.global_end, nxt.global_end),))
         pinned = (nxt.pinned,) if nxt.pinned else ()
-        out.append(ChunkState(i, held, nxt.sink_prefix_end(), pinned, visible))
+        out.append(ChunkState(i, held, nxt.sink_prefix_end(), pinned, visible, seen))
     return out
 
 
@@ -733,7 +756,11 @@ def _sglang_positions(lay: StreamLayout) -> list[ChunkState]:
     for i in range(lay.num_chunks):
         plan, slots, st = write(slots, st, global_end, local_end)
         global_end, local_end = plan.updated_global_end, plan.updated_local_end
-        visible = sum(b - a for a, b in visible_slots(st, plan.local_start, local_end, None))
+        view = visible_slots(st, plan.local_start, local_end, None)
+        visible = sum(b - a for a, b in view)
+        seen = iv.normalize(
+            (p, p + ln) for a, b in view for ln, p in slots.read(a, b) if p is not None
+        )
         if i in lay.pins and st.sink_tokens > 0:
             st = replace(st, pinned_start=local_end - n, pinned_len=min(st.sink_tokens, n))
         _, nslots, _ = write(slots, st, global_end, local_end)
@@ -743,7 +770,7 @@ def _sglang_positions(lay: StreamLayout) -> list[ChunkState]:
             a, b = max(0, st.pinned_start), min(st.cache_size, st.pinned_start + st.pinned_len)
             if a < b:
                 pinned = iv.normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
-        out.append(ChunkState(i, held, lay.sink_tokens, pinned, visible))
+        out.append(ChunkState(i, held, lay.sink_tokens, pinned, visible, seen))
     return out
 
 
@@ -822,6 +849,34 @@ def _packed_nbytes(b: int, h: int, s: int, d: int, q: QVGKVQuantArgs, host: str)
     return 2 * packed_nbytes_formula((b, h, s, d), q)
 
 
+def _call_buffers(
+    cs: ChunkState, store: Mapping[int, _Held], n: int, host: str, attention: str
+) -> tuple[int, int, bool]:
+    """``(denoising, context, after the move)``: tokens of the one-call buffer of chunk
+    ``cs.index``'s denoising and context passes (both read chunk i-1's layout, whose tiers
+    ``store`` holds, plus the chunk in the scratch), and whether the context pass fills it
+    after the layer moved the chunk to its tier.
+
+    A window that is the chunk alone is read as views (no buffer). The bridge gathers the
+    window when the call is done (after the move). causalkv's own cache builds it when the
+    view is made (before the move) if nothing packed is visible and the move drops nothing
+    the view shows; otherwise when it is read: gathered (``view.k``) or streamed (one packed
+    segment decoded at a time, the dense pieces views), both after the move.
+    """
+    chunk = ((cs.index * n, (cs.index + 1) * n),)
+    if not iv.subtract(cs.seen, chunk):
+        return 0, 0, True
+    if host == "sglang":
+        return cs.visible, cs.visible, True
+    packed = max((iv.count(iv.intersect((h.span,), cs.seen))
+                  for h in store.values() if h.tier != "bf16"), default=0)
+    if packed:
+        return (cs.visible,) * 2 + (True,) if attention == "gathered" else (packed, packed, True)
+    if not iv.subtract(cs.seen, cs.held):  # built when made, on both passes
+        return cs.visible, cs.visible, False
+    return cs.visible, cs.visible if attention == "gathered" else 0, True
+
+
 @dataclass
 class _Held:
     """A chunk in one layer's store: its tier and, once packed, its bytes (kept whole)."""
@@ -839,9 +894,12 @@ def plan_setting(
     geom: ModelGeometry, lay: StreamLayout, setting: Setting, *, host: str = "sglang",
     dtype: str = "bfloat16", batch_size: int = 1, sink: bool = True,
     states: Sequence[ChunkState] | None = None, record: bool = True,
+    attention: str | None = None,
 ) -> SettingPlan:
     """``setting``'s figures for the stream ``lay`` (see the module docstring); ``states``:
-    `positions` of ``lay`` when already computed; ``record``: keep the per-chunk tiers."""
+    `positions` of ``lay`` when already computed; ``record``: keep the per-chunk tiers;
+    ``attention``: how a call reads its window (`ATTENTION`; None: the host's way)."""
+    attention = attention_of(host, attention)
     B, H, D = batch_size, geom.num_heads, geom.head_dim
     item = DTYPE_BYTES[dtype]
     n = lay.chunk_tokens
@@ -868,7 +926,12 @@ def plan_setting(
             packed_of[key] = _packed_nbytes(B, H, tokens, D, q if bits == q.bits else q4, host)
         return packed_of[key]
 
+    # per chunk, the tokens of the one-call buffer of its denoising passes and of its context
+    # pass (both read chunk i-1's layout plus the chunk in the scratch), and whether the
+    # context pass fills its buffer after the layer's move (True) or before it
+    window: list[tuple[int, int, bool]] = []
     for cs in states:
+        window.append(_call_buffers(cs, store, n, host, attention))
         # the chunks held (ascending), each with its held part: (chunk, start, end, tokens)
         held: list[tuple[int, int, int, int]] = []
         for a, b in cs.held:
@@ -920,12 +983,22 @@ def plan_setting(
         if record:
             tiers.append({c: store[c].tier for c, *_ in held})
     kv = sets_layers * max(resident, default=0) + scratch
-    transient = max((cs.visible for cs in states), default=0) * per_token
+    transient = max((max(deno, ctx) for deno, ctx, _ in window), default=0) * per_token
     # while chunk i is generated every layer holds chunk i-1's context (its denoising passes),
-    # then, layer by layer, chunk i's (its context pass); each call gathers the window it sees
+    # then, layer by layer, chunk i's (its context pass): when layer j fills its buffer, the
+    # layers before it (and, when it fills it after its move, layer j too) hold chunk i's
+    # context, the others chunk i-1's; the most over j is at one end
+    LS = sets_layers
+
+    def context(before: int, after: int, moved: bool) -> int:
+        if moved:
+            return max(LS * after, after + (LS - 1) * before)
+        return max(LS * before, (LS - 1) * after + before)
+
     peak = max(
-        (sets_layers * max(before, after) + scratch + cs.visible * per_token
-         for before, after, cs in zip((0, *resident), resident, states)),
+        (scratch + max(LS * before + deno * per_token, LS * after,
+                       context(before, after, moved) + ctx * per_token)
+         for before, after, (deno, ctx, moved) in zip((0, *resident), resident, window)),
         default=scratch,
     )
     return SettingPlan(
@@ -975,7 +1048,7 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: 
     if setting.name not in peaks:
         peaks[setting.name] = plan_setting(
             geom, lay, setting, host=req.host, dtype=req.dtype, batch_size=req.batch_size,
-            sink=req.sink, states=states, record=False,
+            sink=req.sink, states=states, record=False, attention=req.attention,
         ).peak_bytes
     return peaks[setting.name]
 
@@ -1051,6 +1124,7 @@ def plan_memory(
     if budget is not None:
         _positive("--budget", budget, "pass e.g. 80GiB")
     lay = stream_layout(geom, req)
+    attention_of(req.host, req.attention)
     states = positions(lay, req.host)
     rows = []
     fpc = geom.frames_per_chunk
@@ -1060,7 +1134,8 @@ def plan_memory(
     memo: dict[int, Any] = {}
     for name in dict.fromkeys(names):
         row = plan_setting(geom, lay, SETTINGS[name], host=req.host, dtype=req.dtype,
-                           batch_size=req.batch_size, sink=req.sink, states=states)
+                           batch_size=req.batch_size, sink=req.sink, states=states,
+                           attention=req.attention)
         if budget is not None:
             best = _longest(geom, req, SETTINGS[name], budget, smallest, memo)
             row = replace(

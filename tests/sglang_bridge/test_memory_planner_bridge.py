@@ -99,13 +99,22 @@ def test_planner_equals_the_bridge_caches_at_an_unaligned_sink(name: str) -> Non
     _check_with_scratch(UNALIGNED, name, cfg=False, sink=False)
 
 
-def _check_with_scratch(geom: ModelGeometry, name: str, *, cfg: bool, sink: bool) -> None:
+@pytest.mark.parametrize("frames", [2, 4])
+def test_planner_equals_the_bridge_caches_on_short_requests(frames: int) -> None:
+    """One chunk (its window is the chunk alone: read as views, no buffer) and two."""
+    _check_with_scratch(TINY, "int2-default", cfg=True, sink=True, frames=frames)
+
+
+def _check_with_scratch(
+    geom: ModelGeometry, name: str, *, cfg: bool, sink: bool, frames: int = 14
+) -> None:
     """The exactness test through the bridge: 2 layers (x 2 CFG sets) sharing one `ChunkScratch`,
     per chunk a denoising pass and the context pass (the pin announced), then the pin; the
     views are read as one buffer (sglang's attention), so the ledger sees the gathered window."""
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 
-    lay = stream_layout(geom, MemoryRequest(latent_frames=14, shots=2, cfg=cfg, sink=sink))
+    shots = 2 if frames >= 4 * geom.frames_per_chunk else 1
+    lay = stream_layout(geom, MemoryRequest(latent_frames=frames, shots=shots, cfg=cfg, sink=sink))
     plan = plan_setting(geom, lay, SETTINGS[name], host="sglang", sink=sink)
     scratch = ChunkScratch()
     n = lay.chunk_tokens
