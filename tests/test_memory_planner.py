@@ -171,6 +171,10 @@ def test_help_explains_every_column(capsys) -> None:
         (["longlive2", "--seconds", "-1"], ["--seconds must be a finite number > 0, got -1.0"]),
         (["longlive2", "--fps", "30"], ["--fps 30", "pass --seconds or drop --fps"]),
         (["longlive2", "--seconds", "5", "--fps", "0"], ["--fps must be a positive int, got 0"]),
+        (["longlive2", "--latent-frames", "10000000"],
+         ["1,250,000 chunks", "pass --latent-frames 160000 (--frames 639997) or fewer"]),
+        (["self-forcing", "--window-frames", "30000", "--latent-frames", "30000"],
+         ["10,000 chunks with 10,000 chunk slots", "pass --latent-frames 4242"]),
         (["no-such-model"], ["unknown model 'no-such-model'", "longlive2, lingbot, self-forcing"]),
     ],
 )
@@ -439,3 +443,14 @@ def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, f
             attention)
         assert resident == [TINY.num_layers * 2 * r for r in plan.resident_per_chunk], name
         assert peak == plan.peak_bytes, name
+
+
+def test_the_budget_search_says_where_it_stopped() -> None:
+    from causalkv.cli.memory import format_plan
+
+    plan = plan_memory(BUILTIN_MODELS["self-forcing"], MemoryRequest(), settings=["int2-recent0"],
+                       budget=parse_bytes("1TiB"))
+    (row,) = plan.as_json()
+    assert row["fits"] and row["at_search_limit"] is True
+    assert row["max_video_frames"] == 4242  # 1,414 chunks: 1,414^2 <= MAX_WORK
+    assert ">= 4242" in format_plan(plan)

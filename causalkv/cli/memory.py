@@ -54,6 +54,7 @@ columns (--json gives the same fields, in bytes, per setting):
   max_video_frames       (--budget, models whose cache holds the whole video, e.g.
                  self-forcing) the longest video, in latent frames, with the window = the
                  video, that fits
+                 (">= N", --json at_search_limit: the search stops there and it still fits)
 
 --json also gives scratch_bytes and transient_bytes (the two terms above).
 
@@ -116,7 +117,8 @@ def format_plan(plan: MemoryPlan) -> str:
                format_bytes(r.dense_bytes), f"{r.kv_ratio:.3f}", f"{r.peak_ratio:.3f}"]
         if budget is not None:
             best = r.max_video_frames if g.window_is_video else r.max_window_frames
-            row += ["yes" if r.fits else "no", "none fits" if best is None else f"{best}"]
+            shown = "none fits" if best is None else f">= {best}" if r.at_search_limit else f"{best}"
+            row += ["yes" if r.fits else "no", shown]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:

@@ -628,6 +628,24 @@ def _request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int
     return latent, geom.video_frames(latent)
 
 
+#: the most chunk x held-slot steps one plan takes (a few seconds): a request needs
+#: chunks x min(chunks, slots) of them; and the most chunks
+MAX_WORK = 2_000_000
+MAX_CHUNKS = 20_000
+
+
+def _work(chunks: int, slots: int) -> int:
+    return chunks * min(chunks, slots)
+
+
+def _most_chunks(slots: int) -> int:
+    """The most chunks a plan with ``slots`` chunk slots steps through (`MAX_CHUNKS`,
+    `MAX_WORK`)."""
+    if slots * slots >= MAX_WORK:
+        return max(1, math.isqrt(MAX_WORK))
+    return max(1, min(MAX_CHUNKS, MAX_WORK // slots))
+
+
 def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
     """The request's stream in tokens (validates every field of ``req``: `ConfigError`)."""
     if req.host not in HOSTS:
@@ -663,6 +681,16 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
         raise ConfigError(
             f"--window-frames {window} must be a multiple of {fpc} frames per chunk that holds "
             f"{what} plus a chunk ({need} frames); pass --window-frames {lo}"
+        )
+    slots = window // fpc
+    if num_chunks > MAX_CHUNKS or _work(num_chunks, slots) > MAX_WORK:
+        most = _most_chunks(slots)
+        raise ConfigError(
+            f"{latent} latent frames = {num_chunks:,} chunks with {slots:,} chunk slots is more "
+            f"than the planner steps through ({MAX_CHUNKS:,} chunks, {MAX_WORK:,} chunk x slot "
+            "steps); the bytes stop "
+            f"changing once the window is full, so pass --latent-frames {most * fpc} (--frames "
+            f"{geom.video_frames(most * fpc)}) or fewer"
         )
     pins: set[int] = set()
     if multi:
@@ -800,6 +828,8 @@ class SettingPlan:
         fits: ``peak_bytes <= budget`` (None without a budget).
         max_window_frames / max_video_frames: the budget answer (None without a budget, or
             when even the smallest does not fit).
+        at_search_limit: the answer is the longest the search tries (`MAX_SEARCH_FRAMES`,
+            `MAX_WORK`) and it fits: the true answer is at least that.
     """
 
     setting: str
@@ -813,6 +843,7 @@ class SettingPlan:
     fits: bool | None = None
     max_window_frames: int | None = None
     max_video_frames: int | None = None
+    at_search_limit: bool = False
 
     @property
     def kv_ratio(self) -> float:
@@ -833,6 +864,8 @@ class SettingPlan:
             out["fits"] = self.fits
             key = "max_video_frames" if window_is_video else "max_window_frames"
             out[key] = self.max_video_frames if window_is_video else self.max_window_frames
+            if self.at_search_limit:  # it fits there: the search stopped, the answer is more
+                out["at_search_limit"] = True
         return out
 
 
@@ -1053,6 +1086,26 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: 
     return peaks[setting.name]
 
 
+def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
+    """The longest window the search tries: within `MAX_SEARCH_FRAMES` and `MAX_WORK` (with the
+    request lengthened as `_peak_at` does)."""
+    fpc = geom.frames_per_chunk
+    chunks = _request_latent_frames(geom, req)[0] // fpc
+
+    def work(w: int) -> int:
+        slots = w // fpc
+        n = slots if geom.window_is_video else max(chunks, slots + 2)
+        return _work(n, slots) if n <= MAX_CHUNKS else MAX_WORK + 1
+
+    lo, hi = smallest, max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
+    if work(hi) <= MAX_WORK:
+        return hi
+    while hi - lo > fpc:  # work grows with the window
+        mid = lo + (hi - lo) // (2 * fpc) * fpc
+        lo, hi = (mid, hi) if work(mid) <= MAX_WORK else (lo, mid)
+    return lo
+
+
 def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: int,
              smallest: int, memo: dict[int, Any]) -> int | None:
     """The longest window (chunk multiple, >= ``smallest``, <= `MAX_SEARCH_FRAMES`) whose
@@ -1063,7 +1116,7 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
     bisects between them (every step an exact evaluation).
     """
     fpc = geom.frames_per_chunk
-    top = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
+    top = _search_top(geom, req, smallest)
 
     def fits(w: int) -> bool:
         return _peak_at(geom, req, setting, w, memo) <= budget
@@ -1142,6 +1195,7 @@ def plan_memory(
                 row, fits=row.peak_bytes <= budget,
                 max_window_frames=None if geom.window_is_video else best,
                 max_video_frames=best if geom.window_is_video else None,
+                at_search_limit=best is not None and best == _search_top(geom, req, smallest),
             )
         rows.append(row)
     return MemoryPlan(geom, req, lay, tuple(rows), budget)
