@@ -148,3 +148,44 @@ def _check_with_scratch(
     assert scratch.nbytes == plan.scratch_bytes
     assert max(resident) + scratch.nbytes == plan.kv_bytes
     assert scratch.peak_nbytes == plan.peak_bytes
+
+
+def _benchmark():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "_causalkv_bench_sglang_bridge"
+    if name not in sys.modules:  # its dataclasses look their module up there
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_bridge.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("setting", ["off", "int2-recent-int4", "int2-sink0"])
+def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
+    """`benchmarks/sglang_bridge.py --layers` (its quick geometry: 3 blocks, 512-token chunks
+    in 4 slots, 4 denoising passes and the context update, a shot pinned after chunk 2): its
+    peak (the scratch's ledger), its resident bytes at the end and sglang dense's allocation
+    are the planner's."""
+    bench = _benchmark()
+    m = bench.QUICK_MODEL
+    row = bench.request(m, setting, torch.device("cpu"))
+    geom = ModelGeometry(
+        "quick", m.layers, m.heads, m.head_dim, vae_scale_spatial=8, vae_scale_temporal=4,
+        patch=(1, 1), frames_per_chunk=m.frames_per_chunk, sink_frames=m.sink_frames,
+        global_sink_frames=m.sink_frames, window_frames=m.window_frames, height=128, width=128,
+        shot_sinks=True,
+    )
+    assert geom.tokens_per_frame(128, 128) == m.tokens_per_frame
+    lay = replace(stream_layout(geom, MemoryRequest(latent_frames=m.chunks * m.frames_per_chunk)),
+                  pins=frozenset({m.pin_after}))
+    sink = setting != "int2-sink0"
+    named = SETTINGS.get(setting, SETTINGS["int2-default"])
+    plan = plan_setting(geom, lay, named, host="sglang", sink=sink)
+    assert row["peak_bytes"] == plan.peak_bytes
+    assert row["resident_bytes"] == m.layers * plan.resident_per_chunk[-1] + plan.scratch_bytes
+    assert row["dense_bytes"] == plan.dense_bytes
