@@ -127,6 +127,7 @@ class Setting:
         recent_tier: ``"bf16"`` (the chunks the policy keeps dense stay bf16) or ``"int4"``
             (the ones it keeps for recency, or as sinks with ``sink=0``, are packed at 4 bits).
         help: one line for ``--help``.
+        sink: the row's own ``--kv-cache-quant-sink`` (None: the request's).
     """
 
     name: str
@@ -134,15 +135,16 @@ class Setting:
     keep_recent_chunks: int = 1
     recent_tier: str = "bf16"
     help: str = ""
+    sink: bool | None = None
 
     def quant_args(self, *, sink: bool = True) -> QVGKVQuantArgs:
         """The cache's settings record (sglang's defaults for everything the row does not set:
-        128 centroids, block 64, 1 stage, symmetric). ``recent_tier`` is passed only where
-        `QVGKVQuantArgs` declares it."""
+        128 centroids, block 64, 1 stage, symmetric; ``sink`` unless the row sets its own).
+        ``recent_tier`` is passed only where `QVGKVQuantArgs` declares it."""
         if self.bits is None:
             return QVGKVQuantArgs()
         kw: dict[str, Any] = {"bits": self.bits, "keep_recent_chunks": self.keep_recent_chunks,
-                              "sink": sink}
+                              "sink": sink if self.sink is None else self.sink}
         if "recent_tier" in QVGKVQuantArgs.specs():
             kw["recent_tier"] = self.recent_tier
         return QVGKVQuantArgs(**kw)
@@ -161,6 +163,9 @@ SETTINGS: Mapping[str, Setting] = {
         Setting("int2-recent0", 2, 0, help="int2, keep-recent 0 (every context chunk packed)"),
         Setting("int2-recent-int4", 2, 1, "int4",
                 help="int2, keep-recent 1 with the recent chunk held at int4 (recent tier int4)"),
+        Setting("int2-sink0", 2, 1, sink=False,
+                help="int2, sglang's defaults but --kv-cache-quant-sink 0: the sink and the "
+                "pinned shot sink bf16"),
     )
 }
 

@@ -183,9 +183,7 @@ def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
     assert geom.tokens_per_frame(128, 128) == m.tokens_per_frame
     lay = replace(stream_layout(geom, MemoryRequest(latent_frames=m.chunks * m.frames_per_chunk)),
                   pins=frozenset({m.pin_after}))
-    sink = setting != "int2-sink0"
-    named = SETTINGS.get(setting, SETTINGS["int2-default"])
-    plan = plan_setting(geom, lay, named, host="sglang", sink=sink)
+    plan = plan_setting(geom, lay, SETTINGS[setting], host="sglang")
     assert row["peak_bytes"] == plan.peak_bytes
     assert row["resident_bytes"] == m.layers * plan.resident_per_chunk[-1] + plan.scratch_bytes
     assert row["dense_bytes"] == plan.dense_bytes
