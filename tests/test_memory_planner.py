@@ -110,7 +110,9 @@ def test_issue_targets_at_longlive2_geometry() -> None:
 
 
 def test_budget_answer_is_the_longest_window(capsys) -> None:
-    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--json")
+    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--json",
+                       "--setting", "off", "--setting", "int2-default",
+                       "--setting", "int2-recent-int4")
     assert code == 0
     rows = json.loads(out)
     budget = 80 * 2**30
@@ -123,7 +125,7 @@ def test_budget_answer_is_the_longest_window(capsys) -> None:
         req = MemoryRequest(frames=61)
         assert mem._peak_at(LL2, req, setting, w, memo) <= budget
         assert mem._peak_at(LL2, req, setting, w + 8, memo) > budget
-    table = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB")[1]
+    table = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--setting", "off")[1]
     assert "max_window_frames" in table and "fits" in table
 
 
