@@ -100,7 +100,7 @@ def format_plan(plan: MemoryPlan) -> str:
         if attention_of(req.host, req.attention) == "gathered":
             buffer = f"one layer's window gathered: {format_bytes(plan.rows[0].transient_bytes)}"
         else:
-            buffer = "attention streamed, the largest packed segment decoded: " + ", ".join(
+            buffer = "attention streamed, the largest one-call buffer: " + ", ".join(
                 f"{format_bytes(r.transient_bytes)} ({r.setting})" for r in plan.rows)
         lines.append(
             f"scratch (the chunk being generated, one for all layers and sets): {scratch}; "
