@@ -2,10 +2,11 @@
 
 Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
 (`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`), ``sglang-checkpoint``
-(`causalkv.cli.sglang_checkpoint`); the parser is `causalkv.cli.commands`. Every error
-causalkv raises on purpose (`causalkv.errors.CausalKVError`) ends the command with one line
-on stderr and exit status 2; usage errors are one line too (exit 2). ``generate``'s exit
-statuses for every fault are listed in `causalkv.cli.faults`.
+(`causalkv.cli.sglang_checkpoint`), ``memory`` (`causalkv.cli.memory`); the parser is
+`causalkv.cli.commands`. Every error causalkv raises on purpose
+(`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit status 2;
+usage errors are one line too (exit 2). ``generate``'s exit statuses for every fault are
+listed in `causalkv.cli.faults`.
 
 This module is light (no torch): `main` is the console script, and a SIGINT or SIGTERM while
 the commands import (torch, diffusers: seconds) or parse ends in one line, exit 130 or 143.

@@ -1,0 +1,232 @@
+"""``causalkv memory MODEL``: the KV bytes of a request's caches per QVG setting, and a budget.
+
+A front end of the planner `causalkv.runtime.memory` (pure arithmetic: no weights, no tensors).
+Prints one row per setting (``--json``: a list of objects), and with ``--budget`` whether each
+fits and the longest window (or video) that does. Every bad input ends the command with one
+line on stderr naming the value and the fix, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from causalkv.errors import CausalKVError
+from causalkv.runtime.memory import (
+    ATTENTION,
+    BUILTIN_MODELS,
+    HOSTS,
+    SETTINGS,
+    MemoryPlan,
+    MemoryRequest,
+    attention_of,
+    format_bytes,
+    parse_bytes,
+    plan_memory,
+    resolve_model,
+)
+
+__all__ = ["format_plan", "register"]
+
+_EPILOG = """\
+columns (--json gives the same fields, in bytes, per setting):
+  setting        the QVG setting (the rows below, the benchmark's names)
+  kv_bytes       the most the stage's caches hold after any chunk's context pass, all
+                 layers and CFG sets, plus the one scratch buffer of the chunk being
+                 generated (shared by all layers and sets)
+  peak_bytes     the most held at once over the request: while a chunk is generated,
+                 the caches (the larger of the context before it and after it) plus
+                 the scratch plus one layer's visible window gathered as one dense
+                 buffer (the whole window once the cache is full); at most kv_bytes +
+                 that window (--attention gathered: sglang's attention reads the
+                 view that way, the default with --host sglang), or one packed
+                 segment decoded at a time (--attention streamed: causalkv generate's
+                 attention, the default with --host causalkv; its metric kv_peak_bytes)
+  dense_bytes    what sglang's dense cache allocates for the same request: layers x sets
+                 x 2 (K, V) x window tokens x heads x head_dim x 2 bytes (bf16)
+  kv/dense, peak/dense   the ratios (the table only; --json: kv_ratio, peak_ratio)
+  fits           (--budget) peak_bytes <= the budget
+  max_window_frames      (--budget) the longest window, in latent frames (a multiple of
+                 the chunk), whose full steady state fits the budget: the request is
+                 lengthened to fill the window when it is shorter
+  max_video_frames       (--budget, models whose cache holds the whole video, e.g.
+                 self-forcing) the longest video, in latent frames, with the window = the
+                 video, that fits
+                 (">= N", --json at_search_limit: the search stops there and it still fits)
+
+--json also gives scratch_bytes and transient_bytes (the two terms above).
+
+settings (every one: 128 centroids, block 64, 1 stage, symmetric, sink packed unless
+--kv-cache-quant-sink 0; a chunk is packed only where that stores fewer bytes):
+""" + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + """
+
+Out of scope: sequence-parallel and head-sliced caches (each rank holds its heads' share),
+the cross-attention (text) cache, weights and activations.
+
+built-in models:
+""" + "\n".join(
+    f"  {k:13s}  {g.describe()}, {g.height}x{g.width}, {g.frames_per_chunk}-frame chunks, sink "
+    f"{g.sink_frames}, window {g.window_frames} frames, {g.default_frames} frames by default"
+    for k, g in BUILTIN_MODELS.items()
+)
+
+
+def _bool01(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The human-readable table of ``plan``."""
+    g, lay, req = plan.geometry, plan.layout, plan.request
+    slots = lay.cache_tokens // lay.chunk_tokens
+    lines = [
+        f"{g.describe()}, host {req.host}: {lay.height}x{lay.width} = "
+        f"{lay.tokens_per_frame:,} tokens per latent frame; {lay.video_frames} frames = "
+        f"{lay.latent_frames} latent frames = {lay.num_chunks} chunks of {lay.frames_per_chunk} "
+        f"frames ({lay.chunk_tokens:,} tokens)",
+        f"sink {g.sink_frames} frames, window {lay.window_frames} frames ({lay.cache_tokens:,} "
+        f"tokens, {slots} chunk slots); {lay.sets} cache set{'s' if lay.sets > 1 else ''} (CFG "
+        f"{'on' if lay.sets > 1 else 'off'}), batch {req.batch_size}, {req.dtype}"
+        + (f"; a shot sink pinned at chunk{'s' if len(lay.pins) > 1 else ''} "
+           f"{', '.join(map(str, sorted(lay.pins)))}" if lay.pins else "")
+        + ("" if req.sink else "; --kv-cache-quant-sink 0"),
+    ]
+    if plan.rows:
+        scratch = format_bytes(plan.rows[0].scratch_bytes)
+        if attention_of(req.host, req.attention) == "gathered":
+            buffer = f"one layer's window gathered: {format_bytes(plan.rows[0].transient_bytes)}"
+        else:
+            buffer = "attention streamed, the largest one-call buffer: " + ", ".join(
+                f"{format_bytes(r.transient_bytes)} ({r.setting})" for r in plan.rows)
+        lines.append(
+            f"scratch (the chunk being generated, one for all layers and sets): {scratch}; "
+            f"{buffer}"
+        )
+    budget = plan.budget
+    longest = "max_video_frames" if g.window_is_video else "max_window_frames"
+    head = ["setting", "kv_bytes", "peak_bytes", "dense_bytes", "kv/dense", "peak/dense"]
+    if budget is not None:
+        head += ["fits", longest]
+    rows = [head]
+    for r in plan.rows:
+        row = [r.setting, format_bytes(r.kv_bytes), format_bytes(r.peak_bytes),
+               format_bytes(r.dense_bytes), f"{r.kv_ratio:.3f}", f"{r.peak_ratio:.3f}"]
+        if budget is not None:
+            best = r.max_video_frames if g.window_is_video else r.max_window_frames
+            shown = "none fits" if best is None else f">= {best}" if r.at_search_limit else f"{best}"
+            row += ["yes" if r.fits else "no", shown]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        lines.append("  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip())
+    if any(r.setting == "off" for r in plan.rows):
+        lines.append(
+            "note: off is the QVG cache with quantization off (the chunk in the scratch, context "
+            "bf16); "
+            "a run with --kv-cache-quant off keeps sglang's (or causalkv's) dense cache: "
+            "dense_bytes"
+        )
+    if budget is not None:
+        what = ("video that fits with the window = the video" if g.window_is_video
+                else "window whose full steady state fits")
+        lines.append(
+            f"budget {format_bytes(budget)} ({budget:,} bytes): fits = peak_bytes <= budget; "
+            f"{longest} = the longest {what}, in latent frames (multiples of "
+            f"{lay.frames_per_chunk})"
+        )
+    return "\n".join(lines)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        geom = resolve_model(args.model)
+        budget = None if args.budget is None else parse_bytes(args.budget)
+        req = MemoryRequest(
+            height=args.height, width=args.width, frames=args.frames,
+            latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
+            shots=args.shots, batch_size=args.batch_size, host=args.host, dtype=args.kv_dtype,
+            window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
+            attention=args.attention,
+        )
+        plan = plan_memory(geom, req, settings=args.setting, budget=budget)
+    except CausalKVError as exc:
+        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
+        return 2
+    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``memory`` subcommand."""
+    parser = subparsers.add_parser(
+        "memory",
+        help="KV-cache bytes of a request per QVG setting, against sglang's dense cache",
+        description="Plan the KV-cache memory of one request: per QVG setting the bytes the "
+        "caches of a stage hold (all layers, CFG sets, the shared scratch of the chunk being "
+        "generated), their peak with the largest one-call buffer, and what sglang's dense "
+        "cache allocates for the same request. Exact arithmetic on the model's geometry (the "
+        "codec's stored-bytes formula, the hosts' own position bookkeeping and packing "
+        "policies): no weights, no tensors.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "model", help=f"a built-in model ({', '.join(BUILTIN_MODELS)}), a causalkv preset "
+        "(causalkv generate's --model names, e.g. tiny-longlive2-1k) or a local diffusers / "
+        "sglang model folder (read from transformer/config.json, vae/config.json, "
+        "model_index.json and causalkv.json)",
+    )
+    parser.add_argument("--height", type=int, default=None, help="video height in pixels (default: the model's)")
+    parser.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--frames", type=int, default=None,
+                        help="video frames, as sglang's --num-frames (1 + 4k; default: the model's)")
+    length.add_argument("--latent-frames", type=int, default=None,
+                        help="latent frames, as causalkv generate's --frames (a multiple of the chunk)")
+    length.add_argument("--seconds", type=float, default=None,
+                        help="video length in seconds at --fps (rounded up to whole chunks)")
+    parser.add_argument("--fps", type=int, default=None, help="frames per second for --seconds (default: the model's)")
+    cfg = parser.add_mutually_exclusive_group()
+    cfg.add_argument("--cfg", dest="cfg", action="store_true", default=False,
+                     help="classifier-free guidance on: a second cache set (the negative branch)")
+    cfg.add_argument("--no-cfg", dest="cfg", action="store_false", help="CFG off (the default)")
+    parser.add_argument("--shots", type=int, default=1,
+                        help="shots (LongLive 2.0: each shot after the first pins its cut chunk "
+                        "as the shot sink; chunks split evenly); default 1")
+    parser.add_argument("--window-frames", type=int, default=None,
+                        help="the window (= the cache) in latent frames (default: the model's)")
+    parser.add_argument("--host", choices=HOSTS, default="sglang",
+                        help="whose cache: sglang (the bridge: sglang's packing rule and slot "
+                        "arithmetic, the centroids as given; the default) or causalkv (causalkv "
+                        "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid)")
+    parser.add_argument("--attention", choices=ATTENTION, default=None,
+                        help="how a call reads its window, for peak_bytes: gathered (one dense "
+                        "buffer: sglang's attention; the default with --host sglang) or streamed "
+                        "(one packed segment decoded at a time: causalkv generate's; the default "
+                        "with --host causalkv)")
+    parser.add_argument("--kv-cache-quant-sink", type=_bool01, default=True, metavar="{0,1}",
+                        help="1: pack the sink chunks (the default); 0: keep them bf16 (at int4 "
+                        "in int2-recent-int4)")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch size of the caches (default 1)")
+    parser.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="KV dtype (default bfloat16)")
+    parser.add_argument("--setting", action="append", choices=list(SETTINGS), default=None,
+                        help="only this setting (repeat for several; default: all)")
+    parser.add_argument("--budget", default=None, metavar="SIZE",
+                        help="memory for the KV caches, e.g. 80GiB (GiB = 2^30 B, GB = 10^9 B): "
+                        "adds fits and the longest window (or video) that fits")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON list of objects: setting, kv_bytes, dense_bytes, "
+                        "peak_bytes (+ fits and the longest window/video with --budget)")
+    parser.set_defaults(func=_main)

@@ -1,0 +1,461 @@
+"""`causalkv memory` and its planner (`causalkv.runtime.memory`): the command line, the JSON,
+the budget answer, the validation, and the planner's bytes against the real caches'."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.spec import KVCacheSpec
+from causalkv.cli import main
+from causalkv.errors import ConfigError
+from causalkv.runtime import memory as mem
+from causalkv.runtime.memory import (
+    BUILTIN_MODELS,
+    SETTINGS,
+    MemoryRequest,
+    ModelGeometry,
+    parse_bytes,
+    plan_memory,
+    plan_setting,
+    positions,
+    read_model_geometry,
+    stream_layout,
+)
+
+LL2 = BUILTIN_MODELS["longlive2"]
+NAMES = ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0", "int2-recent-int4",
+         "int2-sink0"]
+#: the rows without the recency tier (a cache without a scratch has none)
+BF16_TIER = [n for n in NAMES if n != "int2-recent-int4"]
+
+#: a tiny LongLive-2.0-like geometry: 2 layers x 2 heads x 64, 32 tokens per frame (32x64 px,
+#: VAE 8, 1x1 patches), 2-frame chunks of 64 tokens, a 1-chunk sink, 4 chunk slots
+TINY = ModelGeometry(
+    "tiny", 2, 2, 64, vae_scale_spatial=8, vae_scale_temporal=4, patch=(1, 1),
+    frames_per_chunk=2, sink_frames=2, global_sink_frames=2, window_frames=8, height=32,
+    width=64, fps=16, default_frames=29, shot_sinks=True,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The caches here hold a few KiB: torch's intra-op threads only contend (on a loaded
+    2-core machine the file ran 8x slower with them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["memory", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- the command line ---------------------------------------------------------------------------
+def test_table_longlive2_names_every_setting(capsys) -> None:
+    code, out, err = run(capsys, "longlive2", "--frames", "61")
+    assert code == 0 and err == ""
+    assert "880 tokens per latent frame" in out and "2 chunks of 8 frames" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] and line.split()[0] in SETTINGS]
+    assert rows == NAMES
+
+
+def test_json_fields_and_dense_bytes(capsys) -> None:
+    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["setting"] for r in rows] == NAMES
+    dense = 30 * 1 * 2 * 28_160 * 24 * 128 * 2  # layers x sets x (K,V) x window x H x D x bf16
+    for r in rows:
+        assert {"setting", "kv_bytes", "dense_bytes", "peak_bytes"} <= set(r)
+        assert "fits" not in r
+        assert r["dense_bytes"] == dense
+        assert r["kv_bytes"] < r["peak_bytes"]
+    with_cfg = json.loads(run(capsys, "longlive2", "--frames", "61", "--json", "--cfg")[1])
+    for a, b in zip(rows, with_cfg):
+        assert b["dense_bytes"] == 2 * a["dense_bytes"]
+        scratch = a["scratch_bytes"]  # one scratch for both sets
+        assert b["kv_bytes"] - scratch == 2 * (a["kv_bytes"] - scratch)
+
+
+def test_off_is_the_held_context_plus_the_scratch() -> None:
+    """Quant off at LongLive 2.0: 3 of the 4 slots hold context once the window is full."""
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80), settings=["off"])
+    r = plan.rows[0]
+    token = 2 * 24 * 128 * 2  # K and V of one token, one layer
+    assert r.scratch_bytes == 7_040 * token
+    assert r.kv_bytes == 30 * 3 * 7_040 * token + r.scratch_bytes
+    assert r.transient_bytes == 28_160 * token
+    assert r.peak_bytes == r.kv_bytes + r.transient_bytes
+
+
+def test_issue_targets_at_longlive2_geometry() -> None:
+    """issue 23's peak ratios (all layers, a shot pinned, the window full) hold in the model."""
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80, shots=2))
+    peak = {r.setting: r.peak_ratio for r in plan.rows}
+    assert peak["int2-recent0"] <= 0.17
+    assert peak["int2-recent-int4"] <= 0.19
+    assert peak["int2-default"] <= 0.37
+    assert peak["int4-recent0"] <= 0.26
+    assert peak["off"] <= 0.80
+
+
+def test_budget_answer_is_the_longest_window(capsys) -> None:
+    code, out, _ = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--json",
+                       "--setting", "off", "--setting", "int2-default",
+                       "--setting", "int2-recent-int4")
+    assert code == 0
+    rows = json.loads(out)
+    budget = 80 * 2**30
+    for r in rows:
+        assert r["fits"] is (r["peak_bytes"] <= budget)
+        w = r["max_window_frames"]
+        assert w % 8 == 0
+        memo: dict = {}
+        setting = SETTINGS[r["setting"]]
+        req = MemoryRequest(frames=61)
+        assert mem._peak_at(LL2, req, setting, w, memo) <= budget
+        assert mem._peak_at(LL2, req, setting, w + 8, memo) > budget
+    table = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--setting", "off")[1]
+    assert "max_window_frames" in table and "fits" in table
+
+
+def test_budget_answer_is_the_longest_video_for_self_forcing(capsys) -> None:
+    rows = json.loads(run(capsys, "self-forcing", "--budget", "16GiB", "--json",
+                          "--setting", "off", "--setting", "int2-recent0")[1])
+    sf = BUILTIN_MODELS["self-forcing"]
+    for r in rows:
+        v = r["max_video_frames"]
+        assert "max_window_frames" not in r and v % 3 == 0
+        memo: dict = {}
+        assert mem._peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v, memo) <= 16 * 2**30
+        assert mem._peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v + 3, memo) > 16 * 2**30
+    assert rows[1]["max_video_frames"] > 4 * rows[0]["max_video_frames"]
+
+
+def test_nothing_fits_a_tiny_budget(capsys) -> None:
+    rows = json.loads(run(capsys, "lingbot", "--budget", "1MiB", "--json")[1])
+    assert all(r["fits"] is False and r["max_window_frames"] is None for r in rows)
+
+
+def test_help_explains_every_column(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for column in ("setting", "kv_bytes", "peak_bytes", "dense_bytes", "fits",
+                   "max_window_frames", "max_video_frames", *NAMES):
+        assert f"  {column}" in text, column
+    assert "sequence-parallel" in text.lower()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["longlive2", "--height", "700"], ["--height 700", "multiple of 32", "704"]),
+        (["longlive2", "--frames", "62"], ["--frames 62", "--frames 61 or 65"]),
+        (["longlive2", "--frames", "65"], ["17 latent frames", "--frames 61 or 93"]),
+        (["longlive2", "--latent-frames", "12"], ["12 latent frames", "--latent-frames 8 or 16"]),
+        (["longlive2", "--frames", "0"], ["--frames must be a positive int, got 0"]),
+        (["longlive2", "--budget", "80XB"], ["--budget '80XB'", "80GiB"]),
+        (["longlive2", "--budget", "0"], ["--budget '0'", "at least 1 byte"]),
+        (["lingbot", "--shots", "2"], ["--shots 2", "no shot sinks", "--shots 1"]),
+        (["longlive2", "--frames", "61", "--shots", "3"], ["--shots 3", "has 2 (16 latent frames", "fewer --shots"]),
+        (["longlive2", "--window-frames", "12"], ["--window-frames 12", "--window-frames 16"]),
+        (["longlive2", "--window-frames", "8"], ["--window-frames 8", "--window-frames 16"]),
+        (["longlive2", "--batch-size", "0"], ["--batch-size must be a positive int, got 0"]),
+        (["longlive2", "--seconds", "-1"], ["--seconds must be a finite number > 0, got -1.0"]),
+        (["longlive2", "--fps", "30"], ["--fps 30", "pass --seconds or drop --fps"]),
+        (["longlive2", "--seconds", "5", "--fps", "0"], ["--fps must be a positive int, got 0"]),
+        (["longlive2", "--latent-frames", "10000000"],
+         ["1,250,000 chunks", "pass --latent-frames 160000 (--frames 639997) or fewer"]),
+        (["self-forcing", "--window-frames", "30000", "--latent-frames", "30000"],
+         ["10,000 chunks with 10,000 chunk slots", "pass --latent-frames 4242"]),
+        (["no-such-model"], ["unknown model 'no-such-model'", "longlive2, lingbot, self-forcing"]),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value_and_the_fix(capsys, argv, words) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("causalkv memory: error: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["longlive2", "--frames", "61", "--seconds", "3"], ["longlive2", "--setting", "int3"],
+     ["longlive2", "--host", "vllm"], ["longlive2", "--height", "x"],
+     ["longlive2", "--kv-cache-quant-sink", "2"]],
+)
+def test_bad_flags_are_usage_errors(capsys, argv) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_seconds_round_up_to_whole_chunks() -> None:
+    lay = stream_layout(LL2, MemoryRequest(seconds=10))  # 240 frames at 24 fps
+    assert lay.latent_frames == 64 and lay.num_chunks == 8 and lay.video_frames >= 240
+    lay = stream_layout(LL2, MemoryRequest(seconds=10, fps=16))  # 160 frames need 41 latent
+    assert lay.latent_frames == 48 and lay.video_frames >= 160
+    budget = plan_memory(LL2, MemoryRequest(seconds=10, fps=16), settings=["off"],
+                         budget=parse_bytes("40GiB")).rows[0]
+    assert budget.max_window_frames is not None and budget.max_window_frames > 32
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("123") == 123
+    with pytest.raises(ConfigError, match="is not a size"):
+        parse_bytes("lots")
+
+
+def test_model_folders_are_read_by_their_config(tmp_path) -> None:
+    """An sglang folder (native causal fields) and a diffusers one (causalkv.json)."""
+    sg = tmp_path / "sg"
+    (sg / "transformer").mkdir(parents=True)
+    (sg / "vae").mkdir()
+    (sg / "model_index.json").write_text(json.dumps({"_class_name": "LongLive2Pipeline"}))
+    (sg / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 30, "num_attention_heads": 24, "attention_head_dim": 128,
+        "patch_size": [1, 2, 2], "num_frames_per_block": 8, "sink_size": 8,
+        "local_attn_size": 32, "sliding_window_num_frames": 32,
+    }))
+    (sg / "vae" / "config.json").write_text(json.dumps({"scale_factor_spatial": 16,
+                                                         "scale_factor_temporal": 4}))
+    g = read_model_geometry(sg)
+    assert (g.num_layers, g.num_heads, g.head_dim, g.frames_per_chunk, g.sink_frames,
+            g.window_frames, g.shot_sinks) == (30, 24, 128, 8, 8, 32, True)
+    assert g.tokens_per_frame(704, 1280) == 880
+    folder_rows = plan_memory(g, MemoryRequest(frames=61)).as_json()
+    builtin_rows = plan_memory(LL2, MemoryRequest(frames=61)).as_json()
+    assert [r["kv_bytes"] for r in folder_rows] == [r["kv_bytes"] for r in builtin_rows]
+
+    df = tmp_path / "df"
+    (df / "transformer").mkdir(parents=True)
+    (df / "vae").mkdir()
+    (df / "model_index.json").write_text(json.dumps({"_class_name": "SelfForcingWanPipeline"}))
+    (df / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128,
+        "patch_size": [1, 2, 2]}))
+    (df / "vae" / "config.json").write_text(json.dumps({"dim_mult": [1, 2, 4, 4],
+                                                         "temperal_downsample": [False, True, True]}))
+    (df / "causalkv.json").write_text(json.dumps({"window_frames": 12}))
+    g = read_model_geometry(df)
+    assert (g.frames_per_chunk, g.sink_frames, g.window_frames) == (3, 0, 12)
+    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video
+
+    (df / "transformer" / "config.json").write_text(json.dumps({"num_layers": 30}))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        read_model_geometry(df)
+    (df / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 0, "num_attention_heads": 12, "attention_head_dim": 128}))
+    with pytest.raises(ConfigError, match="num_layers must be a positive int, got 0"):
+        read_model_geometry(df)
+
+
+# ---- the planner against the real caches ------------------------------------------------------
+def _kv(n: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, n, heads, dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, n, heads, dim, generator=g).to(torch.bfloat16)
+    return k, v
+
+
+def _tiny_spec(lay) -> KVCacheSpec:
+    return KVCacheSpec(
+        batch_size=1, num_heads=TINY.num_heads, head_dim=TINY.head_dim,
+        cache_size=lay.cache_tokens, sink_tokens=lay.sink_tokens,
+        global_sink_tokens=lay.global_sink_tokens, attention_window_size=lay.cache_tokens,
+        dtype=torch.bfloat16,
+    )
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_positions_and_tiers_equal_the_cache_without_a_scratch(sink: bool) -> None:
+    """A cache given no scratch holds the chunk being generated itself and decides the tiers at
+    the next advance: after chunk i+1's first write it holds what the planner says one layer
+    holds after chunk i's context pass, plus chunk i+1 in bf16 (own host, 8 chunks, a shot
+    pinned at chunk 4, every setting without the recent tier)."""
+    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink)
+    lay = stream_layout(TINY, req)
+    assert lay.num_chunks == 8 and lay.pins == {4} and lay.chunk_tokens == 64
+    states = positions(lay, "causalkv")
+    n, token = lay.chunk_tokens, 2 * TINY.num_heads * TINY.head_dim * 2
+    for name in BF16_TIER:
+        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", sink=sink, states=states)
+        q = SETTINGS[name].quant_args(sink=sink)
+        cache = QVGPackedCausalKVCache(_tiny_spec(lay), q if q.enabled else None)
+        measured = []
+        for i in range(lay.num_chunks + 1):
+            k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=i)
+            cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+            if i:  # chunk i-1's context as the next chunk's advance left it
+                held = cache.state.retained
+                assert held[-1][1] == (i + 1) * n
+                assert iv.subtract(held, ((i * n, (i + 1) * n),)) == states[i - 1].held
+                measured.append(cache.resident_nbytes() - n * token)
+            if i in lay.pins:
+                cache.pin_current_chunk(n)
+        assert tuple(measured) == plan.resident_per_chunk, name
+        assert cache.quantize_calls == sum(
+            1 for c in range(lay.num_chunks) if any(t.get(c, "bf16") != "bf16" for t in plan.tiers_per_chunk)
+        ), name
+
+
+def test_request_fields_reach_the_bytes() -> None:
+    base = plan_memory(TINY, MemoryRequest(latent_frames=16), settings=["off"]).rows[0]
+    b2 = plan_memory(TINY, MemoryRequest(latent_frames=16, batch_size=2), settings=["off"]).rows[0]
+    f32 = plan_memory(TINY, MemoryRequest(latent_frames=16, dtype="float32"), settings=["off"]).rows[0]
+    assert b2.kv_bytes == 2 * base.kv_bytes and f32.kv_bytes == 2 * base.kv_bytes
+    wide = plan_memory(TINY, replace(MemoryRequest(latent_frames=16), window_frames=12),
+                       settings=["off"]).rows[0]
+    assert wide.dense_bytes == base.dense_bytes * 12 // 8
+
+
+# ---- the planner against the caches with the shared scratch (the new layout) -------------------
+def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered"):
+    """Drive ``layers x sets`` caches sharing one `ChunkScratch` through ``lay``'s stream: per
+    chunk a denoising pass, then the context pass (``pin`` announced for a cut chunk), then
+    the pin; every view read as attention reads it (``gathered``: its ``k``/``v``, one buffer;
+    ``streamed``: its segments one at a time). Returns per chunk the caches' resident bytes
+    after the context pass, the scratch's bytes, and the scratch's ledger peak."""
+    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+
+    scratch = ChunkScratch()
+    caches = [make_cache(scratch) for _ in range(layers * lay.sets)]
+    n = lay.chunk_tokens
+    resident = []
+    for i in range(lay.num_chunks):
+        for p in range(2):
+            k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=10 * i + p)
+            with scratch.context_pass(pin=i in lay.pins) if p else contextlib.nullcontext():
+                for c in caches:
+                    view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
+                    if attention == "gathered":
+                        assert view.k.shape == view.v.shape
+                    else:
+                        assert sum(sk.shape[1] for sk, _ in view.iter_segments()) > 0
+        if i in lay.pins:
+            for c in caches:
+                c.pin_current_chunk(n)
+        resident.append(sum(c.resident_nbytes() for c in caches))
+    return resident, scratch.nbytes, scratch.peak_nbytes
+
+
+@pytest.mark.parametrize(("name", "cfg"), [*((n, False) for n in NAMES), ("int2-recent-int4", True)])
+def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool) -> None:
+    """The exactness test: ``causalkv memory --host causalkv`` equals the bytes the real
+    `QVGPackedCausalKVCache` s hold, 2 layers (x 2 CFG sets) sharing one scratch, 8 chunks of
+    64 tokens in 4 slots, a shot pinned at chunk 4: per chunk the caches' resident bytes,
+    ``kv_bytes`` (their most plus the scratch) and ``peak_bytes`` (the scratch's ledger)."""
+    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg)
+    lay = stream_layout(TINY, req)
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
+    q = SETTINGS[name].quant_args()
+    spec = _tiny_spec(lay)
+    resident, scratch_nbytes, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers)
+    per_layer = TINY.num_layers * lay.sets
+    assert resident == [per_layer * r for r in plan.resident_per_chunk]
+    assert scratch_nbytes == plan.scratch_bytes
+    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert peak == plan.peak_bytes
+
+
+@pytest.mark.parametrize(("name", "cfg"), [("off", False), ("int4-recent0", False),
+                                           ("int2-default", False), ("int2-recent-int4", True)])
+def test_planner_equals_the_own_hosts_caches_read_by_streaming_attention(name: str, cfg: bool) -> None:
+    """causalkv generate's attention (`attend`) decodes one packed segment at a time: the
+    ledger's peak is the caches plus the scratch plus the largest segment decoded, and the
+    planner's ``--attention streamed`` (the causalkv host's default) says the same."""
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg))
+    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv")
+    q = SETTINGS[name].quant_args()
+    spec = _tiny_spec(lay)
+    resident, _, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers, "streamed")
+    assert resident == [TINY.num_layers * lay.sets * r for r in plan.resident_per_chunk]
+    assert peak == plan.peak_bytes
+    gathered = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
+    assert peak < gathered.peak_bytes if name != "off" else peak == gathered.peak_bytes
+
+
+#: a sink that is not a whole number of chunks (3 frames of 2-frame chunks) whose global part
+#: is 1 frame: after a pin, chunk 1 is held in part, and a packed part is kept whole
+UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_frames=1, window_frames=10)
+
+
+@pytest.mark.parametrize(("name", "sink"), [("int2-recent-int4", False), ("int4-default", False),
+                                            ("int2-recent0", False), ("int2-default", True)])
+def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sink: bool) -> None:
+    lay = stream_layout(UNALIGNED, MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink))
+    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], host="causalkv", sink=sink,
+                        attention="gathered")
+    q = SETTINGS[name].quant_args(sink=sink)
+    spec = _tiny_spec(lay)
+    resident, _, peak = _drive_with_scratch(
+        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), UNALIGNED.num_layers)
+    assert resident == [UNALIGNED.num_layers * r for r in plan.resident_per_chunk]
+    assert peak == plan.peak_bytes
+
+
+def test_a_causalkv_preset_is_a_model(capsys) -> None:
+    """``causalkv generate``'s presets plan by their declaration (no files): tiny-longlive2-1k
+    is 2 layers x 2 heads x 64, 256 tokens per frame, 4-frame chunks in a 24-frame window."""
+    code, out, _ = run(capsys, "tiny-longlive2-1k", "--host", "causalkv", "--cfg",
+                       "--latent-frames", "24", "--shots", "2", "--json")
+    assert code == 0
+    rows = {r["setting"]: r for r in json.loads(out)}
+    token = 2 * 2 * 64 * 2
+    assert rows["off"]["dense_bytes"] == 2 * 2 * 6_144 * token  # layers x sets x window x token
+    assert rows["off"]["scratch_bytes"] == 1_024 * token
+    # `causalkv generate --model tiny-longlive2-1k --prompt a --prompt b --frames 24
+    # --kv-cache-quant int2` measured kv_resident_bytes_per_chunk [2621440, 2981920, 3342400,
+    # 3702880, 4063360, 4063360] and kv_peak_bytes 4587648 (its attention streams the window:
+    # one decoded chunk, 512 KiB, on top)
+    assert rows["int2-default"]["kv_bytes"] == 4_063_360
+    assert rows["int2-default"]["peak_bytes"] == 4_587_648
+    text = run(capsys, "tiny-longlive2-1k")[1]
+    assert "note: off is the QVG cache with quantization off" in text
+
+
+@pytest.mark.parametrize("attention", ["gathered", "streamed"])
+@pytest.mark.parametrize("frames", [2, 4])
+def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, frames: int) -> None:
+    """One and two chunks: the chunk alone is read as views (no buffer), and with nothing
+    packed visible causalkv's cache builds the window when the view is made, before the move."""
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=frames, host="causalkv", cfg=True))
+    spec = _tiny_spec(lay)
+    for name in ("int2-default", "int2-recent0"):
+        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention=attention)
+        q = SETTINGS[name].quant_args()
+        resident, _, peak = _drive_with_scratch(
+            lay, lambda s, q=q: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers,
+            attention)
+        assert resident == [TINY.num_layers * 2 * r for r in plan.resident_per_chunk], name
+        assert peak == plan.peak_bytes, name
+
+
+def test_the_budget_search_says_where_it_stopped() -> None:
+    from causalkv.cli.memory import format_plan
+
+    plan = plan_memory(BUILTIN_MODELS["self-forcing"], MemoryRequest(), settings=["int2-recent0"],
+                       budget=parse_bytes("1TiB"))
+    (row,) = plan.as_json()
+    assert row["fits"] and row["at_search_limit"] is True
+    assert row["max_video_frames"] == 4242  # 1,414 chunks: 1,414^2 <= MAX_WORK
+    assert ">= 4242" in format_plan(plan)
