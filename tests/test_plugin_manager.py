@@ -13,6 +13,7 @@ from importlib.metadata import EntryPoint
 import pluggy
 import pytest
 
+from causalkv.cli.plugins import plugin_rows
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import (
@@ -52,10 +53,10 @@ def _ep(name: str, module: str) -> EntryPoint:
 
 
 def test_builtin_plugin_registers_through_the_public_hooks(pm):
-    infos = pm.plugin_infos()
-    assert [i.name for i in infos] == [BUILTIN_PLUGIN_NAME]
-    assert infos[0].builtin and infos[0].distribution == "causalkv"
-    assert infos[0].hooks == ("causalkv_register_cache_factories", "causalkv_register_stages")
+    rows = plugin_rows(pm)
+    assert [row["name"] for row in rows] == [BUILTIN_PLUGIN_NAME]
+    assert rows[0]["builtin"] and rows[0]["distribution"] == "causalkv"
+    assert rows[0]["hooks"] == ["causalkv_register_cache_factories", "causalkv_register_stages"]
     reg = collect(pm)
     assert [e.name for e in reg.stages] == [
         "self-forcing-wan",

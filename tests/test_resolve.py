@@ -9,6 +9,7 @@ from typing import ClassVar
 import pytest
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.cli.plugins import resolution_dict
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
@@ -135,8 +136,8 @@ def test_resolution_never_imports_the_chosen_cache(pm):
         res.cache_factory.load()
 
 
-def test_to_dict_is_json_serializable(pm):
-    d = json.loads(json.dumps(resolve("tiny-longlive", _args("int2"), pm=pm).to_dict()))
+def test_resolution_dict_is_json_serializable(pm):
+    d = json.loads(json.dumps(resolution_dict(resolve("tiny-longlive", _args("int2"), pm=pm))))
     assert d["stage"] == {
         "name": "longlive",
         "class": "causalkv.stages.longlive:LongLiveStage",

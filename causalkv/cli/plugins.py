@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from causalkv import __version__
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.generate import (
     _PLUGINS,
@@ -21,10 +22,11 @@ from causalkv.cli.generate import (
 from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
-from causalkv.plugin import collect, get_plugin_manager, resolve
+from causalkv.plugin import Resolution, collect, get_plugin_manager, resolve
+from causalkv.plugin import builtin as builtin_plugin
 from causalkv.runtime.model_config import is_loadable_model, model_head_dim
 
-__all__ = ["register", "run_plugins", "run_resolve"]
+__all__ = ["plugin_rows", "plugins_report", "register", "resolution_dict", "run_plugins", "run_resolve"]
 
 
 def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> None:
@@ -98,24 +100,58 @@ def _stage_row(entry: Any) -> dict[str, Any]:
     return row
 
 
+def plugin_rows(pm: Any) -> list[dict[str, Any]]:
+    """The registered plugins as ``causalkv plugins`` lists them: the built-in one first, then
+    by name; each with its name, version and distribution (None for a plugin registered
+    in-process), the causalkv hooks it implements (sorted) and whether it is the built-in one."""
+    rows, dists = [], pm.distributions
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # a blocked name
+            continue
+        builtin = plugin is builtin_plugin
+        dist_name, _, version = (f"{NAME} {__version__}" if builtin else dists.get(name) or "").rpartition(" ")
+        rows.append({
+            "name": name,
+            "version": version or None,
+            "distribution": dist_name or None,
+            "hooks": sorted(c.name for c in pm.get_hookcallers(plugin) or ()),
+            "builtin": builtin,
+        })
+    return sorted(rows, key=lambda row: (not row["builtin"], row["name"]))
+
+
+def resolution_dict(res: Resolution) -> dict[str, Any]:
+    """A JSON-serializable summary of a `Resolution` (``causalkv resolve --json``)."""
+    reg = res.stage_registration
+    return {
+        "model": res.model_name,
+        "model_class": res.model_class,
+        "stage": {
+            "name": res.stage_name,
+            "class": f"{res.stage.__module__}:{res.stage.__qualname__}",
+            "plugin": res.stage_plugin,
+            "priority": reg.priority if reg else None,
+        },
+        "cache": {
+            "name": res.cache_factory.name,
+            "target": res.cache_factory.target,
+            "capabilities": list(res.cache_factory.features()),
+            "priority": res.cache_factory.priority,
+            "plugin": res.cache_plugin,
+        },
+        "requirements": sorted(res.requirements),
+        "reasons": list(res.reasons),
+    }
+
+
 def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
     """What ``causalkv plugins --json`` prints: the plugins set aside included (the same
     `causalkv generate` meets: its flags are the reserved ones)."""
     registry = collect(pm, reserved_flags=host_flags(), report=None)
-    infos = pm.plugin_infos()
+    rows = plugin_rows(pm)
     return {
-        "plugins": [
-            {
-                "name": i.name,
-                "version": i.version,
-                "distribution": i.distribution,
-                "hooks": list(i.hooks),
-                "builtin": i.builtin,
-            }
-            for i in infos
-            if include_builtin or not i.builtin
-        ],
-        "hidden_builtin": 0 if include_builtin else sum(i.builtin for i in infos),
+        "plugins": [row for row in rows if include_builtin or not row["builtin"]],
+        "hidden_builtin": 0 if include_builtin else sum(row["builtin"] for row in rows),
         "stages": [_stage_row(e) for e in registry.stages],
         "caches": [
             {
@@ -212,9 +248,9 @@ def run_resolve(args: argparse.Namespace) -> int:
             "generate needs a preset or a folder to load weights from"
         )
     if args.json:
-        print(json.dumps({**res.to_dict(), "notes": notes}, indent=2))
+        print(json.dumps({**resolution_dict(res), "notes": notes}, indent=2))
         return 0
-    d = res.to_dict()
+    d = resolution_dict(res)
     print(f"model: {res.model_name}" + (f" ({res.model_class})" if res.model_class else ""))
     print(f"stage: {d['stage']['name']} ({d['stage']['class']}, plugin {d['stage']['plugin']})")
     print(f"cache: {d['cache']['name']} ({d['cache']['target']}, plugin {d['cache']['plugin']})")

@@ -29,14 +29,13 @@ from typing import Any
 
 import pluggy
 
-from causalkv import __version__
 from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX, HOOK_NAMES, NAME, specs
 from causalkv.plugin import builtin
 from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
 
 __all__ = [
-    "ENV_ALLOW", "ENV_AUTOLOAD_OFF", "ENV_BLOCK", "ENV_TRACE", "CausalKVPluginManager", "PluginInfo",
-    "PluginSettings", "discover_entry_points", "get_plugin_manager", "make_plugin_manager",
+    "ENV_ALLOW", "ENV_AUTOLOAD_OFF", "ENV_BLOCK", "ENV_TRACE", "CausalKVPluginManager", "PluginSettings",
+    "discover_entry_points", "get_plugin_manager", "make_plugin_manager",
     "reset_plugin_manager", "unknown_name_warnings",
 ]
 
@@ -100,24 +99,6 @@ class PluginSettings:
 def discover_entry_points() -> tuple[EntryPoint, ...]:
     """The installed entry points of group ``causalkv``."""
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """One registered plugin, as ``causalkv plugins`` lists it.
-
-    Attributes:
-        name: the plugin name (entry-point name; ``causalkv.builtin`` for the built-in one).
-        version, distribution: its distribution's, or None (a plugin registered in-process).
-        hooks: the causalkv hooks it implements, sorted.
-        builtin: True for causalkv's own plugin.
-    """
-
-    name: str
-    version: str | None
-    distribution: str | None
-    hooks: tuple[str, ...]
-    builtin: bool
 
 
 class CausalKVPluginManager(pluggy.PluginManager):
@@ -205,17 +186,6 @@ class CausalKVPluginManager(pluggy.PluginManager):
         if self.settings.allow is not None:
             seen = {norm(k) for ep in wanted for k in (ep.name, distribution_of(ep)[0]) if k}
             self.missing_allowed = tuple(sorted(n for n in self.settings.allow if norm(n) not in seen))
-
-    def plugin_infos(self) -> list[PluginInfo]:
-        """Registered plugins: the built-in one first, then by name."""
-        infos, dists = [], self.distributions
-        for name, plugin in self.list_name_plugin():
-            if plugin is None:  # a blocked name
-                continue
-            hooks = tuple(sorted(c.name for c in self.get_hookcallers(plugin) or ()))
-            dist_name, _, version = (f"{NAME} {__version__}" if plugin is builtin else dists.get(name) or "").rpartition(" ")
-            infos.append(PluginInfo(name, version or None, dist_name or None, hooks, plugin is builtin))
-        return sorted(infos, key=lambda info: (not info.builtin, info.name))
 
 
 def unknown_name_warnings(settings: PluginSettings, entry_points: Iterable[EntryPoint]) -> list[str]:

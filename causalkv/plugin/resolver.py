@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import ModelConfig, ServerArgs
@@ -134,30 +134,6 @@ class Resolution:
     def stage_name(self) -> str:
         """The stage's registration name (its one name: header, metrics, ``--stage``)."""
         return self.stage_registration.name if self.stage_registration else self.stage.__name__
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable summary (``causalkv resolve --json``)."""
-        reg = self.stage_registration
-        caps = self.cache_factory.features()
-        return {
-            "model": self.model_name,
-            "model_class": self.model_class,
-            "stage": {
-                "name": self.stage_name,
-                "class": f"{self.stage.__module__}:{self.stage.__qualname__}",
-                "plugin": self.stage_plugin,
-                "priority": reg.priority if reg else None,
-            },
-            "cache": {
-                "name": self.cache_factory.name,
-                "target": self.cache_factory.target,
-                "capabilities": list(caps),
-                "priority": self.cache_factory.priority,
-                "plugin": self.cache_plugin,
-            },
-            "requirements": sorted(self.requirements),
-            "reasons": list(self.reasons),
-        }
 
 
 def _refuse_foreign_records(registry: Registry, stage: StageEntry, cache: CacheEntry, cls: type, args: ServerArgs) -> None:
