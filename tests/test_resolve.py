@@ -11,10 +11,12 @@ import pytest
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.plugins import resolution_dict
 from causalkv.config import ModelConfig, ServerArgs
+from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
 from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+from causalkv.runtime.model_config import model_ref
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage
 from causalkv.stages.longlive import LongLiveStage
@@ -174,7 +176,7 @@ def _folder(tmp_path, class_name, name="model"):
 def test_diffusers_folder_matches_its_class_name(pm, tmp_path):
     folder = _folder(tmp_path, "LongLive2Pipeline")
     for model in (folder, str(folder), folder / "model_index.json"):
-        res = resolve(model, _args("int4"), pm=pm)
+        res = resolve(model_ref(model), _args("int4"), pm=pm)
         assert res.stage is LongLive2Stage
         assert res.model_name == str(folder) and res.model_class == "LongLive2Pipeline"
         assert res.reasons[0] == (
@@ -187,14 +189,18 @@ def test_folder_errors_say_what_is_wrong(pm, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ResolutionError, match="folder without model_index.json"):
-        resolve(empty, pm=pm)
+        resolve(model_ref(empty), pm=pm)
     with pytest.raises(ResolutionError, match="does not exist"):
-        resolve(str(tmp_path / "missing" / "model"), pm=pm)
+        resolve(model_ref(str(tmp_path / "missing" / "model")), pm=pm)
     bad = _folder(tmp_path, "", name="bad")
     with pytest.raises(ResolutionError, match="has no '_class_name'"):
-        resolve(bad, pm=pm)
+        resolve(model_ref(bad), pm=pm)
     unknown = _folder(tmp_path, "SomeOtherPipeline", name="other")
     with pytest.raises(ResolutionError, match="no registered stage serves model .*SomeOtherPipeline"):
+        resolve(model_ref(unknown), pm=pm)
+    with pytest.raises(ResolutionError, match=r"is a path: resolve a model folder as resolve\(causalkv.runtime.model_config.model_ref"):
+        resolve(str(unknown), pm=pm)  # resolve reads no file: the runtime reads the folder
+    with pytest.raises(InvalidTypeError, match="a model name, a ModelConfig or a ModelRef"):
         resolve(unknown, pm=pm)
 
 

@@ -24,7 +24,7 @@ from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
 from causalkv.plugin import Resolution, collect, get_plugin_manager, resolve
 from causalkv.plugin import builtin as builtin_plugin
-from causalkv.runtime.model_config import is_loadable_model, model_head_dim
+from causalkv.runtime.model_config import is_loadable_model, model_head_dim, model_ref
 
 __all__ = ["plugin_rows", "plugins_report", "register", "resolution_dict", "run_plugins", "run_resolve"]
 
@@ -228,7 +228,7 @@ def run_resolve(args: argparse.Namespace) -> int:
         )
         found = getattr(args, _PLUGINS, None)  # the plugins the parser was built from
         where = {"pm": found.pm, "registry": found.registry} if found is not None else {}
-        res = resolve(args.model, server_args, stage=args.stage, **where)
+        res = resolve(model_ref(args.model), server_args, stage=args.stage, **where)
         settings = res.cache_options
         given = settings is not None and bool(settings.changed())
         head_dim = model_head_dim(args.model) if given else None

@@ -23,10 +23,10 @@ from causalkv.plugin.manager import (
     reset_plugin_manager,
 )
 from causalkv.plugin.registry import Registry, collect
-from causalkv.plugin.resolver import Resolution, resolve
+from causalkv.plugin.resolver import ModelRef, Resolution, resolve
 
 __all__ = [
-    "CausalKVPluginManager", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
+    "CausalKVPluginManager", "ModelRef", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
     "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect", "configure_stage",
     "get_plugin_manager", "make_plugin_manager", "reset_plugin_manager", "resolve",
 ]

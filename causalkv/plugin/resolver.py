@@ -1,7 +1,8 @@
 """Load-time resolution: the stage for a model and a cache that serves what it needs.
 
-Runs before any weights load: it reads at most a ``model_index.json`` and imports the
-chosen stage's module (never a cache module). It also routes the request's option records
+Runs before any weights load and reads no file (a model folder is read by the runtime,
+`causalkv.runtime.model_config.model_ref`); it imports the chosen stage's module (never a
+cache module). It also routes the request's option records
 (`causalkv.options`): the chosen stage gets its family's record, the chosen cache its
 settings record (`Resolution.stage_options`, `Resolution.cache_options`), and a record of an
 extension that was not chosen is refused with one message naming the option, its owner and
@@ -10,9 +11,7 @@ the chosen one (`causalkv.options.foreign_options_error`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
 
     from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["ModelRef", "Resolution", "model_ref", "resolve"]
+__all__ = ["ModelRef", "Resolution", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -62,40 +61,21 @@ class ModelRef:
         return self.name
 
 
-def model_ref(model: str | Path | ModelConfig) -> ModelRef:
-    """Read a preset name, a diffusers-format folder or a `ModelConfig` (no weights load)."""
+def _model_ref(model: str | ModelConfig | ModelRef) -> ModelRef:
+    """What `resolve` matches for a model name, a `ModelRef` or a `ModelConfig`."""
+    if isinstance(model, ModelRef):
+        return model
     if isinstance(model, ModelConfig):
         keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
         return ModelRef(model.name, model.model_class, keys, model, "model config")
-    if not isinstance(model, (str, Path)):
-        raise InvalidTypeError(
-            f"model must be a preset name, a model folder or a ModelConfig, got {model!r}"
-        )
-    path = Path(model)
-    if path.is_file() and path.name == "model_index.json":
-        path = path.parent
-    if path.is_dir():
-        index = path / "model_index.json"
-        if not index.is_file():
-            raise ResolutionError(
-                f"{path} is a folder without model_index.json: pass a diffusers-format "
-                f"model folder, or a served model name (causalkv plugins lists them)"
-            )
-        try:
-            class_name = json.loads(index.read_text()).get("_class_name")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ResolutionError(f"{index}: cannot read it as JSON ({exc})") from exc
-        if not isinstance(class_name, str) or not class_name:
-            raise ResolutionError(
-                f"{index} has no '_class_name': it is not a diffusers pipeline index"
-            )
-        return ModelRef(str(path), class_name, (class_name,), None, f"{index} _class_name")
-    if isinstance(model, Path) or path.exists() or "/" in str(model):
+    if not isinstance(model, str):
+        raise InvalidTypeError(f"model must be a model name, a ModelConfig or a ModelRef, got {model!r}")
+    if "/" in model:
         raise ResolutionError(
-            f"model folder {str(model)!r} does not exist (or is not a folder); pass a "
-            f"diffusers-format folder with model_index.json, or a served model name"
+            f"model {model!r} is a path: resolve a model folder as "
+            f"resolve(causalkv.runtime.model_config.model_ref(path)), or pass a served model name"
         )
-    return ModelRef(str(model), None, (str(model),), None, "model name")
+    return ModelRef(model, None, (model,), None, "model name")
 
 
 @dataclass(frozen=True)
@@ -278,7 +258,7 @@ def _pick_cache(
 
 
 def resolve(
-    model: str | Path | ModelConfig,
+    model: str | ModelConfig | ModelRef,
     server_args: ServerArgs | None = None,
     *,
     pm: pluggy.PluginManager | None = None,
@@ -288,9 +268,9 @@ def resolve(
     """Choose the stage for ``model`` and a cache that serves what it needs.
 
     Args:
-        model: a preset or model name (``"tiny-wan"``), a diffusers-format folder (its
-            ``model_index.json`` ``_class_name`` is matched), or a `ModelConfig` (matched on
-            ``model_class``, then ``name``).
+        model: a preset or model name (``"tiny-wan"``), a `ModelConfig` (matched on
+            ``model_class``, then ``name``), or a `ModelRef` (a diffusers-format folder, read
+            by `causalkv.runtime.model_config.model_ref`: its ``_class_name`` is matched).
         server_args: flags that shape the requirements (default `ServerArgs()`).
         pm: the plugin manager (default: the process-wide one).
         stage: force a stage by registration name (it must serve the model).
@@ -298,7 +278,9 @@ def resolve(
             collects once per run and passes it).
 
     Raises:
-        ResolutionError: unknown model (lists the served ones), unknown or unqualified
+        InvalidTypeError: ``model`` of another type.
+        ResolutionError: ``model`` is a path (the message names `model_ref`), unknown model
+            (lists the served ones), unknown or unqualified
             forced stage/cache, or no cache covering the requirements (names, per cache,
             the capability it lacks).
             QVG requested on a stage without QVG support (the message starts with
@@ -313,7 +295,7 @@ def resolve(
     args = server_args if server_args is not None else ServerArgs()
     for record in args.options:
         record.check_used()
-    ref = model_ref(model)
+    ref = _model_ref(model)
     registry = registry if registry is not None else collect(pm)
     entry, serving = _pick_stage(registry, ref, stage)
     cls = entry.load()

@@ -30,7 +30,7 @@ from typing import Any
 from causalkv.config import ModelConfig
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
-from causalkv.plugin import Registry, collect, get_plugin_manager
+from causalkv.plugin import ModelRef, Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "load_model_info",
     "model_head_dim",
     "model_info_from_dicts",
+    "model_ref",
     "preset_choices",
     "preset_info",
     "preset_transformer_config",
@@ -502,6 +503,41 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
         config=config,
         registry=registry,
     )
+
+
+def model_ref(model: str | Path) -> ModelRef:
+    """What `causalkv.plugin.resolve` matches for a model name or a diffusers-format folder
+    (or its ``model_index.json``): reads at most that file, no weights.
+
+    Raises:
+        ResolutionError: a folder without ``model_index.json``, an index that is not JSON or
+            has no ``_class_name``, or a path that does not exist (each names the fix).
+    """
+    path = Path(model)
+    if path.is_file() and path.name == "model_index.json":
+        path = path.parent
+    if path.is_dir():
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise ResolutionError(
+                f"{path} is a folder without model_index.json: pass a diffusers-format "
+                f"model folder, or a served model name (causalkv plugins lists them)"
+            )
+        try:
+            class_name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ResolutionError(f"{index}: cannot read it as JSON ({exc})") from exc
+        if not isinstance(class_name, str) or not class_name:
+            raise ResolutionError(
+                f"{index} has no '_class_name': it is not a diffusers pipeline index"
+            )
+        return ModelRef(str(path), class_name, (class_name,), None, f"{index} _class_name")
+    if isinstance(model, Path) or path.exists() or "/" in str(model):
+        raise ResolutionError(
+            f"model folder {str(model)!r} does not exist (or is not a folder); pass a "
+            f"diffusers-format folder with model_index.json, or a served model name"
+        )
+    return ModelRef(str(model), None, (str(model),), None, "model name")
 
 
 def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> int | None:
