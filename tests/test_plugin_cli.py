@@ -139,8 +139,8 @@ def test_resolve_json_and_flags(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["resolve", "tiny-wan", "--multi-shot"], "WanCausalDMDStage (stage 'self-forcing-wan') "
-         "does not support multi-shot"),
+        (["resolve", "tiny-wan", "--multi-shot"], "WanCausalDMDStage does not support multi-shot "
+         "generation (a pinned shot sink per scene cut) (stage 'self-forcing-wan', plugin 'causalkv.builtin')"),
         (["resolve", "Nope"], "no registered stage serves model Nope. Served models: "),
         (["resolve", "tiny-wan", "--kv-cache-quant", "int2", "--cache", "dense"],
          "cache 'dense' lacks quant:qvg"),

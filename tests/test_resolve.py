@@ -77,9 +77,10 @@ def test_resolution_matrix(pm, registration, quant, multi_shot):
             resolve(model, args, pm=pm)
         msg = str(info.value)
         assert not isinstance(info.value, ResolutionError)
-        assert msg.startswith(f"{cls.__name__} (stage '{registration.name}') does not support multi-shot")
-        assert "Stages that do (none serves" in msg and "longlive2" in msg
-        assert msg.endswith("or drop --multi-shot.")
+        assert msg.startswith(f"{cls.__name__} does not support multi-shot generation (a pinned shot sink "
+                              f"per scene cut) (stage '{registration.name}', plugin 'causalkv.builtin')")
+        assert f"No registered stage serving {model} does (stages that do: longlive2" in msg
+        assert msg.endswith("): drop --multi-shot.")
         return
     res = resolve(model, args, pm=pm)
     assert res.stage is cls
@@ -239,8 +240,8 @@ def test_qvg_on_a_stage_without_support_names_the_fix(pm, quant):
         assert resolve("NoQVGPipeline", _args("off"), pm=pm).stage is NoQVGStage
     msg = str(info.value)
     assert msg.startswith("NoQVGStage does not support QVG KV-cache quantization")
-    assert msg.endswith("No registered stage serving NoQVGPipeline supports it: run with "
-                        "--kv-cache-quant off.")
+    assert "No registered stage serving NoQVGPipeline does (stages that do: " in msg
+    assert msg.endswith("): run with --kv-cache-quant off.")
 
 
 def test_qvg_error_lists_stages_that_support_it_and_stage_override_works(pm):
@@ -254,7 +255,7 @@ def test_qvg_error_lists_stages_that_support_it_and_stage_override_works(pm):
         res = resolve("SharedPipeline", _args("int4"), pm=pm, stage="qvg-able")
     msg = str(info.value)
     assert msg.startswith("NoQVGStage does not support QVG KV-cache quantization")
-    assert "that support it: qvg-able (plugin shared, priority 1" in msg
+    assert "Stages serving SharedPipeline that do: qvg-able (plugin shared, priority 1" in msg
     assert "--stage NAME, or run with --kv-cache-quant off." in msg
     assert res.stage is LongLiveStage and res.cache_factory.name == "qvg"
     assert "forced by --stage" in res.reasons[1]

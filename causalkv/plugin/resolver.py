@@ -172,38 +172,30 @@ def _pick_stage(
     return serving[0], serving
 
 
-def _check_stage(
-    cls: type[CausalDenoisingStage],
-    entry: StageEntry,
-    serving: list[StageEntry],
-    registry: Registry,
-    ref: ModelRef,
-    args: ServerArgs,
-) -> None:
-    if QUANT_QVG in args.requirement_reasons(ref.config) and not cls._supports_qvg_kv_cache_quantization():
-        able = [e for e in serving if e is not entry and e.supports("qvg")]
-        fix = (
-            f"Registered stages serving {ref.label} that support it: {_stage_list(able)}; "
-            f"pick one with --stage NAME, or run with --kv-cache-quant off."
-            if able
-            else f"No registered stage serving {ref.label} supports it: run with "
-            f"--kv-cache-quant off."
-        )
-        raise UnsupportedRequestError(
-            f"{cls.__name__} does not support QVG KV-cache quantization "
-            f"(stage {entry.name!r}, plugin {entry.plugin!r}). {fix}"
-        )
-    if args.multi_shot and not cls.supports_multi_shot():
-        able = [e for e in registry.stages if e.supports("multi_shot")]
+#: what a request may ask that a stage must declare: (`StageEntry.supports` feature, what it
+#: is, the flag that drops it)
+_STAGE_FEATURES = (
+    ("qvg", "QVG KV-cache quantization", "run with --kv-cache-quant off"),
+    ("multi_shot", "multi-shot generation (a pinned shot sink per scene cut)", "drop --multi-shot"),
+)
+
+
+def _check_stage(entry: StageEntry, serving: list[StageEntry], registry: Registry, ref: ModelRef, args: ServerArgs) -> None:
+    """Refuse a request asking for a feature the chosen stage does not declare, naming the
+    stages that do (those serving the model first) and the flag that drops it."""
+    asked = {"qvg": QUANT_QVG in args.requirement_reasons(ref.config), "multi_shot": args.multi_shot}
+    for feature, what, drop in _STAGE_FEATURES:
+        if not asked[feature] or entry.supports(feature):
+            continue
+        able = [e for e in registry.stages if e.supports(feature)]
         here = [e for e in able if e in serving]
         fix = (
-            f"Stages serving {ref.label} that do: {_stage_list(here)}; pick one with --stage NAME"
+            f"Stages serving {ref.label} that do: {_stage_list(here)}; pick one with --stage NAME, or {drop}."
             if here
-            else f"Stages that do (none serves {ref.label}): {_stage_list(able) or '(none)'}"
+            else f"No registered stage serving {ref.label} does (stages that do: {_stage_list(able) or 'none'}): {drop}."
         )
         raise UnsupportedRequestError(
-            f"{cls.__name__} (stage {entry.name!r}) does not support multi-shot generation "
-            f"(a pinned shot sink per scene cut). {fix}; or drop --multi-shot."
+            f"{entry.load().__name__} does not support {what} (stage {entry.name!r}, plugin {entry.plugin!r}). {fix}"
         )
 
 
@@ -308,7 +300,7 @@ def resolve(
     reasons.append(
         f"stage {reg.name} ({cls.__name__}, plugin {entry.plugin}) serves {matched} ({how}){also}"
     )
-    _check_stage(cls, entry, serving, registry, ref, args)
+    _check_stage(entry, serving, registry, ref, args)
     requirements = frozenset(cls.required_cache_features(args, ref.config))
     why_needed = args.requirement_reasons(ref.config)
     described = [_describe_requirement(f, why_needed, reg.name) for f in sorted(requirements)]
