@@ -9,7 +9,6 @@ failing plugin is reported and skipped, never keeping an event from the others).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,8 +16,9 @@ import pluggy
 
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import CausalKVError
-from causalkv.hooks import ENV_PREFIX, Stage
+from causalkv.hooks import ENV_PREFIX, NAME, Stage
 from causalkv.plugin.errors import PluginHookError
+from causalkv.plugin.manager import warn
 
 __all__ = ["ObserverHook", "configure_stage", "describe_exception", "hook_failure", "plugin_callers"]
 
@@ -88,10 +88,6 @@ def configure_stage(pm: pluggy.PluginManager, stage: Stage, model: ModelConfig, 
     return merged
 
 
-def _warn(line: str) -> None:
-    print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
-
-
 class ObserverHook:
     """Calls an observer hook's implementations one plugin at a time, isolating failures.
 
@@ -114,7 +110,7 @@ class ObserverHook:
         report: Callable[[str], None] | None = None,
     ) -> None:
         self.hook, self.strict = hook, strict
-        self.report = report if report is not None else _warn
+        self.report = report if report is not None else lambda line: warn(f"{NAME}: warning: {line}")
         self.disabled: dict[str, str] = {}
         self._callers = plugin_callers(pm, hook)[::-1]  # pluggy's call order
 
