@@ -159,9 +159,12 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
     """LingBot-World (image to video, camera actions) through the bridge at int2, once with
     causalkv's codec (the default) and once with ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang``
     (sglang's own QVG cache): each allocation line names its codec. Offline, sglang's LingBot
-    pipeline denoises one chunk per request (multi-chunk streams need a realtime session), so
-    no chunk completes and nothing is packed: both caches serve the chunk dense and the
-    videos are equal bit for bit (a realtime stream that packs: test_e2e_realtime.py)."""
+    pipeline denoises one chunk per request (multi-chunk streams need a realtime session): its
+    denoising passes attend to bf16 K/V on either cache, so the videos are equal bit for bit.
+    On causalkv's cache that chunk (the 3-frame sink) then goes straight to its tier in its own
+    context pass (sglang's rule packs a completed sink chunk at once): 1 chunk packed; sglang's
+    own cache packs at the next advance, which never comes: 0 (a realtime stream that packs
+    and rolls: test_e2e_realtime.py)."""
     from PIL import Image
     from sglang.multimodal_gen import DiffGenerator
 
@@ -186,12 +189,13 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
             log = read()
         assert result is not None, log[-3000:]
         runs[codec] = (log, frames_of(result))
-    for codec, cache in (("causalkv", "SGLangQVGKVCache"), ("sglang", "QVGPackedCausalKVCache")):
+    for codec, cache, packed in (("causalkv", "SGLangQVGKVCache", "1"),
+                                 ("sglang", "QVGPackedCausalKVCache", "0")):
         log, frames = runs[codec]
         (line,) = serving_lines(log)
         assert "LingBotWorldCausalDMDDenoisingStage KV cache" in line
         assert f"{cache} x 2 blocks, codec {codec}" in line
         (s,) = summaries(log)
-        assert s["cache"] == cache and s["packed_chunks"] == "0"
+        assert s["cache"] == cache and s["packed_chunks"] == packed
         assert frames.shape == (9, 128, 128, 3)
     assert np.array_equal(runs["causalkv"][1], runs["sglang"][1])

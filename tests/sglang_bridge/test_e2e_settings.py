@@ -146,6 +146,8 @@ def test_the_folders_resolve_to_sglangs_native_pipelines(longlive2_checkpoint,
 
 
 def test_the_cli_prints_the_command_last(tmp_path, capsys):
+    """The last line is the command that runs the folder; a second build keeps the complete
+    folder; a folder of the user's is refused (exit 2, one line) and left as it was."""
     from causalkv.cli import main
 
     assert main(["sglang-checkpoint", "longlive2", str(tmp_path / "ll2")]) == 0
@@ -156,8 +158,8 @@ def test_the_cli_prints_the_command_last(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("found complete tiny longlive2 checkpoint")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="is not a causalkv sglang checkpoint"):
-        main(["sglang-checkpoint", "longlive2", str(tmp_path / "mine")])
+    assert main(["sglang-checkpoint", "longlive2", str(tmp_path / "mine")]) == 2
+    assert "is not a causalkv sglang checkpoint" in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
