@@ -37,11 +37,11 @@ def test_the_stages_import_nothing_of_the_runtime() -> None:
 def test_the_sampler_is_declared_and_built_from_the_declaration() -> None:
     spec = CausalDenoisingStage.scheduler_spec(MODEL)
     assert spec == SchedulerSpec(FLOW_MATCH_EULER, {"num_train_timesteps": 1000, "shift": 3.0})
-    sched = CausalDenoisingStage.make_scheduler(MODEL)
+    sched = CausalDenoisingStage.scheduler_spec(MODEL).build()
     assert type(sched).__name__ == "FlowMatchEulerDiscreteScheduler" and sched.config.shift == 3.0
     unipc = LongLive2Stage.scheduler_spec(MODEL)
     assert unipc.target == "diffusers:UniPCMultistepScheduler" and unipc.config["flow_shift"] == 3.0
-    assert type(LongLive2Stage.make_scheduler(MODEL)).__name__ == "UniPCMultistepScheduler"
+    assert type(LongLive2Stage.scheduler_spec(MODEL).build()).__name__ == "UniPCMultistepScheduler"
 
 
 def test_chunk_stats_read_by_attribute_and_by_key() -> None:

@@ -23,7 +23,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
   request gives none (a key of the family's ``causalkv.json`` record `LongLive2Config`).
 - Sampler: the seed runtime's ``FlowUniPCMultistepScheduler(num_train_timesteps=1000,
   shift=1, use_dynamic_shifting=False)``, reset per chunk with ``set_timesteps(steps,
-  shift=flow_shift)``. Its diffusers equivalent (`make_scheduler`, `unipc_sigmas`)::
+  shift=flow_shift)``. Its diffusers equivalent (`scheduler_spec`, `unipc_sigmas`)::
 
       UniPCMultistepScheduler(num_train_timesteps=1000, solver_order=2,
           prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=model.shift,
