@@ -19,7 +19,7 @@ from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.runtime.attention import CausalWanTransformer, rope_at_frame_offset
 from causalkv.runtime.loading import load_wan_transformer
 from causalkv.runtime.presets import materialize_preset
-from causalkv.stages.base import ForwardRecord
+from causalkv.stages.records import ForwardRecord
 
 
 class MaskedWanAttnProcessor(WanAttnProcessor):

@@ -36,7 +36,7 @@ class TinyWorldStage(CausalDenoisingStage):
         return [f"{p} (part {i})" for i, p in enumerate(super().plan_chunks(prompts, num_chunks, server_args))]
 
     def report(self) -> dict:
-        return {"tiny_world_chunks": self._token_end // self.settings.tokens_per_chunk}
+        return {"tiny_world_chunks": self.loop.token_end // self.settings.tokens_per_chunk}
 
 
 REGISTRATION = StageRegistration(

@@ -140,7 +140,7 @@ def _seed_sigmas(steps: int, shift: float) -> list[float]:
 
 @pytest.mark.parametrize(("steps", "shift"), [(4, 5.0), (6, 1.0), (3, 3.0)])
 def test_unipc_timesteps_and_sigmas_match_the_seed_configuration(steps: int, shift: float) -> None:
-    sched = LongLive2Stage.make_scheduler(ModelConfig("m", "LongLive2Pipeline", 1, 1, 8, 1, 1, shift=shift))
+    sched = LongLive2Stage.scheduler_spec(ModelConfig("m", "LongLive2Pipeline", 1, 1, 8, 1, 1, shift=shift)).build()
     cfg = sched.config
     assert (cfg.num_train_timesteps, cfg.prediction_type, cfg.use_flow_sigmas, cfg.flow_shift) == (
         1000, "flow_prediction", True, shift)
@@ -162,7 +162,7 @@ def test_unipc_recovers_x0_from_an_exact_flow() -> None:
     """With the exact flow of one data point (x_s = (1 - s) x0 + s eps, v = eps - x0), the
     flow-prediction UniPC lands on x0: a sampler configured for another parameterization
     would not."""
-    sched = LongLive2Stage.make_scheduler(ModelConfig("m", "LongLive2Pipeline", 1, 1, 8, 1, 1))
+    sched = LongLive2Stage.scheduler_spec(ModelConfig("m", "LongLive2Pipeline", 1, 1, 8, 1, 1)).build()
     sched.set_timesteps(sigmas=unipc_sigmas(4))
     sched.set_begin_index(0)
     g = torch.Generator().manual_seed(0)

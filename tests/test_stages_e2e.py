@@ -117,7 +117,7 @@ def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, 
     assert stage.recache_events == [2, 4]
     assert [s["token_start"] for s in run.chunk_stats] == [0, 48, 96, 144, 144]
     assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 3, 6, 9, 12]
-    assert [f for f, _ in stage._cache_frames] == [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert [f for f, _ in stage.loop.cache_frames] == [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     assert stage.caches.kv[0].global_end == 144 + 48
 
 

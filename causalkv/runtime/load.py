@@ -78,7 +78,7 @@ def build_stage(
 ) -> CausalDenoisingStage:
     """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
 
-    The sampler is the stage's own (``stage_cls.make_scheduler(model)``, built from its
+    The sampler is the stage's own (``stage_cls.scheduler_spec(model).build()``, from its
     ``scheduler_spec``). ``options`` is the family's request record and ``cache_options`` the
     cache's settings record (defaults: taken from ``server_args``, `CausalDenoisingStage`).
 
@@ -90,7 +90,7 @@ def build_stage(
         model,
         server_args,
         denoiser=components.transformer,
-        scheduler=stage_cls.make_scheduler(model),
+        scheduler=stage_cls.scheduler_spec(model).build(),
         cache_factory=cache_factory,
         encode_prompt=components.prompt_encoder,
         negative_prompt=negative_prompt,

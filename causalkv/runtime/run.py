@@ -75,7 +75,7 @@ def run_plan(
             on_chunk_done(i, stats)
         observers(stage=stage, chunk_index=i, stats=stats)
 
-    result = stage.generate(
+    result = stage.loop.run(
         noise, plan.chunk_prompts, generator=generator, on_chunk_done=chunk_done, on_forward=on_forward
     )
     return GenerationRun(

@@ -9,8 +9,9 @@
   ``rope_frame_offset``, ``predict``, ``context_pass``, ``end_chunk``, ...) and the
   transformer calls;
 - `causalkv.stages.cache_sets`: the caches, allocated once on first use;
-- `causalkv.stages.loop`: the chunk loop `generate` runs, which yields typed
-  `causalkv.stages.records.ChunkStats`.
+- `causalkv.stages.loop.ChunkLoop` (``stage.loop``): the chunk loop the host runs
+  (``stage.loop.run``), which owns the stream's state (token end, frames held) and yields
+  typed `causalkv.stages.records.ChunkStats`.
 
 The loop (docs/design.md, "Flow"): for each chunk of ``frames_per_chunk`` latent frames and
 each denoising timestep, run the transformer on the chunk at its global token start (the
@@ -41,25 +42,15 @@ from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CausalKVCache, KVCacheSpec
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
-from causalkv.stages import loop
 from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet, build_cache_set
+from causalkv.stages.loop import ChunkLoop, noise_like
 from causalkv.stages.planning import StagePlanning
-from causalkv.stages.records import ChunkStats, ForwardRecord, GenerationResult
-from causalkv.stages.settings import StreamSettings, even_split
+from causalkv.stages.records import ForwardRecord
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
 
-__all__ = [
-    "CacheSet",
-    "CausalDenoisingStage",
-    "ChunkDenoiser",
-    "ChunkStats",
-    "ForwardRecord",
-    "GenerationResult",
-    "StreamSettings",
-    "even_split",
-]
+__all__ = ["CausalDenoisingStage", "ChunkDenoiser"]
 
 
 class ChunkDenoiser(Protocol):
@@ -108,9 +99,9 @@ class CausalDenoisingStage(StagePlanning):
     (read by the resolver and the host before any weights load). Run time: build with the
     model config, the server args, the transformer, the scheduler, the cache factory and a
     prompt encoder; the host may apply `causalkv_configure_stage` overrides
-    (`apply_overrides`) before the caches are allocated on first use; then call `generate`
-    once per request (the caches are reset each time). `report()` adds the stage's own
-    entries to the run report.
+    (`apply_overrides`) before the caches are allocated on first use; then run
+    ``stage.loop.run`` (its `ChunkLoop`) once per request (the caches are reset each time).
+    `report()` adds the stage's own entries to the run report.
     """
 
     # ---- construction ------------------------------------------------------------------------
@@ -164,6 +155,8 @@ class CausalDenoisingStage(StagePlanning):
         self.negative_prompt = negative_prompt
         self._cache_sets: list[CacheSet] | None = None
         self.apply_model(model)
+        #: the chunk loop, the one owner of the stream's state (``loop.token_end``, ...)
+        self.loop = ChunkLoop(self)
         self._reset_stream()
 
     def apply_model(self, model: ModelConfig) -> None:
@@ -262,18 +255,17 @@ class CausalDenoisingStage(StagePlanning):
         return {}
 
     def _reset_stream(self) -> None:
-        #: next token start in the caches' positions (== every cache's global_end)
-        self._token_end = 0
-        #: (frame, rope frame) of each latent frame the caches hold, in cache-position order
-        self._cache_frames: list[tuple[int, int]] = []
+        """Reset the stage's own per-request state (a subclass's records; nothing here)."""
 
     def reset(self) -> None:
-        """Forget the stream (new request): every self- and cross-attention cache is emptied."""
+        """Forget the stream (new request): every self- and cross-attention cache is emptied,
+        the loop's stream restarts, the stage's own per-request state is reset."""
         if self._cache_sets is not None:
             for cs in self._cache_sets:
                 cs.reset()
         if self.chunk_scratch is not None:
             self.chunk_scratch.reset_peaks()
+        self.loop.restart()
         self._reset_stream()
 
     def kv_resident_nbytes(self) -> int:
@@ -305,6 +297,10 @@ class CausalDenoisingStage(StagePlanning):
         """Recent-window sampling of the transformer call being made (None: the whole
         window); LingBot-World varies it per chunk."""
         return self.settings.recent_window_tokens
+
+    def begin_request(self, chunk_prompts: Sequence[str]) -> None:
+        """Called first by `ChunkLoop.run` with the request's chunk prompts (LongLive 2.0
+        reads its shot layout here)."""
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         """Called before a chunk is denoised; ``latents`` holds the clean frames so far."""
@@ -356,10 +352,7 @@ class CausalDenoisingStage(StagePlanning):
                 self.caches, prompt, latents, self.context_noise, token_start, rope_frame_start
             )
 
-    # ---- the loop ------------------------------------------------------------------------------
-    def _noise_like(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return loop.noise_like(x, generator)
-
+    # ---- the sampler ---------------------------------------------------------------------------
     def denoise_chunk(
         self,
         chunk_index: int,
@@ -373,38 +366,18 @@ class CausalDenoisingStage(StagePlanning):
     ) -> torch.Tensor:
         """Denoise one chunk's noise ``x`` ``[B, C, F, h, w]``; its clean latents (float32).
 
-        The DMD loop (`causalkv.stages.loop.denoise_dmd`): each step predicts
-        ``x0 = x - sigma * pred`` and re-noises it to the next sigma with ``generator``.
-        Stages with another sampler override this.
+        The DMD sampler: each step predicts ``x0 = x - sigma * pred`` and re-noises it to the
+        next sigma with ``generator``. Stages with another sampler override this.
         """
-        return loop.denoise_dmd(
-            self, chunk_index, prompt, x, token_start, rope_frame_start,
-            generator=generator, on_forward=on_forward,
-        )
-
-    def check_finite(self, x0: torch.Tensor, chunk_index: int, num_chunks: int) -> None:
-        """`NonFiniteLatentsError` when chunk ``chunk_index``'s clean latents hold NaN or inf
-        (one host sync per chunk): the run stops there instead of writing a black video."""
-        loop.check_finite(self, x0, chunk_index, num_chunks)
-
-    def generate(
-        self,
-        noise: torch.Tensor,
-        chunk_prompts: Sequence[str],
-        *,
-        generator: torch.Generator,
-        on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
-        on_forward: Callable[[ForwardRecord], None] | None = None,
-    ) -> GenerationResult:
-        """Generate every chunk of ``noise`` ``[B, C, F, h, w]`` (one prompt per chunk).
-
-        Each chunk: ``len(timesteps)`` denoising calls (the first advances the caches, the
-        rest rewrite), then the context pass (`causalkv.stages.loop.run_chunks`).
-        ``generator`` draws the re-noising noise, so a seed fixes the whole run.
-        ``on_chunk_done(i, stats)`` runs after each chunk with its `ChunkStats`;
-        ``on_forward`` sees every transformer call (`ForwardRecord`).
-        """
-        return loop.run_chunks(
-            self, noise, chunk_prompts, generator=generator, on_chunk_done=on_chunk_done,
-            on_forward=on_forward,
-        )
+        x0 = x
+        steps = len(self.timesteps)
+        for j in range(steps):
+            t, sigma = self.timesteps[j], self.sigmas[j]
+            pred = self.predict(prompt, x, t, token_start, rope_frame_start)
+            x0 = x - sigma * pred
+            if on_forward is not None:
+                on_forward(ForwardRecord(chunk_index, j, t, x, pred, token_start, rope_frame_start))
+            if j + 1 < steps:
+                s_next = self.sigmas[j + 1]
+                x = (1.0 - s_next) * x0 + s_next * noise_like(x0, generator)
+        return x0

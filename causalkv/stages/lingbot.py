@@ -35,7 +35,8 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.options import Options, StageOptions, option
-from causalkv.stages.base import CausalDenoisingStage, StreamSettings
+from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.settings import StreamSettings
 
 __all__ = [
     "MOTION_LETTERS",

@@ -41,7 +41,7 @@ class LongLiveStage(CausalDenoisingStage):
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         previous, self._last_prompt = self._last_prompt, prompt
-        if previous is None or previous == prompt or not self._cache_frames:
+        if previous is None or previous == prompt or not self.loop.cache_frames:
             return
         self.recache(prompt, latents)
         self.recache_events.append(chunk_index)
@@ -53,7 +53,8 @@ class LongLiveStage(CausalDenoisingStage):
         )
         tpf = self.settings.tokens_per_frame
         slots = sorted({f for a, b in view.position_ranges for f in range(a // tpf, (b - 1) // tpf + 1)})
-        return [self._cache_frames[s] for s in slots]
+        held = self.loop.cache_frames
+        return [held[s] for s in slots]
 
     @torch.no_grad()
     def recache(self, prompt: str, latents: torch.Tensor) -> None:
@@ -61,12 +62,11 @@ class LongLiveStage(CausalDenoisingStage):
         frames = self.recache_frames()
         for cs in self.cache_sets():
             cs.reset()
-        super()._reset_stream()
-        fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
+        self.loop.restart()
         with self.context_scope():  # every re-cache write is context
-            self._recache_groups(prompt, latents, frames, fpc, tpf)
+            self._recache_groups(prompt, latents, frames, self.settings.frames_per_chunk)
 
-    def _recache_groups(self, prompt, latents, frames, fpc: int, tpf: int) -> None:
+    def _recache_groups(self, prompt, latents, frames, fpc: int) -> None:
         for _, group in groupby(frames, key=lambda fr: fr[0] // fpc):
             piece = list(group)
             idx = [f for f, _ in piece]
@@ -79,9 +79,8 @@ class LongLiveStage(CausalDenoisingStage):
                 s = self.context_noise / 1000.0
                 gen = torch.Generator(device="cpu").manual_seed(self.server_args.seed + idx[0])
                 x_ctx = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
-            self._forward(self.caches, prompt, x_ctx, self.context_noise, self._token_end, rope0)
-            self._token_end += len(idx) * tpf
-            self._cache_frames.extend(piece)
+            self._forward(self.caches, prompt, x_ctx, self.context_noise, self.loop.token_end, rope0)
+            self.loop.extend(piece)
 
 
 #: LongLive 1.0 (Wan 2.1 1.3B class): 3-frame sink, 12-frame window incl. the sink

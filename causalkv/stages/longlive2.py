@@ -23,7 +23,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
   request gives none (a key of the family's ``causalkv.json`` record `LongLive2Config`).
 - Sampler: the seed runtime's ``FlowUniPCMultistepScheduler(num_train_timesteps=1000,
   shift=1, use_dynamic_shifting=False)``, reset per chunk with ``set_timesteps(steps,
-  shift=flow_shift)``. Its diffusers equivalent (`make_scheduler`, `unipc_sigmas`)::
+  shift=flow_shift)``. Its diffusers equivalent (`scheduler_spec`, `unipc_sigmas`)::
 
       UniPCMultistepScheduler(num_train_timesteps=1000, solver_order=2,
           prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=model.shift,
@@ -57,7 +57,9 @@ from causalkv.config import ModelConfig, ServerArgs, check_prompts, check_text
 from causalkv.errors import ConfigError, check_int
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.options import Options, StageOptions, option
-from causalkv.stages.base import CacheSet, CausalDenoisingStage, ForwardRecord, GenerationResult
+from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.cache_sets import CacheSet
+from causalkv.stages.records import ForwardRecord
 from causalkv.stages.scheduler import SchedulerSpec
 
 __all__ = [
@@ -304,7 +306,7 @@ class LongLive2Stage(CausalDenoisingStage):
 
     options: ShotRequest  # the request's record (the registration declares it)
 
-    #: the layout of the request being generated (set by `generate`)
+    #: the layout of the request being generated (set by `begin_request`)
     layout: ShotLayout | None = None
 
     @classmethod
@@ -461,11 +463,9 @@ class LongLive2Stage(CausalDenoisingStage):
         #: RoPE start frame of each chunk generated so far
         self.rope_frame_starts: list[float] = []
 
-    @torch.no_grad()
-    def generate(self, noise: torch.Tensor, chunk_prompts: Sequence[str], **kwargs: Any) -> GenerationResult:
-        """The base loop over ``chunk_prompts`` (a `ShotPlan`, or a plain list: see `layout_of`)."""
+    def begin_request(self, chunk_prompts: Sequence[str]) -> None:
+        """The request's layout: of ``chunk_prompts`` (a `ShotPlan`, or a plain list: see `layout_of`)."""
         self.layout = layout_of(chunk_prompts, self.server_args)
-        return super().generate(noise, chunk_prompts, **kwargs)
 
     @classmethod
     def planned_rope_frame_starts(

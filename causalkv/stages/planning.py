@@ -5,13 +5,14 @@ class-level half: the capabilities the resolver reads (QVG, multi-shot, CFG, the
 features a request needs), the family's option records, the sampler it drives (as data,
 `SchedulerSpec`), the effective stream settings, and request planning (one prompt per chunk,
 the planned RoPE starts) with its validation. A subclass overrides any of these classmethods;
-nothing here needs weights, a device or the runtime.
+nothing here needs weights, a device or the runtime, and nothing reads or writes a stage
+instance (the run time is `CausalDenoisingStage`, the chunk loop `causalkv.stages.loop.ChunkLoop`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from causalkv.config import check_prompts
 from causalkv.errors import ConfigError, check_int
@@ -114,11 +115,6 @@ class StagePlanning:
         scheduler with the model's shift (the DMD loop reads its ``sigmas``/``timesteps``).
         Stages with another sampler (LongLive 2.0: UniPC) override this."""
         return flow_match(model.shift)
-
-    @classmethod
-    def make_scheduler(cls, model: ModelConfig) -> Any:
-        """A new scheduler of `scheduler_spec` (the host builds one per stage)."""
-        return cls.scheduler_spec(model).build()
 
     @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
