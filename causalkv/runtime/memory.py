@@ -41,7 +41,6 @@ share), the text cross-attention cache, weights and activations.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -64,6 +63,7 @@ from causalkv.caches.qvg.policy import (
 )
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
+from causalkv.runtime.model_config import read_json
 from causalkv.sglang.slots import SlotMap, SlotState, plan_write, visible_slots
 
 __all__ = [
@@ -410,19 +410,6 @@ def format_bytes(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Models: built in, or read from a local folder's config
 # ---------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    fix = "restore the file (re-download or re-convert the model)"
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}; {fix}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path} ({type(exc).__name__}: {exc}); {fix}") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{path} must hold a JSON object, it holds a {type(obj).__name__}; {fix}")
-    return obj
-
-
 def _family_defaults(model_class: str | None) -> Mapping[str, Any]:
     """The stream defaults of the stage registration serving ``model_class`` (``{}`` if none)."""
     if not model_class:
@@ -458,14 +445,14 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
             f"model folder {str(folder)!r} has no transformer/config.json; pass a diffusers or "
             "sglang model folder (model_index.json, transformer/, vae/)"
         )
-    tcfg = _read_json(tcfg_path)
+    tcfg = read_json(tcfg_path)
     vae_path = folder / "vae" / "config.json"
-    vae = _read_json(vae_path) if vae_path.is_file() else {}
+    vae = read_json(vae_path) if vae_path.is_file() else {}
     index_path = folder / "model_index.json"
-    index = _read_json(index_path) if index_path.is_file() else {}
+    index = read_json(index_path) if index_path.is_file() else {}
     model_class = index.get("_class_name") if isinstance(index.get("_class_name"), str) else None
     ck_path = folder / "causalkv.json"
-    user = _read_json(ck_path) if ck_path.is_file() else {}
+    user = read_json(ck_path) if ck_path.is_file() else {}
     where = str(tcfg_path)
     fix = "restore the file (re-download or re-convert the model)"
 

@@ -47,6 +47,7 @@ __all__ = [
     "model_ref",
     "preset_choices",
     "preset_info",
+    "read_json",
     "preset_transformer_config",
     "resolve_preset",
 ]
@@ -254,8 +255,9 @@ class ModelInfo:
         return 1 + self.vae_scale_temporal * (latent_frames - 1)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; `ModelFolderError` for anything else."""
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a model folder's config file); `ModelFolderError` naming the
+    file and the fix for anything else."""
     fix = "restore the file (re-download or re-convert the model)"
     try:
         obj = json.loads(path.read_text())
@@ -488,16 +490,16 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
             f"tokenizer/) plus an optional {CAUSALKV_FILE} (see docs/usage.md)"
         )
     causalkv_path = folder / CAUSALKV_FILE
-    index = _read_json(folder / "model_index.json")
+    index = read_json(folder / "model_index.json")
     model_class = index.get("_class_name") if isinstance(index, dict) else None
     registry = _registry(pm, registry)
     defaults, config = family_of(registry, model_class) if isinstance(model_class, str) else (None, None)
     return model_info_from_dicts(
         str(folder),
         index,
-        _read_json(folder / "transformer" / "config.json"),
-        _read_json(folder / "vae" / "config.json"),
-        _read_json(causalkv_path) if causalkv_path.exists() else None,
+        read_json(folder / "transformer" / "config.json"),
+        read_json(folder / "vae" / "config.json"),
+        read_json(causalkv_path) if causalkv_path.exists() else None,
         path=folder,
         defaults=defaults,
         config=config,
@@ -554,7 +556,7 @@ def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | No
         cfg = folder / "transformer" / "config.json"
         if not cfg.is_file():
             return None
-        value = _read_json(cfg).get("attention_head_dim")
+        value = read_json(cfg).get("attention_head_dim")
     return value if _is_int(value) and value > 0 else None
 
 
