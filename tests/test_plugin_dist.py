@@ -13,15 +13,13 @@ subcommands' imports do not slow these subprocesses down.)
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plugin_dists import environment, install
 
-DIST = Path(__file__).parent / "plugin_dist" / "causalkv-example-plugin"
 ENTRY_POINTS = {"example", "broken", "misspelled"}
 RUNNER = (
     "import argparse, sys\n"
@@ -36,23 +34,11 @@ RUNNER = (
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The pip --target folder holding the installed example distribution."""
-    root = tmp_path_factory.mktemp("plugin-dist")
-    src = root / "src"
-    # build from a copy: pip's in-tree build would leave build/ and *.egg-info in tests/
-    shutil.copytree(DIST, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    target = root / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    return target
+    return install("causalkv-example-plugin", tmp_path_factory.mktemp("plugin-dist"))
 
 
 def causalkv(site: Path, *argv: str, **env_vars: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALKV_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-    env.update(env_vars)
+    env = environment(site, **env_vars)
     return subprocess.run(
         [sys.executable, "-c", RUNNER, *argv],
         capture_output=True, text=True, timeout=120, env=env,

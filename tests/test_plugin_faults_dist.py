@@ -12,36 +12,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plugin_dists import environment, install
 
-DIST = Path(__file__).parent / "plugin_dist" / "causalkv-faulty-plugin"
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faulty-dist")
-    src = root / "src"
-    shutil.copytree(DIST, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    target = root / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    return target
+    return install("causalkv-faulty-plugin", tmp_path_factory.mktemp("faulty-dist"))
 
 
 def causalkv(site: Path, *argv: str, **env_vars: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALKV_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env["CAUSALKV_HOME"] = os.environ.get("CAUSALKV_HOME", "")
-    env.update(env_vars)
+    env = environment(site, ROOT, CAUSALKV_HOME=os.environ.get("CAUSALKV_HOME", ""), **env_vars)
     return subprocess.run([sys.executable, "-m", "causalkv", *argv], capture_output=True, text=True,
                           timeout=300, env=env)
 

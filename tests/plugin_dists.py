@@ -1,0 +1,39 @@
+"""The test plugin distributions of ``tests/plugin_dist``, pip-installed the way a user installs
+a plugin (no network): `install` builds one from a copy (pip's in-tree build would leave
+``build/`` and ``*.egg-info`` in tests/) into a ``--target`` folder, which a subprocess then
+puts on its PYTHONPATH (`environment`), so discovery goes through importlib.metadata exactly
+as for an installed plugin."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def install(name: str, root: Path) -> Path:
+    """Install ``tests/plugin_dist/<name>`` into ``root/site``; that folder."""
+    src = root / "src"
+    shutil.copytree(HERE / "plugin_dist" / name, src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    return target
+
+
+def environment(site: Path, *paths: Path, **env_vars: str) -> dict[str, str]:
+    """This process's environment without ``CAUSALKV_*`` settings, with ``site`` (then
+    ``paths``) first on PYTHONPATH, and ``env_vars``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAUSALKV_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(site), *map(str, paths), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(env_vars)
+    return env
