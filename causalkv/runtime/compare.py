@@ -91,6 +91,17 @@ def compare_unquantized(
     }
 
 
+def bytes_ratio(reference: int, measured: int) -> str:
+    """``"4.00x smaller"`` when ``measured`` holds less than ``reference``, ``"1.07x larger"``
+    when more (a peak that one call's buffer lifts above the reference on a model of few
+    layers), ``"same"`` when equal."""
+    if measured == reference:
+        return "same"
+    if measured < reference:
+        return f"{reference / max(1, measured):.2f}x smaller"
+    return f"{measured / max(1, reference):.2f}x larger"
+
+
 def compare_table(metrics: dict[str, Any]) -> str:
     """The end-of-run summary of a ``--compare-bf16`` run: the cache each setting ran on, KV
     bytes, latent PSNR and seconds per chunk of the quantized run next to the unquantized
@@ -115,9 +126,9 @@ def compare_table(metrics: dict[str, Any]) -> str:
     rows = [
         ("", ref_name, quant, "ratio"),
         ("causalkv cache", cache("reference_"), cache(""), ""),
-        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", f"{ref_b / max(1, q_b):.2f}x smaller"),
+        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", bytes_ratio(ref_b, q_b)),
         ("KV bytes (peak: all layers, scratch, one call's buffer)", f"{ref_p:,}", f"{q_p:,}",
-         f"{ref_p / max(1, q_p):.2f}x smaller"),
+         bytes_ratio(ref_p, q_p)),
         ("latent PSNR vs off (*)", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
     ]
     ref_s, q_s = metrics.get("reference_seconds_per_chunk_best"), metrics.get("seconds_per_chunk_best")

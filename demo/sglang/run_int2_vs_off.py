@@ -29,6 +29,7 @@ from pathlib import Path
 
 from longlive2_request import GEOMETRY, SHOTS, cli_args, psnr, read_video, run_cli, summaries
 
+from causalkv.runtime.compare import bytes_ratio
 from causalkv.runtime.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
 
 #: the two settings, as ``sglang generate --kv-cache-quant`` values
@@ -78,14 +79,17 @@ def main(argv: list[str]) -> int:
         ("", "off", "int2", "ratio"),
         ("KV cache class", f"sglang {r['cache']}", f"causalkv {q['cache']}", ""),
         ("KV bytes (peak over the request: all layers,", f"{r_p:,}", f"{q_p:,}",
-         f"{r_p / max(1, q_p):.2f}x smaller"),
+         bytes_ratio(r_p, q_p)),
         (" the chunk scratch, one call's buffer)", "", "", ""),
-        ("KV bytes (resident, end)", f"{r_b:,}", f"{q_b:,}", f"{r_b / max(1, q_b):.2f}x smaller"),
+        ("KV bytes (resident, end)", f"{r_b:,}", f"{q_b:,}", bytes_ratio(r_b, q_b)),
         ("sglang's dense cache allocates", f"{dense:,}", f"{dense:,}", ""),
         ("frame PSNR vs off (*)", "-", "identical" if p == float("inf") else f"{p:.1f} dB", ""),
         ("pinned shot sink (tokens)", r["pinned_tokens"], q["pinned_tokens"], ""),
         ("packed chunks per layer", r["packed_chunks"], q["packed_chunks"], ""),
     ]))
+    print("The tiny checkpoint has 2 layers, so one layer's gathered window (in the int2 peak) is "
+          "half of what all its layers hold; at LongLive 2.0's 30 layers it is 1/30 "
+          "(benchmarks/sglang_bridge.py --layers, docs/benchmarks.md).")
     print("(*) the weights are random: the PSNR says how far int2's frames drift from off's on "
           "the same seed, not how good either video is.\nNo time row: one request per process "
           "on a shared CPU times nothing comparable; benchmarks/sglang_bridge.py times both "
