@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from longlive2_request import SGLANG, SHOTS, fields
+from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields
 from longlive2_request import summaries as request_summaries
+
+from causalkv.runtime.memory import MemoryRequest, plan_memory, read_model_geometry
 
 #: what `realtime_probe` prints (its lines quote a summary line, which `summaries` skips)
 PROBE_PREFIX = "causalkv test probe: "
@@ -247,3 +249,16 @@ def realtime_stream(port: int, init: dict, *, timeout: float = 300) -> RealtimeS
             out.closed = "no close frame" if frame is None else f"{frame.code} {frame.reason}"
     out.chunks = [np.concatenate(parts[i]) for i in sorted(parts)]
     return out
+
+
+# ---- `causalkv memory` against a run's summary line -----------------------------------------
+def planner_matches(longlive2_checkpoint, log: str, setting: str) -> None:
+    """The planner's row for ``setting`` on the folder (the end-to-end two-shot request)
+    equals the summary line of ``log``: peak, resident and dense bytes."""
+    (s,) = summaries(log)
+    geom = read_model_geometry(longlive2_checkpoint)
+    req = MemoryRequest(height=GEOMETRY["height"], width=GEOMETRY["width"],
+                        frames=GEOMETRY["num_frames"], shots=len(SHOTS["shot_prompts"]))
+    (row,) = plan_memory(geom, req, settings=[setting]).rows
+    assert (int(s["peak_bytes"]), int(s["resident_bytes"]), int(s["dense_bytes"])) == (
+        row.peak_bytes, row.kv_bytes, row.dense_bytes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from e2e import serving_lines, summaries
+from e2e import planner_matches, serving_lines, summaries
 from longlive2_request import GEOMETRY, psnr, read_video, run_cli
 
 pytestmark = pytest.mark.slow
@@ -40,6 +40,14 @@ def test_int2_runs_on_causalkvs_caches_and_the_log_says_so(cli_runs):
     assert int(s["pinned_tokens"]) > 0  # the second shot's scene cut was pinned
     frames = read_video(video)
     assert frames.shape == SHAPE and frames.dtype == np.uint8 and frames.std() > 0
+
+
+def test_causalkv_memory_on_the_folder_equals_the_int2_summary(cli_runs, longlive2_checkpoint):
+    """`causalkv memory` at sglang's defaults, from the folder's config, gives this run's
+    logged peak, resident and dense bytes to the byte (test_memory_planner_e2e)."""
+    rc, log, _ = cli_runs["int2"]
+    assert rc == 0, log[-3000:]
+    planner_matches(longlive2_checkpoint, log, "int2-default")
 
 
 def test_bridge_off_is_stock_sglang_silently_dense_and_causalkv_warns(cli_runs):
