@@ -41,6 +41,7 @@ from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan, PluginSet
 from causalkv.runtime.report import cache_description, describe_plan, describe_stream, run_report
 from causalkv.runtime.run import run_plan
+from causalkv.runtime.text import warn_line
 from causalkv.runtime.write import write_files
 from causalkv.stages.records import ChunkStats
 
@@ -116,13 +117,9 @@ def generate(
 
 
 def warn(line: str) -> None:
-    """One ``causalkv: warning:`` line on stderr (rank 0 alone)."""
-    if not is_main_rank():
-        return
-    try:
-        print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone
-        pass
+    """One ``causalkv: warning:`` line on stderr, from rank 0 alone (`warn_line` prints it)."""
+    if is_main_rank():
+        warn_line(line)
 
 
 def unused_cache_settings(plan: Plan, metrics: dict[str, Any]) -> str | None:
