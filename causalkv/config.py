@@ -1,4 +1,4 @@
-"""`ModelConfig` and `ServerArgs`: what the resolver and the stages read, before any weights load.
+"""`ModelConfig`, `ModelRef` and `ServerArgs`: what the resolver and the stages read, before any weights load.
 
 A torch-free leaf module, so hooks, plugins, stages and the runtime share these records without
 import cycles and a plugin author imports it without loading torch. It imports only
@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, InvalidTypeError, check_int
 from causalkv.options import Options
 
-__all__ = ["DTYPES", "ModelConfig", "ServerArgs", "check_prompts", "check_text"]
+__all__ = ["DTYPES", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
 
 R = TypeVar("R", bound=Options)
 
@@ -134,6 +134,50 @@ class ModelConfig:
 #: `ModelConfig` fields no override may change: the model's identity and its weights' geometry
 _NOT_OVERRIDES = frozenset({"name", "model_class", "path", "options", "num_layers", "num_heads", "head_dim",
                             "tokens_per_frame"})
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What resolution knows about a model before loading it (no file read to build one).
+
+    Attributes:
+        name: the preset or model name, the folder path, or ``ModelConfig.name``.
+        model_class: the diffusers ``_class_name`` (None for a bare model name).
+        keys: names matched against ``StageRegistration.models``, in preference order.
+        config: the `ModelConfig` when one was given, else None.
+        source: how the model was read (for the resolution's reasons).
+    """
+
+    name: str
+    model_class: str | None
+    keys: tuple[str, ...]
+    config: ModelConfig | None
+    source: str
+
+    @classmethod
+    def of(cls, model: str | ModelConfig | ModelRef) -> ModelRef:
+        """The reference for a model name (matched as is), a `ModelConfig` (matched on
+        ``model_class``, then ``name``) or a `ModelRef` (returned as is). A diffusers-format
+        folder is read by `causalkv.runtime.model_config.model_ref`.
+
+        Raises:
+            InvalidTypeError: ``model`` of another type.
+        """
+        if isinstance(model, ModelRef):
+            return model
+        if isinstance(model, ModelConfig):
+            keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
+            return cls(model.name, model.model_class, keys, model, "model config")
+        if not isinstance(model, str):
+            raise InvalidTypeError(f"model must be a model name, a ModelConfig or a ModelRef, got {model!r}")
+        return cls(model, None, (model,), None, "model name")
+
+    @property
+    def label(self) -> str:
+        """The name, with the pipeline class when it differs: ``"path (WanPipeline)"``."""
+        if self.model_class and self.model_class != self.name:
+            return f"{self.name} ({self.model_class})"
+        return self.name
 
 
 #: dtypes a request may name

@@ -1,6 +1,7 @@
 """The plugin layer on pluggy's own machinery: the per-plugin caller, validation, name claims.
 
-- The registries, `configure_stage` and `ObserverHook` (the host's observer hooks) use one
+- The registries and the host's run-time hook calls (`causalkv.runtime.hook_calls`:
+  `configure_stage`, `ObserverHook`) use one
   helper, `plugin_callers`: `ObserverHook` visits the plugins in the very order pluggy's own
   hook call does (``tryfirst``/``trylast`` included), `plugin_callers` lists them in the
   reverse (registration order), and a raising implementation is pinned on its plugin.
@@ -27,9 +28,10 @@ import causalkv
 from causalkv.hooks import hookimpl
 from causalkv.plugin import PluginSetAsideError, collect, make_plugin_manager
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME
-from causalkv.plugin.calls import ObserverHook, plugin_callers
+from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import PluginHookError
 from causalkv.plugin.testing import temporary_plugin
+from causalkv.runtime.hook_calls import ObserverHook
 
 
 def _observer(name: str, seen: list[str], **opts):

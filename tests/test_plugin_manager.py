@@ -21,7 +21,6 @@ from causalkv.plugin import (
     PluginHookError,
     ResolutionError,
     collect,
-    configure_stage,
     get_plugin_manager,
     make_plugin_manager,
     reset_plugin_manager,
@@ -30,6 +29,7 @@ from causalkv.plugin import (
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
 from causalkv.plugin.manager import PluginSettings
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+from causalkv.runtime.hook_calls import configure_stage
 from causalkv.stages.longlive import LongLiveStage
 
 BUILTIN_CACHES = ("dense", "qvg")
@@ -174,18 +174,19 @@ def fake_plugins(monkeypatch):
 
 
 def _load(env, eps):
-    reports = []
-    pm = make_plugin_manager(env=env, entry_points=eps, report=reports.append)
+    lines = []
+    pm = make_plugin_manager(env=env, entry_points=eps, warn=lines.append)
     names = sorted(
         n for n, p in pm.list_name_plugin() if p is not None and n != BUILTIN_PLUGIN_NAME
     )
-    return pm, names, reports
+    failures = [f"causalkv: warning: {f}" for f in pm.load_failures]
+    assert lines[:len(failures)] == failures  # one line each, before any env var warning
+    return pm, names, pm.load_failures
 
 
 def test_broken_plugins_are_reported_and_skipped(fake_plugins):
     pm, names, reports = _load({}, fake_plugins)
     assert names == ["alpha", "beta"]
-    assert reports == pm.load_failures
     by_name = {f.name: f for f in reports}
     assert set(by_name) == {"badargs", "missing"}
     assert by_name["missing"].error.startswith("ModuleNotFoundError:")

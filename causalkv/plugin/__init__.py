@@ -7,7 +7,6 @@
 The contract plugin authors implement is `causalkv.hooks`; docs/plugins.md is the guide.
 """
 
-from causalkv.plugin.calls import configure_stage
 from causalkv.plugin.errors import (
     PluginConflictError,
     PluginHookError,
@@ -23,10 +22,10 @@ from causalkv.plugin.manager import (
     reset_plugin_manager,
 )
 from causalkv.plugin.registry import Registry, collect
-from causalkv.plugin.resolver import ModelRef, Resolution, resolve
+from causalkv.plugin.resolver import Resolution, resolve
 
 __all__ = [
-    "CausalKVPluginManager", "ModelRef", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
-    "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect", "configure_stage",
+    "CausalKVPluginManager", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
+    "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect",
     "get_plugin_manager", "make_plugin_manager", "reset_plugin_manager", "resolve",
 ]

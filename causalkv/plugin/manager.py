@@ -108,7 +108,6 @@ class CausalKVPluginManager(pluggy.PluginManager):
         load_failures: plugins set aside while loading (import, validation, a claimed name).
         missing_allowed: names in ``CAUSALKV_PLUGINS`` that matched no installed plugin.
         settings: the env var controls this manager was built under.
-        reported: the lines this manager printed on stderr while it was built, in order.
     """
 
     def __init__(self, settings: PluginSettings | None = None) -> None:
@@ -117,7 +116,6 @@ class CausalKVPluginManager(pluggy.PluginManager):
         self.settings = settings or PluginSettings()
         self.load_failures: list[PluginLoadFailure] = []
         self.missing_allowed: tuple[str, ...] = ()
-        self.reported: list[str] = []
 
     @property
     def distributions(self) -> dict[str, str]:
@@ -160,10 +158,10 @@ class CausalKVPluginManager(pluggy.PluginManager):
         self.register(plugin, name=name)
         return name
 
-    def load_entry_points(self, eps: Iterable[EntryPoint], report: Callable[[PluginLoadFailure], None]) -> None:
+    def load_entry_points(self, eps: Iterable[EntryPoint]) -> None:
         """Import and register the wanted entry points of group ``causalkv``; each one that
         fails to import or validate, or claims a name another holds, is set aside (recorded in
-        ``load_failures`` and passed to ``report``) while the others load."""
+        ``load_failures``) while the others load."""
         eps = [ep for ep in eps if ep.group == ENTRY_POINT_GROUP]
         wanted = [ep for ep in eps if self.settings.wants(ep) and not self.is_blocked(ep.name)]
         # blocked ones claim nothing: two distributions declaring one name, one blocked, load
@@ -180,27 +178,31 @@ class CausalKVPluginManager(pluggy.PluginManager):
                     self.register(ep.load(), name=ep.name)
             except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the host down
                 fix = f"uninstall one, or block one distribution with {ENV_BLOCK}=<its name>" if why else None
-                failure = PluginLoadFailure(ep.name, distribution_of(ep)[1], f"{type(exc).__name__}: {exc}", fix)
-                self.load_failures.append(failure)
-                report(failure)
-        if self.settings.allow is not None:
-            seen = {norm(k) for ep in wanted for k in (ep.name, distribution_of(ep)[0]) if k}
-            self.missing_allowed = tuple(sorted(n for n in self.settings.allow if norm(n) not in seen))
+                self.load_failures.append(PluginLoadFailure(ep.name, distribution_of(ep)[1], f"{type(exc).__name__}: {exc}", fix))
+        self.missing_allowed = tuple(_unknown(self.settings.allow or (), _installed(eps)))
+
+
+def _installed(eps: Iterable[EntryPoint]) -> list[str]:
+    """The plugin and distribution names of ``eps`` (of group ``causalkv``), sorted."""
+    eps = [ep for ep in eps if ep.group == ENTRY_POINT_GROUP]
+    return sorted({ep.name for ep in eps} | {d for ep in eps if (d := distribution_of(ep)[0])})
+
+
+def _unknown(names: Iterable[str], known: Iterable[str]) -> list[str]:
+    """``names`` that match none of ``known``, as the env vars match (`norm`), sorted."""
+    return sorted(n for n in names if norm(n) not in {norm(k) for k in known})
 
 
 def unknown_name_warnings(settings: PluginSettings, entry_points: Iterable[EntryPoint]) -> list[str]:
     """One warning per env var whose names match no plugin: ``CAUSALKV_DISABLE_PLUGINS``
     against the built-in plugin and every installed entry point (and its distribution),
     ``CAUSALKV_PLUGINS`` against the installed entry points; each lists the known names."""
-    eps = [ep for ep in entry_points if ep.group == ENTRY_POINT_GROUP]
-    installed = sorted({ep.name for ep in eps} | {d for ep in eps if (d := distribution_of(ep)[0])})
-    out = []
+    installed, out = _installed(entry_points), []
     for var, names, known, effect in (
         (ENV_BLOCK, settings.block, [builtin.BUILTIN_PLUGIN_NAME, *installed], "blocking it does nothing"),
         (ENV_ALLOW, settings.allow or (), installed, "only the installed plugins it names load"),
     ):
-        unknown = sorted(n for n in names if norm(n) not in {norm(k) for k in known})  # as the env vars match
-        if unknown:
+        if unknown := _unknown(names, known):
             listed = ", ".join(known) if known else "none (no causalkv plugin is installed)"
             out.append(
                 f"{NAME}: warning: {var} names {', '.join(repr(n) for n in unknown)}, which no "
@@ -234,7 +236,6 @@ def make_plugin_manager(
     autoload: bool = True,
     env: Mapping[str, str] | None = None,
     entry_points: Iterable[EntryPoint] | None = None,
-    report: Callable[[PluginLoadFailure], None] | None = None,
     warn: Callable[[str], None] | None = warn,
 ) -> CausalKVPluginManager:
     """A fresh manager: the hookspecs, the built-in plugin, then the installed plugins.
@@ -244,11 +245,9 @@ def make_plugin_manager(
             ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD``). Tests pass False.
         env: where the ``CAUSALKV_*`` controls are read (default ``os.environ``).
         entry_points: use these instead of the installed ones (tests).
-        report: called with each plugin set aside (default: its line to ``warn``).
-        warn: called with each line: a plugin set aside (unless ``report`` is given), an env
-            var naming plugins that do not exist (`unknown_name_warnings`).
-
-    Every line is also kept in ``pm.reported``.
+        warn: called with each line (None: silent): a plugin set aside (the records are in
+            ``pm.load_failures``), an env var naming plugins that do not exist
+            (`unknown_name_warnings`).
     """
     settings = PluginSettings.from_env(os.environ if env is None else env)
     pm = CausalKVPluginManager(settings)
@@ -260,17 +259,10 @@ def make_plugin_manager(
         pm.register(builtin, name=builtin.BUILTIN_PLUGIN_NAME)
     if autoload and settings.autoload:
         eps = discover_entry_points() if entry_points is None else tuple(entry_points)
-
-        def say(line: str, failure: PluginLoadFailure | None = None) -> None:
-            pm.reported.append(line)
-            if failure is not None and report is not None:
-                report(failure)
-            elif warn is not None:
-                warn(line)
-
-        pm.load_entry_points(eps, lambda failure: say(f"{NAME}: warning: {failure}", failure))
-        for line in unknown_name_warnings(settings, eps):
-            say(line)
+        pm.load_entry_points(eps)
+        lines = [f"{NAME}: warning: {f}" for f in pm.load_failures] + unknown_name_warnings(settings, eps)
+        for line in lines if warn is not None else ():
+            warn(line)
     return pm
 
 

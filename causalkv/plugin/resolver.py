@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
-from causalkv.config import ModelConfig, ServerArgs
-from causalkv.errors import InvalidTypeError
+from causalkv.config import ModelConfig, ModelRef, ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration
 from causalkv.options import (
     CacheOptions,
@@ -33,49 +32,17 @@ if TYPE_CHECKING:
 
     from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["ModelRef", "Resolution", "resolve"]
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """What resolution knows about the model before loading it.
-
-    Attributes:
-        name: the preset name, the folder path, or ``ModelConfig.name``.
-        model_class: the diffusers ``_class_name`` (None for a bare preset name).
-        keys: names matched against ``StageRegistration.models``, in preference order.
-        config: the `ModelConfig` when one was given, else None.
-        source: how the model was read (for the reasons).
-    """
-
-    name: str
-    model_class: str | None
-    keys: tuple[str, ...]
-    config: ModelConfig | None
-    source: str
-
-    @property
-    def label(self) -> str:
-        if self.model_class and self.model_class != self.name:
-            return f"{self.name} ({self.model_class})"
-        return self.name
+__all__ = ["Resolution", "resolve"]
 
 
 def _model_ref(model: str | ModelConfig | ModelRef) -> ModelRef:
-    """What `resolve` matches for a model name, a `ModelRef` or a `ModelConfig`."""
-    if isinstance(model, ModelRef):
-        return model
-    if isinstance(model, ModelConfig):
-        keys = tuple(dict.fromkeys(k for k in (model.model_class, model.name) if k))
-        return ModelRef(model.name, model.model_class, keys, model, "model config")
-    if not isinstance(model, str):
-        raise InvalidTypeError(f"model must be a model name, a ModelConfig or a ModelRef, got {model!r}")
-    if "/" in model:
+    """What `resolve` matches: `ModelRef.of`, refusing a path (it reads no folder)."""
+    if isinstance(model, str) and "/" in model:
         raise ResolutionError(
             f"model {model!r} is a path: resolve a model folder as "
             f"resolve(causalkv.runtime.model_config.model_ref(path)), or pass a served model name"
         )
-    return ModelRef(model, None, (model,), None, "model name")
+    return ModelRef.of(model)
 
 
 @dataclass(frozen=True)

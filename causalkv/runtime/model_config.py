@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from causalkv.config import ModelConfig
+from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
-from causalkv.plugin import ModelRef, Registry, ResolutionError, collect, get_plugin_manager
+from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
@@ -539,7 +539,7 @@ def model_ref(model: str | Path) -> ModelRef:
             f"model folder {str(model)!r} does not exist (or is not a folder); pass a "
             f"diffusers-format folder with model_index.json, or a served model name"
         )
-    return ModelRef(str(model), None, (str(model),), None, "model name")
+    return ModelRef.of(str(model))
 
 
 def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> int | None:

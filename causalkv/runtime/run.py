@@ -16,7 +16,7 @@ import torch
 
 from causalkv.config import ServerArgs
 from causalkv.plugin import Resolution
-from causalkv.plugin.calls import ObserverHook
+from causalkv.runtime.hook_calls import ObserverHook
 from causalkv.runtime.load import build_stage, load_for_plan, make_parallel
 from causalkv.runtime.loading import Components
 from causalkv.runtime.records import GenerationRun, Plan
@@ -45,7 +45,7 @@ def run_plan(
     the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
     A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
     skipped for the rest of the run, or, with ``strict_plugins``, stops it
-    (`causalkv.plugin.calls.ObserverHook`). ``on_stage`` receives the built stage
+    (`causalkv.runtime.hook_calls.ObserverHook`). ``on_stage`` receives the built stage
     (``causalkv_configure_stage`` applied) before its first chunk.
     """
     pm = plan.plugin_set(pm).pm
