@@ -93,7 +93,7 @@ def test_resolution_matrix(pm, registration, quant, multi_shot):
     assert res.requirements == frozenset(expected_req)
     # dense (priority 10) lacks only quant:qvg; qvg (priority 0) covers everything
     assert res.cache_factory.name == ("dense" if quant == "off" else "qvg")
-    assert res.model_name == model and res.model_class is None
+    assert res.model.name == model and res.model.model_class is None
     assert len(res.reasons) == 4
 
 
@@ -179,7 +179,7 @@ def test_diffusers_folder_matches_its_class_name(pm, tmp_path):
     for model in (folder, str(folder), folder / "model_index.json"):
         res = resolve(model_ref(model), _args("int4"), pm=pm)
         assert res.stage is LongLive2Stage
-        assert res.model_name == str(folder) and res.model_class == "LongLive2Pipeline"
+        assert res.model.name == str(folder) and res.model.model_class == "LongLive2Pipeline"
         assert res.reasons[0] == (
             f"model {folder} (LongLive2Pipeline): matched by {folder / 'model_index.json'} "
             "_class_name"
@@ -214,8 +214,8 @@ def _config(model_class, name="custom", **kw):
 
 def test_model_config_matches_class_then_name(pm):
     res = resolve(_config("CausVidPipeline"), pm=pm)
-    assert res.stage is WanCausalDMDStage and res.model_class == "CausVidPipeline"
-    assert res.model_config is not None and res.model_config.name == "custom"
+    assert res.stage is WanCausalDMDStage and res.model.model_class == "CausVidPipeline"
+    assert res.model.config is not None and res.model.config.name == "custom"
     # an unknown class falls back to a served name
     assert resolve(_config("Unknown", name="tiny-longlive"), pm=pm).stage is LongLiveStage
     with pytest.raises(ResolutionError, match="custom \\(Unknown\\)"):
@@ -370,4 +370,4 @@ def test_resolution_fields(pm):
     res = resolve("tiny-wan", pm=pm)
     assert isinstance(res, Resolution)
     assert (res.stage_plugin, res.cache_plugin) == ("causalkv.builtin", "causalkv.builtin")
-    assert res.model_config is None
+    assert res.model.config is None

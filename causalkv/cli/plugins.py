@@ -124,8 +124,8 @@ def resolution_dict(res: Resolution) -> dict[str, Any]:
     """A JSON-serializable summary of a `Resolution` (``causalkv resolve --json``)."""
     reg = res.stage_registration
     return {
-        "model": res.model_name,
-        "model_class": res.model_class,
+        "model": res.model.name,
+        "model_class": res.model.model_class,
         "stage": {
             "name": res.stage_name,
             "class": f"{res.stage.__module__}:{res.stage.__qualname__}",
@@ -251,7 +251,7 @@ def run_resolve(args: argparse.Namespace) -> int:
         print(json.dumps({**resolution_dict(res), "notes": notes}, indent=2))
         return 0
     d = resolution_dict(res)
-    print(f"model: {res.model_name}" + (f" ({res.model_class})" if res.model_class else ""))
+    print(f"model: {res.model.name}" + (f" ({res.model.model_class})" if res.model.model_class else ""))
     print(f"stage: {d['stage']['name']} ({d['stage']['class']}, plugin {d['stage']['plugin']})")
     print(f"cache: {d['cache']['name']} ({d['cache']['target']}, plugin {d['cache']['plugin']})")
     print(f"requirements: {', '.join(d['requirements']) or 'none'}")

@@ -10,7 +10,7 @@ line, the config parsing and the validation from those records (`causalkv.option
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -76,22 +76,20 @@ class PackingReport(Protocol):
 
 
 def import_object(path: str) -> Any:
-    """Import ``"package.module:Attr"`` (``Attr`` may be dotted: ``"mod:Outer.Inner"``).
+    """Import ``"package.module:Attr"`` (``Attr`` may be dotted: ``"mod:Outer.Inner"``), with
+    the standard library's `pkgutil.resolve_name`.
 
-    Raises ImportError naming the path when the module or the attribute is missing.
+    Raises:
+        ImportPathError: ``path`` is not of that form, or the attribute is missing (naming it).
+        ModuleNotFoundError: the module is missing.
     """
     module_name, sep, qualname = path.partition(":")
     if not sep or not module_name or not qualname:
         raise ImportPathError(f"{path!r} is not a 'package.module:Attribute' import path")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportPathError(
-                f"{path!r}: module {module_name!r} has no attribute {qualname!r}"
-            ) from None
-    return obj
+    try:
+        return pkgutil.resolve_name(path)
+    except AttributeError as exc:
+        raise ImportPathError(f"{path!r}: {exc}") from None
 
 
 def _target(obj: object) -> str:

@@ -109,10 +109,12 @@ class Registry:
         """The cache registered as ``name``; ResolutionError listing the caches otherwise."""
         return self._named("cache", name, self.caches)
 
-    def serving(self, model: str) -> tuple[StageEntry, ...]:
-        """Stages serving ``model``, highest priority first (registration order breaks ties)."""
-        found = [e for e in self.stages if model in e.registration.served]
-        return tuple(sorted(found, key=lambda e: -e.registration.priority))
+    def serving(self, *models: str) -> tuple[StageEntry, ...]:
+        """Stages serving any of ``models``, best first: the highest priority, then the
+        earliest of ``models`` served, then registration order."""
+        found = [e for e in self.stages if set(models) & set(e.registration.served)]
+        first = lambda e: min(models.index(m) for m in models if m in e.registration.served)  # noqa: E731
+        return tuple(sorted(found, key=lambda e: (-e.registration.priority, first(e))))  # stable
 
     def served_models(self) -> list[str]:
         return sorted({m for e in self.stages for m in e.registration.served})
@@ -123,17 +125,16 @@ class Registry:
 
 
 def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
-    items = () if result is None else (result,) if isinstance(result, kind) else result
+    """A registration hook's result (None, one record or an iterable of them) as a tuple."""
     try:
-        items = tuple(items)
-    except TypeError:
+        items = () if result is None else (result,) if isinstance(result, kind) else tuple(result)
+    except TypeError:  # not iterable: refused below
         items = (result,)
-    for item in items:
-        if not isinstance(item, kind):
-            raise InvalidTypeError(
-                f"{hook}() returned {item!r}; expected an iterable of {kind.__name__} records "
-                f"(from causalkv.hooks import {kind.__name__})"
-            )
+    if bad := [item for item in items if not isinstance(item, kind)]:
+        raise InvalidTypeError(
+            f"{hook}() returned {bad[0]!r}; expected an iterable of {kind.__name__} records "
+            f"(from causalkv.hooks import {kind.__name__})"
+        )
     return items
 
 

@@ -54,11 +54,10 @@ class Resolution:
         cache_factory: the chosen cache factory (not built, its module not imported).
         requirements: cache features the stage needs under the server args.
         reasons: human-readable lines explaining each choice.
-        model_name: preset name, folder path or ``ModelConfig.name``.
-        model_class: diffusers ``_class_name``, or None for a bare preset name.
+        model: the model as resolution saw it (its name, ``_class_name`` and `ModelConfig`
+            when one was given).
         stage_registration: the registration that won.
         stage_plugin, cache_plugin: the plugins that registered the stage and the cache.
-        model_config: the `ModelConfig` resolution was given, else None.
         stage_options: the request's record of the stage family's knobs (its defaults when
             the request gives none), or None when the family declares none.
         cache_options: the settings record the chosen cache is built with, or None.
@@ -68,12 +67,10 @@ class Resolution:
     cache_factory: CacheFactory
     requirements: frozenset[str]
     reasons: tuple[str, ...]
-    model_name: str
-    model_class: str | None
+    model: ModelRef
     stage_registration: StageRegistration | None = None
     stage_plugin: str | None = None
     cache_plugin: str | None = None
-    model_config: ModelConfig | None = None
     stage_options: StageOptions | None = None
     cache_options: CacheOptions | None = None
 
@@ -103,11 +100,6 @@ def _refuse_foreign_records(registry: Registry, stage: StageEntry, cache: CacheE
         raise foreign_options_error(record, chosen=chosen, owner=owner, alternative=fix)
 
 
-def _describe_requirement(feature: str, reasons: dict[str, str], stage: str) -> str:
-    why = reasons.get(feature)
-    return f"{feature} ({why})" if why else f"{feature} (declared by stage {stage})"
-
-
 def _stage_list(entries: list[StageEntry]) -> str:
     return "; ".join(e.describe() for e in entries)
 
@@ -116,10 +108,7 @@ def _pick_stage(
     registry: Registry, ref: ModelRef, stage_name: str | None
 ) -> tuple[StageEntry, list[StageEntry]]:
     """The winning stage entry and every entry serving the model (best first)."""
-    serving: list[StageEntry] = []
-    for key in ref.keys:  # model_class before name: a class match wins a priority tie
-        serving += [e for e in registry.serving(key) if e not in serving]
-    serving.sort(key=lambda e: -e.registration.priority)  # stable: keeps the key preference
+    serving = list(registry.serving(*ref.keys))  # model_class before name: a class match wins a tie
     if stage_name is not None:
         entry = registry.stage(stage_name)
         if entry not in serving:
@@ -167,53 +156,46 @@ def _check_stage(entry: StageEntry, serving: list[StageEntry], registry: Registr
 
 
 def _pick_cache(
-    pm: pluggy.PluginManager,
-    registry: Registry,
-    cls: type[CausalDenoisingStage],
-    stage: str,
-    requirements: frozenset[str],
-    args: ServerArgs,
+    pm: pluggy.PluginManager, registry: Registry, stage: StageEntry, requirements: frozenset[str], args: ServerArgs
 ) -> tuple[CacheEntry, str]:
+    """The cache for ``stage`` (forced by ``--cache``, chosen by the hook, or the highest
+    priority among those covering ``requirements``) and the reason line."""
     req = ", ".join(sorted(requirements)) or "none"
     covers = req if requirements else "the requirements (none)"
     missing = {e.name: ", ".join(sorted(e.factory.features().missing(requirements))) for e in registry.caches}
     qualifying = sorted((e for e in registry.caches if not missing[e.name]), key=lambda e: -e.factory.priority)
     lack = "; ".join(f"{name} lacks {m}" for name, m in missing.items() if m)
-
-    def label(e: CacheEntry) -> str:
-        return f"cache {e.name} (plugin {e.plugin}, priority {e.factory.priority})"
-
+    names, tail = ", ".join(f"{e.name} ({e.factory.priority})" for e in qualifying), f"; {lack}" if lack else ""
+    label = lambda e: f"cache {e.name} (plugin {e.plugin}, priority {e.factory.priority})"  # noqa: E731
     if args.cache is not None:
         entry = registry.cache(args.cache)
         if missing[entry.name]:
             ok = ", ".join(e.name for e in qualifying) or "(none)"
             raise ResolutionError(
-                f"cache {args.cache!r} lacks {missing[entry.name]}, which stage {stage} needs "
+                f"cache {args.cache!r} lacks {missing[entry.name]}, which stage {stage.name} needs "
                 f"(requirements: {req}). Caches that qualify: {ok}"
             )
         return entry, f"{label(entry)}: forced by --cache; covers {covers}"
     if not qualifying:
         raise ResolutionError(
-            f"no registered cache covers the requirements of stage {stage} ({req}): "
+            f"no registered cache covers the requirements of stage {stage.name} ({req}): "
             f"{lack or 'no cache is registered'}. Drop the flag that needs the missing feature, "
             f"or install a plugin whose cache provides it."
         )
     chosen = pm.hook.causalkv_select_cache_factory(
-        stage=cls, requirements=requirements, candidates=tuple(e.factory for e in qualifying)
+        stage=stage.load(), requirements=requirements, candidates=tuple(e.factory for e in qualifying)
     )
-    names = ", ".join(f"{e.name} ({e.factory.priority})" for e in qualifying)
-    tail = f"; {lack}" if lack else ""
-    if chosen is not None:
-        chosen_name = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
-        entry = next((e for e in qualifying if e.name == chosen_name), None)
-        if entry is None:
-            raise ResolutionError(
-                f"causalkv_select_cache_factory returned {chosen!r}, which is not one of the "
-                f"qualifying caches for stage {stage}: {', '.join(e.name for e in qualifying)}"
-            )
-        return entry, f"{label(entry)}: chosen by causalkv_select_cache_factory among qualifying {names}{tail}"
-    how = f"highest priority among qualifying {names}" if len(qualifying) > 1 else "the only cache that does"
-    return qualifying[0], f"{label(qualifying[0])}: covers {covers}; {how}{tail}"
+    if chosen is None:
+        how = f"highest priority among qualifying {names}" if len(qualifying) > 1 else "the only cache that does"
+        return qualifying[0], f"{label(qualifying[0])}: covers {covers}; {how}{tail}"
+    chosen_name = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
+    entry = next((e for e in qualifying if e.name == chosen_name), None)
+    if entry is None:
+        raise ResolutionError(
+            f"causalkv_select_cache_factory returned {chosen!r}, which is not one of the "
+            f"qualifying caches for stage {stage.name}: {', '.join(e.name for e in qualifying)}"
+        )
+    return entry, f"{label(entry)}: chosen by causalkv_select_cache_factory among qualifying {names}{tail}"
 
 
 def resolve(
@@ -249,8 +231,7 @@ def resolve(
         ConfigError: an option record whose given values do nothing (`Options.check_used`),
             or one of a stage or cache that was not chosen (naming both).
     """
-    if pm is None:
-        pm = get_plugin_manager()
+    pm = pm if pm is not None else get_plugin_manager()
     args = server_args if server_args is not None else ServerArgs()
     for record in args.options:
         record.check_used()
@@ -269,10 +250,10 @@ def resolve(
     )
     _check_stage(entry, serving, registry, ref, args)
     requirements = frozenset(cls.required_cache_features(args, ref.config))
-    why_needed = args.requirement_reasons(ref.config)
-    described = [_describe_requirement(f, why_needed, reg.name) for f in sorted(requirements)]
+    why = args.requirement_reasons(ref.config)
+    described = [f"{f} ({why.get(f) or f'declared by stage {reg.name}'})" for f in sorted(requirements)]
     reasons.append(f"requirements: {', '.join(described) or 'none'}")
-    cache_entry, why = _pick_cache(pm, registry, cls, reg.name, requirements, args)
+    cache_entry, why = _pick_cache(pm, registry, entry, requirements, args)
     reasons.append(why)
     _refuse_foreign_records(registry, entry, cache_entry, cls, args)
     return Resolution(
@@ -280,12 +261,10 @@ def resolve(
         cache_factory=cache_entry.factory,
         requirements=requirements,
         reasons=tuple(reasons),
-        model_name=ref.name,
-        model_class=ref.model_class,
+        model=ref,
         stage_registration=reg,
         stage_plugin=entry.plugin,
         cache_plugin=cache_entry.plugin,
-        model_config=ref.config,
         stage_options=args.option(reg.options) if reg.options is not None else None,
         cache_options=cache_record_for(cache_entry.factory, args.options),
     )
