@@ -1,0 +1,92 @@
+"""The KV memory planner behind ``causalkv memory``: exact bytes of a request's caches, no tensors.
+
+For a model's geometry (`ModelGeometry`: a built-in one, `BUILTIN_MODELS`, or a local
+diffusers / sglang folder read by its config, `read_model_geometry`) and a request
+(`MemoryRequest`: video size, frames, CFG, shots), `plan_memory` gives per QVG setting
+(`SETTINGS`: ``off``, ``int4-default``, ``int4-recent0``, ``int2-default``,
+``int2-recent0``, ``int2-recent-int4``; the names `benchmarks/sglang_bridge.py` uses) the
+bytes the caches of one stage hold, beside what sglang's dense cache allocates for the same
+request. Nothing is allocated: the bytes of a packed chunk are `packed_nbytes_formula`'s
+(the codec's exact stored bytes), which chunk is held is the host's own position bookkeeping
+(`StreamState` for causalkv's cache, `causalkv.sglang.slots` for the sglang bridge), and which
+chunk gets which tier is the packing policy object's decision (`SGLANG` / `CAUSALKV`), so
+the planner and the caches share one implementation of every rule.
+
+The memory model (docs/design.md, "Memory math"):
+
+- The chunk being generated lives in one scratch buffer shared by every layer of the stage
+  (and by the CFG branch's caches): ``2 x B x chunk_tokens x H x D x itemsize``.
+- After each chunk's context pass a layer's cache holds context only, already trimmed to what
+  the next chunk's advance keeps (the sink, a pinned shot sink, the newest chunks: at most
+  ``cache_tokens - chunk_tokens`` tokens), each chunk at its tier: bf16
+  (``2 x B x n x H x D x itemsize``), packed at the setting's bits, or, with
+  ``recent_tier="int4"``, packed at 4 bits while the policy keeps it for recency (reason
+  ``recent``) or as a sink with ``sink=0`` (reason ``sink``); such a chunk is re-packed at the
+  main bits when it leaves recency. A chunk is packed only if that stores fewer bytes.
+- ``kv_bytes``: the most the caches hold after any chunk's context pass (all layers, all CFG
+  sets) plus the scratch; ``peak_bytes``: the most held at once over the request: per chunk
+  i, the caches (chunk i-1's context during the denoising passes, then layer by layer chunk
+  i's during the context pass) plus the scratch plus one call's buffer: with attention
+  ``gathered`` (sglang's) one layer's visible window as one dense buffer
+  (``2 x B x visible x H x D x itemsize``; the whole window, ``cache_tokens``, once the
+  cache is full), with ``streamed`` (causalkv's `attend`) the largest packed segment
+  decoded alone (`_call_buffers` has the hosts' exact rules); at most ``kv_bytes`` plus the
+  window, equal to it once the window is full and the context no longer changes;
+  ``dense_bytes``: sglang's dense cache,
+  ``layers x sets x 2 x B x cache_tokens x H x D x itemsize``, allocated whole at the start.
+
+Out of scope: sequence-parallel and head-sliced caches (each rank would hold its heads'
+share), the text cross-attention cache, weights and activations.
+
+The modules: `records` (the settings, the request, the stream layout, byte units), `geometry`
+(the built-in models and a folder's config), `layout` (the request's stream and each host's
+position bookkeeping), `plan` (bytes per setting, the plan, the budget search). Import the
+names from this package.
+"""
+
+from causalkv.runtime.memory.geometry import (
+    BUILTIN_MODELS,
+    ModelGeometry,
+    preset_geometry,
+    read_model_geometry,
+    resolve_model,
+)
+from causalkv.runtime.memory.layout import ChunkState, positions, stream_layout
+from causalkv.runtime.memory.plan import MemoryPlan, SettingPlan, plan_memory, plan_setting
+from causalkv.runtime.memory.records import (
+    ATTENTION,
+    DTYPE_BYTES,
+    HOSTS,
+    SETTINGS,
+    MemoryRequest,
+    Setting,
+    StreamLayout,
+    attention_of,
+    format_bytes,
+    parse_bytes,
+)
+
+__all__ = [
+    "ATTENTION",
+    "BUILTIN_MODELS",
+    "DTYPE_BYTES",
+    "HOSTS",
+    "SETTINGS",
+    "ChunkState",
+    "MemoryPlan",
+    "MemoryRequest",
+    "ModelGeometry",
+    "Setting",
+    "SettingPlan",
+    "StreamLayout",
+    "attention_of",
+    "format_bytes",
+    "parse_bytes",
+    "plan_memory",
+    "plan_setting",
+    "positions",
+    "preset_geometry",
+    "read_model_geometry",
+    "resolve_model",
+    "stream_layout",
+]

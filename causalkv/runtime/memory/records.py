@@ -1,0 +1,197 @@
+"""The planner's records: the settings it tabulates, the request, the stream layout, byte units."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.errors import ConfigError
+
+#: bytes per element of the KV dtypes a request may name
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+#: the hosts whose caches the planner models: sglang's stages through the bridge
+#: (`causalkv.sglang.cache.SGLangQVGKVCache`, sglang's packing rule, the centroids as given)
+#: and causalkv's own host (`QVGPackedCausalKVCache`, causalkv's rule, `centroids_for`)
+HOSTS = ("sglang", "causalkv")
+
+#: how a call's attention reads the window it sees: ``gathered`` into one dense buffer
+#: (sglang's attention reads the view's ``k``/``v``: the bridge's default) or ``streamed``, one
+#: packed segment decoded at a time (`causalkv.caches.attend`: causalkv generate's attention)
+ATTENTION = ("gathered", "streamed")
+
+
+def attention_of(host: str, attention: str | None) -> str:
+    """``attention`` checked (`ConfigError`), or the host's own way when None."""
+    if attention is None:
+        return "gathered" if host == "sglang" else "streamed"
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {list(ATTENTION)}, got {attention!r}")
+    return attention
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One QVG setting of the planner's table (the benchmark's names).
+
+    Attributes:
+        name: the row's name.
+        bits: residual bits (None: quantization off).
+        keep_recent_chunks: completed chunks the recency guard keeps out of the main bits.
+        recent_tier: ``"bf16"`` (the chunks the policy keeps dense stay bf16) or ``"int4"``
+            (the ones it keeps for recency, or as sinks with ``sink=0``, are packed at 4 bits).
+        help: one line for ``--help``.
+        sink: the row's own ``--kv-cache-quant-sink`` (None: the request's).
+    """
+
+    name: str
+    bits: int | None
+    keep_recent_chunks: int = 1
+    recent_tier: str = "bf16"
+    help: str = ""
+    sink: bool | None = None
+
+    def quant_args(self, *, sink: bool = True) -> QVGKVQuantArgs:
+        """The cache's settings record (sglang's defaults for everything the row does not set:
+        128 centroids, block 64, 1 stage, symmetric; ``sink`` unless the row sets its own).
+        ``recent_tier`` is passed only where `QVGKVQuantArgs` declares it."""
+        if self.bits is None:
+            return QVGKVQuantArgs()
+        kw: dict[str, Any] = {"bits": self.bits, "keep_recent_chunks": self.keep_recent_chunks,
+                              "sink": sink if self.sink is None else self.sink}
+        if "recent_tier" in QVGKVQuantArgs.specs():
+            kw["recent_tier"] = self.recent_tier
+        return QVGKVQuantArgs(**kw)
+
+
+#: the planner's rows, in table order (names shared with benchmarks/sglang_bridge.py)
+SETTINGS: Mapping[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("off", None, help="the QVG cache with quantization off: every context chunk bf16 "
+                "(the benchmark's row; a run with --kv-cache-quant off keeps the dense cache, "
+                "dense_bytes)"),
+        Setting("int4-default", 4, 1, help="int4, sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("int4-recent0", 4, 0, help="int4, keep-recent 0 (every context chunk packed)"),
+        Setting("int2-default", 2, 1, help="int2, sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("int2-recent0", 2, 0, help="int2, keep-recent 0 (every context chunk packed)"),
+        Setting("int2-recent-int4", 2, 1, "int4",
+                help="int2, keep-recent 1 with the recent chunk held at int4 (recent tier int4)"),
+        Setting("int2-sink0", 2, 1, sink=False,
+                help="int2, sglang's defaults but --kv-cache-quant-sink 0: the sink and the "
+                "pinned shot sink bf16"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """One request, as the planner sees it.
+
+    Attributes:
+        height, width: video size in pixels (None: the model's).
+        frames: video frames (sglang's ``--num-frames``); or ``latent_frames``; or
+            ``seconds`` at ``fps`` (at most one of the three; none: the model's default).
+        cfg: classifier-free guidance on (a second cache set, the negative branch's).
+        shots: shots (LongLive 2.0: each after the first starts with a pinned cut chunk).
+        batch_size: B of the caches.
+        host: ``"sglang"`` (the bridge) or ``"causalkv"`` (causalkv's own host).
+        dtype: the KV dtype (what sglang's dense cache and the bf16 tier store).
+        window_frames: a window override in latent frames (None: the model's).
+        sink: ``--kv-cache-quant-sink``: pack sink chunks (True, sglang's default) or keep
+            them bf16 (or at the recent tier, ``int2-recent-int4``).
+        attention: how a call reads its window (`ATTENTION`; None: the host's way).
+    """
+
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    latent_frames: int | None = None
+    seconds: float | None = None
+    fps: int | None = None
+    cfg: bool = False
+    shots: int = 1
+    batch_size: int = 1
+    host: str = "sglang"
+    dtype: str = "bfloat16"
+    window_frames: int | None = None
+    sink: bool = True
+    attention: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """A request's stream in tokens: what the position bookkeeping runs on.
+
+    Attributes:
+        tokens_per_frame, frames_per_chunk, chunk_tokens: chunk geometry.
+        num_chunks: chunks of the request.
+        latent_frames, video_frames: the request's length.
+        sink_tokens, global_sink_tokens, cache_tokens: one layer's cache (``cache_tokens`` =
+            the window: sglang's cache size).
+        pins: indices of the chunks pinned as shot sinks after their context pass.
+        sets: cache sets (2 with CFG).
+        height, width: pixels.
+    """
+
+    tokens_per_frame: int
+    frames_per_chunk: int
+    num_chunks: int
+    latent_frames: int
+    video_frames: int
+    sink_tokens: int
+    global_sink_tokens: int
+    cache_tokens: int
+    window_frames: int
+    pins: frozenset[int]
+    sets: int
+    height: int
+    width: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.tokens_per_frame * self.frames_per_chunk
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(text: str | int, what: str = "--budget") -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"1.5TiB"``, ``"85899345920"`` -> bytes (`ConfigError` otherwise).
+
+    GiB/MiB/KiB/TiB (and G/M/K/T) are powers of 1024, GB/MB/KB/TB powers of 1000.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{what} {text!r} is not a size; pass a number with a unit such as 80GiB, "
+                "80GB, 512MiB (GiB = 2^30 bytes, GB = 10^9) or a plain byte count"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    nbytes = value * _UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes < 1:
+        raise ConfigError(f"{what} {text!r} must be at least 1 byte; pass e.g. 80GiB")
+    return int(nbytes)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units (``"19.33 GiB"``)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
