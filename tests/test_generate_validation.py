@@ -9,9 +9,11 @@ import pytest
 from runtime_helpers import make_options
 
 from causalkv.capabilities import PINNED_SINK, RECENT_WINDOW
-from causalkv.runtime.plan import plan_generation, split_prompts
+from causalkv.config import ServerArgs
+from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.presets import preset_dir
-from causalkv.stages.longlive2 import SCENE_CUT_PREFIX
+from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.longlive2 import SCENE_CUT_PREFIX, LongLive2Stage
 
 
 @pytest.fixture
@@ -82,10 +84,9 @@ def test_lingbot_requires_recent_window(causalkv_home: str, pm) -> None:
     assert plan.settings.recent_window_frames == 3
 
 
-def test_split_prompts_spreads_chunks_evenly() -> None:
-    assert split_prompts(["a", "b"], 5, scene_cuts=False) == ["a", "a", "a", "b", "b"]
-    assert split_prompts(["a", "b", "c"], 3, scene_cuts=True) == [
-        "a", SCENE_CUT_PREFIX + "b", SCENE_CUT_PREFIX + "c"
-    ]
+def test_plan_chunks_spreads_prompts_evenly() -> None:
+    assert CausalDenoisingStage.plan_chunks(["a", "b"], 5, ServerArgs()) == ["a", "a", "a", "b", "b"]
+    shots = ServerArgs(multi_shot=True)
+    assert LongLive2Stage.plan_chunks(["a", "b", "c"], 3, shots) == ["a", SCENE_CUT_PREFIX + "b", SCENE_CUT_PREFIX + "c"]
     # the seed runtime prefixes every cut, even a prompt that already carries the prefix
-    assert split_prompts(["a", SCENE_CUT_PREFIX + "b"], 2, scene_cuts=True)[1] == 2 * SCENE_CUT_PREFIX + "b"
+    assert LongLive2Stage.plan_chunks(["a", SCENE_CUT_PREFIX + "b"], 2, shots)[1] == 2 * SCENE_CUT_PREFIX + "b"

@@ -15,7 +15,7 @@ from causalkv.runtime.compare import compare_unquantized, latent_psnr_db
 from causalkv.runtime.generate import generate
 from causalkv.runtime.load import build_stage
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo, load_model_info
-from causalkv.runtime.plan import plan_generation, split_prompts
+from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.presets import materialize_preset
 from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, GenerationRun, Plan, PluginSet
 from causalkv.runtime.report import run_report
@@ -39,6 +39,5 @@ __all__ = [
     "plan_generation",
     "run_plan",
     "run_report",
-    "split_prompts",
     "write_outputs",
 ]

@@ -622,8 +622,6 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
 
 #: bytes of every file's floor besides its content (a file system block, headers)
 FILE_OVERHEAD_BYTES = 4096
-#: compatibility name: what was once the fixed floor of every output
-MIN_FREE_BYTES = FILE_OVERHEAD_BYTES
 #: the video floor's compression: an encoded video is at least raw RGB / this (H.264 of the
 #: tiny presets' noise compresses about 14x, of natural video 50-100x; a floor, not a guess)
 VIDEO_FLOOR_COMPRESSION = 200

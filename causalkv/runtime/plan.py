@@ -15,20 +15,17 @@ holds more than the run would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from causalkv.config import ServerArgs, check_prompts
-from causalkv.errors import ConfigError
+from causalkv.config import check_prompts
 from causalkv.plugin import resolve
 from causalkv.runtime.checks import check_before_load, check_request_effect, check_sizes
 from causalkv.runtime.distributed import check_parallel_request
 from causalkv.runtime.model_config import load_model_info
 from causalkv.runtime.records import GenerateOptions, Plan, PluginSet
-from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["plan_generation", "split_prompts"]
+__all__ = ["plan_generation"]
 
 
 def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: PluginSet | None = None) -> Plan:
@@ -82,16 +79,3 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
     plan.chunk_prompts = chunk_prompts
     check_before_load(plan, options)
     return plan
-
-
-def split_prompts(prompts: Sequence[str], num_chunks: int, *, scene_cuts: bool) -> list[str]:
-    """One prompt per chunk, as the base stage splits them; with ``scene_cuts`` as the
-    highest-priority registered multi-shot stage does for a multi-shot request (compatibility
-    wrapper of `CausalDenoisingStage.plan_chunks`)."""
-    stage: type[CausalDenoisingStage] = CausalDenoisingStage
-    if scene_cuts:
-        multi = [e for e in PluginSet.collect().registry.stages if e.supports("multi_shot")]
-        if not multi:
-            raise ConfigError("no registered stage supports multi-shot generation (scene cuts)")
-        stage = max(multi, key=lambda e: e.registration.priority).load()
-    return stage.plan_chunks(prompts, num_chunks, ServerArgs(multi_shot=scene_cuts))
