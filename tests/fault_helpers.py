@@ -29,7 +29,7 @@ runtime_write = importlib.import_module("causalkv.runtime.write")
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "causalkv generate: error: "
 #: the bytes of "an older video": an MP4's first box (``ftyp``), so the check that an output
-#: holds a file of its own kind (`causalkv.runtime.checks.describe_file`) lets a run replace it
+#: holds a file of its own kind (`causalkv.runtime.file_checks.describe_file`) lets a run replace it
 OLD_VIDEO = b"\x00\x00\x00\x18ftypisom an older video"
 #: what a traceback or a C++ stack dump prints; none may reach stderr without --debug
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s+File \"|frame #\d+|Exception raised from", re.M)

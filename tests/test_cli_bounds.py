@@ -44,7 +44,7 @@ from causalkv.caches.demo import DemoConfig
 from causalkv.cli import demo as demo_cli
 from causalkv.cli.signals import Terminated
 from causalkv.errors import ConfigError
-from causalkv.runtime import checks, presets, sglang_checkpoints
+from causalkv.runtime import checks, file_checks, presets, sglang_checkpoints
 from causalkv.runtime.generate import plan_generation, unused_cache_settings
 from causalkv.runtime.text import PromptEncoder, build_byte_tokenizer
 
@@ -293,7 +293,7 @@ def test_a_preset_build_that_cannot_write_is_one_line_exit_1(
     (5, "Input/output error"),  # EIO: the errno's own text
 ])
 def test_file_system_errors_are_named_in_words_a_user_can_act_on(code: int, reason: str, tmp_path: Path) -> None:
-    assert checks.fs_error_reason(OSError(code, os.strerror(code)), tmp_path) == reason
+    assert file_checks.fs_error_reason(OSError(code, os.strerror(code)), tmp_path) == reason
 
 
 @pytest.mark.parametrize(("flag", "name", "content", "held", "expected"), [
@@ -324,16 +324,16 @@ def test_an_output_holding_another_kind_of_file_is_refused_unless_forced(
     )
     assert target.read_bytes() == before
     with pytest.raises(ConfigError, match="exists and holds"):
-        checks.check_no_other_work(flag, target, force=False)
-    checks.check_no_other_work(flag, target, force=True)  # --force: accepted
+        file_checks.check_no_other_work(flag, target, force=False)
+    file_checks.check_no_other_work(flag, target, force=True)  # --force: accepted
 
 
 def test_the_previous_runs_files_are_replaced_without_force(tmp_path: Path) -> None:
     (tmp_path / "m.json").write_text(json.dumps({"model": "tiny-wan", "stage": "x", "chunks": 4}))
     (tmp_path / "v.mp4").write_bytes(OLD_VIDEO)
     (tmp_path / "empty.gif").write_bytes(b"")
-    checks.check_output_files(output=tmp_path / "v.mp4", metrics=tmp_path / "m.json")
-    checks.check_output_files(output=tmp_path / "empty.gif")
+    file_checks.check_output_files(output=tmp_path / "v.mp4", metrics=tmp_path / "m.json")
+    file_checks.check_output_files(output=tmp_path / "empty.gif")
 
 
 def test_force_is_a_documented_flag_of_generate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -598,7 +598,7 @@ def test_the_free_space_floor_is_the_videos_own(
     # tiny-wan's 12 frames decode to 1 + 4 x 11 = 45 RGB frames of 64x64 (552,960 B raw): the floor
     # is a 200x compression plus a 4 KiB block, 4,096 + 2,764 = 6,860 B (the real mp4 is ~39 KB);
     # 64 KiB also hold the latents kept if the video fails (12 KiB + 4 KiB)
-    monkeypatch.setattr(checks, "_free_bytes", lambda folder: free)
+    monkeypatch.setattr(file_checks, "_free_bytes", lambda folder: free)
     options = make_options("tiny-wan")
     options.output = str(tmp_path / "v.mp4")
     if not refused:

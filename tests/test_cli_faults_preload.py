@@ -22,7 +22,7 @@ from fault_helpers import (
 )
 
 import causalkv.plugin.manager as plugin_manager
-from causalkv.runtime import checks, presets
+from causalkv.runtime import file_checks, presets
 
 NAN = float("nan")
 
@@ -164,7 +164,7 @@ def test_a_full_file_system_is_refused_before_loading(
 ) -> None:
     # what statvfs reports for a full disk; the disk that fills up during a run is
     # test_cli_faults_outputs.py's
-    monkeypatch.setattr(checks, "_free_bytes", lambda folder: 0)
+    monkeypatch.setattr(file_checks, "_free_bytes", lambda folder: 0)
     assert_refused_up_front(
         ["--no-video", "--metrics", str(tmp_path / "m.json")],
         # the metrics floor: 4,096 B (a block) + 5 per-chunk lists x 8 B x 4 chunks = 4,256

@@ -17,13 +17,8 @@ a chunk runs:
 - seed: within the range a torch generator takes;
 - device and dtype: the device exists in this torch build and on this machine, and a small
   matmul in the dtype runs on it;
-- ``CAUSALKV_HOME``: a preset that is not built yet can be created there (`check_home`);
-- output files (video, metrics, saved latents): not a folder, not a special file, in a
-  folder that exists (or can be created), is writable and has room, distinct from each
-  other, and a video suffix an installed encoder writes;
-- the model folder's files (for a preset: once it exists): every component it lists is there,
-  every JSON file parses and every safetensors file is as long as its header says (a
-  truncated download fails here, not after the text encoder has loaded).
+- the files (`causalkv.runtime.file_checks`): ``CAUSALKV_HOME`` can hold a preset not built
+  yet, the output files can be written and have room, the model folder's files are whole.
 
 Each failure raises `ConfigError` (bad request) or `ModelFolderError` (unreadable model
 folder), one line naming the value and the fix.
@@ -31,11 +26,9 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,16 +40,17 @@ from causalkv.config import check_text
 from causalkv.errors import ConfigError
 from causalkv.options import CacheOptions
 from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
+from causalkv.runtime.file_checks import (
+    FILE_OVERHEAD_BYTES,
+    check_home,
+    check_model_files,
+    check_output_files,
+    first_line,
+)
 from causalkv.runtime.loading import parse_dtype
 from causalkv.runtime.model_config import (
-    REQUIRED_FILES,
-    ModelFolderError,
-    ModelInfo,
     preset_transformer_config,
 )
-from causalkv.runtime.outputs import latents_path_for
-from causalkv.runtime.presets import causalkv_home, is_complete_preset, preset_name
-from causalkv.runtime.video import check_video_suffix
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 if TYPE_CHECKING:
@@ -64,23 +58,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SEED",
-    "WEIGHT_SUFFIXES",
     "check_before_load",
-    "check_creatable_folder",
     "check_device",
     "check_environment",
     "check_request_effect",
     "check_sizes",
-    "describe_file",
-    "fs_error_reason",
     "check_frames",
     "check_guidance",
-    "check_home",
     "check_memory",
-    "check_model_files",
     "check_cache",
-    "check_output_files",
-    "check_writable_file",
     "host_memory_bytes",
     "latents_nbytes",
     "memory_floor",
@@ -96,10 +82,6 @@ MAX_SEED = 2**64 - 1
 #: transformer config omits the key
 DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN = 1024
 
-#: files a component folder may keep its weights in
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-
-_WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder")
 
 
 def check_before_load(plan: Plan, options: GenerateOptions) -> None:
@@ -252,52 +234,7 @@ def check_cache(plan: Plan) -> None:
     res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
-# ---- CAUSALKV_HOME ---------------------------------------------------------------------------
-def check_home(info: ModelInfo) -> None:
-    """A preset that still has to be built needs a ``CAUSALKV_HOME`` where folders can be
-    created; `ConfigError` naming it otherwise (a file, a read-only file system, no rights)."""
-    if info.preset is None or info.path is None:
-        return
-    if is_complete_preset(info.path):
-        return
-    home = causalkv_home()
-    shown = os.environ.get("CAUSALKV_HOME") or str(home)
-    fix = "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)"
-    folder = info.path.parent
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"CAUSALKV_HOME={shown!r}: {str(probe)!r} is a file, not a folder; {fix}")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
-    except OSError as exc:
-        raise ConfigError(
-            f"CAUSALKV_HOME={shown!r}: cannot create the preset {info.preset!r} in {str(folder)!r} "
-            f"({fs_error_reason(exc, _nearest_existing(folder))}); {fix}"
-        ) from None
-    os.close(fd)
-    os.unlink(name)
-    _remove_created(folder, probe)
-
-
-def _remove_created(folder: Path, existing: Path) -> None:
-    """Remove the empty folders between ``existing`` and ``folder`` the probe created."""
-    while folder != existing and folder.is_dir():
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
-
-
 # ---- device ---------------------------------------------------------------------------------
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def check_device(device: str, dtype: str) -> torch.device:
     """``device`` parsed, after checking it exists here and runs ``dtype``; else `ConfigError`.
 
@@ -334,7 +271,7 @@ def check_device(device: str, dtype: str) -> torch.device:
         float((x @ x).sum().item())
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         raise ConfigError(
-            f"--dtype {dtype} does not run on --device {device} ({_first_line(exc)}); "
+            f"--dtype {dtype} does not run on --device {device} ({first_line(exc)}); "
             "use --dtype float32"
         ) from None
     return dev
@@ -546,82 +483,6 @@ def check_memory(plan: Plan) -> None:
     )
 
 
-# ---- output files ---------------------------------------------------------------------------
-def fs_error_reason(exc: OSError, folder: str | Path) -> str:
-    """Why a file could not be created in ``folder``, in words a user can act on: the
-    errno's text, except where it misleads (``/proc`` answers "No such file or directory"
-    for a folder that exists: a virtual file system that takes no new files)."""
-    folder = Path(folder)
-    code = exc.errno
-    try:
-        readonly = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        readonly = False
-    if code == errno.EROFS or readonly:
-        return "a read-only file system"
-    if code in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if code == errno.ENOENT and folder.is_dir():
-        return "its file system takes no new files (a virtual file system such as /proc or /sys)"
-    if code == errno.ENOSPC:
-        return "no space left on its file system"
-    return exc.strerror or str(exc)
-
-
-def _nearest_existing(path: Path) -> Path:
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return folder
-
-
-def check_creatable_folder(path: str | Path, what: str, fix: str) -> Path:
-    """``path`` (absolute) if a folder can be created there (or is one, writable); else
-    `ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why, and ``fix``.
-    Probed by creating and removing a temporary file in the nearest existing folder."""
-    p = Path(os.path.abspath(Path(str(path)).expanduser()))
-    probe = _nearest_existing(p)
-    if not probe.is_dir():
-        raise ConfigError(f"{what}: {str(probe)!r} is a file, not a folder; {fix}")
-    try:
-        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=probe)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot create files in {str(probe)!r} ({fs_error_reason(exc, probe)}); {fix}") from None
-    os.close(fd)
-    os.unlink(name)
-    return p
-
-
-def check_writable_file(path: str | Path, flag: str) -> Path:
-    """``path`` (absolute) if a file can be written there: not a folder or a special file,
-    its folder exists or can be created, and a file can be created in it. Else `ConfigError`.
-
-    Writability is probed by creating and removing a temporary file in the nearest existing
-    folder (nothing is left behind).
-    """
-    text = str(path)
-    p = Path(os.path.abspath(Path(text).expanduser()))
-    if text.endswith(("/", os.sep)) or p.is_dir():
-        raise ConfigError(f"{flag} {text!r} is a folder; name a file in it")
-    if p.exists() and not p.is_file():
-        raise ConfigError(f"{flag} {text!r} exists and is not a regular file; name a regular file")
-    folder = _nearest_existing(p.parent)
-    if not folder.is_dir():
-        raise ConfigError(f"{flag} {text!r}: {str(folder)!r} is a file, not a folder; choose another {flag}")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
-    except OSError as exc:
-        raise ConfigError(
-            f"{flag} {text!r}: cannot create files in {str(folder)!r} ({fs_error_reason(exc, folder)}); "
-            f"choose a writable folder for {flag}"
-        ) from None
-    os.close(fd)
-    os.unlink(probe)
-    return p
-
-
-#: bytes of every file's floor besides its content (a file system block, headers)
-FILE_OVERHEAD_BYTES = 4096
 #: the video floor's compression: an encoded video is at least raw RGB / this (H.264 of the
 #: tiny presets' noise compresses about 14x, of natural video 50-100x; a floor, not a guess)
 VIDEO_FLOOR_COMPRESSION = 200
@@ -641,234 +502,3 @@ def metrics_nbytes_floor(plan: Plan) -> int:
     return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
 
 
-def _check_free_space(flag: str, path: Path, need: int, what: str = "the file") -> None:
-    folder = _nearest_existing(path.parent)
-    free = _free_bytes(folder)
-    if free is not None and free < need:
-        raise ConfigError(
-            f"{flag} {str(path)!r}: the file system of {str(folder)!r} has {free:,} bytes free, "
-            f"{what} needs at least {need:,}; free some space or choose another folder for {flag}"
-        )
-
-
-def _free_bytes(folder: Path) -> int | None:
-    try:
-        st = os.statvfs(folder)
-    except (OSError, AttributeError):
-        return None
-    return int(st.f_bavail) * int(st.f_frsize)
-
-
-def describe_file(path: str | Path) -> str | None:
-    """What an existing, non-empty file holds, in words (``"an MP4 video"``, ``"a GIF
-    image"``, ``"causalkv metrics"``, ``"saved latents (safetensors)"``, ``"a safetensors
-    file"``, ``"a JSON file"``, ``"1,234 bytes of text"``...); None when there is no file or
-    it is empty (nothing to lose)."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        if size == 0 or not p.is_file():
-            return None
-        with open(p, "rb") as f:
-            head = f.read(65536)
-    except OSError:
-        return None
-    if head[4:8] == b"ftyp":
-        return "an MP4 video"
-    if head[:6] in (b"GIF87a", b"GIF89a"):
-        return "a GIF image"
-    if len(head) >= 9 and head[8:9] == b"{":
-        n = int.from_bytes(head[:8], "little")
-        if 0 < n <= size - 8:
-            with open(p, "rb") as f:
-                f.seek(8)
-                try:
-                    header = json.loads(f.read(n))
-                except (ValueError, UnicodeDecodeError):
-                    header = None
-            if isinstance(header, dict):
-                return "saved latents (safetensors)" if "latents" in header else "a safetensors file"
-    if size <= 1 << 24:
-        try:
-            obj = json.loads(p.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError, OSError):
-            obj = None
-        else:
-            if isinstance(obj, dict) and {"model", "stage", "chunks"} <= set(obj):
-                return "causalkv metrics"
-            return "a JSON file"
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError:
-        return f"{size:,} bytes of other data"
-    return f"{size:,} bytes of text"
-
-
-def _expected_content(flag: str, path: Path) -> str:
-    if flag == "--metrics":
-        return "causalkv metrics"
-    if "latents" in flag:
-        return "saved latents (safetensors)"
-    return {".mp4": "an MP4 video", ".gif": "a GIF image"}.get(path.suffix.lower(), "a video")
-
-
-def check_no_other_work(flag: str, path: Path, *, force: bool) -> None:
-    """Refuse to replace a file that holds something else than what ``flag`` writes (a video
-    under ``--metrics``, a metrics file under ``--output``, a README, a model's weights):
-    `ConfigError` naming the path and what it holds, unless ``force``. A file of the same
-    kind (the previous run's video) is replaced, atomically, as before."""
-    held = describe_file(path)
-    expected = _expected_content(flag, path)
-    if force or held is None or held == expected:
-        return
-    raise ConfigError(
-        f"{flag} {str(path)!r} exists and holds {held}, not {expected}; choose another {flag}, "
-        "or pass --force to replace it (atomically, once the run has its result)"
-    )
-
-
-def check_output_files(
-    *,
-    output: str | Path | None,
-    metrics: str | Path | None = None,
-    save_latents: str | Path | None = None,
-    latents_nbytes: int = 0,
-    video_nbytes: int = FILE_OVERHEAD_BYTES,
-    metrics_nbytes: int = FILE_OVERHEAD_BYTES,
-    force: bool = False,
-) -> None:
-    """Check the video (``--output``), metrics (``--metrics``) and ``--save-latents`` targets
-    (`check_writable_file`; the video's suffix must be one an installed encoder writes,
-    saved latents end in ``.safetensors``), that no two name the same file, the file kept for
-    the latents of a video that fails to encode included, that none would replace a file of
-    another kind (`check_no_other_work`; ``force`` allows it), and that each file system has
-    room for the file's floor (``video_nbytes``, ``metrics_nbytes``, ``latents_nbytes`` plus
-    `FILE_OVERHEAD_BYTES`: a full disk is refused here, a disk that fills up during the run
-    fails when the file is written)."""
-    named: list[tuple[str, Path]] = []
-    if output is not None:
-        named.append(("--output", check_writable_file(output, "--output")))
-        check_video_suffix(output)
-    if metrics is not None:
-        named.append(("--metrics", check_writable_file(metrics, "--metrics")))
-    if save_latents is not None:
-        if Path(save_latents).suffix.lower() != ".safetensors":
-            raise ConfigError(
-                f"--save-latents {str(save_latents)!r} must end in .safetensors (it is written as a "
-                "safetensors file)"
-            )
-        named.append(("--save-latents", check_writable_file(save_latents, "--save-latents")))
-    if output is not None:
-        kept = Path(os.path.abspath(latents_path_for(Path(str(output)).expanduser())))
-        if save_latents is None or Path(os.path.abspath(Path(str(save_latents)).expanduser())) != kept:
-            named.append(("the latents kept if the video fails to encode", kept))
-    _check_distinct(named)
-    for flag, path in named:
-        check_no_other_work(flag, path, force=force)
-    for flag, path in named:
-        if flag == "--output":
-            _check_free_space(flag, path, video_nbytes, "the video")
-        elif flag == "--metrics":
-            _check_free_space(flag, path, metrics_nbytes, "the metrics file")
-        else:
-            _check_free_space("--output" if flag.startswith("the latents") else flag, path,
-                              FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file")
-
-
-def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
-    for i, (flag_a, a) in enumerate(named):
-        for flag_b, b in named[i + 1 :]:
-            if a == b:
-                raise ConfigError(f"{flag_a} and {flag_b} name the same file {str(a)!r}; give them different names")
-
-
-# ---- model files ----------------------------------------------------------------------------
-def _check_json(path: Path, fix: str) -> None:
-    try:
-        json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelFolderError(f"cannot read {path} ({_first_line(exc)}); {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelFolderError(f"{path} is not valid JSON ({exc}); {fix}") from None
-
-
-def _check_safetensors(path: Path, fix: str) -> None:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            header = json.loads(f.read(n)) if 0 <= n <= size - 8 else None
-    except OSError as exc:
-        raise ModelFolderError(f"cannot read {path} ({_first_line(exc)}); {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise ModelFolderError(f"{path} is not a safetensors file (its header is unreadable); {fix}")
-    try:
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise ModelFolderError(f"{path} is not a safetensors file (its header is malformed); {fix}") from None
-    if 8 + n + end != size:
-        raise ModelFolderError(
-            f"{path} is truncated or corrupt: its header describes {8 + n + end:,} bytes, the file "
-            f"has {size:,}; {fix}"
-        )
-
-
-def _check_shards(index: Path, fix: str) -> None:
-    weight_map = json.loads(index.read_text()).get("weight_map")
-    shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
-    missing = [s for s in shards if not (index.parent / str(s)).is_file()]
-    if missing:
-        raise ModelFolderError(f"{index} lists shard(s) that are missing: {', '.join(missing)}; {fix}")
-
-
-def check_model_files(info: ModelInfo) -> None:
-    """Refuse a model folder whose files are unreadable (`ModelFolderError`): every JSON file
-    of ``model_index.json`` and its component folders parses, every safetensors file is
-    complete, the transformer, VAE and text encoder each have weights. A preset is checked
-    once its folder is complete (before that, it is built on first use)."""
-    folder = info.path
-    if folder is None:
-        return
-    if info.preset is not None:
-        if not is_complete_preset(folder):
-            return
-        fix = f"delete the preset folder {str(folder)!r}; it is rebuilt on the next run"
-        held = preset_name(folder)
-        if held not in (None, info.preset):  # a complete preset of another kind: never replaced
-            raise ModelFolderError(
-                f"{folder} holds the complete preset {held!r}, not {info.preset!r}; move it to "
-                f"{str(folder.parent / held)!r} or {fix}"
-            )
-    else:
-        fix = "restore the file (re-download or re-convert the model)"
-    _check_json(folder / "model_index.json", fix)
-    index = json.loads((folder / "model_index.json").read_text())
-    if not isinstance(index, dict):
-        raise ModelFolderError(f"{folder / 'model_index.json'} must hold a JSON object; {fix}")
-    wanted = [*REQUIRED_FILES, *(k for k, v in index.items() if isinstance(v, list))]
-    missing: list[str] = []
-    for f in wanted:  # a missing component folder is named once, as the folder
-        top = f.split("/")[0]
-        name = f if (folder / top).exists() else f"{top}/"
-        if not (folder / f).exists() and name not in missing:
-            missing.append(name)
-    if missing:
-        raise ModelFolderError(f"{folder} is missing {', '.join(missing)}; {fix}")
-    components = [k for k, v in index.items() if isinstance(v, list) and (folder / k).is_dir()]
-    for name in components:
-        sub = folder / name
-        files = sorted(f for f in sub.rglob("*") if f.is_file())
-        for f in files:
-            if f.suffix == ".json":
-                _check_json(f, fix)
-                if f.name.endswith(".index.json"):
-                    _check_shards(f, fix)
-            elif f.suffix == ".safetensors":
-                _check_safetensors(f, fix)
-        if name in _WEIGHTED_COMPONENTS and not any(f.suffix in WEIGHT_SUFFIXES for f in files):
-            raise ModelFolderError(
-                f"{sub} has no weights (no {', '.join('*' + s for s in WEIGHT_SUFFIXES)} file); {fix}"
-            )

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.runtime.checks import fs_error_reason
 from causalkv.runtime.distributed import join_ranks, local_main_first
+from causalkv.runtime.file_checks import fs_error_reason
 from causalkv.runtime.hook_calls import configure_stage
 from causalkv.runtime.loading import Components, load_components
 from causalkv.runtime.model_config import ModelInfo

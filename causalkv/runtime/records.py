@@ -61,7 +61,7 @@ class GenerateOptions:
             ``causalkv_chunk_done`` implementation that raises (`causalkv.plugin.PluginHookError`)
             instead of being reported once and skipped.
         force: replace an output file that holds something else than what its flag writes
-            (`causalkv.runtime.checks.check_no_other_work`), atomically.
+            (`causalkv.runtime.file_checks.check_no_other_work`), atomically.
     """
 
     model: str = "tiny-wan"

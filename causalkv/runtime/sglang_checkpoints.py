@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from causalkv.errors import ConfigError
 from causalkv.runtime import preset_configs, presets
-from causalkv.runtime.checks import check_creatable_folder, fs_error_reason
+from causalkv.runtime.file_checks import check_creatable_folder, fs_error_reason
 from causalkv.runtime.outputs import OutputWriteError
 from causalkv.runtime.text import build_byte_tokenizer
 
