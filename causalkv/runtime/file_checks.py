@@ -71,15 +71,20 @@ def check_home(info: ModelInfo) -> None:
         raise ConfigError(f"CAUSALKV_HOME={shown!r}: {str(probe)!r} is a file, not a folder; {fix}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
+        _probe(folder)
     except OSError as exc:
         raise ConfigError(
             f"CAUSALKV_HOME={shown!r}: cannot create the preset {info.preset!r} in {str(folder)!r} "
             f"({fs_error_reason(exc, _nearest_existing(folder))}); {fix}"
         ) from None
+    _remove_created(folder, probe)
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove a temporary file in ``folder``: OSError when no file can be made."""
+    fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
     os.close(fd)
     os.unlink(name)
-    _remove_created(folder, probe)
 
 
 def _remove_created(folder: Path, existing: Path) -> None:
@@ -92,9 +97,9 @@ def _remove_created(folder: Path, existing: Path) -> None:
         folder = folder.parent
 
 
-
 # ---- errors -------------------------------------------------------------------------------------
 def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when the message is empty)."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -138,11 +143,9 @@ def check_creatable_folder(path: str | Path, what: str, fix: str) -> Path:
     if not probe.is_dir():
         raise ConfigError(f"{what}: {str(probe)!r} is a file, not a folder; {fix}")
     try:
-        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=probe)
+        _probe(probe)
     except OSError as exc:
         raise ConfigError(f"{what}: cannot create files in {str(probe)!r} ({fs_error_reason(exc, probe)}); {fix}") from None
-    os.close(fd)
-    os.unlink(name)
     return p
 
 
@@ -163,14 +166,12 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
     if not folder.is_dir():
         raise ConfigError(f"{flag} {text!r}: {str(folder)!r} is a file, not a folder; choose another {flag}")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
+        _probe(folder)
     except OSError as exc:
         raise ConfigError(
             f"{flag} {text!r}: cannot create files in {str(folder)!r} ({fs_error_reason(exc, folder)}); "
             f"choose a writable folder for {flag}"
         ) from None
-    os.close(fd)
-    os.unlink(probe)
     return p
 
 

@@ -12,17 +12,12 @@ from causalkv.errors import ConfigError, check_int
 from causalkv.runtime.memory.geometry import ModelGeometry
 from causalkv.runtime.memory.records import DTYPE_BYTES, HOSTS, MemoryRequest, StreamLayout
 from causalkv.sglang.slots import SlotMap, SlotState, plan_write, visible_slots
+from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
 
 
 # ---------------------------------------------------------------------------------------------
 # The request's stream
 # ---------------------------------------------------------------------------------------------
-def even_split(num_chunks: int, num_shots: int) -> list[int]:
-    """Chunks per shot, the first shots one longer (causalkv's and LongLive 2.0's even split)."""
-    base, extra = divmod(num_chunks, num_shots)
-    return [base + (k < extra) for k in range(num_shots)]
-
-
 def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int, int]:
     """``(latent frames, video frames)`` of the request (`ConfigError` for a bad length)."""
     given = [n for n, v in (("--frames", req.frames), ("--latent-frames", req.latent_frames),
