@@ -12,7 +12,9 @@ few attributes away from that record (the request, the plan, the resolution). It
 first call of the cache's ``update_and_get_attention_kv``.
 
 Printed: the modules entered, in order (consecutive calls in one module count once), how many
-distinct modules that is, and how many times the flag comes back to a module it had left. The
+distinct modules that is, how many times the flag comes back to a module it had left, and the
+distinct hops (module A to module B) with those of them that go back into a module already
+entered (a hop taken once per layer, or once per chunk, counts once there). The
 count is the same for any checkout with that command line, so two trees can be compared by
 running this file from each (``PYTHONPATH=<checkout> python benchmarks/flag_path.py``).
 """
@@ -104,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         modules, calls = trace(run)
     short = [m.removeprefix("causalkv.") for m in modules]
     returns = sum(1 for i, m in enumerate(short) if m in short[:i])
+    hops = set(zip(short, short[1:]))
+    back = {(a, b) for i, (a, b) in enumerate(zip(short, short[1:])) if b in short[: i + 1]}
     print(f"causalkv {' '.join(run[:6])} ...: the flag's path to the first cache write")
     print(f"modules entered, in order ({len(short)} stays, {len(set(short))} modules, "
-          f"{returns} returns to a module already left):")
+          f"{returns} returns to a module already left; {len(hops)} distinct hops between "
+          f"modules, {len(back)} of them back into one already entered):")
     print("  " + " -> ".join(short))
     if a.show_calls:
         for c in calls:
