@@ -1,4 +1,5 @@
-"""The package's error base, the errors every layer shares, and the one int check.
+"""The package's error base, the errors every layer shares, the one int check, and the one
+way an exception is put into a message (`first_line`, `describe_exception`).
 
 Every error causalkv raises on purpose derives from `CausalKVError`, so a host (the
 ``causalkv`` command line included) catches one type. Each concrete error also derives from
@@ -19,6 +20,8 @@ __all__ = [
     "NonFiniteLatentsError",
     "UsageError",
     "check_int",
+    "describe_exception",
+    "first_line",
 ]
 
 
@@ -87,3 +90,14 @@ def check_int(
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise error(f"{name} must be {what}, got {value!r}" + (f"; {hint}" if hint else ""))
     return value
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when the message is empty)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"`` (the type's name alone for an empty message)."""
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__

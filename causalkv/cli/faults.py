@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from causalkv.cli.signals import Terminated, sigterm_raises
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, describe_exception
 from causalkv.runtime import launch
 
 __all__ = [
@@ -98,11 +98,6 @@ def _silence_stdout() -> None:
         pass
 
 
-def _describe(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 class StdoutError(CausalKVError, OSError):
     """stdout refused the first line (``/dev/full``, a device or file system error): exit 2,
     before any weights load (the first line is the run's header)."""
@@ -129,10 +124,10 @@ class Stdout:
             return
         if self.lines == 0:
             raise StdoutError(
-                f"cannot write to stdout ({_describe(exc)}); redirect it to a file, a pipe or "
+                f"cannot write to stdout ({describe_exception(exc)}); redirect it to a file, a pipe or "
                 "/dev/null"
             ) from None
-        _stderr(f"causalkv: warning: stdout failed ({_describe(exc)}); printing stops, the run goes on")
+        _stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing stops, the run goes on")
 
     def __call__(self, line: str) -> None:
         if self.broken or sys.stdout is None:
@@ -249,4 +244,4 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
         return fail("error: stdout was closed before the command finished", EXIT_ERROR)
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, traceback on request
         hint = "" if debug else "; rerun with --debug for the traceback"
-        return fail(f"unexpected error ({_describe(exc)}){hint}", EXIT_ERROR)
+        return fail(f"unexpected error ({describe_exception(exc)}){hint}", EXIT_ERROR)

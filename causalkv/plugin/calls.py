@@ -13,7 +13,7 @@ from typing import Any
 
 import pluggy
 
-__all__ = ["describe_exception", "plugin_callers"]
+__all__ = ["plugin_callers"]
 
 
 def plugin_callers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Callable[..., list[Any]]]]:
@@ -28,9 +28,3 @@ def plugin_callers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Calla
         for i in impls
         if not (i.hookwrapper or i.wrapper)
     ]
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``"<Type>: <first line of the message>"``."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from causalkv.errors import ImportPathError, InvalidTypeError
+from causalkv.errors import ImportPathError, InvalidTypeError, describe_exception
 from causalkv.hooks import NAME, CacheFactory, Preset, StageRegistration
-from causalkv.plugin.calls import describe_exception, plugin_callers
+from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import (
     PluginConflictError,
     PluginLoadFailure,

@@ -37,7 +37,7 @@ import torch
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
 from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
 from causalkv.runtime.file_checks import (
@@ -45,7 +45,6 @@ from causalkv.runtime.file_checks import (
     check_home,
     check_model_files,
     check_output_files,
-    first_line,
 )
 from causalkv.runtime.loading import parse_dtype
 from causalkv.runtime.model_config import (

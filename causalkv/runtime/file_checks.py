@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, first_line
 from causalkv.runtime.model_config import (
     REQUIRED_FILES,
     ModelFolderError,
@@ -42,7 +42,6 @@ __all__ = [
     "check_output_files",
     "check_writable_file",
     "describe_file",
-    "first_line",
     "fs_error_reason",
 ]
 
@@ -97,11 +96,6 @@ def _remove_created(folder: Path, existing: Path) -> None:
         folder = folder.parent
 
 
-# ---- errors -------------------------------------------------------------------------------------
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (its type's name when the message is empty)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 

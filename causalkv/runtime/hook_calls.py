@@ -15,9 +15,9 @@ from typing import Any
 import pluggy
 
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import ENV_PREFIX, Stage
-from causalkv.plugin.calls import describe_exception, plugin_callers
+from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import PluginHookError
 from causalkv.runtime.text import warn_line
 

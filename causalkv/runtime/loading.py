@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.errors import CausalKVError, ConfigError, describe_exception
 from causalkv.runtime.attention import CausalWanTransformer
 from causalkv.runtime.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.text import PromptEncoder, warn_line
@@ -209,8 +209,7 @@ def reading_component(folder: Path, component: str, *, preset: str | None = None
     except CausalKVError:
         raise
     except Exception as exc:  # noqa: BLE001 - what from_pretrained raises varies by library
-        lines = str(exc).strip().splitlines()
-        what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        what = describe_exception(exc)
         if _is_out_of_memory(exc):
             raise LoadMemoryError(
                 f"loading {component} from {str(folder / component)!r} ran out of memory ({what}); "

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, describe_exception
 
 __all__ = [
     "LATENTS_KEY",
@@ -126,11 +126,6 @@ class OutputWriteError(CausalKVError, RuntimeError):
         self.exit_code, self.kept = exit_code, kept
 
 
-def _describe(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 class OutputLog:
     """The files one run has written, in order, and the rule when a later one fails.
 
@@ -166,7 +161,7 @@ class OutputLog:
         except Exception as exc:  # noqa: BLE001 - any failure of a write is reported, named
             code = int(getattr(exc, "exit_code", 1)) if isinstance(exc, CausalKVError) else 1
             raise OutputWriteError(
-                f"could not write {str(path)!r} ({_describe(exc)}); {self.kept()}", exit_code=code
+                f"could not write {str(path)!r} ({describe_exception(exc)}); {self.kept()}", exit_code=code
             ) from exc
         written = Path(result["output"]) if isinstance(result, Mapping) else Path(str(result))
         self.files.append((flag, written))
@@ -185,11 +180,11 @@ def keep_latents(
         save_latents(kept, latents, metadata)
     except Exception as exc:  # noqa: BLE001 - reported with the first failure
         return OutputWriteError(
-            f"could not write {str(output)!r} ({_describe(cause)}) nor keep the latents in "
-            f"{str(kept)!r} ({_describe(exc)}); free disk space or fix the folder and rerun"
+            f"could not write {str(output)!r} ({describe_exception(cause)}) nor keep the latents in "
+            f"{str(kept)!r} ({describe_exception(exc)}); free disk space or fix the folder and rerun"
         )
     return OutputWriteError(
-        f"could not write {str(output)!r} ({_describe(cause)}); the generated latents are kept in "
+        f"could not write {str(output)!r} ({describe_exception(cause)}); the generated latents are kept in "
         f"{str(kept)!r}",
         exit_code=int(getattr(cause, "exit_code", 2)) if isinstance(cause, CausalKVError) else 1,
         kept=kept,
