@@ -130,7 +130,7 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
     def bridge(bits, scratch=False):
         return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
                                         quant_args=QVGKVQuantArgs(bits=bits),
-                                        scratch=ChunkScratch() if scratch else None)
+                                        scratch=ChunkScratch(shared=True) if scratch else None)
 
     out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}
     if device.type == "cuda":
@@ -404,7 +404,7 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
     first denoising pass and at its context update).
     """
     quant = SETTINGS[setting]
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)  # the stage loop ends every chunk with its pass
     common = dict(batch_size=1, cache_size=m.cache, num_heads=m.heads, head_dim=m.head_dim,
                   dtype=torch.bfloat16, device=device, attention_window_size=m.cache)
     sink = m.sink_frames * m.tokens_per_frame

@@ -337,7 +337,7 @@ def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered
     after the context pass, the scratch's bytes, and the scratch's ledger peak."""
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)
     caches = [make_cache(scratch) for _ in range(layers * lay.sets)]
     n = lay.chunk_tokens
     resident = []

@@ -36,8 +36,7 @@ def test_longlive2_three_shots_pin_exactly_the_cut_chunks_with_int2(causalkv_hom
     assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 2, 6, 10, 12, 14]
     # window 8 frames = 128 tokens at the end: the global sink [0, 32), the shot sinks the
     # window keeps -- the last pin [96, 128) -- and the newest ordinary tokens [128, 192)
-    view = stage.caches.kv[0].get_attention_kv()
-    assert view.position_ranges == ((0, 32), (96, 192))
+    assert stage.caches.kv[0].visible_positions() == ((0, 32), (96, 192))
     m = run_report(plan, run)
     assert m["pinned_chunks"] == [2, 3] and m["scene_cut_chunks"] == [2, 3]
     assert m["rope_frame_start_per_chunk"] == [0, 2, 6, 10, 12, 14]

@@ -70,7 +70,7 @@ def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) 
     # without the pin it would see [0, 32) + [160, 256).
     for cs in stage.cache_sets():
         for cache in cs.kv:
-            assert cache.get_attention_kv().position_ranges == ((0, 32), (128, 160), (192, 256))
+            assert cache.visible_positions() == ((0, 32), (128, 160), (192, 256))
     assert torch.isfinite(run.latents).all()
 
 
@@ -79,9 +79,8 @@ def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) ->
     # (global_end 384), 12 - 6 = 6 chunks after the cut, the shot sink is still pinned
     options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=24)
     _, run = plan_and_run(options, pm)
-    view = run.stage.caches.kv[0].get_attention_kv()
     # window 8 frames = 128 tokens: 32 global + 32 pinned + newest 64 ordinary tokens
-    assert view.position_ranges == ((0, 32), (192, 224), (320, 384))
+    assert run.stage.caches.kv[0].visible_positions() == ((0, 32), (192, 224), (320, 384))
 
 
 def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, pm) -> None:

@@ -267,8 +267,12 @@ def attend(
         AttendError: the view has no visible tokens, or ``fused=True`` without triton.
         PackedAttentionError: ``fused=True`` and a packed segment the kernel cannot take.
     """
+    if view.num_rows == 0:
+        raise AttendError("attend: the view has no visible tokens; write a chunk first")
     if view.is_materialized:
-        return attend_dense(query, view.k, view.v, scale=scale)
+        # K/V in the query's dtype, as every segment is on the merge path below, so a query
+        # of another dtype gets the same answer wherever the view is stored
+        return attend_dense(query, view.k.to(query.dtype), view.v.to(query.dtype), scale=scale)
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     use_fused = _use_fused(fused, query.device)

@@ -75,6 +75,12 @@ class StreamCache(ABC):
         check_recent_window(recent_window_tokens)
         return self._view(h0, h1, recent_window_tokens)
 
+    def visible_positions(self, *, recent_window_tokens: int | None = None) -> Intervals:
+        """The global positions attention sees now (``get_attention_kv``'s ``position_ranges``),
+        ascending runs, without reading K/V: answered between chunks whatever the cache holds."""
+        check_recent_window(recent_window_tokens)
+        return self.state.visible(recent_window_tokens)
+
     def pin_current_chunk(self, current_num_tokens: int) -> None:
         """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
 

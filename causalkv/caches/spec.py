@@ -16,9 +16,16 @@ from causalkv.caches.intervals import Intervals, count, to_positions
 from causalkv.capabilities import (
     CacheCapabilities,
 )
-from causalkv.errors import CausalKVError, ConfigError, check_int
+from causalkv.errors import CausalKVError, ConfigError, UsageError, check_int
 
-__all__ = ["CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "KVCacheSpec"]
+__all__ = [
+    "CacheProtocolError",
+    "CacheReadError",
+    "CacheWriteError",
+    "CausalAttentionKVView",
+    "CausalKVCache",
+    "KVCacheSpec",
+]
 
 def _dtype_nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -26,6 +33,19 @@ def _dtype_nbytes(dtype: torch.dtype) -> int:
 
 class CacheWriteError(CausalKVError, ValueError):
     """A write (or pin) that breaks the cache contract. The cache is left exactly as it was."""
+
+
+class CacheReadError(CausalKVError, RuntimeError):
+    """A view's K/V cannot be produced for the positions it reports (the cache no longer holds
+    them, or another layer overwrote them in a shared scratch): the read is refused rather
+    than answered over fewer or other tokens. The cache is left exactly as it was."""
+
+
+class CacheProtocolError(UsageError):
+    """A caller broke a cooperation it declared (a shared `ChunkScratch`: every chunk ends
+    with its context pass, views are read inside the call that wrote them). The call is
+    refused and the cache is left exactly as it was; the message names the chunk and the fix.
+    A caller that never declares the cooperation never sees this error."""
 
 
 @dataclass(frozen=True)
@@ -180,7 +200,9 @@ class CausalAttentionKVView:
     def _ensure(self) -> None:
         if self._k is None:
             assert self._materialize is not None
-            self._k, self._v = self._materialize()
+            k, v = self._materialize()
+            self._check_rows(k.shape[1], "k/v")
+            self._k, self._v = k, v
 
     @property
     def is_materialized(self) -> bool:
@@ -201,6 +223,21 @@ class CausalAttentionKVView:
         return count(self.position_ranges)
 
     @property
+    def num_rows(self) -> int:
+        """Rows the K/V have (``k.shape[1]``): the visible tokens (a host view may add rows)."""
+        return self.num_visible
+
+    def _check_rows(self, rows: int, what: str) -> None:
+        """`CacheReadError` unless ``rows`` is what the view reports: a view never answers
+        over fewer (or more) tokens than its positions."""
+        if rows != self.num_rows:
+            raise CacheReadError(
+                f"view {what}: {rows} rows for {self.num_rows} reported "
+                f"(positions {list(self.position_ranges)}); the cache does not hold what the "
+                "view claims, so the read is refused"
+            )
+
+    @property
     def positions(self) -> torch.Tensor:
         if self._positions is None:
             self._positions = to_positions(self.position_ranges, device=self._device)
@@ -214,7 +251,13 @@ class CausalAttentionKVView:
         window densely.
         """
         if self._k is None and self._segments is not None:
-            yield from self._segments()
+            rows = 0
+            for k, v in self._segments():
+                rows += k.shape[1]
+                if rows > self.num_rows:
+                    self._check_rows(rows, "segments")
+                yield k, v
+            self._check_rows(rows, "segments")
         else:
             yield self.k, self.v
 
@@ -228,7 +271,13 @@ class CausalAttentionKVView:
         kernel. A view without packed storage yields what `iter_segments` yields.
         """
         if self._k is None and self._stored is not None:
-            yield from self._stored()
+            rows = 0
+            for k, v in self._stored():
+                rows += k.shape[1] if isinstance(k, torch.Tensor) else k.shape[2]
+                if rows > self.num_rows:
+                    self._check_rows(rows, "stored segments")
+                yield k, v
+            self._check_rows(rows, "stored segments")
         else:
             yield from self.iter_segments()
 
@@ -278,6 +327,10 @@ class CausalKVCache(Protocol):
         recent_window_tokens: int | None = None,
     ) -> CausalAttentionKVView:
         """The view of the current state without writing."""
+        ...
+
+    def visible_positions(self, *, recent_window_tokens: int | None = None) -> Intervals:
+        """The positions the view would show now, as ascending runs, without reading K/V."""
         ...
 
     def reset_indices(self) -> None: ...
@@ -330,6 +383,12 @@ def check_write(
             raise CacheWriteError(
                 f"{debug_name}: {label} is on {t.device}, the cache lives on {spec.torch_device}"
             )
+    if cache_head_start is None and h < spec.num_heads:
+        raise CacheWriteError(
+            f"{debug_name}: the write has {h} heads, the cache {spec.num_heads}; pass "
+            f"cache_head_start=h0 to write heads [h0, h0 + {h}) of the cache (a head slice), "
+            f"or write all {spec.num_heads} heads"
+        )
     h0 = 0 if cache_head_start is None else cache_head_start
     if not isinstance(h0, int) or isinstance(h0, bool) or h0 < 0 or h0 + h > spec.num_heads:
         raise CacheWriteError(

@@ -37,7 +37,7 @@ from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import SGLANG
 from causalkv.caches.qvg.store import KVWrite, PackedKV, Segment, SegmentStore
-from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment
+from causalkv.caches.spec import CacheProtocolError, CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
 
@@ -355,45 +355,52 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         advanced = start + n > global_end
         store = self.store
         if held == store.held() and store.covers_dense(start, start + n):
-            stored = None  # the layout stays: one in-place copy at the commit
+            stored = store.plan_write(write)  # the layout stays: one in-place copy
         else:
             stored = store.plan(
                 held=held, write=write, advance=advanced, sink_end=self.sink_tokens,
                 pinned=self._pinned_positions(slots, pinned_start, self.pinned_len, plan.grow_to),
             )
-
-        # the store's commit; a context write then moves the chunk to its tier (undone whole
-        # if that cannot be planned)
-        snap = store.snapshot()
-        if stored is None:
-            store.write(write)
-        else:
-            store.commit(stored)
-        layout = store.segments  # what this call's view reads (the chunk still in the scratch)
         if self.scratch is not None and self.scratch.committing:
-            try:
-                final = store.plan_commit(**self._after_context(slots, plan, pinned_start, start, n))
-            except BaseException:
-                store.restore(snap)
-                raise
-            store.commit(final)
+            # a context write: the chunk then moves to its tier, planned with the write
+            stored = store.plan_commit(
+                stored, **self._after_context(slots, plan, pinned_start, start, n))
+        # the view, checked before anything changes: every position it shows is held
+        size = plan.grow_to
+        window = size if self.attention_window_size == self.cache_size else self.attention_window_size
+        after = SlotState(
+            cache_size=size, sink_tokens=self.sink_tokens, attention_window_size=window,
+            allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
+            pinned_start=pinned_start, pinned_len=self.pinned_len,
+        )
+        pieces = self._pieces(
+            slots, size,
+            visible_slots(after, plan.local_start, plan.updated_local_end, recent_window_tokens),
+        )
+        layout = stored.view_segments or stored.segments  # what this call's view reads
+        shown = normalize((p, p + ln) for p, ln in pieces if p is not None)
+        missing = iv.subtract(shown, normalize((seg.start, seg.end) for seg in layout))
+        if missing:
+            raise CacheProtocolError(
+                f"{debug_name}: the view of [{start}, {start + n}) shows positions "
+                f"{iv.describe(missing)}, which the last context pass dropped (it kept what the "
+                "next chunk of its size keeps; nothing was changed): advance by chunks of the "
+                "committed size, or leave the scratch unshared (ChunkScratch(shared=False))"
+            )
 
-        # the cache's own commit (nothing above changed it, nothing below can fail)
-        if plan.grow_to != self.cache_size:
-            if self.attention_window_size == self.cache_size:
-                self.attention_window_size = plan.grow_to
-            self.cache_size = plan.grow_to
+        # the commit (nothing above changed anything, nothing below can fail)
+        store.commit(stored)
+        if stored.view_segments is None:
+            layout = store.segments  # the chunk as bound in the scratch
+        self.cache_size, self.attention_window_size = size, window
         self.pinned_start = pinned_start
         self._heads = heads
         self._slots = slots
-        view_slots = visible_slots(
-            self._state(), plan.local_start, plan.updated_local_end, recent_window_tokens
-        )
         self._write_indices(
             global_end_index=plan.updated_global_end, local_end_index=plan.updated_local_end
         )
         return _Written(
-            pieces=self._pieces(view_slots), heads=heads, local_start=plan.local_start,
+            pieces=pieces, heads=heads, local_start=plan.local_start,
             local_end=plan.local_end, visible_local_end=plan.updated_local_end,
             visible_global_end=plan.updated_global_end, layout=layout,
         )
@@ -465,13 +472,15 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             return ()
         return normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
 
-    def _pieces(self, view_slots) -> list[tuple[int | None, int]]:
-        """The view's rows as ``(position or None, length)`` pieces: slot ranges -> positions."""
+    @staticmethod
+    def _pieces(slots: SlotMap, size: int, view_slots) -> list[tuple[int | None, int]]:
+        """The view's rows as ``(position or None, length)`` pieces: the slot ranges of
+        ``view_slots`` (clipped to ``size`` slots) -> the positions ``slots`` hold there."""
         pieces: list[tuple[int | None, int]] = []
         for a, b in view_slots:
-            a, b = max(0, min(a, self.cache_size)), max(0, min(b, self.cache_size))
+            a, b = max(0, min(a, size)), max(0, min(b, size))
             if b > a:
-                pieces.extend((p, ln) for ln, p in self._slots.read(a, b))
+                pieces.extend((p, ln) for ln, p in slots.read(a, b))
         return pieces
 
 
@@ -482,8 +491,12 @@ class SegmentView(CausalKVView):
     __slots__ = ("rows",)
 
     def __init__(self, *, rows: int, **kw: Any) -> None:
-        super().__init__(**kw)
         self.rows = rows
+        super().__init__(**kw)
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows
 
 
 @dataclass(frozen=True)

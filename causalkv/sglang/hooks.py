@@ -391,12 +391,8 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     # lazy: this module imports no torch until sglang calls a hook
     import torch
 
-    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-
     device = kw["device"]
-    scratch = self.__dict__.get(_SCRATCH)
-    if scratch is None:  # one per stage: its blocks and its CFG sets run one after another
-        scratch = self.__dict__[_SCRATCH] = ChunkScratch()
+    scratch = _stage_scratch(self)
     args = causalkv_quant_args(quant, recent_tier())
     caches = [
         SGLangQVGKVCache(
@@ -418,6 +414,20 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
 # ---- the context pass -------------------------------------------------------------------------
 _SCRATCH = "_causalkv_chunk_scratch"
 _SCENE_CUT = "_causalkv_scene_cut"
+
+
+def _stage_scratch(stage: Any) -> Any:
+    """The stage's one `causalkv.caches.qvg.ChunkScratch` (its blocks and CFG sets run one
+    after another). Unshared until the stage's own request loop runs (`forward`, which ends
+    every chunk with the hooked context pass): code of sglang's that drives the caches
+    directly gets every block's chunk in its own cache, as sglang's dense cache holds it."""
+    scratch = stage.__dict__.get(_SCRATCH)
+    if scratch is None:
+        # lazy: this module imports no torch until sglang calls a hook
+        from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+
+        scratch = stage.__dict__[_SCRATCH] = ChunkScratch()
+    return scratch
 
 
 def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
@@ -520,9 +530,9 @@ def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: An
         return original(self, batch, server_args)
     self.__dict__[_TRACK] = tracked = []
     self.__dict__.pop(_SCENE_CUT, None)
-    scratch = self.__dict__.get(_SCRATCH)
-    if scratch is not None:
-        scratch.reset_peaks()
+    scratch = _stage_scratch(self)
+    scratch.share()  # the stage's loop ends every chunk with its (hooked) context pass
+    scratch.reset_peaks()
     try:
         out = original(self, batch, server_args)
         sets: list[list] = []

@@ -223,8 +223,9 @@ class CausalDenoisingStage(StagePlanning):
             caches = [c for cs in self._cache_sets for c in cs.kv]
             if caches and all(isinstance(c, QVGPackedCausalKVCache) for c in caches):
                 # the chunk being generated: once for the stage (its layers and branches run
-                # one after another, and each consumes its view inside the call)
-                self.chunk_scratch = ChunkScratch()
+                # one after another, each consumes its view inside the call, and the chunk
+                # loop ends every chunk with its context pass: shared from the first chunk)
+                self.chunk_scratch = ChunkScratch(shared=True)
                 for cache in caches:
                     cache.use_scratch(self.chunk_scratch)
         return self._cache_sets

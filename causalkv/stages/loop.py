@@ -155,7 +155,8 @@ class ChunkLoop:
                 on_forward(ForwardRecord(i, -1, stage.context_noise, ctx_in, ctx_pred, token_start, rope_f0))
             self.extend([(f, f + rope_f0 - f0) for f in range(f0, f0 + fpc)])
             stage.end_chunk(i, prompt)
-            view = stage.caches.kv[0].get_attention_kv(recent_window_tokens=stage.recent_window_tokens())
+            visible = stage.caches.kv[0].visible_positions(
+                recent_window_tokens=stage.recent_window_tokens())
             stats = ChunkStats(
                 chunk=i,
                 frames=(f0, f0 + fpc),
@@ -164,7 +165,7 @@ class ChunkLoop:
                 prompt=prompt,
                 seconds=time.perf_counter() - t0,
                 kv_resident_bytes=stage.kv_resident_nbytes(),
-                visible_tokens=view.num_visible,
+                visible_tokens=sum(b - a for a, b in visible),
             )
             stats_all.append(stats)
             if on_chunk_done is not None:

@@ -11,22 +11,27 @@ LongLive 2.0 shot pinned after a chunk; only the bytes held differ, by the arith
 - with it, each block holds context only, trimmed at the context pass to what the next chunk
   keeps, and the stage holds one chunk once.
 
-Also: a chunk never committed by a context pass is refused at the next advance (its K/V were
-another block's by then), a read of the scratch by a block that did not write it last is
-refused, and a failed context commit (non-finite K/V the codec refuses) leaves the block as
-it was.
+Also: a scratch nobody declared (sglang's own code driving the caches) refuses nothing and
+keeps every block's chunk; once declared, a chunk never committed by a context pass is
+refused at the next advance (its K/V were another block's by then); non-finite K/V stay
+dense as written.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
+from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.longlive2 import (
+    LongLive2CausalDenoisingStage,
+)
 
 from causalkv.caches.qvg import ChunkScratch
 from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuant
-from causalkv.errors import UsageError
+from causalkv.caches.spec import CacheProtocolError
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 H, D, N, SLOTS, LAYERS, PASSES = 2, 32, 64, 4, 3, 3
@@ -87,7 +92,7 @@ SETTINGS = {
 def test_the_scratch_changes_no_view_and_holds_less(name):
     quant = SETTINGS[name]
     before, held_before = _stream([_block(quant) for _ in range(LAYERS)], None)
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)
     blocks = [_block(quant, scratch) for _ in range(LAYERS)]
     after, held_after = _stream(blocks, scratch)
     assert len(before) == len(after)
@@ -104,7 +109,7 @@ def test_the_scratch_changes_no_view_and_holds_less(name):
 def test_keep_recent_0_holds_three_packed_chunks_per_block_and_one_scratch():
     """Steady state (after a context pass, before the next advance), by the byte formula."""
     quant = SETTINGS["int2-recent0"]
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)
     blocks = [_block(quant, scratch) for _ in range(LAYERS)]
     _, held = _stream(blocks, scratch)
     q = CausalKVQuant(bits=2, centroids=8, block_size=16, keep_recent_chunks=0)
@@ -117,7 +122,7 @@ def test_keep_recent_0_holds_three_packed_chunks_per_block_and_one_scratch():
 
 def test_the_recency_tier_packs_the_recent_chunk_at_4_bits():
     quant = CausalKVQuant(bits=2, centroids=8, block_size=16, recent_tier="int4")
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)
     blocks = [_block(quant, scratch) for _ in range(LAYERS)]
     _, held = _stream(blocks, scratch)
     q2 = CausalKVQuant(bits=2, centroids=8, block_size=16)
@@ -128,35 +133,84 @@ def test_the_recency_tier_packs_the_recent_chunk_at_4_bits():
     assert tiers.count(True) == 1  # the newest completed chunk
 
 
-def test_a_chunk_without_a_context_pass_is_refused_at_the_next_advance():
+def test_an_undeclared_scratch_keeps_every_block_s_chunk_and_refuses_nothing():
+    """A scratch nobody declared (no context pass, no stage loop): each block keeps its own
+    chunk, so lock-step blocks, a context write through a plain call and a second request
+    give the views of blocks without a scratch."""
+    quant = SETTINGS["int2-default"]
     scratch = ChunkScratch()
+    blocks = [_block(quant, scratch) for _ in range(LAYERS)]
+    plain = [_block(quant) for _ in range(LAYERS)]
+    for request in range(2):
+        for c in range(6):
+            for step in range(PASSES):
+                for layer in range(LAYERS):
+                    k, v = _kv(c, layer, step + 10 * request)
+                    got = blocks[layer].update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
+                    want = plain[layer].update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
+                    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+        for block in (*blocks, *plain):
+            block.reset_indices()
+    assert not scratch.shared
+
+
+def test_sglang_s_own_call_order_on_the_hooked_allocation_refuses_nothing():
+    """sglang's LongLive 2.0 stage allocates the bridge's caches through the hooked
+    ``_allocate_causal_kv_cache``; driven as sglang drives its dense cache (blocks in lock
+    step, the context write a plain ``update_and_get_attention_kv``, a second request after
+    ``reset_indices``), every view equals the one of blocks without a scratch."""
+    stage = LongLive2CausalDenoisingStage.__new__(LongLive2CausalDenoisingStage)
+    stage.sink_size, stage.sliding_window_num_frames, stage.num_transformer_blocks = 1, 4, LAYERS
+    stage._apply_causal_cache_overrides(
+        SimpleNamespace(), SimpleNamespace(pipeline_config=SimpleNamespace(),
+                                           kv_cache_quant_config=SETTINGS["int2-default"]))
+    caches = stage._allocate_causal_kv_cache(
+        batch_size=1, kv_cache_size=SLOTS * N, num_attention_heads=H, attention_head_dim=D,
+        dtype=torch.bfloat16, device=torch.device("cpu"), sink_tokens=N, global_sink_tokens=N)
+    assert all(type(c) is SGLangQVGKVCache and c.scratch is caches[0].scratch for c in caches)
+    plain = [_block(caches[0].quant) for _ in range(LAYERS)]
+    for request in range(2):
+        for c in range(6):
+            for step in range(PASSES + 1):  # denoising passes, then the context write
+                for layer in range(LAYERS):
+                    k, v = _kv(c, layer, step + 10 * request)
+                    got = caches[layer].update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
+                    want = plain[layer].update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
+                    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+        for block in (*caches, *plain):
+            block.reset_indices()
+
+
+def test_a_declared_chunk_without_a_context_pass_is_refused_at_the_next_advance():
+    scratch = ChunkScratch(shared=True)
     blocks = [_block(SETTINGS["int2-default"], scratch) for _ in range(2)]
     for block in blocks:
         k, v = _kv(0, 0, 0)
         block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
     k, v = _kv(1, 0, 0)
-    with pytest.raises(UsageError, match="never committed by a context pass"):
+    segments = list(blocks[0].store.segments)
+    with pytest.raises(CacheProtocolError, match=r"chunk \[0, 64\) .* never committed by a context pass"):
         blocks[0].update_and_get_attention_kv(key=k, value=v, current_chunk_start=N)
+    assert blocks[0].store.segments == segments and blocks[0].global_end_index_int == N
 
 
-def test_a_failed_context_commit_leaves_the_block_as_it_was():
+def test_a_non_finite_chunk_is_kept_dense_and_the_block_goes_on():
+    """NaN K/V in a context write: the chunk stays dense as written (sglang's dense cache
+    holds it so), the next chunks pack, the report says why."""
     quant = SETTINGS["int2-recent0"]
     scratch = ChunkScratch()
     block = _block(quant, scratch)
-    for c in range(2):
+    for c in range(4):  # chunk 1 (the NaN) is still held after chunk 3
         for step in range(PASSES):
             k, v = _kv(c, 0, step)
+            if c == 1 and step == PASSES - 1:
+                k[0, 3, 1, 2] = float("nan")
             if step == PASSES - 1:
                 with scratch.context_pass():
                     block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
             else:
                 block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
-    k, v = _kv(2, 0, 0)
-    block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=2 * N)
-    segments, held = list(block.store.segments), block.resident_nbytes()
-    calls = block.quantize_calls
-    k[0, 3, 1, 2] = float("nan")
-    with pytest.raises(ValueError, match="non-finite"), scratch.context_pass():
-        block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=2 * N)
-    assert [s is t for s, t in zip(block.store.segments, segments, strict=True)] == [True] * len(segments)
-    assert (block.resident_nbytes(), block.quantize_calls) == (held, calls)
+    report = block.store.packing_report()
+    assert report.chunks_dense.get("non-finite") == 1 and report.chunks_packed >= 2
+    nan_chunk = next(s for s in block.store.segments if s.start == N)
+    assert not nan_chunk.packed and torch.isnan(nan_chunk.storage.k).sum() == 1

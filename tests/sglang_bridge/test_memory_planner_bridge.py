@@ -116,7 +116,7 @@ def _check_with_scratch(
     shots = 2 if frames >= 4 * geom.frames_per_chunk else 1
     lay = stream_layout(geom, MemoryRequest(latent_frames=frames, shots=shots, cfg=cfg, sink=sink))
     plan = plan_setting(geom, lay, SETTINGS[name], host="sglang", sink=sink)
-    scratch = ChunkScratch()
+    scratch = ChunkScratch(shared=True)
     n = lay.chunk_tokens
     caches = [
         SGLangQVGKVCache(

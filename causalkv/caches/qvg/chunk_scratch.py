@@ -21,6 +21,16 @@ plus the stage's word on which pass is the context update:
   most the stage's caches held at once over the request, all layers, the scratch and the
   largest one-call buffer included.
 
+Sharing is an opt-in the caller declares, because only the caller knows that it ends every
+chunk with a context pass and reads each view inside the call that wrote it:
+``ChunkScratch(shared=True)``, `share`, or the first `context_pass` declares it. Until then
+the caches given the scratch keep the chunk being generated in their own storage (the dense
+cache's answers at the dense cache's memory for that chunk) and only use its ledger. Once
+declared, a chunk that ends without its context pass is still answered right while its K/V
+are intact in the scratch (the cache takes its own copy at the next advance); if another
+layer has overwritten them, the next advance, or a read, is refused with
+`causalkv.caches.spec.CacheProtocolError` naming the chunk and the fix, the cache unchanged.
+
 A cache given no scratch keeps the chunk being generated in its own storage (the contract of
 `causalkv.caches.spec.CausalKVCache` without any stage cooperation).
 """
@@ -32,6 +42,7 @@ from contextlib import contextmanager
 
 import torch
 
+from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import UsageError
 
 __all__ = ["ChunkScratch"]
@@ -40,8 +51,15 @@ __all__ = ["ChunkScratch"]
 class ChunkScratch:
     """One chunk of K/V shared by the caches of a stage, the context-pass flag, the ledger.
 
+    Args:
+        shared: declare at once that the caller ends every chunk with a context pass (see
+            `share`); False waits for `share` or the first `context_pass`.
+
     Attributes:
+        shared: the chunk being generated lives here (declared by the caller); False: every
+            cache keeps its own and the scratch is only the ledger.
         committing: True inside `context_pass`.
+        passes: context passes opened so far (a cache tells two passes apart by it).
         pin: the announcement of the current `context_pass` (False outside one).
         writer: the cache that wrote the buffer last (a reader that is not it would read
             another layer's K/V: `check_reader` refuses that).
@@ -50,9 +68,11 @@ class ChunkScratch:
         peak_nbytes: the largest ``resident_nbytes + nbytes + one call's buffer`` seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self.shared = bool(shared)
+        self.passes = 0
         self.committing = False
         self.pin = False
         self.writer: object | None = None
@@ -104,14 +124,25 @@ class ChunkScratch:
         """``writer`` writes the buffer now (the views it holds are its chunk's K/V)."""
         self.writer = writer
 
+    def intact(self, reader: object) -> bool:
+        """True while ``reader`` wrote the buffer last (its chunk's K/V are still here)."""
+        return self.writer is reader
+
     def check_reader(self, reader: object, what: str) -> None:
-        """`UsageError` unless ``reader`` wrote the buffer last."""
+        """`CacheProtocolError` unless ``reader`` wrote the buffer last."""
         if self.writer is not reader:
-            raise UsageError(
+            raise CacheProtocolError(
                 f"{what}: the chunk being generated lives in the stage's shared scratch, which "
                 "another layer has written since; read a cache's view inside the call that "
                 "wrote it, or end the chunk with a context pass (ChunkScratch.context_pass)"
             )
+
+    # ---- the declaration -------------------------------------------------------------------
+    def share(self) -> None:
+        """Declare that the caller ends every chunk with a context pass (`context_pass`) and
+        reads each view inside the call that wrote it: from the next chunk on, the caches
+        keep the chunk being generated here, once for all of them."""
+        self.shared = True
 
     def release(self) -> None:
         """Free the storage (a new request allocates it again on its first write)."""
@@ -121,9 +152,12 @@ class ChunkScratch:
     # ---- the context pass ------------------------------------------------------------------
     @contextmanager
     def context_pass(self, *, pin: bool = False) -> Iterator[ChunkScratch]:
-        """Writes inside are the chunk's context update (see the module docstring)."""
+        """Writes inside are the chunk's context update (see the module docstring); the first
+        pass declares the sharing (`share`)."""
         if self.committing:
             raise UsageError("ChunkScratch.context_pass is already open (passes do not nest)")
+        self.shared = True
+        self.passes += 1
         self.committing, self.pin = True, bool(pin)
         try:
             yield self

@@ -64,7 +64,15 @@ from causalkv.caches.qvg.store import (
     Segment,
     SegmentStore,
 )
-from causalkv.caches.spec import CausalAttentionKVView, KVCacheSpec, KVSegment, StoredSegment
+from causalkv.caches.spec import (
+    CacheProtocolError,
+    CausalAttentionKVView,
+    KVCacheSpec,
+    KVSegment,
+    StoredSegment,
+    check_recent_window,
+    check_write,
+)
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
     GROWTH,
@@ -216,37 +224,101 @@ class QVGPackedCausalKVCache(StreamCache):
     def scratch(self) -> ChunkScratch | None:
         return self.store.scratch
 
-    def update_and_get_attention_kv(self, **kw):  # type: ignore[override]
+    def update_and_get_attention_kv(  # type: ignore[override]
+        self,
+        *,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_chunk_start: int,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "kv_cache",
+    ) -> CausalAttentionKVView:
         """`StreamCache.update_and_get_attention_kv`; inside ``scratch.context_pass()`` the
-        chunk then moves to its tier (the view returned shows it as written). A commit that
-        fails (the codec refuses non-finite K/V) leaves the cache as it was."""
+        chunk then moves to its tier (the view returned shows it as written). The write and
+        the move are planned first and committed as one: a refused call changes nothing,
+        the shared scratch included."""
         scratch = self.store.scratch
         if scratch is None or not scratch.committing:
-            return super().update_and_get_attention_kv(**kw)
-        state, snap = self.state, self.store.snapshot()
-        view = super().update_and_get_attention_kv(**kw)
-        try:
-            self.store.commit(self._context_plan(scratch))
-        except BaseException:
-            self.state = state
-            self.store.restore(snap)
-            raise
-        return view
+            return super().update_and_get_attention_kv(
+                key=key, value=value, current_chunk_start=current_chunk_start,
+                cache_head_start=cache_head_start, recent_window_tokens=recent_window_tokens,
+                debug_name=debug_name,
+            )
+        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
+        check_recent_window(recent_window_tokens)
+        n, st = key.shape[1], self.state
+        advance = st.classify(current_chunk_start, n, debug_name) == "advance"
+        new = st.advanced(n, debug_name) if advance else st
+        assert new.cur_start is not None
+        write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
+        if advance:
+            self._check_holds(new, debug_name)
+            base = self.store.plan(
+                held=new.retained, write=write, advance=True, sink_end=new.sink_prefix_end(),
+                pinned=(new.pinned,) if new.pinned else (),
+            )
+        else:
+            base = self._plan_rewrite(write)
+        final = self.store.plan_commit(base, **self._context_args(new, scratch.pin))
+        # commit (nothing below can fail)
+        self.store.commit(final)
+        self.state = new
+        return self._view(h0, h1, recent_window_tokens, final.view_segments)
 
-    def _context_plan(self, scratch: ChunkScratch):
-        """The store once the chunk just written is context: what the next advance by a chunk
-        of the same size keeps (an announced pin included), the rest dropped now."""
-        st = self.state
-        after = st.pinned_to(st.cur_n) if scratch.pin else st
+    def _context_args(self, st: StreamState, pin: bool) -> dict[str, object]:
+        """`SegmentStore.plan_commit`'s positions once the chunk just written is context: what
+        the next advance by a chunk of the same size keeps (``pin``: after the pin announced
+        for this chunk), the rest dropped now."""
+        after = st.pinned_to(st.cur_n) if pin else st
         try:
             ahead = after.advanced(st.cur_n, "the next chunk")
             held = iv.subtract(ahead.retained, ((st.global_end, ahead.global_end),))
         except ValueError:  # the next chunk would not fit: keep everything
             held = st.retained
-        return self.store.plan_commit(
-            held=held, sink_end=after.sink_prefix_end(),
-            pinned=(after.pinned,) if after.pinned else (),
+        return {"held": held, "sink_end": after.sink_prefix_end(),
+                "pinned": (after.pinned,) if after.pinned else ()}
+
+    def _plan_rewrite(self, write: KVWrite):
+        """The store after a rewrite of the current chunk: in place while dense segments hold
+        it, else (a chunk a context pass already moved to its tier) decoded back to dense."""
+        store = self.store
+        if store.covers_dense(write.start, write.end):
+            return store.plan_write(write)
+        st = self.state
+        return store.plan(
+            held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
+            pinned=(st.pinned,) if st.pinned else (),
         )
+
+    def _check_holds(self, new: StreamState, what: str) -> None:
+        """`CacheProtocolError` when ``new`` retains positions a context pass already dropped
+        (it kept what an advance by a chunk of the committed chunk's size keeps)."""
+        assert new.cur_start is not None
+        have = iv.union(self.store.held(), ((new.cur_start, new.global_end),))
+        if not iv.contains(have, new.retained):
+            missing = iv.subtract(new.retained, have)
+            raise CacheProtocolError(
+                f"{what}: positions {iv.describe(missing)} were dropped at the last context pass "
+                f"(it kept what the next chunk of {self.state.cur_n} tokens keeps, with the pin "
+                "it announced); nothing was changed. Advance by chunks of the committed size and "
+                "announce a pin with ChunkScratch.context_pass(pin=True), or leave the scratch "
+                "unshared (ChunkScratch(shared=False))"
+            )
+
+    def pin_current_chunk(self, current_num_tokens: int) -> None:
+        """`StreamCache.pin_current_chunk`; refused (`CacheProtocolError`, nothing changed)
+        when the pinned stream's next chunk would keep positions a context pass that did not
+        announce this pin already dropped."""
+        new = self.state.pinned_to(current_num_tokens)
+        if new.cur_start is not None and new.cur_n and not iv.contains(self.store.held(), self.state.retained):
+            try:
+                ahead = new.advanced(new.cur_n, "pin_current_chunk")
+            except ValueError:
+                ahead = None
+            if ahead is not None:
+                self._check_holds(ahead, f"pin_current_chunk({current_num_tokens})")
+        self.state = new
 
     # ---- the store's figures -----------------------------------------------------------
     @property
@@ -280,6 +352,7 @@ class QVGPackedCausalKVCache(StreamCache):
     def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
         """Evict, pack cold chunks and add the new chunk, then commit it all at once."""
         assert new.cur_start is not None
+        self._check_holds(new, "advance")
         plan = self.store.plan(
             held=new.retained, write=KVWrite(new.cur_start, new.global_end, heads), advance=True,
             sink_end=new.sink_prefix_end(), pinned=(new.pinned,) if new.pinned else (),
@@ -291,16 +364,35 @@ class QVGPackedCausalKVCache(StreamCache):
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
         st = self.state
         assert st.cur_start is not None
-        # the current chunk is always the last, dense segment
-        self.store.write(KVWrite(st.cur_start, st.cur_start + st.cur_n, (h0, h1), key, value))
+        self.store.commit(
+            self._plan_rewrite(KVWrite(st.cur_start, st.cur_start + st.cur_n, (h0, h1), key, value)))
 
     # ---- views ------------------------------------------------------------------------
-    def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:
+    def _view(
+        self, h0: int, h1: int, recent_window_tokens: int | None,
+        layout: list[Segment] | None = None,
+    ) -> CausalAttentionKVView:
+        """The view of ``visible`` read from ``layout`` (default: the store's segments; a
+        commit replaces that list, never mutates it). Refused (`CacheProtocolError`, nothing
+        changed) when ``layout`` does not hold every visible position, or holds the chunk in
+        a shared scratch another layer has written since: a view never claims what it does
+        not hold."""
         st = self.state
         visible = st.visible(recent_window_tokens)
         store = self.store
-        layout = store.segments  # a commit replaces this list, never mutates it
-        located = store.locate(visible)
+        layout = store.segments if layout is None else layout
+        missing = iv.subtract(visible, iv.normalize((s.start, s.end) for s in layout))
+        if missing:
+            raise CacheProtocolError(
+                f"read of positions {iv.describe(visible)}: {iv.describe(missing)} were dropped "
+                "at the last context pass (it keeps only what the next advance keeps); read a "
+                "view inside the call that wrote it, or leave the scratch unshared "
+                "(ChunkScratch(shared=False)) to keep every visible position until the advance"
+            )
+        store.check_heads(h0, h1, "read")
+        located = store.locate(visible, layout)
+        for seg, _ in located:
+            store.check_readable(seg)
 
         def segments() -> Iterator[KVSegment]:
             for seg, runs in located:
@@ -323,9 +415,7 @@ class QVGPackedCausalKVCache(StreamCache):
                         yield st.heads(lo, hi, h0, h1)
 
         k = v = None
-        # nothing to decode: build k/v now (not when a context commit already dropped some
-        # visible positions: a read of this view between chunks is positions only)
-        if not any(seg.packed for seg, _ in located) and iv.contains(store.held(), visible):
+        if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now
             k, v = materialize()
         return self._make_view(
             visible, k=k, v=v, segments=segments, materialize=materialize, stored=stored,

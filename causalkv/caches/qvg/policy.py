@@ -33,6 +33,7 @@ from causalkv.errors import ConfigError
 __all__ = [
     "CAUSALKV",
     "DENSE_REASONS",
+    "NON_FINITE",
     "MIN_TOKENS_PER_CENTROID",
     "SGLANG",
     "CausalKVPolicy",
@@ -56,7 +57,8 @@ WAITING = "waiting for span"  # its span (span_chunks, or the whole sink with "f
 NOT_SMALLER = "not smaller than dense"  # packing it would not save bytes
 QUANT_OFF = "quant off"  # quantization is off
 POLICY = "policy"  # kept by a policy rule not named above
-DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY)
+NON_FINITE = "non-finite"  # its K/V hold NaN or inf: kept as the dense cache keeps them
+DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY, NON_FINITE)
 
 
 def centroids_for(tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID) -> int:

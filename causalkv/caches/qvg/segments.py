@@ -24,8 +24,10 @@ from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
 __all__ = [
+    "BorrowedKV",
     "Codebook",
     "DenseKV",
+    "PendingScratchKV",
     "ScratchKV",
     "KVWrite",
     "PackedKV",
@@ -77,6 +79,26 @@ class ScratchKV(DenseKV):
     """
 
     scratch: ChunkScratch
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True, eq=False)
+class BorrowedKV(DenseKV):
+    """Views of K/V the store does not own ``[B, len, H, D]`` (the write's tensors): a plan
+    packs straight from them, and a plan that keeps the chunk dense gives it its own copy
+    (`SegmentStore.plan_commit`); never committed as is."""
+
+
+@dataclass(frozen=True, eq=False)
+class PendingScratchKV:
+    """A new chunk planned into the stage's shared `ChunkScratch` ``shape = [B, len, H, D]``:
+    `SegmentStore.commit` takes the scratch's buffer for it (planning changes nothing)."""
+
+    scratch: ChunkScratch
+    shape: tuple[int, int, int, int]
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +187,7 @@ class Segment:
     end: int
     first_chunk: int
     last_chunk: int
-    storage: DenseKV | PackedKV
+    storage: DenseKV | PackedKV | PendingScratchKV
 
     @property
     def packed(self) -> bool:
@@ -283,11 +305,20 @@ class StorePlan:
     write: KVWrite
     packs: list[Segment] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)  # chunk -> why it stays dense
+    #: heads of the chunk being generated written since its advance
+    chunk_heads: frozenset[int] = frozenset()
+    #: (context pass number, heads written in it) of the chunk a context pass writes
+    pass_heads: tuple[int, frozenset[int]] | None = None
+    #: heads of the chunk being generated another layer overwrote in the shared scratch
+    lost_heads: frozenset[int] = frozenset()
+    #: what the call's view reads (`SegmentStore.plan_commit`: the chunk as written, and the
+    #: positions the commit drops); None: ``segments``
+    view_segments: list[Segment] | None = None
 
 
 
 def dense_storage(seg: Segment) -> DenseKV:
     """``seg``'s `DenseKV` (a packed segment is refused: only dense ones are sliced or packed)."""
-    if not isinstance(seg.storage, DenseKV):
+    if not isinstance(seg.storage, DenseKV):  # packed, or a scratch chunk not yet bound
         raise InvalidTypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
     return seg.storage

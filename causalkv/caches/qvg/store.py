@@ -47,6 +47,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
+    NON_FINITE,
     NOT_SMALLER,
     POLICY,
     QUANT_OFF,
@@ -59,18 +60,20 @@ from causalkv.caches.qvg.policy import (
     centroids_for,
 )
 from causalkv.caches.qvg.segments import (
+    BorrowedKV,
     Codebook,
     DenseKV,
     KVWrite,
     PackedKV,
     PackingReport,
+    PendingScratchKV,
     ScratchKV,
     Segment,
     StorePlan,
     dense_storage,
 )
-from causalkv.caches.spec import KVSegment
-from causalkv.errors import ConfigError, UsageError
+from causalkv.caches.spec import CacheProtocolError, CacheReadError, KVSegment
+from causalkv.errors import ConfigError
 
 __all__ = [
     "Codebook",
@@ -169,6 +172,12 @@ class SegmentStore:
         self._live: dict[int, str] = {}  # completed chunk still held -> "packed" or dense reason
         self._settled: Counter[str] = Counter()  # the same for chunks no longer held
         self._centroids_used: Counter[int] = Counter()
+        #: heads of the chunk being generated written since its advance
+        self.chunk_heads: frozenset[int] = frozenset()
+        #: (context pass number, heads written in it) of the chunk the last pass wrote
+        self.pass_heads: tuple[int, frozenset[int]] | None = None
+        #: heads of the chunk being generated another layer overwrote in the shared scratch
+        self.lost_heads: frozenset[int] = frozenset()
 
     # ---- what it holds --------------------------------------------------------------------
     def held(self) -> Intervals:
@@ -222,9 +231,24 @@ class SegmentStore:
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, w: KVWrite) -> None:
-        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`)."""
-        self._claim_scratch(self.segments, w)
-        self._copy_write(self.segments, w)
+        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`).
+
+        Raises:
+            CacheProtocolError: the chunk lives in a shared scratch another layer has
+                written since, and ``w`` does not rewrite every head written to it (nothing
+                is changed).
+        """
+        self.commit(self.plan_write(w))
+
+    def plan_write(self, w: KVWrite) -> StorePlan:
+        """The store after ``w``, a rewrite of positions dense segments hold (`covers_dense`):
+        the layout stays, ``w`` is copied in by `commit` (``self`` untouched)."""
+        return StorePlan(
+            list(self.segments), self.codebook, self.current, self.chunk_tokens,
+            self._next_chunk, w, reasons=dict(self._reasons),
+            chunk_heads=self.chunk_heads | _heads(w), pass_heads=self.pass_heads,
+            lost_heads=self._lost_after(w),
+        )
 
     def plan(
         self,
@@ -244,8 +268,13 @@ class SegmentStore:
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
-        kept, book = self._keep_held(segs, held)
-        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
+        kept, book = self._keep_held(segs, held, self.codebook)
+        plan = StorePlan(
+            kept, book, current, chunk_tokens, next_chunk, write,
+            chunk_heads=_heads(write) if advance else self.chunk_heads | _heads(write),
+            pass_heads=self.pass_heads,
+            lost_heads=frozenset() if advance else self._lost_after(write),
+        )
         completed = {c for s in kept for c in s.chunks if c != current}
         if not self.quant.enabled:
             plan.reasons = dict.fromkeys(completed, QUANT_OFF)
@@ -260,51 +289,95 @@ class SegmentStore:
             plan.reasons = {c: self._reasons.get(c, POLICY) for c in completed}
         return plan
 
-    def plan_commit(self, *, held: Intervals, sink_end: int = 0, pinned: Intervals = ()) -> StorePlan:
-        """The store once the chunk being generated is context (a context pass wrote it last).
+    def plan_commit(
+        self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = ()
+    ) -> StorePlan:
+        """The store once the chunk ``base`` writes is context (a context pass writes it last).
 
-        The chunk leaves the scratch for its tier at once (packed now when the policy does
-        not keep it; a kept chunk gets its own dense copy, or its recency-tier packing), and
-        only the positions in ``held`` stay: the host passes what its next advance will keep
-        (the chunk being generated no longer needs room here), so nothing is held only to be
-        evicted at the next chunk. ``sink_end``/``pinned`` as in `plan`, for the stream
-        after this chunk (a pin announced for this chunk included). ``self`` is untouched.
+        ``base`` is this call's write planned on this very state (`plan` or `plan_write`),
+        not yet committed: the two are committed as one (`commit` of the result), so a
+        refusal here changes nothing, the shared scratch included. The chunk leaves the
+        scratch for its tier at once: packed straight from the write's K/V when the policy
+        does not keep it, else its own dense copy (or its recency-tier packing). Only the
+        positions in ``held`` stay: the host passes what its next advance will keep, so
+        nothing is held only to be evicted at the next chunk. ``sink_end``/``pinned`` as in
+        `plan`, for the stream after this chunk (a pin announced for this chunk included).
+
+        A context write of some of the chunk's heads (one part of a head-parallel write)
+        moves the chunk to its own dense copy and waits: it is packed by the pass's write
+        that completes the heads the chunk was written with since its advance.
+
+        The returned plan's ``view_segments`` is what this call's view reads: the layout
+        before the drop, the chunk as written (views of the write's K/V or its copy).
 
         Raises:
-            UsageError (a RuntimeError): no chunk is being generated, or the scratch holds
-                another layer's K/V (the context write was not made through this store).
-            What the codec raises for a chunk it cannot pack.
+            CacheProtocolError (a UsageError): ``base`` writes nothing, or the chunk's K/V in
+                the scratch were overwritten by another layer (`_check_scratch_rewrite`).
         """
-        current = self.current
-        if current is None:
-            raise UsageError("SegmentStore.plan_commit: no chunk is being generated")
-        for seg in self.segments:
-            if isinstance(seg.storage, ScratchKV):
-                seg.storage.scratch.check_reader(self, "SegmentStore.plan_commit")
-        kept, book = self._keep_held(self.segments, held)
-        ahead = self._next_chunk  # the chunk after this one: every chunk held is completed
-        plan = StorePlan(kept, book, None, self.chunk_tokens, ahead, KVWrite(0, 0, (0, 0)))
+        w = base.write
+        if w.key is None or w.value is None or w.end <= w.start:
+            raise CacheProtocolError(
+                "SegmentStore.plan_commit: the context pass's write carries no K/V; commit the "
+                "write of the chunk's clean K/V made inside ChunkScratch.context_pass()"
+            )
+        number = self.scratch.passes if self.scratch is not None else 0
+        before = self.pass_heads[1] if self.pass_heads and self.pass_heads[0] == number else frozenset()
+        pass_heads = (number, before | _heads(w))
+        written = [
+            replace(seg, storage=self._as_written(seg, w))
+            if seg.start < w.end and w.start < seg.end and not seg.packed else seg
+            for seg in base.segments
+        ]
+        if not pass_heads[1] >= base.chunk_heads or base.lost_heads:  # more heads are coming
+            return replace(
+                base, segments=[_owned(seg) for seg in written], write=_NO_WRITE,
+                pass_heads=pass_heads, view_segments=written,
+            )
+        kept, book = self._keep_held(written, held, base.codebook)
+        ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
+        plan = StorePlan(
+            kept, book, None, base.chunk_tokens, ahead, _NO_WRITE, packs=list(base.packs),
+            chunk_heads=base.chunk_heads, pass_heads=pass_heads, view_segments=written,
+        )
         if not self.quant.enabled:
             plan.reasons = {c: QUANT_OFF for s in kept for c in s.chunks}
         else:
             decision = self.policy.decide(
                 self.quant, self._chunk_infos(kept, ahead, sink_end, pinned), ahead,
-                sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=self.chunk_tokens,
+                sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=base.chunk_tokens,
             )
             self._pack_cold(plan, decision, ahead)
-        # what stays dense leaves the scratch: the chunk's own copy
-        plan.segments = [
-            replace(s, storage=DenseKV(s.storage.k.clone(), s.storage.v.clone()))
-            if isinstance(s.storage, ScratchKV) else s
-            for s in plan.segments
-        ]
+        # what stays dense gets its own copy (the write's tensors are the caller's)
+        plan.segments = [_owned(seg) for seg in plan.segments]
         return plan
 
+    def _as_written(self, seg: Segment, w: KVWrite) -> DenseKV:
+        """``seg``'s dense K/V once ``w`` is written: views of ``w`` when it covers the segment
+        whole (`BorrowedKV`), else a copy with ``w`` copied in."""
+        lo, hi = max(w.start, seg.start), min(w.end, seg.end)
+        assert w.key is not None and w.value is not None
+        if (lo, hi) == (seg.start, seg.end) and w.heads == (0, self.num_heads):
+            return BorrowedKV(w.key[:, lo - w.start : hi - w.start], w.value[:, lo - w.start : hi - w.start])
+        st = seg.storage
+        if isinstance(st, PendingScratchKV):
+            own = DenseKV(torch.zeros(st.shape, dtype=self.dtype, device=self.device),
+                          torch.zeros(st.shape, dtype=self.dtype, device=self.device))
+        else:
+            st = dense_storage(seg)
+            if isinstance(st, ScratchKV) and not st.scratch.intact(self):
+                # another layer wrote the scratch: only heads never written were zeros
+                own = DenseKV(torch.zeros_like(st.k), torch.zeros_like(st.v))
+            else:
+                own = DenseKV(st.k.clone(), st.v.clone())
+        patched = replace(seg, storage=own)
+        self._copy_write([patched], w)
+        return own
+
     def _keep_held(
-        self, segs: Sequence[Segment], held: Intervals
+        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
     ) -> tuple[list[Segment], Codebook | None]:
         """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
-        and the codebook that is still in use."""
+        and ``book`` if it is still in use."""
         kept: list[Segment] = []
         for seg in segs:
             live = iv.intersect(seg.run, held)
@@ -314,18 +387,20 @@ class SegmentStore:
                 kept.append(seg)
             else:
                 kept.extend(seg.dense_slice(a, b) for a, b in live)
-        book = self.codebook
         if book is not None and not any(book.used_by(seg) for seg in kept):
             book = None  # every segment using it rolled out: start a fresh one
         return kept, book
 
     def commit(self, plan: StorePlan) -> None:
-        """Apply ``plan`` (from `plan` on this very state); nothing here can fail."""
-        self._claim_scratch(plan.segments, plan.write)
-        self._copy_write(plan.segments, plan.write)
+        """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
+        nothing here can fail. A new chunk planned into the shared scratch takes its buffer
+        now (the scratch is this store's from here on)."""
+        segments = [self._bind(seg) for seg in plan.segments]
+        self._claim_scratch(segments, plan.write)
+        self._copy_write(segments, plan.write)
         live = {
             c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
-            for seg in plan.segments for c in seg.chunks if c != plan.current
+            for seg in segments for c in seg.chunks if c != plan.current
         }
         self._settled.update(s for c, s in self._live.items() if c not in live)
         self._live = live
@@ -334,11 +409,21 @@ class SegmentStore:
             self._centroids_used[seg.storage.num_centroids] += len(seg.chunks)
         self.quantize_calls += len(plan.packs)
         self._reasons = plan.reasons
-        self.segments, self.codebook = plan.segments, plan.codebook
+        self.segments, self.codebook = segments, plan.codebook
         self.current, self.chunk_tokens = plan.current, plan.chunk_tokens
         self._next_chunk = plan.next_chunk
+        self.chunk_heads, self.pass_heads = plan.chunk_heads, plan.pass_heads
+        self.lost_heads = plan.lost_heads
         if self.scratch is not None:
             self.scratch.account(self, self.resident_nbytes())
+
+    def _bind(self, seg: Segment) -> Segment:
+        """``seg`` with a planned scratch chunk given the scratch's buffer (zeroed, now ours)."""
+        st = seg.storage
+        if not isinstance(st, PendingScratchKV):
+            return seg
+        k, v = st.scratch.buffer(st.shape, self.dtype, self.device, self)
+        return replace(seg, storage=ScratchKV(k, v, scratch=st.scratch))
 
     def reset(self) -> None:
         """Free every segment (a new stream); the packing report keeps counting."""
@@ -350,31 +435,18 @@ class SegmentStore:
         self._reasons = {}
         self._settled.update(self._live.values())
         self._live = {}
+        self.chunk_heads, self.pass_heads, self.lost_heads = frozenset(), None, frozenset()
         if self.scratch is not None:
             self.scratch.account(self, 0)
 
-    def snapshot(self) -> tuple:
-        """Everything `commit` and `reset` change (`restore` puts it back): a host that commits
-        two plans in one call undoes the first when the second cannot be planned."""
-        return (
-            self.segments, self.codebook, self.current, self.chunk_tokens, self._next_chunk,
-            self.quantize_calls, dict(self._reasons), dict(self._live), Counter(self._settled),
-            Counter(self._centroids_used),
-        )
-
-    def restore(self, snap: tuple) -> None:
-        """Back to a `snapshot` (the K/V a commit copied into the scratch are not the store's)."""
-        (self.segments, self.codebook, self.current, self.chunk_tokens, self._next_chunk,
-         self.quantize_calls, self._reasons, self._live, self._settled,
-         self._centroids_used) = snap
-        if self.scratch is not None:
-            self.scratch.account(self, self.resident_nbytes())
-
     # ---- reads ----------------------------------------------------------------------------
-    def locate(self, positions: Intervals) -> list[tuple[Segment, Intervals]]:
-        """The segments holding any of ``positions``, each with the runs of them it holds."""
+    def locate(
+        self, positions: Intervals, segments: Sequence[Segment] | None = None
+    ) -> list[tuple[Segment, Intervals]]:
+        """The segments (of ``segments``, default the store's) holding any of ``positions``,
+        each with the runs of them it holds."""
         out = []
-        for seg in self.segments:
+        for seg in self.segments if segments is None else segments:
             runs = iv.intersect(seg.run, positions)
             if runs:
                 out.append((seg, runs))
@@ -389,7 +461,7 @@ class SegmentStore:
         ``segments``: the layout to read (default: the store's now).
 
         Raises:
-            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
+            CacheReadError (a RuntimeError): a position the store does not hold.
         """
         segs = self.segments if segments is None else segments
         out: list[tuple[Segment | None, int, int]] = []
@@ -413,7 +485,7 @@ class SegmentStore:
         piece held by one dense segment is returned as views of it, as a dense cache would.
 
         Raises:
-            UsageError (a RuntimeError): a position the store does not hold (a host bookkeeping bug).
+            CacheReadError (a RuntimeError): a position the store does not hold.
         """
         segs = self.segments if segments is None else segments
         total = sum(n for _, n in pieces)
@@ -422,7 +494,7 @@ class SegmentStore:
             p, n = pieces[0]
             for seg in segs:
                 if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
-                    self._check_read(seg)
+                    self.check_readable(seg)
                     return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -445,7 +517,7 @@ class SegmentStore:
         of a dense segment when one run); for attention that visits one segment at a time."""
         if isinstance(seg.storage, DenseKV) and len(runs) == 1:
             (a, b), = runs
-            self._check_read(seg)
+            self.check_readable(seg)
             return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
         shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -475,7 +547,7 @@ class SegmentStore:
 
     def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
         """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
-        `UsageError` (a RuntimeError) for a position no segment holds."""
+        `CacheReadError` (a RuntimeError) for a position no segment holds."""
         out: list[tuple[Segment, int, int]] = []
         at = p0
         for seg in segs:
@@ -488,23 +560,49 @@ class SegmentStore:
             at = b
             if at >= p1:
                 return out
-        raise UsageError(
-            f"SegmentStore: positions [{at}, {p1}) are not held (held: {iv.describe(self.held())})"
+        raise CacheReadError(
+            f"SegmentStore: positions [{at}, {p1}) are not held (held: "
+            f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"
         )
 
     def _copy_into(
         self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
-        self._check_read(seg)
+        self.check_readable(seg)
         seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
 
-    def _check_read(self, seg: Segment) -> None:
-        """A segment in the scratch is readable only by the store that wrote the scratch last."""
+    def check_readable(self, seg: Segment) -> None:
+        """`CacheProtocolError` for a segment in the shared scratch that another store has
+        written since this one (its K/V are gone): readable only by the scratch's last writer."""
         if isinstance(seg.storage, ScratchKV):
             seg.storage.scratch.check_reader(self, "SegmentStore read")
 
     # ---- internals: writes ----------------------------------------------------------------
+    def _lost_after(self, w: KVWrite) -> frozenset[int]:
+        """Heads of the chunk being generated whose K/V are unknown once ``w`` is written:
+        those written to the shared scratch before another layer overwrote it, and not
+        rewritten since (``w`` included). Nothing reads them (`check_heads`) until rewritten."""
+        lost = self.lost_heads
+        for seg in self.segments:
+            st = seg.storage
+            if (isinstance(st, ScratchKV) and seg.start < w.end and w.start < seg.end
+                    and not st.scratch.intact(self)):
+                lost = lost | self.chunk_heads
+        return lost - _heads(w) if w.key is not None else lost
+
+    def check_heads(self, h0: int, h1: int, what: str) -> None:
+        """`CacheProtocolError` when heads ``[h0, h1)`` of the chunk being generated are lost
+        (another layer overwrote them in the shared scratch and they were not rewritten)."""
+        lost = sorted(self.lost_heads & frozenset(range(h0, h1)))
+        if lost:
+            raise CacheProtocolError(
+                f"{what}: heads {lost} of the chunk being generated were written to the stage's "
+                "shared scratch, which another layer has written since, and were not rewritten "
+                "(nothing was changed); write every head of the chunk before another layer "
+                "writes, or leave the scratch unshared (ChunkScratch(shared=False))"
+            )
+
     def _claim_scratch(self, segs: Sequence[Segment], w: KVWrite) -> None:
         """Before ``w`` is copied into a scratch segment of ``segs``: the scratch is this
         store's now, and heads outside ``w`` read as zeros (another layer wrote them)."""
@@ -530,28 +628,32 @@ class SegmentStore:
         def new_chunk(a: int, b: int, scratch: ChunkScratch | None = None) -> Segment:
             nonlocal nxt
             shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
-            if scratch is not None:  # the chunk being generated: the stage's one buffer
-                storage: DenseKV = ScratchKV(*scratch.buffer(shape, self.dtype, self.device, self),
-                                             scratch=scratch)
+            storage: DenseKV | PendingScratchKV
+            if scratch is not None and scratch.shared:  # the stage's one buffer, at commit
+                storage = PendingScratchKV(scratch, shape)
             else:
                 storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
                                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             nxt += 1
             return Segment(a, b, nxt - 1, nxt - 1, storage)
 
+        if advance and self.lost_heads and self.current is not None:
+            self.check_heads(0, self.num_heads, f"SegmentStore: the advance to [{w.start}, {w.end})")
         segments = list(self.segments)
         for i, seg in enumerate(segments):
             if not isinstance(seg.storage, ScratchKV) or (seg.start, seg.end) == (w.start, w.end):
                 continue
-            # a chunk that left the scratch without a context pass: its own copy while the
+            # a chunk that leaves the scratch without a context pass: its own copy while the
             # scratch still holds its K/V (no other layer wrote it since), else it is lost
-            if seg.storage.scratch.writer is not self:
-                raise UsageError(
+            if not seg.storage.scratch.intact(self) or self.lost_heads:
+                raise CacheProtocolError(
                     f"SegmentStore: chunk [{seg.start}, {seg.end}) was generated in the stage's "
-                    "scratch, another layer has written the scratch since, and it was never "
-                    "committed by a context pass: the write of "
-                    f"[{w.start}, {w.end}) would lose it; end every chunk with its context pass "
-                    "inside ChunkScratch.context_pass()"
+                    "shared scratch, another layer has written the scratch since, and the chunk "
+                    f"was never committed by a context pass, so the write of [{w.start}, "
+                    f"{w.end}) would lose it (nothing was changed); end every chunk with its "
+                    "context pass inside ChunkScratch.context_pass(), or leave the scratch "
+                    "unshared (ChunkScratch(shared=False), no context_pass) to keep each "
+                    "layer's chunk in its own cache"
                 )
             segments[i] = replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
         for seg in segments:
@@ -639,6 +741,10 @@ class SegmentStore:
                     and why <= {RECENT, SINK} and self._pays(
                         [seg], None, self._tier_quant(seg.end - seg.start))):
                 flush_dense(WAITING)
+                if not self._finite([seg], plan.write):
+                    plan.segments.append(seg)
+                    plan.reasons.update((c, NON_FINITE) for c in chunks)
+                    continue
                 packed = self._pack_tier(seg, plan.write)
                 plan.segments.append(packed)
                 plan.packs.append(packed)
@@ -663,11 +769,27 @@ class SegmentStore:
                 if not self._pays(pending, plan.codebook):
                     flush_dense(NOT_SMALLER)
                     continue
+                if not self._finite(pending, plan.write):
+                    flush_dense(NON_FINITE)
+                    continue
                 packed, plan.codebook = self._pack(pending, plan.codebook, plan.write)
                 plan.segments.append(packed)
                 plan.packs.append(packed)
                 pending.clear()
         flush_dense(WAITING)
+
+    def _finite(self, pieces: list[Segment], write: KVWrite) -> bool:
+        """False when ``pieces`` (dense, as after ``write``) hold NaN or inf, checked where the
+        codec would refuse them (the CPU, where the check costs no device sync); the chunk
+        then stays dense, as the dense cache keeps it. On other devices the codec stores a
+        non-finite head poisoned (it decodes to non-finite values) without a host sync."""
+        if self.device.type != "cpu":
+            return True
+        for p in pieces:
+            st = self._with_write(p, write)
+            if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
+                return False
+        return True
 
     def _span_quant(self, tokens: int) -> QVGKVQuantArgs:
         """The settings a span of ``tokens`` is packed with (the centroid rule applied, if set)."""
@@ -735,3 +857,18 @@ class SegmentStore:
             storage=storage,
         )
         return seg, after
+
+
+_NO_WRITE = KVWrite(0, 0, (0, 0))
+
+
+def _heads(w: KVWrite) -> frozenset[int]:
+    """The heads ``w`` writes."""
+    return frozenset(range(*w.heads))
+
+
+def _owned(seg: Segment) -> Segment:
+    """``seg`` with storage of its own: K/V borrowed from a write are copied."""
+    if isinstance(seg.storage, BorrowedKV):
+        return replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
+    return seg
