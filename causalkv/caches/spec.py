@@ -179,8 +179,12 @@ class CausalAttentionKVView:
 
     def _ensure(self) -> None:
         if self._k is None:
-            assert self._materialize is not None
-            self._k, self._v = self._materialize()
+            self._fill()
+
+    @torch.compiler.disable(reason="filling k/v decodes the cache's segments (Python); one break")
+    def _fill(self) -> None:
+        assert self._materialize is not None
+        self._k, self._v = self._materialize()
 
     @property
     def is_materialized(self) -> bool:

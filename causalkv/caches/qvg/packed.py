@@ -216,6 +216,7 @@ class QVGPackedCausalKVCache(StreamCache):
     def scratch(self) -> ChunkScratch | None:
         return self.store.scratch
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def update_and_get_attention_kv(self, **kw):  # type: ignore[override]
         """`StreamCache.update_and_get_attention_kv`; inside ``scratch.context_pass()`` the
         chunk then moves to its tier (the view returned shows it as written). A commit that
