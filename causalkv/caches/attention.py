@@ -273,6 +273,20 @@ def attend(
         # K/V in the query's dtype, as every segment is on the merge path below, so a query
         # of another dtype gets the same answer wherever the view is stored
         return attend_dense(query, view.k.to(query.dtype), view.v.to(query.dtype), scale=scale)
+    return _attend_segments(query, view, scale=scale, stats=stats, fused=fused)
+
+
+@torch.compiler.disable(reason="a view's segments are a Python loop (packed ones decoded); one break")
+def _attend_segments(
+    query: torch.Tensor,
+    view: CausalAttentionKVView,
+    *,
+    scale: float | None,
+    stats: AttendStats | None,
+    fused: bool | None,
+) -> torch.Tensor:
+    """`attend` over a view whose K/V are not materialized: segment by segment, merged with the
+    log-sum-exp recurrence (the decode or the fused path). Runs outside torch.compile's graphs."""
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     use_fused = _use_fused(fused, query.device)

@@ -39,6 +39,7 @@ class StreamCache(ABC):
     def global_end(self) -> int:
         return self.state.global_end
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def update_and_get_attention_kv(
         self,
         *,
@@ -63,6 +64,7 @@ class StreamCache(ABC):
         self._write_current(key, value, h0, h1)
         return self._view(h0, h1, recent_window_tokens)
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def get_attention_kv(
         self,
         *,
@@ -81,6 +83,7 @@ class StreamCache(ABC):
         check_recent_window(recent_window_tokens)
         return self.state.visible(recent_window_tokens)
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def pin_current_chunk(self, current_num_tokens: int) -> None:
         """Pin the first ``min(sink_tokens, n)`` of the last ``n`` tokens as the shot sink.
 
@@ -89,6 +92,7 @@ class StreamCache(ABC):
         """
         self.state = self.state.pinned_to(current_num_tokens)
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """True when advancing by ``num_new_tokens`` leaves attention seeing that chunk only."""
         return self.state.would_see_only_current(num_new_tokens)

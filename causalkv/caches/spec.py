@@ -199,10 +199,14 @@ class CausalAttentionKVView:
 
     def _ensure(self) -> None:
         if self._k is None:
-            assert self._materialize is not None
-            k, v = self._materialize()
-            self._check_rows(k.shape[1], "k/v")
-            self._k, self._v = k, v
+            self._fill()
+
+    @torch.compiler.disable(reason="filling k/v decodes the cache's segments (Python); one break")
+    def _fill(self) -> None:
+        assert self._materialize is not None
+        k, v = self._materialize()
+        self._check_rows(k.shape[1], "k/v")
+        self._k, self._v = k, v
 
     @property
     def is_materialized(self) -> bool:

@@ -31,6 +31,49 @@ GEOMETRY = {"height": 256, "width": 256, "num_frames": 29, "seed": 0}
 
 SUMMARY = re.compile(r"causalkv kv-cache summary: (.*)$", re.M)
 
+#: the ports sglang 0.5.23's ``generate`` and ``serve`` take by default (ServerArgs fields):
+#: the HTTP server (its ZMQ broker listens on ``port + 1``, its progress IPC socket is named
+#: after ``port``), torch.distributed's rendezvous, the scheduler's ZMQ socket (5555 plus up to
+#: 100). sglang probes each before binding it, seconds later in another process, so two
+#: sglang starting at once can both pick a default and one fails with EADDRINUSE.
+DEFAULT_PORTS = {"port": 30000, "master_port": 30005, "scheduler_port": 5555}
+
+#: ports handed out by this process (two sglang starting at once must not share one)
+_TAKEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port that is free (the kernel's choice), with the next one free too
+    (sglang's HTTP server gives its broker ``port + 1``), neither handed out before."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if {port, port + 1} & _TAKEN:
+            continue
+        with socket.socket() as t:
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        _TAKEN.update((port, port + 1))
+        return port
+    raise RuntimeError("no two adjacent free loopback ports")
+
+
+def free_ports() -> dict[str, int]:
+    """Free ports for every field of `DEFAULT_PORTS`: ``DiffGenerator.from_pretrained(**...)``
+    takes them as they are, `port_flags` makes command-line flags of them."""
+    return {name: free_port() for name in DEFAULT_PORTS}
+
+
+def port_flags(ports: dict[str, int]) -> list[str]:
+    """``--port P --master-port M --scheduler-port S`` for `free_ports`' dict."""
+    return [arg for name, port in ports.items()
+            for arg in (f"--{name.replace('_', '-')}", str(port))]
+
 
 def cli_args(ckpt: Path, out: Path, name: str, *flags: str, shots: bool = True) -> list[str]:
     """The ``sglang generate`` command of `run_cli` (writes the shots config it names)."""
@@ -49,9 +92,10 @@ def cli_args(ckpt: Path, out: Path, name: str, *flags: str, shots: bool = True) 
 
 def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = None,
             shots: bool = True, timeout: int = 600) -> tuple[int, str, Path]:
-    """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request); (rc, log, video path).
+    """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request) on free ports (`free_ports`:
+    another sglang on the machine cannot take them); (rc, log, video path).
     ``sglang generate`` exits 0 even when its request failed: read the log and the video."""
-    args = cli_args(ckpt, out, name, *flags, shots=shots)
+    args = [*cli_args(ckpt, out, name, *flags, shots=shots), *port_flags(free_ports())]
     proc = subprocess.run(args, env={**os.environ, **(env or {})}, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc.returncode, proc.stdout, out / f"{name}.mp4"

@@ -26,6 +26,35 @@ def _build(name: str, tmp_path_factory):
 if importlib.util.find_spec("sglang") is not None:
     import pytest
 
+    @pytest.fixture(scope="session", autouse=True)
+    def default_ports_taken():
+        """Something else listens on sglang's default ports for the whole session, as another
+        sglang on the machine would: every sglang the tests start must run on ports of its own
+        (`longlive2_request.free_ports`). Yields the ports held here (a port someone else
+        holds already is taken all the same)."""
+        import socket
+
+        from longlive2_request import DEFAULT_PORTS
+
+        wanted = {DEFAULT_PORTS["port"], DEFAULT_PORTS["port"] + 1, DEFAULT_PORTS["master_port"],
+                  # the scheduler's default is 5555 plus up to 100
+                  *range(DEFAULT_PORTS["scheduler_port"], DEFAULT_PORTS["scheduler_port"] + 101)}
+        held = []
+        for port in sorted(wanted):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen()
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        try:
+            yield [s.getsockname()[1] for s in held]
+        finally:
+            for s in held:
+                s.close()
+
     @pytest.fixture(scope="session")
     def longlive2_checkpoint(tmp_path_factory):
         """The tiny LongLive 2.0 checkpoint in sglang's format, built once per session."""

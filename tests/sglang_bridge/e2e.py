@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields
+from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields, free_ports, port_flags
 from longlive2_request import summaries as request_summaries
 
 from causalkv.runtime.memory import MemoryRequest, plan_memory, read_model_geometry
@@ -53,31 +53,6 @@ REALTIME_SIZE = (128, 128)
 _READY = re.compile(r"Uvicorn running on \S*?http://127\.0\.0\.1:(\d+)")
 
 
-def _free_port(taken: set[int]) -> int:
-    """A loopback port that is free, with the next one free too (sglang's HTTP server gives
-    its broker the next port), and neither in ``taken`` (which it joins)."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if {port, port + 1} & taken:
-            continue
-        with socket.socket() as t:
-            try:
-                t.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        taken.update((port, port + 1))
-        return port
-    raise RuntimeError("no two adjacent free loopback ports")
-
-
-#: ports handed to servers of this test session (two starting at once must not share one)
-_TAKEN: set[int] = set()
-
-
 class RealtimeServer:
     """``sglang serve`` on the loopback interface, started as its own process group.
 
@@ -92,12 +67,10 @@ class RealtimeServer:
                  env: dict[str, str | None] | None = None) -> None:
         # --sleep-on-idle: an idle CPU worker otherwise spins a core polling for requests
         # (10 CPU seconds in 10 s measured), which would starve the session in progress.
-        # Every port given: sglang's defaults (master 30005, scheduler 5555) are probed
-        # before they are bound, so two servers starting at once would race for them
-        ports = [str(_free_port(_TAKEN)) for _ in range(3)]
+        # Every port given (`free_ports`): sglang's defaults are probed before they are
+        # bound, so two servers starting at once would race for them
         self.args = [SGLANG, "serve", "--model-path", str(ckpt), "--model-id", model_id,
-                     "--num-gpus", "1", "--host", "127.0.0.1", "--port", ports[0],
-                     "--master-port", ports[1], "--scheduler-port", ports[2],
+                     "--num-gpus", "1", "--host", "127.0.0.1", *port_flags(free_ports()),
                      "--warmup-mode", "off", "--sleep-on-idle", *flags]
         self.workdir = workdir
         self.log_path = workdir / "server.log"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from e2e import serving_lines, summaries
-from longlive2_request import GEOMETRY, SHOTS, fd_log, frames_of, psnr
+from longlive2_request import GEOMETRY, SHOTS, fd_log, frames_of, free_ports, psnr
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def longlive2_runs(longlive2_checkpoint, tmp_path_factory):
                 kw = {} if quant is None else {"kv_cache_quant_config": quant}
                 gen = DiffGenerator.from_pretrained(
                     model_path=str(longlive2_checkpoint), model_id="LongLive-2.0-5B",
-                    num_gpus=1, **kw)
+                    num_gpus=1, **free_ports(), **kw)
                 try:
                     frames = {}
                     for name, req in REQUESTS.items():
@@ -140,7 +140,7 @@ def test_wan_causal_dmd_fails_inside_sglang_for_sglangs_own_reason(wan_causal_ch
         gen = DiffGenerator.from_pretrained(
             model_path=str(wan_causal_checkpoint), model_id="Wan2.1-T2V-1.3B-Diffusers",
             pipeline_config=SelfForcingWanT2V480PConfig(), num_gpus=1,
-            kv_cache_quant_config={"bits": 2})
+            kv_cache_quant_config={"bits": 2}, **free_ports())
         try:
             result = gen.generate(sampling_params_kwargs=dict(
                 GEOMETRY, prompt=SHOTS["shot_prompts"][0], save_output=False, return_frames=True))
@@ -181,7 +181,7 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
         with fd_log(tmp_path / f"{codec}.log") as read:
             gen = DiffGenerator.from_pretrained(
                 model_path=str(lingbot_checkpoint), model_id="lingbot-world-fast-diffusers",
-                num_gpus=1, kv_cache_quant_config={"bits": 2})
+                num_gpus=1, kv_cache_quant_config={"bits": 2}, **free_ports())
             try:
                 result = gen.generate(sampling_params_kwargs=dict(request))
             finally:

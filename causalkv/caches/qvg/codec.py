@@ -292,6 +292,7 @@ def _head_group(device: torch.device, BH: int, S: int) -> int:
     return max(1, min(BH, _CPU_GROUP_ROWS // S)) if device.type == "cpu" else BH
 
 
+@torch.compiler.disable(reason="packing must give eager's codes bit for bit; one break")
 def quantize(
     x: torch.Tensor,
     args: CodecSettings,
@@ -416,6 +417,9 @@ def quantize(
     )
 
 
+# also here: torch.compile(quantize) compiles the undecorated function under the entry's
+# decoration, and k-means and the block scales must still run eagerly
+@torch.compiler.disable(reason="k-means and the block scales must give eager's codes bit for bit")
 def _quantize_heads(
     xg: torch.Tensor,
     norm: list[int] | torch.Tensor,

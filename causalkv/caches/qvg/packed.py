@@ -224,6 +224,7 @@ class QVGPackedCausalKVCache(StreamCache):
     def scratch(self) -> ChunkScratch | None:
         return self.store.scratch
 
+    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def update_and_get_attention_kv(  # type: ignore[override]
         self,
         *,
