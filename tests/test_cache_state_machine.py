@@ -162,12 +162,17 @@ class CausalkvEnv(Env):
         assert_values(cfg.bits, gv, wv, f"{where}: view.v")
         if pos and cfg.bits is not None:
             # attention over exactly the tokens the view shows (float64 over view.k/v)
+            # tolerance: two bf16 roundings of outputs below MAX_ABS (2 * 2**-8 * 19), and
+            # bf16 SDPA's own rounding on the CPU; leaving out a chunk moves it by units
             exact = attend_dense(q.double(), gk.double(), gv.double())
             err = (out.double() - exact).abs().max().item()
-            assert err <= 0.08, (
+            assert err <= ATTEND_TOL, (
                 f"{where}: attend differs by {err:.3f} from attention over the view's own "
                 f"{len(pos)} tokens (it must attend over exactly those)")
 
+
+#: |attend(q, view) - float64 attention over view.k/v| allowed at int4/int2 (see check_view)
+ATTEND_TOL = 0.25
 
 STATS = Stats()
 Machine = make_machine(CausalkvEnv(), STATS)

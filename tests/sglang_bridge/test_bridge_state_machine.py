@@ -150,6 +150,16 @@ class SGLangEnv(Env):
                 c.global_end_index_int, c.local_end_index_int, c.cache_size,
                 c.attention_window_size, c.pinned_start, c.pinned_len)
 
+    #: sglang's reset keeps its buffers: a write that skips positions then shows the previous
+    #: request's K/V in the skipped slots, where the bridge (which frees them) shows zeros
+    skip_after_reset = False
+
+    def after_refusal(self, ref, trial) -> None:
+        # sglang caches its int cursors on every call, refused or not (its buffer roll before a
+        # refused write is not copied: the bridge plans, then commits)
+        ref.global_end_index_int = trial.global_end_index_int
+        ref.local_end_index_int = trial.local_end_index_int
+
     def allowed_extra(self, exc: BaseException) -> bool:
         # the bridge's documented refusal: a write sglang would serve by leaving two versions
         # of a position in its slots
