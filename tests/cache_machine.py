@@ -562,13 +562,16 @@ def make_machine(
             end = env.global_end(self.refs[0])
             n = cfg.chunk
             self.log.append(f"bad({kind})")
-            if kind == "skip":
-                if self.resets and not env.skip_after_reset:
+            if kind in ("skip", "dtype"):
+                if kind == "skip" and self.resets and not env.skip_after_reset:
                     return
-                self._write("advance", end + 3, n, chunk=self.chunk + 1, recent=None)
-            elif kind == "dtype":
-                self._write("advance", end, n, chunk=self.chunk + 1, recent=None,
-                            dtype=torch.float32)
+                ok = self._write("advance", end + 3 if kind == "skip" else end, n,
+                                 chunk=self.chunk + 1, recent=None,
+                                 dtype=torch.float32 if kind == "dtype" else DT)
+                if any(ok):  # the reference accepts it (sglang's cache does): a new chunk
+                    self.chunk += 1
+                    self.proto.new_chunk(n)
+                    self.proto.plain_last = True
             else:
                 if cfg.heads < 2:
                     return
