@@ -90,6 +90,7 @@ def _allocate_args(cfg: Config) -> dict:
 
 class SGLangEnv(Env):
     name = "sglang"
+    ref_atomic = False
     has_reads = False
     halves = False
 
