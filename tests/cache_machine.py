@@ -251,6 +251,17 @@ class Protocol:
     layers another layer has overwritten its K/V in the scratch since). ``committed``: a
     context pass wrote the current chunk; ``held``: the positions it kept; ``announced``: its
     ``pin`` flag; ``late_pin``: a pin made after it that it did not announce.
+
+    The refusals a declared shared scratch allows (`may_refuse`; never without a scratch or
+    before the caller declared it, and only as ``CacheProtocolError``):
+
+    - an advance after a chunk whose last write was not a context pass, with 2+ layers;
+    - an advance after a context pass by a chunk of another size, or after a late pin that
+      needs positions the pass dropped;
+    - a read (or a rewrite's view) after such a chunk, or after a context pass when it needs
+      positions the pass dropped (``held``: causalkv's environment computes them; sglang's
+      cannot, so there any read after a context pass may refuse);
+    - a pin after a context pass that did not announce it, of positions the pass dropped.
     """
 
     shared_scratch: bool
