@@ -1,0 +1,190 @@
+"""The cache contract as a state machine in sglang's environment (tests/cache_machine.py).
+
+Per block: sglang's own ``CausalSelfAttentionKVCache`` (the reference, allocated with the
+arguments of sglang's ``_allocate_causal_kv_cache``) against the bridge's ``SGLangQVGKVCache``
+(quant off / int4 / int2) allocated as sglang's stages get it: through the bridge's
+``allocate`` hook on a LongLive 2.0 stage object (one `ChunkScratch` shared by the blocks), or
+with exactly that hook's arguments (quant off, where the hook keeps sglang's own cache), or
+without a scratch. sglang's semantics: its views (K/V and the four cursors), its cursors and
+pin after every op, its errors (ValueError/RuntimeError as sglang raises them); the bridge may
+refuse in addition only with CacheWriteError where its docstring says sglang's dense cache
+would leave two versions of a position, or with CacheProtocolError once the caller declared
+the shared scratch (the protocol model of tests/cache_machine.py). Each run uses one head
+slice (sglang's ranks hold a fixed one), so the two-halves op of causalkv's machine is off.
+"""
+
+from __future__ import annotations
+
+import torch
+from cache_machine import (
+    DT,
+    EXAMPLES,
+    STEPS,
+    B,
+    Config,
+    D,
+    Env,
+    Stats,
+    assert_values,
+    cursors,
+    make_machine,
+)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
+from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
+    CausalSelfAttentionKVCache,
+)
+from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.longlive2 import (
+    LongLive2CausalDenoisingStage,
+)
+
+from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.spec import CacheWriteError
+from causalkv.sglang import hooks
+from causalkv.sglang.cache import SGLangQVGKVCache
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    chunk = draw(st.sampled_from([8, 16, 16, 24, 32]))
+    sink = draw(st.sampled_from([0, chunk]))
+    heads = draw(st.sampled_from([2, 4]))
+    bits = draw(st.sampled_from([None, 4, 2]))
+    scratch = draw(st.sampled_from(["hook", "hook", "direct", "none"]))
+    if bits is None and scratch == "hook":
+        scratch = "direct"  # the hook keeps sglang's own cache at quant off: its arguments
+    cfg = Config(
+        layers=draw(st.integers(1, 3)),
+        heads=heads,
+        block=draw(st.sampled_from([32, 64])),
+        chunk=chunk,
+        slots=draw(st.integers(2, 4)),
+        sink=sink,
+        global_sink=draw(st.sampled_from([0, sink])),
+        window=None,
+        growth=draw(st.integers(0, 3)) == 0,
+        bits=bits,
+        keep_recent=draw(st.integers(0, 1)),
+        quant_sink=draw(st.booleans()),
+        scratch=scratch,
+        declare=scratch != "none" and draw(st.booleans()),
+        head_slice=draw(st.sampled_from([None, None, (0, heads // 2), (heads // 2, heads)])),
+        int_indices=draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        cfg.window = cfg.cache_size - draw(st.sampled_from([0, chunk // 2, chunk]))
+    return cfg
+
+
+def _allocate_args(cfg: Config) -> dict:
+    """The keywords sglang's stage passes to ``_allocate_causal_kv_cache``."""
+    return dict(
+        batch_size=B, kv_cache_size=cfg.cache_size, num_attention_heads=cfg.heads,
+        attention_head_dim=D, dtype=DT, device=torch.device("cpu"),
+        use_int_indices=cfg.int_indices, sink_tokens=cfg.sink,
+        global_sink_tokens=cfg.global_sink,
+        attention_window_size=cfg.window or cfg.cache_size, allow_growth=cfg.growth,
+    )
+
+
+class SGLangEnv(Env):
+    name = "sglang"
+    ref_atomic = False
+    has_reads = False
+    halves = False
+
+    def configs(self) -> st.SearchStrategy[Config]:
+        return configs()
+
+    def build(self, cfg: Config):
+        kw = _allocate_args(cfg)
+        shape = (B, cfg.cache_size, cfg.heads, D)
+        i0 = 0 if cfg.int_indices else None
+        refs = [
+            CausalSelfAttentionKVCache(
+                k=torch.zeros(shape, dtype=DT), v=torch.zeros(shape, dtype=DT),
+                global_end_index=torch.zeros(1, dtype=torch.long),
+                local_end_index=torch.zeros(1, dtype=torch.long),
+                global_end_index_int=i0, local_end_index_int=i0, cache_size=cfg.cache_size,
+                sink_tokens=cfg.sink, global_sink_tokens=cfg.global_sink,
+                attention_window_size=kw["attention_window_size"], allow_growth=cfg.growth,
+            )
+            for _ in range(cfg.layers)
+        ]
+        quant = (QVGKVQuantArgs() if cfg.bits is None else QVGKVQuantArgs(
+            bits=cfg.bits, centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
+            sink=cfg.quant_sink))
+        if cfg.scratch == "hook":
+            stage = LongLive2CausalDenoisingStage.__new__(LongLive2CausalDenoisingStage)
+            stage.num_transformer_blocks = cfg.layers
+            stage._kv_quant_args = quant
+
+            def original(self, **_):
+                raise AssertionError("the hook serves quantization itself")
+
+            subs = hooks.allocate(original, stage, **kw)
+            assert all(type(c) is SGLangQVGKVCache for c in subs)
+            scratch = subs[0].scratch
+            assert scratch is not None and all(c.scratch is scratch for c in subs)
+            return refs, subs, scratch
+        scratch = ChunkScratch() if cfg.scratch == "direct" else None
+        subs = [
+            SGLangQVGKVCache(
+                batch_size=B, cache_size=cfg.cache_size, num_heads=cfg.heads, head_dim=D,
+                dtype=DT, device=torch.device("cpu"),
+                global_end_index=torch.zeros(1, dtype=torch.long),
+                local_end_index=torch.zeros(1, dtype=torch.long),
+                use_int_indices=cfg.int_indices, sink_tokens=cfg.sink,
+                attention_window_size=kw["attention_window_size"], quant_args=quant,
+                global_sink_tokens=cfg.global_sink, allow_growth=cfg.growth, scratch=scratch,
+            )
+            for _ in range(cfg.layers)
+        ]
+        return refs, subs, scratch
+
+    def global_end(self, ref) -> int:
+        return int(ref.global_end_index.item())
+
+    def extra_state(self, c) -> tuple:
+        return (int(c.global_end_index.item()), int(c.local_end_index.item()),
+                c.global_end_index_int, c.local_end_index_int, c.cache_size,
+                c.attention_window_size, c.pinned_start, c.pinned_len)
+
+    #: sglang's reset keeps its buffers: a write that skips positions then shows the previous
+    #: request's K/V in the skipped slots, where the bridge (which frees them) shows zeros
+    skip_after_reset = False
+
+    def after_refusal(self, ref, trial) -> None:
+        # sglang caches its int cursors on every call, refused or not (its buffer roll before a
+        # refused write is not copied: the bridge plans, then commits)
+        ref.global_end_index_int = trial.global_end_index_int
+        ref.local_end_index_int = trial.local_end_index_int
+
+    def allowed_extra(self, exc: BaseException) -> bool:
+        # the bridge's documented refusal: a write sglang would serve by leaving two versions
+        # of a position in its slots
+        return isinstance(exc, CacheWriteError) and "two versions" in str(exc)
+
+    def check_view(self, cfg: Config, got, want, q: torch.Tensor, where: str) -> None:
+        assert cursors(got) == cursors(want), f"{where}: cursors {cursors(got)} != {cursors(want)}"
+        assert_values(cfg.bits, got.k, want.k, f"{where}: view.k")
+        assert_values(cfg.bits, got.v, want.v, f"{where}: view.v")
+
+
+STATS = Stats()
+Machine = make_machine(SGLangEnv(), STATS)
+TestBridgeStateMachine = Machine.TestCase
+TestBridgeStateMachine.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def test_examples_ran():
+    """Runs after the machine (file order): the runs covered what they are meant to."""
+    if STATS.runs == 0:  # the machine test was deselected
+        return
+    assert STATS.runs >= EXAMPLES
+    assert STATS.context_passes > 0 and STATS.declared_runs > 0 and STATS.refused_both > 0
+    print(f"bridge state machine: {STATS}")

@@ -1,0 +1,192 @@
+"""The cache contract as a state machine: `QVGPackedCausalKVCache` against `DenseCausalKVCache`.
+
+tests/cache_machine.py is the machine (ops, checks, the codec bound, the protocol model);
+this module is causalkv's environment: per layer a dense cache (the reference) and a packed
+cache (quant off / int4 / int2; no scratch, or one `ChunkScratch` shared by the layers, given
+at construction or through ``use_scratch``, declared by ``scratch.share()`` or by the first
+context pass, or never). `EXAMPLES` runs (500; ``CAUSALKV_MACHINE_EXAMPLES`` for more, see
+tests/README.md) of up to `STEPS` ops each.
+"""
+
+from __future__ import annotations
+
+import torch
+from cache_machine import (
+    DT,
+    EXAMPLES,
+    STEPS,
+    B,
+    Config,
+    D,
+    Env,
+    Stats,
+    assert_values,
+    cursors,
+    make_machine,
+)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from causalkv.caches import DenseCausalKVCache, KVCacheSpec, attend
+from causalkv.caches import intervals as iv
+from causalkv.caches.attention import AttendError, attend_dense
+from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> Config:
+    chunk = draw(st.sampled_from([8, 16, 16, 24, 32]))
+    sink = draw(st.sampled_from([0, chunk]))
+    slots = draw(st.integers(2, 4))
+    scratch = draw(st.sampled_from(["none", "ctor", "ctor", "use"]))
+    cfg = Config(
+        layers=draw(st.integers(1, 3)),
+        heads=draw(st.sampled_from([2, 4])),
+        block=draw(st.sampled_from([32, 64])),
+        chunk=chunk,
+        slots=slots,
+        sink=sink,
+        global_sink=draw(st.sampled_from([0, sink])),
+        window=None,
+        growth=draw(st.integers(0, 3)) == 0,
+        bits=draw(st.sampled_from([None, 4, 2])),
+        keep_recent=draw(st.integers(0, 1)),
+        quant_sink=draw(st.booleans()),
+        scratch=scratch,
+        declare=scratch != "none" and draw(st.booleans()),
+    )
+    if draw(st.booleans()):
+        cfg.window = cfg.cache_size - draw(st.sampled_from([0, chunk // 2, chunk]))
+    return cfg
+
+
+class CausalkvEnv(Env):
+    name = "causalkv"
+
+    def configs(self) -> st.SearchStrategy[Config]:
+        return configs()
+
+    def build(self, cfg: Config):
+        spec = KVCacheSpec(
+            batch_size=B, num_heads=cfg.heads, head_dim=D, cache_size=cfg.cache_size,
+            sink_tokens=cfg.sink, global_sink_tokens=cfg.global_sink,
+            attention_window_size=cfg.window, dtype=DT, allow_growth=cfg.growth,
+        )
+        quant = (QVGKVQuantArgs() if cfg.bits is None else QVGKVQuantArgs(
+            bits=cfg.bits, centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
+            sink=cfg.quant_sink))
+        scratch = ChunkScratch() if cfg.scratch != "none" else None
+        subs = []
+        for _ in range(cfg.layers):
+            cache = QVGPackedCausalKVCache(spec, quant, scratch=scratch if cfg.scratch == "ctor" else None)
+            if cfg.scratch == "use":
+                cache.use_scratch(scratch)
+            subs.append(cache)
+        return [DenseCausalKVCache(spec) for _ in range(cfg.layers)], subs, scratch
+
+    def global_end(self, ref) -> int:
+        return ref.global_end
+
+    def held_after_context(self, ref, pin: bool):
+        """What the next advance by a chunk of the same size keeps (the announced pin applied),
+        the next chunk excluded; everything held when that advance would not fit."""
+        s = ref.state
+        after = s
+        if pin:
+            try:
+                after = s.pinned_to(s.cur_n)
+            except ValueError:
+                after = s
+        try:
+            ahead = after.advanced(s.cur_n, "the next chunk")
+        except ValueError:
+            return s.retained
+        return iv.subtract(ahead.retained, ((s.global_end, ahead.global_end),))
+
+    def positions(self, view) -> list[int]:
+        return view.positions.tolist()
+
+    def read(self, cache, recent):
+        return cache.get_attention_kv(recent_window_tokens=recent)
+
+    def extra_state(self, cache) -> tuple:
+        return (cache.global_end, cache.state.pinned)
+
+    def check_view(self, cfg: Config, got, want, q: torch.Tensor, where: str) -> None:
+        pos = want.positions.tolist()
+        assert got.positions.tolist() == pos, (
+            f"{where}: positions {got.position_ranges} != reference {want.position_ranges}")
+        assert cursors(got) == cursors(want), f"{where}: cursors {cursors(got)} != {cursors(want)}"
+        wk, wv = want.k, want.v
+        # what is stored dense is returned bit for bit (before anything materializes the view)
+        at = 0
+        for pk, pv in got.iter_stored_segments():
+            if isinstance(pk, torch.Tensor):
+                rows = pk.shape[1]
+                assert_values(None, pk,
+                              wk[:, at:at + rows], f"{where}: stored dense K rows [{at}, {at + rows})")
+                assert_values(None, pv,
+                              wv[:, at:at + rows], f"{where}: stored dense V rows [{at}, {at + rows})")
+            else:
+                rows = pk.shape[2]
+            at += rows
+        assert at == len(pos), f"{where}: stored pieces hold {at} tokens, the view {len(pos)}"
+        segs = list(got.iter_segments())
+        n_seg = sum(s[0].shape[1] for s in segs)
+        assert n_seg == len(pos), f"{where}: iter_segments yields {n_seg} tokens, the view {len(pos)}"
+        if segs:
+            sk = torch.cat([s[0] for s in segs], dim=1)
+            sv = torch.cat([s[1] for s in segs], dim=1)
+            assert_values(cfg.bits, sk, wk, f"{where}: iter_segments K")
+            assert_values(cfg.bits, sv, wv, f"{where}: iter_segments V")
+        # attention, before view.k/v materialize the window (its own path)
+        if not pos:
+            try:
+                attend(q, got)
+            except AttendError:
+                pass
+            else:
+                raise AssertionError(f"{where}: attend on an empty view did not raise AttendError")
+        else:
+            out = attend(q, got)
+            assert out.shape == q.shape, f"{where}: attend shape {tuple(out.shape)}"
+            if cfg.bits is None:
+                ref_out = attend(q, want)
+                assert torch.equal(out, ref_out), (
+                    f"{where}: attend differs from the reference's (quant off): max "
+                    f"{(out.double() - ref_out.double()).abs().max().item():.4g}")
+        gk, gv = got.k, got.v
+        assert gk.shape[1] == len(pos), f"{where}: view.k has {gk.shape[1]} tokens, positions {len(pos)}"
+        assert_values(cfg.bits, gk, wk, f"{where}: view.k")
+        assert_values(cfg.bits, gv, wv, f"{where}: view.v")
+        if pos and cfg.bits is not None:
+            # attention over exactly the tokens the view shows (float64 over view.k/v)
+            # tolerance: two bf16 roundings of outputs below MAX_ABS (2 * 2**-8 * 19), and
+            # bf16 SDPA's own rounding on the CPU; leaving out a chunk moves it by units
+            exact = attend_dense(q.double(), gk.double(), gv.double())
+            err = (out.double() - exact).abs().max().item()
+            assert err <= ATTEND_TOL, (
+                f"{where}: attend differs by {err:.3f} from attention over the view's own "
+                f"{len(pos)} tokens (it must attend over exactly those)")
+
+
+#: |attend(q, view) - float64 attention over view.k/v| allowed at int4/int2 (see check_view)
+ATTEND_TOL = 0.25
+
+STATS = Stats()
+Machine = make_machine(CausalkvEnv(), STATS)
+TestCacheStateMachine = Machine.TestCase
+TestCacheStateMachine.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def test_examples_ran():
+    """Runs after the machine (file order): the runs covered what they are meant to."""
+    if STATS.runs == 0:  # the machine test was deselected
+        return
+    assert STATS.runs >= EXAMPLES
+    assert STATS.context_passes > 0 and STATS.declared_runs > 0 and STATS.refused_both > 0
+    print(f"cache state machine: {STATS}")
