@@ -334,7 +334,7 @@ def throughput(S: int, reps: int) -> dict:
     out: dict = {"shape": list(x.shape), "threads": torch.get_num_threads(),
                  "load_avg_1min": None if load is None else round(load, 2)}
     for bits in (2, 4):
-        args = QVGKVQuantArgs(bits=bits)
+        args = QVGKVQuantArgs(codec=f"int{bits}")
         tq = _median_time({
             "new": lambda a=args: quantize(x, a),
             "old": lambda a=args: v0.quantize(x, a),

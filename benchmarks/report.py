@@ -120,8 +120,8 @@ def resident_series(chunks: int, cfg: StreamConfig = LONG) -> dict[str, Any]:
     spec = cfg.spec()
     caches = {
         "off": DenseCausalKVCache(spec),
-        "int4": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=4)),
-        "int2": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2)),
+        "int4": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(codec="int4")),
+        "int2": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(codec="int2")),
     }
     data = StreamKV(cfg.heads, cfg.head_dim)
     n = cfg.chunk
@@ -170,7 +170,7 @@ def attention_memory(window_chunks: list[int], tokens_per_frame: int = 110) -> d
     rows = []
     for w in window_chunks:
         cfg = StreamConfig(f"w{w}", tokens_per_frame, 8, 8, 8, 8 * w, heads=2)
-        cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(bits=2))
+        cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(codec="int2"))
         data = StreamKV(cfg.heads, cfg.head_dim)
         n = cfg.chunk
         for i in range(w + 1):

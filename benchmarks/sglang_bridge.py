@@ -125,11 +125,11 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
 
     def sglang_qvg(bits):
         return lambda: QVGPackedCausalKVCache(**common, **_indices(device),
-                                              quant_args=QVGKVQuantArgs(bits=bits))
+                                              quant_args=QVGKVQuantArgs(codec=f"int{bits}"))
 
     def bridge(bits, scratch=False):
         return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
-                                        quant_args=QVGKVQuantArgs(bits=bits),
+                                        quant_args=QVGKVQuantArgs(codec=f"int{bits}"),
                                         scratch=ChunkScratch() if scratch else None)
 
     out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}
@@ -376,12 +376,12 @@ QUICK_MODEL = ModelGeometry("longlive2", 3, 256, 2, 2, 8, heads=1, head_dim=64, 
 #: setting -> causalkv's QVG settings for the bridge cache (sglang's defaults otherwise)
 SETTINGS = {
     "off": CausalKVQuant(),
-    "int2-default": CausalKVQuant(bits=2),
-    "int2-recent0": CausalKVQuant(bits=2, keep_recent_chunks=0),
-    "int2-recent-int4": CausalKVQuant(bits=2, recent_tier="int4"),
-    "int2-sink0": CausalKVQuant(bits=2, sink=False),
-    "int4-default": CausalKVQuant(bits=4),
-    "int4-recent0": CausalKVQuant(bits=4, keep_recent_chunks=0),
+    "int2-default": CausalKVQuant(codec="int2"),
+    "int2-recent0": CausalKVQuant(codec="int2", keep_recent_chunks=0),
+    "int2-recent-int4": CausalKVQuant(codec="int2", recent_tier="int4"),
+    "int2-sink0": CausalKVQuant(codec="int2", sink=False),
+    "int4-default": CausalKVQuant(codec="int4"),
+    "int4-recent0": CausalKVQuant(codec="int4", keep_recent_chunks=0),
 }
 
 

@@ -87,7 +87,7 @@ def _stage_row(entry: Any) -> dict[str, Any]:
     qvg, multi = cls._supports_qvg_kv_cache_quantization(), cls.supports_multi_shot()
     cases = {
         "always": ServerArgs(),
-        "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(bits=4)]) if qvg else None,
+        "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(codec="int4")]) if qvg else None,
         "--multi-shot": ServerArgs(multi_shot=True) if multi else None,
         "--heads-sharded": ServerArgs(heads_sharded=2),
         "--recent-window-frames": ServerArgs(recent_window_frames=1),

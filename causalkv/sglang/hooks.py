@@ -191,7 +191,7 @@ def sglang_quant_args(value: Any) -> Any:
         kw = dict(value)
         bits = kw.get("bits")
         if isinstance(bits, str):
-            kw["bits"] = CausalKVQuantArgs.from_bits_name(bits).bits
+            kw["bits"] = CausalKVQuantArgs.from_codec_name(bits).bits
         return QVGKVQuantArgs(**kw).validate()
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"kv_cache_quant_config={dict(value)!r}: {exc}") from None
