@@ -125,11 +125,11 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
 
     def sglang_qvg(bits):
         return lambda: QVGPackedCausalKVCache(**common, **_indices(device),
-                                              quant_args=QVGKVQuantArgs(codec=f"int{bits}"))
+                                              quant_args=QVGKVQuantArgs(bits=bits))
 
     def bridge(bits, scratch=False):
         return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
-                                        quant_args=QVGKVQuantArgs(codec=f"int{bits}"),
+                                        quant_args=QVGKVQuantArgs(bits=bits),
                                         scratch=ChunkScratch() if scratch else None)
 
     out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}

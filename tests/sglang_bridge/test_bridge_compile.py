@@ -41,7 +41,7 @@ def _bridge():
         device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
         local_end_index=torch.zeros(1, dtype=torch.long), sink_tokens=N,
         attention_window_size=CACHE, global_sink_tokens=N,
-        quant_args=QVGKVQuantArgs(codec="int2", block_size=16, centroids=8, keep_recent_chunks=0))
+        quant_args=QVGKVQuantArgs(bits=2, block_size=16, centroids=8, keep_recent_chunks=0))
 
 
 def _explain(cache, monkeypatch):

@@ -98,7 +98,7 @@ def _pieces_equal_the_view(seg_view, view) -> None:
 @given(streams())
 def test_the_segment_view_shows_sglangs_view_piece_by_piece(stream):
     cfg, ops, rnd = stream
-    quant = QVGKVQuantArgs(codec="int2", block_size=4, centroids=2, keep_recent_chunks=rnd.choice([0, 1]))
+    quant = QVGKVQuantArgs(bits=2, block_size=4, centroids=2, keep_recent_chunks=rnd.choice([0, 1]))
     ref, ours = _twins(cfg, quant)
     gen = torch.Generator().manual_seed(rnd.randrange(2**31))
     heads = cfg["heads"] if cfg["slice"] is None else cfg["slice"][1] - cfg["slice"][0]
@@ -166,7 +166,7 @@ def test_slots_never_written_are_zero_pieces_as_in_sglangs_buffer():
         batch_size=1, cache_size=4 * n, num_heads=H, head_dim=D, dtype=torch.bfloat16,
         device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
         local_end_index=torch.zeros(1, dtype=torch.long), attention_window_size=4 * n,
-        quant_args=QVGKVQuantArgs(codec="int2", block_size=8, centroids=2, keep_recent_chunks=0))
+        quant_args=QVGKVQuantArgs(bits=2, block_size=8, centroids=2, keep_recent_chunks=0))
     gen = torch.Generator().manual_seed(0)
     for start in (0, 2 * n):  # chunk 1's slots are never written
         k = torch.randn(1, n, H, D, generator=gen).to(torch.bfloat16)
@@ -214,7 +214,7 @@ def _cache(dtype):
         device="cpu", global_end_index=torch.zeros(1, dtype=torch.long),
         local_end_index=torch.zeros(1, dtype=torch.long), sink_tokens=N,
         attention_window_size=CACHE, global_sink_tokens=N,
-        quant_args=QVGKVQuantArgs(codec="int2", block_size=16, centroids=8, keep_recent_chunks=0))
+        quant_args=QVGKVQuantArgs(bits=2, block_size=16, centroids=8, keep_recent_chunks=0))
 
 
 def _qkv(dtype):

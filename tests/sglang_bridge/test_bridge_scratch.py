@@ -76,10 +76,10 @@ def _stream(blocks, scratch, chunks=8):
 
 SETTINGS = {
     "off": QVGKVQuantArgs(),
-    "int4-default": QVGKVQuantArgs(codec="int4", centroids=8, block_size=16),
-    "int2-default": QVGKVQuantArgs(codec="int2", centroids=8, block_size=16),
-    "int2-recent0": QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0),
-    "int2-sink0": QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, sink=False),
+    "int4-default": QVGKVQuantArgs(bits=4, centroids=8, block_size=16),
+    "int2-default": QVGKVQuantArgs(bits=2, centroids=8, block_size=16),
+    "int2-recent0": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0),
+    "int2-sink0": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, sink=False),
 }
 
 

@@ -40,7 +40,7 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 STAGES = (CausalDMDDenoisingStage, LongLive2CausalDenoisingStage, LingBotWorldCausalDMDDenoisingStage)
-INT2 = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16)
+INT2 = QVGKVQuantArgs(bits=2, centroids=8, block_size=16)
 HEADS, HEAD_DIM, CHUNK = 2, 32, 16
 
 
@@ -125,11 +125,11 @@ def test_quant_off_keeps_sglangs_dense_cache(cls):
 
 def test_head_dim_below_the_block_defers_or_names_the_fix():
     lingbot = _stage(LingBotWorldCausalDMDDenoisingStage)
-    lingbot._kv_quant_args = QVGKVQuantArgs(codec="int4")  # block_size 64 > head_dim 4
+    lingbot._kv_quant_args = QVGKVQuantArgs(bits=4)  # block_size 64 > head_dim 4
     caches = _allocate(lingbot, attention_head_dim=4)
     assert all(type(c) is QVGPackedCausalKVCache for c in caches)  # sglang's own, as in its test
     base = _stage(CausalDMDDenoisingStage)
-    base._kv_quant_args = QVGKVQuantArgs(codec="int4")
+    base._kv_quant_args = QVGKVQuantArgs(bits=4)
     with pytest.raises(ValueError, match="block_size=64 does not divide head_dim=4"):
         _allocate(base, attention_head_dim=4)
 
@@ -148,7 +148,7 @@ from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 from sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising import CausalDMDDenoisingStage
 from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.longlive2 import LongLive2CausalDenoisingStage
 from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.lingbot_world.lingbot_world_causal_denoising import LingBotWorldCausalDMDDenoisingStage
-args = types.SimpleNamespace(pipeline_config=types.SimpleNamespace(), kv_cache_quant_config=QVGKVQuantArgs(codec="int2"))
+args = types.SimpleNamespace(pipeline_config=types.SimpleNamespace(), kv_cache_quant_config=QVGKVQuantArgs(bits=2))
 for cls in (CausalDMDDenoisingStage, LongLive2CausalDenoisingStage):
     stage = cls.__new__(cls); stage.sink_size = 1; stage.sliding_window_num_frames = 4
     try:
@@ -156,7 +156,7 @@ for cls in (CausalDMDDenoisingStage, LongLive2CausalDenoisingStage):
     except ValueError as e:
         print("SEED", e)
 stage = LingBotWorldCausalDMDDenoisingStage.__new__(LingBotWorldCausalDMDDenoisingStage)
-stage._kv_quant_args = QVGKVQuantArgs(codec="int2", block_size=16); stage.num_transformer_blocks = 1
+stage._kv_quant_args = QVGKVQuantArgs(bits=2, block_size=16); stage.num_transformer_blocks = 1
 kw = dict(batch_size=1, kv_cache_size=64, num_attention_heads=2, attention_head_dim=32,
           dtype=torch.bfloat16, device=torch.device("cpu"), sink_tokens=16)
 try:
@@ -288,12 +288,12 @@ def test_longlive2_forward_chunk_loop_on_the_bridge_caches(monkeypatch):
     dense_stage, dense = _longlive2_run(QVGKVQuantArgs(), monkeypatch)
     assert type(dense_stage.causal_kv_cache[0]) is CausalSelfAttentionKVCache
     unpacked_stage, unpacked = _longlive2_run(
-        QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=99, sink=False), monkeypatch)
+        QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=99, sink=False), monkeypatch)
     cache = unpacked_stage.causal_kv_cache[0]
     assert type(cache) is SGLangQVGKVCache and cache.global_sink_tokens == 2 * 16
     assert cache.packed_chunks() == 0
     assert torch.equal(unpacked, dense)
-    packed_stage, packed = _longlive2_run(QVGKVQuantArgs(codec="int2", block_size=16, centroids=8),
+    packed_stage, packed = _longlive2_run(QVGKVQuantArgs(bits=2, block_size=16, centroids=8),
                                           monkeypatch)
     cache = packed_stage.causal_kv_cache[0]
     assert cache.has_pinned() and cache.packed_chunks() >= 2
@@ -321,7 +321,37 @@ def test_the_stage_blocks_share_one_scratch_and_take_the_recency_tier_from_the_e
     assert len({id(c.scratch) for c in blocks}) == 1 and blocks[0].scratch is not None
     check_settings("LongLive2Pipeline", INT2, HEAD_DIM)  # keep-recent 1: the tier holds a chunk
     with pytest.raises(ConfigError, match="recent-tier int4 .* there are none"):
-        check_settings("LongLive2Pipeline", QVGKVQuantArgs(codec="int2", keep_recent_chunks=0), HEAD_DIM)
+        check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2, keep_recent_chunks=0), HEAD_DIM)
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "int8")
     with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_RECENT_TIER='int8': choose one of"):
         check_settings("LongLive2Pipeline", INT2, HEAD_DIM)
+
+
+def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_it(monkeypatch):
+    """``CAUSALKV_SGLANG_CODEC`` (causalkv's setting) packs with any causalkv codec while
+    sglang's ``--kv-cache-quant int2`` turns QVG on (sglang's choices unchanged): the caches a
+    served stage allocates pack with it, the summary line names it, and a name the bridge does
+    not know (or ``fp8`` as sglang's own ``bits``) is refused naming the variable."""
+    from causalkv.caches.qvg.segments import PackedKV
+    from causalkv.errors import ConfigError
+    from causalkv.sglang.hooks import check_settings, sglang_quant_args, summary_line
+
+    monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "nvfp4")
+    monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "fp8")
+    stage = _stage(LongLive2CausalDenoisingStage)
+    stage._kv_quant_args = INT2
+    blocks = _allocate(stage)
+    assert {(c.quant.codec, c.quant.recent_tier) for c in blocks} == {("nvfp4", "fp8")}
+    cache, gen = blocks[0], torch.Generator().manual_seed(0)
+    for chunk in range(7):
+        for _ in range(3):  # denoise steps, then the context update
+            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
+    codecs = {s.storage.codec.name for s in cache.store.segments if isinstance(s.storage, PackedKV)}
+    assert codecs == {"nvfp4", "fp8"}
+    assert "codec=nvfp4 recent_tier=fp8" in summary_line(stage, [blocks])
+    monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "int3")
+    with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_CODEC='int3': choose one of"):
+        check_settings("LongLive2Pipeline", INT2, HEAD_DIM)
+    with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_CODEC=fp8"):
+        sglang_quant_args({"bits": "fp8"})

@@ -56,14 +56,14 @@ def _snapshot(cache):
 
 
 def test_the_bridge_stores_in_causalkvs_segment_store_with_sglangs_policy():
-    cache = _cache(QVGKVQuantArgs(codec="int2", centroids=8, block_size=16))
+    cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16))
     assert type(cache.store) is SegmentStore and cache.store.policy is SGLANG
     own = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), CausalKVQuant(codec="int2", block_size=16))
     assert type(own.store) is type(cache.store)
 
 
 def test_a_failed_pack_leaves_the_bridge_cache_unchanged():
-    cache = _cache(QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0))
+    cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0))
     _chunk(cache, 0)
     k, v = _kv(1)
     k[0, 5, 1, 3] = float("nan")
@@ -86,7 +86,7 @@ def _pinned_chunk_storage(sink: int) -> tuple[list[bool], list[bool]]:
     """LongLive 2.0's layout (sink = global sink = one chunk, a 4-chunk window): chunk 2 is a
     scene cut, pinned after its passes; 6 more chunks. Per later chunk: is the segment
     holding chunk 2 packed, in the bridge and in causalkv's own cache?"""
-    bridge = _cache(QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, sink=bool(sink)))
+    bridge = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, sink=bool(sink)))
     own = QVGPackedCausalKVCache(
         KVCacheSpec(1, H, D, 4 * N, sink_tokens=N, global_sink_tokens=N),
         CausalKVQuant(codec="int2", centroids=8, block_size=16, sink=bool(sink)))
@@ -115,7 +115,7 @@ def test_sink_0_keeps_the_pinned_shot_sink_bf16_as_causalkvs_cache_does():
 
 
 def test_a_view_is_one_buffer_packed_ranges_decoded_into_it(monkeypatch):
-    cache = _cache(QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0))
+    cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0))
     for i in range(4):
         _chunk(cache, i)
     assert cache.packed_chunks() == 3
@@ -150,7 +150,7 @@ from test_bridge_parity import _cursors, _state, streams  # noqa: E402
 
 from causalkv.caches.spec import CacheWriteError  # noqa: E402
 
-PACKING = QVGKVQuantArgs(codec="int2", centroids=1, block_size=4, keep_recent_chunks=0)
+PACKING = QVGKVQuantArgs(bits=2, centroids=1, block_size=4, keep_recent_chunks=0)
 PACKED = {"examples": 0, "quantize_calls": 0, "writes_into_packed": 0}
 
 

@@ -58,9 +58,9 @@ def test_diffgenerator_kwargs_dict_is_converted_at_start_up(longlive2_checkpoint
 
 # ---- (d) every limit, with the flag and the fix ----------------------------------------------
 @pytest.mark.parametrize(("quant", "match"), [
-    (QVGKVQuantArgs(codec="int2", centroids=512), "kv-cache-quant-centroids must be <= 256"),
-    (QVGKVQuantArgs(codec="int2", block_size=6), "block-size 6 x 2 bits is not a whole number of bytes"),
-    (QVGKVQuantArgs(codec="int4", block_size=48), r"block-size 48 does not divide head_dim=64; choose "),
+    (QVGKVQuantArgs(bits=2, centroids=512), "kv-cache-quant-centroids must be <= 256"),
+    (QVGKVQuantArgs(bits=2, block_size=6), "block-size 6 x 2 bits is not a whole number of bytes"),
+    (QVGKVQuantArgs(bits=4, block_size=48), r"block-size 48 does not divide head_dim=64; choose "),
 ])
 @pytest.mark.parametrize("pipeline", ["LongLive2Pipeline", "WanCausalDMDPipeline"])
 def test_limits_are_refused_naming_the_flag(quant, match, pipeline):
@@ -69,8 +69,8 @@ def test_limits_are_refused_naming_the_flag(quant, match, pipeline):
 
 
 @pytest.mark.parametrize(("quant", "match"), [
-    (QVGKVQuantArgs(codec="int2", centroids=512), "kv-cache-quant-centroids must be <= 256"),
-    (QVGKVQuantArgs(codec="int4", block_size=48), "kv-cache-quant-block-size 48 does not divide head_dim=64"),
+    (QVGKVQuantArgs(bits=2, centroids=512), "kv-cache-quant-centroids must be <= 256"),
+    (QVGKVQuantArgs(bits=4, block_size=48), "kv-cache-quant-block-size 48 does not divide head_dim=64"),
 ])
 def test_the_worker_refuses_a_limit_when_the_pipeline_reads_its_config(
         longlive2_checkpoint, quant, match):
@@ -88,23 +88,23 @@ def test_the_worker_refuses_a_limit_when_the_pipeline_reads_its_config(
     pipe.server_args, pipe.model_path = args, str(longlive2_checkpoint)
     with pytest.raises(ConfigError, match=f"causalkv sglang bridge, LongLive2Pipeline: {match}"):
         pipe._load_config()
-    args.kv_cache_quant_config = QVGKVQuantArgs(codec="int2")
+    args.kv_cache_quant_config = QVGKVQuantArgs(bits=2)
     assert pipe._load_config()["_class_name"] == "LongLive2Pipeline"
 
 
 def test_limits_leave_what_the_bridge_does_not_serve_to_sglang(monkeypatch):
-    bad = QVGKVQuantArgs(codec="int2", centroids=512)
+    bad = QVGKVQuantArgs(bits=2, centroids=512)
     check_settings("FluxPipeline", bad, head_dim=64)  # not served: sglang decides
     check_settings("LongLive2Pipeline", QVGKVQuantArgs(), head_dim=64)  # quant off
     # LingBot: a block size that does not divide head_dim falls back to sglang's own cache
-    check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(codec="int2", block_size=48), 64)
+    check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(bits=2, block_size=48), 64)
     with pytest.raises(ConfigError, match="centroids must be <= 256"):
         check_settings("LingBotWorldCausalDMDPipeline", bad, head_dim=64)
     monkeypatch.setenv(hooks.ENV_LINGBOT_QVG, "sglang")
     check_settings("LingBotWorldCausalDMDPipeline", bad, head_dim=64)  # sglang's codec decides
     monkeypatch.setenv(hooks.ENV_LINGBOT_QVG, "quant-videogen")
     with pytest.raises(ConfigError, match=r"CAUSALKV_SGLANG_LINGBOT_QVG='quant-videogen': choose"):
-        check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(codec="int2"), head_dim=64)
+        check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(bits=2), head_dim=64)
 
 
 # ---- the checkpoints are in sglang's own format ---------------------------------------------
@@ -214,7 +214,7 @@ def test_lingbot_codecs_error_on_the_same_kv():
     from causalkv.sglang.cache import SGLangQVGKVCache
 
     dev, chunk, heads, dim = torch.device("cuda"), 1560, 4, 128
-    quant = QVGKVQuantArgs(codec="int2", keep_recent_chunks=0)
+    quant = QVGKVQuantArgs(bits=2, keep_recent_chunks=0)
     kw = dict(batch_size=1, cache_size=4 * chunk, num_heads=heads, head_dim=dim,
               dtype=torch.bfloat16, device=dev, sink_tokens=chunk, quant_args=quant)
     caches = {
