@@ -72,7 +72,7 @@ def plot_codec(codec: dict[str, Any], out: Path) -> Path:
     rows = codec["quality"]
     datas = [d for d in ("structured", "gaussian") if any(r["data"] == d for r in rows)]
     fig, axes = plt.subplots(len(datas), 2, figsize=(14, 4.6 * len(datas)), squeeze=False)
-    markers = {"baseline": "s", "peer": "^", "prq": "o"}
+    markers = {"baseline": "s", "peer": "^", "prq": "o", "fp8": "D", "nvfp4": "P"}
     methods = sorted({r["method"] for r in rows})
     cmap = plt.get_cmap("tab20")
     peer_colors = iter(("#000000", "#e6007e", "#00a0a0", "#7a4b00"))
