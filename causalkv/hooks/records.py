@@ -70,7 +70,13 @@ class CacheReporting(Protocol):
 
 
 class PackingReport(Protocol):
-    """A cache's `CacheReporting.packing_report`: merged over the run's caches, then a dict."""
+    """A cache's `CacheReporting.packing_report`: merged over the run's caches, then a dict.
+
+    Keys of `to_dict` the host reads when present: ``chunks_packed`` (int: chunks stored
+    packed) and ``chunks_dense`` (reason -> chunks kept dense); with ``chunks_packed`` 0 the
+    host warns that the request's cache settings packed nothing, naming those reasons. Every
+    other key is the cache's own and goes to the ``kv_packing`` metric as it is.
+    """
 
     @classmethod
     def merge(cls, reports: Sequence[Any]) -> PackingReport: ...

@@ -67,6 +67,7 @@ from causalkv.caches.qvg.store import (
 from causalkv.caches.spec import CausalAttentionKVView, KVCacheSpec, KVSegment, StoredSegment
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
+    CHUNK_SCRATCH,
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
@@ -126,7 +127,7 @@ class QVGPackedCausalKVCache(StreamCache):
     """
 
     capabilities = CacheCapabilities.of(
-        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG
+        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG, CHUNK_SCRATCH
     )
 
     # ---- before any weights load (the host calls these on the chosen cache's class) -----------
