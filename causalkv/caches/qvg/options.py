@@ -299,18 +299,21 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        parts = [
-            f"{self.codec}",
+        prq = [  # PRQ's own knobs: said only for a PRQ codec setting
             f"centroids={self.centroids}",
             f"block={self.block_size}",
             f"stages={self.stages}",
             f"iters={self.kmeans_iters}",
             "asym" if self.asymmetric else "sym",
+        ] if self.bits is not None else []
+        parts = [
+            f"{self.codec}",
+            *prq,
             f"keep_recent={self.keep_recent_chunks}",
             f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
             f"sink_keep={self.sink_keep_chunks}",
         ]
-        if self.grid != "reference":
+        if self.grid != "reference" and self.bits is not None:
             parts.append(f"grid={self.grid}")
         if self.span_chunks != 1:
             parts.append(f"span={self.span_chunks}")
