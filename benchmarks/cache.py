@@ -81,12 +81,12 @@ CONFIGS = [
 
 def settings() -> list[tuple[str, QVGKVQuantArgs]]:
     return [
-        ("int2 reference", QVGKVQuantArgs(bits=2)),
-        ("int4 reference", QVGKVQuantArgs(bits=4)),
+        ("int2 reference", QVGKVQuantArgs(codec="int2")),
+        ("int4 reference", QVGKVQuantArgs(codec="int4")),
         # beyond the reference: amortize the bf16 centroids over more tokens
-        ("int2 span=5", QVGKVQuantArgs(bits=2, span_chunks=5)),
-        ("int2 cb=4 c64 mse4", QVGKVQuantArgs(bits=2, codebook_chunks=4, centroids=64, grid="mse4")),
-        ("int2 cb=3 c96 mse4", QVGKVQuantArgs(bits=2, codebook_chunks=3, centroids=96, grid="mse4")),
+        ("int2 span=5", QVGKVQuantArgs(codec="int2", span_chunks=5)),
+        ("int2 cb=4 c64 mse4", QVGKVQuantArgs(codec="int2", codebook_chunks=4, centroids=64, grid="mse4")),
+        ("int2 cb=3 c96 mse4", QVGKVQuantArgs(codec="int2", codebook_chunks=3, centroids=96, grid="mse4")),
     ]
 
 
@@ -175,7 +175,7 @@ def run_stream(cfg: StreamConfig, q: QVGKVQuantArgs, chunks: int) -> dict:
 def run_long(chunks: int, tokens_per_frame: int) -> dict:
     cfg = StreamConfig("longlive2-long", tokens_per_frame, 8, 8, 8, 32, heads=2, scene_cut_every=4)
     spec = cfg.spec()
-    cache = QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2))
+    cache = QVGPackedCausalKVCache(spec, QVGKVQuantArgs(codec="int2"))
     data = StreamKV(cfg.heads, cfg.head_dim)
     n = cfg.chunk
     sizes = []
@@ -222,7 +222,7 @@ def centroid_sweep() -> list[dict]:
                              ("fixed 128", min(128, S))):
                 if K < 1 or K > S:
                     continue
-                q = QVGKVQuantArgs(bits=bits, centroids=K)
+                q = QVGKVQuantArgs(codec=f"int{bits}", centroids=K)
                 err = [rel_err(dequantize(quantize(x, q)), x) for x in (k, v)]
                 rows.append({"tokens": S, "bits": bits, "which": label, "centroids": K,
                              "bits_per_element": bits_per_element(S, D, q),

@@ -1,9 +1,12 @@
-"""PRQ codec benchmark: error vs bits against simpler quantizers and real peers, CPU throughput.
+"""KV codec benchmark: PRQ, FP8 and NVFP4 side by side (bytes, peak/dense at real geometry,
+K/V and attention error, CPU throughput), and error vs bits against simpler quantizers and
+real peers.
 
     .venv/bin/python benchmarks/codec.py                  # tables
     .venv/bin/python benchmarks/codec.py --json out.json  # also write the figures as JSON
     .venv/bin/python benchmarks/codec.py --json -         # JSON on stdout instead of tables
     .venv/bin/python benchmarks/codec.py --quick          # smaller shapes (smoke run)
+    .venv/bin/python benchmarks/codec.py --only compare   # the codec comparison (+ throughput)
 
 Peers (the ``bench`` extra: ``pip install -e '.[bench]'``; a missing one is reported, not
 fatal): ``hqq`` (HQQ's ``Quantizer``, 2/4 bits, group 64 along the channels, its half-quadratic
@@ -36,11 +39,24 @@ Methods (relative error ``||x^ - x|| / ||x||``, SNR ``= -20 log10(rel)`` dB, bit
   symmetric reference grid).
 - ``prq-*``: variants (``kN`` N centroids, ``bN`` block N, ``mse4`` the all-levels grid).
 
+- ``fp8``, ``nvfp4``: the codec settings of those names (`causalkv.caches.codecs`), bits as
+  stored (FP8: e4m3 + an fp32 scale per token and head; NVFP4: e2m1 + an e4m3 scale per 16 +
+  an fp32 scale per segment).
+
+Comparison (``compare`` in the JSON): per codec setting and model geometry (LongLive 2.0,
+LingBot-World, Self-Forcing, from the memory planner's `BUILTIN_MODELS`): bits per element
+of one packed chunk (``S`` = the model's chunk tokens, ``D`` = its head_dim; the codec's byte
+formula), ``peak_ratio`` / ``resident_ratio`` against sglang's dense cache for the model's
+default request with keep-recent 0 and 1 (the planner, `causalkv memory`, whose figures equal
+the real caches'), and, on one structured chunk ``[1, 2, S, D]`` of each geometry, the K and
+V relative error and the relative error of the attention output of 256 queries over the
+decoded K/V (against float64 attention over the exact K/V).
+
 Targets (``targets`` in the JSON): for every peer row on the structured data (K and V, 2 and
 4 bits), the lowest-error PRQ row with at most the peer's counted bits per element and a
 lower error.
 
-JSON (``--json``), schema ``causalkv.codec-bench/1`` (keys are stable; a part skipped with
+JSON (``--json``), schema ``causalkv.codec-bench/2`` (keys are stable; a part skipped with
 ``--only`` leaves its keys empty)::
 
     {"schema", "config": {"shape", "group", "quick", "torch", "threads"},
@@ -51,16 +67,16 @@ JSON (``--json``), schema ``causalkv.codec-bench/1`` (keys are stable; a part sk
      "targets": [{"data", "tensor", "bits", "peer", "peer_bits_per_element", "peer_rel_err",
                   "prq_method", "prq_bits_per_element", "prq_rel_err", "met"}],
      "throughput": null | {"shape", "threads", "load_avg_1min",
-                           "int2" | "int4": {"quantize_gbps", "quantize_gbps_old",
-                                             "quantize_speedup", "dequantize_into_gbps",
-                                             "dequantize_into_gbps_old", "copy_into_gbps",
-                                             "dequantize_into_over_copy",
-                                             "dequantize_into_over_copy_old"}}}
+                           "<codec>": {"encode_gbps", "decode_into_gbps", "copy_into_gbps",
+                                       "decode_into_over_copy"}},
+     "compare": [{"model", "codec", "S", "D", "bits_per_element", "peak_ratio_recent0",
+                  "resident_ratio_recent0", "peak_ratio_default", "resident_ratio_default",
+                  "k_rel_err", "v_rel_err", "attn_rel_err"}]}
 
-Throughput: quantize and dequantize-into-a-buffer of ``[1, 12, S, 128]`` bf16 (GB/s of the
-bf16 segment), next to ``copy_`` into a buffer of the same size, and the same operations of
-the codec as of commit 3d118d4 (`benchmarks/_codec_v0.py`, a frozen copy) in the same run,
-interleaved (median of the repetitions).
+Throughput: encode and decode-into-a-buffer of ``[1, 12, S, 128]`` bf16 per codec setting
+(GB/s of the bf16 segment), next to ``copy_`` into a buffer of the same size, interleaved
+(median of the repetitions). To compare with an older tree, run this script with
+``PYTHONPATH=<that checkout>`` (as ``benchmarks/flag_path.py`` does).
 """
 
 from __future__ import annotations
@@ -81,14 +97,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _codec_v0 as v0  # noqa: E402  (the pre-change CPU path, for old-vs-new timing)
-
+from causalkv.caches.codecs import make_codec  # noqa: E402
 from causalkv.caches.qvg import (  # noqa: E402
     QVGKVQuantArgs,
     bits_per_element,
     dequantize,
     quantize,
 )
+from causalkv.runtime.memory import (  # noqa: E402
+    BUILTIN_MODELS,
+    MemoryRequest,
+    plan_setting,
+    stream_layout,
+)
+from causalkv.runtime.memory.records import Setting  # noqa: E402
+
+#: the codec settings compared side by side
+CODECS = ("int4", "int2", "fp8", "nvfp4")
+#: the geometries of the comparison (the memory planner's built-in models)
+MODELS = ("longlive2", "lingbot", "self-forcing")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +194,7 @@ def _rel(y: torch.Tensor, x: torch.Tensor) -> float:
 # peers (the `bench` extra)
 # ---------------------------------------------------------------------------------------------
 GROUP = 64
-SCHEMA = "causalkv.codec-bench/1"
+SCHEMA = "causalkv.codec-bench/2"
 
 
 def _nbytes_deep(t) -> int:
@@ -289,6 +316,15 @@ def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[
                     y = dequantize(p, dtype=torch.float32)
                     rows.append(_row(data, tensor, bits, name, "prq", y, x,
                                      bits_per_element(S, D, args), 8 * p.nbytes / x.numel()))
+            if bits == 4:  # the 4-bit-class and 8-bit formats: one row each, in the bits-4 group
+                for tensor, x in (("K", k), ("V", v)):
+                    for name in ("fp8", "nvfp4"):
+                        c = make_codec(name, QVGKVQuantArgs(codec=name))
+                        rec = c.encode(x)
+                        y = c.decode(rec, torch.float32)
+                        bpe = 8 * c.nbytes(tuple(x.shape)) / x.numel()
+                        rows.append(_row(data, tensor, bits, name, name, y, x, bpe,
+                                         8 * rec.nbytes / x.numel()))
     return rows
 
 
@@ -324,39 +360,70 @@ def _median_time(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def throughput(S: int, reps: int) -> dict:
-    """New vs old (`_codec_v0`) quantize and dequantize-into-a-buffer, and ``copy_``,
-    interleaved in one run, on ``[1, 12, S, 128]`` bf16."""
+def throughput(S: int, reps: int, codecs: tuple[str, ...] = CODECS) -> dict:
+    """Per codec setting: encode and decode-into-a-buffer, and ``copy_``, interleaved in one
+    run, on ``[1, 12, S, 128]`` bf16."""
     k, _ = structured_kv(H=12, frames=max(1, -(-S // 1560)))
     x = k[:, :, :S].contiguous()
     nbytes = x.numel() * 2
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     out: dict = {"shape": list(x.shape), "threads": torch.get_num_threads(),
                  "load_avg_1min": None if load is None else round(load, 2)}
-    for bits in (2, 4):
-        args = QVGKVQuantArgs(bits=bits)
-        tq = _median_time({
-            "new": lambda a=args: quantize(x, a),
-            "old": lambda a=args: v0.quantize(x, a),
-        }, max(1, reps // 3))
-        p, po = quantize(x, args), v0.quantize(x, args)
+    for name in codecs:
+        c = make_codec(name, QVGKVQuantArgs(codec=name))
+        te = _median_time({"encode": lambda c=c: c.encode(x)}, max(1, reps // 3))
+        rec = c.encode(x)
         buf, dst = torch.zeros_like(x), torch.zeros_like(x)
         t = _median_time({
-            "new": lambda pp=p, o=buf: dequantize(pp, out=o),
-            "old": lambda pp=po, o=buf: v0.dequantize(pp, out=o),
+            "decode": lambda c=c, r=rec, o=buf: c.decode_into(r, o),
             "copy": lambda o=dst: o.copy_(x),
         }, reps)
-        out[f"int{bits}"] = dict(
-            quantize_gbps=round(nbytes / tq["new"] / 1e9, 4),
-            quantize_gbps_old=round(nbytes / tq["old"] / 1e9, 4),
-            quantize_speedup=round(tq["old"] / tq["new"], 2),
-            dequantize_into_gbps=round(nbytes / t["new"] / 1e9, 3),
-            dequantize_into_gbps_old=round(nbytes / t["old"] / 1e9, 3),
+        out[name] = dict(
+            encode_gbps=round(nbytes / te["encode"] / 1e9, 4),
+            decode_into_gbps=round(nbytes / t["decode"] / 1e9, 3),
             copy_into_gbps=round(nbytes / t["copy"] / 1e9, 3),
-            dequantize_into_over_copy=round(t["copy"] / t["new"], 3),
-            dequantize_into_over_copy_old=round(t["copy"] / t["old"], 3),
+            decode_into_over_copy=round(t["copy"] / t["decode"], 3),
         )
     return out
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of ``q [1, H, n, D]`` over ``k``/``v`` ``[1, H, S, D]``, float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    return w @ v
+
+
+def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
+    """The side-by-side table (module docstring, "Comparison")."""
+    rows = []
+    for model in MODELS:
+        geom = BUILTIN_MODELS[model]
+        lay = stream_layout(geom, MemoryRequest())
+        S, D = lay.chunk_tokens, geom.head_dim
+        S_data = min(S, 1560) if quick else S
+        hw = (30, 52)
+        k, v = structured_kv(H=2, frames=-(-(S_data + 256) // (hw[0] * hw[1])), hw=hw, D=D,
+                             seed=MODELS.index(model))
+        q = k[:, :, S_data:S_data + 256]  # queries: the next tokens' keys
+        k, v = k[:, :, :S_data].contiguous(), v[:, :, :S_data].contiguous()
+        exact = _attention(q, k, v)
+        for name in codecs:
+            args = QVGKVQuantArgs(codec=name)
+            c = make_codec(name, args)
+            yk = c.decode(c.encode(k), torch.float32)
+            yv = c.decode(c.encode(v), torch.float32)
+            approx = _attention(q, yk, yv)
+            row = dict(model=model, codec=name, S=S, D=D,
+                       bits_per_element=round(c.bits_per_element(S, D), 4),
+                       k_rel_err=round(_rel(yk, k), 5), v_rel_err=round(_rel(yv, v), 5),
+                       attn_rel_err=round(_rel(approx, exact), 5))
+            for label, keep in (("recent0", 0), ("default", 1)):
+                plan = plan_setting(geom, lay, Setting(f"{name}-{label}", name, keep))
+                row[f"peak_ratio_{label}"] = round(plan.peak_ratio, 4)
+                row[f"resident_ratio_{label}"] = round(plan.kv_ratio, 4)
+            rows.append(row)
+    return rows
 
 
 def run(quick: bool, reps: int, parts: str = "all") -> dict:
@@ -366,7 +433,7 @@ def run(quick: bool, reps: int, parts: str = "all") -> dict:
         "schema": SCHEMA,
         "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
                    "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "peers": {}, "quality": [], "targets": [], "throughput": None,
+        "peers": {}, "quality": [], "targets": [], "throughput": None, "compare": [],
     }
     if parts in ("all", "quality"):
         g = torch.Generator().manual_seed(1)
@@ -375,8 +442,10 @@ def run(quick: bool, reps: int, parts: str = "all") -> dict:
         res["peers"] = probe_peers()
         res["quality"] = quality({"structured": (k, v), "gaussian": (gk, gv)}, res["peers"])
         res["targets"] = targets(res["quality"])
-    if parts in ("all", "throughput"):
+    if parts in ("all", "throughput", "compare"):  # the comparison shows the throughput too
         res["throughput"] = throughput(S_tp, 3 if quick else reps)
+    if parts in ("all", "compare"):
+        res["compare"] = compare(quick)
     return res
 
 
@@ -385,6 +454,8 @@ def print_tables(res: dict) -> None:
         print_quality(res)
     if res["throughput"]:
         print_throughput(res["throughput"])
+    if res["compare"]:
+        print_compare(res["compare"], res["throughput"])
 
 
 def print_quality(res: dict) -> None:
@@ -414,14 +485,26 @@ def print_quality(res: dict) -> None:
 
 def print_throughput(tp: dict) -> None:
     print(f"\nthroughput on this CPU: {tp['shape']} bf16, {tp['threads']} threads, "
-          f"load average {tp['load_avg_1min']} (new vs old = commit 3d118d4, same run)")
-    for bits in (2, 4):
-        t = tp[f"int{bits}"]
-        print(f"int{bits}: quantize {t['quantize_gbps']} GB/s (old {t['quantize_gbps_old']}, "
-              f"x{t['quantize_speedup']}) | dequantize into a buffer {t['dequantize_into_gbps']} "
-              f"GB/s (old {t['dequantize_into_gbps_old']}) | copy_ {t['copy_into_gbps']} GB/s | "
-              f"into/copy_ = {t['dequantize_into_over_copy']} "
-              f"(old {t['dequantize_into_over_copy_old']})")
+          f"load average {tp['load_avg_1min']}")
+    for name in CODECS:
+        t = tp[name]
+        print(f"{name}: encode {t['encode_gbps']} GB/s | decode into a buffer "
+              f"{t['decode_into_gbps']} GB/s | copy_ {t['copy_into_gbps']} GB/s | "
+              f"into/copy_ = {t['decode_into_over_copy']}")
+
+
+def print_compare(rows: list[dict], tp: dict | None) -> None:
+    """The comparison as a markdown table (docs/benchmarks.md)."""
+    print("\n| model | codec | bits/el | peak/dense (recent 0) | peak/dense (recent 1) "
+          "| K rel err | V rel err | attn rel err | encode GB/s | decode GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = (tp or {}).get(r["codec"]) if r["model"] == MODELS[0] else None
+        speed = f"{t['encode_gbps']} | {t['decode_into_gbps']}" if t else " | "
+        print(f"| {r['model']} (S={r['S']:,}, D={r['D']}) | {r['codec']} | "
+              f"{r['bits_per_element']:.3f} | {r['peak_ratio_recent0']:.3f} | "
+              f"{r['peak_ratio_default']:.3f} | {r['k_rel_err']:.4f} | {r['v_rel_err']:.4f} | "
+              f"{r['attn_rel_err']:.4f} | {speed} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's); 1 avoids thread barriers "
                          "stalling on a CPU shared with other jobs")
-    ap.add_argument("--only", choices=("quality", "throughput"), default=None,
+    ap.add_argument("--only", choices=("quality", "throughput", "compare"), default=None,
                     help="run one part only (the other part's JSON keys stay empty)")
     a = ap.parse_args(argv)
     if a.threads:

@@ -145,7 +145,7 @@ def build(geo: Geometry, bits: int, device: torch.device):
     spec = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=geo.chunks * n,
                        sink_tokens=geo.sink_chunks * n, global_sink_tokens=geo.sink_chunks * n,
                        dtype=torch.bfloat16, device=device)
-    quant = QVGKVQuantArgs(bits=bits, keep_recent_chunks=0).validate()
+    quant = QVGKVQuantArgs(codec=f"int{bits}", keep_recent_chunks=0).validate()
     dense, packed = DenseCausalKVCache(spec), QVGPackedCausalKVCache(spec, quant)
     for i in range(geo.chunks):
         k, v = kv_like(n, H, D, 2 * i, device), kv_like(n, H, D, 2 * i + 1, device)
@@ -334,7 +334,7 @@ def bridge_row(geo: Geometry, bits: int, device: torch.device, timer: Timer,
         device=device, global_end_index=torch.zeros(1, dtype=torch.long, device=device),
         local_end_index=torch.zeros(1, dtype=torch.long, device=device), sink_tokens=sink,
         attention_window_size=size, global_sink_tokens=sink,
-        quant_args=QVGKVQuantArgs(bits=bits, centroids=geo.centroids, keep_recent_chunks=0))
+        quant_args=QVGKVQuantArgs(codec=f"int{bits}", centroids=geo.centroids, keep_recent_chunks=0))
     attn = CausalWanSelfAttention(dim=H * D, num_heads=H)
     wrapped = type(attn).forward  # the route's AROUND hook (sglang's wrapper)
     original = wrapped.__wrapped__  # sglang's own forward

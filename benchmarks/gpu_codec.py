@@ -51,11 +51,11 @@ from causalkv.caches.qvg import QVGKVQuantArgs, dequantize, quantize  # noqa: E4
 
 SCHEMA = "causalkv.gpu-codec-bench/1"
 CHECK_ARGS = {
-    "int2": QVGKVQuantArgs(bits=2),
-    "int4": QVGKVQuantArgs(bits=4),
-    "int2-mse4": QVGKVQuantArgs(bits=2, grid="mse4"),
-    "int4-asym": QVGKVQuantArgs(bits=4, asymmetric=True),
-    "int2-2stage": QVGKVQuantArgs(bits=2, stages=2, centroids=64),
+    "int2": QVGKVQuantArgs(codec="int2"),
+    "int4": QVGKVQuantArgs(codec="int4"),
+    "int2-mse4": QVGKVQuantArgs(codec="int2", grid="mse4"),
+    "int4-asym": QVGKVQuantArgs(codec="int4", asymmetric=True),
+    "int2-2stage": QVGKVQuantArgs(codec="int2", stages=2, centroids=64),
 }
 BENCH_SHAPES = [(1, 12, 14040, 128), (1, 40, 4680, 128)]
 BF16_ULP = 2.0**-7
@@ -143,7 +143,7 @@ def _time(fn, device: torch.device, reps: int) -> float:
 
 def throughput(shape, bits: int, device: torch.device, reps: int, hbm_tbps: float) -> dict:
     x = kv_like(shape, device, seed=bits)
-    p = quantize(x, QVGKVQuantArgs(bits=bits), backend="triton")
+    p = quantize(x, QVGKVQuantArgs(codec=f"int{bits}"), backend="triton")
     buf, dst = torch.empty_like(x), torch.empty_like(x)
     t_deq = _time(lambda: dequantize(p, out=buf, backend="triton"), device, reps)
     t_cp = _time(lambda: dst.copy_(x), device, reps)

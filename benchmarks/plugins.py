@@ -67,7 +67,7 @@ def one_run(fake: list[EntryPoint], n: int) -> dict[str, float]:
     t2 = time.perf_counter()
     registry = collect(pm)
     t3 = time.perf_counter()
-    quant = ServerArgs(options=[QVGKVQuantArgs(bits=4)], multi_shot=True)
+    quant = ServerArgs(options=[QVGKVQuantArgs(codec="int4")], multi_shot=True)
     results = [
         resolve("tiny-longlive2", quant, pm=pm),
         resolve("tiny-wan", ServerArgs(), pm=pm),

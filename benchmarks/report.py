@@ -72,7 +72,7 @@ def plot_codec(codec: dict[str, Any], out: Path) -> Path:
     rows = codec["quality"]
     datas = [d for d in ("structured", "gaussian") if any(r["data"] == d for r in rows)]
     fig, axes = plt.subplots(len(datas), 2, figsize=(14, 4.6 * len(datas)), squeeze=False)
-    markers = {"baseline": "s", "peer": "^", "prq": "o"}
+    markers = {"baseline": "s", "peer": "^", "prq": "o", "fp8": "D", "nvfp4": "P"}
     methods = sorted({r["method"] for r in rows})
     cmap = plt.get_cmap("tab20")
     peer_colors = iter(("#000000", "#e6007e", "#00a0a0", "#7a4b00"))
@@ -120,8 +120,8 @@ def resident_series(chunks: int, cfg: StreamConfig = LONG) -> dict[str, Any]:
     spec = cfg.spec()
     caches = {
         "off": DenseCausalKVCache(spec),
-        "int4": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=4)),
-        "int2": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(bits=2)),
+        "int4": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(codec="int4")),
+        "int2": QVGPackedCausalKVCache(spec, QVGKVQuantArgs(codec="int2")),
     }
     data = StreamKV(cfg.heads, cfg.head_dim)
     n = cfg.chunk
@@ -170,7 +170,7 @@ def attention_memory(window_chunks: list[int], tokens_per_frame: int = 110) -> d
     rows = []
     for w in window_chunks:
         cfg = StreamConfig(f"w{w}", tokens_per_frame, 8, 8, 8, 8 * w, heads=2)
-        cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(bits=2))
+        cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(codec="int2"))
         data = StreamKV(cfg.heads, cfg.head_dim)
         n = cfg.chunk
         for i in range(w + 1):

@@ -376,12 +376,16 @@ QUICK_MODEL = ModelGeometry("longlive2", 3, 256, 2, 2, 8, heads=1, head_dim=64, 
 #: setting -> causalkv's QVG settings for the bridge cache (sglang's defaults otherwise)
 SETTINGS = {
     "off": CausalKVQuant(),
-    "int2-default": CausalKVQuant(bits=2),
-    "int2-recent0": CausalKVQuant(bits=2, keep_recent_chunks=0),
-    "int2-recent-int4": CausalKVQuant(bits=2, recent_tier="int4"),
-    "int2-sink0": CausalKVQuant(bits=2, sink=False),
-    "int4-default": CausalKVQuant(bits=4),
-    "int4-recent0": CausalKVQuant(bits=4, keep_recent_chunks=0),
+    "int2-default": CausalKVQuant(codec="int2"),
+    "int2-recent0": CausalKVQuant(codec="int2", keep_recent_chunks=0),
+    "int2-recent-int4": CausalKVQuant(codec="int2", recent_tier="int4"),
+    "int2-sink0": CausalKVQuant(codec="int2", sink=False),
+    "int4-default": CausalKVQuant(codec="int4"),
+    "int4-recent0": CausalKVQuant(codec="int4", keep_recent_chunks=0),
+    "fp8-default": CausalKVQuant(codec="fp8"),
+    "fp8-recent0": CausalKVQuant(codec="fp8", keep_recent_chunks=0),
+    "nvfp4-default": CausalKVQuant(codec="nvfp4"),
+    "nvfp4-recent0": CausalKVQuant(codec="nvfp4", keep_recent_chunks=0),
 }
 
 
@@ -491,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                          "geometry, setting, peak_ratio, resident_ratio, attn_rel_err")
     ap.add_argument("--models", default=",".join(MODELS),
                     help="with --layers: which geometries (comma-separated)")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="with --layers: which settings (comma-separated; default: all)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -501,11 +507,14 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - set(MODELS))
         if unknown:
             raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(MODELS)}")
+        chosen = [n.strip() for n in args.settings.split(",") if n.strip()]
+        if bad := sorted(set(chosen) - set(SETTINGS)):
+            raise SystemExit(f"--settings: unknown {bad}; choose from {list(SETTINGS)}")
         models = [QUICK_MODEL] if args.quick else [
             ModelGeometry(**{**MODELS[n].__dict__, "heads": args.heads}) for n in names]
         rows = []
         for m in models:
-            for setting in SETTINGS:
+            for setting in chosen:
                 rows.append(request(m, setting, torch.device(args.device)))
                 print(f"... {m.name} {setting}", file=sys.stderr, flush=True)
         print(json.dumps(rows, indent=2) if args.json else layers_table(rows))

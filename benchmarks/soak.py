@@ -167,7 +167,7 @@ def run_soak(
 ) -> SoakResult:
     """Write ``cfg.chunks`` chunks (pin every ``cfg.pin_every``), sampling every ``cfg.sample_every``."""
     torch.set_grad_enabled(False)
-    cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(bits=cfg.bits))
+    cache = QVGPackedCausalKVCache(cfg.spec(), QVGKVQuantArgs(codec=f"int{cfg.bits}"))
     data = StreamKV(cfg.heads, cfg.head_dim)
     n = cfg.tokens_per_chunk
     pool = [(data.chunk(i, n, 0), data.chunk(i, n, 1)) for i in range(cfg.pool)]

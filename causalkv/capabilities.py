@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
+    "CHUNK_SCRATCH",
     "GROWTH",
     "HEAD_SLICE",
     "INT_INDICES",
@@ -25,6 +26,9 @@ RECENT_WINDOW = "recent_window"
 GROWTH = "growth"
 INT_INDICES = "int_indices"
 QUANT_QVG = "quant:qvg"
+#: the cache kind can hold the chunk being generated in the stage's one shared `ChunkScratch`
+#: (``cache.use_scratch(scratch)``): the stage hands it one when every cache it built has this
+CHUNK_SCRATCH = "chunk_scratch"
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ class OptionSpec:
         parse: turns a flag's or a config value into the field's value (after ``type``);
             raises `ConfigError` naming the flag for a bad value.
         choices: the flag's accepted texts (shown in ``--help``); without ``parse`` also the
-            values the field accepts.
+            values the field accepts. A callable returning them is called when the flag is
+            added (choices a registry grows, such as the codec settings plugins register).
         metavar: the flag's value name in ``--help``.
         action: ``"store_true"`` / ``"store_false"`` for a switch without a value (the field
             must then be True or False).
@@ -68,10 +69,14 @@ class OptionSpec:
     key: str | None = None
     type: Callable[[str], Any] | None = None
     parse: Callable[[Any], Any] | None = None
-    choices: tuple[Any, ...] | None = None
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None
     metavar: str | None = None
     action: str | None = None
     minimum: int | None = None
+
+    def choice_values(self) -> tuple[Any, ...] | None:
+        """`choices`, called when it is a callable."""
+        return self.choices() if callable(self.choices) else self.choices
 
 
 def option(
@@ -82,7 +87,7 @@ def option(
     key: str | None = None,
     type: Callable[[str], Any] | None = None,
     parse: Callable[[Any], Any] | None = None,
-    choices: tuple[Any, ...] | None = None,
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
     metavar: str | None = None,
     action: str | None = None,
     minimum: int | None = None,
@@ -159,8 +164,9 @@ class Options:
             return cls._int_problem(spec.minimum, optional=optional and spec.flag is None)
         if spec.action in ("store_true", "store_false") and not isinstance(value, bool):
             return "must be True or False"
-        if spec.choices is not None and spec.parse is None and value not in spec.choices:
-            return f"must be one of {list(spec.choices)}"
+        choices = spec.choice_values()
+        if choices is not None and spec.parse is None and value not in choices:
+            return f"must be one of {list(choices)}"
         return None
 
     @classmethod
@@ -218,7 +224,7 @@ class Options:
                 metavar = spec.metavar
                 if metavar is None and spec.choices is None:
                     metavar = spec.flag.lstrip("-").replace("-", "_").upper()
-                kw.update(type=spec.type, choices=spec.choices, metavar=metavar)
+                kw.update(type=spec.type, choices=spec.choice_values(), metavar=metavar)
             group.add_argument(spec.flag, help=help_text, **kw)
 
     @classmethod

@@ -39,7 +39,7 @@ def options_for(config: str, quant: str, world_size: int) -> GenerateOptions:
     """The float32 request of ``config`` with ``quant`` on ``world_size`` ranks."""
     preset, prompts, frames = CONFIGS[config]
     args = ServerArgs(
-        options=[QVGKVQuantArgs.from_bits_name(quant)],
+        options=[QVGKVQuantArgs.from_codec_name(quant)],
         dtype="float32",
         heads_sharded=world_size,
     )

@@ -30,7 +30,7 @@ def make_options(
     """Options for a small float32 run (float32 is the fast dtype on CPU); ``options``: the
     stage family's records (`ShotRequest`, `MotionOptions`, ...) next to the QVG settings."""
     args = ServerArgs(
-        options=[QVGKVQuantArgs.from_bits_name(quant), *options],
+        options=[QVGKVQuantArgs.from_codec_name(quant), *options],
         seed=seed,
         dtype=dtype,
         cache=cache,

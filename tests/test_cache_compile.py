@@ -36,7 +36,7 @@ KINDS = ("dense", "int4", "int2")
 def make(kind: str):
     if kind == "dense":
         return DenseCausalKVCache(SPEC)
-    quant = QVGKVQuantArgs(bits=int(kind[3:]), block_size=16, centroids=8, keep_recent_chunks=0)
+    quant = QVGKVQuantArgs(codec=kind, block_size=16, centroids=8, keep_recent_chunks=0)
     return QVGPackedCausalKVCache(SPEC, quant)
 
 
@@ -169,7 +169,7 @@ def test_packing_under_torch_compile_gives_the_eager_codes(bits):
     codec entry compiled itself, store the eager codec's bytes."""
     x = torch.randn(1, H, 2 * N, D, generator=torch.Generator().manual_seed(bits))
     x = x.to(torch.bfloat16)
-    args = QVGKVQuantArgs(bits=bits, block_size=16, centroids=8).validate()
+    args = QVGKVQuantArgs(codec=f"int{bits}", block_size=16, centroids=8).validate()
     eager = codec.quantize(x, args, seed=1234)
 
     def host(t: torch.Tensor):

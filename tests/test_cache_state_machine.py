@@ -74,7 +74,7 @@ class CausalkvEnv(Env):
             attention_window_size=cfg.window, dtype=DT, allow_growth=cfg.growth,
         )
         quant = (QVGKVQuantArgs() if cfg.bits is None else QVGKVQuantArgs(
-            bits=cfg.bits, centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
+            codec=f"int{cfg.bits}", centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
             sink=cfg.quant_sink))
         scratch = ChunkScratch() if cfg.scratch != "none" else None
         subs = []

@@ -24,7 +24,7 @@ SPEC = KVCacheSpec(1, H, D, 4 * N, sink_tokens=N, dtype=torch.bfloat16)
 CACHES = {
     "dense": lambda: DenseCausalKVCache(SPEC),
     "packed-int2": lambda: QVGPackedCausalKVCache(
-        SPEC, QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0)),
+        SPEC, QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=0)),
 }
 
 

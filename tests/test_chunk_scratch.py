@@ -55,14 +55,14 @@ class _null:
 
 SETTINGS = {
     "off": QVGKVQuantArgs(),
-    "int2-default": QVGKVQuantArgs(bits=2, block_size=16),
-    "int2-recent0": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0),
-    "int2-sink0": QVGKVQuantArgs(bits=2, block_size=16, sink=False),
-    "int2-recent-int4": QVGKVQuantArgs(bits=2, block_size=16, recent_tier="int4"),
-    "int2-sink-full": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, sink_span="full"),
-    "int2-span2": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, span_chunks=2),
-    "int2-codebook2": QVGKVQuantArgs(bits=2, block_size=16, keep_recent_chunks=0, codebook_chunks=2),
-    "int4-sink0-recent-int4": QVGKVQuantArgs(bits=4, block_size=16, sink=False, recent_tier="int4"),
+    "int2-default": QVGKVQuantArgs(codec="int2", block_size=16),
+    "int2-recent0": QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=0),
+    "int2-sink0": QVGKVQuantArgs(codec="int2", block_size=16, sink=False),
+    "int2-recent-int4": QVGKVQuantArgs(codec="int2", block_size=16, recent_tier="int4"),
+    "int2-sink-full": QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=0, sink_span="full"),
+    "int2-span2": QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=0, span_chunks=2),
+    "int2-codebook2": QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=0, codebook_chunks=2),
+    "int4-sink0-recent-int4": QVGKVQuantArgs(codec="int4", block_size=16, sink=False, recent_tier="int4"),
 }
 
 
@@ -84,7 +84,7 @@ def test_keep_recent_0_holds_the_next_chunks_context_packed_and_one_scratch_chun
     scratch = ChunkScratch(shared=True)
     caches = [QVGPackedCausalKVCache(SPEC, quant, scratch=scratch) for _ in range(LAYERS)]
     _, held = _stream(caches, scratch)
-    q = QVGKVQuantArgs(bits=2, block_size=16, centroids=centroids_for(N, 128))
+    q = QVGKVQuantArgs(codec="int2", block_size=16, centroids=centroids_for(N, 128))
     packed = 2 * packed_nbytes_formula((1, H, N, D), q)
     chunk = 2 * N * H * D * 2
     assert held[-1] == LAYERS * 3 * packed + chunk  # sink, pinned shot sink, newest; 1 scratch

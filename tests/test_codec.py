@@ -89,13 +89,13 @@ def rtn_int2_asym(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 ARGS = {
-    "int2": QVGKVQuantArgs(bits=2, centroids=32, block_size=32),
-    "int4": QVGKVQuantArgs(bits=4, centroids=32, block_size=32),
-    "int2-mse4": QVGKVQuantArgs(bits=2, centroids=32, block_size=32, grid="mse4"),
-    "int4-mse4": QVGKVQuantArgs(bits=4, centroids=32, block_size=16, grid="mse4"),
-    "int2-asym": QVGKVQuantArgs(bits=2, centroids=32, block_size=32, asymmetric=True),
-    "int4-asym": QVGKVQuantArgs(bits=4, centroids=16, block_size=16, asymmetric=True),
-    "int2-2stage": QVGKVQuantArgs(bits=2, centroids=16, block_size=16, stages=2, kmeans_iters=3),
+    "int2": QVGKVQuantArgs(codec="int2", centroids=32, block_size=32),
+    "int4": QVGKVQuantArgs(codec="int4", centroids=32, block_size=32),
+    "int2-mse4": QVGKVQuantArgs(codec="int2", centroids=32, block_size=32, grid="mse4"),
+    "int4-mse4": QVGKVQuantArgs(codec="int4", centroids=32, block_size=16, grid="mse4"),
+    "int2-asym": QVGKVQuantArgs(codec="int2", centroids=32, block_size=32, asymmetric=True),
+    "int4-asym": QVGKVQuantArgs(codec="int4", centroids=16, block_size=16, asymmetric=True),
+    "int2-2stage": QVGKVQuantArgs(codec="int2", centroids=16, block_size=16, stages=2, kmeans_iters=3),
 }
 
 
@@ -155,7 +155,7 @@ def test_error_within_half_step_of_stored_scale(name):
 def test_bf16_range_inputs_are_power_of_two_equivariant():
     """Scaling the input by 2^k changes nothing but the exponents: same ids, codes, scale
     bytes; centroids and the reconstruction scale exactly (no fp32 overflow in k-means)."""
-    args = QVGKVQuantArgs(bits=2, centroids=16, block_size=32)
+    args = QVGKVQuantArgs(codec="int2", centroids=16, block_size=32)
     x = torch.randn(1, 2, 96, 64).to(torch.bfloat16)
     base = quantize(x, args)
     y = dequantize(base, dtype=torch.float32)
@@ -179,16 +179,16 @@ def test_int4_and_grids_on_gaussian_data():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 4, 512, 64, generator=g).to(torch.bfloat16)
     base = dict(centroids=128, block_size=64)
-    e4 = rel_err(dequantize(quantize(x, QVGKVQuantArgs(bits=4, **base))), x)
-    e2 = rel_err(dequantize(quantize(x, QVGKVQuantArgs(bits=2, **base))), x)
-    e2m = rel_err(dequantize(quantize(x, QVGKVQuantArgs(bits=2, grid="mse4", **base))), x)
+    e4 = rel_err(dequantize(quantize(x, QVGKVQuantArgs(codec="int4", **base))), x)
+    e2 = rel_err(dequantize(quantize(x, QVGKVQuantArgs(codec="int2", **base))), x)
+    e2m = rel_err(dequantize(quantize(x, QVGKVQuantArgs(codec="int2", grid="mse4", **base))), x)
     assert e4 <= 0.1
     assert e2m < e2 < 1.0
 
 
 def test_prq_beats_round_to_nearest_on_clustered_data():
     x = clustered(S=512, D=64, clusters=24, noise=0.15)
-    e_prq = rel_err(dequantize(quantize(x, QVGKVQuantArgs(bits=2, block_size=64))), x)
+    e_prq = rel_err(dequantize(quantize(x, QVGKVQuantArgs(codec="int2", block_size=64))), x)
     e_rtn = rel_err(rtn_int2_asym(x, 64), x)
     assert e_prq <= 0.5 * e_rtn, (e_prq, e_rtn)
 
@@ -197,10 +197,10 @@ def test_prq_beats_round_to_nearest_on_clustered_data():
 @pytest.mark.parametrize(
     "shape,args",
     [
-        ((1, 2, 300, 128), QVGKVQuantArgs(bits=2)),
-        ((2, 3, 40, 128), QVGKVQuantArgs(bits=4)),  # S < centroids: K = S
-        ((1, 2, 64, 64), QVGKVQuantArgs(bits=2, asymmetric=True, block_size=16)),
-        ((1, 1, 50, 32), QVGKVQuantArgs(bits=4, stages=3, centroids=8, block_size=8)),
+        ((1, 2, 300, 128), QVGKVQuantArgs(codec="int2")),
+        ((2, 3, 40, 128), QVGKVQuantArgs(codec="int4")),  # S < centroids: K = S
+        ((1, 2, 64, 64), QVGKVQuantArgs(codec="int2", asymmetric=True, block_size=16)),
+        ((1, 1, 50, 32), QVGKVQuantArgs(codec="int4", stages=3, centroids=8, block_size=8)),
     ],
 )
 def test_nbytes_matches_formula_to_the_byte(shape, args):
@@ -226,7 +226,7 @@ def test_nbytes_matches_formula_to_the_byte(shape, args):
 
 def test_reference_defaults_bits_per_element():
     # 2 + 8/64 + 8/128 + 16*128/S + 16/(S*128) at S = 4680 (one 3-frame Wan chunk)
-    args = QVGKVQuantArgs(bits=2)
+    args = QVGKVQuantArgs(codec="int2")
     want = 2 + 0.125 + 0.0625 + 2048 / 4680 + 16 / (4680 * 128)
     assert bits_per_element(4680, 128, args) == pytest.approx(want, rel=1e-12)
 
@@ -239,7 +239,7 @@ def _bytes(p: PackedSegment) -> list[bytes]:
 
 def test_same_seed_same_bytes_and_global_rng_untouched():
     x = clustered(S=256)
-    args = QVGKVQuantArgs(bits=2, centroids=64, block_size=32, kmeans_iters=3)
+    args = QVGKVQuantArgs(codec="int2", centroids=64, block_size=32, kmeans_iters=3)
     torch.manual_seed(99)
     state = torch.get_rng_state()
     a, b = quantize(x, args), quantize(x, args)
@@ -254,14 +254,14 @@ def test_same_seed_same_bytes_and_global_rng_untouched():
 def test_fewer_tokens_than_centroids_is_lossless_for_bf16(S):
     """With S <= centroids every token is its own centroid: the residual is exactly zero."""
     x = torch.randn(2, 3, S, 64).to(torch.bfloat16)
-    p = quantize(x, QVGKVQuantArgs(bits=2, centroids=32))
+    p = quantize(x, QVGKVQuantArgs(codec="int2", centroids=32))
     assert p.num_centroids == S
     assert torch.equal(dequantize(p), x)
 
 
 def test_head_dim_not_divisible_by_block_size():
     with pytest.raises(ValueError, match="head_dim 96 is not divisible by block_size 64"):
-        quantize(torch.randn(1, 1, 8, 96), QVGKVQuantArgs(bits=2))
+        quantize(torch.randn(1, 1, 8, 96), QVGKVQuantArgs(codec="int2"))
 
 
 def test_all_zero_blocks_decode_to_exact_zeros():
@@ -269,8 +269,8 @@ def test_all_zero_blocks_decode_to_exact_zeros():
     x[0, 0, 5, 32:] = 0  # one block of one token
     x[0, 1, 10:20] = 0  # whole tokens
     x[0, 0, :, :16] = 0  # a channel range in every token (half of a 32-block)
-    for args in (QVGKVQuantArgs(bits=2, centroids=16, block_size=32),
-                 QVGKVQuantArgs(bits=4, centroids=16, block_size=16, asymmetric=True)):
+    for args in (QVGKVQuantArgs(codec="int2", centroids=16, block_size=32),
+                 QVGKVQuantArgs(codec="int4", centroids=16, block_size=16, asymmetric=True)):
         p = quantize(x, args)
         y = dequantize(p)
         assert not torch.isnan(y).any()
@@ -278,7 +278,7 @@ def test_all_zero_blocks_decode_to_exact_zeros():
         if args.block_size == 16:
             assert (y[0, 0, :, :16] == 0).all()
     z = torch.zeros(1, 2, 40, 64)
-    p = quantize(z, QVGKVQuantArgs(bits=2))
+    p = quantize(z, QVGKVQuantArgs(codec="int2"))
     assert torch.equal(dequantize(p, dtype=torch.float32), z)
 
 
@@ -289,22 +289,22 @@ def test_non_finite_input_is_rejected_with_a_count(bad):
     x[0, 1, 7, 0] = bad
     x[0, 1, 8, 63] = bad
     with pytest.raises(ValueError, match=r"3 non-finite value\(s\) \(NaN or inf\) out of 2048"):
-        quantize(x, QVGKVQuantArgs(bits=2))
+        quantize(x, QVGKVQuantArgs(codec="int2"))
 
 
 def test_more_than_256_centroids_rejected():
     with pytest.raises(ValueError, match="<= 256 \\(cluster ids are uint8\\), got 300"):
-        quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(bits=2, centroids=300))
+        quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(codec="int2", centroids=300))
 
 
 def test_quantization_off_or_bad_input_rejected():
     with pytest.raises(ValueError, match="quantization off"):
         quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs())
     with pytest.raises(ValueError, match=r"\[B, H, S, D\]"):
-        quantize(torch.randn(8, 64), QVGKVQuantArgs(bits=2))
+        quantize(torch.randn(8, 64), QVGKVQuantArgs(codec="int2"))
     with pytest.raises(ValueError, match="whole number of bytes"):
-        quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(bits=2, block_size=2))
-    p = quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(bits=2))
+        quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(codec="int2", block_size=2))
+    p = quantize(torch.randn(1, 1, 8, 64), QVGKVQuantArgs(codec="int2"))
     with pytest.raises(ValueError, match="out has shape"):
         dequantize(p, out=torch.empty(1, 1, 9, 64))
 
@@ -314,7 +314,7 @@ def test_strided_input_and_out_view_of_a_larger_buffer():
     """`out` may be ``big.permute(0, 2, 1, 3)[:, :, a:b]`` of a ``[B, S, H, D]`` buffer."""
     x_bshd = clustered(B=2, H=3, S=50).permute(0, 2, 1, 3).contiguous()  # [B, S, H, D]
     x = x_bshd.permute(0, 2, 1, 3)  # non-contiguous [B, H, S, D]
-    args = QVGKVQuantArgs(bits=4, centroids=16, block_size=32)
+    args = QVGKVQuantArgs(codec="int4", centroids=16, block_size=32)
     p = quantize(x, args)
     assert _bytes(p) == _bytes(quantize(x.contiguous(), args))
     want = dequantize(p)
@@ -330,7 +330,7 @@ def test_strided_input_and_out_view_of_a_larger_buffer():
 
 def test_to_select_heads_and_device():
     x = clustered(B=1, H=4, S=64)
-    p = quantize(x, QVGKVQuantArgs(bits=2, centroids=16, block_size=32, asymmetric=True))
+    p = quantize(x, QVGKVQuantArgs(codec="int2", centroids=16, block_size=32, asymmetric=True))
     assert p.device == torch.device("cpu")
     q = p.to("cpu", non_blocking=True)
     assert torch.equal(dequantize(q), dequantize(p))
@@ -367,7 +367,7 @@ def test_backend_resolution(monkeypatch):
 def test_float16_and_float32_inputs():
     for dtype in (torch.float16, torch.float32):
         x = torch.randn(1, 2, 40, 64).to(dtype)
-        p = quantize(x, QVGKVQuantArgs(bits=4, centroids=16))
+        p = quantize(x, QVGKVQuantArgs(codec="int4", centroids=16))
         assert p.dtype == dtype
         assert rel_err(dequantize(p, dtype=torch.float32), x) < 0.1
         assert math.isfinite(rel_err(dequantize(p, dtype=dtype), x))
@@ -375,13 +375,13 @@ def test_float16_and_float32_inputs():
 
 # ---- head independence (head_offset) ------------------------------------------------------------
 SPLIT_ARGS = {
-    "int2-sampled": QVGKVQuantArgs(bits=2, centroids=4, block_size=16),  # Lloyd on a sample
-    "int4-mse4": QVGKVQuantArgs(bits=4, centroids=16, block_size=16, grid="mse4"),
-    "int2-mse4-2stage": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, grid="mse4", stages=2),
-    "int2-asym-2stage": QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True,
+    "int2-sampled": QVGKVQuantArgs(codec="int2", centroids=4, block_size=16),  # Lloyd on a sample
+    "int4-mse4": QVGKVQuantArgs(codec="int4", centroids=16, block_size=16, grid="mse4"),
+    "int2-mse4-2stage": QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, grid="mse4", stages=2),
+    "int2-asym-2stage": QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, asymmetric=True,
                                        stages=2),
-    "int4-asym": QVGKVQuantArgs(bits=4, centroids=4, block_size=32, asymmetric=True),
-    "int4-2stage": QVGKVQuantArgs(bits=4, centroids=8, block_size=16, stages=2),
+    "int4-asym": QVGKVQuantArgs(codec="int4", centroids=4, block_size=32, asymmetric=True),
+    "int4-2stage": QVGKVQuantArgs(codec="int4", centroids=8, block_size=16, stages=2),
 }
 SPLITS = [[(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [(0, 2), (2, 5)], [(1, 4)], [(4, 5)]]
 
@@ -420,7 +420,7 @@ def test_packing_a_head_slice_equals_the_same_heads_of_the_whole(name, split):
 
 
 def test_head_slice_with_a_shared_codebook_equals_the_whole():
-    args = QVGKVQuantArgs(bits=2, centroids=8, block_size=16)
+    args = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16)
     x = heads_of_different_scales()
     first = quantize(x, args, seed=3)
     x2 = heads_of_different_scales(seed=9)
@@ -431,7 +431,7 @@ def test_head_slice_with_a_shared_codebook_equals_the_whole():
 
 
 def test_head_offset_keys_the_draws_and_is_validated():
-    args = QVGKVQuantArgs(bits=2, centroids=4, block_size=16)
+    args = QVGKVQuantArgs(codec="int2", centroids=4, block_size=16)
     x = heads_of_different_scales()[:, 1:2]
     assert _bytes(quantize(x, args, head_offset=0)) != _bytes(quantize(x, args, head_offset=1))
     for bad in (-1, 1.5):
@@ -442,7 +442,7 @@ def test_head_offset_keys_the_draws_and_is_validated():
 def test_scale_exponent_is_per_head():
     """A head 2^12 times larger than another leaves the small head's scale bytes unchanged
     (a segment-wide exponent would flush the small head's scales to e4m3 subnormals)."""
-    args = QVGKVQuantArgs(bits=4, centroids=8, block_size=16)
+    args = QVGKVQuantArgs(codec="int4", centroids=8, block_size=16)
     x = heads_of_different_scales()
     p = quantize(x, args)
     alone = quantize(x[:, :1], args)

@@ -19,10 +19,10 @@ from causalkv.caches.qvg import QVGKVQuantArgs, codec, dequantize, quantize
 from causalkv.caches.qvg.format import POISON_SCALE_EXP
 
 ARGS = [
-    QVGKVQuantArgs(bits=2, centroids=8, block_size=16),
-    QVGKVQuantArgs(bits=4, centroids=16, block_size=32, stages=2),
-    QVGKVQuantArgs(bits=2, centroids=4, block_size=16, asymmetric=True),
-    QVGKVQuantArgs(bits=4, centroids=8, block_size=16, grid="mse4"),
+    QVGKVQuantArgs(codec="int2", centroids=8, block_size=16),
+    QVGKVQuantArgs(codec="int4", centroids=16, block_size=32, stages=2),
+    QVGKVQuantArgs(codec="int2", centroids=4, block_size=16, asymmetric=True),
+    QVGKVQuantArgs(codec="int4", centroids=8, block_size=16, grid="mse4"),
 ]
 
 
@@ -79,7 +79,7 @@ def test_device_path_gives_the_cpu_paths_bytes_without_a_sync(args, monkeypatch)
 def test_kmeans_draws_are_computed_once_per_geometry(device_path):
     codec.kmeans_draws.cache_clear()
     x = torch.randn(1, 2, 300, 32).to(torch.bfloat16)
-    q = QVGKVQuantArgs(bits=2, centroids=8, block_size=16)
+    q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16)
     for i in range(3):
         quantize(x * (i + 1), q)
     info = codec.kmeans_draws.cache_info()
@@ -91,7 +91,7 @@ def test_poisoned_heads_decode_to_non_finite_values(monkeypatch):
     x = torch.randn(1, 3, 64, 32, generator=g)
     x[0, 1, 3, 4] = float("nan")
     x[0, 2, 9, 0] = float("inf")
-    q = QVGKVQuantArgs(bits=2, centroids=4, block_size=16)
+    q = QVGKVQuantArgs(codec="int2", centroids=4, block_size=16)
     with pytest.raises(ValueError, match="2 non-finite"):  # the CPU path refuses it
         quantize(x, q)
     monkeypatch.setattr(codec, "_host_checked", lambda device: False)

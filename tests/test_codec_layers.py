@@ -125,7 +125,7 @@ CODEC_FIELDS = ("bits", "centroids", "block_size", "stages", "kmeans_iters", "as
 
 
 def test_the_codec_reads_only_its_own_settings():
-    full = QVGKVQuantArgs(bits=4, centroids=8, block_size=16, stages=2, asymmetric=True,
+    full = QVGKVQuantArgs(codec="int4", centroids=8, block_size=16, stages=2, asymmetric=True,
                           keep_recent_chunks=3, span_chunks=2, codebook_chunks=2, sink=False)
     only = SimpleNamespace(**{f: getattr(full, f) for f in CODEC_FIELDS})
     x = torch.linspace(-2, 2, 2 * 3 * 24 * 32).reshape(2, 3, 24, 32).cos()
@@ -144,7 +144,7 @@ def test_the_codec_reads_only_its_own_settings():
 
 def _digests(x: torch.Tensor) -> tuple[str, str]:
     """sha256 of the packed bytes and of the float32 decode, both on the PyTorch backend."""
-    p = quantize(x, QVGKVQuantArgs(bits=2, centroids=8, block_size=16), seed=7, backend="torch")
+    p = quantize(x, QVGKVQuantArgs(codec="int2", centroids=8, block_size=16), seed=7, backend="torch")
     h = hashlib.sha256()
     for t in (p.codes, p.scales.view(torch.uint8), p.scale_exp, *p.ids, *p.centroids):
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -160,7 +160,7 @@ from causalkv.caches.qvg import QVGKVQuantArgs, codec, dequantize, quantize, tri
 from causalkv.errors import ConfigError
 
 x = torch.load(sys.argv[1])  # the parent's very bytes (see the test)
-p = quantize(x, QVGKVQuantArgs(bits=2, centroids=8, block_size=16), seed=7)
+p = quantize(x, QVGKVQuantArgs(codec="int2", centroids=8, block_size=16), seed=7)
 h = hashlib.sha256()
 for t in (p.codes, p.scales.view(torch.uint8), p.scale_exp, *p.ids, *p.centroids):
     h.update(t.contiguous().view(torch.uint8).numpy().tobytes())

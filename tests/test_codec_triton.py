@@ -82,10 +82,10 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     @pytest.mark.parametrize(
         "args",
-        [QVGKVQuantArgs(bits=2, centroids=16, block_size=16),
-         QVGKVQuantArgs(bits=4, centroids=16, block_size=24, grid="mse4"),
-         QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True),
-         QVGKVQuantArgs(bits=2, centroids=8, block_size=8, stages=2)],
+        [QVGKVQuantArgs(codec="int2", centroids=16, block_size=16),
+         QVGKVQuantArgs(codec="int4", centroids=16, block_size=24, grid="mse4"),
+         QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, asymmetric=True),
+         QVGKVQuantArgs(codec="int2", centroids=8, block_size=8, stages=2)],
         ids=["int2", "int4-mse4", "int2-asym", "int2-2stage"],
     )
     def test_fused_dequantize_kernel_matches_torch(tr, args):
@@ -108,9 +108,9 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     @pytest.mark.parametrize(
         "args",
-        [QVGKVQuantArgs(bits=2, centroids=16, block_size=16),
-         QVGKVQuantArgs(bits=2, centroids=8, block_size=16, asymmetric=True),
-         QVGKVQuantArgs(bits=2, centroids=8, block_size=8, stages=2)],
+        [QVGKVQuantArgs(codec="int2", centroids=16, block_size=16),
+         QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, asymmetric=True),
+         QVGKVQuantArgs(codec="int2", centroids=8, block_size=8, stages=2)],
         ids=["int2", "int2-asym", "int2-2stage"],
     )
     def test_fused_dequantize_reads_head_and_token_slices_in_place(tr, args):
@@ -136,7 +136,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
         x = torch.randn(1, 3, 40, 48).to(torch.bfloat16)
         x[0, 1, :5] = 0  # zero blocks in the poisoned head must not decode to exact zeros
-        p = quantize(x, QVGKVQuantArgs(bits=2, centroids=8, block_size=16), backend="torch")
+        p = quantize(x, QVGKVQuantArgs(codec="int2", centroids=8, block_size=16), backend="torch")
         want = dequantize(p, dtype=torch.float32, backend="torch")
         p.scale_exp[0, 1] = POISON_SCALE_EXP
         got = dequantize(p, dtype=torch.float32, backend="triton")
@@ -173,7 +173,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         float summation near-tie) and is itself deterministic."""
         g = torch.Generator().manual_seed(5)
         x = (torch.randn(1, 2, 64, 32, generator=g) * 2).to(torch.bfloat16)
-        args = QVGKVQuantArgs(bits=2, centroids=16, block_size=16, grid="mse4")
+        args = QVGKVQuantArgs(codec="int2", centroids=16, block_size=16, grid="mse4")
         pt = quantize(x, args, backend="torch")
         pa = quantize(x, args, backend="triton")
         pb = quantize(x, args, backend="triton")
@@ -189,7 +189,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     def test_env_var_forces_the_backend(tr, monkeypatch):
         x = torch.randn(1, 1, 20, 16).to(torch.bfloat16)
-        args = QVGKVQuantArgs(bits=4, centroids=4, block_size=16)
+        args = QVGKVQuantArgs(codec="int4", centroids=4, block_size=16)
         monkeypatch.setenv("CAUSALKV_QVG_BACKEND", "triton")
         calls = []
         real = tr.dequantize_into
@@ -201,9 +201,9 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     @pytest.mark.parametrize(
         "args",
-        [QVGKVQuantArgs(bits=2, centroids=4, block_size=16),  # Lloyd on a sample (S > 32 K)
-         QVGKVQuantArgs(bits=4, centroids=8, block_size=16, grid="mse4", stages=2),
-         QVGKVQuantArgs(bits=2, centroids=4, block_size=8, asymmetric=True)],
+        [QVGKVQuantArgs(codec="int2", centroids=4, block_size=16),  # Lloyd on a sample (S > 32 K)
+         QVGKVQuantArgs(codec="int4", centroids=8, block_size=16, grid="mse4", stages=2),
+         QVGKVQuantArgs(codec="int2", centroids=4, block_size=8, asymmetric=True)],
         ids=["int2-sampled", "int4-mse4-2stage", "int2-asym"],
     )
     @pytest.mark.parametrize("batched", [False, True], ids=["per-head", "all-heads"])

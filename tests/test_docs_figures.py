@@ -32,7 +32,7 @@ def test_design_quotes_the_int2_bits_the_formula_gives() -> None:
     from causalkv.caches.qvg.format import bits_per_element
     from causalkv.caches.qvg.options import QVGKVQuantArgs
 
-    bits = bits_per_element(4680, 128, QVGKVQuantArgs(bits=2))  # the reference's defaults
+    bits = bits_per_element(4680, 128, QVGKVQuantArgs(codec="int2"))  # the reference's defaults
     text = " ".join(doc("design.md").split())
     assert f"that is {bits:.3f} bits per element: {16 / bits:.1f}x less than bf16" in text
     assert f"about {16 / bits:.0f}x at 2 bits" in text
@@ -122,8 +122,8 @@ def test_packed_cache_quotes_the_tiny_preset_bytes() -> None:
         peaks = [
             _preset_stream(name, make)[0]
             for make in (DenseCausalKVCache,
-                         lambda sp: QVGPackedCausalKVCache(sp, QVGKVQuantArgs(bits=4)),
-                         lambda sp: QVGPackedCausalKVCache(sp, QVGKVQuantArgs(bits=2)))
+                         lambda sp: QVGPackedCausalKVCache(sp, QVGKVQuantArgs(codec="int4")),
+                         lambda sp: QVGPackedCausalKVCache(sp, QVGKVQuantArgs(codec="int2")))
         ]
         assert f"{name} {peaks[0]:,} / {peaks[1]:,} / {peaks[2]:,}" in text, (name, peaks)
 

@@ -46,6 +46,7 @@ def test_compare_table_reports_ratios_from_the_metrics() -> None:
         "cache_class": "causalkv.caches.qvg.packed:QVGPackedCausalKVCache",
         "reference_cache_class": "causalkv.caches.dense:DenseCausalKVCache",
         "cache_options": "qvg(int2, centroids=128, block=64)",
+        "cache_settings": {"kv_cache_quant": "int2", "kv_cache_quant_centroids": 128},
         "kv_cache_dtype": "bfloat16",
         "kv_resident_bytes_max": 1_000_000,
         "reference_kv_resident_bytes_max": 4_000_000,

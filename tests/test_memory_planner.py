@@ -31,9 +31,10 @@ from causalkv.runtime.memory.plan import _peak_at
 
 LL2 = BUILTIN_MODELS["longlive2"]
 NAMES = ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0", "int2-recent-int4",
-         "int2-sink0"]
+         "int2-recent-fp8", "int2-sink0", "fp8-default", "fp8-recent0", "nvfp4-default",
+         "nvfp4-recent0"]
 #: the rows without the recency tier (a cache without a scratch has none)
-BF16_TIER = [n for n in NAMES if n != "int2-recent-int4"]
+BF16_TIER = [n for n in NAMES if n not in ("int2-recent-int4", "int2-recent-fp8")]
 
 #: a tiny LongLive-2.0-like geometry: 2 layers x 2 heads x 64, 32 tokens per frame (32x64 px,
 #: VAE 8, 1x1 patches), 2-frame chunks of 64 tokens, a 1-chunk sink, 4 chunk slots

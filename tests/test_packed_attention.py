@@ -110,7 +110,7 @@ def check(query, k, v, out, lse, scale=None) -> Errors:
 
 
 def args_of(bits: int, block: int, **kw) -> QVGKVQuantArgs:
-    return QVGKVQuantArgs(bits=bits, block_size=block, centroids=kw.pop("centroids", 16), **kw)
+    return QVGKVQuantArgs(codec=f"int{bits}", block_size=block, centroids=kw.pop("centroids", 16), **kw)
 
 
 def pack(x: torch.Tensor, args: QVGKVQuantArgs, **kw):
@@ -288,7 +288,7 @@ if not INTERPRETED:
         assert (out.double() - ref).abs().max() < 2e-2
 
     def test_attend_fused_without_triton_is_refused(monkeypatch):
-        monkeypatch.setattr(attn, "_triton_importable", lambda: False)
+        monkeypatch.setattr(attn.triton_impl, "AVAILABLE", False)
         view, query = _stream_view(torch.bfloat16, D=32, n=20)
         with pytest.raises(attn.AttendError, match="needs triton"):
             attn.attend(query, view, fused=True)
@@ -311,7 +311,7 @@ def _stream_view(dtype, *, D=64, n=48, H=2, chunks=9, span=1, pin_at=None, recen
     returns (view of the last write, query [1, n, h, D])."""
     spec = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=6 * n, sink_tokens=n,
                        global_sink_tokens=n, dtype=torch.bfloat16)
-    q = QVGKVQuantArgs(bits=2, centroids=8, block_size=32 if D % 32 == 0 else 16,
+    q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=32 if D % 32 == 0 else 16,
                        keep_recent_chunks=keep_recent, span_chunks=span).validate()
     cache = QVGPackedCausalKVCache(spec, q)
     view = None

@@ -39,7 +39,7 @@ def spec(**kw) -> KVCacheSpec:
 
 
 def quant(**kw) -> QVGKVQuantArgs:
-    base = dict(bits=2, centroids=8, block_size=16)
+    base = dict(codec="int2", centroids=8, block_size=16)
     base.update(kw)
     return QVGKVQuantArgs(**base).validate()
 
@@ -67,9 +67,9 @@ def test_bad_quant_settings_fail_at_construction():
     with pytest.raises(ValueError, match=r"block_size=48.*head_dim=32"):
         QVGPackedCausalKVCache(spec(), quant(block_size=48))
     with pytest.raises(ValueError, match="256"):
-        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(bits=2, centroids=300))
-    with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(bits=3))
+        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(codec="int2", centroids=300))
+    with pytest.raises(ValueError, match="unknown KV codec 'int3'"):
+        QVGPackedCausalKVCache(spec(), QVGKVQuantArgs(codec="int3"))
 
 
 def test_capabilities_cover_the_dense_features_and_qvg():
@@ -225,7 +225,7 @@ def test_head_slice_ranks_on_packed_cache():
 
 
 def test_streaming_attention_matches_dense_and_holds_one_segment():
-    q = quant(bits=4)
+    q = quant(codec="int4")
     cache = QVGPackedCausalKVCache(spec(), q)
     for i in range(9):
         view = write(cache, i)
@@ -242,7 +242,7 @@ def test_streaming_attention_matches_dense_and_holds_one_segment():
 
 
 def test_streaming_attention_stats_bound_the_transient_memory():
-    cache = QVGPackedCausalKVCache(spec(), quant(bits=4))
+    cache = QVGPackedCausalKVCache(spec(), quant(codec="int4"))
     for i in range(9):
         view = write(cache, i)
     stats = attn.AttendStats()
@@ -373,8 +373,8 @@ def _preset_stream(name: str, make, chunks: int = 6) -> tuple[int, object]:
 @pytest.mark.parametrize("name", sorted(PRESET_GEOMETRIES))
 def test_preset_geometries_int2_below_int4_below_bf16(name):
     off, _ = _preset_stream(name, DenseCausalKVCache)
-    int4, c4 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=4)))
-    int2, c2 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=2)))
+    int4, c4 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(codec="int4")))
+    int2, c2 = _preset_stream(name, lambda s: QVGPackedCausalKVCache(s, QVGKVQuantArgs(codec="int2")))
     assert int2 < int4 < off, (int2, int4, off)
     for cache in (c2, c4):
         report = cache.packing_report()
@@ -413,9 +413,9 @@ def test_reference_centroids_on_tiny_chunks_would_cost_more_than_bf16():
     did with 128 centroids) packing would store more than bf16: such chunks stay dense, so the
     cache is never worse than bf16."""
     def make(s):
-        return QVGPackedCausalKVCache(s, QVGKVQuantArgs(bits=2), min_tokens_per_centroid=1)
+        return QVGPackedCausalKVCache(s, QVGKVQuantArgs(codec="int2"), min_tokens_per_centroid=1)
 
-    assert qvg_format.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(bits=2)) > 32 * 2 * 64 * 2
+    assert qvg_format.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(codec="int2")) > 32 * 2 * 64 * 2
     peak, cache = _preset_stream("tiny-longlive2", make)
     off, _ = _preset_stream("tiny-longlive2", DenseCausalKVCache)
     assert cache.quantize_calls == 0

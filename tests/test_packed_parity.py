@@ -82,7 +82,7 @@ def same_positions(a, b, where: str) -> None:
 @given(scenarios(max_ops=32))
 def test_packed_quant_on_positions_equal_dense_and_never_repacks(scenario):
     spec, ops = scenario
-    quant = QVGKVQuantArgs(bits=2, centroids=4, block_size=4, keep_recent_chunks=0)
+    quant = QVGKVQuantArgs(codec="int2", centroids=4, block_size=4, keep_recent_chunks=0)
     # _RecordingPacked fails inside the run if any position is packed twice in a stream
     assert_caches_agree(
         DenseCausalKVCache, lambda s: _RecordingPacked(s, quant), spec, ops,

@@ -35,7 +35,7 @@ def _visible(cache: QVGPackedCausalKVCache) -> tuple[torch.Tensor, torch.Tensor]
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_head_slices_pack_like_the_whole(bits: int) -> None:
-    q = QVGKVQuantArgs(bits=bits, centroids=8, block_size=16).validate()
+    q = QVGKVQuantArgs(codec=f"int{bits}", centroids=8, block_size=16).validate()
     whole = QVGPackedCausalKVCache(_spec(H), q, min_tokens_per_centroid=1)
     halves = [QVGPackedCausalKVCache(_spec(H // 2, r * H // 2), q, min_tokens_per_centroid=1) for r in range(2)]
     assert [c.head_offset for c in halves] == [0, H // 2]
@@ -61,7 +61,7 @@ def test_head_slices_pack_like_the_whole(bits: int) -> None:
 
 def test_head_offset_is_what_makes_slices_agree() -> None:
     # both halves keyed as head 0: the second half's packed values differ from the whole's
-    q = QVGKVQuantArgs(bits=2, centroids=8, block_size=16).validate()
+    q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16).validate()
     whole = QVGPackedCausalKVCache(_spec(H), q, min_tokens_per_centroid=1)
     wrong = QVGPackedCausalKVCache(_spec(H // 2, 0), q, min_tokens_per_centroid=1)
     assert wrong.head_offset == 0

@@ -136,7 +136,7 @@ def test_cache_factory_build_imports_string_and_passes_spec_and_quant():
         calls.append((spec, quant))
         return "built"
 
-    quant = QVGKVQuantArgs(bits=4)
+    quant = QVGKVQuantArgs(codec="int4")
     assert CacheFactory("fn", factory, ["quant:qvg"]).build(spec, quant) == "built"
     assert calls == [(spec, quant)]
     assert CacheFactory("fn", factory, []).target.endswith(

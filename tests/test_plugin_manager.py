@@ -69,7 +69,7 @@ def test_builtin_plugin_registers_through_the_public_hooks(pm):
     dense, qvg = reg.cache("dense").factory, reg.cache("qvg").factory
     assert (dense.priority, qvg.priority) == (10, 0)
     assert qvg.capabilities.missing(dense.capabilities.features) == frozenset()
-    assert qvg.capabilities.features - dense.capabilities.features == {"quant:qvg"}
+    assert qvg.capabilities.features - dense.capabilities.features == {"quant:qvg", "chunk_scratch"}
 
 
 def test_builtin_stage_table():

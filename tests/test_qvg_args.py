@@ -19,7 +19,7 @@ def test_reference_defaults():
     assert (a.asymmetric, a.keep_recent_chunks, a.sink, a.sink_span, a.sink_keep_chunks) == (
         False, 1, True, "chunk", 0)
     assert not a.enabled and a.describe() == "off"
-    assert QVGKVQuantArgs(bits=2).enabled
+    assert QVGKVQuantArgs(codec="int2").enabled
 
 
 def test_from_dict_reads_the_reference_keys():
@@ -36,7 +36,7 @@ def test_from_dict_reads_the_reference_keys():
         "kv_cache_quant_sink_span": "full",
         "unrelated_key": 123,
     })
-    assert a == QVGKVQuantArgs(bits=4, centroids=64, block_size=32, stages=2, kmeans_iters=5,
+    assert a == QVGKVQuantArgs(codec="int4", centroids=64, block_size=32, stages=2, kmeans_iters=5,
                                keep_recent_chunks=3, sink_keep_chunks=1, asymmetric=True,
                                sink=False, sink_span="full")
     assert QVGKVQuantArgs.from_dict({"kv_cache_quant": "off"}) == QVGKVQuantArgs()
@@ -50,7 +50,7 @@ def test_flags():
                "--kv-cache-quant-iters", "4", "--kv-cache-quant-keep-recent", "2",
                "--kv-cache-quant-sink-keep", "1", "--kv-cache-quant-asymmetric",
                "--kv-cache-quant-sink", "0")
-    assert a == QVGKVQuantArgs(bits=2, centroids=256, block_size=16, stages=2, kmeans_iters=4,
+    assert a == QVGKVQuantArgs(codec="int2", centroids=256, block_size=16, stages=2, kmeans_iters=4,
                                keep_recent_chunks=2, sink_keep_chunks=1, asymmetric=True,
                                sink=False)
     assert _parse("--kv-cache-quant", "int4", "--kv-cache-quant-grid", "mse4").grid == "mse4"
@@ -63,18 +63,18 @@ def test_flags():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(bits=3), "kv-cache-quant bits must be 2 or 4"),
-        (dict(bits=2, centroids=0), "kv-cache-quant-centroids must be > 0"),
-        (dict(bits=2, block_size=-1), "kv-cache-quant-block-size must be > 0"),
-        (dict(bits=2, stages=0), "kv-cache-quant-stages must be > 0"),
-        (dict(bits=2, kmeans_iters=0), "kv-cache-quant-iters must be > 0"),
-        (dict(bits=2, centroids=257), "kv-cache-quant-centroids must be <= 256"),
-        (dict(bits=2, keep_recent_chunks=-1), "kv-cache-quant-keep-recent must be >= 0"),
-        (dict(bits=2, sink_span="frames"), "kv-cache-quant-sink-span must be one of"),
-        (dict(bits=2, grid="nf4"), "kv-cache-quant-grid must be one of"),
-        (dict(bits=2, block_size=7), "block-size 7 x 2 bits is not a whole number of bytes; "
+        (dict(codec="int3"), "unknown KV codec 'int3'"),
+        (dict(codec="int2", centroids=0), "kv-cache-quant-centroids must be > 0"),
+        (dict(codec="int2", block_size=-1), "kv-cache-quant-block-size must be > 0"),
+        (dict(codec="int2", stages=0), "kv-cache-quant-stages must be > 0"),
+        (dict(codec="int2", kmeans_iters=0), "kv-cache-quant-iters must be > 0"),
+        (dict(codec="int2", centroids=257), "kv-cache-quant-centroids must be <= 256"),
+        (dict(codec="int2", keep_recent_chunks=-1), "kv-cache-quant-keep-recent must be >= 0"),
+        (dict(codec="int2", sink_span="frames"), "kv-cache-quant-sink-span must be one of"),
+        (dict(codec="int2", grid="nf4"), "kv-cache-quant-grid must be one of"),
+        (dict(codec="int2", block_size=7), "block-size 7 x 2 bits is not a whole number of bytes; "
                                      "use a block size divisible by 4"),
-        (dict(bits=4, block_size=3), "block-size 3 x 4 bits is not a whole number of bytes; "
+        (dict(codec="int4", block_size=3), "block-size 3 x 4 bits is not a whole number of bytes; "
                                      "use a block size divisible by 2"),
     ],
 )
@@ -86,14 +86,14 @@ def test_validate_messages(kwargs, message):
 def test_bad_quant_name_message():
     with pytest.raises(ValueError) as e:
         QVGKVQuantArgs.from_dict({"kv_cache_quant": "int8"})
-    assert str(e.value) == "kv-cache-quant must be one of ['off', 'int4', 'int2'], got 'int8'"
+    assert str(e.value) == "kv-cache-quant must be one of ['off', 'int4', 'int2', 'fp8', 'nvfp4'], got 'int8'"
 
 
 def test_describe():
-    text = QVGKVQuantArgs(bits=2, grid="mse4", block_size=16).describe()
+    text = QVGKVQuantArgs(codec="int2", grid="mse4", block_size=16).describe()
     assert text.startswith("qvg(int2, centroids=128, block=16, stages=1, iters=2, sym,")
     assert "grid=mse4" in text
-    assert "grid" not in QVGKVQuantArgs(bits=4).describe()
+    assert "grid" not in QVGKVQuantArgs(codec="int4").describe()
 
 
 def test_block_size_with_quant_off_is_not_a_layout():
@@ -104,11 +104,11 @@ def test_block_size_with_quant_off_is_not_a_layout():
 @pytest.mark.parametrize(
     "kwargs,head_dim,problem",
     [
-        (dict(bits=2, block_size=64), 128, None),
-        (dict(bits=2, block_size=48), 128,
+        (dict(codec="int2", block_size=64), 128, None),
+        (dict(codec="int2", block_size=48), 128,
          "kv-cache-quant-block-size 48 does not divide head_dim=128; choose one of "
          "[4, 8, 16, 32, 64, 128]"),
-        (dict(bits=4, block_size=64), 32,
+        (dict(codec="int4", block_size=64), 32,
          "kv-cache-quant-block-size 64 does not divide head_dim=32; choose one of [2, 4, 8, 16, 32]"),
     ],
 )
@@ -132,7 +132,7 @@ def test_importing_the_settings_loads_no_torch():
         "import sys\n"
         "import causalkv.caches.qvg.options\n"
         "from causalkv.caches.qvg import QVGKVQuantArgs\n"
-        "assert QVGKVQuantArgs(bits=2).codec.bits == 2\n"
+        "assert QVGKVQuantArgs(codec='int2').codec_options.bits == 2\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -141,8 +141,8 @@ def test_importing_the_settings_loads_no_torch():
 def test_the_parts_are_declared_once_and_make_up_the_whole():
     from causalkv.caches.qvg.options import QVGCodecOptions, QVGPackingOptions
 
-    a = QVGKVQuantArgs(bits=4, centroids=64, keep_recent_chunks=2, grid="mse4")
-    assert a.codec == QVGCodecOptions(bits=4, centroids=64, grid="mse4")
+    a = QVGKVQuantArgs(codec="int4", centroids=64, keep_recent_chunks=2, grid="mse4")
+    assert a.codec_options == QVGCodecOptions(codec="int4", centroids=64, grid="mse4")
     assert a.packing == QVGPackingOptions(keep_recent_chunks=2)
     assert set(QVGKVQuantArgs.specs()) == set(QVGCodecOptions.specs()) | set(QVGPackingOptions.specs())
     assert not set(QVGCodecOptions.specs()) & set(QVGPackingOptions.specs())

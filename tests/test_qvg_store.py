@@ -30,7 +30,7 @@ from causalkv.caches.qvg.policy import centroids_for, resolve_policy
 from causalkv.errors import ConfigError
 
 H, D, N = 2, 64, 256
-Q = QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0)
+Q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0)
 
 
 def _kv(i: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,17 +201,17 @@ CHUNKS = (ChunkInfo(0, 0, N, sink=True), ChunkInfo(1, N, 2 * N), ChunkInfo(2, 2 
 @pytest.mark.parametrize(
     ("policy", "quant", "dense"),
     [
-        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=1), {3: "recent"}),
-        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=1, sink=False),
+        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1), {3: "recent"}),
+        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
          {0: "sink", 2: "sink", 3: "recent"}),
-        (CAUSALKV, QVGKVQuantArgs(bits=2, keep_recent_chunks=2, sink_keep_chunks=1),
+        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2, sink_keep_chunks=1),
          {0: "sink_keep", 2: "recent", 3: "recent"}),
         # sglang: sink chunks (the pinned one included) do not count as recent ...
-        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=2), {1: "recent", 3: "recent"}),
+        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2), {1: "recent", 3: "recent"}),
         # ... and with sink=0 stay bf16: the stream-start sink and the pinned shot sink
-        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=1, sink=False),
+        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
          {0: "sink", 2: "sink", 3: "recent"}),
-        (SGLANG, QVGKVQuantArgs(bits=2, keep_recent_chunks=0, sink_keep_chunks=1),
+        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=0, sink_keep_chunks=1),
          {0: "sink_keep"}),
     ],
 )
@@ -221,7 +221,7 @@ def test_policy_decisions(policy, quant, dense):
 
 
 def test_causalkv_full_sink_span_groups_wait_while_the_sink_is_open():
-    q = QVGKVQuantArgs(bits=2, keep_recent_chunks=0, sink_span="full")
+    q = QVGKVQuantArgs(codec="int2", keep_recent_chunks=0, sink_span="full")
     closed = CAUSALKV.decide(q, CHUNKS, 4, sink_open=False, chunk_tokens=N)
     assert closed.groups == (frozenset({0}), frozenset({2}))
     assert CAUSALKV.decide(q, CHUNKS, 4, sink_open=True, chunk_tokens=N).groups[0] == {0, 4}

@@ -36,7 +36,7 @@ QUANT_BITS = {"off": None, "int4": 4, "int2": 2}
 
 
 def _args(quant: str = "off", **kw) -> ServerArgs:
-    return ServerArgs(options=[QVGKVQuantArgs.from_bits_name(quant)], **kw)
+    return ServerArgs(options=[QVGKVQuantArgs.from_codec_name(quant)], **kw)
 
 
 class NoQVGStage(CausalDenoisingStage):

@@ -41,7 +41,7 @@ def test_rule_counts_only_non_sink_chunks_as_recent(completed, keep_recent, pack
 
 def _packed_flags(policy, chunks: int) -> list[list[bool]]:
     cache = QVGPackedCausalKVCache(
-        SPEC, QVGKVQuantArgs(bits=2, block_size=16, centroids=8, keep_recent_chunks=1),
+        SPEC, QVGKVQuantArgs(codec="int2", block_size=16, centroids=8, keep_recent_chunks=1),
         policy=policy)
     gen = torch.Generator().manual_seed(0)
     flags = []

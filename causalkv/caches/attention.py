@@ -11,11 +11,13 @@ online-softmax recurrence. Two paths:
   memory-efficient kernel; a plain fp32 computation elsewhere). Transient memory: one
   dequantized segment plus one query block's partial output.
 - **Fused path** (CUDA by default, ``fused=True`` anywhere the Triton kernel runs):
-  ``view.iter_stored_segments()`` yields packed segments as stored and
-  `causalkv.caches.qvg.attention.packed_attention` attends them directly, decoding K/V tiles
-  in registers and merging into the running output in its epilogue: a packed segment costs
-  no temporary at all. Dense segments (the current chunk, recent chunks kept bf16) take the
-  fused-attention step above over query blocks of `GPU_QUERY_BLOCK`.
+  ``view.iter_stored_segments()`` yields packed records as stored (any codec's
+  `causalkv.caches.codecs.base.PackedRecord`); a record type registered with an attention
+  kernel (PRQ's `causalkv.caches.qvg.attention.packed_attention`) is attended directly,
+  decoding K/V tiles in registers and merging into the running output in its epilogue: a
+  packed segment costs no temporary at all. Any other record is decoded, then attended.
+  Dense segments (the current chunk, recent chunks kept bf16) take the fused-attention step
+  above over query blocks of `GPU_QUERY_BLOCK`.
 
 `AttendStats` reports which path each segment took and the transient bytes.
 """
@@ -23,6 +25,7 @@ online-softmax recurrence. Two paths:
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 from dataclasses import dataclass
@@ -31,8 +34,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from causalkv.caches.qvg.codec import _triton_importable, dequantize
-from causalkv.caches.qvg.format import PackedSegment
+from causalkv.caches.codecs.base import decode_record, record_kind
+from causalkv.caches.qvg import triton_impl
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.errors import CausalKVError
 
@@ -204,26 +207,22 @@ def _merge_dense(
 # ---------------------------------------------------------------------------------------------
 # The fused path's kernel (triton is optional: imported on first use)
 # ---------------------------------------------------------------------------------------------
-def _kernel_module() -> ModuleType:
-    """`causalkv.caches.qvg.attention`, imported on first use: it imports triton, an optional
-    dependency the decode path never needs (not an import cycle: that module imports only
-    the codec)."""
-    # lazy: the kernel module imports triton, optional and never needed by the decode path
-    from causalkv.caches.qvg import attention as kernel
-
-    return kernel
+def _kernel_module(name: str) -> ModuleType:
+    """A record type's attention kernel module, imported on first use (PRQ's imports triton,
+    an optional dependency the decode path never needs)."""
+    return importlib.import_module(name)
 
 
 def _use_fused(fused: bool | None, device: torch.device) -> bool:
     if fused is None:
         if device.type != "cuda":
             return False
-        if not _triton_importable():
+        if not triton_impl.AVAILABLE:
             _warn_once("triton does not import: packed segments are decoded before attention "
                        "(install causalkv[triton] for the fused packed-attention kernel)")
             return False
         return True
-    if fused and not _triton_importable():
+    if fused and not triton_impl.AVAILABLE:
         raise AttendError(
             "attend(fused=True) needs triton for the packed-attention kernel; install "
             "causalkv[triton], or pass fused=False to decode packed segments first"
@@ -325,16 +324,20 @@ def _attend_fused(
     *,
     required: bool,
 ) -> None:
-    """The fused path of `attend`: packed pieces through the kernel (merged in place),
-    dense pieces through `_merge_dense` over `GPU_QUERY_BLOCK` queries."""
+    """The fused path of `attend`: packed records through their kernel (merged in place),
+    dense pieces (and records without a kernel, decoded) through `_merge_dense` over
+    `GPU_QUERY_BLOCK` queries."""
     kind = _step_kind(query.device, query.shape[-1])
-    kernel: ModuleType | None = None
     for k_seg, v_seg in view.iter_stored_segments():
         st.segments += 1
-        if isinstance(k_seg, PackedSegment):
-            kernel = kernel or _kernel_module()
-            why = kernel.supports(query, k_seg, v_seg)
-            if why is None:
+        record = record_kind(k_seg)
+        if record is not None:
+            why: str | None = "the codec has no attention kernel"
+            kernel: ModuleType | None = None
+            if record.attention_module is not None:
+                kernel = _kernel_module(record.attention_module)
+                why = kernel.supports(query, k_seg, v_seg)
+            if kernel is not None and why is None:
                 kernel.packed_attention(query, k_seg, v_seg, scale=scale,
                                         merge_into=(acc.transpose(1, 2), lse_run))
                 st.fused_segments += 1
@@ -342,12 +345,12 @@ def _attend_fused(
                 st.peak_transient_nbytes = max(st.peak_transient_nbytes,
                                                kernel.workspace_nbytes(k_seg, v_seg))
                 continue
-            if required:
+            if required and kernel is not None:
                 raise kernel.PackedAttentionError(f"attend(fused=True): {why}")
             _warn_once(f"packed segment decoded before attention ({why})")
             st.decoded_segments += 1
-            k = dequantize(k_seg, dtype=query.dtype)  # [B, h, s, D]
-            v = dequantize(v_seg, dtype=query.dtype)
+            k = decode_record(k_seg, query.dtype)  # [B, h, s, D]
+            v = decode_record(v_seg, query.dtype)
             extra = k.nbytes + v.nbytes
         else:
             k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # views of the cache

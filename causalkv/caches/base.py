@@ -111,17 +111,19 @@ class StreamCache(ABC):
         )
 
     # ---- storage hooks --------------------------------------------------------------
-    @abstractmethod
+    # the hooks of the default `update_and_get_attention_kv` (a cache that overrides it, such
+    # as the QVG packed cache, which plans the whole write before committing it, needs neither)
     def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
         """Move storage to ``new`` (evict, make room for its current chunk) and commit it.
 
         Must leave the cache unchanged if it raises. The new chunk's heads outside
         ``heads`` must read as zeros until written.
         """
+        raise NotImplementedError(f"{type(self).__name__} does not implement _advance")
 
-    @abstractmethod
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
         """Copy the chunk's ``[B, n, h, D]`` K/V into heads ``[h0, h1)`` of the current chunk."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _write_current")
 
     @abstractmethod
     def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:

@@ -130,11 +130,11 @@ class KVCacheSpec:
 
 
 if TYPE_CHECKING:
-    from causalkv.caches.qvg.format import PackedSegment
+    from causalkv.caches.codecs.base import PackedRecord
 
 KVSegment = tuple[torch.Tensor, torch.Tensor]
 #: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``
-StoredSegment = KVSegment | tuple["PackedSegment", "PackedSegment"]
+StoredSegment = KVSegment | tuple["PackedRecord", "PackedRecord"]
 
 
 class CausalAttentionKVView:
@@ -269,10 +269,10 @@ class CausalAttentionKVView:
         """Yield the visible K/V in order as the cache stores them, nothing decoded.
 
         A dense piece is ``([B, s, h, D], [B, s, h, D])`` views of the cache's buffers; a
-        packed piece is its K and V codec `PackedSegment` ``[B, h, s, D]``, sliced to the
-        view's heads and visible tokens (views, no copy). The fused attention path
-        (``causalkv.caches.attend`` on CUDA) reads packed pieces with the packed-attention
-        kernel. A view without packed storage yields what `iter_segments` yields.
+        packed piece is its K and V codec record (`causalkv.caches.codecs.base.PackedRecord`)
+        ``[B, h, s, D]``, sliced to the view's heads and visible tokens (views, no copy). The
+        fused attention path (``causalkv.caches.attend`` on CUDA) reads packed pieces with
+        their record type's attention kernel where it has one. A view without packed storage yields what `iter_segments` yields.
         """
         if self._k is None and self._stored is not None:
             rows = 0

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from causalkv import __version__
+from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.generate import (
     _PLUGINS,
@@ -87,7 +88,7 @@ def _stage_row(entry: Any) -> dict[str, Any]:
     qvg, multi = cls._supports_qvg_kv_cache_quantization(), cls.supports_multi_shot()
     cases = {
         "always": ServerArgs(),
-        "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(bits=4)]) if qvg else None,
+        "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(codec="int4")]) if qvg else None,
         "--multi-shot": ServerArgs(multi_shot=True) if multi else None,
         "--heads-sharded": ServerArgs(heads_sharded=2),
         "--recent-window-frames": ServerArgs(recent_window_frames=1),
@@ -163,6 +164,11 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
             }
             for e in registry.caches
         ],
+        "codecs": [
+            {"name": s.name, "target": s.target, "params": dict(s.params), "help": s.help,
+             "plugin": s.source}
+            for s in map(codec_setting, codec_names())
+        ],
         "failures": [
             {"name": f.name, "distribution": f.distribution, "error": f.error, "line": str(f)}
             for f in (*pm.load_failures, *registry.failures)
@@ -197,6 +203,10 @@ def _print_plugins(report: dict[str, Any]) -> None:
     for c in report["caches"]:
         print(f"  {c['name']} ({c['target']}, plugin {c['plugin']}, priority {c['priority']})")
         print(f"      capabilities: {', '.join(c['capabilities']) or '(none)'}")
+    print("Codecs (--kv-cache-quant, --kv-cache-quant-recent-tier):")
+    for c in report["codecs"]:
+        params = "".join(f" {k}={v}" for k, v in c["params"].items())
+        print(f"  {c['name']} ({c['target']}{params}, plugin {c['plugin']}): {c['help']}")
     if report["failures"]:
         print("Set aside (every other plugin and model works; --strict-plugins makes it fatal):")
         for f in report["failures"]:

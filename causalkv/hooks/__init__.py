@@ -17,6 +17,7 @@ from causalkv.hooks.records import (
     CacheFactory,
     CacheKind,
     CacheReporting,
+    CodecRegistration,
     PackingReport,
     Preset,
     Stage,
@@ -29,6 +30,6 @@ HOOK_NAMES: tuple[str, ...] = tuple(n for n, f in vars(specs).items() if hasattr
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENV_PREFIX", "HOOK_NAMES", "NAME", "CacheFactory", "CacheKind",
-    "CacheReporting", "PackingReport", "Preset", "Stage", "StageRegistration", "hookimpl",
+    "CacheReporting", "CodecRegistration", "PackingReport", "Preset", "Stage", "StageRegistration", "hookimpl",
     "hookspec", "import_object", "specs",
 ]

@@ -21,7 +21,10 @@ from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.options import CacheOptions, Options, StageOptions
 
-__all__ = ["CacheFactory", "CacheKind", "Preset", "Stage", "StageRegistration", "import_object"]
+__all__ = [
+    "CacheFactory", "CacheKind", "CodecRegistration", "Preset", "Stage", "StageRegistration",
+    "import_object",
+]
 
 
 class Stage(Protocol):
@@ -67,7 +70,13 @@ class CacheReporting(Protocol):
 
 
 class PackingReport(Protocol):
-    """A cache's `CacheReporting.packing_report`: merged over the run's caches, then a dict."""
+    """A cache's `CacheReporting.packing_report`: merged over the run's caches, then a dict.
+
+    Keys of `to_dict` the host reads when present: ``chunks_packed`` (int: chunks stored
+    packed) and ``chunks_dense`` (reason -> chunks kept dense); with ``chunks_packed`` 0 the
+    host warns that the request's cache settings packed nothing, naming those reasons. Every
+    other key is the cache's own and goes to the ``kv_packing`` metric as it is.
+    """
 
     @classmethod
     def merge(cls, reports: Sequence[Any]) -> PackingReport: ...
@@ -211,6 +220,33 @@ class StageRegistration:
     def load(self) -> type:
         """The stage class (imports a ``"module:Class"`` string on first use)."""
         return _load(self.stage)
+
+
+@dataclass(frozen=True)
+class CodecRegistration:
+    """A KV codec setting a plugin adds (``--kv-cache-quant NAME``, the recency tier, the
+    planner's rows, ``causalkv plugins``).
+
+    Attributes:
+        name: what the user types (``"int8"``); unique among codec settings.
+        codec: ``"module:Class"`` of a ``causalkv.caches.codecs.base.KVCodec`` subclass,
+            imported only when a cache packs with it.
+        params: keyword arguments of the class's ``from_settings``.
+        help: one line for ``causalkv plugins``.
+    """
+
+    name: str
+    codec: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    help: str = ""
+
+    def __post_init__(self) -> None:
+        _check_name("CodecRegistration", self.name)
+        if not isinstance(self.codec, str) or ":" not in self.codec:
+            raise InvalidTypeError(
+                f"CodecRegistration {self.name!r}: codec must be a 'module:Class' string, got "
+                f"{self.codec!r}"
+            )
 
 
 @dataclass(frozen=True)

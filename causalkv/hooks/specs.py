@@ -18,11 +18,11 @@ from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks.markers import hookspec
-from causalkv.hooks.records import CacheFactory, Stage, StageRegistration
+from causalkv.hooks.records import CacheFactory, CodecRegistration, Stage, StageRegistration
 
 __all__ = [
     "causalkv_chunk_done", "causalkv_configure_stage", "causalkv_register_cache_factories",
-    "causalkv_register_stages", "causalkv_select_cache_factory",
+    "causalkv_register_codecs", "causalkv_register_stages", "causalkv_select_cache_factory",
 ]
 
 
@@ -52,6 +52,20 @@ def causalkv_register_cache_factories() -> Iterable[CacheFactory] | None:
         An iterable of `CacheFactory` (or None). A cache given as ``"module:Class"`` is
         imported only when it is built. Two caches with the same name raise
         ``PluginConflictError`` naming both plugins.
+    """
+
+
+@hookspec
+def causalkv_register_codecs() -> Iterable[CodecRegistration] | None:
+    """Register KV codec settings (``--kv-cache-quant NAME``, the recency tier).
+
+    Called: once each time the registries are collected, before any weights load. Every
+    implementation runs.
+
+    Returns:
+        An iterable of `CodecRegistration` (or None). The codec class is imported only when
+        a cache packs with it. A name taken by another codec setting sets the plugin aside
+        (the message names both).
     """
 
 

@@ -1,10 +1,13 @@
-"""Collect stage registrations and cache factories from every plugin; set a faulty plugin aside.
+"""Collect stage registrations, cache factories and codec settings from every plugin; set a
+faulty plugin aside.
 
 A plugin whose registration hook raises or returns junk, or whose records claim a stage,
 cache or model (at one priority) another plugin holds, or a flag another record or the host
 holds, is set aside as a whole (`PluginLoadFailure`, one line naming it and the fix); the
 plugins before it, the built-in one first, keep everything they registered. This is the one
-conflict check of the registries.
+conflict check of the registries. Codec settings join `causalkv.caches.codecs`'s registry
+(the one the options, the caches and the planner read), a name taken there sets the plugin
+aside too.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from causalkv.errors import ImportPathError, InvalidTypeError, describe_exception
-from causalkv.hooks import NAME, CacheFactory, Preset, StageRegistration
+from causalkv.caches.codecs import register_codec
+from causalkv.errors import ConfigError, ImportPathError, InvalidTypeError, describe_exception
+from causalkv.hooks import NAME, CacheFactory, CodecRegistration, Preset, StageRegistration
 from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import (
     PluginConflictError,
@@ -93,6 +97,9 @@ class Registry:
     stages: tuple[StageEntry, ...]
     caches: tuple[CacheEntry, ...]
     failures: tuple[PluginLoadFailure, ...] = ()
+    #: (codec registration, plugin) of the plugins' codec settings (the built-ins are
+    #: `causalkv.caches.codecs`'s own)
+    codecs: tuple[tuple[CodecRegistration, str], ...] = ()
 
     def _named(self, kind: str, name: str, entries: tuple[Any, ...]) -> Any:
         found = next((e for e in entries if e.name == name), None)
@@ -138,9 +145,11 @@ def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
     return items
 
 
-def _claims(r: StageRegistration | CacheFactory) -> list[tuple[tuple[Any, ...], str, str]]:
+def _claims(r: StageRegistration | CacheFactory | CodecRegistration) -> list[tuple[tuple[Any, ...], str, str]]:
     """``(key, what it is, the fix)`` of each thing a record claims: its name, the models it
     serves at its priority (a stage), the flags of its options record."""
+    if isinstance(r, CodecRegistration):
+        return [(("codec", r.name), f"codec setting {r.name!r}", "rename the codec setting")]
     if isinstance(r, StageRegistration):
         out = [(("stage", r.name), f"stage name {r.name!r}", "rename the stage")]
         out += [(("model", m, r.priority), f"model {m!r} at priority {r.priority}",
@@ -175,7 +184,8 @@ def collect(
             raise kind(f"{failure} (--strict-plugins)")
         failed.setdefault(plugin, failure)
 
-    hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory))
+    hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory),
+             ("causalkv_register_codecs", CodecRegistration))
     for hook, kind in hooks:
         for plugin, caller in plugin_callers(pm, hook):
             try:
@@ -188,17 +198,23 @@ def collect(
             except InvalidTypeError as exc:
                 set_aside(plugin, str(exc), None, InvalidTypeError)
     held = {("flag", f): (f"{NAME}'s own flags", None) for f in reserved_flags}
-    stages, caches = [], []
+    stages, caches, codecs = [], [], []
     for plugin, records in found.items():
         mine: dict[tuple[Any, ...], tuple[str, Any]] = {}
         clash = None
         for r in records if plugin not in failed else ():
             for key, what, fix in _claims(r):
                 other = held.get(key) or mine.get(key)
-                if other is not None and not (key[0] == "flag" and other[1] is r.options):
+                options = getattr(r, "options", None)
+                if other is not None and not (key[0] == "flag" and other[1] is options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
-                owner = f"{'stage' if isinstance(r, StageRegistration) else 'cache'} {r.name!r} of plugin {plugin!r}"
-                mine[key] = (owner, r.options)
+                kind = {StageRegistration: "stage", CacheFactory: "cache"}.get(type(r), "codec")
+                mine[key] = (f"{kind} {r.name!r} of plugin {plugin!r}", options)
+            if isinstance(r, CodecRegistration) and clash is None:
+                try:
+                    register_codec(r.name, r.codec, help=r.help, source=plugin, **dict(r.params))
+                except ConfigError as exc:
+                    clash = (str(exc), "rename the codec setting")
         if clash is not None:
             set_aside(plugin, clash[0], f"{clash[1]}, or turn the plugin off with {ENV_BLOCK}={plugin}", PluginConflictError)
         if plugin in failed:
@@ -206,7 +222,8 @@ def collect(
         held.update(mine)
         stages += [StageEntry(r, plugin) for r in records if isinstance(r, StageRegistration)]
         caches += [CacheEntry(r, plugin) for r in records if isinstance(r, CacheFactory)]
+        codecs += [(r, plugin) for r in records if isinstance(r, CodecRegistration)]
     for failure in failed.values():
         if report is not None:
             report(failure)
-    return Registry(tuple(stages), tuple(caches), tuple(failed.values()))
+    return Registry(tuple(stages), tuple(caches), tuple(failed.values()), tuple(codecs))

@@ -113,7 +113,7 @@ def compare_table(metrics: dict[str, Any]) -> str:
     ``timing_repeats``, ``seconds_per_chunk_best`` and ``reference_seconds_per_chunk_best``
     (no time row without timed repeats).
     """
-    quant = str(metrics.get("cache_options", "quantized")).split("(", 1)[-1].split(",")[0]
+    quant = str((metrics.get("cache_settings") or {}).get("kv_cache_quant") or "quantized")
     ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
     ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
     ref_p, q_p = metrics["reference_kv_peak_bytes"], metrics["kv_peak_bytes"]

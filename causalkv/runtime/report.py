@@ -44,6 +44,8 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "stage_class": f"{res.stage.__module__}:{res.stage.__qualname__}",
         "cache": res.cache_factory.name,
         "cache_options": cache_description(res),
+        # the same settings as data (config key -> value: kv_cache_quant names the codec)
+        "cache_settings": res.cache_options.to_mapping() if res.cache_options is not None else None,
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
         "prompts": plan.prompts,

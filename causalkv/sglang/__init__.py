@@ -31,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_NAME",
     "ENV_FUSED_ATTENTION",
     "ENV_LINGBOT_QVG",
+    "ENV_CODEC",
     "ENV_RECENT_TIER",
     "ENV_SWITCH",
     "enabled",
@@ -47,8 +48,13 @@ ENV_LINGBOT_QVG = "CAUSALKV_SGLANG_LINGBOT_QVG"
 #: on CUDA (``1``/``true``/``on``/``yes``; default off: no GPU run has shown it no slower yet)
 ENV_FUSED_ATTENTION = "CAUSALKV_SGLANG_FUSED_ATTENTION"
 #: how the bridge holds the keep-recent chunks (and bf16 sink chunks): ``bf16`` (sglang's
-#: default) or ``int4`` (causalkv's recency tier; sglang's QVG flags have no such field)
+#: default) or a codec setting (``int4``, ``fp8``, ...: causalkv's recency tier; sglang's QVG
+#: flags have no such field)
 ENV_RECENT_TIER = "CAUSALKV_SGLANG_RECENT_TIER"
+#: the codec the bridge packs with when sglang's ``--kv-cache-quant`` is on: unset (sglang's
+#: int4/int2), or any causalkv codec setting (``fp8``, ``nvfp4``, a plugin's); sglang's flag
+#: keeps its own choices and still turns QVG on
+ENV_CODEC = "CAUSALKV_SGLANG_CODEC"
 #: the entry point's name in sglang's plugin group (what ``SGLANG_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
 _PLUGIN_API = "sglang.multimodal_gen.runtime.platforms.plugins"

@@ -50,10 +50,12 @@ def causalkv_quant_args(sglang_args: object, recent_tier: str = "bf16") -> QVGKV
     ``CAUSALKV_SGLANG_RECENT_TIER``)."""
     if isinstance(sglang_args, QVGKVQuantArgs):
         return sglang_args
-    names = ("bits", "centroids", "block_size", "stages", "kmeans_iters", "asymmetric",
+    names = ("centroids", "block_size", "stages", "kmeans_iters", "asymmetric",
              "keep_recent_chunks", "sink", "sink_keep_chunks")
+    bits = sglang_args.bits  # sglang's selector: 2, 4 or None -> int2, int4, off
     return QVGKVQuantArgs(
-        **{n: getattr(sglang_args, n) for n in names}, recent_tier=recent_tier
+        codec=None if bits is None else f"int{bits}",
+        **{n: getattr(sglang_args, n) for n in names}, recent_tier=recent_tier,
     ).validate()
 
 

@@ -28,8 +28,12 @@ Each hook receives sglang's original method first (sglang's AROUND convention).
   ``_is_scene_cut`` announces the pin made after that pass. sglang's attention consumes the
   view of each write inside the same call (``causal_wanvideo.py``, ``lingbot_world.py``), and
   nothing else reads a denoising pass's K/V (docs/sglang.md).
-- ``CAUSALKV_SGLANG_RECENT_TIER`` (`recent_tier`, ``bf16`` or ``int4``) sets causalkv's
-  recency tier, checked at start-up with the other settings.
+- ``CAUSALKV_SGLANG_RECENT_TIER`` (`recent_tier`, ``bf16`` or a codec setting) sets
+  causalkv's recency tier, and ``CAUSALKV_SGLANG_CODEC`` (`codec_override`, unset or a codec
+  setting: ``fp8``, ``nvfp4``, ...) the codec the bridge packs with while sglang's
+  ``--kv-cache-quant`` (its choices unchanged: int4, int2) turns QVG on; both checked at
+  start-up with the other settings. `bridge_args` turns sglang's settings into causalkv's
+  with both applied, once per request (the stage carries the result).
 
 - With ``CAUSALKV_SGLANG_FUSED_ATTENTION=1`` (`fused_attention`; default off) `register` also
   registers `FUSED_ATTENTION_HOOKS`: sglang's causal self-attention over a bridge cache on CUDA
@@ -48,14 +52,21 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from causalkv.caches.qvg.options import RECENT_TIERS
+from causalkv.caches.codecs import codec_names
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
+from causalkv.caches.qvg.options import recent_tiers
 from causalkv.errors import ConfigError
-from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_RECENT_TIER, ENV_SWITCH
+from causalkv.sglang import (
+    ENV_CODEC,
+    ENV_FUSED_ATTENTION,
+    ENV_LINGBOT_QVG,
+    ENV_RECENT_TIER,
+    ENV_SWITCH,
+)
 
 __all__ = [
     "ENV_FUSED_ATTENTION",
@@ -130,17 +141,49 @@ _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
 def recent_tier() -> str:
-    """``CAUSALKV_SGLANG_RECENT_TIER``: ``bf16`` (default, sglang's layout) or ``int4``;
-    ConfigError for another value."""
+    """``CAUSALKV_SGLANG_RECENT_TIER``: ``bf16`` (default, sglang's layout) or a codec setting
+    (``int4``, ``fp8``, ...); ConfigError for another value."""
     raw = os.environ.get(ENV_RECENT_TIER, "")
     value = raw.strip().lower() or "bf16"
-    if value not in RECENT_TIERS:
+    if value not in recent_tiers():
         raise ConfigError(
-            f"{ENV_RECENT_TIER}={raw!r}: choose one of {list(RECENT_TIERS)} (int4: the bridge "
-            "packs the keep-recent chunks, and bf16 sink chunks, at 4 bits until they are packed "
-            "at --kv-cache-quant's bits)"
+            f"{ENV_RECENT_TIER}={raw!r}: choose one of {list(recent_tiers())} (a codec: the "
+            "bridge packs the keep-recent chunks, and bf16 sink chunks, with it until they are "
+            "packed with the cache's codec)"
         )
     return value
+
+
+def codec_override() -> str | None:
+    """``CAUSALKV_SGLANG_CODEC``: None (unset: sglang's ``--kv-cache-quant`` int4/int2) or a
+    causalkv codec setting; ConfigError for another value."""
+    raw = os.environ.get(ENV_CODEC, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value not in codec_names():
+        raise ConfigError(
+            f"{ENV_CODEC}={raw!r}: choose one of {list(codec_names())} (the codec the bridge "
+            "packs with while --kv-cache-quant int4/int2 turns QVG on), or unset it"
+        )
+    return value
+
+
+def bridge_args(quant: Any) -> CausalKVQuantArgs:
+    """causalkv's settings for sglang's ``quant`` (its ``QVGKVQuantArgs``): the shared fields,
+    the recency tier (`recent_tier`) and the codec (`codec_override`, else sglang's bits).
+
+    Raises:
+        ConfigError: a bad environment setting, or settings causalkv refuses.
+    """
+    # lazy: cache imports sglang (module docstring)
+    from causalkv.sglang.cache import causalkv_quant_args
+
+    args = causalkv_quant_args(quant, recent_tier())
+    codec = codec_override()
+    if codec is not None and args.enabled and codec != args.codec:
+        args = replace(args, codec=codec).validate()
+    return args
 
 
 def fused_attention() -> bool:
@@ -191,7 +234,12 @@ def sglang_quant_args(value: Any) -> Any:
         kw = dict(value)
         bits = kw.get("bits")
         if isinstance(bits, str):
-            kw["bits"] = CausalKVQuantArgs.from_bits_name(bits).bits
+            kw["bits"] = CausalKVQuantArgs.from_codec_name(bits).bits
+            if kw["bits"] is None and bits.lower() not in ("off", "none"):
+                raise ConfigError(
+                    f"sglang's bits take off, int4 or int2, got {bits!r}; causalkv's other "
+                    f"codecs come through {ENV_CODEC}={bits} (with bits int4 or int2)"
+                )
         return QVGKVQuantArgs(**kw).validate()
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"kv_cache_quant_config={dict(value)!r}: {exc}") from None
@@ -232,11 +280,8 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) 
     lingbot = SERVED_PIPELINES[pipeline_name] == _LINGBOT
     if lingbot and lingbot_codec() == "sglang":
         return
-    # lazy: cache imports sglang (module docstring)
-    from causalkv.sglang.cache import causalkv_quant_args
-
     try:
-        args = causalkv_quant_args(quant, recent_tier())
+        args = bridge_args(quant)
         args.check_used()
         if head_dim is not None and not lingbot:
             args.check_layout(head_dim)
@@ -250,6 +295,7 @@ def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) ->
     (``CAUSALKV_SGLANG_FUSED_ATTENTION`` always)."""
     fused_attention()
     recent_tier()
+    codec_override()
     quant = _normalize(self)
     out = original(self, *args, **kw)
     if quant.enabled and os.path.isdir(str(getattr(self, "model_path", "") or "")):
@@ -331,16 +377,14 @@ def apply_overrides(original: Callable[..., Any], self: Any, batch: Any, server_
     return out
 
 
-def _describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "") -> str:
+def _describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
+              args: CausalKVQuantArgs | None = None) -> str:
+    """The allocation line; ``args``: causalkv's settings when its cache serves (`bridge_args`)."""
     cls = type(caches[0]) if caches else None
     name = f"{cls.__module__}.{cls.__qualname__}" if cls else "none"
     if quant is None or not quant.enabled:
         return (f"causalkv sglang bridge: {type(stage).__name__} keeps sglang's dense KV cache "
                 f"{name} x {len(caches)} blocks (kv-cache-quant off)")
-    # lazy: cache imports sglang (module docstring)
-    from causalkv.sglang.cache import causalkv_quant_args
-
-    args = causalkv_quant_args(quant, recent_tier()) if codec == "causalkv" else None
     settings = args.describe() if args is not None else (
         f"int{quant.bits}, centroids={quant.centroids}, block={quant.block_size}")
     tier = args.recent_tier if args is not None else "bf16"
@@ -373,13 +417,14 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         caches = original(self, **kw)
         return _track(self, caches, _describe(caches, None, self, "none"))
     # lazy: cache imports sglang (module docstring)
-    from causalkv.sglang.cache import SGLangQVGKVCache, can_serve, causalkv_quant_args
+    from causalkv.sglang.cache import SGLangQVGKVCache, can_serve
 
     if lingbot and lingbot_codec() == "sglang":
         caches = original(self, **kw)
         return _track(self, caches, _describe(caches, quant, self, "sglang",
                                               f"{ENV_LINGBOT_QVG}=sglang"))
-    reason = can_serve(causalkv_quant_args(quant), kw["attention_head_dim"], kw["dtype"])
+    args = bridge_args(quant)  # once per allocation: the cache, the check and the log line
+    reason = can_serve(args, kw["attention_head_dim"], kw["dtype"])
     if reason is not None:
         if lingbot:
             caches = original(self, **kw)
@@ -393,7 +438,6 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
 
     device = kw["device"]
     scratch = _stage_scratch(self)
-    args = causalkv_quant_args(quant, recent_tier())
     caches = [
         SGLangQVGKVCache(
             batch_size=kw["batch_size"], cache_size=kw["kv_cache_size"],
@@ -408,7 +452,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         )
         for _ in range(self.num_transformer_blocks)
     ]
-    return _track(self, caches, _describe(caches, quant, self, "causalkv"))
+    return _track(self, caches, _describe(caches, quant, self, "causalkv", args=args))
 
 
 # ---- the context pass -------------------------------------------------------------------------
@@ -487,7 +531,8 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     for sglang's own caches, their preallocated buffers. ``resident_bytes``: what they hold
     now (the scratch included). ``dense_bytes``: what sglang's dense cache allocates for the
     same request. ``ratio``: ``dense_bytes / peak_bytes``, so a request that never packed
-    reads 1.00 or less, not a compression.
+    reads 1.00 or less, not a compression. ``codec``: the codec setting of causalkv's cache
+    (``int2``, ``fp8``, ...; ``off`` for sglang's own caches), ``recent_tier`` its recency tier.
     """
     sets = [s for s in cache_sets if s]
     if not sets:
@@ -516,8 +561,12 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
     pinned = int(getattr(first, "pinned_len", 0) or 0)
     ratio = f"{dense / peak:.2f}" if known and peak else "n/a"
+    quant = getattr(first, "quant", None)
+    codec = getattr(quant, "codec", None) or "off"
+    tier = getattr(quant, "recent_tier", "bf16") if codec != "off" else "bf16"
     return (
         f"causalkv kv-cache summary: stage={type(stage).__name__} cache={cls.__name__} "
+        f"codec={codec} recent_tier={tier} "
         f"sets={len(sets)} layers={len(sets[0])} peak_bytes={peak if known else 'n/a'} "
         f"resident_bytes={resident if known else 'n/a'} dense_bytes={dense} ratio={ratio} "
         f"packed_chunks={packed} pinned_tokens={pinned}"

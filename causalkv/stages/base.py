@@ -38,8 +38,8 @@ import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+from causalkv.capabilities import CHUNK_SCRATCH
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
 from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet, build_cache_set
@@ -221,7 +221,7 @@ class CausalDenoisingStage(StagePlanning):
                 for _ in range(self.num_branches())
             ]
             caches = [c for cs in self._cache_sets for c in cs.kv]
-            if caches and all(isinstance(c, QVGPackedCausalKVCache) for c in caches):
+            if caches and all(CHUNK_SCRATCH in getattr(c, "capabilities", ()) for c in caches):
                 # the chunk being generated: once for the stage (its layers and branches run
                 # one after another, each consumes its view inside the call, and the chunk
                 # loop ends every chunk with its context pass: shared from the first chunk)

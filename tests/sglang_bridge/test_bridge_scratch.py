@@ -112,7 +112,7 @@ def test_keep_recent_0_holds_three_packed_chunks_per_block_and_one_scratch():
     scratch = ChunkScratch(shared=True)
     blocks = [_block(quant, scratch) for _ in range(LAYERS)]
     _, held = _stream(blocks, scratch)
-    q = CausalKVQuant(bits=2, centroids=8, block_size=16, keep_recent_chunks=0)
+    q = CausalKVQuant(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0)
     packed = 2 * packed_nbytes_formula((1, H, N, D), q)
     dense_chunk = 2 * N * H * D * 2
     # 4 slots: 3 hold context (the sink chunk, the pinned chunk or older context, the newest)
@@ -121,12 +121,12 @@ def test_keep_recent_0_holds_three_packed_chunks_per_block_and_one_scratch():
 
 
 def test_the_recency_tier_packs_the_recent_chunk_at_4_bits():
-    quant = CausalKVQuant(bits=2, centroids=8, block_size=16, recent_tier="int4")
+    quant = CausalKVQuant(codec="int2", centroids=8, block_size=16, recent_tier="int4")
     scratch = ChunkScratch(shared=True)
     blocks = [_block(quant, scratch) for _ in range(LAYERS)]
     _, held = _stream(blocks, scratch)
-    q2 = CausalKVQuant(bits=2, centroids=8, block_size=16)
-    q4 = CausalKVQuant(bits=4, centroids=8, block_size=16)
+    q2 = CausalKVQuant(codec="int2", centroids=8, block_size=16)
+    q4 = CausalKVQuant(codec="int4", centroids=8, block_size=16)
     p2, p4 = (2 * packed_nbytes_formula((1, H, N, D), q) for q in (q2, q4))
     assert held[-1] == LAYERS * (2 * p2 + p4) + 2 * N * H * D * 2
     tiers = [s.storage.recent for s in blocks[0].store.segments if s.packed]

@@ -325,3 +325,33 @@ def test_the_stage_blocks_share_one_scratch_and_take_the_recency_tier_from_the_e
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "int8")
     with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_RECENT_TIER='int8': choose one of"):
         check_settings("LongLive2Pipeline", INT2, HEAD_DIM)
+
+
+def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_it(monkeypatch):
+    """``CAUSALKV_SGLANG_CODEC`` (causalkv's setting) packs with any causalkv codec while
+    sglang's ``--kv-cache-quant int2`` turns QVG on (sglang's choices unchanged): the caches a
+    served stage allocates pack with it, the summary line names it, and a name the bridge does
+    not know (or ``fp8`` as sglang's own ``bits``) is refused naming the variable."""
+    from causalkv.caches.qvg.segments import PackedKV
+    from causalkv.errors import ConfigError
+    from causalkv.sglang.hooks import check_settings, sglang_quant_args, summary_line
+
+    monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "nvfp4")
+    monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "fp8")
+    stage = _stage(LongLive2CausalDenoisingStage)
+    stage._kv_quant_args = INT2
+    blocks = _allocate(stage)
+    assert {(c.quant.codec, c.quant.recent_tier) for c in blocks} == {("nvfp4", "fp8")}
+    cache, gen = blocks[0], torch.Generator().manual_seed(0)
+    for chunk in range(7):
+        for _ in range(3):  # denoise steps, then the context update
+            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
+    codecs = {s.storage.codec.name for s in cache.store.segments if isinstance(s.storage, PackedKV)}
+    assert codecs == {"nvfp4", "fp8"}
+    assert "codec=nvfp4 recent_tier=fp8" in summary_line(stage, [blocks])
+    monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "int3")
+    with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_CODEC='int3': choose one of"):
+        check_settings("LongLive2Pipeline", INT2, HEAD_DIM)
+    with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_CODEC=fp8"):
+        sglang_quant_args({"bits": "fp8"})

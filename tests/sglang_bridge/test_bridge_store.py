@@ -58,7 +58,7 @@ def _snapshot(cache):
 def test_the_bridge_stores_in_causalkvs_segment_store_with_sglangs_policy():
     cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16))
     assert type(cache.store) is SegmentStore and cache.store.policy is SGLANG
-    own = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), CausalKVQuant(bits=2, block_size=16))
+    own = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), CausalKVQuant(codec="int2", block_size=16))
     assert type(own.store) is type(cache.store)
 
 
@@ -89,7 +89,7 @@ def _pinned_chunk_storage(sink: int) -> tuple[list[bool], list[bool]]:
     bridge = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, sink=bool(sink)))
     own = QVGPackedCausalKVCache(
         KVCacheSpec(1, H, D, 4 * N, sink_tokens=N, global_sink_tokens=N),
-        CausalKVQuant(bits=2, centroids=8, block_size=16, sink=bool(sink)))
+        CausalKVQuant(codec="int2", centroids=8, block_size=16, sink=bool(sink)))
     flags = ([], [])
     for i in range(9):
         k, v = _kv(i)

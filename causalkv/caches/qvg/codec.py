@@ -43,12 +43,12 @@ import os
 
 import torch
 
+from causalkv.caches.codecs.base import CodecError, register_record
 from causalkv.caches.qvg import torch_impl, triton_impl
 from causalkv.caches.qvg.format import (
     POISON_SCALE_EXP,
     ZERO_BLOCK_SCALE_BYTE,
     Backend,
-    CodecError,
     CodecSettings,
     PackedSegment,
     encode_scales,
@@ -68,11 +68,6 @@ _MSE_ITERS = 4
 # ---------------------------------------------------------------------------------------------
 # Backend selection
 # ---------------------------------------------------------------------------------------------
-def _triton_importable() -> bool:
-    """Whether triton imports here (`triton_impl.AVAILABLE`)."""
-    return triton_impl.AVAILABLE
-
-
 _triton_interpret = triton_impl.interpreting
 
 
@@ -162,7 +157,8 @@ def _check_args(args: CodecSettings, D: int) -> None:
     ranges on construction; any other settings object is checked here)."""
     if args.bits is None:
         raise CodecError(
-            "quantize: args.bits is None (quantization off); pass QVGKVQuantArgs(bits=2 or 4)"
+            "quantize: args.bits is None (quantization off, or not a PRQ setting); pass "
+            "QVGKVQuantArgs(codec=\"int2\") or codec=\"int4\""
         )
     if args.bits not in (2, 4):
         raise CodecError(f"quantize: bits must be 2 or 4, got {args.bits!r}")
@@ -553,3 +549,12 @@ def dequantize(
     impl = _impl(resolve_backend(backend, packed.device))
     impl.dequantize_into(packed, out)
     return out
+
+
+def _dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
+    dequantize(packed, out=out)
+
+
+# a PackedSegment is read through the codec seam: decoded here, attended by the Triton kernel
+register_record(PackedSegment, decode_into=_dequantize_into,
+                attention_module="causalkv.caches.qvg.attention")

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from causalkv.errors import CausalKVError
+from causalkv.caches.codecs.base import CodecError
 
 __all__ = [
     "FP8_MAX",
@@ -43,7 +43,6 @@ __all__ = [
     "POISON_SCALE_EXP",
     "ZERO_BLOCK_SCALE_BYTE",
     "Backend",
-    "CodecError",
     "CodecSettings",
     "PackedSegment",
     "bits_per_element",
@@ -58,11 +57,6 @@ ZERO_BLOCK_SCALE_BYTE = 0x80  # e4m3 -0.0: "this input block is all zeros"
 FP8_MAX = 448.0
 MIN_SCALE_EXP = -100  # 2**-e stays a finite float32 power of two
 POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
-
-
-class CodecError(CausalKVError, ValueError):
-    """The QVG codec was given what it cannot pack or decode (a shape, dtype, setting or
-    non-finite input; the message names the value and the fix)."""
 
 
 class CodecSettings(Protocol):
@@ -145,6 +139,10 @@ class PackedSegment:
     @property
     def asymmetric(self) -> bool:
         return self.zeros is not None
+
+    def shared_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The centroids: segments packed with a shared codebook reference the same tensors."""
+        return tuple(self.centroids)
 
     def _map(self, fn) -> PackedSegment:
         return replace(

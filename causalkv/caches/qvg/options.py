@@ -1,8 +1,9 @@
 """The QVG cache's settings, declared once: codec options and packing options.
 
-- `QVGCodecOptions`: how one segment is quantized (PRQ: bits, centroids, block size, stages,
-  k-means iterations, zero points, the 2-bit grid). The codec (`causalkv.caches.qvg.codec`)
-  reads these attributes from whatever object it is given.
+- `QVGCodecOptions`: how one segment is packed: the codec setting by name (``codec``:
+  ``int4``, ``int2``, ``fp8``, ``nvfp4`` or one a plugin registered, see
+  `causalkv.caches.codecs`) and PRQ's own knobs (centroids, block size, stages, k-means
+  iterations, zero points, the residual grid), which the PRQ settings read.
 - `QVGPackingOptions`: which chunks are packed and how they are grouped (keep-recent, the
   sink, spans, shared codebooks). The packing policies (`causalkv.caches.qvg.policy`) and the
   segment store read these.
@@ -22,12 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.errors import ConfigError
 from causalkv.options import CacheOptions, option
 
 __all__ = [
-    "QUANT_CHOICES",
-    "RECENT_TIERS",
+    "quant_choices",
+    "recent_tiers",
     "QVGCodecOptions",
     "QVGKVQuantArgs",
     "QVGPackingOptions",
@@ -35,21 +37,41 @@ __all__ = [
     "from_namespace",
 ]
 
-QUANT_CHOICES = ("off", "int4", "int2")
-_BITS_BY_NAME: dict[Any, int | None] = {"off": None, "int4": 4, "int2": 2, "none": None, None: None}
+_OFF = ("off", "none")
 _SINK_SPANS = ("chunk", "full")
-RECENT_TIERS = ("bf16", "int4")
 _GRIDS = ("reference", "mse4")
 
 
-def _bits(value: Any) -> int | None:
-    """``--kv-cache-quant`` / ``kv_cache_quant``: ``off``/``int4``/``int2`` (or 2, 4, None)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+def quant_choices() -> tuple[str, ...]:
+    """``--kv-cache-quant``'s choices: ``off`` and every registered codec setting."""
+    return ("off", *codec_names())
+
+
+def recent_tiers() -> tuple[str, ...]:
+    """``--kv-cache-quant-recent-tier``'s choices: ``bf16`` and every registered codec setting."""
+    return ("bf16", *codec_names())
+
+
+def _codec_name(value: Any) -> str | None:
+    """``--kv-cache-quant`` / ``kv_cache_quant``: ``off`` (or None) or a registered codec
+    setting; the reference runtime's bit counts 4 and 2 read as ``int4`` and ``int2``."""
+    if value is None or (isinstance(value, str) and value.lower() in _OFF):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value in (2, 4):
+        return f"int{value}"
+    if not isinstance(value, str) or value.lower() not in codec_names():
+        raise ConfigError(f"kv-cache-quant must be one of {list(quant_choices())}, got {value!r}")
+    return value.lower()
+
+
+def _tier_name(value: Any) -> str:
+    """``--kv-cache-quant-recent-tier``: ``bf16`` or a registered codec setting."""
     key = value.lower() if isinstance(value, str) else value
-    if key not in _BITS_BY_NAME:
-        raise ConfigError(f"kv-cache-quant must be one of {list(QUANT_CHOICES)}, got {value!r}")
-    return _BITS_BY_NAME[key]
+    if key != "bf16" and key not in codec_names():
+        raise ConfigError(
+            f"kv-cache-quant-recent-tier must be one of {list(recent_tiers())}, got {value!r}"
+        )
+    return key
 
 
 def _switch(value: Any) -> bool:
@@ -72,10 +94,11 @@ class _ReferenceMessages:
 
 @dataclass(frozen=True)
 class QVGCodecOptions(_ReferenceMessages, CacheOptions):
-    """PRQ codec settings of one packed segment ``[B, H, S, D]`` (docs/qvg.md).
+    """Codec settings of one packed segment ``[B, H, S, D]`` (docs/qvg.md, docs/codecs.md).
 
     Attributes:
-        bits: residual bits, ``None`` (off), 2 or 4.
+        codec: the codec setting (``None``: off; ``"int4"``, ``"int2"``: PRQ; ``"fp8"``,
+            ``"nvfp4"``, or a name a plugin registered). The fields below are PRQ's.
         centroids: k-means centroids per (batch, head) per stage (<= 256: ids are uint8).
         block_size: channels per residual quantization block (must divide head_dim).
         stages: residual k-means stages.
@@ -88,9 +111,11 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
 
     title = "QVG codec"
 
-    bits: int | None = option(
-        None, flag="--kv-cache-quant", key="kv_cache_quant", choices=QUANT_CHOICES, parse=_bits,
-        help="quantize cold KV-cache chunks with QVG/PRQ (default: off)",
+    codec: str | None = option(
+        None, flag="--kv-cache-quant", key="kv_cache_quant", choices=quant_choices,
+        parse=_codec_name,
+        help="pack cold KV-cache chunks with this codec: int4/int2 (QVG/PRQ), fp8, nvfp4 "
+        "(default: off)",
     )
     centroids: int = option(
         128, flag="--kv-cache-quant-centroids", key="kv_cache_quant_centroids", type=int, minimum=1,
@@ -120,12 +145,18 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
 
     @property
     def enabled(self) -> bool:
-        return self.bits is not None
+        return self.codec is not None
+
+    @property
+    def bits(self) -> int | None:
+        """PRQ's residual bits: the ``bits`` parameter of the codec setting (4 for ``int4``,
+        2 for ``int2``), None when off or for a codec without one (``fp8``, ``nvfp4``)."""
+        return None if self.codec is None else codec_setting(self.codec).params.get("bits")
 
     def validate(self) -> Any:
         """The reference runtime's rules across fields (`ConfigError`, a ValueError)."""
-        if self.bits is not None and self.bits not in (2, 4):
-            raise ConfigError("kv-cache-quant bits must be 2 or 4")
+        if self.codec is not None:
+            codec_setting(self.codec)  # a registered name, or the message listing them
         if self.centroids > 256:
             raise ConfigError(
                 f"kv-cache-quant-centroids must be <= 256 (cluster ids are uint8), got {self.centroids}"
@@ -141,16 +172,17 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
         """Why these settings cannot pack K/V of ``head_dim`` channels, or None when they can.
 
         Knowable before any weights load (``head_dim`` comes from the model's config): a host
-        calls it at start-up, so a bad block size is refused before the first chunk.
+        calls it at start-up, so a bad block size is refused before the first chunk. The
+        codec says (``KVCodec.layout_problem``; this imports the codec's module).
         """
-        if self.enabled and head_dim % self.block_size:
-            divisors = [d for d in range(8 // self.bits, head_dim + 1)
-                        if head_dim % d == 0 and (d * self.bits) % 8 == 0]
-            return (
-                f"kv-cache-quant-block-size {self.block_size} does not divide head_dim={head_dim}; "
-                f"choose one of {divisors}"
-            )
-        return None
+        if not self.enabled:
+            return None
+        from causalkv.caches.codecs import make_codec  # lazy: codecs import torch
+
+        problem = make_codec(self.codec, self).layout_problem(head_dim)
+        if problem is None and self.recent_tier != "bf16":
+            problem = make_codec(self.recent_tier, self).layout_problem(head_dim)
+        return problem
 
     def check_layout(self, head_dim: int) -> Any:
         """Raise `ConfigError` with `layout_problem`'s message when there is one; return self."""
@@ -178,9 +210,10 @@ class QVGPackingOptions(_ReferenceMessages, CacheOptions):
             to its centroids, which are stored once (beyond the reference, 1 = reference).
         recent_tier: how the chunks kept out of the main codec are held: the newest
             ``keep_recent_chunks`` and, with ``sink=False``, the sink chunks (stream-start
-            and pinned shot sink). ``"bf16"`` (the reference) or ``"int4"``: packed at 4 bits
-            with the same codec settings, re-packed at ``bits`` once the policy no longer
-            keeps them (beyond the reference). ``sink_keep_chunks`` stay bf16 either way.
+            and pinned shot sink). ``"bf16"`` (the reference) or a codec setting (``"int4"``,
+            ``"fp8"``, ...): packed with it, re-packed with the cache's codec once the policy
+            no longer keeps them (beyond the reference). ``sink_keep_chunks`` stay bf16
+            either way.
     """
 
     title = "QVG packing"
@@ -212,9 +245,10 @@ class QVGPackingOptions(_ReferenceMessages, CacheOptions):
     )
     recent_tier: str = option(
         "bf16", flag="--kv-cache-quant-recent-tier", key="kv_cache_quant_recent_tier",
-        choices=RECENT_TIERS, help="how the keep-recent chunks (and, with --kv-cache-quant-sink 0, "
-        "the sink chunks) are held: bf16, or int4 (packed at 4 bits, re-packed at the cache's "
-        "bits when they leave recency; beyond the reference)",
+        choices=recent_tiers, parse=_tier_name,
+        help="how the keep-recent chunks (and, with --kv-cache-quant-sink 0, the sink chunks) "
+        "are held: bf16, or a codec setting (e.g. int4, fp8: packed with it, re-packed with the "
+        "cache's codec when they leave recency; beyond the reference)",
     )
 
 
@@ -230,7 +264,7 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
     title = "QVG KV-cache quantization"
 
     @property
-    def codec(self) -> QVGCodecOptions:
+    def codec_options(self) -> QVGCodecOptions:
         """The codec part (what `quantize` reads)."""
         return QVGCodecOptions(**{n: getattr(self, n) for n in QVGCodecOptions.specs()})
 
@@ -244,11 +278,11 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         """Settings that would do nothing are refused: any setting while quantization is
         off, a recency tier with nothing held at it."""
         if not self.enabled:
-            changed = [self.specs()[n].flag for n in self.changed() if n != "bits"]
+            changed = [self.specs()[n].flag for n in self.changed() if n != "codec"]
             if changed:
                 raise ConfigError(
                     f"{', '.join(changed)} set(s) QVG quantization, which is off; pass "
-                    "--kv-cache-quant int4 or int2, or drop them"
+                    "--kv-cache-quant with a codec (int4, int2, fp8, nvfp4), or drop them"
                 )
             return
         if self.recent_tier != "bf16" and self.keep_recent_chunks == 0 and self.sink:
@@ -260,23 +294,26 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
             )
 
     def requires(self) -> dict[str, str]:
-        return {"quant:qvg": f"--kv-cache-quant int{self.bits}"} if self.enabled else {}
+        return {"quant:qvg": f"--kv-cache-quant {self.codec}"} if self.enabled else {}
 
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        parts = [
-            f"int{self.bits}",
+        prq = [  # PRQ's own knobs: said only for a PRQ codec setting
             f"centroids={self.centroids}",
             f"block={self.block_size}",
             f"stages={self.stages}",
             f"iters={self.kmeans_iters}",
             "asym" if self.asymmetric else "sym",
+        ] if self.bits is not None else []
+        parts = [
+            f"{self.codec}",
+            *prq,
             f"keep_recent={self.keep_recent_chunks}",
             f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
             f"sink_keep={self.sink_keep_chunks}",
         ]
-        if self.grid != "reference":
+        if self.grid != "reference" and self.bits is not None:
             parts.append(f"grid={self.grid}")
         if self.span_chunks != 1:
             parts.append(f"span={self.span_chunks}")
@@ -292,12 +329,9 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         return {n: getattr(self, n) for n in self.specs()}
 
     @classmethod
-    def from_bits_name(cls, name: str | None, **overrides: Any) -> QVGKVQuantArgs:
-        """``"off"``/``"int4"``/``"int2"`` (``ConfigError`` otherwise), with field overrides."""
-        key = name.lower() if isinstance(name, str) else name
-        if key not in _BITS_BY_NAME:
-            raise ConfigError(f"kv-cache-quant must be one of {list(QUANT_CHOICES)}, got {name!r}")
-        return replace(cls(), bits=_BITS_BY_NAME[key], **overrides)
+    def from_codec_name(cls, name: str | None, **overrides: Any) -> QVGKVQuantArgs:
+        """``"off"`` or a codec setting's name (``ConfigError`` otherwise), with field overrides."""
+        return replace(cls(), codec=_codec_name(name), **overrides)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QVGKVQuantArgs:

@@ -45,6 +45,7 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
+from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
@@ -75,6 +76,7 @@ from causalkv.caches.spec import (
 )
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
+    CHUNK_SCRATCH,
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
@@ -134,7 +136,7 @@ class QVGPackedCausalKVCache(StreamCache):
     """
 
     capabilities = CacheCapabilities.of(
-        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG
+        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG, CHUNK_SCRATCH
     )
 
     # ---- before any weights load (the host calls these on the chosen cache's class) -----------
@@ -239,13 +241,6 @@ class QVGPackedCausalKVCache(StreamCache):
         chunk then moves to its tier (the view returned shows it as written). The write and
         the move are planned first and committed as one: a refused call changes nothing,
         the shared scratch included."""
-        scratch = self.store.scratch
-        if scratch is None or not scratch.committing:
-            return super().update_and_get_attention_kv(
-                key=key, value=value, current_chunk_start=current_chunk_start,
-                cache_head_start=cache_head_start, recent_window_tokens=recent_window_tokens,
-                debug_name=debug_name,
-            )
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
         n, st = key.shape[1], self.state
@@ -253,19 +248,24 @@ class QVGPackedCausalKVCache(StreamCache):
         new = st.advanced(n, debug_name) if advance else st
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
-        if advance:
+        if advance:  # evict, pack cold chunks and add the new chunk
             self._check_holds(new, debug_name)
-            base = self.store.plan(
+            plan = self.store.plan(
                 held=new.retained, write=write, advance=True, sink_end=new.sink_prefix_end(),
                 pinned=(new.pinned,) if new.pinned else (),
             )
         else:
-            base = self._plan_rewrite(write)
-        final = self.store.plan_commit(base, **self._context_args(new, scratch.pin))
+            plan = self._plan_rewrite(write)
+        scratch = self.store.scratch
+        if scratch is not None and scratch.committing:
+            plan = self.store.plan_commit(plan, **self._context_args(new, scratch.pin))
+        layout = plan.view_segments
+        self._check_read(new.visible(recent_window_tokens), h0, h1,
+                         plan.segments if layout is None else layout, plan.lost_heads)
         # commit (nothing below can fail)
-        self.store.commit(final)
+        self.store.commit(plan)
         self.state = new
-        return self._view(h0, h1, recent_window_tokens, final.view_segments)
+        return self._view(h0, h1, recent_window_tokens, layout)
 
     def _context_args(self, st: StreamState, pin: bool) -> dict[str, object]:
         """`SegmentStore.plan_commit`'s positions once the chunk just written is context: what
@@ -291,6 +291,32 @@ class QVGPackedCausalKVCache(StreamCache):
             held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
             pinned=(st.pinned,) if st.pinned else (),
         )
+
+    @staticmethod
+    def _check_read(
+        visible: Intervals, h0: int, h1: int, layout: list[Segment], lost: frozenset[int]
+    ) -> None:
+        """`CacheProtocolError` for a view of ``visible``, heads ``[h0, h1)``, that ``layout``
+        cannot give: positions a context pass dropped, or heads another layer overwrote in the
+        shared scratch and nobody rewrote (``lost``)."""
+        missing = iv.subtract(visible, iv.normalize((s.start, s.end) for s in layout))
+        if missing:
+            raise CacheProtocolError(
+                f"read of positions {iv.describe(visible)}: {iv.describe(missing)} were dropped "
+                "at the last context pass (it keeps only what the next advance keeps; nothing "
+                "was changed); read a view inside the call that wrote it, or leave the scratch "
+                "unshared (ChunkScratch(shared=False)) to keep every visible position until the "
+                "advance"
+            )
+        heads = sorted(lost & frozenset(range(h0, h1)))
+        if heads:
+            raise CacheProtocolError(
+                f"read of heads [{h0}, {h1}): heads {heads} of the chunk being generated were "
+                "written to the stage's shared scratch, which another layer has written since, "
+                "and were not rewritten (nothing was changed); write every head of the chunk "
+                "before another layer writes, or leave the scratch unshared "
+                "(ChunkScratch(shared=False))"
+            )
 
     def _check_holds(self, new: StreamState, what: str) -> None:
         """`CacheProtocolError` when ``new`` retains positions a context pass already dropped
@@ -349,25 +375,6 @@ class QVGPackedCausalKVCache(StreamCache):
         """Chunks packed and kept dense (and why) so far, and the centroids used."""
         return self.store.packing_report()
 
-    # ---- storage ------------------------------------------------------------------
-    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
-        """Evict, pack cold chunks and add the new chunk, then commit it all at once."""
-        assert new.cur_start is not None
-        self._check_holds(new, "advance")
-        plan = self.store.plan(
-            held=new.retained, write=KVWrite(new.cur_start, new.global_end, heads), advance=True,
-            sink_end=new.sink_prefix_end(), pinned=(new.pinned,) if new.pinned else (),
-        )
-        # commit (nothing below can fail)
-        self.store.commit(plan)
-        self.state = new
-
-    def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
-        st = self.state
-        assert st.cur_start is not None
-        self.store.commit(
-            self._plan_rewrite(KVWrite(st.cur_start, st.cur_start + st.cur_n, (h0, h1), key, value)))
-
     # ---- views ------------------------------------------------------------------------
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
@@ -382,15 +389,7 @@ class QVGPackedCausalKVCache(StreamCache):
         visible = st.visible(recent_window_tokens)
         store = self.store
         layout = store.segments if layout is None else layout
-        missing = iv.subtract(visible, iv.normalize((s.start, s.end) for s in layout))
-        if missing:
-            raise CacheProtocolError(
-                f"read of positions {iv.describe(visible)}: {iv.describe(missing)} were dropped "
-                "at the last context pass (it keeps only what the next advance keeps); read a "
-                "view inside the call that wrote it, or leave the scratch unshared "
-                "(ChunkScratch(shared=False)) to keep every visible position until the advance"
-            )
-        store.check_heads(h0, h1, "read")
+        self._check_read(visible, h0, h1, layout, store.lost_heads)
         located = store.locate(visible, layout)
         for seg, _ in located:
             store.check_readable(seg)

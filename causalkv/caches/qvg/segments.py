@@ -2,7 +2,7 @@
 
 `Segment` is a run ``[start, end)`` of global positions of one chunk (or of a packed span of
 chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in the store's dtype) or `PackedKV`
-(one codec `PackedSegment` for K and one for V). `Codebook` is the k-means centroids that
+(one codec record for K and one for V, `causalkv.caches.codecs.base.PackedRecord`). `Codebook` is the k-means centroids that
 consecutive cold chunks share; `KVWrite` is what a host writes, `StorePlan` the store after a
 write as values, `PackingReport` what the store decided per chunk. All are values: the store
 (`causalkv.caches.qvg.store.SegmentStore`) builds new ones instead of mutating them.
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.format import PackedSegment
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
@@ -107,14 +106,15 @@ class PendingScratchKV:
 
 @dataclass(frozen=True, eq=False)
 class PackedKV:
-    """K and V packed by the QVG codec, each a `PackedSegment` of logical shape ``[B, H, len, D]``.
+    """K and V packed by ``codec``, each a `PackedRecord` of logical shape ``[B, H, len, D]``.
 
     ``recent``: packed at the recency tier (``recent_tier``) while the policy keeps the chunk
-    for recency; re-packed at the cache's bits once it no longer does.
+    for recency; re-packed with the cache's codec once it no longer does.
     """
 
-    k: PackedSegment
-    v: PackedSegment
+    k: PackedRecord
+    v: PackedRecord
+    codec: KVCodec
     recent: bool = False
 
     @property
@@ -128,7 +128,12 @@ class PackedKV:
 
     @property
     def num_centroids(self) -> int:
-        return self.k.num_centroids
+        """k-means centroids per (batch, head) per stage (0 for a codec without a codebook)."""
+        return int(getattr(self.k, "num_centroids", 0))
+
+    def shared_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tensors other segments may reference too (PRQ's shared codebooks)."""
+        return self.k.shared_tensors() + self.v.shared_tensors()
 
     def select_heads(self, h0: int, h1: int) -> PackedKV:
         """Heads ``[h0, h1)`` as views (no copy)."""
@@ -147,8 +152,8 @@ class PackedKV:
         """Tokens ``[lo, hi)``, heads ``[h0, h1)`` decoded straight into ``k``/``v``
         ``[B, hi - lo, h1 - h0, D]`` on ``device`` (only that part is decoded)."""
         packed = self.onloaded(device).select_heads(h0, h1).select_tokens(lo, hi)
-        codec.dequantize(packed.k, out=k.permute(0, 2, 1, 3))
-        codec.dequantize(packed.v, out=v.permute(0, 2, 1, 3))
+        self.codec.decode_into(packed.k, k.permute(0, 2, 1, 3))
+        self.codec.decode_into(packed.v, v.permute(0, 2, 1, 3))
 
     def decoded(self, device: torch.device, dtype: torch.dtype) -> DenseKV:
         """All of it decoded to dense ``[B, len, H, D]`` ``dtype`` K/V on ``device``."""
@@ -224,7 +229,10 @@ class Codebook:
     chunks: int
 
     def used_by(self, seg: Segment) -> bool:
-        return isinstance(seg.storage, PackedKV) and seg.storage.k.centroids[0] is self.k[0]
+        if not isinstance(seg.storage, PackedKV):
+            return False
+        shared = seg.storage.k.shared_tensors()
+        return bool(shared) and shared[0] is self.k[0]
 
 
 @dataclass(frozen=True)

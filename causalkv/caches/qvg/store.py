@@ -1,4 +1,4 @@
-"""`SegmentStore`: K/V by global position in chunk segments, cold ones PRQ-packed.
+"""`SegmentStore`: K/V by global position in chunk segments, cold ones packed by a codec.
 
 The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions decided by
 `StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (positions decided by sglang's
@@ -7,7 +7,7 @@ holds and *what* to write; the store keeps the values:
 
 - ``segments``: `Segment` s in ascending global position, each a run ``[start, end)`` of one
   chunk (or of a packed span of chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in
-  the store's dtype) or `PackedKV` (one codec `PackedSegment` for K and one for V).
+  the store's dtype) or `PackedKV` (one codec record for K and one for V).
 - A write that changes the layout is planned, then committed: `plan` builds the new segment
   list as values (positions the write covers that no segment holds become new chunks; a
   packed segment the write touches is decoded back to dense; what the host no longer holds
@@ -18,9 +18,10 @@ holds and *what* to write; the store keeps the values:
   the layout (a denoising step rewriting the current chunk) is one in-place copy (`write`).
 - Packing, once per advance: the `PackingPolicy` object says which completed chunks stay
   dense and which sink chunks pack as one span; every other cold chunk is packed, at most
-  once, ``span_chunks`` at a time, sharing codebooks over ``codebook_chunks``, and only if its
-  packed bytes (`packed_nbytes_formula`, decided before any quantize) are smaller than its
-  dense bytes. The k-means centroids follow `centroids_for` when ``min_tokens_per_centroid``
+  once, ``span_chunks`` at a time, sharing codebooks over ``codebook_chunks`` (a codec that
+  shares them: PRQ), and only if its packed bytes (the codec's ``nbytes`` formula, decided
+  before any encode) are smaller than its dense bytes. The codec is the setting
+  ``quant.codec`` names (`causalkv.caches.codecs`); the recency tier's is ``quant.recent_tier``. The k-means centroids follow `centroids_for` when ``min_tokens_per_centroid``
   is set, else ``quant.centroids`` as given (the codec caps them at the span's tokens).
 - Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list
   of position runs (dense rows copied, packed token ranges decoded in place with
@@ -32,6 +33,7 @@ holds and *what* to write; the store keeps the values:
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -39,10 +41,10 @@ from dataclasses import replace
 import torch
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.codecs import make_codec
+from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
@@ -133,11 +135,14 @@ class SegmentStore:
         scratch: ChunkScratch | None = None,
     ) -> None:
         quant = quant.validate()
-        if quant.enabled and head_dim % quant.block_size != 0:
+        if quant.enabled and head_dim % quant.block_size != 0 and quant.bits is not None:
             raise ConfigError(
                 f"QVG block_size={quant.block_size} does not divide head_dim={head_dim}; "
                 f"choose --kv-cache-quant-block-size among the divisors of {head_dim}"
             )
+        problem = quant.layout_problem(head_dim)
+        if problem is not None:
+            raise ConfigError(problem)
         if quant.enabled and not dtype.is_floating_point:
             raise ConfigError(f"QVG packs floating-point K/V, the cache dtype is {dtype}")
         m = min_tokens_per_centroid
@@ -194,12 +199,11 @@ class SegmentStore:
         for seg in self.segments:
             total += seg.nbytes
             if isinstance(seg.storage, PackedKV):
-                for packed in (seg.storage.k, seg.storage.v):
-                    for c in packed.centroids:
-                        key = (c.device, c.data_ptr())
-                        if key in seen:
-                            total -= c.nbytes
-                        seen.add(key)
+                for c in seg.storage.shared_tensors():
+                    key = (c.device, c.data_ptr())
+                    if key in seen:
+                        total -= c.nbytes
+                    seen.add(key)
         return total
 
     def packed_segments(self) -> list[Segment]:
@@ -799,17 +803,18 @@ class SegmentStore:
         return self.quant if k == self.quant.centroids else replace(self.quant, centroids=k)
 
     def _tier_quant(self, tokens: int) -> QVGKVQuantArgs:
-        """The settings a recency-tier chunk of ``tokens`` is packed with (4 bits)."""
+        """The settings a recency-tier chunk of ``tokens`` is packed with (the tier's codec)."""
         q = self._span_quant(tokens)
-        return q if q.bits == 4 else replace(q, bits=4)
+        tier = self.quant.recent_tier
+        return q if q.codec == tier else replace(q, codec=tier)
 
     def _pack_tier(self, seg: Segment, write: KVWrite) -> Segment:
         """``seg`` (dense, as after ``write``) packed at the recency tier, its own codebook."""
         store = self._with_write(seg, write)
-        q = self._tier_quant(seg.end - seg.start)
-        pk = codec.quantize(store.k.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset)
-        pv = codec.quantize(store.v.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset)
-        storage = PackedKV(pk, pv, recent=self.quant.bits != q.bits)
+        c = _codec(self._tier_quant(seg.end - seg.start))
+        pk = c.encode(store.k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset)
+        pv = c.encode(store.v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset)
+        storage = PackedKV(pk, pv, c, recent=self.quant.codec != self.quant.recent_tier)
         if self.offload:
             storage = storage.offloaded()
         return replace(seg, storage=storage)
@@ -829,11 +834,11 @@ class SegmentStore:
             q = replace(q, centroids=int(book.k[0].shape[2]))  # it would assign to ``book``
         B, H, D = self.batch_size, self.num_heads, self.head_dim
         dense = B * tokens * H * D * torch.empty((), dtype=self.dtype).element_size()
-        return packed_nbytes_formula((B, H, tokens, D), q) < dense
+        return _codec(q).nbytes((B, H, tokens, D)) < dense
 
     def _pack(
         self, pieces: list[Segment], book: Codebook | None, write: KVWrite
-    ) -> tuple[Segment, Codebook]:
+    ) -> tuple[Segment, Codebook | None]:
         """One packed segment of ``pieces`` (dense, adjacent; as they are after ``write``) and
         the codebook after it."""
         stores = [self._with_write(p, write) for p in pieces]
@@ -842,13 +847,16 @@ class SegmentStore:
         chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
         if book is not None and book.chunks + chunks > self.quant.codebook_chunks:
             book = None
-        q = self._span_quant(k.shape[1])
-        pk = codec.quantize(k.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
+        c = _codec(self._span_quant(k.shape[1]))
+        if not c.shares_codebooks:
+            book = None
+        pk = c.encode(k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.k) if book else None)
-        pv = codec.quantize(v.permute(0, 2, 1, 3), q, seed=self.seed, head_offset=self.head_offset,
+        pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.v) if book else None)
-        after = Codebook(tuple(pk.centroids), tuple(pv.centroids), (book.chunks if book else 0) + chunks)
-        storage = PackedKV(pk, pv)
+        after = Codebook(pk.shared_tensors(), pv.shared_tensors(),
+                         (book.chunks if book else 0) + chunks) if c.shares_codebooks else None
+        storage = PackedKV(pk, pv, c)
         if self.offload:
             storage = storage.offloaded()
         seg = Segment(
@@ -872,3 +880,9 @@ def _owned(seg: Segment) -> Segment:
     if isinstance(seg.storage, BorrowedKV):
         return replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
     return seg
+
+
+@functools.lru_cache(maxsize=64)
+def _codec(q: QVGKVQuantArgs) -> KVCodec:
+    """The codec of settings ``q`` (``q.codec`` configured by ``q``; settings are frozen)."""
+    return make_codec(q.codec, q)

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from causalkv.caches.qvg.format import POISON_SCALE_EXP, CodecError, PackedSegment
+from causalkv.caches.codecs.base import CodecError
+from causalkv.caches.qvg.format import POISON_SCALE_EXP, PackedSegment
 
 try:
     import triton

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from causalkv.caches import intervals as iv
-from causalkv.caches.qvg.format import packed_nbytes_formula
+from causalkv.caches.codecs import make_codec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
@@ -111,7 +111,7 @@ def _packed_nbytes(b: int, h: int, s: int, d: int, q: QVGKVQuantArgs, host: str)
         k = centroids_for(s, q.centroids)
         if k != q.centroids:
             q = replace(q, centroids=k)
-    return 2 * packed_nbytes_formula((b, h, s, d), q)
+    return 2 * make_codec(q.codec, q).nbytes((b, h, s, d))
 
 
 def _call_buffers(
@@ -146,7 +146,7 @@ def _call_buffers(
 class _Held:
     """A chunk in one layer's store: its tier and, once packed, its bytes (kept whole)."""
 
-    tier: str  # "bf16" or "int2" / "int4"
+    tier: str  # "bf16" or a codec setting ("int2", "fp8", ...)
     nbytes: int = 0  # packed bytes (a packed chunk is kept whole until all of it rolled out)
     span: tuple[int, int] = (0, 0)  # the positions it was packed from
 
@@ -175,20 +175,20 @@ def plan_setting(
     dense_bytes = sets_layers * lay.cache_tokens * 2 * B * H * D * item
     q = setting.quant_args(sink=sink)
     q.check_layout(D)
-    q4 = replace(q, bits=4) if q.enabled else q
+    tier_codec = setting.recent_tier
+    q_tier = replace(q, codec=tier_codec) if q.enabled and tier_codec != "bf16" else q
     policy = _policy(host)
-    main = f"int{q.bits}"
-    int4_tier = setting.recent_tier == "int4"
+    main = q.codec
     store: dict[int, _Held] = {}
     resident: list[int] = []
     tiers: list[dict[int, str]] = []
     infos_seen: dict[tuple[int, int, int, bool, bool], ChunkInfo] = {}
-    packed_of: dict[tuple[int, int], int] = {}  # (bits, tokens) -> packed bytes
+    packed_of: dict[tuple[str, int], int] = {}  # (codec, tokens) -> packed bytes
 
-    def packed(bits: int, tokens: int) -> int:
-        key = (bits, tokens)
+    def packed(codec: str, tokens: int) -> int:
+        key = (codec, tokens)
         if key not in packed_of:
-            packed_of[key] = _packed_nbytes(B, H, tokens, D, q if bits == q.bits else q4, host)
+            packed_of[key] = _packed_nbytes(B, H, tokens, D, q if codec == main else q_tier, host)
         return packed_of[key]
 
     # per chunk, the tokens of the one-call buffer of its denoising passes and of its context
@@ -233,13 +233,13 @@ def plan_setting(
                 reason = decision.dense.get(c)
                 if reason is None:  # cold: packed at the main bits (re-packed from the tier)
                     span = (lo, hi) if h.tier == "bf16" else h.span
-                    nb = packed(q.bits, span[1] - span[0])
+                    nb = packed(main, span[1] - span[0])
                     if nb < (span[1] - span[0]) * per_token:
                         store[c] = _Held(main, nb, span)
-                elif int4_tier and h.tier == "bf16" and reason in (RECENT, SINK):
-                    nb = packed(4, tokens)
+                elif tier_codec != "bf16" and h.tier == "bf16" and reason in (RECENT, SINK):
+                    nb = packed(tier_codec, tokens)
                     if nb < tokens * per_token:
-                        store[c] = _Held("int4", nb, (lo, hi))
+                        store[c] = _Held(tier_codec, nb, (lo, hi))
         total = 0
         for c, _lo, _hi, tokens in held:
             h = store[c]

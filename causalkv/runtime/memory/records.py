@@ -43,16 +43,17 @@ class Setting:
 
     Attributes:
         name: the row's name.
-        bits: residual bits (None: quantization off).
-        keep_recent_chunks: completed chunks the recency guard keeps out of the main bits.
-        recent_tier: ``"bf16"`` (the chunks the policy keeps dense stay bf16) or ``"int4"``
-            (the ones it keeps for recency, or as sinks with ``sink=0``, are packed at 4 bits).
+        codec: the codec setting (``"int2"``, ``"fp8"``, ...; None: quantization off).
+        keep_recent_chunks: completed chunks the recency guard keeps out of the main codec.
+        recent_tier: ``"bf16"`` (the chunks the policy keeps dense stay bf16) or a codec
+            setting (the ones it keeps for recency, or as sinks with ``sink=0``, are packed
+            with it).
         help: one line for ``--help``.
         sink: the row's own ``--kv-cache-quant-sink`` (None: the request's).
     """
 
     name: str
-    bits: int | None
+    codec: str | None
     keep_recent_chunks: int = 1
     recent_tier: str = "bf16"
     help: str = ""
@@ -62,9 +63,9 @@ class Setting:
         """The cache's settings record (sglang's defaults for everything the row does not set:
         128 centroids, block 64, 1 stage, symmetric; ``sink`` unless the row sets its own).
         ``recent_tier`` is passed only where `QVGKVQuantArgs` declares it."""
-        if self.bits is None:
+        if self.codec is None:
             return QVGKVQuantArgs()
-        kw: dict[str, Any] = {"bits": self.bits, "keep_recent_chunks": self.keep_recent_chunks,
+        kw: dict[str, Any] = {"codec": self.codec, "keep_recent_chunks": self.keep_recent_chunks,
                               "sink": sink if self.sink is None else self.sink}
         if "recent_tier" in QVGKVQuantArgs.specs():
             kw["recent_tier"] = self.recent_tier
@@ -78,15 +79,26 @@ SETTINGS: Mapping[str, Setting] = {
         Setting("off", None, help="the QVG cache with quantization off: every context chunk bf16 "
                 "(the benchmark's row; a run with --kv-cache-quant off keeps the dense cache, "
                 "dense_bytes)"),
-        Setting("int4-default", 4, 1, help="int4, sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("int4-recent0", 4, 0, help="int4, keep-recent 0 (every context chunk packed)"),
-        Setting("int2-default", 2, 1, help="int2, sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("int2-recent0", 2, 0, help="int2, keep-recent 0 (every context chunk packed)"),
-        Setting("int2-recent-int4", 2, 1, "int4",
+        Setting("int4-default", "int4", 1,
+                help="int4, sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("int4-recent0", "int4", 0, help="int4, keep-recent 0 (every context chunk packed)"),
+        Setting("int2-default", "int2", 1,
+                help="int2, sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("int2-recent0", "int2", 0, help="int2, keep-recent 0 (every context chunk packed)"),
+        Setting("int2-recent-int4", "int2", 1, "int4",
                 help="int2, keep-recent 1 with the recent chunk held at int4 (recent tier int4)"),
-        Setting("int2-sink0", 2, 1, sink=False,
+        Setting("int2-recent-fp8", "int2", 1, "fp8",
+                help="int2, keep-recent 1 with the recent chunk held at fp8 (recent tier fp8)"),
+        Setting("int2-sink0", "int2", 1, sink=False,
                 help="int2, sglang's defaults but --kv-cache-quant-sink 0: the sink and the "
                 "pinned shot sink bf16"),
+        Setting("fp8-default", "fp8", 1, help="fp8 (e4m3, a scale per token and head), "
+                "sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("fp8-recent0", "fp8", 0, help="fp8, keep-recent 0 (every context chunk packed)"),
+        Setting("nvfp4-default", "nvfp4", 1, help="nvfp4 (e2m1, an e4m3 scale per 16), "
+                "sglang's defaults (keep-recent 1, sink packed)"),
+        Setting("nvfp4-recent0", "nvfp4", 0,
+                help="nvfp4, keep-recent 0 (every context chunk packed)"),
     )
 }
 

@@ -1,0 +1,251 @@
+"""The codec interface: `PackedRecord` (what a codec stores) and `KVCodec` (what it does).
+
+Shapes: a codec packs one K or V segment ``x [B, H, S, D]`` (batch, heads, tokens, channels)
+into a record of the same logical shape. The cache holds records only through this
+interface: bytes, device, head and token slices (views), moves between devices, decoding
+into a buffer it owns. Each record type is registered with its decoder (`register_record`),
+so a reader that got a record from a view (streaming attention) decodes it, or hands it to
+the record type's attention kernel, without knowing the format (`record_kind`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from causalkv.errors import CausalKVError
+
+__all__ = [
+    "CodecError",
+    "KVCodec",
+    "PackedRecord",
+    "RecordKind",
+    "TensorRecord",
+    "check_segment",
+    "decode_record",
+    "record_kind",
+    "register_record",
+]
+
+
+class CodecError(CausalKVError, ValueError):
+    """A codec was given what it cannot pack or decode (a shape, dtype, setting or non-finite
+    input; the message names the value and the fix)."""
+
+
+@runtime_checkable
+class PackedRecord(Protocol):
+    """One packed K or V segment of logical shape ``[B, H, S, D]``."""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]: ...
+    @property
+    def nbytes(self) -> int:
+        """Exactly the bytes stored (every tensor it holds)."""
+        ...
+    @property
+    def device(self) -> torch.device: ...
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRecord: ...
+    def pin_memory(self) -> PackedRecord: ...
+    def select_heads(self, h0: int, h1: int) -> PackedRecord:
+        """Heads ``[h0, h1)`` as views (no copy)."""
+        ...
+    def select_tokens(self, a: int, b: int) -> PackedRecord:
+        """Tokens ``[a, b)`` as views (no copy)."""
+        ...
+    def shared_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tensors other records may reference too (a shared codebook), counted once by a
+        cache that holds several."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRecord:
+    """A ready-made `PackedRecord` for codecs whose stored tensors are laid out per token.
+
+    Attributes:
+        shape: the logical ``(B, H, S, D)``.
+        dtype: the dtype that was encoded.
+        parts: tensors ``[B, H, S, ...]`` (codes, per-token or per-block scales), sliced along
+            heads and tokens by `select_heads` / `select_tokens` (views).
+        whole: tensors that belong to the whole record (a per-tensor scale), kept as they are
+            by slicing (so a slice's `nbytes` counts them whole).
+    """
+
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    parts: dict[str, torch.Tensor]
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(t.nbytes for t in self.parts.values())
+                   + sum(t.nbytes for t in self.whole.values()))
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, whole: bool = True) -> Any:
+        return replace(self, parts={n: fn(t) for n, t in self.parts.items()},
+                       whole={n: fn(t) for n, t in self.whole.items()} if whole else self.whole)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Any:
+        return self._map(lambda t: t.pin_memory())
+
+    def select_heads(self, h0: int, h1: int) -> Any:
+        B, H, S, D = self.shape
+        if not 0 <= h0 < h1 <= H:
+            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
+        out = self._map(lambda t: t[:, h0:h1], whole=False)
+        return replace(out, shape=(B, h1 - h0, S, D))
+
+    def select_tokens(self, a: int, b: int) -> Any:
+        B, H, S, D = self.shape
+        if not 0 <= a < b <= S:
+            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
+        if a == 0 and b == S:
+            return self
+        out = self._map(lambda t: t[:, :, a:b], whole=False)
+        return replace(out, shape=(B, H, b - a, D))
+
+    def shared_tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+
+class KVCodec(ABC):
+    """A K/V codec configured for one cache (its settings fixed at construction).
+
+    Subclasses implement `from_settings`, `encode`, `decode_into` and `nbytes`; `attention`
+    is optional (None: readers decode, then attend).
+
+    Attributes:
+        name: the setting name it was made from (``"fp8"``).
+        shares_codebooks: `encode` accepts ``codebooks`` (segments may share tensors).
+    """
+
+    name: str = ""
+    shares_codebooks: bool = False
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings: Any, **params: Any) -> KVCodec:
+        """The codec for the cache's options record ``settings`` and the registered ``params``."""
+
+    @abstractmethod
+    def encode(
+        self, x: torch.Tensor, *, seed: int = 1234, head_offset: int = 0,
+        codebooks: list[torch.Tensor] | None = None,
+    ) -> PackedRecord:
+        """Pack ``x [B, H, S, D]`` (any float dtype, any strides). ``head_offset``: the
+        global index of ``x``'s first head; ``seed``: for codecs that draw. Deterministic.
+
+        Raises:
+            CodecError: a bad shape or dtype, or non-finite input (on the CPU).
+        """
+
+    @abstractmethod
+    def decode_into(self, record: PackedRecord, out: torch.Tensor) -> None:
+        """Write the reconstruction of ``record`` into ``out`` (``record.shape``, any strides,
+        a float dtype, on ``record.device``)."""
+
+    @abstractmethod
+    def nbytes(self, shape: tuple[int, int, int, int]) -> int:
+        """Exactly the bytes `encode` stores for a segment of ``shape = (B, H, S, D)``."""
+
+    def layout_problem(self, head_dim: int) -> str | None:
+        """Why this codec cannot pack ``head_dim`` channels (None when it can)."""
+        return None
+
+    def bits_per_element(self, S: int, D: int) -> float:
+        """Stored bits per element of one head's ``[S, D]`` segment: ``8 * nbytes / (S * D)``."""
+        return 8.0 * self.nbytes((1, 1, S, D)) / (S * D)
+
+    def describe(self) -> str:
+        """A short label for logs and metrics (the setting name by default)."""
+        return self.name
+
+    def decode(self, record: PackedRecord, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A new contiguous ``[B, H, S, D]`` tensor of ``dtype`` holding the reconstruction."""
+        out = torch.empty(tuple(record.shape), dtype=dtype, device=record.device)
+        if out.numel():
+            self.decode_into(record, out)
+        return out
+
+    def check_out(self, record: PackedRecord, out: torch.Tensor) -> None:
+        """Refuse an ``out`` of the wrong shape, device or dtype (`CodecError`)."""
+        shape = tuple(record.shape)
+        if tuple(out.shape) != shape:
+            raise CodecError(f"{self.name} decode: out has shape {tuple(out.shape)}, the record is {shape}")
+        if out.device != record.device:
+            raise CodecError(
+                f"{self.name} decode: out is on {out.device}, the record on {record.device}; "
+                "move the record with record.to(device) first"
+            )
+        if not out.is_floating_point():
+            raise CodecError(f"{self.name} decode: out must be a float tensor, got {out.dtype}")
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """How a record type is read without its codec object.
+
+    Attributes:
+        decode_into: ``(record, out)`` writes the reconstruction into ``out [B, H, S, D]``.
+        attention_module: the module of an attention kernel straight over records of this
+            type (``supports``, ``packed_attention``, ``workspace_nbytes``,
+            ``PackedAttentionError``; imported on first use), or None: readers decode first.
+    """
+
+    decode_into: Callable[[Any, torch.Tensor], None]
+    attention_module: str | None = None
+
+
+_KINDS: dict[type, RecordKind] = {}
+
+
+def register_record(
+    cls: type, *, decode_into: Callable[[Any, torch.Tensor], None],
+    attention_module: str | None = None,
+) -> None:
+    """Register record type ``cls`` (done by the module that produces such records)."""
+    _KINDS[cls] = RecordKind(decode_into, attention_module)
+
+
+def record_kind(record: object) -> RecordKind | None:
+    """The `RecordKind` of ``record``'s type, or None when it is not a packed record (a tensor)."""
+    for cls in type(record).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return None
+
+
+def decode_record(record: PackedRecord, dtype: torch.dtype) -> torch.Tensor:
+    """``record`` decoded into a new ``[B, H, S, D]`` tensor of ``dtype``.
+
+    Raises:
+        CodecError: ``record`` is of no registered record type.
+    """
+    kind = record_kind(record)
+    if kind is None:
+        raise CodecError(f"decode: {type(record).__name__} is not a registered packed record type")
+    out = torch.empty(tuple(record.shape), dtype=dtype, device=record.device)
+    if out.numel():
+        kind.decode_into(record, out)
+    return out
+
+
+def check_segment(name: str, x: torch.Tensor) -> None:
+    """Refuse what no codec packs: not ``[B, H, S, D]``, not floating point (`CodecError`)."""
+    if x.dim() != 4:
+        raise CodecError(f"{name} encode: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise CodecError(f"{name} encode: expected a floating-point tensor, got {x.dtype}")
