@@ -400,7 +400,7 @@ def test_a_request_that_would_change_nothing_is_refused(
 
 def test_the_shot_and_offset_limits_themselves_plan(empty_home: Path, pm: Any) -> None:
     """The boundaries the messages name are accepted."""
-    from causalkv.stages.longlive2 import ShotRequest
+    from causalkv.stages.families import ShotRequest
 
     five = make_options("tiny-longlive2", prompts=list("abcde"), frames=10)
     assert plan_generation(five, pm=pm).num_chunks == 5

@@ -297,7 +297,7 @@ def test_dtype_the_device_cannot_run_is_refused(
             raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
         return real_ones(*size, dtype=dtype, **kw)
 
-    monkeypatch.setattr(checks.torch, "ones", ones)
+    monkeypatch.setattr(torch, "ones", ones)
     assert_refused_up_front(
         ["--dtype", "float16", "--no-video"],
         ["--dtype float16 does not run on --device cpu (\"addmm_impl_cpu_\" not implemented for 'Half'); "

@@ -103,13 +103,18 @@ def test_demo_default_shows_the_shot_sink_release(capsys):
     assert ranges(rows[7]["visible"]) == [(0, 16), (80, 128)]
     assert [r["pin"] for r in rows].count("pin") == 2
     assert maps[5] == "G" * 8 + "." * 16 + "P" * 8 + "#" * 8 + "C" * 8 + " " * 24
+    # a cut chunk is pinned after its context pass: the map (drawn after it) shows it as P
+    assert maps[3] == "G" * 8 + "#" * 16 + "P" * 8 + " " * 40
+    assert maps[6][48:56] == "P" * 8 and "C" not in maps[6]
 
 
 def test_demo_full_scale_line_matches_facts(capsys):
     main(["demo", "--chunks", "1"])
     out = capsys.readouterr().out
-    # docs/design.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens = 10.4 GB
-    assert "28,160 tokens: 10.4 GB of K/V (368,640 B per token)" in out
+    # docs/design.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens
+    # = 10,380,902,400 B = 9.67 GiB (2^30 B), the dense_bytes `causalkv memory longlive2` prints
+    assert "28,160 tokens: 9.67 GiB of K/V (368,640 B per token)" in out
+    assert " GB" not in out
 
 
 @pytest.mark.parametrize("argv", [["demo", "--cuts", "3,x"], ["demo", "--chunks", "0"]])

@@ -19,19 +19,12 @@ from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.options import Options
 from causalkv.plugin import Registry
-from causalkv.runtime.compare import compare_table
-from causalkv.runtime.distributed import (
-    env_world,
-    init_parallel,
-    launched_by_torchrun,
-    run_under_torchrun,
-    shutdown,
-)
-from causalkv.runtime.generate import generate
 from causalkv.runtime.launch import register_rank
-from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.video import video_formats
+
+# The parser (``--help``) imports no torch: the modules that run a generation (torch,
+# diffusers, transformers) are imported by the functions that run it.
 
 __all__ = [
     "add_extension_args",
@@ -245,6 +238,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
+    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)
@@ -269,6 +264,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """
     out, progress = Stdout(), Progress()
     plugins = getattr(args, _PLUGINS, None)
+    from causalkv.runtime.compare import compare_table
+    from causalkv.runtime.distributed import init_parallel, launched_by_torchrun
 
     def body() -> int:
         register_rank()  # a rank of `_launch`'s job: report to it, die with torchrun
@@ -297,6 +294,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
+    from causalkv.runtime.distributed import shutdown
+    from causalkv.runtime.generate import generate
+
     try:
         return generate(
             options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
@@ -310,6 +310,9 @@ def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
     (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
+    from causalkv.runtime.distributed import run_under_torchrun
+    from causalkv.runtime.plan import plan_generation
+
     plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)
     if argv is None:

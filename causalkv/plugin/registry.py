@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ImportPathError, InvalidTypeError, describe_exception
 from causalkv.hooks import NAME, CacheFactory, Preset, StageRegistration
@@ -23,7 +23,9 @@ from causalkv.plugin.errors import (
     ResolutionError,
 )
 from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, warn
-from causalkv.stages.base import CausalDenoisingStage
+
+if TYPE_CHECKING:
+    from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
 
@@ -46,6 +48,8 @@ class StageEntry:
             ImportError: the ``"module:Class"`` cannot be imported (names stage and plugin).
             TypeError: the target is not a `CausalDenoisingStage` subclass.
         """
+        from causalkv.stages.base import CausalDenoisingStage  # torch: only once a stage loads
+
         reg = self.registration
         try:
             cls = reg.load()

@@ -24,8 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from causalkv.hooks import Preset
 from causalkv.plugin.registry import Registry
 from causalkv.runtime.model_config import (
@@ -203,7 +201,8 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
 
 
 def _write_preset(r: PresetSpec, out: Path) -> None:
-    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
+    # torch, diffusers and transformers load with a model, not for `causalkv plugins` / `--help`
+    import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
