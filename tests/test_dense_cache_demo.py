@@ -13,7 +13,7 @@ from causalkv.cli import main
 ROW = re.compile(
     r"^\s*(?P<chunk>\d+)\s+\[(?P<a>\d+),(?P<b>\d+)\)\s+(?P<pin>pin)?\s+"
     r"(?P<visible>(?:\[\d+,\d+\) ?)+)\s+(?P<count>\d+)\s+(?P<shot>-|\[\d+,\d+\))\s+"
-    r"(?P<bytes>[\d,]+) B$"
+    r"(?P<size>[\d.]+) (?P<unit>B|KiB|MiB|GiB)$"
 )
 MAP = re.compile(r"^\s*(?P<chunk>\d+)\s+\|(?P<map>[^|]*)\|$")
 
@@ -40,8 +40,8 @@ def oracle_stream(config: DemoConfig):
                     chars.append("G")
                 elif seen_pin and seen_pin[0] <= p < seen_pin[1]:
                     chars.append("P")
-                elif p >= c * n:
-                    chars.append("C")
+                elif p >= c * n:  # a cut chunk is pinned after its context pass: P
+                    chars.append("P" if c in config.cuts else "C")
                 else:
                     chars.append("#")
             else:
@@ -87,7 +87,10 @@ def test_demo_prints_the_oracle_stream(argv, config, capsys):
         assert int(row["count"]) == sum(b - a for a, b in visible)
         assert (row["pin"] == "pin") == pinned_here
         assert (ranges(row["shot"]) or [None])[0] == shot
-        assert int(row["bytes"].replace(",", "")) == resident
+        # binary units, as `causalkv memory` prints them: 2 decimals of KiB/MiB/GiB
+        unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[row["unit"]]
+        assert 1 <= resident / unit < 1024 or row["unit"] == "B"
+        assert float(row["size"]) == round(resident / unit, 2)
         assert frame_map == want_map, c
     if config.cuts:
         assert "scene cuts (pinned after their context pass): chunks " + ", ".join(
