@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: bump when the preset definitions change: old cache folders are rebuilt
-PRESET_FORMAT = 1
+PRESET_FORMAT = 2
 _MARKER = ".causalkv-preset.json"
 
 

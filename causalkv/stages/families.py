@@ -178,11 +178,12 @@ LONGLIVE2 = StageRegistration(
             "tiny-longlive2-1k",
             {"height": 128, "width": 128, "frames_per_chunk": 4, "sink_frames": 4,
              "global_sink_frames": 4, "window_frames": 24, "rope_offset_frames_per_shot": 4,
-             "guidance_scale": 3.0, "default_frames": 24},
+             "guidance_scale": 3.0, "default_frames": 24, "text_max_length": 128},
             seed=105,
             description="LongLive 2.0-style at a chunk size where compression shows: 128x128 "
             "with 1x1 patches (1,024 tokens per 4-frame chunk), 4-frame global + pinned shot "
-            "sink, 24-frame window, CFG 3.0, RoPE +4 frames per shot",
+            "sink, 24-frame window, CFG 3.0, RoPE +4 frames per shot, 128-token prompts (a "
+            "sentence, the scene-cut prefix included)",
             transformer={"patch_size": [1, 1, 1], "num_attention_heads": 2, "num_layers": 2},
         ),
     ),
