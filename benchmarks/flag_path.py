@@ -1,7 +1,7 @@
 """The path of one command-line flag from ``causalkv generate`` to the first KV-cache write.
 
-    python benchmarks/flag_path.py                     # --kv-cache-quant int2 on tiny-wan
-    python benchmarks/flag_path.py --show-calls        # also every function that held it
+    .venv/bin/python benchmarks/flag_path.py                     # --kv-cache-quant int2 on tiny-wan
+    .venv/bin/python benchmarks/flag_path.py --show-calls        # also every function that held it
 
 Runs ``causalkv generate --model tiny-wan --kv-cache-quant int2`` (one chunk of three frames, no
 video written) in this process under `sys.setprofile`, and records, in call order, each module
@@ -16,7 +16,7 @@ distinct modules that is, how many times the flag comes back to a module it had 
 distinct hops (module A to module B) with those of them that go back into a module already
 entered (a hop taken once per layer, or once per chunk, counts once there). The
 count is the same for any checkout with that command line, so two trees can be compared by
-running this file from each (``PYTHONPATH=<checkout> python benchmarks/flag_path.py``).
+running this file from each (``PYTHONPATH=<checkout> .venv/bin/python benchmarks/flag_path.py``).
 """
 
 from __future__ import annotations
