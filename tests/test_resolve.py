@@ -125,7 +125,8 @@ def test_heads_sharded_and_recent_window_add_requirements(pm):
     res = resolve("tiny-lingbot", _args(heads_sharded=2, recent_window_frames=4), pm=pm)
     assert res.requirements == {"head_slice", "recent_window"}
     assert res.cache_factory.name == "dense"
-    assert "head_slice (--heads-sharded 2)" in res.reasons[2]
+    # the ranks as generate takes them, then as resolve does
+    assert "head_slice (--nproc-per-node 2 (resolve: --heads-sharded 2))" in res.reasons[2]
     assert "recent_window (--recent-window-frames 4)" in res.reasons[2]
 
 
