@@ -268,8 +268,8 @@ class ServerArgs:
         (``--multi-shot``, ``--nproc-per-node N`` / ``--heads-sharded N``, a recent window of the request or the
         model) and every record's `Options.requires`."""
         out: dict[str, str] = {}
-        if self.multi_shot:
-            out["pinned_sink"] = "--multi-shot"
+        if self.multi_shot:  # generate: several prompts of a multi-shot stage; resolve: a flag
+            out["pinned_sink"] = "several --prompt (resolve: --multi-shot)"
         if self.heads_sharded > 1:  # generate's flag, then resolve's
             n = self.heads_sharded
             out["head_slice"] = f"--nproc-per-node {n} (resolve: --heads-sharded {n})"

@@ -109,7 +109,7 @@ def test_reasons_explain_each_choice(pm):
         "model tiny-longlive2: matched by model name",
         "stage longlive2 (LongLive2Stage, plugin causalkv.builtin) serves tiny-longlive2 "
         "(priority 0)",
-        "requirements: pinned_sink (--multi-shot), quant:qvg (--kv-cache-quant int4)",
+        "requirements: pinned_sink (several --prompt (resolve: --multi-shot)), quant:qvg (--kv-cache-quant int4)",
         "cache qvg (plugin causalkv.builtin, priority 0): covers pinned_sink, quant:qvg; "
         "the only cache that does; dense lacks quant:qvg",
     )
