@@ -272,10 +272,11 @@ def run_generate(args: argparse.Namespace) -> int:
     torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
     process group and rank 0 alone prints, writes the video and the metrics.
     """
-    out, progress = Stdout(), Progress()
-    plugins = getattr(args, _PLUGINS, None)
     from causalkv.runtime.compare import compare_table
     from causalkv.runtime.distributed import init_parallel, launched_by_torchrun
+
+    out, progress = Stdout(), Progress()
+    plugins = getattr(args, _PLUGINS, None)
 
     def body() -> int:
         register_rank()  # a rank of `_launch`'s job: report to it, die with torchrun
