@@ -2,7 +2,9 @@
 interpreter per run (``python -m causalkv ARGS``), the least and the median wall seconds of
 ``--repeats`` runs per command, run in turns (each round runs every command once), and
 whether the command imported torch, diffusers or transformers (it should not: they load
-when a command needs them). Target: under 0.5 s each on a quiet machine.
+when a command needs them). Target: under 0.5 s each on a quiet machine. The CPU seconds
+(user + system of the child, least of the runs) are printed too: on a machine other work
+shares, the wall time measures the queue, the CPU time what the command itself costs.
 
     .venv/bin/python benchmarks/cli_startup.py              # table
     .venv/bin/python benchmarks/cli_startup.py --repeats 9  # more runs per command
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,31 +53,38 @@ _PROBE = (
 )
 
 
-def run_once(args: tuple[str, ...]) -> tuple[float, list[str]]:
-    """Wall seconds of one fresh interpreter answering ``causalkv ARGS``, and the heavy
-    modules it imported."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(args: tuple[str, ...]) -> tuple[float, float, list[str]]:
+    """Wall and CPU seconds of one fresh interpreter answering ``causalkv ARGS``, and the
+    heavy modules it imported."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    t0 = time.perf_counter()
+    cpu0, t0 = _children_cpu(), time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True,
                           env=env, timeout=300)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"causalkv {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
     line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY "))
-    return seconds, [m for m in line[len("HEAVY "):].split(",") if m]
+    return seconds, cpu, [m for m in line[len("HEAVY "):].split(",") if m]
 
 
 def measure(repeats: int) -> list[dict[str, object]]:
     times: dict[tuple[str, ...], list[float]] = {c: [] for c in COMMANDS}
+    cpus: dict[tuple[str, ...], list[float]] = {c: [] for c in COMMANDS}
     heavy: dict[tuple[str, ...], list[str]] = {}
     for _ in range(repeats):
         for c in COMMANDS:  # in turns: a slow moment of the machine hits every command alike
-            seconds, imported = run_once(c)
+            seconds, cpu, imported = run_once(c)
             times[c].append(seconds)
+            cpus[c].append(cpu)
             heavy[c] = imported
     return [
         {"command": "causalkv " + " ".join(c), "least_s": min(t), "median_s": statistics.median(t),
-         "repeats": len(t), "heavy_imports": heavy[c]}
+         "cpu_least_s": min(cpus[c]), "repeats": len(t), "heavy_imports": heavy[c]}
         for c, t in times.items()
     ]
 
@@ -91,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     width = max(len(str(r["command"])) for r in rows)
-    print(f"{'command':<{width}}  least_s  median_s  imports torch/diffusers/transformers")
+    print(f"{'command':<{width}}  least_s  median_s  cpu_s  imports torch/diffusers/transformers")
     for r in rows:
         print(f"{r['command']:<{width}}  {r['least_s']:7.3f}  {r['median_s']:8.3f}  "
-              f"{', '.join(r['heavy_imports']) or 'none'}")  # type: ignore[arg-type]
-    print(f"{args.repeats} runs per command, a fresh interpreter each ({sys.executable})")
+              f"{r['cpu_least_s']:5.2f}  {', '.join(r['heavy_imports']) or 'none'}")  # type: ignore[arg-type]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{args.repeats} runs per command, a fresh interpreter each ({sys.executable}); "
+          f"load average {load:.1f} on {os.cpu_count()} CPUs")
     return 0
 
 
