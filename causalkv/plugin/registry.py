@@ -30,6 +30,15 @@ if TYPE_CHECKING:
 __all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
 
 
+#: the base every stage derives from, by name: a loaded stage class brought it in, so the
+#: check needs no import of it (`causalkv.stages.base` imports torch; collecting does not)
+STAGE_BASE = "causalkv.stages.base.CausalDenoisingStage"
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 @dataclass(frozen=True)
 class StageEntry:
     """A stage registration and the plugin that returned it."""
@@ -48,8 +57,6 @@ class StageEntry:
             ImportError: the ``"module:Class"`` cannot be imported (names stage and plugin).
             TypeError: the target is not a `CausalDenoisingStage` subclass.
         """
-        from causalkv.stages.base import CausalDenoisingStage  # torch: only once a stage loads
-
         reg = self.registration
         try:
             cls = reg.load()
@@ -57,7 +64,7 @@ class StageEntry:
             raise ImportPathError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from {reg.target!r}: {exc}"
             ) from exc
-        if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
+        if not (isinstance(cls, type) and any(_name(c) == STAGE_BASE for c in cls.__mro__)):
             raise InvalidTypeError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
                 f"a subclass of causalkv.stages.base.CausalDenoisingStage"
