@@ -26,7 +26,7 @@ channel outliers known from LLM and video K caches). Keys and values use indepen
 element of int2 and int4 with the rule's centroid count, half and twice it, and the
 reference's fixed 128 (capped at the token count, as the codec does).
 
-Run: ``python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--centroid-sweep] [--json]``.
+Run: ``.venv/bin/python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--centroid-sweep] [--json]``.
 """
 
 from __future__ import annotations

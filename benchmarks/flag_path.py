@@ -1,10 +1,11 @@
 """The path of one command-line flag from ``causalkv generate`` to the first KV-cache write.
 
-    python benchmarks/flag_path.py                     # --kv-cache-quant int2 on tiny-wan
-    python benchmarks/flag_path.py --show-calls        # also every function that held it
+    .venv/bin/python benchmarks/flag_path.py                     # --kv-cache-quant int2 on tiny-wan
+    .venv/bin/python benchmarks/flag_path.py --show-calls        # also every function that held it
 
-Runs ``causalkv generate --model tiny-wan --kv-cache-quant int2`` (one chunk of three frames, no
-video written) in this process under `sys.setprofile`, and records, in call order, each module
+Runs ``causalkv generate --model tiny-wan --kv-cache-quant int2 --kv-cache-quant-keep-recent 0``
+(two chunks of three frames, no video written: the first chunk is packed, so the flag takes
+effect and the run warns of nothing) in this process under `sys.setprofile`, and records, in call order, each module
 of the package whose function is passed the flag as an argument (``self`` aside: a method of an
 object that carries the flag does not move it): the parsed argparse namespace carrying
 it (the record's flags are stored there under ``"<module>.QVGKVQuantArgs.<field>"``), the QVG settings record built from it (`QVGKVQuantArgs`), or an object a
@@ -16,7 +17,7 @@ distinct modules that is, how many times the flag comes back to a module it had 
 distinct hops (module A to module B) with those of them that go back into a module already
 entered (a hop taken once per layer, or once per chunk, counts once there). The
 count is the same for any checkout with that command line, so two trees can be compared by
-running this file from each (``PYTHONPATH=<checkout> python benchmarks/flag_path.py``).
+running this file from each (``PYTHONPATH=<checkout> .venv/bin/python benchmarks/flag_path.py``).
 """
 
 from __future__ import annotations
@@ -100,15 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as home:
         metrics = Path(home) / "metrics.json"
-        run = ["generate", "--model", "tiny-wan", "--kv-cache-quant", "int2", "--frames", "3",
-               "--quiet", "--metrics", str(metrics)]
+        run = ["generate", "--model", "tiny-wan", "--kv-cache-quant", "int2",
+               "--kv-cache-quant-keep-recent", "0", "--frames", "6", "--quiet", "--metrics", str(metrics)]
         os.environ["CAUSALKV_HOME"] = home  # the preset is built here, not in the user's home
         modules, calls = trace(run)
     short = [m.removeprefix("causalkv.") for m in modules]
     returns = sum(1 for i, m in enumerate(short) if m in short[:i])
     hops = set(zip(short, short[1:]))
     back = {(a, b) for i, (a, b) in enumerate(zip(short, short[1:])) if b in short[: i + 1]}
-    print(f"causalkv {' '.join(run[:6])} ...: the flag's path to the first cache write")
+    print(f"causalkv {' '.join(run[:9])} ...: the flag's path to the first cache write")
     print(f"modules entered, in order ({len(short)} stays, {len(set(short))} modules, "
           f"{returns} returns to a module already left; {len(hops)} distinct hops between "
           f"modules, {len(back)} of them back into one already entered):")

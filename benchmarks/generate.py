@@ -24,7 +24,7 @@ per 3-frame chunk). Every stage has a window of four chunks, 1 transformer layer
 ``--quick`` runs the tiny presets' 64x64 geometry (16 tokens per frame) for
 a CI-sized smoke run. ``--stage`` picks stages.
 
-Run: ``python benchmarks/generate.py [--quick] [--stage longlive2] [--json]``.
+Run: ``.venv/bin/python benchmarks/generate.py [--quick] [--stage longlive2] [--json]``.
 """
 
 from __future__ import annotations

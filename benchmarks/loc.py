@@ -1,8 +1,8 @@
 """Lines of code by an AST scan: the lines that hold a statement or an expression, leaving out
 docstrings, comments and blank lines (a statement spanning lines counts each of its lines).
 
-    python benchmarks/loc.py causalkv/hooks causalkv/plugin      # per file and the total
-    python benchmarks/loc.py --packages causalkv                  # per package, files over 500 lines
+    .venv/bin/python benchmarks/loc.py causalkv/hooks causalkv/plugin      # per file and the total
+    .venv/bin/python benchmarks/loc.py --packages causalkv                  # per package, files over 500 lines
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ ranks seeded alike so the weights and inputs agree. Per row:
   `causalkv.runtime.distributed.exchange_nbytes` next to it);
 - the largest |difference| of the 2-rank output from the 1-rank output (same seed).
 
-Run: ``python benchmarks/parallel.py [--device cpu|cuda] [--chunks 8] [--json]``. On CUDA the
+Run: ``.venv/bin/python benchmarks/parallel.py [--device cpu|cuda] [--chunks 8] [--json]``. On CUDA the
 2-rank row needs 2 GPUs; with one GPU only the 1-rank row runs and the table says so.
 """
 

@@ -1,8 +1,8 @@
 """Figures of the benchmarks: PNGs for the docs, drawn with matplotlib (extra ``bench``).
 
-    python benchmarks/report.py                          # run what is needed, write docs/figures
-    python benchmarks/report.py --codec-json c.json --generate-json g.json   # reuse JSON
-    python benchmarks/report.py --quick                  # smaller runs (smoke)
+    .venv/bin/python benchmarks/report.py                          # run what is needed, write docs/figures
+    .venv/bin/python benchmarks/report.py --codec-json c.json --generate-json g.json   # reuse JSON
+    .venv/bin/python benchmarks/report.py --quick                  # smaller runs (smoke)
 
 Figures (in ``--out``, default ``docs/figures/``):
 

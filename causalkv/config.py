@@ -265,13 +265,14 @@ class ServerArgs:
 
     def requirement_reasons(self, model: ModelConfig | None = None) -> dict[str, str]:
         """Cache features this request needs -> why, as the user wrote it: the host's fields
-        (``--multi-shot``, ``--heads-sharded N``, a recent window of the request or the
+        (``--multi-shot``, ``--nproc-per-node N`` / ``--heads-sharded N``, a recent window of the request or the
         model) and every record's `Options.requires`."""
         out: dict[str, str] = {}
-        if self.multi_shot:
-            out["pinned_sink"] = "--multi-shot"
-        if self.heads_sharded > 1:
-            out["head_slice"] = f"--heads-sharded {self.heads_sharded}"
+        if self.multi_shot:  # generate: several prompts of a multi-shot stage; resolve: a flag
+            out["pinned_sink"] = "several --prompt (resolve: --multi-shot)"
+        if self.heads_sharded > 1:  # generate's flag, then resolve's
+            n = self.heads_sharded
+            out["head_slice"] = f"--nproc-per-node {n} (resolve: --heads-sharded {n})"
         if self.recent_window_frames is not None:
             out["recent_window"] = f"--recent-window-frames {self.recent_window_frames}"
         elif model is not None and model.recent_window_frames is not None:

@@ -13,7 +13,7 @@ from causalkv.cli import main
 ROW = re.compile(
     r"^\s*(?P<chunk>\d+)\s+\[(?P<a>\d+),(?P<b>\d+)\)\s+(?P<pin>pin)?\s+"
     r"(?P<visible>(?:\[\d+,\d+\) ?)+)\s+(?P<count>\d+)\s+(?P<shot>-|\[\d+,\d+\))\s+"
-    r"(?P<bytes>[\d,]+) B$"
+    r"(?P<size>[\d.]+) (?P<unit>B|KiB|MiB|GiB)$"
 )
 MAP = re.compile(r"^\s*(?P<chunk>\d+)\s+\|(?P<map>[^|]*)\|$")
 
@@ -40,8 +40,8 @@ def oracle_stream(config: DemoConfig):
                     chars.append("G")
                 elif seen_pin and seen_pin[0] <= p < seen_pin[1]:
                     chars.append("P")
-                elif p >= c * n:
-                    chars.append("C")
+                elif p >= c * n:  # a cut chunk is pinned after its context pass: P
+                    chars.append("P" if c in config.cuts else "C")
                 else:
                     chars.append("#")
             else:
@@ -87,7 +87,10 @@ def test_demo_prints_the_oracle_stream(argv, config, capsys):
         assert int(row["count"]) == sum(b - a for a, b in visible)
         assert (row["pin"] == "pin") == pinned_here
         assert (ranges(row["shot"]) or [None])[0] == shot
-        assert int(row["bytes"].replace(",", "")) == resident
+        # binary units, as `causalkv memory` prints them: 2 decimals of KiB/MiB/GiB
+        unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[row["unit"]]
+        assert 1 <= resident / unit < 1024 or row["unit"] == "B"
+        assert float(row["size"]) == round(resident / unit, 2)
         assert frame_map == want_map, c
     if config.cuts:
         assert "scene cuts (pinned after their context pass): chunks " + ", ".join(
@@ -103,13 +106,18 @@ def test_demo_default_shows_the_shot_sink_release(capsys):
     assert ranges(rows[7]["visible"]) == [(0, 16), (80, 128)]
     assert [r["pin"] for r in rows].count("pin") == 2
     assert maps[5] == "G" * 8 + "." * 16 + "P" * 8 + "#" * 8 + "C" * 8 + " " * 24
+    # a cut chunk is pinned after its context pass: the map (drawn after it) shows it as P
+    assert maps[3] == "G" * 8 + "#" * 16 + "P" * 8 + " " * 40
+    assert maps[6][48:56] == "P" * 8 and "C" not in maps[6]
 
 
 def test_demo_full_scale_line_matches_facts(capsys):
     main(["demo", "--chunks", "1"])
     out = capsys.readouterr().out
-    # docs/design.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens = 10.4 GB
-    assert "28,160 tokens: 10.4 GB of K/V (368,640 B per token)" in out
+    # docs/design.md: LongLive 2.0 (5B) 368,640 B per token; a 32-frame window of 28,160 tokens
+    # = 10,380,902,400 B = 9.67 GiB (2^30 B), the dense_bytes `causalkv memory longlive2` prints
+    assert "28,160 tokens: 9.67 GiB of K/V (368,640 B per token)" in out
+    assert " GB" not in out
 
 
 @pytest.mark.parametrize("argv", [["demo", "--cuts", "3,x"], ["demo", "--chunks", "0"]])

@@ -19,7 +19,9 @@ def test_generate_writes_mp4_and_metrics_with_compare(
     causalkv_home: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, metrics_path = tmp_path / "v.mp4", tmp_path / "m.json"
+    # bf16 caches under float32 compute: --compare-bf16's reference is a bf16 cache
     rc = main(["generate", "--model", "tiny-wan", "--frames", "12", "--dtype", "float32",
+               "--kv-cache-dtype", "bfloat16",
                "--kv-cache-quant", "int2", "--compare-bf16", "--seed", "3", "--quiet",
                "--output", str(out), "--metrics", str(metrics_path)])
     printed = capsys.readouterr().out
@@ -30,7 +32,7 @@ def test_generate_writes_mp4_and_metrics_with_compare(
     assert (m["stage"], m["cache"], m["chunks"]) == ("self-forcing-wan", "qvg", 4)
     assert len(m["seconds_per_chunk"]) == 4 and all(s > 0 for s in m["seconds_per_chunk"])
     assert m["kv_resident_bytes_max"] >= m["kv_resident_bytes_final"] > 0
-    assert m["reference_cache"] == "dense"
+    assert m["reference_cache"] == "dense" and m["reference_kv_cache_dtype"] == "bfloat16"
     assert m["kv_resident_bytes_max"] < m["reference_kv_resident_bytes_max"]
     assert isinstance(m["latent_psnr_db"], float) and math.isfinite(m["latent_psnr_db"])
     assert m["latent_psnr_db"] > 0

@@ -13,7 +13,8 @@ from causalkv.config import ServerArgs
 from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.presets import preset_dir
 from causalkv.stages.base import CausalDenoisingStage
-from causalkv.stages.longlive2 import SCENE_CUT_PREFIX, LongLive2Stage
+from causalkv.stages.families import SCENE_CUT_PREFIX
+from causalkv.stages.longlive2 import LongLive2Stage
 
 
 @pytest.fixture

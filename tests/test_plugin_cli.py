@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import ClassVar
@@ -82,11 +83,20 @@ def test_plugins_json_lists_plugins_stages_and_caches(capsys):
     assert ll2["features_needed"] == {
         "always": [],
         "--kv-cache-quant": ["quant:qvg"],
-        "--multi-shot": ["pinned_sink"],
-        "--heads-sharded": ["head_slice"],
+        "several --prompt (resolve: --multi-shot)": ["pinned_sink"],
+        "--nproc-per-node N > 1 (resolve: --heads-sharded N)": ["head_slice"],
         "--recent-window-frames": ["recent_window"],
     }
-    assert "--multi-shot" not in stages["longlive"]["features_needed"]
+    assert "several --prompt (resolve: --multi-shot)" not in stages["longlive"]["features_needed"]
+    # every trigger names a flag of generate (a resolve-only flag only after "resolve:")
+    from causalkv.cli.commands import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for trigger in ll2["features_needed"]:
+        for flag in re.findall(r"--[\w-]+", trigger.split("(resolve:")[0]):
+            assert flag in sub["generate"]._option_string_actions, trigger
+        for flag in re.findall(r"--[\w-]+", trigger.split("(resolve:")[-1] if "(resolve:" in trigger else ""):
+            assert flag in sub["resolve"]._option_string_actions, trigger
     caches = {c["name"]: c for c in report["caches"]}
     assert caches["tiny-ring"] == {
         "name": "tiny-ring",

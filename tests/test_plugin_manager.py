@@ -68,8 +68,10 @@ def test_builtin_plugin_registers_through_the_public_hooks(pm):
     assert {e.plugin for e in (*reg.stages, *reg.caches)} == {BUILTIN_PLUGIN_NAME}
     dense, qvg = reg.cache("dense").factory, reg.cache("qvg").factory
     assert (dense.priority, qvg.priority) == (10, 0)
-    assert qvg.capabilities.missing(dense.capabilities.features) == frozenset()
-    assert qvg.capabilities.features - dense.capabilities.features == {"quant:qvg", "chunk_scratch"}
+    # registered as "module:Class" strings: the capabilities are the classes', read on first use
+    assert qvg.capabilities is None and dense.capabilities is None
+    assert qvg.features().missing(dense.features().features) == frozenset()
+    assert qvg.features().features - dense.features().features == {"quant:qvg", "chunk_scratch"}
 
 
 def test_builtin_stage_table():

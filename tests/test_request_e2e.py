@@ -17,8 +17,7 @@ from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.report import run_report
-from causalkv.stages.lingbot import MotionOptions
-from causalkv.stages.longlive2 import ShotRequest
+from causalkv.stages.families import MotionOptions, ShotRequest
 
 
 def test_longlive2_three_shots_pin_exactly_the_cut_chunks_with_int2(causalkv_home: str, pm) -> None:

@@ -14,12 +14,12 @@ from causalkv.cli.generate import add_generate_args, options_from_args
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError
 from causalkv.plugin import resolve
-from causalkv.stages.lingbot import LingBotWorldStage, MotionOptions, parse_motion, window_per_chunk
-from causalkv.stages.longlive2 import SCENE_CUT_PREFIX as P
+from causalkv.stages.families import SCENE_CUT_PREFIX as P
+from causalkv.stages.families import MotionOptions, ShotRequest, parse_motion
+from causalkv.stages.lingbot import LingBotWorldStage, window_per_chunk
 from causalkv.stages.longlive2 import (
     LongLive2Stage,
     ShotPlan,
-    ShotRequest,
     expand_shots,
     layout_of,
     unipc_sigmas,

@@ -109,7 +109,7 @@ def test_reasons_explain_each_choice(pm):
         "model tiny-longlive2: matched by model name",
         "stage longlive2 (LongLive2Stage, plugin causalkv.builtin) serves tiny-longlive2 "
         "(priority 0)",
-        "requirements: pinned_sink (--multi-shot), quant:qvg (--kv-cache-quant int4)",
+        "requirements: pinned_sink (several --prompt (resolve: --multi-shot)), quant:qvg (--kv-cache-quant int4)",
         "cache qvg (plugin causalkv.builtin, priority 0): covers pinned_sink, quant:qvg; "
         "the only cache that does; dense lacks quant:qvg",
     )
@@ -125,7 +125,8 @@ def test_heads_sharded_and_recent_window_add_requirements(pm):
     res = resolve("tiny-lingbot", _args(heads_sharded=2, recent_window_frames=4), pm=pm)
     assert res.requirements == {"head_slice", "recent_window"}
     assert res.cache_factory.name == "dense"
-    assert "head_slice (--heads-sharded 2)" in res.reasons[2]
+    # the ranks as generate takes them, then as resolve does
+    assert "head_slice (--nproc-per-node 2 (resolve: --heads-sharded 2))" in res.reasons[2]
     assert "recent_window (--recent-window-frames 4)" in res.reasons[2]
 
 

@@ -16,7 +16,7 @@ from causalkv.runtime.model_config import (
     read_model_folder,
 )
 from causalkv.runtime.presets import materialize_preset, preset_dir, preset_info
-from causalkv.stages.longlive2 import LongLive2Config
+from causalkv.stages.families import LongLive2Config
 
 WAN21_TRANSFORMER = {"patch_size": [1, 2, 2], "num_layers": 30, "num_attention_heads": 12,
                      "attention_head_dim": 128, "in_channels": 16}

@@ -47,7 +47,7 @@ def test_the_stages_import_nothing_of_the_runtime() -> None:
     code = (
         "import sys\n"
         "from causalkv.config import ModelConfig, ServerArgs\n"
-        "from causalkv.stages import lingbot, longlive, longlive2, wan\n"
+        "from causalkv.stages import families, lingbot, longlive, longlive2, wan\n"
         "m = ModelConfig('m', 'LongLive2Pipeline', 1, 1, 8, 1, 2)\n"
         "longlive2.LongLive2Stage.scheduler_spec(m)\n"
         "longlive2.LongLive2Stage.plan_chunks(['a', 'b'], 4, ServerArgs(multi_shot=True))\n"

@@ -9,14 +9,17 @@ chunk was pinned, the pinned range, the resident bytes and a one-character-per-f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.intervals import describe
-from causalkv.caches.spec import KVCacheSpec
+
+if TYPE_CHECKING:
+    from causalkv.caches.spec import KVCacheSpec
+
+#: the bytes as the report prints them (``causalkv demo`` passes the planner's binary units)
+SizeFormat = Callable[[int], str]
 
 __all__ = ["ChunkReport", "DemoConfig", "format_report", "run_demo"]
 
@@ -42,6 +45,10 @@ class DemoConfig:
         return self.frames_per_chunk * self.tokens_per_frame
 
     def spec(self) -> KVCacheSpec:
+        import torch  # the walkthrough builds tensors; its config (``demo --help``) does not
+
+        from causalkv.caches.spec import KVCacheSpec
+
         sink = self.sink_frames * self.tokens_per_frame
         return KVCacheSpec(
             batch_size=1,
@@ -70,6 +77,10 @@ class ChunkReport:
 
 def run_demo(config: DemoConfig) -> list[ChunkReport]:
     """Drive a `DenseCausalKVCache` through the stream; one report per chunk."""
+    import torch
+
+    from causalkv.caches.dense import DenseCausalKVCache
+
     spec = config.spec()
     cache = DenseCausalKVCache(spec)
     n = config.chunk_tokens
@@ -102,8 +113,9 @@ def run_demo(config: DemoConfig) -> list[ChunkReport]:
 
 
 def _frame_map(r: ChunkReport, config: DemoConfig, total_frames: int) -> str:
-    """One character per frame: G global sink, P pinned shot sink, C current chunk,
-    # other visible, r retained but not visible, . evicted, blank not yet written."""
+    """One character per frame after the chunk's context pass: G global sink, P pinned shot
+    sink (the chunk itself when it is a scene cut, pinned after its context pass), C current
+    chunk, # other visible, r retained but not visible, . evicted, blank not yet written."""
     tpf = config.tokens_per_frame
     sink_end = config.sink_frames * tpf
 
@@ -118,6 +130,8 @@ def _frame_map(r: ChunkReport, config: DemoConfig, total_frames: int) -> str:
         elif inside(p, r.visible):
             if p < sink_end:
                 chars.append("G")
+            elif r.pinned_here and inside(p, [r.written]):
+                chars.append("P")
             elif r.shot_sink_seen is not None and inside(p, [r.shot_sink_seen]):
                 chars.append("P")
             elif inside(p, [r.written]):
@@ -131,7 +145,8 @@ def _frame_map(r: ChunkReport, config: DemoConfig, total_frames: int) -> str:
     return "".join(chars)
 
 
-def format_report(config: DemoConfig, reports: Sequence[ChunkReport]) -> str:
+def format_report(config: DemoConfig, reports: Sequence[ChunkReport], size: SizeFormat) -> str:
+    """The walkthrough's text; ``size`` formats every byte count (binary units)."""
     spec = config.spec()
     tpf = config.tokens_per_frame
     total_frames = config.chunks * config.frames_per_chunk
@@ -155,30 +170,35 @@ def format_report(config: DemoConfig, reports: Sequence[ChunkReport]) -> str:
         lines.append(
             f"{r.index:>5}  {describe((r.written,)):<10} {'pin' if r.pinned_here else '':<3}  "
             f"{describe(r.visible):<30} {visible:>7}  {pinned:<10} "
-            f"{r.resident_nbytes:>8,} B"
+            f"{size(r.resident_nbytes):>10}"
         )
     lines += ["", f"frame map (1 char = 1 frame = {tpf} tokens), after each chunk's context pass:"]
     maps = [_frame_map(r, config, total_frames) for r in reports]
     lines += [f"{r.index:>5}  |{m}|" for r, m in zip(reports, maps)]
     held = "  r held but outside the window" if any("r" in m for m in maps) else ""
     lines += [
-        "  G global sink  P pinned shot sink  C current chunk  # rolling window (visible)",
+        "  G global sink  P pinned shot sink (a cut chunk: pinned after its context pass)",
+        "  C current chunk  # rolling window (visible)",
         f"{held}  . evicted",
         "",
         "The cache is preallocated ([B, cache_size, H, D] for K and for V), so the resident",
         "bytes stay constant; a later cut releases the earlier shot sink, which then rolls out.",
-        full_scale_line(config),
+        full_scale_line(config, size),
     ]
     return "\n".join(lines)
 
 
-def full_scale_line(config: DemoConfig) -> str:
+def full_scale_line(config: DemoConfig, size: SizeFormat) -> str:
     """The same window at LongLive 2.0 scale: 880 tokens/frame, 30 layers x 24 heads x 128, bf16."""
+    import torch
+
+    from causalkv.caches.spec import KVCacheSpec
+
     tokens = config.window_frames * 880
     per_layer = KVCacheSpec(1, 24, 128, tokens, dtype=torch.bfloat16).dense_nbytes()
     total = 30 * per_layer
     return (
         f"At LongLive 2.0 scale (880 tokens/frame, 30 layers x 24 heads x 128, bf16) this "
-        f"{config.window_frames}-frame cache holds {tokens:,} tokens: {total / 1e9:.1f} GB of K/V "
+        f"{config.window_frames}-frame cache holds {tokens:,} tokens: {size(total)} of K/V "
         f"({total // tokens:,} B per token)."
     )

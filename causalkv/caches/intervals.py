@@ -7,8 +7,10 @@ arithmetic, on Python ints only, so the hot path never touches the device to dec
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Interval = tuple[int, int]
 Intervals = tuple[Interval, ...]
@@ -105,6 +107,8 @@ def to_slots(x: Intervals, sub: Intervals) -> Intervals:
 
 def to_positions(x: Intervals, device: torch.device | str | None = None) -> torch.Tensor:
     """int64 ``[count(x)]`` tensor of the positions in ``x``."""
+    import torch  # positions as a tensor; the arithmetic above is plain ints
+
     if not x:
         return torch.empty(0, dtype=torch.int64, device=device)
     if len(x) == 1:

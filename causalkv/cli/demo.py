@@ -16,6 +16,7 @@ from causalkv.caches.demo import DemoConfig, format_report, run_demo
 from causalkv.cli.faults import Stdout, Steps, run_guarded
 from causalkv.errors import ConfigError
 from causalkv.runtime.checks import host_memory_bytes
+from causalkv.runtime.memory.records import format_bytes
 
 __all__ = ["MAX_CHUNKS", "check_demo_sizes", "demo_memory_floor", "register"]
 
@@ -84,7 +85,7 @@ def _main(args: argparse.Namespace) -> int:
     def body() -> int:
         check_demo_sizes(config, host_memory_bytes())
         out = Stdout()  # a reader that goes away (`| head`) ends the printing, not the command
-        out(format_report(config, run_demo(config)))
+        out(format_report(config, run_demo(config), format_bytes))
         out.flush()
         return 0
 

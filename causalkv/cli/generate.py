@@ -19,19 +19,13 @@ from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.options import Options
 from causalkv.plugin import Registry
-from causalkv.runtime.compare import compare_table
-from causalkv.runtime.distributed import (
-    env_world,
-    init_parallel,
-    launched_by_torchrun,
-    run_under_torchrun,
-    shutdown,
-)
-from causalkv.runtime.generate import generate
 from causalkv.runtime.launch import register_rank
-from causalkv.runtime.plan import plan_generation
+from causalkv.runtime.memory.records import format_bytes
 from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.video import video_formats
+
+# The parser (``--help``) imports no torch: the modules that run a generation (torch,
+# diffusers, transformers) are imported by the functions that run it.
 
 __all__ = [
     "add_extension_args",
@@ -172,7 +166,11 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (exit codes: docs/usage.md)")
     parser.add_argument("--compare-bf16", action="store_true",
-                        help="also run with kv-cache-quant off (same seed) and report latent_psnr_db")
+                        help="also run with kv-cache-quant off and bf16 caches (same seed), report "
+                        "latent_psnr_db, then time both settings warm (the table at the end)")
+    parser.add_argument("--compare-dtype", default=None, choices=DTYPES,
+                        help="the KV-cache dtype of --compare-bf16's reference run (default: "
+                        "bfloat16, whatever --dtype and --kv-cache-dtype say)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="sequence parallel on N local processes (torchrun; gloo on CPU, "
@@ -221,6 +219,10 @@ def options_from_args(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     output = None
+    compare_dtype = getattr(args, "compare_dtype", None)
+    if compare_dtype is not None and not args.compare_bf16:
+        raise ConfigError(f"--compare-dtype {compare_dtype} names the reference of --compare-bf16; "
+                          "add --compare-bf16 or drop --compare-dtype")
     if args.no_video and args.output is not None:
         raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
     if not args.no_video:
@@ -234,6 +236,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         negative_prompt=args.negative_prompt,
         stage=args.stage,
         compare_bf16=args.compare_bf16,
+        compare_dtype=compare_dtype or "bfloat16",
         output=output,
         quiet=args.quiet,
         metrics=getattr(args, "metrics", None),
@@ -245,6 +248,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
+    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)
@@ -267,6 +272,9 @@ def run_generate(args: argparse.Namespace) -> int:
     torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
     process group and rank 0 alone prints, writes the video and the metrics.
     """
+    from causalkv.runtime.compare import compare_table
+    from causalkv.runtime.distributed import init_parallel, launched_by_torchrun
+
     out, progress = Stdout(), Progress()
     plugins = getattr(args, _PLUGINS, None)
 
@@ -281,10 +289,7 @@ def run_generate(args: argparse.Namespace) -> int:
         metrics, run = _generate_and_leave(options, out, progress, plugins)
         if not main_rank:
             return 0
-        out(
-            f"done: {len(run.chunk_stats)} chunks, {run.seconds_per_chunk_mean:.3f} s/chunk, KV "
-            f"resident max {run.kv_resident_bytes_max:,} B, final {run.kv_resident_bytes_final:,} B"
-        )
+        out(done_line(run, metrics))
         if options.metrics is not None:
             out(f"metrics: {options.metrics}")
         if "reference_kv_resident_bytes_max" in metrics:
@@ -295,8 +300,25 @@ def run_generate(args: argparse.Namespace) -> int:
     return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
 
 
+def done_line(run: Any, metrics: dict[str, Any]) -> str:
+    """The ``done:`` line: chunks, seconds per chunk of the first run in this process (cold:
+    its first chunks pay for warming up) and, after ``--compare-bf16``, the warm figure the
+    table shows; KV bytes in binary units."""
+    seconds = f"{run.seconds_per_chunk_mean:.3f} s/chunk cold (the first run in this process)"
+    warm = metrics.get("seconds_per_chunk_best")
+    if warm is not None:
+        seconds += f", {warm:.3f} s/chunk warm (least of {metrics['timing_repeats']} runs, the table's)"
+    return (
+        f"done: {len(run.chunk_stats)} chunks, {seconds}; KV resident max "
+        f"{format_bytes(run.kv_resident_bytes_max)}, final {format_bytes(run.kv_resident_bytes_final)}"
+    )
+
+
 def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
+    from causalkv.runtime.distributed import shutdown
+    from causalkv.runtime.generate import generate
+
     try:
         return generate(
             options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
@@ -310,6 +332,9 @@ def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
     (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
+    from causalkv.runtime.distributed import run_under_torchrun
+    from causalkv.runtime.plan import plan_generation
+
     plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)
     if argv is None:

@@ -12,21 +12,22 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from causalkv.errors import CausalKVError
-from causalkv.runtime.memory import (
+from causalkv.runtime.memory.geometry import BUILTIN_MODELS, resolve_model
+from causalkv.runtime.memory.records import (
     ATTENTION,
-    BUILTIN_MODELS,
     HOSTS,
     SETTINGS,
-    MemoryPlan,
     MemoryRequest,
     attention_of,
     format_bytes,
     parse_bytes,
-    plan_memory,
-    resolve_model,
 )
+
+if TYPE_CHECKING:
+    from causalkv.runtime.memory.plan import MemoryPlan
 
 __all__ = ["format_plan", "register"]
 
@@ -144,6 +145,8 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from causalkv.runtime.memory.plan import plan_memory  # the caches' position arithmetic
+
     try:
         geom = resolve_model(args.model)
         budget = None if args.budget is None else parse_bytes(args.budget)

@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
+#: the triggers ``causalkv plugins`` lists whose flag differs between generate and resolve
+MULTI_SHOT = "several --prompt (resolve: --multi-shot)"
+SHARDED = "--nproc-per-node N > 1 (resolve: --heads-sharded N)"
+
+
 def _fail(command: str, exc: BaseException) -> int:
     print(f"{NAME} {command}: error: {exc}", file=sys.stderr)
     return 2
@@ -86,11 +91,12 @@ def _stage_row(entry: Any) -> dict[str, Any]:
         row["error"] = str(exc)
         return row
     qvg, multi = cls._supports_qvg_kv_cache_quantization(), cls.supports_multi_shot()
+    # each trigger as generate takes it, then as resolve does where the two differ
     cases = {
         "always": ServerArgs(),
         "--kv-cache-quant": ServerArgs(options=[QVGKVQuantArgs(codec="int4")]) if qvg else None,
-        "--multi-shot": ServerArgs(multi_shot=True) if multi else None,
-        "--heads-sharded": ServerArgs(heads_sharded=2),
+        MULTI_SHOT: ServerArgs(multi_shot=True) if multi else None,
+        SHARDED: ServerArgs(heads_sharded=2),
         "--recent-window-frames": ServerArgs(recent_window_frames=1),
     }
     row["qvg"] = qvg

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from causalkv.caches.codecs import register_codec
 from causalkv.errors import ConfigError, ImportPathError, InvalidTypeError, describe_exception
@@ -27,9 +27,20 @@ from causalkv.plugin.errors import (
     ResolutionError,
 )
 from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, warn
-from causalkv.stages.base import CausalDenoisingStage
+
+if TYPE_CHECKING:
+    from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
+
+
+#: the base every stage derives from, by name: a loaded stage class brought it in, so the
+#: check needs no import of it (`causalkv.stages.base` imports torch; collecting does not)
+STAGE_BASE = "causalkv.stages.base.CausalDenoisingStage"
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,7 @@ class StageEntry:
             raise ImportPathError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from {reg.target!r}: {exc}"
             ) from exc
-        if not (isinstance(cls, type) and issubclass(cls, CausalDenoisingStage)):
+        if not (isinstance(cls, type) and any(_name(c) == STAGE_BASE for c in cls.__mro__)):
             raise InvalidTypeError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
                 f"a subclass of causalkv.stages.base.CausalDenoisingStage"

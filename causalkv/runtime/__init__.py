@@ -11,16 +11,10 @@ with random weights), `attention` (causal processors for diffusers' Wan transfor
 line is `causalkv.cli`.
 """
 
-from causalkv.runtime.compare import compare_unquantized, latent_psnr_db
-from causalkv.runtime.generate import generate
-from causalkv.runtime.load import build_stage
-from causalkv.runtime.model_config import ModelFolderError, ModelInfo, load_model_info
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.presets import materialize_preset
-from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, GenerationRun, Plan, PluginSet
-from causalkv.runtime.report import run_report
-from causalkv.runtime.run import run_plan
-from causalkv.runtime.write import write_outputs
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __all__ = [
     "DEFAULT_PROMPT",
@@ -41,3 +35,32 @@ __all__ = [
     "run_report",
     "write_outputs",
 ]
+
+#: each name's module: imported on first use, so ``causalkv.runtime.<light module>`` (the
+#: command line's parsers, ``causalkv memory``) imports no torch
+_HOMES = {
+    "DEFAULT_PROMPT": "causalkv.runtime.records",
+    "GenerateOptions": "causalkv.runtime.records",
+    "GenerationRun": "causalkv.runtime.records",
+    "ModelFolderError": "causalkv.runtime.model_config",
+    "ModelInfo": "causalkv.runtime.model_config",
+    "Plan": "causalkv.runtime.records",
+    "PluginSet": "causalkv.runtime.records",
+    "build_stage": "causalkv.runtime.load",
+    "compare_unquantized": "causalkv.runtime.compare",
+    "generate": "causalkv.runtime.generate",
+    "latent_psnr_db": "causalkv.runtime.compare",
+    "load_model_info": "causalkv.runtime.model_config",
+    "materialize_preset": "causalkv.runtime.presets",
+    "plan_generation": "causalkv.runtime.plan",
+    "run_plan": "causalkv.runtime.run",
+    "run_report": "causalkv.runtime.report",
+    "write_outputs": "causalkv.runtime.write",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'causalkv.runtime' has no attribute {name!r}")
+    return getattr(import_module(home), name)

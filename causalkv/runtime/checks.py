@@ -33,26 +33,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
 from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
-from causalkv.runtime.file_checks import (
-    FILE_OVERHEAD_BYTES,
-    check_home,
-    check_model_files,
-    check_output_files,
-)
-from causalkv.runtime.loading import parse_dtype
 from causalkv.runtime.model_config import (
     preset_transformer_config,
 )
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 if TYPE_CHECKING:
+    import torch
+
     from causalkv.runtime.records import GenerateOptions, Plan
 
 __all__ = [
@@ -86,6 +79,8 @@ DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN = 1024
 def check_before_load(plan: Plan, options: GenerateOptions) -> None:
     """Every check of the module docstring, on a plan `plan_generation` has built (presets are
     looked up in the plan's plugins)."""
+    from causalkv.runtime.file_checks import check_home, check_model_files, check_output_files
+
     args = plan.server_args
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
@@ -240,6 +235,10 @@ def check_device(device: str, dtype: str) -> torch.device:
     The dtype probe is one 8x8 matmul on the device (it initializes CUDA on a GPU, which the
     run would do anyway).
     """
+    import torch  # torch loads with a command that runs, not for its --help
+
+    from causalkv.runtime.loading import parse_dtype
+
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
@@ -393,6 +392,8 @@ def host_memory_bytes() -> int | None:
 
 
 def _device_memory_bytes(device: str) -> int | None:
+    import torch
+
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):  # `check_device` names it
@@ -418,6 +419,8 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
       transformer allocates when it loads.
     """
+    from causalkv.runtime.loading import parse_dtype
+
     s, args, model = plan.settings, plan.server_args, plan.model
     heads = model.num_heads // max(1, args.heads_sharded)
     kv_item = parse_dtype(args.kv_cache_dtype or args.dtype).itemsize
@@ -490,6 +493,8 @@ VIDEO_FLOOR_COMPRESSION = 200
 def video_nbytes_floor(plan: Plan) -> int:
     """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
     Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
+    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+
     info = plan.info
     frames = 1 + 4 * (plan.num_frames - 1)
     return FILE_OVERHEAD_BYTES + frames * info.height * info.width * 3 // VIDEO_FLOOR_COMPRESSION
@@ -498,6 +503,8 @@ def video_nbytes_floor(plan: Plan) -> int:
 def metrics_nbytes_floor(plan: Plan) -> int:
     """The least bytes the metrics JSON of ``plan`` takes: its fixed keys and one number per
     chunk in each per-chunk list (at least 8 bytes each, five lists)."""
+    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+
     return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
 
 

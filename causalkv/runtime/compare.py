@@ -1,12 +1,14 @@
 """Step 4 of `causalkv.runtime.generate` (``--compare-bf16``): the same request without the
-cache's settings (quantization off), on the same seed and components, how far apart the two
-runs' latents and KV bytes are, and how long a chunk takes with each setting, timed fairly.
+cache's settings (quantization off) and with bf16 caches (or the reference dtype the request
+names, ``--compare-dtype``), on the same seed and components, how far apart the two runs'
+latents and KV bytes are, and how long a chunk takes with each setting, timed fairly.
 
 The timing: the run and its reference are the warm-up; then `TIMING_REPEATS` more runs of
 each setting, alternating (this setting, the reference, this setting, ...) in this one
 process on the same components, and each setting's least total over its repeats, per chunk
-(``seconds_per_chunk_best``). One run each, timed once, says little: the first run in a
-process pays for warming up and whatever else the machine runs lands on one of the two.
+(``seconds_per_chunk_best``), with every timed run's figure (``seconds_per_chunk_runs``) so
+the table shows the spread. One run each, timed once, says little: the first run in a process
+pays for warming up and whatever else the machine runs lands on one of the two.
 `compare_table` is the end-of-run summary the command line prints.
 """
 
@@ -20,13 +22,16 @@ import torch
 
 from causalkv.options import CacheOptions
 from causalkv.plugin import resolve
+from causalkv.runtime.memory.records import format_bytes
 from causalkv.runtime.records import GenerationRun, Plan
 from causalkv.runtime.run import run_plan
 
-__all__ = ["TIMING_REPEATS", "compare_table", "compare_unquantized", "latent_psnr_db"]
+__all__ = ["REFERENCE_DTYPE", "TIMING_REPEATS", "compare_table", "compare_unquantized", "latent_psnr_db"]
 
 #: timed runs of each setting after the warm-up pair (`compare_unquantized`)
 TIMING_REPEATS = 3
+#: the reference run's KV-cache dtype unless the request names another (``--compare-dtype``)
+REFERENCE_DTYPE = "bfloat16"
 
 
 def latent_psnr_db(latents: torch.Tensor, reference: torch.Tensor) -> float | None:
@@ -49,14 +54,18 @@ def cache_class(run: GenerationRun) -> str:
 
 
 def compare_unquantized(
-    plan: Plan, run: GenerationRun, *, pm: Any = None, repeats: int = TIMING_REPEATS
+    plan: Plan, run: GenerationRun, *, pm: Any = None, repeats: int = TIMING_REPEATS,
+    reference_dtype: str = REFERENCE_DTYPE,
 ) -> dict[str, Any]:
     """Rerun ``plan`` without any cache's settings and without a forced cache (so with
-    quantization off), same seed, same components; then ``repeats`` timed runs of each setting,
-    alternating (``0``: no timing, ``None`` for the best times); the comparison metrics.
-    The timed runs are full runs of the request (``causalkv_chunk_done`` sees their chunks)."""
+    quantization off), with ``reference_dtype`` caches (bf16 unless named: the run's own
+    ``--dtype float32`` would double the reference's bytes), same seed, same components; then
+    ``repeats`` timed runs of each setting, alternating (``0``: no timing, ``None`` for the
+    best times); the comparison metrics. The timed runs are full runs of the request
+    (``causalkv_chunk_done`` sees their chunks)."""
     plugins = plan.plugin_set(pm)
-    ref_args = replace(plan.server_args.without_options(CacheOptions), cache=None)
+    ref_args = replace(plan.server_args.without_options(CacheOptions), cache=None,
+                       kv_cache_dtype=reference_dtype)
     ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.stage_name, registry=plugins.registry)
 
     def again(reference: bool) -> GenerationRun:
@@ -66,16 +75,16 @@ def compare_unquantized(
         return run_plan(plan, pm=plugins.pm, components=run.components)
 
     ref = again(True)
-    best: dict[bool, float | None] = {False: None, True: None}
+    timed: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
         for reference in (False, True):
-            seconds = sum(again(reference).seconds_per_chunk) / max(1, plan.num_chunks)
-            least = best[reference]
-            best[reference] = seconds if least is None else min(least, seconds)
+            timed[reference].append(sum(again(reference).seconds_per_chunk) / max(1, plan.num_chunks))
+    best = {k: min(v) if v else None for k, v in timed.items()}
     psnr = latent_psnr_db(run.latents, ref.latents)
     return {
         "random_weights": plan.info.preset is not None,
         "reference_cache": ref_res.cache_factory.name,
+        "reference_kv_cache_dtype": reference_dtype,
         "cache_class": cache_class(run),
         "reference_cache_class": cache_class(ref),
         "latent_psnr_db": psnr,
@@ -87,6 +96,8 @@ def compare_unquantized(
         "timing_repeats": repeats,
         "seconds_per_chunk_best": best[False],
         "reference_seconds_per_chunk_best": best[True],
+        "seconds_per_chunk_runs": timed[False],
+        "reference_seconds_per_chunk_runs": timed[True],
         "kv_compression_vs_reference": ref.kv_resident_bytes_max / max(1, run.kv_resident_bytes_max),
     }
 
@@ -102,19 +113,26 @@ def bytes_ratio(reference: int, measured: int) -> str:
     return f"{measured / max(1, reference):.2f}x larger"
 
 
+def _spread(seconds: list[float]) -> str:
+    return f"{min(seconds):.3f}-{max(seconds):.3f}"
+
+
 def compare_table(metrics: dict[str, Any]) -> str:
     """The end-of-run summary of a ``--compare-bf16`` run: the cache each setting ran on, KV
     bytes, latent PSNR and seconds per chunk of the quantized run next to the unquantized
     reference (same seed), and what the PSNR means on a preset's random weights.
 
     Reads ``model``, ``random_weights``, ``cache``/``reference_cache``, ``cache_class``/``reference_cache_class``,
+    ``reference_kv_cache_dtype`` (the reference column's title: ``off (bfloat16)``),
     ``kv_resident_bytes_max``, ``reference_kv_resident_bytes_max``, ``kv_peak_bytes``,
-    ``reference_kv_peak_bytes``, ``latent_psnr_db``,
-    ``timing_repeats``, ``seconds_per_chunk_best`` and ``reference_seconds_per_chunk_best``
-    (no time row without timed repeats).
+    ``reference_kv_peak_bytes``, ``latent_psnr_db``, ``timing_repeats``,
+    ``seconds_per_chunk_best``, ``reference_seconds_per_chunk_best`` and their timed runs
+    ``seconds_per_chunk_runs`` / ``reference_seconds_per_chunk_runs`` (the spread row); no
+    time rows without timed repeats. Bytes in binary units (`format_bytes`, as ``causalkv
+    memory``), the ratios from the exact counts.
     """
     quant = str((metrics.get("cache_settings") or {}).get("kv_cache_quant") or "quantized")
-    ref_name = f"off ({metrics.get('kv_cache_dtype', metrics.get('dtype', 'bfloat16'))})"
+    ref_name = f"off ({metrics.get('reference_kv_cache_dtype', REFERENCE_DTYPE)})"
     ref_b, q_b = metrics["reference_kv_resident_bytes_max"], metrics["kv_resident_bytes_max"]
     ref_p, q_p = metrics["reference_kv_peak_bytes"], metrics["kv_peak_bytes"]
     psnr = metrics["latent_psnr_db"]
@@ -126,15 +144,20 @@ def compare_table(metrics: dict[str, Any]) -> str:
     rows = [
         ("", ref_name, quant, "ratio"),
         ("causalkv cache", cache("reference_"), cache(""), ""),
-        ("KV bytes (max resident)", f"{ref_b:,}", f"{q_b:,}", bytes_ratio(ref_b, q_b)),
-        ("KV bytes (peak: all layers, scratch, one call's buffer)", f"{ref_p:,}", f"{q_p:,}",
-         bytes_ratio(ref_p, q_p)),
+        ("KV bytes (max resident)", format_bytes(ref_b), format_bytes(q_b), bytes_ratio(ref_b, q_b)),
+        ("KV bytes (peak: all layers, scratch, one call's buffer)", format_bytes(ref_p),
+         format_bytes(q_p), bytes_ratio(ref_p, q_p)),
         ("latent PSNR vs off (*)", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
     ]
     ref_s, q_s = metrics.get("reference_seconds_per_chunk_best"), metrics.get("seconds_per_chunk_best")
     if ref_s is not None and q_s is not None:
-        rows.append((f"seconds per chunk (least of {metrics['timing_repeats']} warm runs)",
+        n = metrics["timing_repeats"]
+        rows.append((f"seconds per chunk (least of {n} warm runs, alternating)",
                      f"{ref_s:.3f}", f"{q_s:.3f}", f"{q_s / max(ref_s, 1e-9):.2f}x time"))
+        ref_runs, q_runs = metrics.get("reference_seconds_per_chunk_runs"), metrics.get("seconds_per_chunk_runs")
+        if ref_runs and q_runs:
+            rows.append((f"  spread of the {n} warm runs (least-most)", _spread(ref_runs),
+                         _spread(q_runs), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     table = "\n".join(
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()

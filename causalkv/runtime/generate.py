@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from causalkv.runtime.compare import compare_unquantized
 from causalkv.runtime.distributed import is_main_rank
 from causalkv.runtime.load import load_for_plan
+from causalkv.runtime.memory.records import format_bytes
 from causalkv.runtime.plan import plan_generation
 from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan, PluginSet
 from causalkv.runtime.report import cache_description, describe_plan, describe_stream, run_report
@@ -102,15 +103,15 @@ def generate(
     if unused is not None:
         warn(unused)
     if options.compare_bf16:
-        say("reference run: kv-cache-quant off, same seed")
-        comparison = compare_unquantized(plan, run)
+        say(f"reference run: kv-cache-quant off, {options.compare_dtype} caches, same seed")
+        comparison = compare_unquantized(plan, run, reference_dtype=options.compare_dtype)
         metrics.update(comparison)
         psnr = comparison["latent_psnr_db"]
         say(
             "latent PSNR vs the unquantized run: "
             + ("identical" if psnr is None else f"{psnr:.2f} dB")
-            + f"; KV bytes max {run.kv_resident_bytes_max:,} vs "
-            f"{comparison['reference_kv_resident_bytes_max']:,}"
+            + f"; KV bytes max {format_bytes(run.kv_resident_bytes_max)} vs "
+            f"{format_bytes(comparison['reference_kv_resident_bytes_max'])}"
         )
     write_files(plan, run, options, metrics, started=started, say=say, on_written=on_written)
     return metrics, run

@@ -19,11 +19,12 @@ import secrets
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import CausalKVError, describe_exception
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LATENTS_KEY",
@@ -109,6 +110,7 @@ def save_latents(path: str | Path, latents: torch.Tensor, metadata: Mapping[str,
     stored as strings in the file header.
     """
     # lazy: safetensors is needed only with --save-latents
+    import torch
     from safetensors.torch import save_file
 
     tensor = latents.detach().to("cpu", torch.float32).contiguous()

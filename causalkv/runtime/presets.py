@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from causalkv.hooks import Preset
 from causalkv.plugin.registry import Registry
@@ -57,7 +56,7 @@ __all__ = [
 ]
 
 #: bump when the preset definitions change: old cache folders are rebuilt
-PRESET_FORMAT = 1
+PRESET_FORMAT = 2
 _MARKER = ".causalkv-preset.json"
 
 
@@ -122,19 +121,35 @@ def _remove_stale_builds(name: str, parent: Path) -> None:
 @contextmanager
 def _build_lock(parent: Path, name: str) -> Iterator[None]:
     """An exclusive lock on ``parent/.<name>.lock`` for one build (``fcntl.flock``; processes
-    wait for each other). Without ``fcntl`` (Windows) no lock is taken: the atomic rename in
-    `materialize_preset` still keeps exactly one complete folder."""
+    wait for each other), removed when the build ends: nothing stays next to the folder. A
+    process that waited on a lock file its holder then removed takes the lock again on the
+    file now at that path (so two builders never both hold one). Without ``fcntl`` (Windows)
+    no lock is taken: the atomic rename in `materialize_preset` still keeps exactly one
+    complete folder."""
     try:
         import fcntl  # POSIX only: without it (Windows) no lock is taken
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    with open(parent / f".{name}.lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    path = parent / f".{name}.lock"
+    while True:
+        f = open(path, "a+")  # noqa: SIM115 - closed below, after the unlink
         try:
-            yield
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:  # its holder removed it while this one waited
+                same = False
+            if not same:
+                continue
+            try:
+                yield
+            finally:
+                path.unlink(missing_ok=True)  # still held: no one else can be inside
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            return
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            f.close()
 
 
 def materialize_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> Path:
@@ -170,9 +185,9 @@ def build_atomically(
             return folder
         _remove_stale_builds(name, folder.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-", dir=folder.parent))
-        tmp.chmod(0o755)
         try:
             write(tmp)
+            honour_umask(tmp)
             if folder.exists():  # incomplete or stale: move aside first, so the rename is atomic
                 old = Path(tempfile.mkdtemp(prefix=f".{name}.build-{os.getpid()}-old-", dir=folder.parent))
                 folder.rename(old / "preset")
@@ -189,6 +204,25 @@ def build_atomically(
     return folder
 
 
+def honour_umask(tree: Path) -> None:
+    """Give ``tree`` and everything under it the mode the umask gives a new folder or file
+    (``0o777`` / ``0o666`` less the umask): ``mkdtemp`` creates its folder ``0o700`` and
+    safetensors writes its weight files ``0o600``, where the rest of a saved model folder is
+    the umask's. The umask is read back from a probe folder, not set (setting it to read it
+    would race with other threads)."""
+    probe = tree.parent / f".{tree.name}.umask-{os.getpid()}-{os.urandom(4).hex()}"
+    os.mkdir(probe, 0o777)
+    try:
+        folder_mode = stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.rmdir(probe)
+    file_mode = folder_mode & 0o666
+    for path in [tree, *tree.rglob("*")]:
+        if path.is_symlink():
+            continue
+        path.chmod(folder_mode if path.is_dir() else file_mode)
+
+
 def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -> Path:
     """Write ``preset`` as a model folder of ``registration``'s family into ``folder``.
 
@@ -203,7 +237,8 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
 
 
 def _write_preset(r: PresetSpec, out: Path) -> None:
-    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
+    # torch, diffusers and transformers load with a model, not for `causalkv plugins` / `--help`
+    import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging

@@ -52,6 +52,8 @@ class GenerateOptions:
         stage: force a stage by registration name (None: resolution picks).
         compare_bf16: also run without the cache's settings (quantization off, same seed)
             and report latent PSNR.
+        compare_dtype: the KV-cache dtype of that reference run (``--compare-dtype``;
+            default bf16, whatever ``--dtype`` the run computes in).
         output: the video file (None: do not decode).
         quiet: no progress bar.
         metrics: write the metrics JSON here (atomically; None: do not write).
@@ -72,6 +74,7 @@ class GenerateOptions:
     negative_prompt: str | None = None
     stage: str | None = None
     compare_bf16: bool = False
+    compare_dtype: str = "bfloat16"
     output: str | Path | None = None
     quiet: bool = False
     metrics: str | Path | None = None

@@ -25,17 +25,16 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from PIL import Image
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ConfigError
-from causalkv.runtime import preset_configs, presets
+from causalkv.runtime import preset_configs
 from causalkv.runtime.file_checks import check_creatable_folder, fs_error_reason
 from causalkv.runtime.outputs import OutputWriteError
 from causalkv.runtime.text import build_byte_tokenizer
+
+if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not for --help
+    import torch
 
 __all__ = [
     "CHECKPOINTS",
@@ -260,6 +259,8 @@ def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
 def describe_folder(folder: str | Path) -> str:
     """What an existing folder holds, for a refusal: a causalkv sglang checkpoint (its name),
     a causalkv preset, a diffusers model folder, or how many entries."""
+    from causalkv.runtime import presets
+
     folder = Path(folder)
     for marker, what in ((_MARKER, "a complete tiny {name} sglang checkpoint"),
                          (presets._MARKER, "the causalkv preset {name!r}")):
@@ -315,6 +316,8 @@ def build_sglang_checkpoint(name: str, folder: str | Path, *, force: bool = Fals
             )
     check_creatable_folder(folder.parent if not folder.exists() else folder, where,
                            "choose a folder where files can be created")
+    from causalkv.runtime import presets
+
     try:
         return presets.build_atomically(
             folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
@@ -350,6 +353,8 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
     (``patch_size``) and projected to the model width; ``c2ws_hidden_states_layer1/2`` is the
     camera MLP; per block ``cam_injector_layer1/2``, ``cam_scale_layer``, ``cam_shift_layer``.
     """
+    import torch
+
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     pt, ph, pw = config["patch_size"]
     shapes = {"patch_embedding_wancamctrl": 6 * 64 * pt * ph * pw,
@@ -368,10 +373,15 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
 
 
 def _write(spec: SGLangCheckpoint, out: Path) -> None:
-    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
+    # torch, diffusers and transformers load to build, not for `causalkv plugins` / `--help`
+    import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from PIL import Image
+    from safetensors.torch import save_file
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
+
+    from causalkv.runtime import presets
 
     hf_logging.disable_progress_bar()
     config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}

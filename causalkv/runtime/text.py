@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE", "warn_line"]
 
@@ -82,14 +83,16 @@ class PromptEncoder:
         *,
         max_length: int,
         device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         warn: Any = None,
     ) -> None:
+        import torch
+
         self.tokenizer = tokenizer
         self.text_encoder = text_encoder.eval()
         self.max_length = max_length
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else torch.float32
         self.warn = warn if warn is not None else warn_line
         #: texts whose truncation is not reported (the host's default prompt)
         self.quiet_texts: frozenset[str] = frozenset()
@@ -100,8 +103,15 @@ class PromptEncoder:
         return len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
                                   verbose=False)["input_ids"])
 
-    @torch.no_grad()
     def __call__(self, text: str) -> torch.Tensor:
+        import torch  # the encoder runs with a model loaded (this module stays light)
+
+        with torch.no_grad():
+            return self._encode(text)
+
+    def _encode(self, text: str) -> torch.Tensor:
+        import torch
+
         hit = self._memo.get(text)
         if hit is not None:
             return hit

@@ -16,18 +16,18 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ConfigError, EncoderError
 from causalkv.runtime.outputs import atomic_write
 
+if TYPE_CHECKING:  # numpy and torch load with a run; `video_formats` (--help) needs neither
+    import numpy as np
+    import torch
+
 __all__ = ["check_video_suffix", "decode_latents", "video_formats", "write_video"]
 
 
-@torch.no_grad()
 def decode_latents(vae: Any, latents: torch.Tensor) -> np.ndarray:
     """Decode latents ``[B, C, F, h, w]`` with diffusers' ``AutoencoderKLWan``.
 
@@ -35,14 +35,17 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> np.ndarray:
     diffusers' Wan pipeline. Returns uint8 frames ``[T, H, W, 3]`` of the first batch item
     (``T = 1 + scale_factor_temporal * (F - 1)``).
     """
-    cfg = vae.config
-    z = latents.to(device=vae.device, dtype=vae.dtype)
-    c = z.shape[1]
-    mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, c, 1, 1, 1)
-    std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, c, 1, 1, 1)
-    video = vae.decode(z * std + mean, return_dict=False)[0]  # [B, 3, T, H, W] in [-1, 1]
-    frames = ((video[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return frames.permute(1, 2, 3, 0).cpu().numpy()
+    import torch
+
+    with torch.no_grad():
+        cfg = vae.config
+        z = latents.to(device=vae.device, dtype=vae.dtype)
+        c = z.shape[1]
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, c, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, c, 1, 1, 1)
+        video = vae.decode(z * std + mean, return_dict=False)[0]  # [B, 3, T, H, W] in [-1, 1]
+        frames = ((video[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return frames.permute(1, 2, 3, 0).cpu().numpy()
 
 
 #: libx264 constant rate factor: imageio's default quality 5 of 10 ((1 - 5/10) * 51)
@@ -70,6 +73,7 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     or a file that does not decode to every frame raises `EncoderError`."""
     # lazy: ffmpeg is looked up only when a video is written
     import imageio_ffmpeg
+    import numpy as np
 
     t, h, w, _ = frames.shape
     if h % 2 or w % 2:

@@ -1,11 +1,15 @@
-"""Denoising stages: the base chunk loop and the per-model stages (each module is the one home of
-its model family: stage class, registration, config defaults and tiny preset)."""
+"""Denoising stages: the base chunk loop and the per-model stages (each stage module holds its
+model family's stage class; `causalkv.stages.families` holds the families' registrations,
+presets and option records, torch-free).
 
-from causalkv.stages.base import CausalDenoisingStage
-from causalkv.stages.lingbot import LingBotWorldStage
-from causalkv.stages.longlive import LongLiveStage
-from causalkv.stages.longlive2 import LongLive2Stage
-from causalkv.stages.wan import WanCausalDMDStage
+The stage classes are imported on first use (``from causalkv.stages import LongLive2Stage``),
+so importing `causalkv.stages.families` (the command line's ``--help``) imports no torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __all__ = [
     "CausalDenoisingStage",
@@ -14,3 +18,18 @@ __all__ = [
     "LongLiveStage",
     "WanCausalDMDStage",
 ]
+
+_HOMES = {
+    "CausalDenoisingStage": "causalkv.stages.base",
+    "LingBotWorldStage": "causalkv.stages.lingbot",
+    "LongLive2Stage": "causalkv.stages.longlive2",
+    "LongLiveStage": "causalkv.stages.longlive",
+    "WanCausalDMDStage": "causalkv.stages.wan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'causalkv.stages' has no attribute {name!r}")
+    return getattr(import_module(home), name)

@@ -25,90 +25,17 @@ window (the seed runtime's cache-update call passes no sample size).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from causalkv.capabilities import RECENT_WINDOW
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError, check_int
-from causalkv.hooks import Preset, StageRegistration
-from causalkv.options import Options, StageOptions, option
 from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.families import LingBotConfig, MotionOptions
 from causalkv.stages.settings import StreamSettings
 
-__all__ = [
-    "MOTION_LETTERS",
-    "REGISTRATION",
-    "LingBotConfig",
-    "LingBotWorldStage",
-    "MotionOptions",
-    "parse_motion",
-    "window_per_chunk",
-]
-
-#: letters of a per-chunk motion signal: ``m`` the camera moves, ``s`` it stands still
-MOTION_LETTERS = ("m", "s")
-
-
-def parse_motion(text: str | Sequence[str]) -> tuple[str, ...]:
-    """A motion signal ``"m,m,s"`` (or a sequence of letters) as ``("m", "m", "s")``.
-
-    `ConfigError` for an empty signal or a letter other than ``m`` (moving) / ``s`` (still).
-    """
-    items = [t.strip().lower() for t in text.split(",")] if isinstance(text, str) else list(text)
-    if not items or any(m not in MOTION_LETTERS for m in items):
-        fixed = ",".join(m if m in MOTION_LETTERS else "m" for m in items) or "m"  # as many letters
-        raise ConfigError(
-            f"motion must be one letter per chunk, m (camera moves) or s (still), comma separated, "
-            f"got {text!r} (e.g. --motion {fixed})"
-        )
-    return tuple(items)
-
-
-@dataclass(frozen=True)
-class MotionOptions(StageOptions):
-    """LingBot-World's request record (``StageRegistration(options=...)``): the per-chunk
-    camera motion that drives the interactive KV window (None: no motion signal)."""
-
-    title = "LingBot-World motion"
-    scope = "LingBot-World's interactive window"
-    pick = "a LingBot-World model"
-
-    motion: tuple[str, ...] | None = option(
-        None, flag="--motion", parse=parse_motion, metavar="m,s,...",
-        help="camera motion per chunk: m (moves) or s (still), one letter per chunk; drives "
-        "the moving/still recent KV window",
-    )
-
-    def __post_init__(self) -> None:
-        if self.motion is not None:
-            object.__setattr__(self, "motion", parse_motion(self.motion))
-        super().__post_init__()
-
-    def requires(self) -> dict[str, str]:
-        """A motion signal samples a recent window per chunk: ``recent_window``."""
-        return {RECENT_WINDOW: "--motion"} if self.motion is not None else {}
-
-
-@dataclass(frozen=True)
-class LingBotConfig(Options):
-    """LingBot-World's own ``causalkv.json`` keys (``StageRegistration(config=...)``): the
-    interactive window a motion signal drives."""
-
-    title = "LingBot-World model settings"
-
-    moving_window_frames: int | None = option(
-        None, minimum=0, help="recent frames a chunk samples while the camera moves",
-    )
-    still_window_frames: int | None = option(
-        None, minimum=0, help="recent frames a chunk samples once the camera stands still",
-    )
-    still_chunks: int = option(
-        2, minimum=1,
-        help="consecutive still chunks (the current one included) before the still window applies",
-    )
+__all__ = ["LingBotWorldStage", "window_per_chunk"]
 
 
 def window_per_chunk(
@@ -235,33 +162,3 @@ class LingBotWorldStage(CausalDenoisingStage):
             "interactive_kv_window": self.interactive,
             "kv_window_per_chunk": [dict(w) for w in self.kv_window_per_chunk],
         }
-
-
-#: LingBot-World fast (Wan 2.2 14B class): sink 3, window 45 frames, 12-frame recent window
-REGISTRATION = StageRegistration(
-    "lingbot-world",
-    LingBotWorldStage,
-    models=("LingBotWorldPipeline", "LingBotWorldCausalDMDPipeline"),
-    options=MotionOptions,
-    config=LingBotConfig,
-    defaults={
-        "frames_per_chunk": 3,
-        "sink_frames": 3,
-        "window_frames": 45,
-        "recent_window_frames": 12,
-        "moving_window_frames": 12,
-        "still_window_frames": 3,
-        "still_chunks": 2,
-    },
-    presets=(
-        Preset(
-            "tiny-lingbot",
-            {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12,
-             "recent_window_frames": 3, "moving_window_frames": 6, "still_window_frames": 3,
-             "still_chunks": 2, "default_frames": 12},
-            seed=104,
-            description="LingBot-World-style: 3-frame sink, 12-frame window, 3-frame recent "
-            "window; with --motion 6 frames moving, 3 still after 2 still chunks",
-        ),
-    ),
-)

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from causalkv.errors import UsageError
-from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["REGISTRATION", "LongLiveStage"]
+__all__ = ["LongLiveStage"]
 
 
 class LongLiveStage(CausalDenoisingStage):
@@ -81,20 +80,3 @@ class LongLiveStage(CausalDenoisingStage):
                 x_ctx = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
             self._forward(self.caches, prompt, x_ctx, self.context_noise, self.loop.token_end, rope0)
             self.loop.extend(piece)
-
-
-#: LongLive 1.0 (Wan 2.1 1.3B class): 3-frame sink, 12-frame window incl. the sink
-REGISTRATION = StageRegistration(
-    "longlive",
-    LongLiveStage,
-    models=("LongLivePipeline",),
-    defaults={"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 12},
-    presets=(
-        Preset(
-            "tiny-longlive",
-            {"frames_per_chunk": 3, "sink_frames": 3, "window_frames": 9, "default_frames": 12},
-            seed=102,
-            description="LongLive 1.0-style: 3-frame sink, 9-frame window, re-cache on prompt switch",
-        ),
-    ),
-)

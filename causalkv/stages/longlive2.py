@@ -45,7 +45,6 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,139 +52,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from causalkv.config import ModelConfig, ServerArgs, check_prompts, check_text
+from causalkv.config import ModelConfig, ServerArgs, check_prompts
 from causalkv.errors import ConfigError, check_int
-from causalkv.hooks import Preset, StageRegistration
-from causalkv.options import Options, StageOptions, option
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.cache_sets import CacheSet
+from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
 from causalkv.stages.records import ForwardRecord
 from causalkv.stages.scheduler import SchedulerSpec
 
 __all__ = [
-    "REGISTRATION",
-    "SCENE_CUT_PREFIX",
-    "LongLive2Config",
     "LongLive2Stage",
     "ShotLayout",
     "ShotPlan",
-    "ShotRequest",
     "expand_shots",
     "is_scene_cut",
     "unipc_sigmas",
 ]
 
-#: the seed runtime's default text put before the prompt of a shot's first chunk
-SCENE_CUT_PREFIX = "The scene transitions. "
-
-
-def _durations(value: Any) -> Any:
-    """``--shot-durations 3,2,4`` as ``(3, 2, 4)`` (a sequence passes through to validation)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return tuple(int(t) for t in value.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {value!r}"
-        ) from None
-
-
-@dataclass(frozen=True)
-class ShotRequest(StageOptions):
-    """How a LongLive 2.0 request's shots map onto chunks (the seed runtime's fields).
-
-    The family's request record (``StageRegistration(options=...)``): its flags join
-    ``causalkv generate``'s and it reaches this stage as ``stage.options``. The shot prompts
-    themselves are the request's prompts. Validated on construction (`ConfigError` naming the
-    value and the flag).
-
-    Attributes:
-        durations: chunks per shot, one positive int per shot (``--shot-durations``); None:
-            ``chunks_per_shot`` or an even split.
-        chunks_per_shot: chunks of every shot when ``durations`` is None (0: even split).
-        scene_cut_prefix: text put before the prompt of each shot's first chunk after the
-            first shot (may be empty).
-        multi_shot_sink: pin each cut chunk as its shot's sink (when the sink is non-zero).
-        multi_shot_rope_offset: RoPE frames added per shot index (float; None: the model's
-            ``rope_offset_frames_per_shot``).
-    """
-
-    title = "LongLive 2.0 shots"
-    label = "shot flags"
-    scope = "multi-shot stages"
-    pick = "a LongLive 2.0 model"
-
-    durations: tuple[int, ...] | None = option(
-        None, flag="--shot-durations", parse=_durations, metavar="N,N,...",
-        help="chunks per shot, one positive count per shot, e.g. 3,2,4 (clamped to the chunk "
-        "count; chunks left over go to the last shot)",
-    )
-    chunks_per_shot: int = option(
-        0, flag="--chunks-per-shot", type=int, minimum=0, metavar="N",
-        help="chunks of every shot when --shot-durations is not given (0: even split, the "
-        "first shots one chunk longer)",
-    )
-    scene_cut_prefix: str = option(
-        SCENE_CUT_PREFIX, flag="--scene-cut-prefix", metavar="TEXT",
-        help="text before the prompt of each shot's first chunk (may be empty)",
-    )
-    multi_shot_sink: bool = option(
-        True, flag="--no-multi-shot-sink", action="store_false",
-        help="do not pin each shot's first chunk as its sink",
-    )
-    multi_shot_rope_offset: float | None = option(
-        None, flag="--multi-shot-rope-offset", type=float, metavar="FRAMES",
-        help="RoPE frames added per shot index (float >= 0; default: the model's)",
-    )
-
-    def __post_init__(self) -> None:
-        if self.durations is not None:
-            durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
-            if not durations:
-                raise ConfigError(
-                    f"shot durations must be a non-empty list of chunk counts, got {self.durations!r} "
-                    "(--shot-durations 3,2,4)"
-                )
-            object.__setattr__(self, "durations", durations)
-        super().__post_init__()
-
-    def validate(self) -> Any:
-        for d in self.durations or ():
-            if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-                raise ConfigError(
-                    f"shot durations must be positive chunk counts, got {d!r} in "
-                    f"{list(self.durations or ())} (--shot-durations)"
-                )
-        if not isinstance(self.scene_cut_prefix, str):
-            raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
-        check_text(self.scene_cut_prefix, "--scene-cut-prefix")
-        off = self.multi_shot_rope_offset
-        if off is not None:
-            if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
-                raise ConfigError(
-                    f"multi-shot RoPE offset must be a finite number >= 0, got {off!r} "
-                    "(--multi-shot-rope-offset)"
-                )
-            object.__setattr__(self, "multi_shot_rope_offset", float(off))
-        return super().validate()
-
-    @property
-    def is_default(self) -> bool:
-        """True when no shot field was given (a plain request)."""
-        return not self.changed()
-
-
-@dataclass(frozen=True)
-class LongLive2Config(Options):
-    """LongLive 2.0's own ``causalkv.json`` keys (``StageRegistration(config=...)``)."""
-
-    title = "LongLive 2.0 model settings"
-
-    rope_offset_frames_per_shot: int = option(
-        0, minimum=0,
-        help="RoPE frames added per shot (when the request gives no --multi-shot-rope-offset)",
-    )
 
 #: the seed runtime's UniPC training schedule: 1000 timesteps, shift 1; its top sigma
 NUM_TRAIN_TIMESTEPS = 1000
@@ -530,44 +413,3 @@ class LongLive2Stage(CausalDenoisingStage):
                     token_start, rope_frame_start,
                 )
         return pred
-
-
-#: LongLive 2.0 (Wan 2.2 TI2V 5B class): 8-frame chunks, 8 global + 8 pinned shot-sink frames
-REGISTRATION = StageRegistration(
-    "longlive2",
-    LongLive2Stage,
-    models=("LongLive2Pipeline",),
-    options=ShotRequest,
-    config=LongLive2Config,
-    defaults={
-        "frames_per_chunk": 8,
-        "sink_frames": 8,
-        "global_sink_frames": 8,
-        "window_frames": 32,
-        "rope_offset_frames_per_shot": 8,
-        "height": 704,
-        "width": 1280,
-        "default_frames": 32,
-    },
-    presets=(
-        Preset(
-            "tiny-longlive2",
-            {"frames_per_chunk": 2, "sink_frames": 2, "global_sink_frames": 2, "window_frames": 8,
-             "rope_offset_frames_per_shot": 2, "guidance_scale": 3.0, "default_frames": 8},
-            seed=103,
-            description="LongLive 2.0-style: 2-frame global + pinned shot sink, 8-frame window, "
-            "CFG 3.0, RoPE +2 frames per shot, 4 UniPC steps",
-        ),
-        Preset(
-            "tiny-longlive2-1k",
-            {"height": 128, "width": 128, "frames_per_chunk": 4, "sink_frames": 4,
-             "global_sink_frames": 4, "window_frames": 24, "rope_offset_frames_per_shot": 4,
-             "guidance_scale": 3.0, "default_frames": 24},
-            seed=105,
-            description="LongLive 2.0-style at a chunk size where compression shows: 128x128 "
-            "with 1x1 patches (1,024 tokens per 4-frame chunk), 4-frame global + pinned shot "
-            "sink, 24-frame window, CFG 3.0, RoPE +4 frames per shot",
-            transformer={"patch_size": [1, 1, 1], "num_attention_heads": 2, "num_layers": 2},
-        ),
-    ),
-)

@@ -8,10 +8,9 @@ A new prompt only swaps the cross-attention K/V; the self-attention cache is kep
 
 from __future__ import annotations
 
-from causalkv.hooks import Preset, StageRegistration
 from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["REGISTRATION", "WanCausalDMDStage"]
+__all__ = ["WanCausalDMDStage"]
 
 
 class WanCausalDMDStage(CausalDenoisingStage):
@@ -20,20 +19,3 @@ class WanCausalDMDStage(CausalDenoisingStage):
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
         return True
-
-
-#: the Self-Forcing / CausVid family: Wan 2.1 1.3B class, 3 frames per chunk, 21-frame window
-REGISTRATION = StageRegistration(
-    "self-forcing-wan",
-    WanCausalDMDStage,
-    models=("SelfForcingWanPipeline", "CausVidPipeline", "WanPipeline", "WanCausalDMDPipeline"),
-    defaults={"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 21},
-    presets=(
-        Preset(
-            "tiny-wan",
-            {"frames_per_chunk": 3, "sink_frames": 0, "window_frames": 9, "default_frames": 12},
-            seed=101,
-            description="Self-Forcing-style Wan, 3 frames/chunk, 9-frame rolling window, no sink",
-        ),
-    ),
-)

@@ -44,27 +44,10 @@ position bookkeeping), `plan` (bytes per setting, the plan, the budget search). 
 names from this package.
 """
 
-from causalkv.runtime.memory.geometry import (
-    BUILTIN_MODELS,
-    ModelGeometry,
-    preset_geometry,
-    read_model_geometry,
-    resolve_model,
-)
-from causalkv.runtime.memory.layout import ChunkState, positions, stream_layout
-from causalkv.runtime.memory.plan import MemoryPlan, SettingPlan, plan_memory, plan_setting
-from causalkv.runtime.memory.records import (
-    ATTENTION,
-    DTYPE_BYTES,
-    HOSTS,
-    SETTINGS,
-    MemoryRequest,
-    Setting,
-    StreamLayout,
-    attention_of,
-    format_bytes,
-    parse_bytes,
-)
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __all__ = [
     "ATTENTION",
@@ -90,3 +73,37 @@ __all__ = [
     "resolve_model",
     "stream_layout",
 ]
+
+#: each name's module, imported on first use: ``causalkv memory --help`` reads `records` and
+#: `geometry` alone (`layout` and `plan` import the caches' position arithmetic)
+_HOMES = {
+    "ATTENTION": "causalkv.runtime.memory.records",
+    "BUILTIN_MODELS": "causalkv.runtime.memory.geometry",
+    "ChunkState": "causalkv.runtime.memory.layout",
+    "DTYPE_BYTES": "causalkv.runtime.memory.records",
+    "HOSTS": "causalkv.runtime.memory.records",
+    "MemoryPlan": "causalkv.runtime.memory.plan",
+    "MemoryRequest": "causalkv.runtime.memory.records",
+    "ModelGeometry": "causalkv.runtime.memory.geometry",
+    "SETTINGS": "causalkv.runtime.memory.records",
+    "Setting": "causalkv.runtime.memory.records",
+    "SettingPlan": "causalkv.runtime.memory.plan",
+    "StreamLayout": "causalkv.runtime.memory.records",
+    "attention_of": "causalkv.runtime.memory.records",
+    "format_bytes": "causalkv.runtime.memory.records",
+    "parse_bytes": "causalkv.runtime.memory.records",
+    "plan_memory": "causalkv.runtime.memory.plan",
+    "plan_setting": "causalkv.runtime.memory.plan",
+    "positions": "causalkv.runtime.memory.layout",
+    "preset_geometry": "causalkv.runtime.memory.geometry",
+    "read_model_geometry": "causalkv.runtime.memory.geometry",
+    "resolve_model": "causalkv.runtime.memory.geometry",
+    "stream_layout": "causalkv.runtime.memory.layout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'causalkv.runtime.memory' has no attribute {name!r}")
+    return getattr(import_module(home), name)
