@@ -38,6 +38,16 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def _log_through_vllm() -> None:
+    """Send this package's log lines to vLLM's handlers, as vLLM-Omni does with its own logger
+    (``vllm_omni/logger.py``), so they show in every vLLM-Omni process's log. Only loggers under
+    ``causalkv.vllm_omni``; nothing else of causalkv changes."""
+    vllm_root = logging.getLogger("vllm")
+    if vllm_root.handlers and logger.parent is not vllm_root:
+        logger.parent = vllm_root
+        logger.propagate = True
+
+
 def register() -> bool:
     """vLLM-Omni's general-plugin callable: replace LingBot-World's pipeline; True when it did.
 
@@ -46,6 +56,7 @@ def register() -> bool:
     every process). Never raises: a plugin that raises would stop vLLM-Omni's start-up for a
     reason that is not the user's setting (settings are checked when the pipeline is built).
     """
+    _log_through_vllm()
     if not enabled():
         logger.info("causalkv vllm-omni bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
         return False

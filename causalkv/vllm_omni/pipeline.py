@@ -159,14 +159,21 @@ def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> None:
 
 
 def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) -> str:
-    """The request's ``causalkv kv-cache summary:`` line (all layers)."""
+    """The request's ``causalkv kv-cache summary:`` line (all layers).
+
+    ``peak_bytes``: the most the request's stores held at once plus the largest visible K/V
+    one call built; ``resident_bytes``: what they hold at the end; ``dense_bytes``: vLLM-Omni's
+    dense cache for the same request (its preallocated buffers); ``dense_peak_bytes``: that plus
+    the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak.
+    """
     peak = max(ledger.peak_bytes, ledger.resident_bytes)
-    ratio = f"{ledger.dense_bytes / peak:.2f}" if peak else "n/a"
+    ratio = f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a"
     bits = f"int{quant.bits}" if quant.enabled else "off"
     return (
         f"causalkv kv-cache summary: pipeline={pipeline_name} cache={QVGPackedCausalKVCache.__name__} "
         f"bits={bits} layers={len(ledger.resident)} peak_bytes={peak} "
-        f"resident_bytes={ledger.resident_bytes} dense_bytes={ledger.dense_bytes} ratio={ratio}"
+        f"resident_bytes={ledger.resident_bytes} dense_bytes={ledger.dense_bytes} "
+        f"dense_peak_bytes={ledger.dense_peak_bytes} ratio={ratio}"
     )
 
 

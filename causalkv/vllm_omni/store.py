@@ -44,13 +44,22 @@ class KVLedger:
         resident: bytes each layer holds now (index = layer).
         peak_bytes: the most held at once: the sum over layers of what they hold plus the
             visible K/V one call built (a materialized ``[B, visible, H, D]`` pair).
+        transient_bytes: the largest visible K/V one call built. vLLM-Omni's dense path builds
+            the same pair (its ``torch.cat`` of history and chunk), so its own peak is
+            ``dense_peak_bytes``.
         writes: committing calls seen (all layers).
     """
 
     dense_bytes: int = 0
     resident: list[int] = field(default_factory=list)
     peak_bytes: int = 0
+    transient_bytes: int = 0
     writes: int = 0
+
+    @property
+    def dense_peak_bytes(self) -> int:
+        """vLLM-Omni's dense cache at its peak: its buffers plus the largest visible K/V."""
+        return self.dense_bytes + self.transient_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -59,6 +68,7 @@ class KVLedger:
     def note(self, layer: int, resident: int, transient: int) -> None:
         """Record that ``layer`` holds ``resident`` bytes and one call built ``transient``."""
         self.resident[layer] = resident
+        self.transient_bytes = max(self.transient_bytes, transient)
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes + transient)
 
 
