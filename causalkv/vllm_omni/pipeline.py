@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 #: the engine backend whose paged block-pool K/V causalkv does not hold (yet)
 _PAGED_ENGINE = "ARDiffusionEngine"
+#: LingBot-World v2's head dim: ``CausalLingBotWorldTransformer3DModel.from_config`` refuses any
+#: other (its checkpoint contract), so a block layout can be checked before the folder is read
+_HEAD_DIM = 128
 
 
 class CausalKVLingBotSelfAttention(LingBotSelfAttention):
@@ -189,6 +192,7 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
     def __init__(self, *, od_config: Any, prefix: str = "") -> None:
         quant = read_settings(getattr(od_config, "model_config", None) or {})
         if quant is not None:
+            quant.check_layout(_HEAD_DIM)
             check_engine_mode(od_config, quant)
         super().__init__(od_config=od_config, prefix=prefix)
         self.causalkv_quant = quant
