@@ -4,7 +4,7 @@ One pytest process with ``PYTHONPATH`` starting at ``demo/vllm_omni/cpu_stand_in
 ``sitecustomize`` runs the CPU stand-ins in every process the tests start, the plugin-discovery
 subprocess included); this process runs them too, before vLLM is imported.
 
-    .venv-vllm-omni/bin/python tests/vllm_omni_bridge/run.py [extra pytest args]
+    .venv-vllm-omni/bin/python tests/vllm_omni_bridge/run.py [test files or nodes] [pytest args]
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def main(argv: list[str]) -> int:
     runpy.run_path(str(STAND_INS / "sitecustomize.py"))
     import pytest
 
-    args = ["-p", "no:cacheprovider", f"--rootdir={ROOT}", "-q", str(HERE)]
-    return pytest.main(args + argv)
+    args = ["-p", "no:cacheprovider", f"--rootdir={ROOT}", "-q"]
+    targets = [] if any(Path(a.split("::")[0]).exists() for a in argv) else [str(HERE)]
+    return pytest.main(args + targets + argv)
 
 
 if __name__ == "__main__":
