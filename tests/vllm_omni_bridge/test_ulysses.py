@@ -3,9 +3,6 @@ a CPU, and with causalkv's store each rank caches its own head (head offset = ra
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,32 +13,17 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ulysses")
-    port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "ulysses_worker.py"), str(r), "2",
-                               "dense,int2", str(out), port], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return {(m, r): torch.load(out / f"{m}-2-{r}.pt") for m in ("dense", "int2") for r in range(2)}
-
-
 @pytest.fixture(scope="module")
 def one_rank(runtime):
     sys.path.insert(0, str(HERE))
     import ulysses_worker
 
     return {m: ulysses_worker.run(m, 1) for m in ("dense", "int2")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ranks):
+    return ranks["outputs"]
 
 
 def test_vllm_omnis_ulysses_runs_on_gloo_and_matches_one_process(two_ranks, one_rank):

@@ -1,4 +1,6 @@
-"""One rank of the Ulysses test (test_ulysses.py): vLLM-Omni's tiny LingBot-World DiT with
+"""One rank of the Ulysses test (test_ulysses.py), a fresh process: first vLLM-Omni's own plugin
+loader (``load_omni_general_plugins``; what LingBot-World's pipeline then resolves to is
+written to ``discovery-RANK.json`` for test_discovery.py), then vLLM-Omni's tiny LingBot-World DiT with
 vLLM-Omni's own sequence-parallel hooks (``apply_sequence_parallel`` with the transformer's
 ``_sp_plan``: tokens split over the ranks, heads exchanged by all-to-all in self-attention) on
 gloo, LingBot's DMD schedule over four blocks, vLLM-Omni's dense cache or causalkv's store.
@@ -48,9 +50,30 @@ def run(mode: str, world: int) -> dict:
     return {"outs": torch.stack(outs), "head_offset": offset}
 
 
+def discover(out: str, rank: int) -> None:
+    """vLLM-Omni's loader, then the class its registry gives LingBot-World's pipeline."""
+    import json
+
+    tl.ensure_stand_ins()
+    from vllm_omni.diffusion import registry
+    from vllm_omni.diffusion.models.lingbot_world.pipeline import LingBotWorldCausalDMDPipeline
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    load_omni_general_plugins()
+    name = "LingBotWorldCausalDMDPipeline"
+    cls = registry.DiffusionModelRegistry._try_load_model_cls(name)
+    with open(os.path.join(out, f"discovery-{rank}.json"), "w") as f:
+        json.dump({"module": cls.__module__, "name": cls.__name__,
+                   "subclass": issubclass(cls, LingBotWorldCausalDMDPipeline),
+                   "entry": list(registry._DIFFUSION_MODELS[name]),
+                   "pre": registry._DIFFUSION_PRE_PROCESS_FUNCS[name],
+                   "post": registry._DIFFUSION_POST_PROCESS_FUNCS[name]}, f)
+
+
 def main(rank: int, world: int, modes: list[str], out: str, port: int) -> None:
     import torch
 
+    discover(out, rank)
     with tl.parallel_runtime(world, rank, ulysses=world, port=port):
         for mode in modes:
             torch.save(run(mode, world), os.path.join(out, f"{mode}-{world}-{rank}.pt"))
