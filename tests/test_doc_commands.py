@@ -136,9 +136,18 @@ def test_no_inline_command_runs_a_bare_python() -> None:
 def test_untagged_fences_hold_no_command() -> None:
     """A command block is tagged (so the test above reads it)."""
     for path in DOCS:
-        for body in re.findall(r"^```\n(.*?)^```", path.read_text(), re.M | re.S):
-            first = body.lstrip().split("\n", 1)[0]
-            assert not re.match(r"^(\$ |make |causalkv |\.venv|python )", first), (path.name, first)
+        tag, body = None, []
+        for line in path.read_text().split("\n"):
+            if not line.startswith("```"):
+                body.append(line)
+                continue
+            if tag is None:  # an opening fence (a closing one has no tag)
+                tag, body = line[3:].strip(), []
+                continue
+            first = "\n".join(body).lstrip().split("\n", 1)[0]
+            if not tag:
+                assert not re.match(r"^(\$ |make |causalkv |\.venv|python )", first), (path.name, first)
+            tag = None
 
 
 # ---- figures quoted from `causalkv memory` ----------------------------------------------------

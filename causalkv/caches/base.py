@@ -97,10 +97,13 @@ class StreamCache(ABC):
         """True when advancing by ``num_new_tokens`` leaves attention seeing that chunk only."""
         return self.state.would_see_only_current(num_new_tokens)
 
-    def _make_view(self, visible: Intervals, **storage: object) -> CausalAttentionKVView:
+    def _make_view(
+        self, visible: Intervals, state: StreamState | None = None, **storage: object
+    ) -> CausalAttentionKVView:
         """A view of ``visible`` carrying the reference cursors; ``storage`` is the view's
         ``k``/``v``/``segments``/``materialize``/``device`` arguments."""
-        local_start, local_end, vis_local_end, vis_end = self.state.cursors(visible)
+        st = self.state if state is None else state
+        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
         return CausalAttentionKVView(
             position_ranges=visible,
             local_start_index=local_start,

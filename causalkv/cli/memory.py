@@ -144,7 +144,30 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def _vllm_omni(args: argparse.Namespace) -> int:
+    """``--host vllm-omni``: vLLM-Omni's LingBot-World layout, bytes and sessions per setting."""
+    # lazy: only this host's rows need the module
+    from causalkv.runtime.memory.vllm_omni import format_sessions, plan_sessions
+
+    try:
+        if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
+            raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; "
+                                "pass lingbot")
+        budget = None if args.budget is None else parse_bytes(args.budget)
+        plans = plan_sessions(budget, height=args.height, width=args.width)
+    except CausalKVError as exc:
+        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([p.as_json() for p in plans], indent=2), flush=True)
+    else:
+        print(format_sessions(plans, budget), flush=True)
+    return 0
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.host == "vllm-omni":
+        return _vllm_omni(args)
     from causalkv.runtime.memory.plan import plan_memory  # the caches' position arithmetic
 
     try:
@@ -209,10 +232,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "as the shot sink; chunks split evenly); default 1")
     parser.add_argument("--window-frames", type=int, default=None,
                         help="the window (= the cache) in latent frames (default: the model's)")
-    parser.add_argument("--host", choices=HOSTS, default="sglang",
+    parser.add_argument("--host", choices=(*HOSTS, "vllm-omni"), default="sglang",
                         help="whose cache: sglang (the bridge: sglang's packing rule and slot "
-                        "arithmetic, the centroids as given; the default) or causalkv (causalkv "
-                        "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid)")
+                        "arithmetic, the centroids as given; the default), causalkv (causalkv "
+                        "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid) "
+                        "or vllm-omni (lingbot only: vLLM-Omni's LingBot-World layout, sink 9 / "
+                        "window 18 frames, bytes per realtime session off/int4/int2 and, with "
+                        "--budget, the sessions that fit; docs/vllm_omni.md)")
     parser.add_argument("--attention", choices=ATTENTION, default=None,
                         help="how a call reads its window, for peak_bytes: gathered (one dense "
                         "buffer: sglang's attention; the default with --host sglang) or streamed "

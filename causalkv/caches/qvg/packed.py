@@ -259,13 +259,18 @@ class QVGPackedCausalKVCache(StreamCache):
         scratch = self.store.scratch
         if scratch is not None and scratch.committing:
             plan = self.store.plan_commit(plan, **self._context_args(new, scratch.pin))
-        layout = plan.view_segments
-        self._check_read(new.visible(recent_window_tokens), h0, h1,
-                         plan.segments if layout is None else layout, plan.lost_heads)
-        # commit (nothing below can fail)
-        self.store.commit(plan)
+        if plan.view_segments is None:  # the layout after the commit (the scratch bound)
+            self._check_read(new.visible(recent_window_tokens), h0, h1, plan.segments,
+                             plan.lost_heads)
+            self.store.commit(plan)  # nothing below can fail
+            self.state = new
+            return self._view(h0, h1, recent_window_tokens)
+        # a context write: the view reads the layout before the commit drops what the next
+        # advance drops (and fills its buffer before the chunk takes its own storage)
+        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new, plan.lost_heads)
+        self.store.commit(plan)  # nothing below can fail
         self.state = new
-        return self._view(h0, h1, recent_window_tokens, layout)
+        return view
 
     def _context_args(self, st: StreamState, pin: bool) -> dict[str, object]:
         """`SegmentStore.plan_commit`'s positions once the chunk just written is context: what
@@ -378,18 +383,19 @@ class QVGPackedCausalKVCache(StreamCache):
     # ---- views ------------------------------------------------------------------------
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
-        layout: list[Segment] | None = None,
+        layout: list[Segment] | None = None, state: StreamState | None = None,
+        lost: frozenset[int] | None = None,
     ) -> CausalAttentionKVView:
         """The view of ``visible`` read from ``layout`` (default: the store's segments; a
         commit replaces that list, never mutates it). Refused (`CacheProtocolError`, nothing
         changed) when ``layout`` does not hold every visible position, or holds the chunk in
         a shared scratch another layer has written since: a view never claims what it does
         not hold."""
-        st = self.state
+        st = self.state if state is None else state
         visible = st.visible(recent_window_tokens)
         store = self.store
         layout = store.segments if layout is None else layout
-        self._check_read(visible, h0, h1, layout, store.lost_heads)
+        self._check_read(visible, h0, h1, layout, store.lost_heads if lost is None else lost)
         located = store.locate(visible, layout)
         for seg, _ in located:
             store.check_readable(seg)
@@ -418,8 +424,8 @@ class QVGPackedCausalKVCache(StreamCache):
         if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now
             k, v = materialize()
         return self._make_view(
-            visible, k=k, v=v, segments=segments, materialize=materialize, stored=stored,
-            device=self.spec.torch_device,
+            visible, state=st, k=k, v=v, segments=segments, materialize=materialize,
+            stored=stored, device=self.spec.torch_device,
         )
 
     # ---- control ----------------------------------------------------------------------

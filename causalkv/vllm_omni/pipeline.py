@@ -1,0 +1,212 @@
+"""LingBot-World's causal pipeline with causalkv's self-attention cache (imports vLLM-Omni).
+
+Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
+`CausalKVLingBotWorldPipeline` under ``LingBotWorldCausalDMDPipeline`` with
+``register_diffusion_model``, and vLLM-Omni imports this module when it builds that pipeline.
+
+- `CausalKVLingBotWorldPipeline` reads the setting (``model_config.causalkv_kv_cache``,
+  `causalkv.vllm_omni.settings`) before anything loads, refuses a bad one and refuses QVG on
+  the paged AR-diffusion engine path (realtime ticks: vLLM's block pool holds that K/V; the
+  request (direct) mode supports QVG), then builds the stock pipeline and gives its
+  transformer and self-attention layers the subclasses below. No setting: nothing changes.
+- `CausalKVLingBotTransformer.allocate_cache` (the direct path's per-request cache) returns
+  vLLM-Omni's ``LingBotTransformerCache`` whose self-attention entries are
+  `causalkv.vllm_omni.store.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
+  stays vLLM-Omni's. A new cache per request, so requests never share K/V.
+- `CausalKVLingBotSelfAttention._update_cache` sends those entries to the store and anything
+  else (vLLM-Omni's own ``LingBotAttentionCache``) to the stock code.
+
+After each request one INFO line gives the cache class, bits and the request's peak,
+resident and dense KV bytes (all layers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm_omni.diffusion.models.lingbot_world.pipeline import (
+    LingBotWorldCausalDMDPipeline,
+    get_lingbot_world_post_process_func,
+    get_lingbot_world_pre_process_func,
+)
+from vllm_omni.diffusion.models.lingbot_world.transformer import (
+    CausalLingBotWorldTransformer3DModel,
+    LingBotSelfAttention,
+    LingBotTransformerCache,
+)
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.errors import ConfigError
+from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
+from causalkv.vllm_omni.store import KVLedger, LingBotLayerKV, allocate_layers
+
+__all__ = [
+    "CausalKVLingBotSelfAttention",
+    "CausalKVLingBotTransformer",
+    "CausalKVLingBotWorldPipeline",
+    "check_engine_mode",
+    "get_lingbot_world_post_process_func",
+    "get_lingbot_world_pre_process_func",
+    "install",
+    "summary_line",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the engine backend whose paged block-pool K/V causalkv does not hold (yet)
+_PAGED_ENGINE = "ARDiffusionEngine"
+#: LingBot-World v2's head dim: ``CausalLingBotWorldTransformer3DModel.from_config`` refuses any
+#: other (its checkpoint contract), so a block layout can be checked before the folder is read
+_HEAD_DIM = 128
+
+
+class CausalKVLingBotSelfAttention(LingBotSelfAttention):
+    """vLLM-Omni's LingBot self-attention; a `LingBotLayerKV` cache entry is causalkv's store."""
+
+    def _update_cache(self, cache: Any, key: torch.Tensor, value: torch.Tensor, current_start: int,
+                      *, sink_tokens: int, update_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(cache, LingBotLayerKV):
+            return cache.update(key, value, current_start, sink_tokens=sink_tokens,
+                                update_cache=update_cache)
+        return super()._update_cache(cache, key, value, current_start, sink_tokens=sink_tokens,
+                                     update_cache=update_cache)
+
+
+class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
+    """vLLM-Omni's causal LingBot-World DiT whose per-request self-attention cache is causalkv's.
+
+    Attributes (set by `install`):
+        causalkv_quant: the QVG settings of the stores it allocates.
+        causalkv_ledger: the `KVLedger` of the last cache it allocated (the request's bytes).
+    """
+
+    causalkv_quant: QVGKVQuantArgs
+    causalkv_ledger: KVLedger | None = None
+
+    def head_offset(self) -> int:
+        """Global index of the first self-attention head this rank caches (TP x Ulysses)."""
+        attn = self.blocks[0].self_attn
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() * attn.num_local_heads + attn.ulysses_rank * attn.num_sp_heads
+
+    def allocate_cache(self, *, batch_size: int, latent_height: int, latent_width: int,
+                       device: torch.device, dtype: torch.dtype) -> LingBotTransformerCache:
+        """vLLM-Omni's ``allocate_cache`` (same checks and geometry), causalkv's stores.
+
+        The stock call validates the arguments and sizes ``max_tokens``; its zero buffers are
+        dropped at once (the stores allocate as chunks arrive).
+        """
+        stock = super().allocate_cache(batch_size=batch_size, latent_height=latent_height,
+                                       latent_width=latent_width, device=device, dtype=dtype)
+        first = stock.self_attention[0]
+        _, max_tokens, heads, head_dim = first.key.shape
+        del stock
+        tokens_per_frame = (latent_height // self.config.patch_size[1]) * (
+            latent_width // self.config.patch_size[2])
+        layers, ledger = allocate_layers(
+            num_layers=self.config.num_layers, batch_size=batch_size, max_tokens=max_tokens,
+            num_heads=heads, head_dim=head_dim,
+            sink_tokens=self.config.sink_size * tokens_per_frame,
+            head_offset=self.head_offset(), dtype=dtype, device=device, quant=self.causalkv_quant,
+        )
+        self.causalkv_ledger = ledger
+        return LingBotTransformerCache(self_attention=list(layers),
+                                       cross_attention=[None] * self.config.num_layers)
+
+
+def install(transformer: CausalLingBotWorldTransformer3DModel, quant: QVGKVQuantArgs) -> CausalKVLingBotTransformer:
+    """Give a built LingBot-World transformer causalkv's self-attention cache, in place.
+
+    Swaps the instance's class to `CausalKVLingBotTransformer` and each block's self-attention
+    to `CausalKVLingBotSelfAttention` (subclasses adding no state: parameters, buffers and
+    forward stay vLLM-Omni's). Returns the same object.
+    """
+    if not isinstance(transformer, CausalLingBotWorldTransformer3DModel):
+        raise ConfigError(f"install takes vLLM-Omni's CausalLingBotWorldTransformer3DModel, got {type(transformer).__name__}")
+    QVGPackedCausalKVCache.check_request(quant, head_dim=int(transformer.config.attention_head_dim),
+                                         device=str(next(transformer.parameters()).device))
+    for block in transformer.blocks:
+        if type(block.self_attn) is LingBotSelfAttention:
+            block.self_attn.__class__ = CausalKVLingBotSelfAttention
+    if type(transformer) is CausalLingBotWorldTransformer3DModel:
+        transformer.__class__ = CausalKVLingBotTransformer
+    transformer.causalkv_quant = quant
+    transformer.causalkv_ledger = None
+    return transformer  # type: ignore[return-value]
+
+
+def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> None:
+    """Refuse QVG where vLLM-Omni keeps LingBot's K/V in its paged block pool (ConfigError).
+
+    The AR-diffusion engine (``engine_backend: ...ARDiffusionEngine``, realtime sessions) and
+    step execution keep self-attention K/V in ``ARDiffusionKVCache`` blocks over vLLM's
+    ``BlockPool``; causalkv does not pack those blocks (docs/vllm_omni.md, "The paged engine
+    path"). Quantization off there is refused too: it would be silently vLLM-Omni's own cache.
+    """
+    backend = getattr(od_config, "engine_backend", "default")
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", str(backend))
+    paged = _PAGED_ENGINE in name or bool(getattr(od_config, "step_execution", False))
+    if paged:
+        raise ConfigError(
+            f"model_config.{CONFIG_KEY} ({quant.describe()}) is not supported on vLLM-Omni's "
+            f"paged AR-diffusion engine path (engine_backend={name!r}, step_execution="
+            f"{getattr(od_config, 'step_execution', False)}): its K/V lives in "
+            "ARDiffusionKVCache blocks over vLLM's BlockPool, which causalkv does not pack. "
+            "Use request (direct) mode for QVG: engine_backend 'default' with step_execution "
+            f"false, or drop model_config.{CONFIG_KEY}"
+        )
+
+
+def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) -> str:
+    """The request's ``causalkv kv-cache summary:`` line (all layers).
+
+    ``peak_bytes``: the most the request's stores held at once plus the largest visible K/V
+    one call built; ``resident_bytes``: what they hold at the end; ``dense_bytes``: vLLM-Omni's
+    dense cache for the same request (its preallocated buffers); ``dense_peak_bytes``: that plus
+    the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak.
+    """
+    peak = max(ledger.peak_bytes, ledger.resident_bytes)
+    ratio = f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a"
+    bits = quant.codec if quant.enabled else "off"
+    return (
+        f"causalkv kv-cache summary: pipeline={pipeline_name} cache={QVGPackedCausalKVCache.__name__} "
+        f"bits={bits} layers={len(ledger.resident)} peak_bytes={peak} "
+        f"resident_bytes={ledger.resident_bytes} dense_bytes={ledger.dense_bytes} "
+        f"dense_peak_bytes={ledger.dense_peak_bytes} ratio={ratio}"
+    )
+
+
+class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
+    """vLLM-Omni's ``LingBotWorldCausalDMDPipeline`` with causalkv's self-attention cache.
+
+    Registered under ``LingBotWorldCausalDMDPipeline``. Without ``model_config.causalkv_kv_cache``
+    it is the stock pipeline. With it: the setting is checked first (a bad value, or QVG on
+    the paged engine path, raises before any component or weight loads), then the stock
+    pipeline is built and `install` puts causalkv's store on its transformer.
+    """
+
+    def __init__(self, *, od_config: Any, prefix: str = "") -> None:
+        quant = read_settings(getattr(od_config, "model_config", None) or {})
+        if quant is not None:
+            quant.check_layout(_HEAD_DIM)
+            check_engine_mode(od_config, quant)
+        super().__init__(od_config=od_config, prefix=prefix)
+        self.causalkv_quant = quant
+        if quant is None:
+            logger.info("causalkv: LingBotWorldCausalDMDPipeline keeps vLLM-Omni's KV cache "
+                        "(no model_config.%s)", CONFIG_KEY)
+            return
+        install(self.transformer, quant)
+        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s",
+                    QVGPackedCausalKVCache.__name__, quant.describe())
+
+    def forward(self, req: Any) -> Any:
+        out = super().forward(req)
+        ledger = getattr(self.transformer, "causalkv_ledger", None)
+        if self.causalkv_quant is not None and ledger is not None:
+            logger.info("%s", summary_line(LingBotWorldCausalDMDPipeline.__name__, self.causalkv_quant, ledger))
+        return out

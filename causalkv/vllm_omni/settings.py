@@ -1,0 +1,74 @@
+"""The setting, in vLLM-Omni's conventions: one key of the stage's ``model_config``.
+
+vLLM-Omni passes a pipeline its options through ``OmniDiffusionConfig.model_config`` (a stage's
+``model_config:`` in a deploy YAML, or ``Omni(model=..., model_config={...})``); LingBot-World's
+own options live there (``lingbot_reuse_last_step_kv``, ``ar_diffusion_height``, ...). causalkv
+reads one nested key, `CONFIG_KEY`, holding the QVG settings under causalkv's reference keys::
+
+    model_config:
+      causalkv_kv_cache:
+        kv_cache_quant: int2            # off | int4 | int2
+        kv_cache_quant_keep_recent: 1   # and the other kv_cache_quant_* knobs
+
+Absent key: vLLM-Omni's own cache, nothing changed. Present: causalkv's
+`QVGPackedCausalKVCache` holds LingBot-World's self-attention K/V (``kv_cache_quant: off`` keeps
+every chunk dense, bit for bit vLLM-Omni's output). Torch-free: importing this loads no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.errors import ConfigError
+
+__all__ = ["CONFIG_KEY", "KNOWN_KEYS", "read_settings"]
+
+#: the ``model_config`` key holding causalkv's cache settings
+CONFIG_KEY = "causalkv_kv_cache"
+
+
+def _known_keys() -> tuple[str, ...]:
+    return tuple(sorted(QVGKVQuantArgs.keys()))
+
+
+#: the keys accepted under `CONFIG_KEY` (causalkv's reference keys, ``kv_cache_quant*``)
+KNOWN_KEYS: tuple[str, ...] = _known_keys()
+
+
+def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | None:
+    """The QVG settings asked for in a stage's ``model_config``, or None when it asks none.
+
+    Raises `ConfigError` (a ValueError, the error vLLM-Omni's pipelines raise for a bad
+    ``model_config`` value) naming the key, the value and the fix, for: a `CONFIG_KEY` that is
+    not a mapping, an unknown key under it, a value out of range (``kv_cache_quant: int8``,
+    ``kv_cache_quant_centroids: 0``), or a knob set while ``kv_cache_quant`` is off.
+    """
+    if not model_config or CONFIG_KEY not in model_config:
+        return None
+    raw = model_config[CONFIG_KEY]
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"model_config.{CONFIG_KEY} must be a mapping such as {{kv_cache_quant: int2}}, "
+            f"got {raw!r}"
+        )
+    unknown = sorted(str(k) for k in raw if k not in KNOWN_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"model_config.{CONFIG_KEY} has unknown key(s) {unknown}; the keys are {list(KNOWN_KEYS)}"
+        )
+    if "kv_cache_quant" not in raw:
+        raise ConfigError(
+            f"model_config.{CONFIG_KEY} must set kv_cache_quant (off, int4 or int2), got {dict(raw)!r}"
+        )
+    try:
+        args = QVGKVQuantArgs.from_dict(raw)
+        args.check_used()
+    except ConfigError as exc:
+        raise ConfigError(f"model_config.{CONFIG_KEY}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model_config.{CONFIG_KEY}: {exc}") from None
+    return args

@@ -1,0 +1,221 @@
+"""LingBot-World's self-attention K/V in causalkv's cache, with vLLM-Omni's semantics.
+
+vLLM-Omni keeps one ``LingBotAttentionCache`` per layer (``[B, max_tokens, H, D]`` buffers and
+the cursors ``end``, ``absolute_end``, ``last_start``, ``sink_end``) and updates it in
+``LingBotSelfAttention._update_cache``. `LingBotLayerKV` is the same contract over a
+`QVGPackedCausalKVCache` (spec: ``cache_size = max_tokens``, ``sink_tokens`` = sink frames x
+tokens per frame), so the pipeline's calls keep their meaning:
+
+- a chunk at a new ``current_start`` (contiguous) advances: the sink, the newest local tokens
+  that fit beside the chunk, and the chunk are visible; older chunks roll out and, with QVG on,
+  cold chunks are packed;
+- the same ``current_start`` again rewrites the current chunk;
+- ``update_cache=False`` (LingBot's noisy DMD probes) returns the K/V the write would make
+  visible and stores nothing: the history is read from the cache without writing, cut to what
+  the write would keep, and the probe's K/V appended;
+- the errors vLLM-Omni raises for an overlapping, non-contiguous or resized chunk are raised
+  here, with the same messages, before the cache is touched.
+
+`KVLedger` adds the request's bytes up over every layer: peak (everything held at once plus the
+largest visible K/V built in one call), resident now, and vLLM-Omni's dense cache for the same
+request. Imports torch and causalkv's caches only; never vLLM or vLLM-Omni.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.spec import KVCacheSpec
+
+__all__ = ["KVLedger", "LingBotLayerKV", "allocate_layers"]
+
+
+@dataclass
+class KVLedger:
+    """Bytes of one request's self-attention caches, all layers.
+
+    Attributes:
+        dense_bytes: what vLLM-Omni's dense cache allocates for the request
+            (``2 * B * max_tokens * H * D * itemsize`` per layer).
+        resident: bytes each layer holds now (index = layer).
+        peak_bytes: the most held at once: the sum over layers of what they hold plus the
+            visible K/V one call built (a materialized ``[B, visible, H, D]`` pair).
+        transient_bytes: the largest visible K/V one call built. vLLM-Omni's dense path builds
+            the same pair (its ``torch.cat`` of history and chunk), so its own peak is
+            ``dense_peak_bytes``.
+        writes: committing calls seen (all layers).
+    """
+
+    dense_bytes: int = 0
+    resident: list[int] = field(default_factory=list)
+    peak_bytes: int = 0
+    transient_bytes: int = 0
+    writes: int = 0
+
+    @property
+    def dense_peak_bytes(self) -> int:
+        """vLLM-Omni's dense cache at its peak: its buffers plus the largest visible K/V."""
+        return self.dense_bytes + self.transient_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.resident)
+
+    def note(self, layer: int, resident: int, transient: int) -> None:
+        """Record that ``layer`` holds ``resident`` bytes and one call built ``transient``."""
+        self.resident[layer] = resident
+        self.transient_bytes = max(self.transient_bytes, transient)
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes + transient)
+
+
+class LingBotLayerKV:
+    """One layer's self-attention K/V of one request: vLLM-Omni's cursors over a causalkv cache.
+
+    Args:
+        spec: the layer's `KVCacheSpec` (``cache_size`` = vLLM-Omni's ``max_tokens``,
+            ``sink_tokens`` = its sink, ``head_offset`` = the global index of the first head this
+            rank holds, for Ulysses/TP shards).
+        quant: QVG settings (``bits=None``: every chunk dense, bit for bit vLLM-Omni's cache).
+        ledger, layer: the request's `KVLedger` and this layer's index in it.
+
+    Attributes:
+        cache: the `QVGPackedCausalKVCache` holding the K/V.
+        end, absolute_end, last_start, sink_end: vLLM-Omni's ``LingBotAttentionCache`` cursors
+            (tokens held, next global position, start of the current chunk, sink tokens held).
+    """
+
+    def __init__(
+        self, spec: KVCacheSpec, quant: QVGKVQuantArgs, *, ledger: KVLedger, layer: int
+    ) -> None:
+        self.spec = spec
+        self.cache = QVGPackedCausalKVCache(spec, quant)
+        self.ledger = ledger
+        self.layer = layer
+        self.end = 0
+        self.absolute_end = 0
+        self.last_start: int | None = None
+        self.sink_end = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.cache_size
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        current_start: int,
+        *,
+        sink_tokens: int,
+        update_cache: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM-Omni's ``_update_cache`` on this store: the visible K/V ``[B, visible, H, D]``.
+
+        ``key``/``value``: the chunk ``[B, n, H, D]`` (post-RoPE keys). ``update_cache=False``
+        stores nothing. ValueError (vLLM-Omni's messages) for a write it refuses; the cache is
+        left as it was.
+        """
+        n = key.shape[1]
+        capacity = self.capacity
+        if sink_tokens != self.spec.sink_tokens:
+            raise ValueError(
+                f"sink_tokens={sink_tokens} differs from the cache's {self.spec.sink_tokens}; "
+                "the layer's cache was allocated for another sink"
+            )
+        if self.last_start is None:
+            if n > capacity:
+                raise ValueError(
+                    f"Current chunk has {n} tokens but the cache can hold only {capacity}; "
+                    "the full current chunk must remain visible."
+                )
+            next_sink_end = max(0, min(n, sink_tokens - current_start))
+            history: tuple[torch.Tensor, torch.Tensor] | None = None
+        elif current_start == self.last_start:
+            if current_start + n != self.absolute_end:
+                raise ValueError("A repeated current_start must overwrite the same-size current chunk.")
+            if n > self.end:
+                raise ValueError("The current chunk is no longer fully retained in the cache.")
+            next_sink_end = self.sink_end
+            history = None if update_cache else self._history(lambda p: p < current_start)
+        else:
+            if current_start < self.last_start:
+                raise ValueError(
+                    f"current_start={current_start} precedes the latest chunk start {self.last_start}."
+                )
+            if current_start < self.absolute_end:
+                raise ValueError(
+                    f"current_start={current_start} overlaps cached tokens ending at {self.absolute_end}."
+                )
+            if current_start > self.absolute_end:
+                raise ValueError(
+                    f"New chunks must be contiguous: current_start={current_start}, expected {self.absolute_end}."
+                )
+            incoming_sink = max(0, min(n, sink_tokens - current_start))
+            next_sink_end = self.sink_end + incoming_sink
+            local_capacity = capacity - next_sink_end
+            new_local = n - incoming_sink
+            if new_local > local_capacity:
+                raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
+            retained = min(self.end - self.sink_end, local_capacity - new_local)
+            old_sink, keep_from = self.sink_end, current_start - retained
+            history = None if update_cache else self._history(
+                lambda p: (p < old_sink) | (p >= keep_from)
+            )
+        if update_cache:
+            view = self.cache.update_and_get_attention_kv(
+                key=key, value=value, current_chunk_start=current_start,
+                debug_name=f"lingbot.self_attn[{self.layer}]",
+            )
+            k, v = view.k, view.v
+            self.end = k.shape[1]
+            self.absolute_end = current_start + n
+            self.last_start = current_start
+            self.sink_end = next_sink_end
+            self.ledger.writes += 1
+        elif history is None:
+            k, v = key, value
+        else:
+            k = torch.cat((history[0], key), dim=1)
+            v = torch.cat((history[1], value), dim=1)
+        self.ledger.note(self.layer, self.cache.resident_nbytes(), k.nbytes + v.nbytes)
+        return k, v
+
+    def _history(self, keep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held K/V whose global positions pass ``keep`` (a mask function), ascending."""
+        view = self.cache.get_attention_kv()
+        mask = keep(view.positions).to(view.k.device)
+        if bool(mask.all()):
+            return view.k, view.v
+        return view.k[:, mask], view.v[:, mask]
+
+
+def allocate_layers(
+    *,
+    num_layers: int,
+    batch_size: int,
+    max_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    sink_tokens: int,
+    head_offset: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quant: QVGKVQuantArgs,
+) -> tuple[list[LingBotLayerKV], KVLedger]:
+    """One request's self-attention stores (one per layer) and their shared `KVLedger`.
+
+    The geometry is vLLM-Omni's ``allocate_lingbot_cache``'s: ``[B, max_tokens, H, D]`` per
+    layer, ``H`` the heads this rank holds, starting at global head ``head_offset``.
+    """
+    spec = KVCacheSpec(
+        batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, cache_size=max_tokens,
+        sink_tokens=sink_tokens, dtype=dtype, device=device,
+        head_offset=head_offset,
+    )
+    ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), resident=[0] * num_layers)
+    layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i) for i in range(num_layers)]
+    return layers, ledger

@@ -1,0 +1,45 @@
+"""CPU stand-in: a vLLM-Omni platform for a CPU (picked through `vo_cpu_platform.activate`).
+
+vLLM-Omni 0.30.0 ships platforms for cuda, rocm, npu, xpu and musa only; on a CPU it falls back
+to ``UnspecifiedOmniPlatform``, which has no attention backend and no device. This one: device
+``cpu`` (one), ``gloo`` for torch.distributed, vLLM-Omni's own torch SDPA attention backend.
+Not part of the causalkv distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm_omni.platforms.interface import OmniPlatformEnum, UnspecifiedOmniPlatform
+
+
+class CPUOmniPlatform(UnspecifiedOmniPlatform):
+    _omni_enum = OmniPlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+
+    @classmethod
+    def get_torch_device(cls, local_rank: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    @classmethod
+    def get_device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return None
+
+    @classmethod
+    def synchronize(cls) -> None:
+        return None
+
+    @classmethod
+    def get_diffusion_attn_backend_cls(cls, selected_backend: str | None, head_size: int,
+                                       allow_trtllm_default: bool = False) -> str:
+        return "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
+
+    @classmethod
+    def supports_float64(cls) -> bool:
+        return True
