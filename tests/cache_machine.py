@@ -528,10 +528,17 @@ def make_machine(
                              context=True, pin=pin, halves=halves)
             stats.context_passes += 1
             if all(ok):
+                # a later pass of the same chunk cannot bring back what an earlier one dropped
+                first = not self.proto.committed
+                held = env.held_after_context(self.refs[0], pin)
+                if not first and held is not None and self.proto.held is not None:
+                    from causalkv.caches import intervals as iv
+
+                    held = iv.intersect(self.proto.held, held)
                 self.proto.plain_last = False
+                self.proto.announced = pin and (first or self.proto.announced)
                 self.proto.committed = True
-                self.proto.announced = pin
-                self.proto.held = env.held_after_context(self.refs[0], pin)
+                self.proto.held = held
             elif any(ok) and not was_on:
                 self.proto.plain_last = True
             if pin or then_pin:
@@ -547,8 +554,7 @@ def make_machine(
             late = self.proto.committed and not self.proto.announced and bool(needed)
             ok = [self._run("pin", i, lambda c: c.pin_current_chunk(n), check=False, needed=needed)
                   for i in range(self.cfg.layers)]
-            if late and any(ok) and (self.proto.held is None
-                                     or not _contains(self.proto.held, needed)):
+            if late and any(ok):  # the stream after it may need positions the pass dropped
                 self.proto.late_pin = True
 
         @precondition(lambda self: self.cfg is not None)

@@ -339,17 +339,19 @@ class QVGPackedCausalKVCache(StreamCache):
             )
 
     def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """`StreamCache.pin_current_chunk`; refused (`CacheProtocolError`, nothing changed)
-        when the pinned stream's next chunk would keep positions a context pass that did not
-        announce this pin already dropped."""
+        """`StreamCache.pin_current_chunk`; refused (`CacheProtocolError`, nothing changed) when
+        the range it pins was already dropped by a context pass that did not announce the pin.
+        A pin the pass did not announce may leave the next advance, or a read, needing
+        positions the pass dropped: those calls are refused then (`_check_holds`, `_view`)."""
         new = self.state.pinned_to(current_num_tokens)
-        if new.cur_start is not None and new.cur_n and not iv.contains(self.store.held(), self.state.retained):
-            try:
-                ahead = new.advanced(new.cur_n, "pin_current_chunk")
-            except ValueError:
-                ahead = None
-            if ahead is not None:
-                self._check_holds(ahead, f"pin_current_chunk({current_num_tokens})")
+        if new.pinned is not None and not iv.contains(self.store.held(), (new.pinned,)):
+            missing = iv.subtract((new.pinned,), self.store.held())
+            raise CacheProtocolError(
+                f"pin_current_chunk({current_num_tokens}): positions {iv.describe(missing)} were "
+                "dropped at the last context pass (nothing was changed); announce the pin with "
+                "ChunkScratch.context_pass(pin=True), or leave the scratch unshared "
+                "(ChunkScratch(shared=False))"
+            )
         self.state = new
 
     # ---- the store's figures -----------------------------------------------------------
