@@ -122,7 +122,7 @@ def _registration(stage: str) -> Any:
 
 
 def _options(folder: Path, g: Geometry, bits: int | None) -> GenerateOptions:
-    quant = QVGKVQuantArgs(codec=f"int{bits}")
+    quant = QVGKVQuantArgs() if bits is None else QVGKVQuantArgs(codec=f"int{bits}")
     args = ServerArgs(dtype="float32", kv_cache_dtype="bfloat16", options=[quant])
     return GenerateOptions(model=str(folder), prompts=list(PROMPTS[: g.shots]), server_args=args, quiet=True)
 

@@ -215,7 +215,8 @@ PRELOAD: list[tuple[str, list[str], list[str]]] = [
     ("block size not whole bytes", ["--kv-cache-quant", "int2", "--kv-cache-quant-block-size", "7"],
      ["kv-cache-quant-block-size 7 x 2 bits is not a whole number of bytes"]),
     ("QVG setting with quant off", ["--kv-cache-quant-centroids", "64"],
-     ["--kv-cache-quant-centroids set(s) QVG quantization, which is off; pass --kv-cache-quant int4 or int2"]),
+     ["--kv-cache-quant-centroids set(s) QVG quantization, which is off; pass --kv-cache-quant "
+      "with a codec (int4, int2, fp8, nvfp4), or drop them"]),
     ("guidance on a stage without CFG", ["--guidance-scale", "3"],
      ["--guidance-scale set(s) classifier-free guidance, which stage 'self-forcing-wan' "
       "(WanCausalDMDStage) does not run; drop it"]),
