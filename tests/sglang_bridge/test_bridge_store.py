@@ -20,6 +20,7 @@ from causalkv.caches import KVCacheSpec
 from causalkv.caches.qvg import SGLANG, SegmentStore, codec
 from causalkv.caches.qvg import QVGKVQuantArgs as CausalKVQuant
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.spec import CacheWriteError
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 H, D, N = 2, 32, 64  # 64-token chunks: one centroid per 32 tokens pays at int2
@@ -62,24 +63,24 @@ def test_the_bridge_stores_in_causalkvs_segment_store_with_sglangs_policy():
     assert type(own.store) is type(cache.store)
 
 
-def test_a_failed_pack_leaves_the_bridge_cache_unchanged():
+def test_a_non_finite_chunk_stays_dense_and_a_refused_write_changes_nothing():
     cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, keep_recent_chunks=0))
     _chunk(cache, 0)
     k, v = _kv(1)
     k[0, 5, 1, 3] = float("nan")
     _chunk(cache, 1, kv=(k, v))
     cache.pin_current_chunk(N)
-    before = _snapshot(cache)
     k2, v2 = _kv(2)
-    with pytest.raises(ValueError, match="non-finite"):  # packing chunk 1 refuses
-        cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=2 * N)
+    view = cache.update_and_get_attention_kv(key=k2, value=v2, current_chunk_start=2 * N)
+    assert view.k.shape[1] == 3 * N and torch.isnan(view.k).sum() == 1  # as sglang's dense cache
+    assert cache.store.packing_report().chunks_dense.get("non-finite") == 1
+    before = _snapshot(cache)
+    with pytest.raises(CacheWriteError, match="heads"):  # another head range than written
+        cache.update_and_get_attention_kv(key=k2[:, :, :1].contiguous(), value=v2[:, :, :1].contiguous(),
+                                          current_chunk_start=2 * N, cache_head_start=1)
     after = _snapshot(cache)
     assert after == before
     assert all(a is b for a, b in zip(after[9], before[9], strict=True))
-    # the chunk is rewritten finite (sglang's stage would rerun it): the stream goes on
-    _chunk(cache, 1)
-    view = _chunk(cache, 2)
-    assert view.k.shape[1] == 3 * N and cache.packed_chunks() >= 1
 
 
 def _pinned_chunk_storage(sink: int) -> tuple[list[bool], list[bool]]:
@@ -147,8 +148,6 @@ from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import 
     CausalSelfAttentionKVCache,
 )
 from test_bridge_parity import _cursors, _state, streams  # noqa: E402
-
-from causalkv.caches.spec import CacheWriteError  # noqa: E402
 
 PACKING = QVGKVQuantArgs(bits=2, centroids=1, block_size=4, keep_recent_chunks=0)
 PACKED = {"examples": 0, "quantize_calls": 0, "writes_into_packed": 0}
