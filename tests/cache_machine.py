@@ -211,6 +211,9 @@ class Env:
     #: a write that skips positions (the "skip" bad call) after a reset: off where the
     #: reference shows the previous request's leftovers in the skipped slots
     skip_after_reset = True
+    #: a write that skips positions on layers sharing a declared scratch (off for the sglang
+    #: bridge: a known gap, see tests/README.md)
+    skip_when_declared = True
 
     def check_view(self, cfg: Config, got: Any, want: Any, q: torch.Tensor, where: str) -> None:
         raise NotImplementedError
@@ -591,6 +594,8 @@ def make_machine(
             self.log.append(f"bad({kind})")
             if kind in ("skip", "dtype"):
                 if kind == "skip" and self.resets and not env.skip_after_reset:
+                    return
+                if kind == "skip" and self.proto.on() and not env.skip_when_declared:
                     return
                 ok = self._write("advance", end + 3 if kind == "skip" else end, n,
                                  chunk=self.chunk + 1, recent=None,

@@ -200,7 +200,7 @@ def test_a_non_finite_chunk_is_kept_dense_and_the_block_goes_on():
     quant = SETTINGS["int2-recent0"]
     scratch = ChunkScratch()
     block = _block(quant, scratch)
-    for c in range(4):  # chunk 1 (the NaN) is still held after chunk 3
+    for c in range(3):  # chunk 1 (the NaN) is still held after chunk 2
         for step in range(PASSES):
             k, v = _kv(c, 0, step)
             if c == 1 and step == PASSES - 1:
@@ -211,6 +211,6 @@ def test_a_non_finite_chunk_is_kept_dense_and_the_block_goes_on():
             else:
                 block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
     report = block.store.packing_report()
-    assert report.chunks_dense.get("non-finite") == 1 and report.chunks_packed >= 2
+    assert report.chunks_dense.get("non-finite") == 1 and report.chunks_packed >= 1
     nan_chunk = next(s for s in block.store.segments if s.start == N)
     assert not nan_chunk.packed and torch.isnan(nan_chunk.storage.k).sum() == 1
