@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         for mode in ("dense", *SETTINGS):
             model = tl.build_transformer(dtype=dtype)
             if mode != "dense":
-                install(model, QVGKVQuantArgs.from_bits_name(mode))
+                install(model, QVGKVQuantArgs.from_codec_name(mode))
             cache = model.allocate_cache(batch_size=1, latent_height=h, latent_width=w,
                                          device=torch.device("cpu"), dtype=dtype)
             outs = tl.run_blocks(model, cache, blocks, dtype=dtype)

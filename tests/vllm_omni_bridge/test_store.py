@@ -37,7 +37,7 @@ def _stock_update(cache, k, v, start, update):
 def _ours(quant: str = "off", *, heads: int = H, head_offset: int = 0, dtype=torch.float32):
     layers, ledger = allocate_layers(num_layers=1, batch_size=B, max_tokens=CAP, num_heads=heads,
                                      head_dim=D, sink_tokens=SINK, head_offset=head_offset,
-                                     dtype=dtype, device="cpu", quant=QVGKVQuantArgs.from_bits_name(quant))
+                                     dtype=dtype, device="cpu", quant=QVGKVQuantArgs.from_codec_name(quant))
     return layers[0], ledger
 
 

@@ -18,7 +18,7 @@ def _run(quant: str | None, dtype=torch.float32, blocks: int = BLOCKS):
 
     model = tl.build_transformer(dtype=dtype)
     if quant is not None:
-        install(model, QVGKVQuantArgs.from_bits_name(quant))
+        install(model, QVGKVQuantArgs.from_codec_name(quant))
     h, w = tl.LATENT_HW
     cache = model.allocate_cache(batch_size=1, latent_height=h, latent_width=w, device=CPU, dtype=dtype)
     return tl.run_blocks(model, cache, blocks, dtype=dtype), model, cache

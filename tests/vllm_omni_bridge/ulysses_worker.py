@@ -35,7 +35,7 @@ def run(mode: str, world: int) -> dict:
         from causalkv.caches.qvg.options import QVGKVQuantArgs
         from causalkv.vllm_omni.pipeline import install
 
-        install(model, QVGKVQuantArgs.from_bits_name(mode))
+        install(model, QVGKVQuantArgs.from_codec_name(mode))
     if world > 1:
         apply_sequence_parallel(model, SequenceParallelConfig(ulysses_degree=world),
                                 get_sp_plan_from_model(model))
