@@ -168,3 +168,25 @@ def test_the_pipeline_loads_the_other_components_then_refuses_the_tiny_dit(folde
         latent = pipe.vae.encode(frame).latent_dist.mode()
         assert latent.shape == (1, ck.TRANSFORMER["out_channels"], 1, 8, 8)
         assert torch.isfinite(text).all() and torch.isfinite(latent).all()
+
+
+def test_the_command_refuses_a_folder_that_holds_something_else(tmp_path, capsys):
+    """A non-empty folder without a complete checkpoint, or a file, is refused in one line
+    (exit 2) and left as it was."""
+    from causalkv.cli.commands import main
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for where, want in (
+        (busy, f"vllm-omni-checkpoint DIR '{busy}' exists, holds 1 entry and is not a complete "
+               "causalkv vLLM-Omni checkpoint; choose a new or empty folder (it is never overwritten)"),
+        (a_file, f"vllm-omni-checkpoint DIR '{a_file}' is a file, not a folder; choose a new or "
+                 "empty folder"),
+    ):
+        capsys.readouterr()
+        assert main(["vllm-omni-checkpoint", str(where)]) == 2
+        assert capsys.readouterr().err == f"causalkv vllm-omni-checkpoint: error: {want}\n"
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"] and a_file.read_text() == "x"
