@@ -17,8 +17,8 @@ from typing import Any
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_LINGBOT_QVG
-from causalkv.sglang.settings import bridge_args, lingbot_codec
-from causalkv.sglang.stages import stage_scratch
+from causalkv.sglang.settings import lingbot_codec
+from causalkv.sglang.stages import request_args, stage_scratch
 from causalkv.sglang.summary import track
 from causalkv.sglang.targets import LINGBOT, qualname, served
 
@@ -53,7 +53,8 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
 
     Quantization off: sglang's own dense cache (the bridge's cache would be equal to it bit
     for bit, so sglang's stays). On: one `SGLangQVGKVCache` per block, global sinks, pins and
-    growth included; LingBot-World keeps sglang's own QVG cache when
+    growth included, with the request's causalkv settings (`request_args`: converted once per
+    request, shared by its allocations); LingBot-World keeps sglang's own QVG cache when
     ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when the block size does not divide its
     head_dim. Every allocation is logged once per stage and settings, and tracked for the
     request's summary line.
@@ -72,7 +73,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         caches = original(self, **kw)
         return track(self, caches, describe(caches, quant, self, "sglang",
                                             f"{ENV_LINGBOT_QVG}=sglang"))
-    args = bridge_args(quant)  # once per allocation: the cache, the check and the log line
+    args = request_args(self, quant)  # the cache, the check and the log line share it
     reason = can_serve(args, kw["attention_head_dim"], kw["dtype"])
     if reason is not None:
         if lingbot:

@@ -1,10 +1,11 @@
 """The bridge's settings: sglang's QVG flags, causalkv's environment settings, and the one conversion.
 
 sglang's ``--kv-cache-quant*`` flags give sglang's ``QVGKVQuantArgs`` (`sglang_quant_args`
-also takes a dict); causalkv's own settings come from the environment (`recent_tier`:
-``CAUSALKV_SGLANG_RECENT_TIER``, `codec_override`: ``CAUSALKV_SGLANG_CODEC``; `lingbot_codec`
-and `fused_attention` for the two switches). `bridge_args` turns both into causalkv's
-`QVGKVQuantArgs`.
+also takes a dict); causalkv's own settings come from the environment (`read_env`:
+``CAUSALKV_SGLANG_RECENT_TIER``, ``CAUSALKV_SGLANG_CODEC``; `lingbot_codec` and
+`fused_attention` for the two switches). `bridge_args` turns both into causalkv's
+`QVGKVQuantArgs`: the one conversion, made once per request (the stage carries the result,
+`causalkv.sglang.stages.request_args`) and once per start-up check.
 
 Settings are checked where they enter: ``ServerArgs.__post_init__`` (`post_init`: start-up in
 the user's process, when the model folder is local) and the pipeline's ``_load_config``
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,15 @@ from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV
 from causalkv.sglang.targets import LINGBOT, SERVED_PIPELINES
 
 __all__ = [
+    "EnvSettings",
     "bridge_args",
     "check_settings",
-    "codec_override",
     "fused_attention",
     "lingbot_codec",
     "load_config",
     "normalize",
     "post_init",
-    "recent_tier",
+    "read_env",
     "sglang_quant_args",
 ]
 
@@ -51,33 +52,42 @@ _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
 # ---- causalkv's settings in the environment -------------------------------------------------
-def recent_tier() -> str:
-    """``CAUSALKV_SGLANG_RECENT_TIER``: ``bf16`` (default, sglang's layout) or a codec setting
-    (``int4``, ``fp8``, ...); ConfigError for another value."""
-    raw = os.environ.get(ENV_RECENT_TIER, "")
-    value = raw.strip().lower() or "bf16"
-    if value not in recent_tiers():
+@dataclass(frozen=True)
+class EnvSettings:
+    """causalkv's own settings of the bridge's cache (sglang's QVG flags have no such fields).
+
+    ``recent_tier``: how the keep-recent chunks (and bf16 sink chunks) are held, ``bf16``
+    (sglang's layout) or a codec setting. ``codec``: the codec the bridge packs with while
+    sglang's ``--kv-cache-quant`` (int4, int2) turns QVG on; None: sglang's bits.
+    """
+
+    recent_tier: str = "bf16"
+    codec: str | None = None
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """``CAUSALKV_SGLANG_RECENT_TIER`` and ``CAUSALKV_SGLANG_CODEC``, each read once.
+
+    Raises:
+        ConfigError: a value the bridge does not know, naming the variable and the choices.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_RECENT_TIER, "")
+    tier = raw.strip().lower() or "bf16"
+    if tier not in recent_tiers():
         raise ConfigError(
             f"{ENV_RECENT_TIER}={raw!r}: choose one of {list(recent_tiers())} (a codec: the "
             "bridge packs the keep-recent chunks, and bf16 sink chunks, with it until they are "
             "packed with the cache's codec)"
         )
-    return value
-
-
-def codec_override() -> str | None:
-    """``CAUSALKV_SGLANG_CODEC``: None (unset: sglang's ``--kv-cache-quant`` int4/int2) or a
-    causalkv codec setting; ConfigError for another value."""
-    raw = os.environ.get(ENV_CODEC, "")
-    value = raw.strip().lower()
-    if not value:
-        return None
-    if value not in codec_names():
+    raw = env.get(ENV_CODEC, "")
+    codec = raw.strip().lower() or None
+    if codec is not None and codec not in codec_names():
         raise ConfigError(
             f"{ENV_CODEC}={raw!r}: choose one of {list(codec_names())} (the codec the bridge "
             "packs with while --kv-cache-quant int4/int2 turns QVG on), or unset it"
         )
-    return value
+    return EnvSettings(recent_tier=tier, codec=codec)
 
 
 def lingbot_codec() -> str:
@@ -159,28 +169,34 @@ def normalize(server_args: Any) -> Any:
     return args
 
 
-def bridge_args(quant: Any) -> CausalKVQuantArgs:
-    """causalkv's settings for sglang's ``quant`` (its ``QVGKVQuantArgs``): the shared fields,
-    the recency tier (`recent_tier`) and the codec (`codec_override`, else sglang's bits).
+def bridge_args(quant: Any, env: EnvSettings | None = None) -> CausalKVQuantArgs:
+    """causalkv's settings for sglang's ``quant`` (its ``QVGKVQuantArgs``) and causalkv's
+    environment settings (``env``; default: `read_env`, so each variable is read once here):
+    sglang's shared fields, the recency tier, and the codec (``env.codec``, else sglang's bits).
+
+    The bridge's one conversion: once per request (`causalkv.sglang.stages.request_args`
+    carries the result to the allocations) and once per start-up check (`check_settings`).
 
     Raises:
         ConfigError: a bad environment setting, or settings causalkv refuses.
     """
+    env = read_env() if env is None else env
     # lazy: cache imports sglang (module docstring)
     from causalkv.sglang.cache import causalkv_quant_args
 
-    args = causalkv_quant_args(quant, recent_tier())
-    codec = codec_override()
-    if codec is not None and args.enabled and codec != args.codec:
-        args = replace(args, codec=codec).validate()
+    args = causalkv_quant_args(quant, env.recent_tier)
+    if env.codec is not None and args.enabled and env.codec != args.codec:
+        args = replace(args, codec=env.codec).validate()
     return args
 
 
 # ---- the start-up checks --------------------------------------------------------------------
-def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) -> None:
+def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None,
+                   env: EnvSettings | None = None) -> None:
     """Refuse QVG settings the bridge's codec cannot pack for this pipeline (ConfigError).
 
-    ``quant`` is sglang's ``QVGKVQuantArgs``; pipelines the bridge does not serve, quant off, and LingBot-World with
+    ``quant`` is sglang's ``QVGKVQuantArgs``, ``env`` causalkv's settings (default: read from
+    the environment); pipelines the bridge does not serve, quant off, and LingBot-World with
     ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` are not checked (sglang's own code decides there). A
     ``head_dim`` the block size does not divide is refused except for LingBot-World, where
     sglang's own QVG cache takes over (said in the log).
@@ -191,7 +207,7 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None) 
     if lingbot and lingbot_codec() == "sglang":
         return
     try:
-        args = bridge_args(quant)
+        args = bridge_args(quant, env)
         args.check_used()
         if head_dim is not None and not lingbot:
             args.check_layout(head_dim)
@@ -215,15 +231,14 @@ def model_head_dim(model_dir: str | os.PathLike | None) -> int | None:
 def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
     """``ServerArgs.__post_init__``: a dict ``kv_cache_quant_config`` becomes sglang's args, and
     the settings are checked at start-up when the pipeline and a local model folder are known
-    (causalkv's environment settings always)."""
+    (causalkv's environment settings always, each read once)."""
     fused_attention()
-    recent_tier()
-    codec_override()
+    env = read_env()
     quant = normalize(self)
     out = original(self, *args, **kw)
     if quant.enabled and os.path.isdir(str(getattr(self, "model_path", "") or "")):
         name = getattr(self, "pipeline_class_name", None) or _pipeline_name_of(self)
-        check_settings(name, quant, model_head_dim(self.model_path))
+        check_settings(name, quant, model_head_dim(self.model_path), env)
     return out
 
 

@@ -2,7 +2,10 @@
 
 - The request's settings: every forward (offline and realtime) passes through
   ``_prepare_causal_dmd_forward_context`` before a cache exists (`prepare_forward_context`);
-  it carries sglang's settings as ``_kv_quant_args`` (sglang's LingBot convention). A stage that is not served keeps sglang's behaviour, and
+  it carries sglang's settings as ``_kv_quant_args`` (sglang's LingBot convention) and starts
+  the request, so `request_args` converts them to causalkv's once (`bridge_args`) at the
+  request's first allocation and every later allocation of the request (the CFG set, a
+  realtime session's) reuses them. A stage that is not served keeps sglang's behaviour, and
   one warning says so when ``--kv-cache-quant`` is on and sglang's stage does not support QVG.
 - The chunk being generated: with quantization on, the blocks of a served stage share one
   `causalkv.caches.qvg.ChunkScratch` (`stage_scratch`; its CFG sets too), and the
@@ -24,9 +27,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_SWITCH
-from causalkv.sglang.settings import normalize, sglang_quant_args
+from causalkv.sglang.settings import bridge_args, normalize, sglang_quant_args
 from causalkv.sglang.targets import SERVED, log_once, qualname, served
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "context_update",
     "off_prepare_forward_context",
     "prepare_forward_context",
+    "request_args",
     "scene_cut",
     "stage_scratch",
     "supports_qvg",
@@ -41,13 +46,28 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: the request's causalkv settings on the stage: (sglang's args they came from, causalkv's)
+_ARGS = "_causalkv_quant_args"
 _SCRATCH = "_causalkv_chunk_scratch"
 _SCENE_CUT = "_causalkv_scene_cut"
 
 
 # ---- the request's settings -----------------------------------------------------------------
-def _carry_quant(stage: Any, server_args: Any) -> None:
-    """Carry the request's sglang settings as ``_kv_quant_args``."""
+def request_args(stage: Any, quant: Any) -> CausalKVQuantArgs:
+    """causalkv's settings for the stage's request: `bridge_args` of sglang's ``quant`` at the
+    request's first need, then the same object for the rest of the request (sglang's
+    ``quant`` unchanged). An allocation outside a request converts once for itself."""
+    held = stage.__dict__.get(_ARGS)
+    if held is not None and held[0] is quant:
+        return held[1]
+    args = bridge_args(quant)
+    stage.__dict__[_ARGS] = (quant, args)
+    return args
+
+
+def _start_request(stage: Any, server_args: Any) -> None:
+    """Carry the request's sglang settings; the causalkv ones are converted when first needed."""
+    stage.__dict__.pop(_ARGS, None)
     stage._kv_quant_args = normalize(server_args)
 
 
@@ -72,10 +92,11 @@ def _warn_unserved(self: Any, server_args: Any, why: str, how: str) -> None:
 
 def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
     """``_prepare_causal_dmd_forward_context``: every forward (offline and realtime) passes
-    here before a cache exists; carry the request's quant settings as ``_kv_quant_args``, or warn once when the stage is not served and sglang would drop the
+    here before a cache exists; start the request (carry its quant settings as
+    ``_kv_quant_args``), or warn once when the stage is not served and sglang would drop the
     request's QVG."""
     if served(self):
-        _carry_quant(self, server_args)
+        _start_request(self, server_args)
     else:
         _warn_unserved(
             self, server_args, "the bridge serves only " + ", ".join(
