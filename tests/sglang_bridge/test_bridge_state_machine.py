@@ -41,7 +41,7 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
 
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.spec import CacheWriteError
-from causalkv.sglang import hooks
+from causalkv.sglang.allocation import allocate
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 
@@ -123,7 +123,7 @@ class SGLangEnv(Env):
             def original(self, **_):
                 raise AssertionError("the hook serves quantization itself")
 
-            subs = hooks.allocate(original, stage, **kw)
+            subs = allocate(original, stage, **kw)
             assert all(type(c) is SGLangQVGKVCache for c in subs)
             scratch = subs[0].scratch
             assert scratch is not None and all(c.scratch is scratch for c in subs)
