@@ -52,7 +52,7 @@ JUSTIFIED = {
     ("stages/records.py", "__getitem__", "KeyError"):
         "ChunkStats is a read-only Mapping: a missing key must raise KeyError (Mapping.get, "
         "`in` and dict() rely on it)",
-    ("runtime/loading.py", "_all_weights_loaded", "ValueError"):
+    ("runtime/model_io/components.py", "_all_weights_loaded", "ValueError"):
         "raised only inside reading_component, which turns it into a ModelFolderError naming "
         "the component and the fix (the message users see quotes this ValueError)",
 }

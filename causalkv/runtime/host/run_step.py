@@ -1,6 +1,6 @@
-"""Step 3 of `causalkv.runtime.generate`: run the plan's chunk loop.
+"""Step 3 of `causalkv.runtime.host.generate`: run the plan's chunk loop.
 
-`run_plan` builds the stage (`causalkv.runtime.load.build_stage`, with the resolution's option
+`run_plan` builds the stage (`causalkv.runtime.host.load_step.build_stage`, with the resolution's option
 records and the run's ``causalkv_configure_stage`` hooks), draws the initial noise from one
 CPU generator seeded with the request's seed (which also draws every re-noising), and runs the
 stage's chunk loop with the ``causalkv_chunk_done`` observers.
@@ -16,10 +16,10 @@ import torch
 
 from causalkv.config import ServerArgs
 from causalkv.plugin import Resolution
-from causalkv.runtime.hook_calls import ObserverHook
-from causalkv.runtime.load import build_stage, load_for_plan, make_parallel
-from causalkv.runtime.loading import Components
-from causalkv.runtime.records import GenerationRun, Plan
+from causalkv.runtime.host.hook_calls import ObserverHook
+from causalkv.runtime.host.load_step import build_stage, load_for_plan, make_parallel
+from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
+from causalkv.runtime.model_io.components import Components
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.records import ChunkStats, ForwardRecord
 
@@ -45,7 +45,7 @@ def run_plan(
     the cache's settings); ``pm``: the plugin manager whose hooks run (default: the plan's).
     A ``causalkv_chunk_done`` implementation that raises is reported once on stderr and
     skipped for the rest of the run, or, with ``strict_plugins``, stops it
-    (`causalkv.runtime.hook_calls.ObserverHook`). ``on_stage`` receives the built stage
+    (`causalkv.runtime.host.hook_calls.ObserverHook`). ``on_stage`` receives the built stage
     (``causalkv_configure_stage`` applied) before its first chunk.
     """
     pm = plan.plugin_set(pm).pm

@@ -1,4 +1,4 @@
-"""Step 2 of `causalkv.runtime.generate`: load the plan's model and build its stage.
+"""Step 2 of `causalkv.runtime.host.generate`: load the plan's model and build its stage.
 
 `load_for_plan` joins the ranks of a sequence-parallel request, materializes a preset on first
 use (once per node), loads the components with ``from_pretrained`` and makes the transformer
@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.runtime.distributed import join_ranks, local_main_first
-from causalkv.runtime.file_checks import fs_error_reason
-from causalkv.runtime.hook_calls import configure_stage
-from causalkv.runtime.loading import Components, load_components
-from causalkv.runtime.model_config import ModelInfo
-from causalkv.runtime.outputs import OutputWriteError
-from causalkv.runtime.presets import causalkv_home, materialize_preset
-from causalkv.runtime.records import DEFAULT_PROMPT, Plan
+from causalkv.runtime.files.file_checks import fs_error_reason
+from causalkv.runtime.files.outputs import OutputWriteError
+from causalkv.runtime.host.hook_calls import configure_stage
+from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, Plan
+from causalkv.runtime.model_io.components import Components, load_components
+from causalkv.runtime.model_io.model_config import ModelInfo
+from causalkv.runtime.model_io.presets import causalkv_home, materialize_preset
+from causalkv.runtime.processes.distributed import join_ranks, local_main_first
 from causalkv.stages.base import CausalDenoisingStage
 
 __all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]

@@ -1,6 +1,6 @@
 """Checks of a planned request that need no weights: run before anything loads.
 
-`check_before_load` is called by `causalkv.runtime.plan.plan_generation`, so every fault
+`check_before_load` is called by `causalkv.runtime.host.plan_step.plan_generation`, so every fault
 knowable up front fails there, in milliseconds, before a preset is built, a weight is read or
 a chunk runs:
 
@@ -17,7 +17,7 @@ a chunk runs:
 - seed: within the range a torch generator takes;
 - device and dtype: the device exists in this torch build and on this machine, and a small
   matmul in the dtype runs on it;
-- the files (`causalkv.runtime.file_checks`): ``CAUSALKV_HOME`` can hold a preset not built
+- the files (`causalkv.runtime.files.file_checks`): ``CAUSALKV_HOME`` can hold a preset not built
   yet, the output files can be written and have room, the model folder's files are whole.
 
 Each failure raises `ConfigError` (bad request) or `ModelFolderError` (unreadable model
@@ -38,7 +38,7 @@ from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
 from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
-from causalkv.runtime.model_config import (
+from causalkv.runtime.model_io.model_config import (
     preset_transformer_config,
 )
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
@@ -46,7 +46,7 @@ from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 if TYPE_CHECKING:
     import torch
 
-    from causalkv.runtime.records import GenerateOptions, Plan
+    from causalkv.runtime.host.pipeline_records import GenerateOptions, Plan
 
 __all__ = [
     "MAX_SEED",
@@ -79,7 +79,7 @@ DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN = 1024
 def check_before_load(plan: Plan, options: GenerateOptions) -> None:
     """Every check of the module docstring, on a plan `plan_generation` has built (presets are
     looked up in the plan's plugins)."""
-    from causalkv.runtime.file_checks import check_home, check_model_files, check_output_files
+    from causalkv.runtime.files.file_checks import check_home, check_model_files, check_output_files
 
     args = plan.server_args
     if args.seed > MAX_SEED:
@@ -237,7 +237,7 @@ def check_device(device: str, dtype: str) -> torch.device:
     """
     import torch  # torch loads with a command that runs, not for its --help
 
-    from causalkv.runtime.loading import parse_dtype
+    from causalkv.runtime.model_io.components import parse_dtype
 
     try:
         dev = torch.device(device)
@@ -419,7 +419,7 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
       transformer allocates when it loads.
     """
-    from causalkv.runtime.loading import parse_dtype
+    from causalkv.runtime.model_io.components import parse_dtype
 
     s, args, model = plan.settings, plan.server_args, plan.model
     heads = model.num_heads // max(1, args.heads_sharded)
@@ -493,7 +493,7 @@ VIDEO_FLOOR_COMPRESSION = 200
 def video_nbytes_floor(plan: Plan) -> int:
     """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
     Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
-    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
 
     info = plan.info
     frames = 1 + 4 * (plan.num_frames - 1)
@@ -503,7 +503,7 @@ def video_nbytes_floor(plan: Plan) -> int:
 def metrics_nbytes_floor(plan: Plan) -> int:
     """The least bytes the metrics JSON of ``plan`` takes: its fixed keys and one number per
     chunk in each per-chunk list (at least 8 bytes each, five lists)."""
-    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
 
     return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
 
