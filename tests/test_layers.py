@@ -56,6 +56,7 @@ PKG = ROOT / "causalkv"
 #: module (or package) -> what it may import from causalkv: itself and the layers below it
 BELOW = {
     "causalkv.errors": (),
+    "causalkv.lazy": (),
     "causalkv.options": ("causalkv.errors", "causalkv.capabilities"),
     "causalkv.config": ("causalkv.options", "causalkv.errors", "causalkv.capabilities"),
     "causalkv.hooks": ("causalkv.config", "causalkv.options", "causalkv.errors", "causalkv.capabilities"),

@@ -23,8 +23,7 @@ The command line is `causalkv.cli`.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from causalkv.lazy import lazy_names
 
 __all__ = [
     "DEFAULT_PROMPT",
@@ -69,8 +68,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'causalkv.runtime' has no attribute {name!r}")
-    return getattr(import_module(home), name)
+__getattr__ = lazy_names(__name__, _HOMES)
