@@ -55,7 +55,7 @@ _HOMES = {
     "ModelInfo": "causalkv.runtime.model_io.model_config",
     "Plan": "causalkv.runtime.host.pipeline_records",
     "PluginSet": "causalkv.runtime.host.pipeline_records",
-    "build_stage": "causalkv.runtime.host.load_step",
+    "build_stage": "causalkv.runtime.host.run_step",
     "compare_unquantized": "causalkv.runtime.host.compare_step",
     "generate": "causalkv.runtime.host.generate",
     "latent_psnr_db": "causalkv.runtime.host.compare_step",

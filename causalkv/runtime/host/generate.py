@@ -41,7 +41,6 @@ from causalkv.runtime.host.plan_step import plan_generation
 from causalkv.runtime.host.report import (
     cache_description,
     describe_plan,
-    describe_stream,
     run_report,
 )
 from causalkv.runtime.host.run_step import run_plan
@@ -96,12 +95,7 @@ def generate(
     load_seconds = time.perf_counter() - t0
     if on_loaded is not None:
         on_loaded()
-
-    def say_stream(stage: Any) -> None:  # what the built stage runs: overrides included
-        for line in describe_stream(plan, stage.settings):
-            say(line)
-
-    run = _run(plan, options, components, on_chunk_done, on_stage=say_stream)
+    run = _run(plan, options, components, on_chunk_done, log=say)
     run.load_seconds = load_seconds
     metrics = run_report(plan, run)
     unused = unused_cache_settings(plan, metrics)
@@ -150,7 +144,7 @@ def _run(
     options: GenerateOptions,
     components: Any,
     on_chunk_done: Callable[[int, ChunkStats], None] | None,
-    on_stage: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> GenerationRun:
     """`run_plan` behind a progress bar (off when quiet, on other ranks, or without a terminal)."""
     bar = tqdm(total=plan.num_chunks, unit="chunk", desc="chunks",
@@ -163,6 +157,6 @@ def _run(
 
     try:
         return run_plan(plan, components=components, on_chunk_done=chunk_done,
-                        strict_plugins=options.strict_plugins, on_stage=on_stage)
+                        strict_plugins=options.strict_plugins, log=log)
     finally:
         bar.close()

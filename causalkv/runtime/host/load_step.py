@@ -1,9 +1,9 @@
-"""Step 2 of `causalkv.runtime.host.generate`: load the plan's model and build its stage.
+"""Step 2 of `causalkv.runtime.host.generate`: load the plan's model.
 
 `load_for_plan` joins the ranks of a sequence-parallel request, materializes a preset on first
 use (once per node), loads the components with ``from_pretrained`` and makes the transformer
-one rank of the job. `build_stage` builds the stage over them: its declared sampler, the
-chosen cache factory and both option records, then ``causalkv_configure_stage``.
+one rank of the job (`make_parallel`). The stage is built over them by the next step
+(`causalkv.runtime.host.run_step.build_stage`).
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from causalkv.config import ModelConfig, ServerArgs
+from causalkv.config import ServerArgs
 from causalkv.runtime.files.file_checks import fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
-from causalkv.runtime.host.hook_calls import configure_stage
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, Plan
 from causalkv.runtime.model_io.components import Components, load_components
 from causalkv.runtime.model_io.model_config import ModelInfo
 from causalkv.runtime.model_io.presets import causalkv_home, materialize_preset
 from causalkv.runtime.processes.distributed import join_ranks, local_main_first
-from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["build_stage", "load_for_plan", "make_parallel", "model_folder"]
+__all__ = ["load_for_plan", "make_parallel", "model_folder"]
 
 
 def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
@@ -62,42 +60,3 @@ def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     make_parallel(components, args)
     return components
 
-
-def build_stage(
-    stage_cls: type[CausalDenoisingStage],
-    cache_factory: Any,
-    model: ModelConfig,
-    server_args: ServerArgs,
-    components: Components,
-    *,
-    negative_prompt: str = "",
-    pm: Any = None,
-    name: str | None = None,
-    options: Any = None,
-    cache_options: Any = ...,
-) -> CausalDenoisingStage:
-    """Build ``stage_cls`` over the loaded ``components`` with caches from ``cache_factory``.
-
-    The sampler is the stage's own (``stage_cls.scheduler_spec(model).build()``, from its
-    ``scheduler_spec``). ``options`` is the family's request record and ``cache_options`` the
-    cache's settings record (defaults: taken from ``server_args``, `CausalDenoisingStage`).
-
-    With a plugin manager, ``causalkv_configure_stage`` runs on the built stage: attributes
-    its implementations set stay, and the `ModelConfig` overrides they return are applied
-    to the same stage before its caches are allocated (once, on first use).
-    """
-    stage = stage_cls(
-        model,
-        server_args,
-        denoiser=components.transformer,
-        scheduler=stage_cls.scheduler_spec(model).build(),
-        cache_factory=cache_factory,
-        encode_prompt=components.prompt_encoder,
-        negative_prompt=negative_prompt,
-        name=name,
-        options=options,
-        cache_options=cache_options,
-    )
-    if pm is not None:  # a raising implementation: PluginHookError naming the plugin
-        configure_stage(pm, stage, model, server_args)
-    return stage

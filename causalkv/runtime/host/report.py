@@ -131,8 +131,8 @@ def describe_plan(plan: Plan) -> list[str]:
 def describe_stream(plan: Plan, s: StreamSettings) -> list[str]:
     """The rest of the header, which depends on the stream settings ``s``: the cache's
     description of the request (``describe_request``) and the ``stream:`` line.
-    `causalkv.runtime.host.generate` prints them once the stage is built, for the settings it runs
-    with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
+    `causalkv.runtime.host.run_step.run_plan` logs them once the stage is built, for the
+    settings it runs with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
     res = plan.resolution
     lines: list[str] = []
     lines += [f"  - {line}" for line in res.cache_factory.describe_request(
