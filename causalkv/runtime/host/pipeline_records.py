@@ -112,8 +112,8 @@ class PluginSet:
 
 @dataclass
 class Plan:
-    """A validated request: model, effective server args, resolution, per-chunk prompts,
-    and the plugins it was planned with."""
+    """A validated request: model, effective server args, resolution, per-chunk prompts and
+    their RoPE starts, and the plugins it was planned with."""
 
     info: ModelInfo
     server_args: ServerArgs
@@ -125,6 +125,9 @@ class Plan:
     stage_name: str | None = None
     negative_prompt: str = ""
     plugins: PluginSet | None = None
+    #: each chunk's RoPE start frame as the stage's chunk loop will place it
+    #: (`CausalDenoisingStage.planned_rope_frame_starts`), planned with ``chunk_prompts``
+    rope_frame_starts: list[float] = field(default_factory=list)
     #: what the run changes of what the request asked (one ``causalkv: warning:`` line each,
     #: printed before the load): e.g. a window longer than the video
     warnings: list[str] = field(default_factory=list)

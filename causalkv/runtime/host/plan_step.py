@@ -2,9 +2,10 @@
 
 `plan_generation` reads the model's config files (JSON only), resolves the stage and the
 cache through the plugin registry (which also routes the request's option records to them),
-lets the stage split the prompts into chunks and validate the request, and runs every check
-that needs no weights (`causalkv.runtime.host.request_checks.check_before_load`). Every bad input is
-refused here, in milliseconds.
+lets the stage split the prompts into chunks, validate the request and place each chunk's RoPE
+frames (the stage's planning, all in one place), and runs every check that needs no weights on
+the plan (`causalkv.runtime.host.request_checks.check_before_load`, which asks the stage
+nothing). Every bad input is refused here, in milliseconds.
 
 Bounds before cost: the only part of a plan proportional to the request, the per-chunk prompt
 list (a reference per chunk), is built after `causalkv.runtime.host.request_checks.check_sizes` has held
@@ -78,8 +79,11 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
     # memory, before the per-chunk prompt list (one entry per chunk) is built
     check_sizes(plan)
     check_request_effect(plan, options)
+    # the stage plans the chunks in one place: one prompt per chunk, checked, and where each
+    # chunk's RoPE frames start; the checks below read them from the plan
     chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
     plan.chunk_prompts = chunk_prompts
+    plan.rope_frame_starts = res.stage.planned_rope_frame_starts(model, args, settings, chunk_prompts)
     check_before_load(plan, options)
     return plan

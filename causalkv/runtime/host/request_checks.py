@@ -286,12 +286,9 @@ def _transformer_config(plan: Plan) -> dict[str, Any]:
 
 def rope_frame_ends(plan: Plan) -> list[int]:
     """The end (exclusive, in latent frames, rounded up) of each chunk's RoPE frames, as the
-    stage's chunk loop will place them (`CausalDenoisingStage.planned_rope_frame_starts`)."""
+    stage's chunk loop will place them (``plan.rope_frame_starts``, planned by the stage)."""
     fpc = plan.settings.frames_per_chunk
-    starts = plan.resolution.stage.planned_rope_frame_starts(
-        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
-    )
-    return [math.ceil(start) + fpc for start in starts]
+    return [math.ceil(start) + fpc for start in plan.rope_frame_starts]
 
 
 def _physical_memory_bytes() -> int | None:
@@ -346,9 +343,7 @@ def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
     """The hint when the per-shot RoPE offsets alone pass the limit: the largest per-shot
     offset the last chunk fits with (chunk ``L`` of shot ``K`` starts at ``L fpc + K off``)."""
     fpc = plan.settings.frames_per_chunk
-    starts = plan.resolution.stage.planned_rope_frame_starts(
-        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
-    )
+    starts = plan.rope_frame_starts
     offsets = [start - i * fpc for i, start in enumerate(starts)]
     steps = sorted({round(o, 6) for o in offsets})
     per_shot = min((b - a for a, b in zip(steps, steps[1:]) if b - a > 0), default=0.0)
