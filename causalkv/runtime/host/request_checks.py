@@ -8,8 +8,9 @@ a chunk runs:
   on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
 - the chosen cache's settings: what its class checks before the load (``check_request``; the
   QVG cache: the block layout fits ``head_dim``, the codec backend ``CAUSALKV_QVG_BACKEND``
-  exists and runs on the device) (`check_cache`); settings that would do nothing, and those
-  of a stage or cache that was not chosen, are refused by the resolution;
+  exists and runs on the device) (`check_cache`, the last check: the device and the rest are
+  good by then); settings that would do nothing, and those of a stage or cache that was not
+  chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
   fit the transformer's ``rope_max_seq_len``;
 - memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
@@ -85,7 +86,6 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
     check_guidance(plan, options)
-    check_cache(plan)
     check_device(args.device, args.dtype)
     check_model_files(plan.info)
     check_home(plan.info)
@@ -100,6 +100,7 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
         metrics_nbytes=metrics_nbytes_floor(plan),
         force=bool(getattr(options, "force", False)),
     )
+    check_cache(plan)  # last: the one check that runs the chosen cache's code on the device
 
 
 def check_sizes(plan: Plan) -> None:
@@ -219,7 +220,9 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
 def check_cache(plan: Plan) -> None:
     """What the chosen cache kind checks before any weights load
     (`causalkv.hooks.CacheKind.check_request`; the QVG cache: its block layout and its codec
-    backend)."""
+    backend). `check_before_load` runs it last, once the device, the files, the frames and the
+    memory are known good: it is the one check that imports the chosen cache's code (its codec)
+    and runs it on the device."""
     res = plan.resolution
     try:
         res.cache_factory.load()
