@@ -46,8 +46,7 @@ names from this package.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from causalkv.lazy import lazy_names
 
 __all__ = [
     "ATTENTION",
@@ -102,8 +101,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'causalkv.runtime.memory' has no attribute {name!r}")
-    return getattr(import_module(home), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.model_config import read_json
+from causalkv.runtime.model_io.model_config import read_json
 
 
 def _is_int(v: Any) -> bool:
@@ -237,7 +237,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
 def preset_geometry(name: str) -> ModelGeometry | None:
     """The `ModelGeometry` of a causalkv preset (``causalkv generate --model NAME``: the tiny
     models the plugins declare; no files needed), or None when no plugin declares ``name``."""
-    from causalkv.runtime.model_config import (
+    from causalkv.runtime.model_io.model_config import (
         ModelFolderError,
         preset_info,
         preset_transformer_config,
