@@ -88,14 +88,15 @@ run-sglang: $(SGL_STAMP)
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/sglang/cpu_stand_ins \
 	  $(SGL_BIN)/python demo/sglang/run_int2_vs_off.py --out out/sglang
 
-# causalkv inside vLLM-Omni 0.30.0 on a CPU: vLLM-Omni's plugin loader registers causalkv's
-# LingBot-World pipeline, then LingBot-World's causal DiT (tiny, random weights) runs through
-# vLLM-Omni's own classes with its dense cache and with causalkv's store (off, int4, int2); the
-# last lines are the table. PYTHONPATH brings the CPU stand-ins (demo/vllm_omni/cpu_stand_ins,
-# docs/vllm_omni.md); never on a GPU machine.
+# causalkv inside vLLM-Omni 0.30.0 on a CPU, through vLLM-Omni's own offline entry point:
+# `Omni(model=DIR).generate` on the tiny `causalkv vllm-omni-checkpoint` folder (random weights),
+# one Omni instance per setting (off, int4, int2) in one process; the last lines are the table
+# (cache class, KV bytes against vLLM-Omni's dense cache, video PSNR vs off as drift).
+# PYTHONPATH brings the CPU stand-ins (demo/vllm_omni/cpu_stand_ins, docs/vllm_omni.md); never
+# on a GPU machine.
 run-vllm-omni: venv-vllm-omni
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/vllm_omni/cpu_stand_ins \
-	  $(VO_BIN)/python demo/vllm_omni/run_int2_vs_off.py
+	  $(VO_BIN)/python demo/vllm_omni/run_offline.py
 
 test: $(STAMP)
 	$(BIN)/ruff check causalkv tests benchmarks demo
