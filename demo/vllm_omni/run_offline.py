@@ -36,6 +36,7 @@ import re
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -169,6 +170,10 @@ def _undecorate() -> None:
             del stream.write, stream._original_write
 
 
+def _say(text: str) -> None:
+    print(textwrap.fill(text, 100, break_on_hyphens=False))
+
+
 def _cache_class(run: dict) -> str:
     if run["setting"] == "stock":
         return "vLLM-Omni LingBotAttentionCache"
@@ -179,8 +184,8 @@ def _rows(runs: list[dict]) -> list[tuple[str, ...]]:
     from causalkv.runtime.compare import bytes_ratio
 
     ref = next((r["video"] for r in runs if r["setting"] == "off"), None)
-    rows = [("setting", "KV cache class", "peak", "dense peak", "peak vs dense", "resident",
-             "dense", "resident vs dense", "video PSNR vs off: drift (*)")]
+    rows = [("setting", "KV cache class", "KV peak", "vLLM-Omni dense peak", "peak vs dense",
+             "KV resident", "vLLM-Omni dense", "resident vs dense", "video PSNR vs off: drift (*)")]
     for run in runs:
         f = run["fields"]
         p = None if ref is None else psnr(run["video"], ref)
@@ -217,19 +222,20 @@ def _run(args: argparse.Namespace, settings: list[str], work: Path) -> int:
         print(*run["installed"], *run["summary"], sep="\n", flush=True)
         runs.append(run)
     rows = _rows(runs)
-    print(f"\ncausalkv inside vLLM-Omni 0.30.0, through its offline entry point Omni(model=DIR)."
+    print()
+    _say(f"causalkv inside vLLM-Omni 0.30.0, through its offline entry point Omni(model=DIR)."
           f"generate: tiny LingBot-World checkpoint with RANDOM weights (2 layers x 2 heads x 64, "
           f"float32; {args.blocks} blocks of 3 latent frames = {num_frames} video frames of 64x64, "
           f"16 tokens per latent frame, sink 3 / window 9 frames; seed {SEED}); KV bytes are all "
           "layers' self-attention K/V")
     print(_table(rows))
-    print("peak: the most the request's stores held at once plus the largest visible K/V one "
+    _say("KV peak: the most the request's stores held at once plus the largest visible K/V one "
           "attention call built; dense: vLLM-Omni's dense cache for the same request (its "
-          "[B, max_tokens, H, D] K and V per layer, allocated whole), dense peak: that plus the "
+          "[B, max_tokens, H, D] K and V per layer, allocated whole); dense peak: that plus the "
           "same visible K/V. At this size the sink, one older chunk and the current one fill the "
-          "window and the current and keep-recent chunks stay bf16, so little is packed; at "
+          "window and the current and keep-recent chunks stay unpacked, so little is packed; at "
           "LingBot-World's geometry see `causalkv memory lingbot --host vllm-omni`.")
-    print("(*) the weights are random: the PSNR says how far each setting's video drifts from "
+    _say("(*) the weights are random: the PSNR says how far each setting's video drifts from "
           "off's on the same request and seed, not how good a video is.")
     if args.json:
         ref = {r["setting"]: r["video"] for r in runs}
