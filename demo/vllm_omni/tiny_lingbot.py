@@ -1,6 +1,7 @@
 """A tiny random-weight LingBot-World through vLLM-Omni 0.30.0's own classes, on a CPU.
 
-Shared by the CPU demo (``make run-vllm-omni``) and the tests (``tests/vllm_omni_bridge``); needs
+Used by the tests (``tests/vllm_omni_bridge``: the DiT, its store and Ulysses without the
+engine; ``make run-vllm-omni`` runs the whole of vLLM-Omni instead, ``run_offline.py``); needs
 the CPU stand-ins of ``cpu_stand_ins/`` (on ``PYTHONPATH``, or run by `ensure_stand_ins`).
 
 - `parallel_runtime`: vLLM's and vLLM-Omni's process groups on gloo (what vLLM-Omni's diffusion

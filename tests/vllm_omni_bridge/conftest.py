@@ -1,8 +1,8 @@
 """tests/vllm_omni_bridge runs in the vLLM-Omni environment only (`make test-vllm-omni`, run.py).
 
 The main environment has no vllm-omni: there these modules are not collected. ``demo/vllm_omni``
-(the tiny LingBot-World of the CPU demo, `tiny_lingbot`) goes on ``sys.path``; the CPU stand-ins
-were run by run.py (or PYTHONPATH) before vLLM was imported.
+(the tiny LingBot-World DiT, `tiny_lingbot`) goes on ``sys.path``; the CPU stand-ins were run by
+run.py (or PYTHONPATH) before vLLM was imported.
 """
 
 import importlib.util
