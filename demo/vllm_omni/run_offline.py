@@ -181,7 +181,7 @@ def _cache_class(run: dict) -> str:
 
 
 def _rows(runs: list[dict]) -> list[tuple[str, ...]]:
-    from causalkv.runtime.compare import bytes_ratio
+    from causalkv.runtime.host.compare_step import bytes_ratio
 
     ref = next((r["video"] for r in runs if r["setting"] == "off"), None)
     rows = [("setting", "KV cache class", "KV peak", "vLLM-Omni dense peak", "peak vs dense",
