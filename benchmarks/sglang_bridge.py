@@ -230,9 +230,9 @@ def attention_seconds(g: Geometry, device: torch.device) -> float:
 
 def codec_workspace_bytes() -> int:
     """Bytes of the PRQ codec's per-thread CPU workspace (kept between calls)."""
-    from causalkv.caches.qvg import torch_impl
+    from causalkv.caches.qvg import workspace
 
-    bufs = torch_impl._WORKSPACE.__dict__.get("bufs", {})
+    bufs = workspace.WORKSPACE.__dict__.get("bufs", {})
     return sum(b.nbytes for b in bufs.values())
 
 

@@ -54,7 +54,7 @@ from causalkv.caches.qvg.format import (
     encode_scales,
     scale_exponents,
 )
-from causalkv.caches.qvg.scratch import scratch
+from causalkv.caches.qvg.workspace import temporary
 from causalkv.errors import ConfigError
 
 __all__ = ["BACKEND_ENV", "dequantize", "quantize", "resolve_backend"]
@@ -140,7 +140,7 @@ def _block_scales(
     # grid whose outer level is the block's absmax.
     half = 2 ** (bits - 1)
     s = amax / float(2**bits - 1)
-    lv = scratch("scales.lv", r3.numel(), torch.float32, r.device).view(r3.shape)
+    lv = temporary("scales.lv", r3.numel(), torch.float32, r.device).view(r3.shape)
     for _ in range(_MSE_ITERS):
         safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
         torch.div(r3, safe, out=lv)
@@ -268,10 +268,10 @@ def _host_checked(device: torch.device) -> bool:
 
 def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.Tensor:
     """``c [G, K, D]`` rows picked by ``ids [G, S]`` -> ``[G, S, D]`` (one row gather; into
-    the reused scratch buffer ``buf`` if named)."""
+    the reused workspace buffer ``buf`` if named)."""
     G, K, D = c.shape
     S = ids.shape[1]
-    out = None if buf is None else scratch(buf, G * S * D, c.dtype, c.device).view(G * S, D)
+    out = None if buf is None else temporary(buf, G * S * D, c.dtype, c.device).view(G * S, D)
     if G == 1:
         return torch.index_select(c[0], 0, ids[0], out=out).view(1, S, D)
     off = torch.arange(G, device=ids.device, dtype=ids.dtype).unsqueeze(1) * K
@@ -447,7 +447,7 @@ def _quantize_heads(
     if host:
         neg = [-e for e in norm]
         if -120 <= min(neg) and max(neg) <= 125:  # |xf| <= 1: cast, then scale in place (exact)
-            xf = scratch("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
+            xf = temporary("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
             if any(neg):
                 xf.mul_(torch.tensor(neg, dtype=torch.float64).exp2().float().to(dev).view(G, 1, 1))
         else:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
-from causalkv.caches.qvg.scratch import WORKSPACE as _WORKSPACE  # noqa: F401 - read here by benchmarks
-from causalkv.caches.qvg.scratch import scratch as _scratch
+from causalkv.caches.qvg.workspace import temporary as _temporary
 
 __all__ = [
     "dequantize_into",
@@ -38,7 +37,7 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     Squared distance up to the per-token constant: ``||c||^2 - 2 x.c`` (one GEMM per token
     tile); ties go to the lowest centroid index. On the CPU the distances are laid out
     ``[K, tokens]`` so the minimum and the first index reaching it are reductions over the
-    outer dimension (vectorized along the tokens), in reused scratch buffers.
+    outer dimension (vectorized along the tokens), in reused workspace buffers (`causalkv.caches.qvg.workspace`).
     """
     BH, S, _ = x.shape
     K = c.shape[1]
@@ -57,10 +56,10 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         s1 = min(s0 + step, S)
         n = BH * K * (s1 - s0)
         dist = torch.baddbmm(cn3, c, x[:, s0:s1].transpose(1, 2), alpha=-2.0,
-                             out=_scratch("assign.dist", n, torch.float32, x.device).view(BH, K, -1))
+                             out=_temporary("assign.dist", n, torch.float32, x.device).view(BH, K, -1))
         eq = torch.eq(dist, dist.amin(1, keepdim=True),
-                      out=_scratch("assign.eq", n, torch.bool, x.device).view(dist.shape))
-        w = torch.mul(eq, rev, out=_scratch("assign.w", n, torch.int16, x.device).view(dist.shape))
+                      out=_temporary("assign.eq", n, torch.bool, x.device).view(dist.shape))
+        w = torch.mul(eq, rev, out=_temporary("assign.w", n, torch.int16, x.device).view(dist.shape))
         torch.sub(K, w.amax(1), out=out[:, s0:s1])
     return out
 
@@ -82,8 +81,8 @@ def kmeans_update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.
     for a, b in _bh_chunks(BH, S * K):
         n = b - a
         hot = torch.eq(ids[a:b].unsqueeze(1), ks,
-                       out=_scratch("update.eq", n * K * S, torch.bool, x.device).view(n, K, S))
-        onehot = _scratch("update.onehot", n * K * S, torch.float32, x.device).view(n, K, S)
+                       out=_temporary("update.eq", n * K * S, torch.bool, x.device).view(n, K, S))
+        onehot = _temporary("update.onehot", n * K * S, torch.float32, x.device).view(n, K, S)
         onehot.copy_(hot)
         torch.bmm(onehot, x[a:b], out=sums[a:b])
         torch.sum(onehot, dim=-1, keepdim=True, out=counts[a:b])
@@ -103,14 +102,14 @@ def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
     n, dev = v.numel() // per, v.device
     if bits == 2:
         w = torch.bitwise_and(v.view(-1).view(torch.int32), 0x03030303,
-                              out=_scratch("pack.w32", n, torch.int32, dev))
-        t = _scratch("pack.t32", n, torch.int32, dev)
+                              out=_temporary("pack.w32", n, torch.int32, dev))
+        t = _temporary("pack.t32", n, torch.int32, dev)
         w |= torch.bitwise_right_shift(w, 6, out=t)  # fields 0,1 -> bits 0..3; 2,3 -> 16..19
         w |= torch.bitwise_right_shift(w, 12, out=t)  # fields 2,3 -> bits 4..7
     else:
         w = torch.bitwise_and(v.view(-1).view(torch.int16), 0x0F0F,
-                              out=_scratch("pack.w16", n, torch.int16, dev))
-        w |= torch.bitwise_right_shift(w, 4, out=_scratch("pack.t16", n, torch.int16, dev))
+                              out=_temporary("pack.w16", n, torch.int16, dev))
+        w |= torch.bitwise_right_shift(w, 4, out=_temporary("pack.t16", n, torch.int16, dev))
     return w.to(torch.uint8).view(shape)
 
 
@@ -158,7 +157,7 @@ def quantize_pack(
     half = 2 ** (bits - 1)
     s = scale.view(N, nb, 1).to(torch.float32)
     # s == 0 -> divide by inf: q = 0 (r is finite), so v = 0 with no extra select pass.
-    q = _scratch("pack.q", N * D, torch.float32, r.device).view(N, nb, block)
+    q = _temporary("pack.q", N * D, torch.float32, r.device).view(N, nb, block)
     torch.div(r.view(N, nb, block), torch.where(s > 0, s, torch.inf), out=q)
     if zeros is not None:
         z = zeros.view(N, nb, 1).to(torch.float32).masked_fill_(s == 0, 0.0)
@@ -167,7 +166,7 @@ def quantize_pack(
         q.mul_(0.5).floor_().clamp_(-half, half - 1)
     else:
         q.add_(0.5).floor_().clamp_(-(half - 1), half - 1)
-    v = _scratch("pack.v", N * D, torch.int8, r.device).view(N, D)
+    v = _temporary("pack.v", N * D, torch.int8, r.device).view(N, D)
     return pack_fields(v.copy_(q.view(N, D)), bits)
 
 
@@ -256,17 +255,17 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         t = hh * ss
         n1 = n0 + t
         sb_t = sb[b, h0:h1, s0:s1]  # [hh, ss, nb]
-        zero_t = _scratch("zero", t * nb, torch.bool, dev).view(t, nb)
+        zero_t = _temporary("zero", t * nb, torch.bool, dev).view(t, nb)
         torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t.view(hh, ss, nb))
-        sbi = _scratch("sbi", t * nb, torch.int32, dev).view(t, nb)
+        sbi = _temporary("sbi", t * nb, torch.int32, dev).view(t, nb)
         bh0 = b * H + h0
         torch.add(sb_t, s_off[bh0 : bh0 + hh], out=sbi.view(hh, ss, nb))
-        s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_scratch("s", t * nb, work, dev))
+        s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_temporary("s", t * nb, work, dev))
         s_t = s_t.view(t, nb, 1)
 
-        acc = _scratch("acc", t * nb * bs, work, dev).view(t * nb, bs)
+        acc = _temporary("acc", t * nb * bs, work, dev).view(t * nb, bs)
         for st, (table, ids) in enumerate(stages):
-            cidx = _scratch("cidx", t * nb, torch.int32, dev)
+            cidx = _temporary("cidx", t * nb, torch.int32, dev)
             torch.add(rowoff[bh0 : bh0 + hh], ids[b, h0:h1, s0:s1].unsqueeze(-1), alpha=nb,
                       out=cidx.view(hh, ss, nb))
             cidx.view(t, nb).masked_fill_(zero_t, zero_row)
@@ -274,20 +273,20 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
                 torch.index_select(table, 0, cidx, out=acc)
             else:
                 acc += torch.index_select(
-                    table, 0, cidx, out=_scratch("c", t * nb * bs, work, dev).view(t * nb, bs)
+                    table, 0, cidx, out=_temporary("c", t * nb * bs, work, dev).view(t * nb, bs)
                 )
         acc = acc.view(t, nb, bs)
 
-        code_idx = _scratch("code_idx", t * width, idx_dtype, dev).view(t, width)
+        code_idx = _temporary("code_idx", t * width, idx_dtype, dev).view(t, width)
         code_idx.view(hh, ss, width).copy_(codes[b, h0:h1, s0:s1])
-        lv = _scratch("levels", t * width, lut.dtype, dev)
+        lv = _temporary("levels", t * width, lut.dtype, dev)
         if threaded:
             torch.gather(lut_rows[:t], 1, code_idx, out=lv.view(t, width))
         else:
             torch.index_select(lut, 0, code_idx.view(-1), out=lv)
         lv = lv.view(work).view(t, nb, bs)
         if zeros is not None:  # v - z: integers below 2^8 in magnitude, exact in bf16
-            z = _scratch("z", t * nb, work, dev).view(t, nb, 1)
+            z = _temporary("z", t * nb, work, dev).view(t, nb, 1)
             z.view(hh, ss, nb).copy_(zeros[b, h0:h1, s0:s1])
             lv = lv.sub_(z)
 

@@ -12,13 +12,13 @@ import threading
 
 import torch
 
-__all__ = ["WORKSPACE", "scratch"]
+__all__ = ["WORKSPACE", "temporary"]
 
 #: per-thread buffers: ``WORKSPACE.bufs`` maps ``(name, dtype)`` to a 1-D tensor
 WORKSPACE = threading.local()
 
 
-def scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def temporary(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 1-D ``[n]`` temporary. On the CPU it is kept per thread under ``(name, dtype)`` and
     reused across calls (so two temporaries live at once need two names); its contents are
     whatever the last user left."""
