@@ -33,7 +33,7 @@ from causalkv.caches.qvg import (
 )
 
 QVG = Path(format.__file__).parent
-CODEC_MODULES = ("codec", "format", "scratch", "torch_impl", "triton_impl")
+CODEC_MODULES = ("codec", "format", "workspace", "torch_impl", "triton_impl")
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -91,9 +91,9 @@ def test_no_import_cycle_among_the_qvg_modules():
 
 def test_the_format_is_a_leaf_and_the_backends_import_no_driver():
     graph = {k.rsplit(".", 1)[1]: {m.rsplit(".", 1)[1] for m in v} for k, v in _graph().items()}
-    assert graph["format"] == set() and graph["scratch"] == set()
-    assert graph["torch_impl"] <= {"format", "scratch"}
-    assert graph["triton_impl"] <= {"format", "scratch"}
+    assert graph["format"] == set() and graph["workspace"] == set()
+    assert graph["torch_impl"] <= {"format", "workspace"}
+    assert graph["triton_impl"] <= {"format", "workspace"}
     assert {"torch_impl", "triton_impl", "format"} <= graph["codec"]
 
 
