@@ -199,6 +199,11 @@ class Segment:
         return isinstance(self.storage, PackedKV)
 
     @property
+    def recent(self) -> bool:
+        """Packed at the recency tier (re-packed with the cache's codec once no longer kept)."""
+        return isinstance(self.storage, PackedKV) and self.storage.recent
+
+    @property
     def run(self) -> Intervals:
         return ((self.start, self.end),)
 
