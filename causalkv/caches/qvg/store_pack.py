@@ -75,7 +75,7 @@ class StorePacking:
         for step in tiering.steps:
             if isinstance(step, Kept):
                 plan.segments.append(as_dense(step.seg) if step.decode else step.seg)
-                plan.reasons.update(step.reasons)
+                plan.reasons.update(tiering.reasons(step))
                 continue
             packed = self._encode(step, [as_dense(p) for p in step.pieces], plan)
             plan.segments.append(packed)

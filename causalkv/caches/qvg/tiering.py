@@ -29,9 +29,9 @@ No torch here: the planner imports it without loading a model's worth of anythin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.codecs import make_codec
@@ -100,18 +100,17 @@ class BookState:
     centroids: int
 
 
-@dataclass(frozen=True)
-class Kept(Generic[S]):
-    """``seg`` stays one segment; ``reasons``: chunk -> why it is dense (recorded for a packed
-    one too); ``decode``: a recency-tier segment decoded back to dense first."""
+class Kept(NamedTuple, Generic[S]):
+    """``seg`` stays one segment; ``reason``: why its chunks are dense (None: each chunk's
+    reason is the `PackingDecision`'s, `Tiering.reasons`; recorded for a packed one too);
+    ``decode``: a recency-tier segment decoded back to dense first."""
 
     seg: S
-    reasons: Mapping[int, str]
+    reason: str | None = None
     decode: bool = False
 
 
-@dataclass(frozen=True)
-class Packed(Generic[S]):
+class Packed(NamedTuple, Generic[S]):
     """``pieces`` (adjacent; a recency-tier one among them is decoded first) packed as one
     segment with ``quant`` (its ``codec`` and centroids).
 
@@ -143,11 +142,19 @@ class Packed(Generic[S]):
 
 @dataclass(frozen=True)
 class Tiering(Generic[S]):
-    """`TierPolicy.decide`'s answer: one step per resulting segment, in position order, and the
-    codebook after them."""
+    """`TierPolicy.decide`'s answer: one step per resulting segment, in position order, the
+    codebook after them, and the policy's decision they follow."""
 
     steps: tuple[Kept[S] | Packed[S], ...]
     book: BookState | None
+    decision: PackingDecision
+
+    def reasons(self, step: Kept[S]) -> dict[int, str]:
+        """Why each chunk of a kept segment is dense (`causalkv.caches.qvg.policy.DENSE_REASONS`)."""
+        if step.reason is not None:
+            return dict.fromkeys(step.seg.chunks, step.reason)
+        dense = self.decision.dense
+        return {c: dense.get(c, POLICY) for c in step.seg.chunks}
 
 
 @functools.lru_cache(maxsize=64)
@@ -227,10 +234,15 @@ class TierPolicy:
         pending_group: frozenset[int] | None = None
 
         def flush_dense(reason: str) -> None:
-            steps.extend(Kept(p, dict.fromkeys(p.chunks, reason), decode=p.packed) for p in pending)
+            steps.extend(Kept(p, reason, p.packed) for p in pending)
             pending.clear()
 
         for seg in segs:
+            if seg.packed and not seg.recent:  # packed at the cache's codec: never again
+                if pending:
+                    flush_dense(WAITING)
+                steps.append(Kept(seg))
+                continue
             chunks = set(seg.chunks)
             tokens = seg.end - seg.start
             why = {decision.dense.get(c, POLICY) for c in chunks}
@@ -239,7 +251,7 @@ class TierPolicy:
                     and self.pays(tokens, len(chunks), None, self.tier_quant(tokens))):
                 flush_dense(WAITING)
                 if finite is not None and not finite([seg]):
-                    steps.append(Kept(seg, dict.fromkeys(chunks, NON_FINITE)))
+                    steps.append(Kept(seg, NON_FINITE))
                     continue
                 steps.append(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
                                     recent=self.quant.codec != self.quant.recent_tier))
@@ -248,7 +260,7 @@ class TierPolicy:
                 pass  # left recency: decoded and re-packed at the cache's codec
             elif seg.packed or chunks & keep:
                 flush_dense(WAITING)
-                steps.append(Kept(seg, {c: decision.dense.get(c, POLICY) for c in chunks}))
+                steps.append(Kept(seg))
                 continue
             group = next((g for g in decision.groups if chunks & g), None)
             if pending and (group != pending_group or pending[-1].end != seg.start):
@@ -272,7 +284,7 @@ class TierPolicy:
                 steps.append(step)
                 pending.clear()
         flush_dense(WAITING)
-        return Tiering(tuple(steps), book)
+        return Tiering(tuple(steps), book, decision)
 
     def _span(self, pieces: tuple[S, ...], tokens: int, chunks: int,
               book: BookState | None) -> Packed[S]:
@@ -288,37 +300,46 @@ class TierPolicy:
                       book_after=BookState(book.chunks + chunks, book.centroids))
 
 
+@functools.lru_cache(maxsize=8192)
+def _info(index: int, start: int, end: int, sink: bool, pinned: bool) -> ChunkInfo:
+    return ChunkInfo(index, start, end, sink, pinned)  # one object per distinct chunk view
+
+
 def chunk_infos(
     segs: Sequence[TierSegment], current: int, sink_end: int, pinned: Intervals
 ) -> tuple[ChunkInfo, ...]:
-    """The completed chunks ``segs`` hold (``current`` excluded), as a `PackingPolicy` reads
-    them: where each sits, and whether it holds sink (below ``sink_end``) or ``pinned``
-    positions."""
-    by_chunk: dict[int, list[TierSegment]] = {}
+    """The completed chunks ``segs`` hold (``current`` excluded), by index, as a `PackingPolicy`
+    reads them: what is held of each (a packed span: all of it), and whether that holds sink
+    (below ``sink_end``) or ``pinned`` positions."""
+    acc: dict[int, tuple[int, int, bool, bool]] = {}
     for seg in segs:
-        for c in seg.chunks:
-            if c != current:
-                by_chunk.setdefault(c, []).append(seg)
-    return tuple(
-        ChunkInfo(
-            index=c, start=min(s.start for s in ss), end=max(s.end for s in ss),
-            sink=any(s.start < sink_end for s in ss),
-            pinned=any(iv.intersect(s.run, pinned) for s in ss),
-        )
-        for c, ss in sorted(by_chunk.items())
-    )
+        a, b = seg.start, seg.end
+        sink = a < sink_end
+        pin = bool(pinned) and any(p0 < b and a < p1 for p0, p1 in pinned)
+        for c in range(seg.first_chunk, seg.last_chunk + 1):
+            if c == current:
+                continue
+            if c in acc:  # a chunk held in several segments
+                a0, b0, sink0, pin0 = acc[c]
+                acc[c] = (min(a0, a), max(b0, b), sink0 or sink, pin0 or pin)
+            else:
+                acc[c] = (a, b, sink, pin)
+    return tuple(_info(c, *acc[c]) for c in sorted(acc))
 
 
 def keep_held(segs: Sequence[S], held: Intervals, cut: Callable[[S, int, int], S]) -> list[S]:
-    """``segs`` trimmed to ``held``: a dense segment to the runs of it still held (``cut(seg,
-    a, b)`` makes the part ``[a, b)``), a packed one kept whole while any of it is."""
+    """``segs`` (ascending, disjoint) trimmed to ``held``: a dense segment to the runs of it
+    still held (``cut(seg, a, b)`` makes the part ``[a, b)``), a packed one kept whole while
+    any of it is."""
     kept: list[S] = []
+    j, m = 0, len(held)
     for seg in segs:
-        live = iv.intersect(seg.run, held)
-        if not live:
-            continue
-        if seg.packed or live == seg.run:
+        while j < m and held[j][1] <= seg.start:
+            j += 1
+        if j == m or held[j][0] >= seg.end:
+            continue  # none of it held
+        if seg.packed or (held[j][0] <= seg.start and seg.end <= held[j][1]):
             kept.append(seg)
         else:
-            kept.extend(cut(seg, a, b) for a, b in live)
+            kept.extend(cut(seg, a, b) for a, b in iv.intersect(seg.run, held))
     return kept
