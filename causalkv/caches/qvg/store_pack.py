@@ -4,8 +4,8 @@
 packed by which codec in which spans and which stay dense and why; this part of
 `causalkv.caches.qvg.store.SegmentStore` carries that decision out on a `StorePlan`: one
 encode per packed span (from the segments' K/V as they are after the plan's write), the
-shared codebook threaded through, a recency-tier segment the policy no longer keeps decoded
-first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
+shared codebook threaded through, a recency-tier segment re-packed at the cache's codec
+decoded first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class StorePacking:
         plan.segments = []
         for step in tiering.steps:
             if isinstance(step, Kept):
-                plan.segments.append(as_dense(step.seg) if step.decode else step.seg)
+                plan.segments.append(step.seg)
                 plan.reasons.update(tiering.reasons(step))
                 continue
             packed = self._encode(step, [as_dense(p) for p in step.pieces], plan)

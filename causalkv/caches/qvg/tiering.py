@@ -5,10 +5,12 @@ position) once per advance and, from the `PackingPolicy`'s `PackingDecision` (wh
 stay dense, which sink chunks pack as one span), the settings and the codec's ``nbytes``
 formula, says for every segment what becomes of it (`Tiering`, one step per segment after):
 
-- `Kept`: the segment stays as it is (packed at the cache's codec, or dense) with the reason
-  of each of its chunks (`causalkv.caches.qvg.policy.DENSE_REASONS`), or, for a segment
-  packed at the recency tier that the policy no longer keeps, decoded back to dense
-  (``decode``) and kept so while its span waits.
+- `Kept`: the segment stays as it is (dense, packed at the cache's codec, or packed at the
+  recency tier) with the reason of each of its chunks
+  (`causalkv.caches.qvg.policy.DENSE_REASONS`). A segment packed at the recency tier that the
+  policy no longer keeps is re-packed at the cache's codec with its span, and only then
+  decoded: while its span waits, or when the cache's codec would not store fewer bytes, it
+  stays at its tier (decoding it to bf16 would only hold more bytes of the same values).
 - `Packed`: adjacent segments packed as one span with the given settings, at the cache's
   codec (``span_chunks`` chunks at a time, or a policy group whole; sharing a codebook over
   ``codebook_chunks`` chunks when the codec shares them), or at the recency tier
@@ -101,13 +103,12 @@ class BookState:
 
 
 class Kept(NamedTuple, Generic[S]):
-    """``seg`` stays one segment; ``reason``: why its chunks are dense (None: each chunk's
-    reason is the `PackingDecision`'s, `Tiering.reasons`; recorded for a packed one too);
-    ``decode``: a recency-tier segment decoded back to dense first."""
+    """``seg`` stays as it is; ``reason``: why its chunks are not packed now (None: each
+    chunk's reason is the `PackingDecision`'s, `Tiering.reasons`; recorded for a packed one
+    too)."""
 
     seg: S
     reason: str | None = None
-    decode: bool = False
 
 
 class Packed(NamedTuple, Generic[S]):
@@ -234,7 +235,7 @@ class TierPolicy:
         pending_group: frozenset[int] | None = None
 
         def flush_dense(reason: str) -> None:
-            steps.extend(Kept(p, reason, p.packed) for p in pending)
+            steps.extend(Kept(p, reason) for p in pending)
             pending.clear()
 
         for seg in segs:
@@ -257,7 +258,7 @@ class TierPolicy:
                                     recent=self.quant.codec != self.quant.recent_tier))
                 continue
             if seg.packed and not chunks & keep and seg.recent:
-                pass  # left recency: decoded and re-packed at the cache's codec
+                pass  # left recency: re-packed at the cache's codec with its span
             elif seg.packed or chunks & keep:
                 flush_dense(WAITING)
                 steps.append(Kept(seg))

@@ -236,8 +236,7 @@ def plan_setting(
             out: list[_Seg] = []
             for step in tiering.decide(segs, decision, ahead, book).steps:
                 if isinstance(step, Kept):
-                    out.append(_Seg(step.seg.start, step.seg.end, step.seg.first_chunk,
-                                    step.seg.last_chunk) if step.decode else step.seg)
+                    out.append(step.seg)
                     continue
                 sq = step.quant
                 seg = _Seg(step.pieces[0].start, step.pieces[-1].end, step.pieces[0].first_chunk,
