@@ -260,7 +260,7 @@ def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     (df / "causalkv.json").write_text(json.dumps({"window_frames": 12}))
     g = read_model_geometry(df)
     assert (g.frames_per_chunk, g.sink_frames, g.window_frames) == (3, 0, 12)
-    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video
+    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video and not g.shot_sinks
 
     (df / "transformer" / "config.json").write_text(json.dumps({"num_layers": 30}))
     with pytest.raises(ConfigError, match="num_attention_heads"):
@@ -269,6 +269,30 @@ def test_model_folders_are_read_by_their_config(tmp_path) -> None:
         "num_layers": 0, "num_attention_heads": 12, "attention_head_dim": 128}))
     with pytest.raises(ConfigError, match="num_layers must be a positive int, got 0"):
         read_model_geometry(df)
+
+
+@pytest.mark.parametrize(("stage", "shots"), [("causalkv.stages.longlive2:LongLive2Stage", True),
+                                           ("causalkv.stages.wan:WanCausalDMDStage", False)])
+def test_shot_sinks_are_what_the_serving_stage_declares(tmp_path, stage: str, shots: bool) -> None:
+    """A folder is read as the runtime reads it, and whether a scene cut pins a shot sink is
+    the registered stage's declaration (multi-shot generation), not a pipeline class name: a
+    plugin's stage serving a new class gives its folders shot sinks when the stage has them."""
+    from causalkv.hooks import StageRegistration
+    from causalkv.plugin import get_plugin_manager
+    from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MyShotsPipeline"}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 64}))
+    reg = StageRegistration("my-shots", stage, models=("MyShotsPipeline",),
+                            defaults={"frames_per_chunk": 2, "sink_frames": 2, "window_frames": 8})
+    with temporary_plugin(get_plugin_manager(), RecordsPlugin(stages=[reg])):
+        g = read_model_geometry(tmp_path)
+    assert (g.frames_per_chunk, g.sink_frames, g.window_frames, g.shot_sinks) == (2, 2, 8, shots)
+    # served by no stage and no causalkv.json: nothing says how it streams
+    with pytest.raises(ConfigError, match="no registered stage serves pipeline 'MyShotsPipeline'"):
+        read_model_geometry(tmp_path)
 
 
 # ---- the planner against the real caches ------------------------------------------------------
