@@ -75,6 +75,7 @@ from cache import StreamKV  # noqa: E402  (benchmarks/cache.py: the structured K
 from causalkv.caches.qvg import ChunkScratch  # noqa: E402
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuant  # noqa: E402
 from causalkv.sglang.cache import SGLangQVGKVCache  # noqa: E402
+from causalkv.sglang.settings import EnvSettings, bridge_args  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -373,19 +374,54 @@ MODELS = {
 #: what the test runs: 3 layers, 512-token chunks (int2 packing pays), 4 slots, a pin
 QUICK_MODEL = ModelGeometry("longlive2", 3, 256, 2, 2, 8, heads=1, head_dim=64, pin_after=2)
 
-#: setting -> causalkv's QVG settings for the bridge cache (sglang's defaults otherwise)
+
+@dataclass(frozen=True)
+class BridgeSetting:
+    """A ``--layers`` row as a user asks sglang for it: sglang's QVG flags (its
+    ``QVGKVQuantArgs`` fields; sglang's defaults for the rest) and causalkv's environment
+    settings (``CAUSALKV_SGLANG_CODEC``, ``CAUSALKV_SGLANG_RECENT_TIER``), turned into the
+    cache's settings by the bridge's own conversion (`causalkv.sglang.settings.bridge_args`)."""
+
+    flags: tuple[tuple[str, object], ...] = ()
+    env: EnvSettings = EnvSettings()
+
+    def quant(self) -> CausalKVQuant:
+        return bridge_args(QVGKVQuantArgs(**dict(self.flags)), self.env)
+
+    def command(self) -> str:
+        """The flags and variables that ask for this row (``sglang generate`` and its env)."""
+        words = [f"{k}={v}" for k, v in (("CAUSALKV_SGLANG_CODEC", self.env.codec),
+                                        ("CAUSALKV_SGLANG_RECENT_TIER", self.env.recent_tier))
+                 if v is not None and v != "bf16"]
+        for name, value in self.flags:
+            flag = _FLAGS[name]
+            words.append(f"{flag} {f'int{value}' if name == 'bits' else int(value)}")
+        return " ".join(words) or "--kv-cache-quant off"
+
+
+#: sglang's flag of each QVGKVQuantArgs field the rows set (sglang's server_args)
+_FLAGS = {"bits": "--kv-cache-quant", "keep_recent_chunks": "--kv-cache-quant-keep-recent",
+          "sink": "--kv-cache-quant-sink"}
+
+
+def _bits(bits: int, **flags: object) -> tuple[tuple[str, object], ...]:
+    return (("bits", bits), *flags.items())
+
+
+#: setting -> the sglang flags and causalkv settings of the row (fp8 and nvfp4: causalkv's
+#: codecs, through CAUSALKV_SGLANG_CODEC while sglang's --kv-cache-quant int4 turns QVG on)
 SETTINGS = {
-    "off": CausalKVQuant(),
-    "int2-default": CausalKVQuant(codec="int2"),
-    "int2-recent0": CausalKVQuant(codec="int2", keep_recent_chunks=0),
-    "int2-recent-int4": CausalKVQuant(codec="int2", recent_tier="int4"),
-    "int2-sink0": CausalKVQuant(codec="int2", sink=False),
-    "int4-default": CausalKVQuant(codec="int4"),
-    "int4-recent0": CausalKVQuant(codec="int4", keep_recent_chunks=0),
-    "fp8-default": CausalKVQuant(codec="fp8"),
-    "fp8-recent0": CausalKVQuant(codec="fp8", keep_recent_chunks=0),
-    "nvfp4-default": CausalKVQuant(codec="nvfp4"),
-    "nvfp4-recent0": CausalKVQuant(codec="nvfp4", keep_recent_chunks=0),
+    "off": BridgeSetting(),
+    "int2-default": BridgeSetting(_bits(2)),
+    "int2-recent0": BridgeSetting(_bits(2, keep_recent_chunks=0)),
+    "int2-recent-int4": BridgeSetting(_bits(2), EnvSettings(recent_tier="int4")),
+    "int2-sink0": BridgeSetting(_bits(2, sink=False)),
+    "int4-default": BridgeSetting(_bits(4)),
+    "int4-recent0": BridgeSetting(_bits(4, keep_recent_chunks=0)),
+    "fp8-default": BridgeSetting(_bits(4), EnvSettings(codec="fp8")),
+    "fp8-recent0": BridgeSetting(_bits(4, keep_recent_chunks=0), EnvSettings(codec="fp8")),
+    "nvfp4-default": BridgeSetting(_bits(4), EnvSettings(codec="nvfp4")),
+    "nvfp4-recent0": BridgeSetting(_bits(4, keep_recent_chunks=0), EnvSettings(codec="nvfp4")),
 }
 
 
@@ -407,7 +443,7 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
     attention output against dense attention on the same queries (512 of each chunk's, at its
     first denoising pass and at its context update).
     """
-    quant = SETTINGS[setting]
+    quant = SETTINGS[setting].quant()
     scratch = ChunkScratch(shared=True)  # the stage loop ends every chunk with its pass
     common = dict(batch_size=1, cache_size=m.cache, num_heads=m.heads, head_dim=m.head_dim,
                   dtype=torch.bfloat16, device=device, attention_window_size=m.cache)
@@ -454,7 +490,9 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
     dense_bytes = m.layers * (dense.k.nbytes + dense.v.nbytes)
     held = sum(b.resident_nbytes() for b in blocks) + scratch.nbytes
     return {
-        "geometry": m.name, "setting": setting, "layers": m.layers, "heads": m.heads,
+        "geometry": m.name, "setting": setting, "sglang": SETTINGS[setting].command(),
+        "codec": quant.codec or "off", "recent_tier": quant.recent_tier,
+        "layers": m.layers, "heads": m.heads,
         "chunk_tokens": m.chunk, "cache_tokens": m.cache, "chunks": m.chunks,
         "peak_bytes": scratch.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
         "peak_ratio": scratch.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
@@ -468,11 +506,11 @@ def layers_table(rows: list[dict]) -> str:
         "with them): peak = every block's storage + the stage's chunk scratch + the largest "
         "one-call buffer; ratios to sglang's dense cache (all layers) in the same run",
         f"{'geometry':<13} {'setting':<17} {'peak/dense':>10} {'resident/dense':>14} "
-        f"{'attn rel err':>12}",
+        f"{'attn rel err':>12}  sglang flags (and causalkv's settings)",
     ]
     for r in rows:
         lines.append(f"{r['geometry']:<13} {r['setting']:<17} {r['peak_ratio']:>10.3f} "
-                     f"{r['resident_ratio']:>14.3f} {r['attn_rel_err']:>12.2e}")
+                     f"{r['resident_ratio']:>14.3f} {r['attn_rel_err']:>12.2e}  {r['sglang']}")
     return "\n".join(lines)
 
 

@@ -242,3 +242,27 @@ def test_the_stage_and_the_sglang_bridge_declare_the_scratch_a_library_user_by_i
         pass
     assert scratch.shared and scratch.passes == 1
     assert ChunkScratch(shared=True).shared
+
+
+def test_a_partial_rewrite_of_a_chunk_another_layer_overwrote_in_the_scratch_is_refused():
+    """Part of a chunk whose rows another layer has overwritten in the shared scratch: the
+    rest of its rows are that layer's, so the write is refused with nothing changed (before,
+    it took the scratch and the rest of the chunk read as the other layer's K/V)."""
+    from causalkv.caches.qvg import KVWrite, SegmentStore
+
+    scratch = ChunkScratch(shared=True)
+    stores = [SegmentStore(batch_size=1, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+                           device="cpu", quant=QVGKVQuantArgs(), scratch=scratch)
+              for _ in range(2)]
+    for i, store in enumerate(stores):
+        k, v = _kv(0, i, 0)
+        store.commit(store.plan(held=((0, N),), advance=True, write=KVWrite(0, N, (0, H), k, v)))
+    k, v = _kv(0, 0, 1)
+    segments = list(stores[0].segments)
+    with pytest.raises(CacheProtocolError, match=r"rewrites part of chunk \[0, 64\)"):
+        stores[0].plan_write(KVWrite(0, N // 2, (0, H), k[:, : N // 2], v[:, : N // 2]))
+    assert stores[0].segments == segments and scratch.writer is stores[1]
+    stores[0].write(KVWrite(0, N, (0, H), k, v))  # the whole chunk: its own again
+    assert scratch.writer is stores[0]
+    got, _ = stores[0].gather([(0, N)], 0, H)
+    assert torch.equal(got, k)

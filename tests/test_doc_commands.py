@@ -187,7 +187,7 @@ def test_benchmarks_longlive2_table_is_the_planners() -> None:
     section = text[text.index("LongLive 2.0 at its real geometry"):text.index("LingBot-World (40 layers")]
     rows = re.findall(r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \|", section, re.M)
     plan = _plan(["longlive2", "--latent-frames", "48", "--shots", "2"])
-    assert len(rows) == 7
+    assert len(rows) == 11  # off, int2 x 4, int4 x 2, fp8 x 2, nvfp4 x 2
     for setting, peak, resident in rows:
         want = _ratios(plan[setting])
         assert (peak, resident) == (f"{want[0]:.3f}", f"{want[1]:.3f}"), setting

@@ -126,6 +126,9 @@ def test_decode_of_one_segment_and_head_slices():
 
 
 def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_written():
+    """A write into part of a packed chunk decodes it (its other rows carry the codec's error
+    once) and keeps it dense from then on: packing it again would add a second error past
+    the codec's bound. A chunk written whole packs again, from exactly the new values."""
     store = _store()
     written = _stream(store, 3)  # chunks 0, 1 packed; 2 current
     assert store.segments[1].packed
@@ -140,7 +143,7 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     want[:, 5:15] = k
     assert torch.equal(seg.storage.k, want)
     # an advance overlapping chunk 2's tail: chunk 2 goes cold with the write applied, and
-    # is packed from exactly those values (keep_recent=0), chunk 1 again from its dense form
+    # is packed from exactly those values (keep_recent=0); chunk 1 stays dense as it is
     k2, v2 = _kv(10, N)
     plan = store.plan(held=((0, 3 * N + N // 2),), advance=True,
                       write=KVWrite(3 * N - N // 2, 3 * N + N // 2, (0, H), k2, v2))
@@ -156,6 +159,20 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     current = store.segments[-1]
     assert (current.start, current.end) == (3 * N, 3 * N + N // 2)
     assert torch.equal(current.storage.k, k2[:, N // 2 :])
+    chunk1 = next(s for s in store.segments if s.start == N)
+    assert not chunk1.packed and torch.equal(chunk1.storage.k, want)
+    assert store.packing_report().chunks_dense == {"rewritten in part": 1}
+    # chunk 1 written whole (every position and head): nothing decoded, packed as written
+    k3, v3 = _kv(11, N)
+    store.commit(store.plan(held=((0, 3 * N + N // 2),), advance=False,
+                            write=KVWrite(N, 2 * N, (0, H), k3, v3)))
+    k4, v4 = _kv(12, N // 2)
+    store.commit(store.plan(held=((0, 4 * N),), advance=True,
+                            write=KVWrite(3 * N + N // 2, 4 * N, (0, H), k4, v4)))
+    chunk1 = next(s for s in store.segments if s.start == N)
+    assert chunk1.packed
+    got = codec.dequantize(chunk1.storage.k).permute(0, 2, 1, 3)
+    assert torch.equal(got, _roundtrip(k3, Q))
 
 
 def test_a_non_finite_chunk_stays_dense_as_written_and_the_stream_goes_on():

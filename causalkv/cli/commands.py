@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from causalkv import __version__
-from causalkv.cli import demo, generate, memory, plugins, sglang_checkpoint
+from causalkv.cli import demo, generate, memory, plugins, sglang_checkpoint, vllm_omni_checkpoint
 from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
 from causalkv.errors import CausalKVError
 from causalkv.runtime.checks import check_environment
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     found = generate.collect_plugins()  # once: the flags of `generate` and `resolve`, and the run
     generate.register(sub, plugins=found)
     plugins.register(sub, plugins=found)
-    for module in (demo, sglang_checkpoint, memory):
+    for module in (demo, sglang_checkpoint, vllm_omni_checkpoint, memory):
         module.register(sub)
     return parser
 

@@ -99,8 +99,9 @@ def register() -> bool:
             "causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND", _PLUGIN_API
         )
         return False
-    # lazy: the hooks' module is needed only once sglang's plugin API is known to be there
-    from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS, fused_attention
+    # lazy: the hooks' modules are needed only once sglang's plugin API is known to be there
+    from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS
+    from causalkv.sglang.settings import fused_attention
 
     if off:  # an observer that only warns when sglang silently drops --kv-cache-quant
         for target, hook in OFF_HOOKS:
@@ -108,7 +109,7 @@ def register() -> bool:
         return False
     try:
         route = fused_attention()
-    except ConfigError as exc:  # refused at start-up by ServerArgs (hooks.post_init)
+    except ConfigError as exc:  # refused at start-up by ServerArgs (settings.post_init)
         logger.warning("causalkv sglang bridge: fused-attention route not registered: %s", exc)
         route = False
     hooks = HOOKS + (FUSED_ATTENTION_HOOKS if route else ())

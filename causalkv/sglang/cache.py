@@ -342,6 +342,13 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             )
         start = current_chunk_start
         global_end, local_end_prev = self._read_indices()
+        if self.scratch is not None and self.scratch.committing and start + n < global_end:
+            raise CacheProtocolError(
+                f"{debug_name}: a context pass writes the chunk just generated, which ends at "
+                f"{global_end}; the write of [{start}, {start + n}) ends before it (nothing was "
+                "changed): write the newest chunk inside ChunkScratch.context_pass(), or leave "
+                "the scratch unshared (ChunkScratch(shared=False))"
+            )
         st = self._state()
         plan = plan_write(st, global_end, local_end_prev, start, n, debug_name)
         slots = SlotMap(list(self._slots.runs))
@@ -381,14 +388,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         )
         layout = stored.view_segments or stored.segments  # what this call's view reads
         shown = normalize((p, p + ln) for p, ln in pieces if p is not None)
-        missing = iv.subtract(shown, normalize((seg.start, seg.end) for seg in layout))
-        if missing:
-            raise CacheProtocolError(
-                f"{debug_name}: the view of [{start}, {start + n}) shows positions "
-                f"{iv.describe(missing)}, which the last context pass dropped (it kept what the "
-                "next chunk of its size keeps; nothing was changed): advance by chunks of the "
-                "committed size, or leave the scratch unshared (ChunkScratch(shared=False))"
-            )
+        store.check_view(layout, shown, *heads, debug_name, stored)
 
         # the commit (nothing above changed anything, nothing below can fail)
         store.commit(stored)

@@ -11,14 +11,16 @@ tokens per frame), so the pipeline's calls keep their meaning:
   cold chunks are packed;
 - the same ``current_start`` again rewrites the current chunk;
 - ``update_cache=False`` (LingBot's noisy DMD probes) returns the K/V the write would make
-  visible and stores nothing: the history is read from the cache without writing, cut to what
-  the write would keep, and the probe's K/V appended;
+  visible and stores nothing: one ``[B, visible, H, D]`` K and V buffer, the held positions
+  the write would keep read (packed ones decoded) straight into it and the probe's K/V copied
+  after them; nothing else is built, so the ledger's count of that buffer is the probe's
+  whole transient;
 - the errors vLLM-Omni raises for an overlapping, non-contiguous or resized chunk are raised
   here, with the same messages, before the cache is touched.
 
 `KVLedger` adds the request's bytes up over every layer: peak (everything held at once plus the
-largest visible K/V built in one call), resident now, and vLLM-Omni's dense cache for the same
-request. Imports torch and causalkv's caches only; never vLLM or vLLM-Omni.
+visible K/V one call built, a probe's included), resident now, and vLLM-Omni's dense cache for
+the same request. Imports torch and causalkv's caches only; never vLLM or vLLM-Omni.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import KVCacheSpec
@@ -133,14 +136,14 @@ class LingBotLayerKV:
                     "the full current chunk must remain visible."
                 )
             next_sink_end = max(0, min(n, sink_tokens - current_start))
-            history: tuple[torch.Tensor, torch.Tensor] | None = None
+            kept: iv.Intervals | None = None
         elif current_start == self.last_start:
             if current_start + n != self.absolute_end:
                 raise ValueError("A repeated current_start must overwrite the same-size current chunk.")
             if n > self.end:
                 raise ValueError("The current chunk is no longer fully retained in the cache.")
             next_sink_end = self.sink_end
-            history = None if update_cache else self._history(lambda p: p < current_start)
+            kept = None if update_cache else iv.clip(self.cache.visible_positions(), 0, current_start)
         else:
             if current_start < self.last_start:
                 raise ValueError(
@@ -161,9 +164,9 @@ class LingBotLayerKV:
             if new_local > local_capacity:
                 raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
             retained = min(self.end - self.sink_end, local_capacity - new_local)
-            old_sink, keep_from = self.sink_end, current_start - retained
-            history = None if update_cache else self._history(
-                lambda p: (p < old_sink) | (p >= keep_from)
+            kept = None if update_cache else iv.intersect(  # the sink and the newest `retained`
+                self.cache.visible_positions(),
+                iv.normalize(((0, self.sink_end), (current_start - retained, current_start))),
             )
         if update_cache:
             view = self.cache.update_and_get_attention_kv(
@@ -176,21 +179,24 @@ class LingBotLayerKV:
             self.last_start = current_start
             self.sink_end = next_sink_end
             self.ledger.writes += 1
-        elif history is None:
+        elif not kept:
             k, v = key, value
         else:
-            k = torch.cat((history[0], key), dim=1)
-            v = torch.cat((history[1], value), dim=1)
+            k, v = self._probe(key, value, kept)
         self.ledger.note(self.layer, self.cache.resident_nbytes(), k.nbytes + v.nbytes)
         return k, v
 
-    def _history(self, keep) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held K/V whose global positions pass ``keep`` (a mask function), ascending."""
-        view = self.cache.get_attention_kv()
-        mask = keep(view.positions).to(view.k.device)
-        if bool(mask.all()):
-            return view.k, view.v
-        return view.k[:, mask], view.v[:, mask]
+    def _probe(self, key: torch.Tensor, value: torch.Tensor,
+               kept: iv.Intervals) -> tuple[torch.Tensor, torch.Tensor]:
+        """A probe's visible K/V: the held positions ``kept`` (ascending) then the chunk, in one
+        ``[B, count(kept) + n, H, D]`` buffer per K and V, the history read (packed positions
+        decoded) straight into it: the only tensors the probe builds."""
+        n = key.shape[1]
+        pieces = [(a, b - a) for a, b in kept] + [(None, n)]
+        k, v = self.cache.store.gather(pieces, 0, self.spec.num_heads)
+        k[:, -n:].copy_(key)
+        v[:, -n:].copy_(value)
+        return k, v
 
 
 def allocate_layers(

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -49,18 +51,25 @@ def test_bridge_benchmark_quick_rows_and_memory_facts(tmp_path: Path) -> None:
     assert result["sdpa_full_window_s"] > 0 and len(result["load_average"]) == 3
 
 
-def test_the_whole_request_view_by_the_byte_formula(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def layers_rows(tmp_path_factory) -> dict[str, dict]:
+    """``--layers --quick --json``, every setting, run once for the tests below."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sglang_bridge.py"), "--layers", "--quick",
+         "--json"],
+        capture_output=True, text=True, cwd=tmp_path_factory.mktemp("layers"), check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["setting"]: r for r in json.loads(proc.stdout)}
+
+
+def test_the_whole_request_view_by_the_byte_formula(layers_rows: dict[str, dict]) -> None:
     """``--layers --quick --json``: one row per setting with the issue's fields; quant off is
     lossless, and its bytes are the layout's arithmetic: every layer holds 3 of its 4 chunk
     slots (the chunk being generated is the stage's one scratch chunk), and the peak adds one
     layer's gathered window (4 chunks)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sglang_bridge.py"), "--layers", "--quick",
-         "--json"],
-        capture_output=True, text=True, cwd=tmp_path, check=False, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["setting"]: r for r in json.loads(proc.stdout)}
+    rows = layers_rows
     assert {"off", "int2-default", "int2-recent0", "int2-recent-int4", "int4-recent0"} <= set(rows)
     for r in rows.values():
         assert {"geometry", "setting", "peak_ratio", "resident_ratio", "attn_rel_err"} <= set(r)
@@ -73,3 +82,25 @@ def test_the_whole_request_view_by_the_byte_formula(tmp_path: Path) -> None:
         assert 0 < rows[name]["attn_rel_err"] < 0.5, name
     assert rows["int2-recent0"]["peak_ratio"] < rows["int2-recent-int4"]["peak_ratio"] \
         < rows["int2-default"]["peak_ratio"]
+
+
+def test_causalkvs_codecs_rows_come_through_causalkvs_setting(layers_rows: dict[str, dict]) -> None:
+    """The fp8 and nvfp4 rows of ``--layers`` are built as a user asks sglang for
+    them (``--kv-cache-quant int4`` turns QVG on, ``CAUSALKV_SGLANG_CODEC`` picks the codec,
+    the bridge's own conversion in between): their cache packs with that codec, holds less
+    than quant off at peak and at the end, and the codecs' bit widths order them (nvfp4 ~4.5
+    bits holds less than fp8 ~8.25, fp8 errs less)."""
+    rows = layers_rows
+    off = rows["off"]
+    assert (off["codec"], off["sglang"]) == ("off", "--kv-cache-quant off")
+    for codec in ("fp8", "nvfp4"):
+        for keep in ("default", "recent0"):
+            r = rows[f"{codec}-{keep}"]
+            assert r["codec"] == codec and r["recent_tier"] == "bf16"
+            assert r["sglang"].startswith(f"CAUSALKV_SGLANG_CODEC={codec} --kv-cache-quant int4")
+            assert r["peak_ratio"] < off["peak_ratio"] and r["resident_ratio"] < off["resident_ratio"]
+            assert 0 < r["attn_rel_err"] < 0.5
+        assert rows[f"{codec}-recent0"]["peak_ratio"] < rows[f"{codec}-default"]["peak_ratio"]
+    assert rows["nvfp4-default"]["peak_ratio"] < rows["fp8-default"]["peak_ratio"]
+    assert rows["fp8-default"]["attn_rel_err"] < rows["nvfp4-default"]["attn_rel_err"]
+    assert rows["fp8-default"]["attn_rel_err"] < rows["int4-default"]["attn_rel_err"]

@@ -17,7 +17,8 @@ import pytest
 from sglang.multimodal_gen.runtime.platforms import plugins as sgl_plugins
 
 import causalkv.sglang as bridge
-from causalkv.sglang.hooks import HOOKS, OFF_HOOKS, SERVED
+from causalkv.sglang.hooks import HOOKS, OFF_HOOKS
+from causalkv.sglang.targets import SERVED
 
 
 def _causalkv_hooks() -> dict[str, list]:

@@ -48,6 +48,7 @@ from causalkv.caches.spec import CacheWriteError
 from causalkv.errors import ConfigError
 from causalkv.sglang import attention as route
 from causalkv.sglang import hooks
+from causalkv.sglang import settings as bridge_settings
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 ENV = bridge.ENV_FUSED_ATTENTION
@@ -384,16 +385,16 @@ def test_the_setting_is_parsed_where_it_enters(monkeypatch):
     for value, expected in (("1", True), ("on", True), ("TRUE", True), ("0", False),
                             ("", False), ("off", False)):
         monkeypatch.setenv(ENV, value)
-        assert hooks.fused_attention() is expected
+        assert bridge_settings.fused_attention() is expected
     monkeypatch.delenv(ENV)
-    assert hooks.fused_attention() is False  # default off
+    assert bridge_settings.fused_attention() is False  # default off
     monkeypatch.setenv(ENV, "fast")
     with pytest.raises(ConfigError, match=f"{ENV}='fast'"):
-        hooks.fused_attention()
+        bridge_settings.fused_attention()
     # start-up refuses it (ServerArgs.__post_init__), before sglang's own checks run
     ran = []
     with pytest.raises(ConfigError, match=ENV):
-        hooks.post_init(lambda self: ran.append(1), SimpleNamespace(kv_cache_quant_config=None))
+        bridge_settings.post_init(lambda self: ran.append(1), SimpleNamespace(kv_cache_quant_config=None))
     assert ran == []
 
 

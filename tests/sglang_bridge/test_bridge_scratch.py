@@ -214,3 +214,61 @@ def test_a_non_finite_chunk_is_kept_dense_and_the_block_goes_on():
     assert report.chunks_dense.get("non-finite") == 1 and report.chunks_packed >= 1
     nan_chunk = next(s for s in block.store.segments if s.start == N)
     assert not nan_chunk.packed and torch.isnan(nan_chunk.storage.k).sum() == 1
+
+
+def _held(block):
+    """The block's stored K/V and cursors, as values (to compare before and after a call)."""
+    return ([(s.start, s.end, s.storage.k.clone(), s.storage.v.clone())
+             for s in block.store.segments if not s.packed],
+            block.global_end_index_int, block.local_end_index_int)
+
+
+def _same(a, b):
+    return (a[1:] == b[1:] and len(a[0]) == len(b[0])
+            and all(x[:2] == y[:2] and torch.equal(x[2], y[2]) and torch.equal(x[3], y[3])
+                    for x, y in zip(a[0], b[0])))
+
+
+def test_blocks_out_of_lock_step_on_a_declared_scratch_are_refused_before_anything_changes():
+    """Two blocks broke the protocol (no context pass) and fell out of lock step: block 0's
+    advance was refused, block 1's went on. A later rewrite of block 1 whose view needs its
+    chunk in the scratch (block 0 has written the scratch since) is refused with nothing
+    changed; before, it was committed first and then refused, and the next view showed the
+    refused write's rows. Every accepted view equals sglang's dense cache's."""
+    scratch = ChunkScratch(shared=True)
+    off = SETTINGS["off"]
+    blocks = [_block(off, scratch) for _ in range(2)]
+    plain = [_block(off) for _ in range(2)]  # the oracle: the same calls, no scratch
+
+    def call(i, chunk, start):
+        k, v = _kv(chunk, i, start)
+        view = blocks[i].update_and_get_attention_kv(key=k, value=v, current_chunk_start=start)
+        want = plain[i].update_and_get_attention_kv(key=k, value=v, current_chunk_start=start)
+        assert torch.equal(view.k, want.k) and torch.equal(view.v, want.v)
+
+    for i in range(2):
+        call(i, 0, 0)
+    with pytest.raises(CacheProtocolError, match="never committed by a context pass"):
+        call(0, 1, N)
+    call(1, 1, N)  # block 1 wrote the scratch last: its chunk 0 gets its own copy
+    call(0, 2, 0)  # block 0 rewrites its chunk 0 whole: the scratch is its own again
+    before = _held(blocks[1])
+    k, v = _kv(2, 1, 0)
+    with pytest.raises(CacheProtocolError, match=r"needs chunk \[64, 128\)"):
+        blocks[1].update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    assert _same(_held(blocks[1]), before)
+    call(1, 3, N)  # a rewrite of its whole chunk: accepted, equal to the dense cache
+
+
+def test_a_context_pass_of_a_chunk_other_than_the_newest_is_refused():
+    scratch = ChunkScratch(shared=True)
+    block = _block(SETTINGS["int2-default"], scratch)
+    for c in range(2):
+        k, v = _kv(c, 0, 0)
+        with scratch.context_pass():
+            block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=c * N)
+    before = _held(block)
+    k, v = _kv(5, 0, 0)
+    with scratch.context_pass(), pytest.raises(CacheProtocolError, match="ends before it"):
+        block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    assert _same(_held(block), before)

@@ -310,7 +310,7 @@ def test_the_stage_blocks_share_one_scratch_and_take_the_recency_tier_from_the_e
     CFG set too; a value the bridge does not know, or a tier with nothing to hold, is refused
     where the settings are checked (`check_settings`, before any weight loads)."""
     from causalkv.errors import ConfigError
-    from causalkv.sglang.hooks import check_settings
+    from causalkv.sglang.settings import check_settings
 
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "int4")
     stage = _stage(LongLive2CausalDenoisingStage)
@@ -334,7 +334,8 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     not know (or ``fp8`` as sglang's own ``bits``) is refused naming the variable."""
     from causalkv.caches.qvg.segments import PackedKV
     from causalkv.errors import ConfigError
-    from causalkv.sglang.hooks import check_settings, sglang_quant_args, summary_line
+    from causalkv.sglang.settings import check_settings, sglang_quant_args
+    from causalkv.sglang.summary import summary_line
 
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "nvfp4")
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "fp8")

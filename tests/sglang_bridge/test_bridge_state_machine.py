@@ -41,7 +41,7 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
 
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.spec import CacheWriteError
-from causalkv.sglang import hooks
+from causalkv.sglang.allocation import allocate
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 
@@ -55,9 +55,7 @@ def configs(draw: st.DrawFn) -> Config:
     if bits is None and scratch == "hook":
         scratch = "direct"  # the hook keeps sglang's own cache at quant off: its arguments
     cfg = Config(
-        # several blocks in lock step share a scratch only without context passes here: a known
-        # gap (tests/README.md) is a wrong row when a declared scratch's blocks break the protocol
-        layers=draw(st.integers(1, 3)) if scratch == "none" else 1,
+        layers=draw(st.integers(1, 3)),
         heads=heads,
         block=draw(st.sampled_from([32, 64])),
         chunk=chunk,
@@ -125,7 +123,7 @@ class SGLangEnv(Env):
             def original(self, **_):
                 raise AssertionError("the hook serves quantization itself")
 
-            subs = hooks.allocate(original, stage, **kw)
+            subs = allocate(original, stage, **kw)
             assert all(type(c) is SGLangQVGKVCache for c in subs)
             scratch = subs[0].scratch
             assert scratch is not None and all(c.scratch is scratch for c in subs)
@@ -156,12 +154,6 @@ class SGLangEnv(Env):
     #: sglang's reset keeps its buffers: a write that skips positions then shows the previous
     #: request's K/V in the skipped slots, where the bridge (which frees them) shows zeros
     skip_after_reset = False
-    #: a known gap: with the scratch declared (sglang's own request loop), a gap write (sglang
-    #: accepts a start past global_end) followed by lock-step chunks can make the bridge refuse
-    #: a view of positions its context pass dropped, or show a wrong row after a refused
-    #: advance of another block; sglang's stages never write with a gap
-    skip_when_declared = False
-
     def after_refusal(self, ref, trial) -> None:
         # sglang caches its int cursors on every call, refused or not (its buffer roll before a
         # refused write is not copied: the bridge plans, then commits)

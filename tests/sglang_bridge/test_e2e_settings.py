@@ -13,8 +13,8 @@ from safetensors import safe_open
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
 from causalkv.errors import ConfigError
-from causalkv.sglang import hooks
-from causalkv.sglang.hooks import check_settings, sglang_quant_args
+from causalkv.sglang import ENV_LINGBOT_QVG
+from causalkv.sglang.settings import check_settings, sglang_quant_args
 
 
 # ---- (c) a dict kv_cache_quant_config -------------------------------------------------------
@@ -100,9 +100,9 @@ def test_limits_leave_what_the_bridge_does_not_serve_to_sglang(monkeypatch):
     check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(bits=2, block_size=48), 64)
     with pytest.raises(ConfigError, match="centroids must be <= 256"):
         check_settings("LingBotWorldCausalDMDPipeline", bad, head_dim=64)
-    monkeypatch.setenv(hooks.ENV_LINGBOT_QVG, "sglang")
+    monkeypatch.setenv(ENV_LINGBOT_QVG, "sglang")
     check_settings("LingBotWorldCausalDMDPipeline", bad, head_dim=64)  # sglang's codec decides
-    monkeypatch.setenv(hooks.ENV_LINGBOT_QVG, "quant-videogen")
+    monkeypatch.setenv(ENV_LINGBOT_QVG, "quant-videogen")
     with pytest.raises(ConfigError, match=r"CAUSALKV_SGLANG_LINGBOT_QVG='quant-videogen': choose"):
         check_settings("LingBotWorldCausalDMDPipeline", QVGKVQuantArgs(bits=2), head_dim=64)
 

@@ -165,7 +165,8 @@ def _benchmark():
     return sys.modules[name]
 
 
-@pytest.mark.parametrize("setting", ["off", "int2-recent-int4", "int2-sink0"])
+@pytest.mark.parametrize(
+    "setting", ["off", "int2-recent-int4", "int2-sink0", "fp8-default", "nvfp4-recent0"])
 def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
     """`benchmarks/sglang_bridge.py --layers` (its quick geometry: 3 blocks, 512-token chunks
     in 4 slots, 4 denoising passes and the context update, a shot pinned after chunk 2): its

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from vllm_omni.diffusion.models.lingbot_world.transformer import (
     LingBotAttentionCache,
     LingBotSelfAttention,
@@ -180,3 +182,77 @@ def test_a_head_shard_packs_its_heads_as_one_process_packs_them():
         gs = shard.update(k[:, :, 1:].contiguous(), v[:, :, 1:].contiguous(), i * N,
                           sink_tokens=SINK, update_cache=commit)
         assert torch.equal(gs[0], gw[0][:, :, 1:]) and torch.equal(gs[1], gw[1][:, :, 1:])
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the new storages the ops run under it create (an output sharing no input's
+    storage is new memory; views and in-place copies are not). An upper bound on the call's
+    peak transient: reaching it with tensors still alive at return proves the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                inputs.add(t.untyped_storage().data_ptr())
+                self.nbytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _visible_positions(i: int) -> tuple[tuple[int, int], ...]:
+    """The oracle, from positions only: what chunk ``i`` (a probe or its commit) sees, as
+    vLLM-Omni's cache keeps it: the sink (the first SINK tokens), the newest older tokens that
+    fit beside the sink and the chunk in CAP, the chunk."""
+    if i == 0:
+        return ((0, N),)
+    local = min(i * N - SINK, CAP - SINK - N)
+    return ((0, SINK), (i * N - local, i * N), (i * N, (i + 1) * N))
+
+
+@pytest.mark.parametrize("quant", ["off", "int4", "int2"])
+def test_the_peak_counts_every_probes_kv_and_the_probe_builds_nothing_else(quant):
+    """The logged peak (`KVLedger.peak_bytes`, all layers) against an oracle: per call, the
+    stores' resident bytes plus the visible K/V ``[B, visible, H, D]`` of that call, visible
+    counted from positions (`_visible_positions`; with quantization off the resident bytes
+    are counted from positions too: every held token dense). And each probe
+    (``update_cache=False``) allocates that visible K/V and no other K/V (measured with
+    `_Allocations`): the history it reads, the packed part decoded, goes straight into the
+    returned buffer. With quantization off that is every byte it allocates; packed history
+    adds the codec's decode work (less than one dense chunk here), which the peak does not
+    count, as the store's own ``peak_transient_nbytes`` counts the buffer it fills."""
+    per_token = 2 * B * H * D * 4  # K and V, float32
+    layers, ledger = allocate_layers(num_layers=2, batch_size=B, max_tokens=CAP, num_heads=H,
+                                     head_dim=D, sink_tokens=SINK, head_offset=0,
+                                     dtype=torch.float32, device="cpu",
+                                     quant=QVGKVQuantArgs.from_codec_name(quant))
+    want_peak, probes = 0, 0
+    for i, step, commit in _schedule(7):
+        for layer in layers:
+            k, v = _chunk(i, step)
+            with _Allocations() as built:
+                got = layer.update(k, v, i * N, sink_tokens=SINK, update_cache=commit)
+            visible = sum(b - a for a, b in _visible_positions(i)) * per_token
+            assert got[0].nbytes + got[1].nbytes == visible
+            if not commit and i > 0:
+                if quant == "off":
+                    assert built.nbytes == visible, (i, step, built.nbytes, visible)
+                else:  # plus the codec's own decode work (per packed chunk), not K/V
+                    assert visible <= built.nbytes < visible + N * per_token, (i, step, built.nbytes)
+                probes += 1
+            resident = ledger.resident_bytes
+            if quant == "off":  # every held token dense: layers up to this one hold chunk i now
+                j = layers.index(layer)
+                held = [_visible_positions(i) if commit and m <= j else
+                        (_visible_positions(i - 1) if i else ()) for m in range(len(layers))]
+                resident = sum(b - a for pos in held for a, b in pos) * per_token
+                assert resident == ledger.resident_bytes
+            want_peak = max(want_peak, resident + visible)
+    assert probes == 2 * 6 * PROBES
+    assert ledger.peak_bytes == want_peak
+    assert ledger.transient_bytes == sum(b - a for a, b in _visible_positions(6)) * per_token

@@ -45,7 +45,6 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
-from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
@@ -64,6 +63,7 @@ from causalkv.caches.qvg.store import (
     PackingReport,
     Segment,
     SegmentStore,
+    StorePlan,
 )
 from causalkv.caches.spec import (
     CacheProtocolError,
@@ -260,14 +260,14 @@ class QVGPackedCausalKVCache(StreamCache):
         if scratch is not None and scratch.committing:
             plan = self.store.plan_commit(plan, **self._context_args(new, scratch.pin))
         if plan.view_segments is None:  # the layout after the commit (the scratch bound)
-            self._check_read(new.visible(recent_window_tokens), h0, h1, plan.segments,
-                             plan.lost_heads)
+            self.store.check_view(plan.segments, new.visible(recent_window_tokens), h0, h1,
+                                  debug_name, plan)
             self.store.commit(plan)  # nothing below can fail
             self.state = new
             return self._view(h0, h1, recent_window_tokens)
         # a context write: the view reads the layout before the commit drops what the next
         # advance drops (and fills its buffer before the chunk takes its own storage)
-        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new, plan.lost_heads)
+        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new, plan)
         self.store.commit(plan)  # nothing below can fail
         self.state = new
         return view
@@ -296,32 +296,6 @@ class QVGPackedCausalKVCache(StreamCache):
             held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
             pinned=(st.pinned,) if st.pinned else (),
         )
-
-    @staticmethod
-    def _check_read(
-        visible: Intervals, h0: int, h1: int, layout: list[Segment], lost: frozenset[int]
-    ) -> None:
-        """`CacheProtocolError` for a view of ``visible``, heads ``[h0, h1)``, that ``layout``
-        cannot give: positions a context pass dropped, or heads another layer overwrote in the
-        shared scratch and nobody rewrote (``lost``)."""
-        missing = iv.subtract(visible, iv.normalize((s.start, s.end) for s in layout))
-        if missing:
-            raise CacheProtocolError(
-                f"read of positions {iv.describe(visible)}: {iv.describe(missing)} were dropped "
-                "at the last context pass (it keeps only what the next advance keeps; nothing "
-                "was changed); read a view inside the call that wrote it, or leave the scratch "
-                "unshared (ChunkScratch(shared=False)) to keep every visible position until the "
-                "advance"
-            )
-        heads = sorted(lost & frozenset(range(h0, h1)))
-        if heads:
-            raise CacheProtocolError(
-                f"read of heads [{h0}, {h1}): heads {heads} of the chunk being generated were "
-                "written to the stage's shared scratch, which another layer has written since, "
-                "and were not rewritten (nothing was changed); write every head of the chunk "
-                "before another layer writes, or leave the scratch unshared "
-                "(ChunkScratch(shared=False))"
-            )
 
     def _check_holds(self, new: StreamState, what: str) -> None:
         """`CacheProtocolError` when ``new`` retains positions a context pass already dropped
@@ -386,7 +360,7 @@ class QVGPackedCausalKVCache(StreamCache):
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
         layout: list[Segment] | None = None, state: StreamState | None = None,
-        lost: frozenset[int] | None = None,
+        plan: StorePlan | None = None,
     ) -> CausalAttentionKVView:
         """The view of ``visible`` read from ``layout`` (default: the store's segments; a
         commit replaces that list, never mutates it). Refused (`CacheProtocolError`, nothing
@@ -397,10 +371,8 @@ class QVGPackedCausalKVCache(StreamCache):
         visible = st.visible(recent_window_tokens)
         store = self.store
         layout = store.segments if layout is None else layout
-        self._check_read(visible, h0, h1, layout, store.lost_heads if lost is None else lost)
+        store.check_view(layout, visible, h0, h1, "read", plan)
         located = store.locate(visible, layout)
-        for seg, _ in located:
-            store.check_readable(seg)
 
         def segments() -> Iterator[KVSegment]:
             for seg, runs in located:

@@ -34,6 +34,7 @@ __all__ = [
     "CAUSALKV",
     "DENSE_REASONS",
     "NON_FINITE",
+    "REWRITTEN",
     "MIN_TOKENS_PER_CENTROID",
     "SGLANG",
     "CausalKVPolicy",
@@ -58,7 +59,9 @@ NOT_SMALLER = "not smaller than dense"  # packing it would not save bytes
 QUANT_OFF = "quant off"  # quantization is off
 POLICY = "policy"  # kept by a policy rule not named above
 NON_FINITE = "non-finite"  # its K/V hold NaN or inf: kept as the dense cache keeps them
-DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY, NON_FINITE)
+REWRITTEN = "rewritten in part"  # a write into part of it once packed: never packed twice
+DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY, NON_FINITE,
+                 REWRITTEN)
 
 
 def centroids_for(tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID) -> int:

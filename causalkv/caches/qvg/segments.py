@@ -25,6 +25,7 @@ from causalkv.errors import InvalidTypeError
 __all__ = [
     "BorrowedKV",
     "Codebook",
+    "DecodedKV",
     "DenseKV",
     "PendingScratchKV",
     "ScratchKV",
@@ -66,6 +67,16 @@ class DenseKV:
         """Tokens ``[lo, hi)``, heads ``[h0, h1)`` copied into ``k``/``v`` ``[B, hi - lo, h1 - h0, D]``."""
         k.copy_(self.k[:, lo:hi, h0:h1])
         v.copy_(self.v[:, lo:hi, h0:h1])
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedKV(DenseKV):
+    """Dense K/V ``[B, len, H, D]`` decoded from a packed record and then written in part: the
+    rows not rewritten carry the codec's error once, so the store never packs them again (a
+    second packing would add a second error past the codec's bound); they stay dense."""
+
+    def slice(self, lo: int, hi: int) -> DecodedKV:
+        return DecodedKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
 
 
 @dataclass(frozen=True, eq=False)
@@ -202,6 +213,11 @@ class Segment:
     def recent(self) -> bool:
         """Packed at the recency tier (re-packed with the cache's codec once no longer kept)."""
         return isinstance(self.storage, PackedKV) and self.storage.recent
+
+    @property
+    def rewritten(self) -> bool:
+        """Decoded from packed for a write into part of it (`DecodedKV`): never packed again."""
+        return isinstance(self.storage, DecodedKV)
 
     @property
     def run(self) -> Intervals:

@@ -17,12 +17,9 @@ holds and *what* to write; the store keeps the values:
   non-finite chunk the codec refuses) leaves the store exactly as it was. A write that keeps
   the layout (a denoising step rewriting the current chunk) is one in-place copy (`write`).
 - Packing, once per advance: the `PackingPolicy` object says which completed chunks stay
-  dense and which sink chunks pack as one span; the tier policy
-  (`causalkv.caches.qvg.tiering.TierPolicy`, the one the memory planner counts bytes with)
-  decides from that which cold chunks are packed by which codec in which spans, and
-  `causalkv.caches.qvg.store_pack` encodes them.
-- Reads (`gather`, `decode`, `locate_pieces`: `causalkv.caches.qvg.store_reads`) go straight
-  into one preallocated buffer.
+  dense; the tier policy (`causalkv.caches.qvg.tiering`, which the memory planner counts
+  too) decides what is packed by which codec in which spans; `store_pack` encodes it.
+- Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `store_reads`.
 """
 
 from __future__ import annotations
@@ -47,6 +44,7 @@ from causalkv.caches.qvg.policy import (
 from causalkv.caches.qvg.segments import (
     BorrowedKV,
     Codebook,
+    DecodedKV,
     DenseKV,
     KVWrite,
     PackedKV,
@@ -59,7 +57,7 @@ from causalkv.caches.qvg.segments import (
 )
 from causalkv.caches.qvg.store_pack import StorePacking
 from causalkv.caches.qvg.store_reads import StoreReads
-from causalkv.caches.qvg.tiering import TierPolicy, keep_held
+from causalkv.caches.qvg.tiering import TierPolicy
 from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import ConfigError
 
@@ -173,31 +171,6 @@ class SegmentStore(StoreReads, StorePacking):
         #: heads of the chunk being generated another layer overwrote in the shared scratch
         self.lost_heads: frozenset[int] = frozenset()
 
-    # ---- what it holds --------------------------------------------------------------------
-    def held(self) -> Intervals:
-        """The positions stored."""
-        return iv.normalize((s.start, s.end) for s in self.segments)
-
-    def resident_nbytes(self) -> int:
-        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
-
-        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
-        tensor referenced by each of them and is counted once.
-        """
-        total, seen = 0, set()
-        for seg in self.segments:
-            total += seg.nbytes
-            if isinstance(seg.storage, PackedKV):
-                for c in seg.storage.shared_tensors():
-                    key = (c.device, c.data_ptr())
-                    if key in seen:
-                        total -= c.nbytes
-                    seen.add(key)
-        return total
-
-    def packed_segments(self) -> list[Segment]:
-        return [s for s in self.segments if s.packed]
-
     def packing_report(self) -> PackingReport:
         """Chunks packed and kept dense (and why) so far, and the centroids used."""
         counts = self._settled + Counter(self._live.values())
@@ -208,19 +181,6 @@ class SegmentStore(StoreReads, StorePacking):
             centroids=dict(sorted(self._centroids_used.items())),
             quantize_calls=self.quantize_calls,
         )
-
-    def covers_dense(self, start: int, end: int) -> bool:
-        """True when dense segments hold every position of ``[start, end)``."""
-        at = start
-        for seg in self.segments:
-            if seg.end <= at or seg.start >= end:
-                continue
-            if seg.start > at or seg.packed:
-                return False
-            at = seg.end
-            if at >= end:
-                return True
-        return at >= end
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, w: KVWrite) -> None:
@@ -235,9 +195,15 @@ class SegmentStore(StoreReads, StorePacking):
 
     def plan_write(self, w: KVWrite) -> StorePlan:
         """The store after ``w``, a rewrite of positions dense segments hold (`covers_dense`):
-        the layout stays, ``w`` is copied in by `commit` (``self`` untouched)."""
+        the layout stays, ``w`` is copied in by `commit` (``self`` untouched).
+
+        Raises:
+            CacheProtocolError: ``w`` rewrites part of a chunk in the shared scratch that
+                another layer has written since (its other rows are gone).
+        """
+        self._check_partial_scratch(w)
         return StorePlan(
-            list(self.segments), self.codebook, self.current, self.chunk_tokens,
+            _rewritten(self.segments, w, self.num_heads), self.codebook, self.current, self.chunk_tokens,
             self._next_chunk, w, reasons=dict(self._reasons),
             chunk_heads=self.chunk_heads | _heads(w), pass_heads=self.pass_heads,
             lost_heads=self._lost_after(w),
@@ -360,21 +326,11 @@ class SegmentStore(StoreReads, StorePacking):
             if isinstance(st, ScratchKV) and not st.scratch.intact(self):
                 # another layer wrote the scratch: only heads never written were zeros
                 own = DenseKV(torch.zeros_like(st.k), torch.zeros_like(st.v))
-            else:
-                own = DenseKV(st.k.clone(), st.v.clone())
+            else:  # a chunk decoded from packed stays marked so (never packed twice)
+                own = (DecodedKV if isinstance(st, DecodedKV) else DenseKV)(st.k.clone(), st.v.clone())
         patched = replace(seg, storage=own)
         self._copy_write([patched], w)
         return own
-
-    def _keep_held(
-        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
-    ) -> tuple[list[Segment], Codebook | None]:
-        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
-        and ``book`` if it is still in use."""
-        kept = keep_held(segs, held, Segment.dense_slice)
-        if book is not None and not any(book.used_by(seg) for seg in kept):
-            book = None  # every segment using it rolled out: start a fresh one
-        return kept, book
 
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
@@ -424,12 +380,6 @@ class SegmentStore(StoreReads, StorePacking):
         if self.scratch is not None:
             self.scratch.account(self, 0)
 
-    def check_readable(self, seg: Segment) -> None:
-        """`CacheProtocolError` for a segment in the shared scratch that another store has
-        written since this one (its K/V are gone): readable only by the scratch's last writer."""
-        if isinstance(seg.storage, ScratchKV):
-            seg.storage.scratch.check_reader(self, "SegmentStore read")
-
     # ---- internals: writes ----------------------------------------------------------------
     def _lost_after(self, w: KVWrite) -> frozenset[int]:
         """Heads of the chunk being generated whose K/V are unknown once ``w`` is written:
@@ -442,6 +392,72 @@ class SegmentStore(StoreReads, StorePacking):
                     and not st.scratch.intact(self)):
                 lost = lost | self.chunk_heads
         return lost - _heads(w) if w.key is not None else lost
+
+    def check_view(
+        self, layout: Sequence[Segment], positions: Intervals, h0: int, h1: int, what: str,
+        plan: StorePlan | None = None,
+    ) -> None:
+        """Refuse a view of ``positions`` (heads ``[h0, h1)``) that ``layout`` cannot give: the
+        segments the view reads, now or (with ``plan``, checked before it is committed) once
+        ``plan`` is committed. So a view never shows what the store does not hold, and a
+        refused call changes nothing.
+
+        Raises:
+            CacheProtocolError (a UsageError): positions the last context pass dropped (it kept
+                what the next advance by a chunk of its size keeps); heads of the chunk being
+                generated another layer overwrote in the shared scratch and nobody rewrote
+                (``plan.lost_heads``); or a chunk in the shared scratch another layer has
+                written since that ``plan``'s write does not rewrite whole.
+        """
+        missing = iv.subtract(positions, iv.normalize((s.start, s.end) for s in layout))
+        if missing:
+            raise CacheProtocolError(
+                f"{what}: the view of positions {iv.describe(positions)} needs "
+                f"{iv.describe(missing)}, which were dropped at the last context pass (it keeps "
+                "only what the next advance by a chunk of its size keeps; nothing was changed); "
+                "advance by chunks of the committed size and read a view inside the call that "
+                "wrote it, or leave the scratch unshared (ChunkScratch(shared=False)) to keep "
+                "every visible position until the advance"
+            )
+        lost = self.lost_heads if plan is None else plan.lost_heads
+        heads = sorted(lost & frozenset(range(h0, h1)))
+        if heads:
+            raise CacheProtocolError(
+                f"{what}: heads {heads} of the chunk being generated were written to the stage's "
+                "shared scratch, which another layer has written since, and were not rewritten "
+                "(nothing was changed); write every head of the chunk before another layer "
+                "writes, or leave the scratch unshared (ChunkScratch(shared=False))"
+            )
+        w = _NO_WRITE if plan is None else plan.write
+        for seg in layout:
+            st = seg.storage
+            if (isinstance(st, ScratchKV) and iv.intersect(seg.run, positions)
+                    and not st.scratch.intact(self)
+                    and not (w.key is not None and w.start <= seg.start and seg.end <= w.end)):
+                raise CacheProtocolError(
+                    f"{what}: the view needs chunk [{seg.start}, {seg.end}), generated in the "
+                    "stage's shared scratch, which another layer has written since (nothing was "
+                    "changed); end every chunk with its context pass inside "
+                    "ChunkScratch.context_pass() before another layer writes, or leave the "
+                    "scratch unshared (ChunkScratch(shared=False))"
+                )
+
+    def _check_partial_scratch(self, w: KVWrite) -> None:
+        """`CacheProtocolError` for a write into part of a chunk in the shared scratch that
+        another layer has written since: its other rows would be that layer's K/V."""
+        for seg in self.segments:
+            st = seg.storage
+            if (isinstance(st, ScratchKV) and seg.start < w.end and w.start < seg.end
+                    and not (w.start <= seg.start and seg.end <= w.end)
+                    and not st.scratch.intact(self)):
+                raise CacheProtocolError(
+                    f"SegmentStore: the write of [{w.start}, {w.end}) rewrites part of chunk "
+                    f"[{seg.start}, {seg.end}), generated in the stage's shared scratch, which "
+                    "another layer has written since: its other rows are gone (nothing was "
+                    "changed); end every chunk with its context pass inside "
+                    "ChunkScratch.context_pass(), or leave the scratch unshared "
+                    "(ChunkScratch(shared=False))"
+                )
 
     def check_heads(self, h0: int, h1: int, what: str) -> None:
         """`CacheProtocolError` when heads ``[h0, h1)`` of the chunk being generated are lost
@@ -491,7 +507,7 @@ class SegmentStore(StoreReads, StorePacking):
 
         if advance and self.lost_heads and self.current is not None:
             self.check_heads(0, self.num_heads, f"SegmentStore: the advance to [{w.start}, {w.end})")
-        segments = list(self.segments)
+        segments = _rewritten(self.segments, w, self.num_heads)
         for i, seg in enumerate(segments):
             if not isinstance(seg.storage, ScratchKV) or (seg.start, seg.end) == (w.start, w.end):
                 continue
@@ -515,7 +531,7 @@ class SegmentStore(StoreReads, StorePacking):
             if seg.start > at:
                 out.append(new_chunk(at, seg.start))
             if isinstance(seg.storage, PackedKV):  # a write into it: back to dense
-                seg = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
+                seg = replace(seg, storage=self._unpacked(seg, w))
             out.append(seg)
             at = max(at, min(seg.end, w.end))
         if at < w.end:
@@ -526,6 +542,18 @@ class SegmentStore(StoreReads, StorePacking):
                 chunk_tokens = chunk_tokens or tail.end - tail.start
         out.sort(key=lambda s: s.start)
         return out, nxt, current, chunk_tokens
+
+    def _unpacked(self, seg: Segment, w: KVWrite) -> DenseKV:
+        """Dense storage for packed ``seg`` that ``w`` writes into: zeros when ``w`` rewrites
+        all of it (every position and head: nothing to decode), else its decoded K/V as
+        `DecodedKV` (the rows ``w`` leaves carry the codec's error: never packed again)."""
+        assert isinstance(seg.storage, PackedKV)
+        if w.start <= seg.start and seg.end <= w.end and w.heads == (0, self.num_heads):
+            shape = (self.batch_size, seg.end - seg.start, self.num_heads, self.head_dim)
+            return DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        st = seg.storage.decoded(self.device, self.dtype)
+        return DecodedKV(st.k, st.v)
 
     @staticmethod
     def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None:
@@ -549,6 +577,19 @@ _NO_WRITE = KVWrite(0, 0, (0, 0))
 def _heads(w: KVWrite) -> frozenset[int]:
     """The heads ``w`` writes."""
     return frozenset(range(*w.heads))
+
+
+def _rewritten(segs: Sequence[Segment], w: KVWrite, num_heads: int) -> list[Segment]:
+    """``segs`` with each `DecodedKV` segment that ``w`` rewrites whole (every position and
+    head) plain `DenseKV` again: none of its rows carries a codec error any more."""
+    if w.key is None or w.heads != (0, num_heads):
+        return list(segs)
+    return [
+        replace(seg, storage=DenseKV(seg.storage.k, seg.storage.v))
+        if isinstance(seg.storage, DecodedKV) and w.start <= seg.start and seg.end <= w.end
+        else seg
+        for seg in segs
+    ]
 
 
 def _owned(seg: Segment) -> Segment:

@@ -27,7 +27,15 @@ from causalkv.caches.qvg.segments import (
     StorePlan,
     dense_storage,
 )
-from causalkv.caches.qvg.tiering import BookState, Kept, Packed, TierPolicy, chunk_infos, codec_for
+from causalkv.caches.qvg.tiering import (
+    BookState,
+    Kept,
+    Packed,
+    TierPolicy,
+    chunk_infos,
+    codec_for,
+    keep_held,
+)
 
 __all__ = ["StorePacking"]
 
@@ -50,6 +58,16 @@ class StorePacking:
         self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
     ) -> tuple[ChunkInfo, ...]:
         return chunk_infos(segs, current, sink_end, pinned)
+
+    def _keep_held(
+        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
+    ) -> tuple[list[Segment], Codebook | None]:
+        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
+        and ``book`` if it is still in use."""
+        kept = keep_held(segs, held, Segment.dense_slice)
+        if book is not None and not any(book.used_by(seg) for seg in kept):
+            book = None  # every segment using it rolled out: start a fresh one
+        return kept, book
 
     def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> None:
         """Pack the cold segments of ``plan.segments`` as the tier policy decides under

@@ -1,4 +1,4 @@
-"""The segment store's reads: `StoreReads` fills one buffer from dense rows and packed ranges.
+"""The segment store's reads: what it holds, and its K/V filled into one buffer.
 
 Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list of
 position runs (dense rows copied, packed token ranges decoded in place with
@@ -6,7 +6,9 @@ position runs (dense rows copied, packed token ranges decoded in place with
 for one segment (streaming attention holds one segment at a time); `locate_pieces` gives
 `gather`'s pieces as the stored runs they read, for a reader that attends them one at a time
 without building the buffer (the sglang bridge's segment view). Every read of a segment in
-the stage's shared scratch is checked first (`SegmentStore.check_readable`).
+the stage's shared scratch is checked first (`check_readable`: only the scratch's last writer
+reads it). `held`, `resident_nbytes` (a shared codebook counted once), `covers_dense` say
+what the store holds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.segments import DenseKV, Segment
+from causalkv.caches.qvg.segments import DenseKV, PackedKV, ScratchKV, Segment
 from causalkv.caches.spec import CacheReadError, KVSegment
 
 __all__ = ["StoreReads"]
@@ -37,7 +39,43 @@ class StoreReads:
         scratch: ChunkScratch | None
         peak_transient_nbytes: int
 
-        def check_readable(self, seg: Segment) -> None: ...
+    # ---- what it holds --------------------------------------------------------------------
+    def held(self) -> Intervals:
+        """The positions stored."""
+        return iv.normalize((s.start, s.end) for s in self.segments)
+
+    def resident_nbytes(self) -> int:
+        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
+
+        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
+        tensor referenced by each of them and is counted once.
+        """
+        total, seen = 0, set()
+        for seg in self.segments:
+            total += seg.nbytes
+            if isinstance(seg.storage, PackedKV):
+                for c in seg.storage.shared_tensors():
+                    key = (c.device, c.data_ptr())
+                    if key in seen:
+                        total -= c.nbytes
+                    seen.add(key)
+        return total
+
+    def packed_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.packed]
+
+    def covers_dense(self, start: int, end: int) -> bool:
+        """True when dense segments hold every position of ``[start, end)``."""
+        at = start
+        for seg in self.segments:
+            if seg.end <= at or seg.start >= end:
+                continue
+            if seg.start > at or seg.packed:
+                return False
+            at = seg.end
+            if at >= end:
+                return True
+        return at >= end
 
     # ---- reads ----------------------------------------------------------------------------
     def locate(
@@ -171,3 +209,9 @@ class StoreReads:
         """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
         self.check_readable(seg)
         seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
+
+    def check_readable(self, seg: Segment) -> None:
+        """`CacheProtocolError` for a segment in the shared scratch that another store has
+        written since this one (its K/V are gone): readable only by the scratch's last writer."""
+        if isinstance(seg.storage, ScratchKV):
+            seg.storage.scratch.check_reader(self, "SegmentStore read")

@@ -17,7 +17,8 @@ formula, says for every segment what becomes of it (`Tiering`, one step per segm
   (``recent_tier``: a chunk the policy keeps for recency, or as a bf16 sink, packed with the
   tier's codec, its own codebook). A span is packed only when its packed bytes (the codec's
   ``nbytes``, decided before any encode) are smaller than its dense bytes; a segment packed at
-  the cache's codec is never packed again.
+  the cache's codec is never packed again, nor is one decoded for a write into part of it
+  (``REWRITTEN``: its rows carry the codec's error already).
 
 The segment store (`causalkv.caches.qvg.store_pack.StorePacking`) executes the steps on its
 tensors (one encode per `Packed`); the memory planner (`causalkv.runtime.memory.plan`) counts
@@ -44,6 +45,7 @@ from causalkv.caches.qvg.policy import (
     NOT_SMALLER,
     POLICY,
     RECENT,
+    REWRITTEN,
     SINK,
     WAITING,
     ChunkInfo,
@@ -83,6 +85,11 @@ class TierSegment(Protocol):
     @property
     def recent(self) -> bool:
         """Packed at the recency tier (re-packed at the cache's codec once no longer kept)."""
+        ...
+    @property
+    def rewritten(self) -> bool:
+        """Decoded from packed for a write into part of it: its rows carry a codec error
+        already, so it stays dense (``REWRITTEN``) and is never packed twice."""
         ...
     @property
     def chunks(self) -> range: ...
@@ -245,6 +252,10 @@ class TierPolicy:
                 steps.append(Kept(seg))
                 continue
             chunks = set(seg.chunks)
+            if seg.rewritten and current not in chunks:  # a codec error already: dense
+                flush_dense(WAITING)
+                steps.append(Kept(seg, REWRITTEN))
+                continue
             tokens = seg.end - seg.start
             why = {decision.dense.get(c, POLICY) for c in chunks}
             if (tiered and chunks & keep and current not in chunks and not seg.packed

@@ -155,6 +155,7 @@ class _Seg:
     book: int = -1
     shared: int = 0
     packed: bool = False
+    rewritten: bool = False  # a planned stream never writes into a packed chunk
 
     @property
     def chunks(self) -> range:

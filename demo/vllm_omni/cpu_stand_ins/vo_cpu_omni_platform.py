@@ -2,8 +2,11 @@
 
 vLLM-Omni 0.30.0 ships platforms for cuda, rocm, npu, xpu and musa only; on a CPU it falls back
 to ``UnspecifiedOmniPlatform``, which has no attention backend and no device. This one: device
-``cpu`` (one), ``gloo`` for torch.distributed, vLLM-Omni's own torch SDPA attention backend.
-Not part of the causalkv distribution.
+``cpu`` (one), ``gloo`` for torch.distributed, vLLM-Omni's own torch SDPA attention backend;
+for the offline entry point's diffusion runner also no torch.compile (``supports_torch_inductor``
+is abstract in the base) and no-op allocator statistics (``reset_peak_memory_stats``,
+``empty_cache``, ``max_memory_reserved``/``_allocated``: the base forwards them to ``torch.cpu``,
+which has none, and the runner calls the None it gets). Not part of the causalkv distribution.
 """
 
 from __future__ import annotations
@@ -43,3 +46,24 @@ class CPUOmniPlatform(UnspecifiedOmniPlatform):
     @classmethod
     def supports_float64(cls) -> bool:
         return True
+
+    @classmethod
+    def supports_torch_inductor(cls) -> bool:  # the diffusion runner asks before compiling
+        return False
+
+    # the diffusion runner's per-request memory statistics (torch has no CPU allocator stats)
+    @classmethod
+    def reset_peak_memory_stats(cls, device: torch.device | None = None) -> None:
+        return None
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        return None
+
+    @classmethod
+    def max_memory_reserved(cls, device: torch.device | None = None) -> int:
+        return 0
+
+    @classmethod
+    def max_memory_allocated(cls, device: torch.device | None = None) -> int:
+        return 0
