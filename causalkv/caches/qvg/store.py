@@ -1,25 +1,18 @@
 """`SegmentStore`: K/V by global position in chunk segments, cold ones packed by a codec.
 
-The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions decided by
-`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (positions decided by sglang's
-slot arithmetic, `causalkv.sglang.slots`). A host tells the store *which* positions it
-holds and *what* to write; the store keeps the values:
-
-- ``segments``: `Segment` s in ascending global position, each a run ``[start, end)`` of one
-  chunk (or of a packed span of chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in
-  the store's dtype) or `PackedKV` (one codec record for K and one for V).
-- A write that changes the layout is planned, then committed: `plan` builds the new segment
-  list as values (positions the write covers that no segment holds become new chunks; a
-  packed segment the write touches is decoded back to dense; what the host no longer holds
-  is freed, a dense segment that lost positions is trimmed, a packed one is kept whole until
-  all of it is gone; on an advance the policy's cold chunks are packed). Only `commit`
-  changes the store, and nothing in it can fail: a write that raises (a refused range, a
-  non-finite chunk the codec refuses) leaves the store exactly as it was. A write that keeps
-  the layout (a denoising step rewriting the current chunk) is one in-place copy (`write`).
-- Packing, once per advance: the `PackingPolicy` object says which completed chunks stay
-  dense; the tier policy (`causalkv.caches.qvg.tiering`, which the memory planner counts
-  too) decides what is packed by which codec in which spans; `store_pack` encodes it.
-- Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `store_reads`.
+The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions by
+`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (by `causalkv.sglang.slots`). A
+host tells the store *which* positions it holds and *what* to write; the store keeps the
+values: ``segments``, `Segment` s in ascending position, each a run of one chunk (or a packed
+span) whose ``storage`` is `DenseKV` ``[B, len, H, D]`` or `PackedKV` (a codec record each
+for K and V). A write that changes the layout is planned (`plan`: new chunks where none were
+held, a packed segment the write touches decoded, what the host no longer holds freed, a
+packed one kept whole until all of it is gone, cold chunks packed on an advance), then
+committed (`commit`, which cannot fail: a write that raises leaves the store as it was); a
+rewrite of the current chunk is one in-place copy (`write`). Which chunks stay dense is the
+`PackingPolicy` object's; what is packed by which codec in which spans is the tier policy's
+(`causalkv.caches.qvg.tiering`, counted by the memory planner too), encoded by `store_pack`.
+Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `store_reads`.
 """
 
 from __future__ import annotations
@@ -379,6 +372,12 @@ class SegmentStore(StoreReads, StorePacking):
         self.chunk_heads, self.pass_heads, self.lost_heads = frozenset(), None, frozenset()
         if self.scratch is not None:
             self.scratch.account(self, 0)
+
+    def check_readable(self, seg: Segment) -> None:
+        """`CacheProtocolError` for a segment in the shared scratch that another store has
+        written since this one (its K/V are gone): readable only by the scratch's last writer."""
+        if isinstance(seg.storage, ScratchKV):
+            seg.storage.scratch.check_reader(self, "SegmentStore read")
 
     # ---- internals: writes ----------------------------------------------------------------
     def _lost_after(self, w: KVWrite) -> frozenset[int]:

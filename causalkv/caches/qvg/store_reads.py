@@ -6,8 +6,8 @@ position runs (dense rows copied, packed token ranges decoded in place with
 for one segment (streaming attention holds one segment at a time); `locate_pieces` gives
 `gather`'s pieces as the stored runs they read, for a reader that attends them one at a time
 without building the buffer (the sglang bridge's segment view). Every read of a segment in
-the stage's shared scratch is checked first (`check_readable`: only the scratch's last writer
-reads it). `held`, `resident_nbytes` (a shared codebook counted once), `covers_dense` say
+the stage's shared scratch is checked first (`SegmentStore.check_readable`: only the
+scratch's last writer reads it). `held`, `resident_nbytes` (a shared codebook counted once), `covers_dense` say
 what the store holds.
 """
 
@@ -21,7 +21,7 @@ import torch
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.segments import DenseKV, PackedKV, ScratchKV, Segment
+from causalkv.caches.qvg.segments import DenseKV, PackedKV, Segment
 from causalkv.caches.spec import CacheReadError, KVSegment
 
 __all__ = ["StoreReads"]
@@ -38,6 +38,8 @@ class StoreReads:
         device: torch.device
         scratch: ChunkScratch | None
         peak_transient_nbytes: int
+
+        def check_readable(self, seg: Segment) -> None: ...
 
     # ---- what it holds --------------------------------------------------------------------
     def held(self) -> Intervals:
@@ -209,9 +211,3 @@ class StoreReads:
         """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
         self.check_readable(seg)
         seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
-
-    def check_readable(self, seg: Segment) -> None:
-        """`CacheProtocolError` for a segment in the shared scratch that another store has
-        written since this one (its K/V are gone): readable only by the scratch's last writer."""
-        if isinstance(seg.storage, ScratchKV):
-            seg.storage.scratch.check_reader(self, "SegmentStore read")
