@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from causalkv.caches.qvg.options import QVGKVQuantArgs  # noqa: E402
 from causalkv.config import ServerArgs  # noqa: E402
 from causalkv.hooks import Preset  # noqa: E402
-from causalkv.runtime.plan import plan_generation  # noqa: E402
-from causalkv.runtime.presets import write_preset_folder  # noqa: E402
-from causalkv.runtime.records import GenerateOptions  # noqa: E402
-from causalkv.runtime.run import run_plan  # noqa: E402
+from causalkv.runtime.host.pipeline_records import GenerateOptions  # noqa: E402
+from causalkv.runtime.host.plan_step import plan_generation  # noqa: E402
+from causalkv.runtime.host.run_step import run_plan  # noqa: E402
+from causalkv.runtime.model_io.presets import write_preset_folder  # noqa: E402
 
 MODES: dict[str, int | None] = {"off": None, "int4": 4, "int2": 2}
 

@@ -12,7 +12,7 @@ ranks seeded alike so the weights and inputs agree. Per row:
   barrier each chunk);
 - KV bytes one rank's caches hold at the end (each rank caches H/N heads);
 - bytes one rank sends per chunk through the all-to-alls (counted, and the formula of
-  `causalkv.runtime.distributed.exchange_nbytes` next to it);
+  `causalkv.runtime.processes.distributed.exchange_nbytes` next to it);
 - the largest |difference| of the 2-rank output from the 1-rank output (same seed).
 
 Run: ``.venv/bin/python benchmarks/parallel.py [--device cpu|cuda] [--chunks 8] [--json]``. On CUDA the
@@ -49,7 +49,7 @@ def build(device: torch.device, dtype: torch.dtype) -> Any:
     """The random-weight causal Wan transformer of `GEOMETRY` (seed 0 on every rank)."""
     from diffusers import WanTransformer3DModel
 
-    from causalkv.runtime.attention import CausalWanTransformer
+    from causalkv.runtime.model_io.causal_wan import CausalWanTransformer
 
     g = GEOMETRY
     torch.manual_seed(0)
@@ -68,7 +68,12 @@ def worker(args: argparse.Namespace) -> None:
 
     from causalkv.caches import DenseCausalKVCache, KVCacheSpec
     from causalkv.caches.cross import CrossAttentionKVCache
-    from causalkv.runtime.distributed import EXCHANGE, exchange_nbytes, init_parallel, shutdown
+    from causalkv.runtime.processes.distributed import (
+        EXCHANGE,
+        exchange_nbytes,
+        init_parallel,
+        shutdown,
+    )
 
     ctx = init_parallel(args.device)
     dtype = getattr(torch, args.dtype)

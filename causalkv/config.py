@@ -158,7 +158,7 @@ class ModelRef:
     def of(cls, model: str | ModelConfig | ModelRef) -> ModelRef:
         """The reference for a model name (matched as is), a `ModelConfig` (matched on
         ``model_class``, then ``name``) or a `ModelRef` (returned as is). A diffusers-format
-        folder is read by `causalkv.runtime.model_config.model_ref`.
+        folder is read by `causalkv.runtime.model_io.model_config.model_ref`.
 
         Raises:
             InvalidTypeError: ``model`` of another type.

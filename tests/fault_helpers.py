@@ -19,17 +19,17 @@ from safetensors.torch import save_file
 
 from causalkv.cli import main
 from causalkv.hooks import hookimpl
-from causalkv.runtime import preset_configs, presets
+from causalkv.runtime.model_io import preset_configs, presets
 
-#: the module (``causalkv.runtime.generate`` the attribute is the function of that name)
-runtime_generate = importlib.import_module("causalkv.runtime.generate")
+#: the module (``causalkv.runtime.host.generate`` the attribute is the function of that name)
+runtime_generate = importlib.import_module("causalkv.runtime.host.generate")
 #: the pipeline's load and write steps (the modules the loading and writing functions live in)
-runtime_load = importlib.import_module("causalkv.runtime.load")
-runtime_write = importlib.import_module("causalkv.runtime.write")
+runtime_load = importlib.import_module("causalkv.runtime.host.load_step")
+runtime_write = importlib.import_module("causalkv.runtime.host.write_step")
 ROOT = Path(__file__).resolve().parents[1]
 ERROR = "causalkv generate: error: "
 #: the bytes of "an older video": an MP4's first box (``ftyp``), so the check that an output
-#: holds a file of its own kind (`causalkv.runtime.file_checks.describe_file`) lets a run replace it
+#: holds a file of its own kind (`causalkv.runtime.files.file_checks.describe_file`) lets a run replace it
 OLD_VIDEO = b"\x00\x00\x00\x18ftypisom an older video"
 #: what a traceback or a C++ stack dump prints; none may reach stderr without --debug
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)|^\s+File \"|frame #\d+|Exception raised from", re.M)

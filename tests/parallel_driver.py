@@ -21,7 +21,7 @@ import torch
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
-from causalkv.runtime.records import GenerateOptions
+from causalkv.runtime.host.pipeline_records import GenerateOptions
 
 #: name -> (preset, prompts, frames): every built-in stage; LongLive 2.0 also with a scene cut
 #: (two shots: the second shot's first chunk is pinned)
@@ -61,11 +61,11 @@ def cache_record(run: Any) -> dict[str, Any]:
 
 def main(outdir: str) -> int:
     from causalkv.plugin.testing import fresh_plugin_manager
-    from causalkv.runtime.distributed import init_parallel, shutdown
-    from causalkv.runtime.load import load_for_plan
-    from causalkv.runtime.plan import plan_generation
-    from causalkv.runtime.report import run_report
-    from causalkv.runtime.run import run_plan
+    from causalkv.runtime.host.load_step import load_for_plan
+    from causalkv.runtime.host.plan_step import plan_generation
+    from causalkv.runtime.host.report import run_report
+    from causalkv.runtime.host.run_step import run_plan
+    from causalkv.runtime.processes.distributed import init_parallel, shutdown
 
     ctx = init_parallel("cpu")
     out = Path(outdir)

@@ -8,9 +8,9 @@ from typing import Any
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
 from causalkv.options import Options
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan
-from causalkv.runtime.run import run_plan
+from causalkv.runtime.host.pipeline_records import GenerateOptions, GenerationRun, Plan
+from causalkv.runtime.host.plan_step import plan_generation
+from causalkv.runtime.host.run_step import run_plan
 
 __all__ = ["make_options", "plan_and_run"]
 

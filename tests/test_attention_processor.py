@@ -16,9 +16,9 @@ from runtime_helpers import make_options, plan_and_run
 
 from causalkv.caches import DenseCausalKVCache, KVCacheSpec
 from causalkv.caches.cross import CrossAttentionKVCache
-from causalkv.runtime.attention import CausalWanTransformer, rope_at_frame_offset
-from causalkv.runtime.loading import load_wan_transformer
-from causalkv.runtime.presets import materialize_preset
+from causalkv.runtime.model_io.causal_wan import CausalWanTransformer, rope_at_frame_offset
+from causalkv.runtime.model_io.components import load_wan_transformer
+from causalkv.runtime.model_io.presets import materialize_preset
 from causalkv.stages.records import ForwardRecord
 
 

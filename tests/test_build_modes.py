@@ -1,4 +1,4 @@
-"""A built folder (a preset, an sglang checkpoint: `causalkv.runtime.presets.build_atomically`)
+"""A built folder (a preset, an sglang checkpoint: `causalkv.runtime.model_io.presets.build_atomically`)
 has the modes the user's umask gives new files and folders, whatever mode its writer used
 (safetensors writes 0600), and leaves no lock file behind."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from causalkv.runtime import presets
+from causalkv.runtime.model_io import presets
 
 
 @pytest.fixture

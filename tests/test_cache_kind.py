@@ -18,8 +18,8 @@ from causalkv.errors import ConfigError
 from causalkv.hooks import CacheFactory, hookimpl
 from causalkv.options import CacheOptions, option
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.report import describe_plan, describe_stream, run_report
+from causalkv.runtime.host.plan_step import plan_generation
+from causalkv.runtime.host.report import describe_plan, describe_stream, run_report
 
 
 @dataclass(frozen=True)

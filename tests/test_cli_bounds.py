@@ -44,9 +44,12 @@ from causalkv.caches.demo import DemoConfig
 from causalkv.cli import demo as demo_cli
 from causalkv.cli.signals import Terminated
 from causalkv.errors import ConfigError
-from causalkv.runtime import checks, file_checks, presets, sglang_checkpoints
-from causalkv.runtime.generate import plan_generation, unused_cache_settings
-from causalkv.runtime.text import PromptEncoder, build_byte_tokenizer
+from causalkv.runtime.files import file_checks
+from causalkv.runtime.host import request_checks
+from causalkv.runtime.host.generate import plan_generation, unused_cache_settings
+from causalkv.runtime.model_io import presets
+from causalkv.runtime.model_io.prompt_encoding import PromptEncoder, build_byte_tokenizer
+from causalkv.runtime.tools import sglang_checkpoints
 
 GIB = 2**30
 
@@ -77,7 +80,7 @@ def test_the_memory_check_counts_the_preallocated_window(
 ) -> None:
     # the dense cache preallocates its whole window, whatever the video's 12 frames:
     # 2 layers x (K, V) x 10,000,000 frames x 16 tokens x 2 heads x 64 x 4 B = 305.2 GiB
-    monkeypatch.setattr(checks, "host_memory_bytes", lambda: 16 * GIB)
+    monkeypatch.setattr(request_checks, "host_memory_bytes", lambda: 16 * GIB)
     assert_refused_up_front(
         ["--window-frames", "10000000", "--no-video"],
         ["kv caches 305.2 GiB", "more than the 16.0 GiB of --device cpu", "(--window-frames)"],
@@ -88,7 +91,7 @@ def test_the_memory_check_counts_the_preallocated_window(
 def test_a_window_longer_than_the_video_is_one_warning_with_its_cost(empty_home: Path, pm: Any) -> None:
     plan = plan_generation(make_options("tiny-wan", window_frames=100000), pm=pm)
     # 2 layers x 2 x 100,000 frames x 16 tokens x 2 heads x 64 x 4 B = 3,276,800,000 B = 3.1 GiB
-    assert checks.memory_floor(plan)["kv_caches"] == 2 * 2 * 100000 * 16 * 2 * 64 * 4
+    assert request_checks.memory_floor(plan)["kv_caches"] == 2 * 2 * 100000 * 16 * 2 * 64 * 4
     assert plan.warnings == [
         "--window-frames 100000 is longer than the video (12 frames): attention sees every frame, as "
         "with --window-frames 12, but the caches hold room for 100000 frames (3.1 GiB of KV); pass "
@@ -100,8 +103,8 @@ def test_a_window_longer_than_the_video_is_one_warning_with_its_cost(empty_home:
 def test_a_packed_cache_is_not_counted_as_preallocated(empty_home: Path, pm: Any) -> None:
     dense = plan_generation(make_options("tiny-wan", frames=3), pm=pm)  # 3 frames, cache 9
     packed = plan_generation(make_options("tiny-wan", frames=3, quant="int2"), pm=pm)
-    assert checks.memory_floor(dense)["kv_caches"] == 2 * 2 * 9 * 16 * 2 * 64 * 4  # the window
-    assert checks.memory_floor(packed)["kv_caches"] == 2 * 2 * 3 * 16 * 2 * 64 * 4  # one chunk
+    assert request_checks.memory_floor(dense)["kv_caches"] == 2 * 2 * 9 * 16 * 2 * 64 * 4  # the window
+    assert request_checks.memory_floor(packed)["kv_caches"] == 2 * 2 * 3 * 16 * 2 * 64 * 4  # one chunk
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -409,7 +412,7 @@ def test_the_shot_and_offset_limits_themselves_plan(empty_home: Path, pm: Any) -
     assert plan_generation(eleven, pm=pm).num_chunks == 11
     offset = make_options("tiny-longlive2", prompts=["a", "b"])
     offset.server_args = replace(offset.server_args, options=(ShotRequest(multi_shot_rope_offset=1016.0),))
-    assert max(checks.rope_frame_ends(plan_generation(offset, pm=pm))) == 1024
+    assert max(request_checks.rope_frame_ends(plan_generation(offset, pm=pm))) == 1024
 
 
 def test_guidance_below_one_in_the_models_config_is_refused(
@@ -464,8 +467,8 @@ def test_an_environment_variable_takes_only_its_documented_values(
     assert rc == 2 and loads == [] and files(empty_home) == set()
     assert line.startswith(f"causalkv: error: {var}={value!r} is not one of its values ("), line
     assert line.endswith("; set one of them or unset it")
-    monkeypatch.setenv(var, checks.ENV_VALUES[var][0][0])  # a documented value is accepted
-    checks.check_environment()
+    monkeypatch.setenv(var, request_checks.ENV_VALUES[var][0][0])  # a documented value is accepted
+    request_checks.check_environment()
 
 
 def test_the_sglang_bridge_warns_once_on_a_value_it_does_not_know(
@@ -602,7 +605,7 @@ def test_the_free_space_floor_is_the_videos_own(
     options = make_options("tiny-wan")
     options.output = str(tmp_path / "v.mp4")
     if not refused:
-        assert checks.video_nbytes_floor(plan_generation(options, pm=pm)) == 6860
+        assert request_checks.video_nbytes_floor(plan_generation(options, pm=pm)) == 6860
         return
     with pytest.raises(ConfigError, match=re.escape(f"has {free:,} bytes free, the video needs at least 6,860")):
         plan_generation(options, pm=pm)

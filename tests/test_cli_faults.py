@@ -44,8 +44,10 @@ from fault_helpers import (
 import causalkv.plugin.manager as plugin_manager
 from causalkv.errors import ConfigError
 from causalkv.hooks import hookimpl
-from causalkv.runtime import checks, presets, video
-from causalkv.runtime.outputs import load_latents
+from causalkv.runtime.files import video
+from causalkv.runtime.files.outputs import load_latents
+from causalkv.runtime.host import request_checks
+from causalkv.runtime.model_io import presets
 
 PAUSE_AT_FIRST_CHUNK = """
 import pathlib, signal, sys, time
@@ -277,7 +279,7 @@ def test_a_request_that_does_not_fit_in_memory_is_refused(
     # KV: 9 cached frames x 16 tokens x 2 layers x (K, V) x 2 heads x 64 x 4 B = 288 KiB
     # activations: q, k, v, out of a 48-token chunk x 2 heads x 64 x 4 B = 96 KiB
     # RoPE tables: cos + sin, 1024 positions x 64 x 4 B = 512 KiB; on a machine of 16 KiB
-    monkeypatch.setattr(checks, "_physical_memory_bytes", lambda: 16 * 1024)
+    monkeypatch.setattr(request_checks, "_physical_memory_bytes", lambda: 16 * 1024)
     assert_refused_up_front(
         ["--frames", "12", "--no-video"],
         ["the request needs at least 920.0 KiB of memory (latents 24.0 KiB, kv caches 288.0 KiB, "
@@ -311,12 +313,12 @@ def test_the_limits_themselves_are_accepted(empty_home: Path, pm: Any) -> None:
     """The boundaries the messages suggest plan fine (no weights are needed to know)."""
     from runtime_helpers import make_options
 
-    from causalkv.runtime.plan import plan_generation
+    from causalkv.runtime.host.plan_step import plan_generation
 
     assert plan_generation(make_options("tiny-wan", frames=1023), pm=pm).num_chunks == 341
     opts = make_options("tiny-longlive2", frames=1020, prompts=["a", "b", "c"])
     plan = plan_generation(opts, pm=pm)
-    assert max(checks.rope_frame_ends(plan)) == 1024  # 1020 frames + 2 shots x 2 frames offset
+    assert max(request_checks.rope_frame_ends(plan)) == 1024  # 1020 frames + 2 shots x 2 frames offset
     assert plan_generation(make_options("tiny-wan", seed=2**64 - 1), pm=pm).server_args.seed == 2**64 - 1
     assert files(empty_home) == set()
 

@@ -2,7 +2,7 @@
 the latents, encoders that fail (loudly or quietly), outputs interrupted half-way, latents
 that become NaN, file modes.
 
-The rule when an output fails (`causalkv.runtime.outputs.OutputLog`): the outputs are written
+The rule when an output fails (`causalkv.runtime.files.outputs.OutputLog`): the outputs are written
 in order ``--save-latents``, ``--output``, ``--metrics``; the first that fails stops the run;
 every file already complete stays and the one stderr line names each (and the latents kept
 for a video that could not be encoded); no partial or undecodable file is ever renamed into
@@ -33,8 +33,8 @@ import pytest
 import torch
 from fault_helpers import ERROR, OLD_VIDEO, ChunkCounter, files, one_line, run_cli, runtime_write
 
-from causalkv.runtime import outputs
-from causalkv.runtime.outputs import load_latents
+from causalkv.runtime.files import outputs
+from causalkv.runtime.files.outputs import load_latents
 
 pytestmark = pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs POSIX RLIMIT_FSIZE")
 

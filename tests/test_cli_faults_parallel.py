@@ -3,7 +3,7 @@ command ends with one stderr line and its documented exit status, no traceback, 
 written, and no process of the job (launcher or rank) alive when it returns.
 
 Each row is one real job: ``python -m causalkv generate --nproc-per-node 2`` re-executes
-itself under torchrun (`causalkv.runtime.launch`). A small plugin, installed as an entry
+itself under torchrun (`causalkv.runtime.processes.launch`). A small plugin, installed as an entry
 point the ranks discover (``CKV_FAULT``), makes one rank pause after chunk 0 (the test then
 signals the command), raise there, or kill itself. Every process of a job inherits a marker
 variable, so the test finds any process of it that is still alive through ``/proc``. The jobs
@@ -223,7 +223,7 @@ def test_a_rank_that_dies_without_a_word_is_named(jobs: Jobs) -> None:
 def test_which_rank_speaks_for_the_job() -> None:
     """`choose_report` and the signal line on made-up reports (the cases a real job hits only
     by timing: a signal while the job shuts down, a peer's failure reported first)."""
-    from causalkv.runtime.launch import RankReport, _signalled_line, choose_report
+    from causalkv.runtime.processes.launch import RankReport, _signalled_line, choose_report
 
     prog = "causalkv generate"
     done0 = RankReport(0, "", 0, time_ns=5, done=3, total=3, written=("out/v.mp4", "out/m.json"))

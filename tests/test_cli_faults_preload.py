@@ -22,7 +22,8 @@ from fault_helpers import (
 )
 
 import causalkv.plugin.manager as plugin_manager
-from causalkv.runtime import file_checks, presets
+from causalkv.runtime.files import file_checks
+from causalkv.runtime.model_io import presets
 
 NAN = float("nan")
 
@@ -131,7 +132,7 @@ def test_qvg_backend_is_not_checked_when_quantization_is_off(
 ) -> None:
     from runtime_helpers import make_options
 
-    from causalkv.runtime.plan import plan_generation
+    from causalkv.runtime.host.plan_step import plan_generation
 
     monkeypatch.setenv("CAUSALKV_QVG_BACKEND", "triton")  # exported for GPU runs; harmless here
     assert plan_generation(make_options("tiny-wan"), pm=pm).num_chunks == 4

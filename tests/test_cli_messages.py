@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from fault_helpers import ChunkCounter, files, one_line, run_cli
 
-from causalkv.runtime.loading import LoadMemoryError, reading_component
-from causalkv.runtime.model_config import ModelFolderError
+from causalkv.runtime.model_io.components import LoadMemoryError, reading_component
+from causalkv.runtime.model_io.model_config import ModelFolderError
 
 
 @pytest.mark.parametrize(("argv", "line"), [

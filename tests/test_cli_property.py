@@ -39,7 +39,7 @@ import causalkv.cli.commands  # torch, diffusers' config readers: imported befor
 from causalkv.cli import main
 
 # the module (the package's attribute of that name is the function `generate`)
-runtime_generate = importlib.import_module("causalkv.runtime.generate")
+runtime_generate = importlib.import_module("causalkv.runtime.host.generate")
 
 GENERATE_EXAMPLES, DEMO_EXAMPLES = int(sys.argv[1]), int(sys.argv[2])
 

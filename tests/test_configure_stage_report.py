@@ -12,7 +12,7 @@ from runtime_helpers import make_options
 
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.generate import generate
+from causalkv.runtime.host.generate import generate
 
 
 class NarrowWindow:

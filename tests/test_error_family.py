@@ -43,16 +43,13 @@ JUSTIFIED = {
         "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
     ("caches/qvg/__init__.py", "__getattr__", "AttributeError"):
         "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
-    ("runtime/__init__.py", "__getattr__", "AttributeError"):
-        "the package's lazy exports (PEP 562, no torch for --help): a missing name must raise AttributeError",
-    ("runtime/memory/__init__.py", "__getattr__", "AttributeError"):
-        "the package's lazy exports (PEP 562, no torch for --help): a missing name must raise AttributeError",
-    ("stages/__init__.py", "__getattr__", "AttributeError"):
-        "the package's lazy stage classes (PEP 562, no torch for --help): a missing name must raise AttributeError",
+    ("lazy.py", "__getattr__", "AttributeError"):
+        "the lazy exports of causalkv.runtime, causalkv.runtime.memory and causalkv.stages (PEP 562, "
+        "no torch for --help): a missing name must raise AttributeError",
     ("stages/records.py", "__getitem__", "KeyError"):
         "ChunkStats is a read-only Mapping: a missing key must raise KeyError (Mapping.get, "
         "`in` and dict() rely on it)",
-    ("runtime/loading.py", "_all_weights_loaded", "ValueError"):
+    ("runtime/model_io/components.py", "_all_weights_loaded", "ValueError"):
         "raised only inside reading_component, which turns it into a ModelFolderError naming "
         "the component and the fix (the message users see quotes this ValueError)",
 }

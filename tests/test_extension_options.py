@@ -27,7 +27,7 @@ from causalkv.errors import ConfigError
 from causalkv.hooks import CacheFactory, Preset, StageRegistration
 from causalkv.options import CacheOptions, Options, StageOptions, option
 from causalkv.plugin.testing import RecordsPlugin, fresh_plugin_manager, temporary_plugin
-from causalkv.runtime.report import run_report
+from causalkv.runtime.host.report import run_report
 from causalkv.stages.base import CausalDenoisingStage
 
 RING = "myorg:ring"

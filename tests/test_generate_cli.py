@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from causalkv.cli import main
-from causalkv.runtime.compare import latent_psnr_db
+from causalkv.runtime.host.compare_step import latent_psnr_db
 
 REQUIRED_METRICS = {"stage", "cache", "chunks", "seconds_per_chunk", "kv_resident_bytes_max",
                     "kv_resident_bytes_final"}

@@ -8,8 +8,8 @@ import torch
 from runtime_helpers import make_options, plan_and_run
 
 from causalkv.config import ConfigError, ServerArgs
-from causalkv.runtime.compare import compare_table
-from causalkv.runtime.model_config import load_model_info
+from causalkv.runtime.host.compare_step import compare_table
+from causalkv.runtime.model_io.model_config import load_model_info
 
 
 def test_make_run_preset_has_about_a_thousand_tokens_per_chunk(pm, causalkv_home) -> None:
@@ -89,18 +89,18 @@ def test_compare_table_reports_ratios_from_the_metrics() -> None:
 def test_compare_times_both_settings_warm_and_alike(pm, causalkv_home, monkeypatch) -> None:
     """`compare_unquantized` reruns each setting ``repeats`` times after the warm-up pair,
     alternating, and reports each setting's least seconds per chunk over its repeats."""
-    from causalkv.runtime import compare
+    from causalkv.runtime.host import compare_step
 
     plan, run = plan_and_run(make_options("tiny-longlive2", quant="int2"), pm)
     calls: list[bool] = []
-    real = compare.run_plan
+    real = compare_step.run_plan
 
     def counting(plan_, **kw):
         calls.append("resolution" in kw)  # the reference run passes its own resolution
         return real(plan_, **kw)
 
-    monkeypatch.setattr(compare, "run_plan", counting)
-    metrics = compare.compare_unquantized(plan, run, pm=pm, repeats=2)
+    monkeypatch.setattr(compare_step, "run_plan", counting)
+    metrics = compare_step.compare_unquantized(plan, run, pm=pm, repeats=2)
     assert calls == [True, False, True, False, True]  # reference, then (int2, off) x 2
     assert metrics["timing_repeats"] == 2
     assert metrics["seconds_per_chunk_best"] > 0 and metrics["reference_seconds_per_chunk_best"] > 0
@@ -116,7 +116,7 @@ def test_compare_times_both_settings_warm_and_alike(pm, causalkv_home, monkeypat
 def test_compare_bf16_compares_with_bf16_caches_unless_told(pm, causalkv_home) -> None:
     """A float32 run without --kv-cache-dtype: the reference is still a bf16 cache (the flag
     says bf16), so its bytes are half a float32 reference's; ``reference_dtype`` names another."""
-    from causalkv.runtime.compare import compare_unquantized
+    from causalkv.runtime.host.compare_step import compare_unquantized
 
     plan, run = plan_and_run(make_options("tiny-longlive2", quant="int2", dtype="float32"), pm)
     bf16 = compare_unquantized(plan, run, pm=pm, repeats=0)

@@ -18,9 +18,9 @@ from causalkv.config import ServerArgs
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.plugin import resolve
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
-from causalkv.runtime.model_config import read_model_folder
-from causalkv.runtime.presets import preset_dir
-from causalkv.runtime.report import run_report
+from causalkv.runtime.host.report import run_report
+from causalkv.runtime.model_io.model_config import read_model_folder
+from causalkv.runtime.model_io.presets import preset_dir
 from causalkv.stages.base import CausalDenoisingStage
 
 

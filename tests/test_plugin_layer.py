@@ -1,6 +1,6 @@
 """The plugin layer on pluggy's own machinery: the per-plugin caller, validation, name claims.
 
-- The registries and the host's run-time hook calls (`causalkv.runtime.hook_calls`:
+- The registries and the host's run-time hook calls (`causalkv.runtime.host.hook_calls`:
   `configure_stage`, `ObserverHook`) use one
   helper, `plugin_callers`: `ObserverHook` visits the plugins in the very order pluggy's own
   hook call does (``tryfirst``/``trylast`` included), `plugin_callers` lists them in the
@@ -31,7 +31,7 @@ from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME
 from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import PluginHookError
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.hook_calls import ObserverHook
+from causalkv.runtime.host.hook_calls import ObserverHook
 
 
 def _observer(name: str, seen: list[str], **opts):

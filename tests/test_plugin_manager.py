@@ -29,7 +29,7 @@ from causalkv.plugin import (
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
 from causalkv.plugin.manager import PluginSettings
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
-from causalkv.runtime.hook_calls import configure_stage
+from causalkv.runtime.host.hook_calls import configure_stage
 from causalkv.stages.longlive import LongLiveStage
 
 BUILTIN_CACHES = ("dense", "qvg")

@@ -15,8 +15,8 @@ from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.capabilities import PINNED_SINK
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.report import run_report
+from causalkv.runtime.host.plan_step import plan_generation
+from causalkv.runtime.host.report import run_report
 from causalkv.stages.families import MotionOptions, ShotRequest
 
 

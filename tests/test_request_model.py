@@ -185,7 +185,7 @@ def _rope():
 
 
 def test_fractional_rope_start_is_a_continuous_position() -> None:
-    from causalkv.runtime.attention import rope_at_frame_offset
+    from causalkv.runtime.model_io.causal_wan import rope_at_frame_offset
 
     rope = _rope()
     f, h, w = 2, 4, 4
@@ -206,7 +206,7 @@ def test_fractional_rope_start_is_a_continuous_position() -> None:
 
 
 def test_integer_rope_start_reads_the_tables() -> None:
-    from causalkv.runtime.attention import rope_at_frame_offset, rope_temporal_at
+    from causalkv.runtime.model_io.causal_wan import rope_at_frame_offset, rope_temporal_at
 
     rope = _rope()
     cos, sin = rope_at_frame_offset(rope, 2, 4, 4, 3)

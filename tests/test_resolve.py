@@ -16,7 +16,7 @@ from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
 from causalkv.plugin import Resolution, ResolutionError, resolve
 from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
-from causalkv.runtime.model_config import model_ref
+from causalkv.runtime.model_io.model_config import model_ref
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage
 from causalkv.stages.longlive import LongLiveStage
@@ -200,7 +200,7 @@ def test_folder_errors_say_what_is_wrong(pm, tmp_path):
     unknown = _folder(tmp_path, "SomeOtherPipeline", name="other")
     with pytest.raises(ResolutionError, match="no registered stage serves model .*SomeOtherPipeline"):
         resolve(model_ref(unknown), pm=pm)
-    with pytest.raises(ResolutionError, match=r"is a path: resolve a model folder as resolve\(causalkv.runtime.model_config.model_ref"):
+    with pytest.raises(ResolutionError, match=r"is a path: resolve a model folder as resolve\(causalkv.runtime.model_io.model_config.model_ref"):
         resolve(str(unknown), pm=pm)  # resolve reads no file: the runtime reads the folder
     with pytest.raises(InvalidTypeError, match="a model name, a ModelConfig or a ModelRef"):
         resolve(unknown, pm=pm)

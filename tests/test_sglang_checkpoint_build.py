@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from causalkv.errors import ConfigError
-from causalkv.runtime.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
+from causalkv.runtime.tools.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
 
 
 def test_builds_without_sglang_and_prints_the_command_last(tmp_path):

@@ -14,8 +14,8 @@ from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.run import run_plan
+from causalkv.runtime.host.plan_step import plan_generation
+from causalkv.runtime.host.run_step import run_plan
 from causalkv.stages import LingBotWorldStage, LongLive2Stage, LongLiveStage, WanCausalDMDStage
 
 STAGES = {

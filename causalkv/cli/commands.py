@@ -2,7 +2,7 @@
 that imports this module): the subcommands' parsers, then one command run.
 
 Before a command runs, the documented environment variables are checked
-(`causalkv.runtime.checks.check_environment`): a value they do not take is one line, exit 2.
+(`causalkv.runtime.host.request_checks.check_environment`): a value they do not take is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from causalkv import __version__
 from causalkv.cli import demo, generate, memory, plugins, sglang_checkpoint, vllm_omni_checkpoint
 from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
 from causalkv.errors import CausalKVError
-from causalkv.runtime.checks import check_environment
+from causalkv.runtime.host.request_checks import check_environment
 
 __all__ = ["build_parser", "main"]
 

@@ -23,7 +23,7 @@ complete are named. SIGINT keeps the disposition the command inherited (a backgr
 a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
 
 In a rank of a job ``causalkv generate --nproc-per-node N`` launched, the line is not printed:
-it goes to the launching process (`causalkv.runtime.launch`), which prints one line for the job.
+it goes to the launching process (`causalkv.runtime.processes.launch`), which prints one line for the job.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.errors import CausalKVError, describe_exception
-from causalkv.runtime import launch
+from causalkv.runtime.processes import launch
 
 __all__ = [
     "EXIT_ERROR",

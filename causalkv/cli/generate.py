@@ -19,10 +19,10 @@ from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.options import Options
 from causalkv.plugin import Registry
-from causalkv.runtime.launch import register_rank
+from causalkv.runtime.files.video import video_formats
+from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.memory.records import format_bytes
-from causalkv.runtime.records import DEFAULT_PROMPT, GenerateOptions, PluginSet
-from causalkv.runtime.video import video_formats
+from causalkv.runtime.processes.launch import register_rank
 
 # The parser (``--help``) imports no torch: the modules that run a generation (torch,
 # diffusers, transformers) are imported by the functions that run it.
@@ -248,7 +248,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
-    from causalkv.runtime.distributed import env_world, launched_by_torchrun
+    from causalkv.runtime.processes.distributed import env_world, launched_by_torchrun
 
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
@@ -272,8 +272,8 @@ def run_generate(args: argparse.Namespace) -> int:
     torchrun's (non-zero as soon as one rank fails). In a torchrun worker the rank joins the
     process group and rank 0 alone prints, writes the video and the metrics.
     """
-    from causalkv.runtime.compare import compare_table
-    from causalkv.runtime.distributed import init_parallel, launched_by_torchrun
+    from causalkv.runtime.host.compare_step import compare_table
+    from causalkv.runtime.processes.distributed import init_parallel, launched_by_torchrun
 
     out, progress = Stdout(), Progress()
     plugins = getattr(args, _PLUGINS, None)
@@ -316,8 +316,8 @@ def done_line(run: Any, metrics: dict[str, Any]) -> str:
 
 def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
     """`generate` (logging on rank 0), then leave the process group if one was joined."""
-    from causalkv.runtime.distributed import shutdown
-    from causalkv.runtime.generate import generate
+    from causalkv.runtime.host.generate import generate
+    from causalkv.runtime.processes.distributed import shutdown
 
     try:
         return generate(
@@ -331,9 +331,9 @@ def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSe
 def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet | None) -> int:
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
-    (`causalkv.runtime.launch`): the job's exit status, its one line printed here."""
-    from causalkv.runtime.distributed import run_under_torchrun
-    from causalkv.runtime.plan import plan_generation
+    (`causalkv.runtime.processes.launch`): the job's exit status, its one line printed here."""
+    from causalkv.runtime.host.plan_step import plan_generation
+    from causalkv.runtime.processes.distributed import run_under_torchrun
 
     plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)

@@ -25,7 +25,7 @@ from causalkv.errors import CausalKVError
 from causalkv.hooks import NAME
 from causalkv.plugin import Resolution, collect, get_plugin_manager, resolve
 from causalkv.plugin import builtin as builtin_plugin
-from causalkv.runtime.model_config import is_loadable_model, model_head_dim, model_ref
+from causalkv.runtime.model_io.model_config import is_loadable_model, model_head_dim, model_ref
 
 __all__ = ["plugin_rows", "plugins_report", "register", "resolution_dict", "run_plugins", "run_resolve"]
 

@@ -1,6 +1,6 @@
 """``causalkv sglang-checkpoint {longlive2,wan-causal,lingbot} DIR``: a tiny sglang-native folder.
 
-Builds (or finds complete) the checkpoint with `causalkv.runtime.sglang_checkpoints` and prints,
+Builds (or finds complete) the checkpoint with `causalkv.runtime.tools.sglang_checkpoints` and prints,
 as its last line, the ``sglang generate`` command that runs it. Needs no sglang. A folder that
 holds anything else is refused with what it holds (a complete checkpoint of another pipeline
 is replaced only with ``--force``); every fault is one line (exit 2 for the folder, 1 for a
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from causalkv.cli.faults import Steps, run_guarded
-from causalkv.runtime.sglang_checkpoints import (
+from causalkv.runtime.tools.sglang_checkpoints import (
     CHECKPOINTS,
     build_sglang_checkpoint,
     generate_command,

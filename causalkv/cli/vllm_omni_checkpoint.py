@@ -34,9 +34,9 @@ def build(folder: str | Path) -> tuple[Path, bool]:
         OutputWriteError: the write failed (a full disk): the folder is as it was.
     """
     # lazy: the runtime's build helpers (and torch, by the writer) load when a folder is built
-    from causalkv.runtime.file_checks import check_creatable_folder, fs_error_reason
-    from causalkv.runtime.outputs import OutputWriteError
-    from causalkv.runtime.presets import build_atomically
+    from causalkv.runtime.files.file_checks import check_creatable_folder, fs_error_reason
+    from causalkv.runtime.files.outputs import OutputWriteError
+    from causalkv.runtime.model_io.presets import build_atomically
     from causalkv.vllm_omni.checkpoint import is_complete_checkpoint, write_checkpoint
 
     folder = Path(folder).expanduser().absolute()

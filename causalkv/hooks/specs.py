@@ -103,7 +103,7 @@ def causalkv_configure_stage(
     Called: by the host right after it builds ``stage`` for ``model``, before the stage
     allocates its KV caches and before the first chunk. Every implementation runs; an
     implementation may set attributes on ``stage`` and may return overrides: both take
-    effect on that one stage (`causalkv.runtime.hook_calls.configure_stage`), whose caches are then
+    effect on that one stage (`causalkv.runtime.host.hook_calls.configure_stage`), whose caches are then
     allocated once with the overridden settings.
 
     Returns:

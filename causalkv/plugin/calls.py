@@ -3,7 +3,7 @@
 `plugin_callers` is the one helper: a pluggy subset caller per plugin implementing a hook.
 The registries use it (`causalkv.plugin.registry.collect`: a plugin whose registration hook
 raises is set aside), and so does the host for the hooks it calls while a request runs
-(`causalkv.runtime.hook_calls`: ``causalkv_configure_stage`` and the observer hooks).
+(`causalkv.runtime.host.hook_calls`: ``causalkv_configure_stage`` and the observer hooks).
 """
 
 from __future__ import annotations

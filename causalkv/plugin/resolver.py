@@ -1,7 +1,7 @@
 """Load-time resolution: the stage for a model and a cache that serves what it needs.
 
 Runs before any weights load and reads no file (a model folder is read by the runtime,
-`causalkv.runtime.model_config.model_ref`); it imports the chosen stage's module (never a
+`causalkv.runtime.model_io.model_config.model_ref`); it imports the chosen stage's module (never a
 cache module). It also routes the request's option records
 (`causalkv.options`): the chosen stage gets its family's record, the chosen cache its
 settings record (`Resolution.stage_options`, `Resolution.cache_options`), and a record of an
@@ -40,7 +40,7 @@ def _model_ref(model: str | ModelConfig | ModelRef) -> ModelRef:
     if isinstance(model, str) and "/" in model:
         raise ResolutionError(
             f"model {model!r} is a path: resolve a model folder as "
-            f"resolve(causalkv.runtime.model_config.model_ref(path)), or pass a served model name"
+            f"resolve(causalkv.runtime.model_io.model_config.model_ref(path)), or pass a served model name"
         )
     return ModelRef.of(model)
 
@@ -211,7 +211,7 @@ def resolve(
     Args:
         model: a preset or model name (``"tiny-wan"``), a `ModelConfig` (matched on
             ``model_class``, then ``name``), or a `ModelRef` (a diffusers-format folder, read
-            by `causalkv.runtime.model_config.model_ref`: its ``_class_name`` is matched).
+            by `causalkv.runtime.model_io.model_config.model_ref`: its ``_class_name`` is matched).
         server_args: flags that shape the requirements (default `ServerArgs()`).
         pm: the plugin manager (default: the process-wide one).
         stage: force a stage by registration name (it must serve the model).

@@ -3,18 +3,27 @@
     from causalkv.runtime import GenerateOptions, generate
     metrics, run = generate(GenerateOptions(model="tiny-longlive2", prompts=["a", "b"]))
 
-Submodules: `records` (the host's records), the pipeline's steps `plan`, `load`, `run`,
-`compare`, `write` (with `report` and `checks`) and `generate` running them in order;
-`model_config` (reading a model folder or preset), `presets` and `preset_configs` (tiny models
-with random weights), `attention` (causal processors for diffusers' Wan transformer), `text`
-(UMT5 prompt encoding), `loading`, `video`, `outputs`, `distributed` and `launch`. The command
-line is `causalkv.cli`.
+Sub-packages, by job (each imports only those after it: `host` | `tools` > `files` |
+`memory` > `model_io` > `processes`, a layers contract in pyproject.toml):
+
+- `host`: the reference host's pipeline (`host.generate` runs the steps `plan_step`,
+  `load_step`, `run_step`, `compare_step`, `write_step`, with `request_checks`, `report`,
+  `hook_calls` and the steps' records, `pipeline_records`);
+- `tools`: tools beside the host (`tools.sglang_checkpoints`);
+- `files`: the files a run reads and writes (`outputs`, `video`, `file_checks`);
+- `memory`: the KV memory planner behind ``causalkv memory``;
+- `model_io`: the model's config, presets and components (`model_config`, `preset_configs`,
+  `presets`, `components`, `causal_wan`: causal processors for diffusers' Wan transformer,
+  `prompt_encoding`: the UMT5 prompt encoder);
+- `processes`: sequence parallelism over torch.distributed (`distributed`) and the torchrun
+  supervisor (`launch`).
+
+The command line is `causalkv.cli`.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from causalkv.lazy import lazy_names
 
 __all__ = [
     "DEFAULT_PROMPT",
@@ -39,28 +48,24 @@ __all__ = [
 #: each name's module: imported on first use, so ``causalkv.runtime.<light module>`` (the
 #: command line's parsers, ``causalkv memory``) imports no torch
 _HOMES = {
-    "DEFAULT_PROMPT": "causalkv.runtime.records",
-    "GenerateOptions": "causalkv.runtime.records",
-    "GenerationRun": "causalkv.runtime.records",
-    "ModelFolderError": "causalkv.runtime.model_config",
-    "ModelInfo": "causalkv.runtime.model_config",
-    "Plan": "causalkv.runtime.records",
-    "PluginSet": "causalkv.runtime.records",
-    "build_stage": "causalkv.runtime.load",
-    "compare_unquantized": "causalkv.runtime.compare",
-    "generate": "causalkv.runtime.generate",
-    "latent_psnr_db": "causalkv.runtime.compare",
-    "load_model_info": "causalkv.runtime.model_config",
-    "materialize_preset": "causalkv.runtime.presets",
-    "plan_generation": "causalkv.runtime.plan",
-    "run_plan": "causalkv.runtime.run",
-    "run_report": "causalkv.runtime.report",
-    "write_outputs": "causalkv.runtime.write",
+    "DEFAULT_PROMPT": "causalkv.runtime.host.pipeline_records",
+    "GenerateOptions": "causalkv.runtime.host.pipeline_records",
+    "GenerationRun": "causalkv.runtime.host.pipeline_records",
+    "ModelFolderError": "causalkv.runtime.model_io.model_config",
+    "ModelInfo": "causalkv.runtime.model_io.model_config",
+    "Plan": "causalkv.runtime.host.pipeline_records",
+    "PluginSet": "causalkv.runtime.host.pipeline_records",
+    "build_stage": "causalkv.runtime.host.run_step",
+    "compare_unquantized": "causalkv.runtime.host.compare_step",
+    "generate": "causalkv.runtime.host.generate",
+    "latent_psnr_db": "causalkv.runtime.host.compare_step",
+    "load_model_info": "causalkv.runtime.model_io.model_config",
+    "materialize_preset": "causalkv.runtime.model_io.presets",
+    "plan_generation": "causalkv.runtime.host.plan_step",
+    "run_plan": "causalkv.runtime.host.run_step",
+    "run_report": "causalkv.runtime.host.report",
+    "write_outputs": "causalkv.runtime.host.write_step",
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'causalkv.runtime' has no attribute {name!r}")
-    return getattr(import_module(home), name)
+__getattr__ = lazy_names(__name__, _HOMES)

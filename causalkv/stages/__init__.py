@@ -8,8 +8,7 @@ so importing `causalkv.stages.families` (the command line's ``--help``) imports 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from causalkv.lazy import lazy_names
 
 __all__ = [
     "CausalDenoisingStage",
@@ -28,8 +27,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'causalkv.stages' has no attribute {name!r}")
-    return getattr(import_module(home), name)
+__getattr__ = lazy_names(__name__, _HOMES)

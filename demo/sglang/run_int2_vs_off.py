@@ -29,8 +29,8 @@ from pathlib import Path
 
 from longlive2_request import GEOMETRY, SHOTS, cli_args, psnr, read_video, run_cli, summaries
 
-from causalkv.runtime.compare import bytes_ratio
-from causalkv.runtime.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
+from causalkv.runtime.host.compare_step import bytes_ratio
+from causalkv.runtime.tools.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
 
 #: the two settings, as ``sglang generate --kv-cache-quant`` values
 SETTINGS = ("off", "int2")

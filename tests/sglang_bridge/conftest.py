@@ -18,7 +18,7 @@ if importlib.util.find_spec("sglang") is None:
 
 
 def _build(name: str, tmp_path_factory):
-    from causalkv.runtime.sglang_checkpoints import build_sglang_checkpoint
+    from causalkv.runtime.tools.sglang_checkpoints import build_sglang_checkpoint
 
     return build_sglang_checkpoint(name, tmp_path_factory.mktemp("sglang-checkpoints") / name)
 

@@ -43,14 +43,14 @@ share), the text cross-attention cache, weights and activations.
 
 The modules: `records` (the settings, the request, the stream layout, byte units), `geometry`
 (the built-in models and a folder's config), `layout` (the request's stream and each host's
-position bookkeeping), `plan` (bytes per setting: the store's segments modelled as bytes under the tier policy's
-decisions; the plan, the budget search). Import the names from this package.
+position bookkeeping), `plan` (bytes per setting: the store's segments modelled as bytes
+under the tier policy's decisions; the plan, the budget search). Import the names from this
+package.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from causalkv.lazy import lazy_names
 
 __all__ = [
     "ATTENTION",
@@ -105,8 +105,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'causalkv.runtime.memory' has no attribute {name!r}")
-    return getattr(import_module(home), name)
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -1,5 +1,6 @@
 """Model geometry for the planner: the built-in models, a causalkv preset, or a local diffusers /
-sglang folder, the last two read by the runtime's model reader (`causalkv.runtime.model_config`)."""
+sglang folder, the last two read by the runtime's model reader
+(`causalkv.runtime.model_io.model_config`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from causalkv.errors import ConfigError, check_int
 from causalkv.plugin import Registry, collect, get_plugin_manager
-from causalkv.runtime.model_config import (
+from causalkv.runtime.model_io.model_config import (
     CAUSALKV_FILE,
     ModelFolderError,
     ModelInfo,
@@ -151,7 +152,7 @@ def _registry() -> Registry:
 
 def _geometry(name: str, info: ModelInfo, patch: Any, registry: Registry, *,
               local_window: bool = False) -> ModelGeometry:
-    """The planner's geometry of a model the runtime read (`causalkv.runtime.model_config`):
+    """The planner's geometry of a model the runtime read (`causalkv.runtime.model_io.model_config`):
     the stream as ``causalkv generate`` runs it (the family's defaults under the model's own
     settings), ``shot_sinks`` when the registered stage serving it declares multi-shot
     generation (a scene cut pins a shot sink), the whole video as the window when there is

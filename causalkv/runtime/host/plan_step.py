@@ -1,13 +1,14 @@
-"""Step 1 of `causalkv.runtime.generate`: plan a request, before any weights load.
+"""Step 1 of `causalkv.runtime.host.generate`: plan a request, before any weights load.
 
 `plan_generation` reads the model's config files (JSON only), resolves the stage and the
 cache through the plugin registry (which also routes the request's option records to them),
-lets the stage split the prompts into chunks and validate the request, and runs every check
-that needs no weights (`causalkv.runtime.checks.check_before_load`). Every bad input is
-refused here, in milliseconds.
+lets the stage split the prompts into chunks, validate the request and place each chunk's RoPE
+frames (the stage's planning, all in one place), and runs every check that needs no weights on
+the plan (`causalkv.runtime.host.request_checks.check_before_load`, which asks the stage
+nothing). Every bad input is refused here, in milliseconds.
 
 Bounds before cost: the only part of a plan proportional to the request, the per-chunk prompt
-list (a reference per chunk), is built after `causalkv.runtime.checks.check_sizes` has held
+list (a reference per chunk), is built after `causalkv.runtime.host.request_checks.check_sizes` has held
 the frames to the RoPE limit and every size to the memory (the RoPE tables of that limit,
 8 x head_dim bytes a position, cost more than the list's 8 bytes a chunk), so planning never
 holds more than the run would.
@@ -20,10 +21,14 @@ from typing import Any
 
 from causalkv.config import check_prompts
 from causalkv.plugin import resolve
-from causalkv.runtime.checks import check_before_load, check_request_effect, check_sizes
-from causalkv.runtime.distributed import check_parallel_request
-from causalkv.runtime.model_config import load_model_info
-from causalkv.runtime.records import GenerateOptions, Plan, PluginSet
+from causalkv.runtime.host.pipeline_records import GenerateOptions, Plan, PluginSet
+from causalkv.runtime.host.request_checks import (
+    check_before_load,
+    check_request_effect,
+    check_sizes,
+)
+from causalkv.runtime.model_io.model_config import load_model_info
+from causalkv.runtime.processes.distributed import check_parallel_request
 
 __all__ = ["plan_generation"]
 
@@ -74,8 +79,11 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
     # memory, before the per-chunk prompt list (one entry per chunk) is built
     check_sizes(plan)
     check_request_effect(plan, options)
+    # the stage plans the chunks in one place: one prompt per chunk, checked, and where each
+    # chunk's RoPE frames start; the checks below read them from the plan
     chunk_prompts = res.stage.plan_chunks(prompts, num_frames // settings.frames_per_chunk, args)
     res.stage.check_request(model, args, num_frames, chunk_prompts)
     plan.chunk_prompts = chunk_prompts
+    plan.rope_frame_starts = res.stage.planned_rope_frame_starts(model, args, settings, chunk_prompts)
     check_before_load(plan, options)
     return plan

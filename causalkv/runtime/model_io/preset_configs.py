@@ -1,8 +1,8 @@
 """The tiny presets as data: the base configs every preset of every family starts from, where
 preset folders live, and a preset with what building it needs (`PresetSpec`).
 
-Read by `causalkv.runtime.model_config` (a preset's `ModelInfo`, no files needed) and by
-`causalkv.runtime.presets` (which writes the folders), so neither imports the other.
+Read by `causalkv.runtime.model_io.model_config` (a preset's `ModelInfo`, no files needed) and by
+`causalkv.runtime.model_io.presets` (which writes the folders), so neither imports the other.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from causalkv.hooks import Preset
 from causalkv.plugin import Registry
-from causalkv.runtime.text import BYTE_TOKENIZER_VOCAB_SIZE
+from causalkv.runtime.model_io.prompt_encoding import BYTE_TOKENIZER_VOCAB_SIZE
 
 __all__ = [
     "TINY_COMMON",

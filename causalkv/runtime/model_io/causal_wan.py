@@ -36,7 +36,7 @@ from causalkv.caches.attention import attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
 from causalkv.errors import ConfigError, UsageError
-from causalkv.runtime.distributed import (
+from causalkv.runtime.processes.distributed import (
     ParallelContext,
     enable_sequence_parallel,
     heads_to_seq,

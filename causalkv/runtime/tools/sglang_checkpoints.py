@@ -6,9 +6,9 @@ pipeline class, ``transformer/config.json``'s names sglang's DiT class, the tran
 safetensors keys are the ones that DiT's ``param_names_mapping`` maps), with every component a
 pipeline needs (text encoder, tokenizer, VAE, transformer, scheduler). Nothing is downloaded
 and sglang is not imported: the weights come from the same seeded tiny diffusers/transformers
-components as causalkv's presets (`causalkv.runtime.presets`), the transformer's keys renamed to
+components as causalkv's presets (`causalkv.runtime.model_io.presets`), the transformer's keys renamed to
 the checkpoint's layout. Builds are atomic and cached like the presets
-(`causalkv.runtime.presets.build_atomically`): a complete folder is returned as it is.
+(`causalkv.runtime.model_io.presets.build_atomically`): a complete folder is returned as it is.
 
 `generate_command(name, folder)` is the ``sglang generate`` line that runs the folder;
 ``causalkv sglang-checkpoint {longlive2,wan-causal,lingbot} DIR`` builds and prints it.
@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ConfigError
-from causalkv.runtime import preset_configs
-from causalkv.runtime.file_checks import check_creatable_folder, fs_error_reason
-from causalkv.runtime.outputs import OutputWriteError
-from causalkv.runtime.text import build_byte_tokenizer
+from causalkv.runtime.files.file_checks import check_creatable_folder, fs_error_reason
+from causalkv.runtime.files.outputs import OutputWriteError
+from causalkv.runtime.model_io import preset_configs
+from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
 if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not for --help
     import torch
@@ -259,7 +259,7 @@ def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
 def describe_folder(folder: str | Path) -> str:
     """What an existing folder holds, for a refusal: a causalkv sglang checkpoint (its name),
     a causalkv preset, a diffusers model folder, or how many entries."""
-    from causalkv.runtime import presets
+    from causalkv.runtime.model_io import presets
 
     folder = Path(folder)
     for marker, what in ((_MARKER, "a complete tiny {name} sglang checkpoint"),
@@ -316,7 +316,7 @@ def build_sglang_checkpoint(name: str, folder: str | Path, *, force: bool = Fals
             )
     check_creatable_folder(folder.parent if not folder.exists() else folder, where,
                            "choose a folder where files can be created")
-    from causalkv.runtime import presets
+    from causalkv.runtime.model_io import presets
 
     try:
         return presets.build_atomically(
@@ -381,7 +381,7 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
 
-    from causalkv.runtime import presets
+    from causalkv.runtime.model_io import presets
 
     hf_logging.disable_progress_bar()
     config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}

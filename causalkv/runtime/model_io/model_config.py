@@ -31,7 +31,7 @@ from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
-from causalkv.runtime.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
+from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
 
 __all__ = [
     "CAUSALKV_FILE",

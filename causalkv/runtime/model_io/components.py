@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from causalkv.errors import CausalKVError, ConfigError, describe_exception
-from causalkv.runtime.attention import CausalWanTransformer
-from causalkv.runtime.model_config import ModelFolderError, ModelInfo
-from causalkv.runtime.text import PromptEncoder, warn_line
+from causalkv.runtime.model_io.causal_wan import CausalWanTransformer
+from causalkv.runtime.model_io.model_config import ModelFolderError, ModelInfo
+from causalkv.runtime.model_io.prompt_encoding import PromptEncoder, warn_line
 from causalkv.stages.scheduler import flow_match
 
 __all__ = [

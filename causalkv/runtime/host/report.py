@@ -13,8 +13,8 @@ from typing import Any
 
 from causalkv.hooks import CacheFactory
 from causalkv.plugin import Resolution
-from causalkv.runtime.distributed import current, gather_ints
-from causalkv.runtime.records import GenerationRun, Plan
+from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
+from causalkv.runtime.processes.distributed import current, gather_ints
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.settings import StreamSettings
 
@@ -131,8 +131,8 @@ def describe_plan(plan: Plan) -> list[str]:
 def describe_stream(plan: Plan, s: StreamSettings) -> list[str]:
     """The rest of the header, which depends on the stream settings ``s``: the cache's
     description of the request (``describe_request``) and the ``stream:`` line.
-    `causalkv.runtime.generate` prints them once the stage is built, for the settings it runs
-    with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
+    `causalkv.runtime.host.run_step.run_plan` logs them once the stage is built, for the
+    settings it runs with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
     res = plan.resolution
     lines: list[str] = []
     lines += [f"  - {line}" for line in res.cache_factory.describe_request(

@@ -340,7 +340,7 @@ def run_supervised(
     seen: Iterable[str] = (),
     stderr: IO[str] | None = None,
 ) -> int:
-    """Run the torchrun ``command`` (`causalkv.runtime.distributed.torchrun_command`) of
+    """Run the torchrun ``command`` (`causalkv.runtime.processes.distributed.torchrun_command`) of
     ``nproc`` local ranks as described in the module docstring; the job's exit status.
 
     ``seen``: stderr lines this process already printed (plugin warnings the ranks repeat).

@@ -1,7 +1,7 @@
 """The host's records: a request (`GenerateOptions`), the plugins of one run (`PluginSet`),
 a validated request (`Plan`) and the outcome of a chunk loop (`GenerationRun`).
 
-Every step of `causalkv.runtime.generate` (plan, load, run, compare, write) reads and returns
+Every step of `causalkv.runtime.host.generate` (plan, load, run, compare, write) reads and returns
 these; none of them holds logic beyond what its fields derive.
 """
 
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     import torch
 
     from causalkv.plugin import Resolution
-    from causalkv.runtime.loading import Components
-    from causalkv.runtime.model_config import ModelInfo
+    from causalkv.runtime.model_io.components import Components
+    from causalkv.runtime.model_io.model_config import ModelInfo
     from causalkv.stages.base import CausalDenoisingStage
     from causalkv.stages.records import ChunkStats
     from causalkv.stages.settings import StreamSettings
@@ -63,7 +63,7 @@ class GenerateOptions:
             ``causalkv_chunk_done`` implementation that raises (`causalkv.plugin.PluginHookError`)
             instead of being reported once and skipped.
         force: replace an output file that holds something else than what its flag writes
-            (`causalkv.runtime.file_checks.check_no_other_work`), atomically.
+            (`causalkv.runtime.files.file_checks.check_no_other_work`), atomically.
     """
 
     model: str = "tiny-wan"
@@ -112,8 +112,8 @@ class PluginSet:
 
 @dataclass
 class Plan:
-    """A validated request: model, effective server args, resolution, per-chunk prompts,
-    and the plugins it was planned with."""
+    """A validated request: model, effective server args, resolution, per-chunk prompts and
+    their RoPE starts, and the plugins it was planned with."""
 
     info: ModelInfo
     server_args: ServerArgs
@@ -125,6 +125,9 @@ class Plan:
     stage_name: str | None = None
     negative_prompt: str = ""
     plugins: PluginSet | None = None
+    #: each chunk's RoPE start frame as the stage's chunk loop will place it
+    #: (`CausalDenoisingStage.planned_rope_frame_starts`), planned with ``chunk_prompts``
+    rope_frame_starts: list[float] = field(default_factory=list)
     #: what the run changes of what the request asked (one ``causalkv: warning:`` line each,
     #: printed before the load): e.g. a window longer than the video
     warnings: list[str] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Checks of a planned request that need no weights: run before anything loads.
 
-`check_before_load` is called by `causalkv.runtime.plan.plan_generation`, so every fault
+`check_before_load` is called by `causalkv.runtime.host.plan_step.plan_generation`, so every fault
 knowable up front fails there, in milliseconds, before a preset is built, a weight is read or
 a chunk runs:
 
@@ -8,8 +8,9 @@ a chunk runs:
   on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
 - the chosen cache's settings: what its class checks before the load (``check_request``; the
   QVG cache: the block layout fits ``head_dim``, the codec backend ``CAUSALKV_QVG_BACKEND``
-  exists and runs on the device) (`check_cache`); settings that would do nothing, and those
-  of a stage or cache that was not chosen, are refused by the resolution;
+  exists and runs on the device) (`check_cache`, the last check: the device and the rest are
+  good by then); settings that would do nothing, and those of a stage or cache that was not
+  chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
   fit the transformer's ``rope_max_seq_len``;
 - memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
@@ -17,7 +18,7 @@ a chunk runs:
 - seed: within the range a torch generator takes;
 - device and dtype: the device exists in this torch build and on this machine, and a small
   matmul in the dtype runs on it;
-- the files (`causalkv.runtime.file_checks`): ``CAUSALKV_HOME`` can hold a preset not built
+- the files (`causalkv.runtime.files.file_checks`): ``CAUSALKV_HOME`` can hold a preset not built
   yet, the output files can be written and have room, the model folder's files are whole.
 
 Each failure raises `ConfigError` (bad request) or `ModelFolderError` (unreadable model
@@ -38,7 +39,7 @@ from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
 from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
-from causalkv.runtime.model_config import (
+from causalkv.runtime.model_io.model_config import (
     preset_transformer_config,
 )
 from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
@@ -46,7 +47,7 @@ from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 if TYPE_CHECKING:
     import torch
 
-    from causalkv.runtime.records import GenerateOptions, Plan
+    from causalkv.runtime.host.pipeline_records import GenerateOptions, Plan
 
 __all__ = [
     "MAX_SEED",
@@ -79,13 +80,12 @@ DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN = 1024
 def check_before_load(plan: Plan, options: GenerateOptions) -> None:
     """Every check of the module docstring, on a plan `plan_generation` has built (presets are
     looked up in the plan's plugins)."""
-    from causalkv.runtime.file_checks import check_home, check_model_files, check_output_files
+    from causalkv.runtime.files.file_checks import check_home, check_model_files, check_output_files
 
     args = plan.server_args
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
     check_guidance(plan, options)
-    check_cache(plan)
     check_device(args.device, args.dtype)
     check_model_files(plan.info)
     check_home(plan.info)
@@ -100,6 +100,7 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
         metrics_nbytes=metrics_nbytes_floor(plan),
         force=bool(getattr(options, "force", False)),
     )
+    check_cache(plan)  # last: the one check that runs the chosen cache's code on the device
 
 
 def check_sizes(plan: Plan) -> None:
@@ -219,7 +220,9 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
 def check_cache(plan: Plan) -> None:
     """What the chosen cache kind checks before any weights load
     (`causalkv.hooks.CacheKind.check_request`; the QVG cache: its block layout and its codec
-    backend)."""
+    backend). `check_before_load` runs it last, once the device, the files, the frames and the
+    memory are known good: it is the one check that imports the chosen cache's code (its codec)
+    and runs it on the device."""
     res = plan.resolution
     try:
         res.cache_factory.load()
@@ -237,7 +240,7 @@ def check_device(device: str, dtype: str) -> torch.device:
     """
     import torch  # torch loads with a command that runs, not for its --help
 
-    from causalkv.runtime.loading import parse_dtype
+    from causalkv.runtime.model_io.components import parse_dtype
 
     try:
         dev = torch.device(device)
@@ -286,12 +289,9 @@ def _transformer_config(plan: Plan) -> dict[str, Any]:
 
 def rope_frame_ends(plan: Plan) -> list[int]:
     """The end (exclusive, in latent frames, rounded up) of each chunk's RoPE frames, as the
-    stage's chunk loop will place them (`CausalDenoisingStage.planned_rope_frame_starts`)."""
+    stage's chunk loop will place them (``plan.rope_frame_starts``, planned by the stage)."""
     fpc = plan.settings.frames_per_chunk
-    starts = plan.resolution.stage.planned_rope_frame_starts(
-        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
-    )
-    return [math.ceil(start) + fpc for start in starts]
+    return [math.ceil(start) + fpc for start in plan.rope_frame_starts]
 
 
 def _physical_memory_bytes() -> int | None:
@@ -346,9 +346,7 @@ def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
     """The hint when the per-shot RoPE offsets alone pass the limit: the largest per-shot
     offset the last chunk fits with (chunk ``L`` of shot ``K`` starts at ``L fpc + K off``)."""
     fpc = plan.settings.frames_per_chunk
-    starts = plan.resolution.stage.planned_rope_frame_starts(
-        plan.model, plan.server_args, plan.settings, plan.chunk_prompts
-    )
+    starts = plan.rope_frame_starts
     offsets = [start - i * fpc for i, start in enumerate(starts)]
     steps = sorted({round(o, 6) for o in offsets})
     per_shot = min((b - a for a, b in zip(steps, steps[1:]) if b - a > 0), default=0.0)
@@ -419,7 +417,7 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     - ``rope_tables``: the float32 cos and sin tables of ``rope_max_seq_len`` positions the
       transformer allocates when it loads.
     """
-    from causalkv.runtime.loading import parse_dtype
+    from causalkv.runtime.model_io.components import parse_dtype
 
     s, args, model = plan.settings, plan.server_args, plan.model
     heads = model.num_heads // max(1, args.heads_sharded)
@@ -493,7 +491,7 @@ VIDEO_FLOOR_COMPRESSION = 200
 def video_nbytes_floor(plan: Plan) -> int:
     """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
     Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
-    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
 
     info = plan.info
     frames = 1 + 4 * (plan.num_frames - 1)
@@ -503,7 +501,7 @@ def video_nbytes_floor(plan: Plan) -> int:
 def metrics_nbytes_floor(plan: Plan) -> int:
     """The least bytes the metrics JSON of ``plan`` takes: its fixed keys and one number per
     chunk in each per-chunk list (at least 8 bytes each, five lists)."""
-    from causalkv.runtime.file_checks import FILE_OVERHEAD_BYTES
+    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
 
     return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
 

@@ -2,19 +2,19 @@
 
 `generate` runs the steps in order, each from its own module:
 
-1. plan (`causalkv.runtime.plan.plan_generation`): read the model's config files, resolve the
+1. plan (`causalkv.runtime.host.plan_step.plan_generation`): read the model's config files, resolve the
    stage and the cache through the plugin registry, validate the request: every bad input is
    refused there, before any weights load;
-2. load (`causalkv.runtime.load.load_for_plan`): the components, materializing a preset on
+2. load (`causalkv.runtime.host.load_step.load_for_plan`): the components, materializing a preset on
    first use, as one rank of a sequence-parallel job when the request is one;
-3. run (`causalkv.runtime.run.run_plan`): build the stage (``causalkv_configure_stage`` applies
+3. run (`causalkv.runtime.host.run_step.run_plan`): build the stage (``causalkv_configure_stage`` applies
    to it before its caches are allocated) and run the chunk loop;
-4. compare (`causalkv.runtime.compare.compare_unquantized`, ``--compare-bf16``): the same
+4. compare (`causalkv.runtime.host.compare_step.compare_unquantized`, ``--compare-bf16``): the same
    request without the cache's settings, and the latent PSNR;
-5. write (`causalkv.runtime.write.write_files`): latents, video, metrics
-   (`causalkv.runtime.report.run_report`, with the stage's own entries).
+5. write (`causalkv.runtime.host.write_step.write_files`): latents, video, metrics
+   (`causalkv.runtime.host.report.run_report`, with the stage's own entries).
 
-The records they pass along live in `causalkv.runtime.records`; the plugins are collected once
+The records they pass along live in `causalkv.runtime.host.pipeline_records`; the plugins are collected once
 per run (`PluginSet`) and travel in the plan. Sequence parallel (``server_args.heads_sharded =
 N > 1``, N torchrun ranks): the plan refuses what cannot be split, every rank runs the same
 steps and ends with the same latents, rank 0 alone logs and writes.
@@ -34,16 +34,20 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from causalkv.runtime.compare import compare_unquantized
-from causalkv.runtime.distributed import is_main_rank
-from causalkv.runtime.load import load_for_plan
+from causalkv.runtime.host.compare_step import compare_unquantized
+from causalkv.runtime.host.load_step import load_for_plan
+from causalkv.runtime.host.pipeline_records import GenerateOptions, GenerationRun, Plan, PluginSet
+from causalkv.runtime.host.plan_step import plan_generation
+from causalkv.runtime.host.report import (
+    cache_description,
+    describe_plan,
+    run_report,
+)
+from causalkv.runtime.host.run_step import run_plan
+from causalkv.runtime.host.write_step import write_files
 from causalkv.runtime.memory.records import format_bytes
-from causalkv.runtime.plan import plan_generation
-from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan, PluginSet
-from causalkv.runtime.report import cache_description, describe_plan, describe_stream, run_report
-from causalkv.runtime.run import run_plan
-from causalkv.runtime.text import warn_line
-from causalkv.runtime.write import write_files
+from causalkv.runtime.model_io.prompt_encoding import warn_line
+from causalkv.runtime.processes.distributed import is_main_rank
 from causalkv.stages.records import ChunkStats
 
 __all__ = ["generate"]
@@ -71,7 +75,7 @@ def generate(
     cache settings that packed nothing (`unused_cache_settings`) are one ``causalkv:
     warning:`` line each on stderr (rank 0). The first
     output that fails stops the run with `OutputWriteError` naming the files already
-    written, which are kept (`causalkv.runtime.outputs.OutputLog`).
+    written, which are kept (`causalkv.runtime.files.outputs.OutputLog`).
     """
 
     def say(line: str) -> None:  # rank 0 alone logs
@@ -91,12 +95,7 @@ def generate(
     load_seconds = time.perf_counter() - t0
     if on_loaded is not None:
         on_loaded()
-
-    def say_stream(stage: Any) -> None:  # what the built stage runs: overrides included
-        for line in describe_stream(plan, stage.settings):
-            say(line)
-
-    run = _run(plan, options, components, on_chunk_done, on_stage=say_stream)
+    run = _run(plan, options, components, on_chunk_done, log=say)
     run.load_seconds = load_seconds
     metrics = run_report(plan, run)
     unused = unused_cache_settings(plan, metrics)
@@ -145,7 +144,7 @@ def _run(
     options: GenerateOptions,
     components: Any,
     on_chunk_done: Callable[[int, ChunkStats], None] | None,
-    on_stage: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> GenerationRun:
     """`run_plan` behind a progress bar (off when quiet, on other ranks, or without a terminal)."""
     bar = tqdm(total=plan.num_chunks, unit="chunk", desc="chunks",
@@ -158,6 +157,6 @@ def _run(
 
     try:
         return run_plan(plan, components=components, on_chunk_done=chunk_done,
-                        strict_plugins=options.strict_plugins, on_stage=on_stage)
+                        strict_plugins=options.strict_plugins, log=log)
     finally:
         bar.close()

@@ -1,7 +1,7 @@
-"""Step 5 of `causalkv.runtime.generate`: write the run's files, in order ``--save-latents``,
+"""Step 5 of `causalkv.runtime.host.generate`: write the run's files, in order ``--save-latents``,
 ``--output`` (the video, decoded with the model's VAE), ``--metrics``.
 
-Each file is written atomically (`causalkv.runtime.outputs`); the first that fails stops the
+Each file is written atomically (`causalkv.runtime.files.outputs`); the first that fails stops the
 step with `OutputWriteError` naming the files already complete, which are kept. On a
 sequence-parallel run only rank 0 writes.
 """
@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from causalkv.runtime.distributed import is_main_rank
-from causalkv.runtime.load import model_folder
-from causalkv.runtime.loading import load_vae
-from causalkv.runtime.outputs import OutputLog, keep_latents, save_latents, write_json_atomic
-from causalkv.runtime.records import GenerateOptions, GenerationRun, Plan
-from causalkv.runtime.report import latents_metadata
-from causalkv.runtime.video import decode_latents, write_video
+from causalkv.runtime.files.outputs import OutputLog, keep_latents, save_latents, write_json_atomic
+from causalkv.runtime.files.video import decode_latents, write_video
+from causalkv.runtime.host.load_step import model_folder
+from causalkv.runtime.host.pipeline_records import GenerateOptions, GenerationRun, Plan
+from causalkv.runtime.host.report import latents_metadata
+from causalkv.runtime.model_io.components import load_vae
+from causalkv.runtime.processes.distributed import is_main_rank
 
 __all__ = ["write_files", "write_outputs"]
 

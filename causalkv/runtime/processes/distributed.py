@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from causalkv.errors import ConfigError
-from causalkv.runtime.launch import run_supervised
+from causalkv.runtime.processes.launch import run_supervised
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -377,6 +377,6 @@ def torchrun_command(nproc_per_node: int, argv: Sequence[str], *, module: str = 
 
 def run_under_torchrun(nproc_per_node: int, argv: Sequence[str], **supervise: Any) -> int:
     """Run ``causalkv <argv>`` on ``nproc_per_node`` local ranks, supervised
-    (`causalkv.runtime.launch.run_supervised`: one line for the job, no rank left behind);
+    (`causalkv.runtime.processes.launch.run_supervised`: one line for the job, no rank left behind);
     the job's exit status. ``supervise``: `run_supervised`'s keyword arguments."""
     return run_supervised(torchrun_command(nproc_per_node, argv), nproc=nproc_per_node, **supervise)

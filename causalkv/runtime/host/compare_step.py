@@ -1,4 +1,4 @@
-"""Step 4 of `causalkv.runtime.generate` (``--compare-bf16``): the same request without the
+"""Step 4 of `causalkv.runtime.host.generate` (``--compare-bf16``): the same request without the
 cache's settings (quantization off) and with bf16 caches (or the reference dtype the request
 names, ``--compare-dtype``), on the same seed and components, how far apart the two runs'
 latents and KV bytes are, and how long a chunk takes with each setting, timed fairly.
@@ -22,9 +22,9 @@ import torch
 
 from causalkv.options import CacheOptions
 from causalkv.plugin import resolve
+from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
+from causalkv.runtime.host.run_step import run_plan
 from causalkv.runtime.memory.records import format_bytes
-from causalkv.runtime.records import GenerationRun, Plan
-from causalkv.runtime.run import run_plan
 
 __all__ = ["REFERENCE_DTYPE", "TIMING_REPEATS", "compare_table", "compare_unquantized", "latent_psnr_db"]
 

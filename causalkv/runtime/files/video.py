@@ -4,7 +4,7 @@ The container is chosen by the output's suffix among the formats an installed en
 write (`video_formats`): ``.mp4`` (H.264 through imageio-ffmpeg's ffmpeg) and ``.gif``
 (Pillow). Any other suffix is refused before generation (`check_video_suffix`); nothing falls
 back to a file the user did not name. Files are written atomically
-(`causalkv.runtime.outputs.atomic_write`) and read back before the rename: a file that does
+(`causalkv.runtime.files.outputs.atomic_write`) and read back before the rename: a file that does
 not decode to every frame is never renamed into place (`EncoderError`).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ConfigError, EncoderError
-from causalkv.runtime.outputs import atomic_write
+from causalkv.runtime.files.outputs import atomic_write
 
 if TYPE_CHECKING:  # numpy and torch load with a run; `video_formats` (--help) needs neither
     import numpy as np

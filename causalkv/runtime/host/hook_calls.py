@@ -19,7 +19,7 @@ from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import ENV_PREFIX, Stage
 from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import PluginHookError
-from causalkv.runtime.text import warn_line
+from causalkv.runtime.model_io.prompt_encoding import warn_line
 
 __all__ = ["ObserverHook", "configure_stage", "hook_failure"]
 

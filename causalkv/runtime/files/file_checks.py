@@ -1,6 +1,6 @@
 """Checks of the files a request writes or reads, before anything loads.
 
-Called by `causalkv.runtime.checks.check_before_load` (and the sglang checkpoint writer):
+Called by `causalkv.runtime.host.request_checks.check_before_load` (and the sglang checkpoint writer):
 
 - ``CAUSALKV_HOME``: a preset that is not built yet can be created there (`check_home`);
 - output files (video, metrics, saved latents): not a folder, not a special file, in a
@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from causalkv.errors import ConfigError, first_line
-from causalkv.runtime.model_config import (
+from causalkv.runtime.files.outputs import latents_path_for
+from causalkv.runtime.files.video import check_video_suffix
+from causalkv.runtime.model_io.model_config import (
     REQUIRED_FILES,
     ModelFolderError,
     ModelInfo,
 )
-from causalkv.runtime.outputs import latents_path_for
-from causalkv.runtime.presets import causalkv_home, is_complete_preset, preset_name
-from causalkv.runtime.video import check_video_suffix
+from causalkv.runtime.model_io.presets import causalkv_home, is_complete_preset, preset_name
 
 __all__ = [
     "WEIGHT_SUFFIXES",

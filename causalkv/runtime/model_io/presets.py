@@ -27,20 +27,20 @@ from typing import Any
 
 from causalkv.hooks import Preset
 from causalkv.plugin.registry import Registry
-from causalkv.runtime.model_config import (
+from causalkv.runtime.model_io.model_config import (
     CAUSALKV_FILE,
     preset_info,
     preset_transformer_config,
     resolve_preset,
 )
-from causalkv.runtime.preset_configs import (
+from causalkv.runtime.model_io.preset_configs import (
     TINY_TEXT_ENCODER,
     TINY_VAE,
     PresetSpec,
     causalkv_home,
     preset_dir,
 )
-from causalkv.runtime.text import build_byte_tokenizer
+from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
 __all__ = [
     "Preset",

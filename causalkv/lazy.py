@@ -1,0 +1,31 @@
+"""A package's names imported on first use: the one module ``__getattr__`` the packages share.
+
+    from causalkv.lazy import lazy_names
+
+    __getattr__ = lazy_names(__name__, {"generate": "causalkv.runtime.host.generate"})
+
+Each name is looked up in its home module when it is first read (PEP 562), so importing the
+package imports none of its homes (``causalkv.runtime`` and ``causalkv.stages`` import no
+torch until a name that needs it is read). A leaf: imports nothing of causalkv, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from importlib import import_module
+from typing import Any
+
+__all__ = ["lazy_names"]
+
+
+def lazy_names(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: ``homes`` maps each name to the module it is
+    imported from on first use; any other name raises the usual `AttributeError`."""
+
+    def __getattr__(name: str) -> Any:
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(import_module(home), name)
+
+    return __getattr__
