@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import KVCacheSpec
 from causalkv.cli import main
@@ -259,7 +260,7 @@ def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     (df / "causalkv.json").write_text(json.dumps({"window_frames": 12}))
     g = read_model_geometry(df)
     assert (g.frames_per_chunk, g.sink_frames, g.window_frames) == (3, 0, 12)
-    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video
+    assert g.tokens_per_frame(480, 832) == 1560 and g.window_is_video and not g.shot_sinks
 
     (df / "transformer" / "config.json").write_text(json.dumps({"num_layers": 30}))
     with pytest.raises(ConfigError, match="num_attention_heads"):
@@ -268,6 +269,30 @@ def test_model_folders_are_read_by_their_config(tmp_path) -> None:
         "num_layers": 0, "num_attention_heads": 12, "attention_head_dim": 128}))
     with pytest.raises(ConfigError, match="num_layers must be a positive int, got 0"):
         read_model_geometry(df)
+
+
+@pytest.mark.parametrize(("stage", "shots"), [("causalkv.stages.longlive2:LongLive2Stage", True),
+                                           ("causalkv.stages.wan:WanCausalDMDStage", False)])
+def test_shot_sinks_are_what_the_serving_stage_declares(tmp_path, stage: str, shots: bool) -> None:
+    """A folder is read as the runtime reads it, and whether a scene cut pins a shot sink is
+    the registered stage's declaration (multi-shot generation), not a pipeline class name: a
+    plugin's stage serving a new class gives its folders shot sinks when the stage has them."""
+    from causalkv.hooks import StageRegistration
+    from causalkv.plugin import get_plugin_manager
+    from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MyShotsPipeline"}))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({
+        "num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 64}))
+    reg = StageRegistration("my-shots", stage, models=("MyShotsPipeline",),
+                            defaults={"frames_per_chunk": 2, "sink_frames": 2, "window_frames": 8})
+    with temporary_plugin(get_plugin_manager(), RecordsPlugin(stages=[reg])):
+        g = read_model_geometry(tmp_path)
+    assert (g.frames_per_chunk, g.sink_frames, g.window_frames, g.shot_sinks) == (2, 2, 8, shots)
+    # served by no stage and no causalkv.json: nothing says how it streams
+    with pytest.raises(ConfigError, match="no registered stage serves pipeline 'MyShotsPipeline'"):
+        read_model_geometry(tmp_path)
 
 
 # ---- the planner against the real caches ------------------------------------------------------
@@ -414,6 +439,55 @@ def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sin
         lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), UNALIGNED.num_layers)
     assert resident == [UNALIGNED.num_layers * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes
+
+
+#: a sink of two chunks (its whole span packed at once with sink_span="full")
+SINK2 = replace(TINY, name="tiny-sink2", sink_frames=4, global_sink_frames=4, window_frames=12)
+
+#: settings the table does not name, each down another path of the store's tier policy (the
+#: geometry, and the settings without that path): spans of two chunks sharing a codebook over
+#: four; the stream-start sink packed as one span; a recency tier with a codec of its own over
+#: shared codebooks; a recency tier that is the cache's own codec (packed once, never re-packed)
+#: holding the sinks bf16 would
+TIER_PATHS = {
+    "span2-book4": (QVGKVQuantArgs(codec="int2", span_chunks=2, codebook_chunks=4), TINY,
+                    {"span_chunks": 1, "codebook_chunks": 1}),
+    "sink-full": (QVGKVQuantArgs(codec="int4", sink_span="full"), SINK2, {"sink_span": "chunk"}),
+    "recent-fp8-book2": (QVGKVQuantArgs(codec="int2", recent_tier="fp8", codebook_chunks=2), TINY,
+                         {"recent_tier": "bf16", "codebook_chunks": 1}),
+    "recent-int2-sink0": (QVGKVQuantArgs(codec="int2", recent_tier="int2", sink=False), TINY,
+                          {"recent_tier": "bf16"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TIER_PATHS))
+def test_planner_and_store_share_one_tier_policy(name: str) -> None:
+    """The planner has no tiering of its own: for settings beyond the table (spans, shared
+    codebooks, a sink span, recency tiers) its bytes and its tiers equal the real caches' at
+    every chunk, so a change to the store's tiering that the planner did not follow fails
+    here (2 layers sharing a scratch, 8 chunks, a shot pinned at chunk 4). Each setting's
+    path changes the bytes (against the same settings without it), so each is exercised."""
+    q, geom, plain = TIER_PATHS[name]
+    lay = stream_layout(geom, MemoryRequest(latent_frames=16, shots=2, host="causalkv"))
+    plan = plan_setting(geom, lay, SETTINGS["int2-default"], host="causalkv",
+                        attention="gathered", quant=q)
+    without = plan_setting(geom, lay, SETTINGS["int2-default"], host="causalkv",
+                           attention="gathered", quant=replace(q, **plain))
+    assert plan.resident_per_chunk != without.resident_per_chunk
+    spec = _tiny_spec(lay)
+    caches: list[QVGPackedCausalKVCache] = []
+
+    def make(scratch):
+        caches.append(QVGPackedCausalKVCache(spec, q, scratch=scratch))
+        return caches[-1]
+
+    resident, scratch_nbytes, peak = _drive_with_scratch(lay, make, geom.num_layers)
+    assert resident == [geom.num_layers * r for r in plan.resident_per_chunk]
+    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert peak == plan.peak_bytes
+    held = {c: seg.storage.codec.name if seg.packed else "bf16"
+            for seg in caches[0].store.segments for c in seg.chunks}
+    assert held == plan.tiers_per_chunk[-1]
 
 
 def test_a_causalkv_preset_is_a_model(capsys) -> None:

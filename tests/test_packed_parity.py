@@ -4,7 +4,7 @@
   and errors match, for 2,000 sequences (profile ``ci``), plus the oracle directly.
 - Quantization on: positions, cursors, errors and ``global_end`` still equal the dense
   cache's; k/v stay finite and shaped like the dense ones; and no position is ever packed
-  twice within a stream (each call of the segment store's ``_pack`` is recorded and
+  twice within a stream (each encode of the segment store at the cache's codec, ``_encode``, is recorded and
   checked for overlap).
 """
 
@@ -47,21 +47,22 @@ def test_packed_quant_off_matches_oracle_bf16(scenario):
 
 class _RecordingPacked(QVGPackedCausalKVCache):
     """Records every packed run per stream and fails on a position packed twice (a hook on
-    its segment store's one packing function)."""
+    its segment store's one encode, `StorePacking._encode`)."""
 
     def __init__(self, spec, quant):
         super().__init__(spec, quant)
         self.packed_runs: list[tuple[int, int]] = []
-        pack = self.store._pack
+        encode = self.store._encode
 
-        def recording(pieces, book, write):
-            seg, book = pack(pieces, book, write)
-            for a, b in self.packed_runs:
-                assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
-            self.packed_runs.append((seg.start, seg.end))
-            return seg, book
+        def recording(step, pieces, plan):
+            seg = encode(step, pieces, plan)
+            if not step.tier:  # at the cache's codec (a recency-tier pack is re-packed once)
+                for a, b in self.packed_runs:
+                    assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
+                self.packed_runs.append((seg.start, seg.end))
+            return seg
 
-        self.store._pack = recording
+        self.store._encode = recording
 
     def reset_indices(self):
         super().reset_indices()

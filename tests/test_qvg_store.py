@@ -277,3 +277,23 @@ def test_a_lazy_view_reads_the_layout_it_was_made_from():
         k, v = _kv(i)
         b.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
     assert torch.equal(held.k, want)
+
+
+def test_a_recency_tier_chunk_the_cache_codec_would_not_shrink_stays_at_its_tier():
+    """int2 with 128 centroids as given (the bridge's store) does not shrink a 32-token chunk,
+    fp8 does: the newest completed chunk is held at fp8, and once it leaves recency it stays
+    at fp8 (decoding it to bf16 would hold more bytes of the same values); the tier policy
+    says so without tensors, and nothing is decoded."""
+    n = 32
+    q = QVGKVQuantArgs(codec="int2", block_size=16, keep_recent_chunks=1, recent_tier="fp8")
+    store = _store(q, min_tokens_per_centroid=None)
+    assert not store.tiering.pays(n, 1, None) and store.tiering.pays(n, 1, None, store.tiering.tier_quant(n))
+    for c in range(4):
+        k, v = _kv(c, n)
+        store.commit(store.plan(held=((0, (c + 1) * n),), advance=True,
+                                write=KVWrite(c * n, (c + 1) * n, (0, H), k, v)))
+    tiers = [seg.storage.codec.name if seg.packed else "bf16" for seg in store.segments]
+    assert tiers == ["fp8", "fp8", "fp8", "bf16"]  # two left recency, the recent one, current
+    assert store.quantize_calls == 3  # chunks 0 to 2 once each, at the tier, never again
+    report = store.packing_report()
+    assert report.chunks_packed == 3 and not report.chunks_dense

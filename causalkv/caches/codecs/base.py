@@ -160,6 +160,12 @@ class KVCodec(ABC):
     def nbytes(self, shape: tuple[int, int, int, int]) -> int:
         """Exactly the bytes `encode` stores for a segment of ``shape = (B, H, S, D)``."""
 
+    def shared_nbytes(self, shape: tuple[int, int, int, int]) -> int:
+        """The part of ``nbytes(shape)`` held in tensors a segment encoded with its
+        ``codebooks`` shares with later ones (`shares_codebooks`; a cache holding several
+        counts them once). 0 for a codec that shares none."""
+        return 0
+
     def layout_problem(self, head_dim: int) -> str | None:
         """Why this codec cannot pack ``head_dim`` channels (None when it can)."""
         return None

@@ -11,6 +11,8 @@ exported here). See docs/attention.md.
 `SegmentStore` (`causalkv.caches.qvg.store`) holds one layer's K/V by global position with
 cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `CAUSALKV`,
 `SGLANG`); causalkv's `QVGPackedCausalKVCache` and the sglang bridge's cache both use it.
+Which cold chunks it packs by which codec in which spans is its tier policy
+(`causalkv.caches.qvg.tiering`), the decision the memory planner counts bytes from.
 
 The settings (`causalkv.caches.qvg.options`: `QVGCodecOptions`, `QVGPackingOptions`,
 `QVGKVQuantArgs`) are torch-free; the names are exported lazily (PEP 562), so importing the

@@ -71,6 +71,11 @@ class PRQCodec(KVCodec):
     def nbytes(self, shape: tuple[int, int, int, int]) -> int:
         return packed_nbytes_formula(shape, self.settings)
 
+    def shared_nbytes(self, shape: tuple[int, int, int, int]) -> int:
+        """The bf16 centroids ``[B, H, K, D]`` per stage, ``K = min(centroids, S)``."""
+        B, H, S, D = (int(v) for v in shape)
+        return 2 * self.settings.stages * B * H * min(self.settings.centroids, S) * D
+
     def bits_per_element(self, S: int, D: int) -> float:
         return bits_per_element(S, D, self.settings)
 

@@ -210,6 +210,16 @@ class Segment:
         return isinstance(self.storage, PackedKV)
 
     @property
+    def recent(self) -> bool:
+        """Packed at the recency tier (re-packed with the cache's codec once no longer kept)."""
+        return isinstance(self.storage, PackedKV) and self.storage.recent
+
+    @property
+    def rewritten(self) -> bool:
+        """Decoded from packed for a write into part of it (`DecodedKV`): never packed again."""
+        return isinstance(self.storage, DecodedKV)
+
+    @property
     def run(self) -> Intervals:
         return ((self.start, self.end),)
 

@@ -1,39 +1,22 @@
 """`SegmentStore`: K/V by global position in chunk segments, cold ones packed by a codec.
 
-The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions decided by
-`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (positions decided by sglang's
-slot arithmetic, `causalkv.sglang.slots`). A host tells the store *which* positions it
-holds and *what* to write; the store keeps the values:
-
-- ``segments``: `Segment` s in ascending global position, each a run ``[start, end)`` of one
-  chunk (or of a packed span of chunks) whose ``storage`` is `DenseKV` (``[B, len, H, D]`` in
-  the store's dtype) or `PackedKV` (one codec record for K and one for V).
-- A write that changes the layout is planned, then committed: `plan` builds the new segment
-  list as values (positions the write covers that no segment holds become new chunks; a
-  packed segment the write touches is decoded back to dense; what the host no longer holds
-  is freed, a dense segment that lost positions is trimmed, a packed one is kept whole until
-  all of it is gone; on an advance the policy's cold chunks are packed). Only `commit`
-  changes the store, and nothing in it can fail: a write that raises (a refused range, a
-  non-finite chunk the codec refuses) leaves the store exactly as it was. A write that keeps
-  the layout (a denoising step rewriting the current chunk) is one in-place copy (`write`).
-- Packing, once per advance: the `PackingPolicy` object says which completed chunks stay
-  dense and which sink chunks pack as one span; every other cold chunk is packed, at most
-  once, ``span_chunks`` at a time, sharing codebooks over ``codebook_chunks`` (a codec that
-  shares them: PRQ), and only if its packed bytes (the codec's ``nbytes`` formula, decided
-  before any encode) are smaller than its dense bytes. The codec is the setting
-  ``quant.codec`` names (`causalkv.caches.codecs`); the recency tier's is ``quant.recent_tier``. The k-means centroids follow `centroids_for` when ``min_tokens_per_centroid``
-  is set, else ``quant.centroids`` as given (the codec caps them at the span's tokens).
-- Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list
-  of position runs (dense rows copied, packed token ranges decoded in place with
-  ``dequantize(out=...)``: no dequantized temporary, no concatenation); `decode` does the
-  same for one segment (streaming attention holds one segment at a time); `locate_pieces`
-  gives `gather`'s pieces as the stored runs they read, for a reader that attends them one at
-  a time without building the buffer (the sglang bridge's segment view).
+The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions by
+`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (by `causalkv.sglang.slots`). A
+host tells the store *which* positions it holds and *what* to write; the store keeps the
+values: ``segments``, `Segment` s in ascending position, each a run of one chunk (or a packed
+span) whose ``storage`` is `DenseKV` ``[B, len, H, D]`` or `PackedKV` (a codec record each
+for K and V). A write that changes the layout is planned (`plan`: new chunks where none were
+held, a packed segment the write touches decoded, what the host no longer holds freed, a
+packed one kept whole until all of it is gone, cold chunks packed on an advance), then
+committed (`commit`, which cannot fail: a write that raises leaves the store as it was); a
+rewrite of the current chunk is one in-place copy (`write`). Which chunks stay dense is the
+`PackingPolicy` object's; what is packed by which codec in which spans is the tier policy's
+(`causalkv.caches.qvg.tiering`, counted by the memory planner too), encoded by `store_pack`.
+Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `store_reads`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -41,26 +24,15 @@ from dataclasses import replace
 import torch
 
 from causalkv.caches import intervals as iv
-from causalkv.caches.codecs import make_codec
-from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
-    NON_FINITE,
-    NOT_SMALLER,
     POLICY,
     QUANT_OFF,
-    RECENT,
-    REWRITTEN,
-    SINK,
-    WAITING,
-    ChunkInfo,
-    PackingDecision,
     PackingPolicy,
-    centroids_for,
 )
 from causalkv.caches.qvg.segments import (
     BorrowedKV,
@@ -76,7 +48,10 @@ from causalkv.caches.qvg.segments import (
     StorePlan,
     dense_storage,
 )
-from causalkv.caches.spec import CacheProtocolError, CacheReadError, KVSegment
+from causalkv.caches.qvg.store_pack import StorePacking
+from causalkv.caches.qvg.store_reads import StoreReads
+from causalkv.caches.qvg.tiering import TierPolicy
+from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import ConfigError
 
 __all__ = [
@@ -97,7 +72,7 @@ _PACKED = "packed"
 # ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
-class SegmentStore:
+class SegmentStore(StoreReads, StorePacking):
     """K/V of one layer by global position, cold chunks PRQ-packed (see the module docstring).
 
     Args:
@@ -161,6 +136,9 @@ class SegmentStore:
         self.head_offset = head_offset
         self.offload = offload
         self.min_tokens_per_centroid = m
+        #: what is packed by which codec, in which spans (`causalkv.caches.qvg.tiering`)
+        self.tiering = TierPolicy(quant, m, batch_size, num_heads, head_dim,
+                                  torch.empty((), dtype=dtype).element_size())
         if scratch is not None and not isinstance(scratch, ChunkScratch):
             raise ConfigError(f"SegmentStore scratch must be a ChunkScratch or None, got {scratch!r}")
         self.scratch = scratch
@@ -186,31 +164,6 @@ class SegmentStore:
         #: heads of the chunk being generated another layer overwrote in the shared scratch
         self.lost_heads: frozenset[int] = frozenset()
 
-    # ---- what it holds --------------------------------------------------------------------
-    def held(self) -> Intervals:
-        """The positions stored."""
-        return iv.normalize((s.start, s.end) for s in self.segments)
-
-    def resident_nbytes(self) -> int:
-        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
-
-        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
-        tensor referenced by each of them and is counted once.
-        """
-        total, seen = 0, set()
-        for seg in self.segments:
-            total += seg.nbytes
-            if isinstance(seg.storage, PackedKV):
-                for c in seg.storage.shared_tensors():
-                    key = (c.device, c.data_ptr())
-                    if key in seen:
-                        total -= c.nbytes
-                    seen.add(key)
-        return total
-
-    def packed_segments(self) -> list[Segment]:
-        return [s for s in self.segments if s.packed]
-
     def packing_report(self) -> PackingReport:
         """Chunks packed and kept dense (and why) so far, and the centroids used."""
         counts = self._settled + Counter(self._live.values())
@@ -221,19 +174,6 @@ class SegmentStore:
             centroids=dict(sorted(self._centroids_used.items())),
             quantize_calls=self.quantize_calls,
         )
-
-    def covers_dense(self, start: int, end: int) -> bool:
-        """True when dense segments hold every position of ``[start, end)``."""
-        at = start
-        for seg in self.segments:
-            if seg.end <= at or seg.start >= end:
-                continue
-            if seg.start > at or seg.packed:
-                return False
-            at = seg.end
-            if at >= end:
-                return True
-        return at >= end
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, w: KVWrite) -> None:
@@ -385,24 +325,6 @@ class SegmentStore:
         self._copy_write([patched], w)
         return own
 
-    def _keep_held(
-        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
-    ) -> tuple[list[Segment], Codebook | None]:
-        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
-        and ``book`` if it is still in use."""
-        kept: list[Segment] = []
-        for seg in segs:
-            live = iv.intersect(seg.run, held)
-            if not live:
-                continue
-            if seg.packed or live == seg.run:
-                kept.append(seg)
-            else:
-                kept.extend(seg.dense_slice(a, b) for a, b in live)
-        if book is not None and not any(book.used_by(seg) for seg in kept):
-            book = None  # every segment using it rolled out: start a fresh one
-        return kept, book
-
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
         nothing here can fail. A new chunk planned into the shared scratch takes its buffer
@@ -450,139 +372,6 @@ class SegmentStore:
         self.chunk_heads, self.pass_heads, self.lost_heads = frozenset(), None, frozenset()
         if self.scratch is not None:
             self.scratch.account(self, 0)
-
-    # ---- reads ----------------------------------------------------------------------------
-    def locate(
-        self, positions: Intervals, segments: Sequence[Segment] | None = None
-    ) -> list[tuple[Segment, Intervals]]:
-        """The segments (of ``segments``, default the store's) holding any of ``positions``,
-        each with the runs of them it holds."""
-        out = []
-        for seg in self.segments if segments is None else segments:
-            runs = iv.intersect(seg.run, positions)
-            if runs:
-                out.append((seg, runs))
-        return out
-
-    def locate_pieces(
-        self, pieces: Sequence[tuple[int | None, int]], segments: Sequence[Segment] | None = None,
-    ) -> list[tuple[Segment | None, int, int]]:
-        """``pieces`` (as `gather` takes them) as stored runs, in order: ``(segment, a, b)`` for
-        positions ``[a, b)`` held by ``segment``, ``(None, 0, n)`` for ``n`` zero rows. A piece
-        repeated or out of position order stays so: this is a reader's order, not a set.
-        ``segments``: the layout to read (default: the store's now).
-
-        Raises:
-            CacheReadError (a RuntimeError): a position the store does not hold.
-        """
-        segs = self.segments if segments is None else segments
-        out: list[tuple[Segment | None, int, int]] = []
-        for p, n in pieces:
-            if p is None:
-                out.append((None, 0, n))
-            else:
-                out.extend(self._walk(segs, p, p + n))
-        return out
-
-    def gather(
-        self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
-        segments: Sequence[Segment] | None = None,
-    ) -> KVSegment:
-        """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order: ``(position, length)`` reads the
-        positions ``[position, position + length)``, ``(None, length)`` gives zeros.
-        ``segments``: the layout to read (default: the store's now; a lazy view passes the
-        one it was made from, which a later commit replaces but never mutates).
-
-        One buffer is allocated and filled in place (packed ranges decoded into it); a single
-        piece held by one dense segment is returned as views of it, as a dense cache would.
-
-        Raises:
-            CacheReadError (a RuntimeError): a position the store does not hold.
-        """
-        segs = self.segments if segments is None else segments
-        total = sum(n for _, n in pieces)
-        shape = (self.batch_size, total, h1 - h0, self.head_dim)
-        if len(pieces) == 1 and pieces[0][0] is not None:
-            p, n = pieces[0]
-            for seg in segs:
-                if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
-                    self.check_readable(seg)
-                    return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        at, decoded = 0, False
-        for p, n in pieces:
-            if p is None:
-                k[:, at : at + n].zero_()
-                v[:, at : at + n].zero_()
-            else:
-                decoded |= self._fill(segs, p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
-            at += n
-        if decoded:
-            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
-        if self.scratch is not None:
-            self.scratch.transient(k.nbytes + v.nbytes)
-        return k, v
-
-    def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
-        """K/V ``[B, count(runs), h1 - h0, D]`` of the runs ``seg`` holds, in one buffer (views
-        of a dense segment when one run); for attention that visits one segment at a time."""
-        if isinstance(seg.storage, DenseKV) and len(runs) == 1:
-            (a, b), = runs
-            self.check_readable(seg)
-            return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
-        shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        at = 0
-        for a, b in runs:
-            self._copy_into(seg, a, b, h0, h1, k[:, at : at + b - a], v[:, at : at + b - a])
-            at += b - a
-        if seg.packed:
-            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
-        if self.scratch is not None:
-            self.scratch.transient(k.nbytes + v.nbytes)
-        return k, v
-
-    # ---- internals: reads -----------------------------------------------------------------
-    def _fill(
-        self, segs: Sequence[Segment], p0: int, p1: int, h0: int, h1: int,
-        k: torch.Tensor, v: torch.Tensor,
-    ) -> bool:
-        """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
-        was packed."""
-        decoded = False
-        for seg, a, b in self._walk(segs, p0, p1):
-            self._copy_into(seg, a, b, h0, h1, k[:, a - p0 : b - p0], v[:, a - p0 : b - p0])
-            decoded |= seg.packed
-        return decoded
-
-    def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
-        """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
-        `CacheReadError` (a RuntimeError) for a position no segment holds."""
-        out: list[tuple[Segment, int, int]] = []
-        at = p0
-        for seg in segs:
-            if seg.end <= at or seg.start >= p1:
-                continue
-            if seg.start > at:
-                break
-            b = min(seg.end, p1)
-            out.append((seg, at, b))
-            at = b
-            if at >= p1:
-                return out
-        raise CacheReadError(
-            f"SegmentStore: positions [{at}, {p1}) are not held (held: "
-            f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"
-        )
-
-    def _copy_into(
-        self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
-        self.check_readable(seg)
-        seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
 
     def check_readable(self, seg: Segment) -> None:
         """`CacheProtocolError` for a segment in the shared scratch that another store has
@@ -780,183 +569,6 @@ class SegmentStore:
             store.k[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.key[:, lo - w.start : hi - w.start])
             store.v[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.value[:, lo - w.start : hi - w.start])
 
-    def _with_write(self, seg: Segment, w: KVWrite) -> DenseKV:
-        """``seg``'s dense K/V as they will be after ``w`` (a patched copy only if it overlaps)."""
-        store = dense_storage(seg)
-        if w.key is None or seg.end <= w.start or seg.start >= w.end:
-            return store
-        patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
-        self._copy_write([patched], w)
-        return dense_storage(patched)
-
-    def _chunk_infos(
-        self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
-    ) -> tuple[ChunkInfo, ...]:
-        by_chunk: dict[int, list[Segment]] = {}
-        for seg in segs:
-            for c in seg.chunks:
-                if c != current:
-                    by_chunk.setdefault(c, []).append(seg)
-        return tuple(
-            ChunkInfo(
-                index=c, start=min(s.start for s in ss), end=max(s.end for s in ss),
-                sink=any(s.start < sink_end for s in ss),
-                pinned=any(iv.intersect(s.run, pinned) for s in ss),
-            )
-            for c, ss in sorted(by_chunk.items())
-        )
-
-    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> None:
-        """Pack the cold dense segments of ``plan.segments`` under ``decision`` (in place on the
-        plan; ``current``: the chunk being generated, or the one after a committed chunk).
-
-        With ``recent_tier="int4"`` a kept chunk the policy holds for recency or as a bf16 sink
-        is packed at 4 bits instead, and a chunk so packed that the policy no longer keeps is
-        decoded and packed at the cache's bits (with the other cold chunks)."""
-        keep = set(decision.dense) | {current}
-        tiered = self.quant.recent_tier != "bf16"
-        segs, plan.segments = plan.segments, []
-        pending: list[Segment] = []  # adjacent packable dense segments of one group
-        pending_group: frozenset[int] | None = None
-
-        def flush_dense(reason: str) -> None:
-            plan.segments.extend(pending)
-            plan.reasons.update((c, reason) for p in pending for c in p.chunks)
-            pending.clear()
-
-        for seg in segs:
-            chunks = set(seg.chunks)
-            if isinstance(seg.storage, DecodedKV) and current not in chunks:
-                flush_dense(WAITING)  # it carries a codec error already: dense from here on
-                plan.segments.append(seg)
-                plan.reasons.update((c, REWRITTEN) for c in chunks)
-                continue
-            why = {decision.dense.get(c, POLICY) for c in chunks}
-            if (tiered and chunks & keep and current not in chunks and not seg.packed
-                    and why <= {RECENT, SINK} and self._pays(
-                        [seg], None, self._tier_quant(seg.end - seg.start))):
-                flush_dense(WAITING)
-                if not self._finite([seg], plan.write):
-                    plan.segments.append(seg)
-                    plan.reasons.update((c, NON_FINITE) for c in chunks)
-                    continue
-                packed = self._pack_tier(seg, plan.write)
-                plan.segments.append(packed)
-                plan.packs.append(packed)
-                continue
-            if seg.packed and not chunks & keep and isinstance(seg.storage, PackedKV) \
-                    and seg.storage.recent:  # left recency: re-packed at the cache's bits
-                seg = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
-            elif seg.packed or chunks & keep:
-                flush_dense(WAITING)
-                plan.segments.append(seg)
-                plan.reasons.update((c, decision.dense.get(c, POLICY)) for c in chunks)
-                continue
-            group = next((g for g in decision.groups if chunks & g), None)
-            if pending and (group != pending_group or pending[-1].end != seg.start):
-                flush_dense(WAITING)
-            pending.append(seg)
-            pending_group = group
-            have = set().union(*(p.chunks for p in pending))
-            if (group is not None and have >= group) or (
-                group is None and len(have) >= self.quant.span_chunks
-            ):
-                if not self._pays(pending, plan.codebook):
-                    flush_dense(NOT_SMALLER)
-                    continue
-                if not self._finite(pending, plan.write):
-                    flush_dense(NON_FINITE)
-                    continue
-                packed, plan.codebook = self._pack(pending, plan.codebook, plan.write)
-                plan.segments.append(packed)
-                plan.packs.append(packed)
-                pending.clear()
-        flush_dense(WAITING)
-
-    def _finite(self, pieces: list[Segment], write: KVWrite) -> bool:
-        """False when ``pieces`` (dense, as after ``write``) hold NaN or inf, checked where the
-        codec would refuse them (the CPU, where the check costs no device sync); the chunk
-        then stays dense, as the dense cache keeps it. On other devices the codec stores a
-        non-finite head poisoned (it decodes to non-finite values) without a host sync."""
-        if self.device.type != "cpu":
-            return True
-        for p in pieces:
-            st = self._with_write(p, write)
-            if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
-                return False
-        return True
-
-    def _span_quant(self, tokens: int) -> QVGKVQuantArgs:
-        """The settings a span of ``tokens`` is packed with (the centroid rule applied, if set)."""
-        if self.min_tokens_per_centroid is None:
-            return self.quant
-        k = centroids_for(tokens, self.quant.centroids, self.min_tokens_per_centroid)
-        return self.quant if k == self.quant.centroids else replace(self.quant, centroids=k)
-
-    def _tier_quant(self, tokens: int) -> QVGKVQuantArgs:
-        """The settings a recency-tier chunk of ``tokens`` is packed with (the tier's codec)."""
-        q = self._span_quant(tokens)
-        tier = self.quant.recent_tier
-        return q if q.codec == tier else replace(q, codec=tier)
-
-    def _pack_tier(self, seg: Segment, write: KVWrite) -> Segment:
-        """``seg`` (dense, as after ``write``) packed at the recency tier, its own codebook."""
-        store = self._with_write(seg, write)
-        c = _codec(self._tier_quant(seg.end - seg.start))
-        pk = c.encode(store.k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset)
-        pv = c.encode(store.v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset)
-        storage = PackedKV(pk, pv, c, recent=self.quant.codec != self.quant.recent_tier)
-        if self.offload:
-            storage = storage.offloaded()
-        return replace(seg, storage=storage)
-
-    def _pays(
-        self, pieces: list[Segment], book: Codebook | None, q: QVGKVQuantArgs | None = None
-    ) -> bool:
-        """True when packing ``pieces`` stores fewer bytes than keeping them dense (no quantize).
-
-        Counted without sharing: a span that would join ``book`` is charged its centroids too.
-        ``q``: the settings (default: the span's at the cache's bits).
-        """
-        tokens = pieces[-1].end - pieces[0].start
-        q = self._span_quant(tokens) if q is None else q
-        chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
-        if book is not None and book.chunks + chunks <= q.codebook_chunks:
-            q = replace(q, centroids=int(book.k[0].shape[2]))  # it would assign to ``book``
-        B, H, D = self.batch_size, self.num_heads, self.head_dim
-        dense = B * tokens * H * D * torch.empty((), dtype=self.dtype).element_size()
-        return _codec(q).nbytes((B, H, tokens, D)) < dense
-
-    def _pack(
-        self, pieces: list[Segment], book: Codebook | None, write: KVWrite
-    ) -> tuple[Segment, Codebook | None]:
-        """One packed segment of ``pieces`` (dense, adjacent; as they are after ``write``) and
-        the codebook after it."""
-        stores = [self._with_write(p, write) for p in pieces]
-        k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
-        v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
-        chunks = pieces[-1].last_chunk - pieces[0].first_chunk + 1
-        if book is not None and book.chunks + chunks > self.quant.codebook_chunks:
-            book = None
-        c = _codec(self._span_quant(k.shape[1]))
-        if not c.shares_codebooks:
-            book = None
-        pk = c.encode(k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
-                      codebooks=list(book.k) if book else None)
-        pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
-                      codebooks=list(book.v) if book else None)
-        after = Codebook(pk.shared_tensors(), pv.shared_tensors(),
-                         (book.chunks if book else 0) + chunks) if c.shares_codebooks else None
-        storage = PackedKV(pk, pv, c)
-        if self.offload:
-            storage = storage.offloaded()
-        seg = Segment(
-            start=pieces[0].start, end=pieces[-1].end,
-            first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
-            storage=storage,
-        )
-        return seg, after
-
 
 _NO_WRITE = KVWrite(0, 0, (0, 0))
 
@@ -984,9 +596,3 @@ def _owned(seg: Segment) -> Segment:
     if isinstance(seg.storage, BorrowedKV):
         return replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
     return seg
-
-
-@functools.lru_cache(maxsize=64)
-def _codec(q: QVGKVQuantArgs) -> KVCodec:
-    """The codec of settings ``q`` (``q.codec`` configured by ``q``; settings are frozen)."""
-    return make_codec(q.codec, q)

@@ -9,8 +9,11 @@ bytes the caches of one stage hold, beside what sglang's dense cache allocates f
 request. Nothing is allocated: the bytes of a packed chunk are `packed_nbytes_formula`'s
 (the codec's exact stored bytes), which chunk is held is the host's own position bookkeeping
 (`StreamState` for causalkv's cache, `causalkv.sglang.slots` for the sglang bridge), and which
-chunk gets which tier is the packing policy object's decision (`SGLANG` / `CAUSALKV`), so
-the planner and the caches share one implementation of every rule.
+chunk stays dense is the packing policy object's decision (`SGLANG` / `CAUSALKV`), and which
+cold chunks are packed by which codec, in which spans and with which shared codebook is the
+segment store's own tier policy (`causalkv.caches.qvg.tiering.TierPolicy`, the store encodes
+what it decides, the planner counts it), so the planner and the caches share one
+implementation of every rule.
 
 The memory model (docs/design.md, "Memory math"):
 
@@ -40,8 +43,9 @@ share), the text cross-attention cache, weights and activations.
 
 The modules: `records` (the settings, the request, the stream layout, byte units), `geometry`
 (the built-in models and a folder's config), `layout` (the request's stream and each host's
-position bookkeeping), `plan` (bytes per setting, the plan, the budget search). Import the
-names from this package.
+position bookkeeping), `plan` (bytes per setting: the store's segments modelled as bytes
+under the tier policy's decisions; the plan, the budget search). Import the names from this
+package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Model geometry for the planner: the built-in models, or a local diffusers / sglang folder's config."""
+"""Model geometry for the planner: the built-in models, a causalkv preset, or a local diffusers /
+sglang folder, the last two read by the runtime's model reader
+(`causalkv.runtime.model_io.model_config`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.model_io.model_config import read_json
+from causalkv.plugin import Registry, collect, get_plugin_manager
+from causalkv.runtime.model_io.model_config import (
+    CAUSALKV_FILE,
+    ModelFolderError,
+    ModelInfo,
+    model_info_from_dicts,
+    preset_info,
+    preset_transformer_config,
+    read_json,
+)
 
 
 def _is_int(v: Any) -> bool:
@@ -127,30 +138,50 @@ _ALIASES = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Models: built in, or read from a local folder's config
+# Models: built in, or read through the runtime's model reader
 # ---------------------------------------------------------------------------------------------
-def _family_defaults(model_class: str | None) -> Mapping[str, Any]:
-    """The stream defaults of the stage registration serving ``model_class`` (``{}`` if none)."""
-    if not model_class:
-        return {}
-    from causalkv.plugin.builtin import STAGES  # the built-in families' defaults
+#: sglang's own stream fields of ``transformer/config.json`` -> the ``causalkv.json`` key each
+#: sets (under ``causalkv.json``; ``local_attn_size`` other than -1 is the window too)
+_SGLANG_FIELDS = {"num_frames_per_block": "frames_per_chunk", "sink_size": "sink_frames",
+                  "sliding_window_num_frames": "window_frames"}
 
-    for reg in STAGES:
-        if model_class in reg.models:
-            return reg.defaults
-    return {}
+
+def _registry() -> Registry:
+    return collect(get_plugin_manager())
+
+
+def _geometry(name: str, info: ModelInfo, patch: Any, registry: Registry, *,
+              local_window: bool = False) -> ModelGeometry:
+    """The planner's geometry of a model the runtime read (`causalkv.runtime.model_io.model_config`):
+    the stream as ``causalkv generate`` runs it (the family's defaults under the model's own
+    settings), ``shot_sinks`` when the registered stage serving it declares multi-shot
+    generation (a scene cut pins a shot sink), the whole video as the window when there is
+    no sink and no local window (global attention, Self-Forcing's)."""
+    cfg = info.config
+    sink = cfg.sink_frames
+    global_sink = sink if cfg.global_sink_frames is None else min(cfg.global_sink_frames, sink)
+    serving = registry.serving(cfg.model_class)
+    return ModelGeometry(
+        name, cfg.num_layers, cfg.num_heads, cfg.head_dim,
+        vae_scale_spatial=info.vae_scale_spatial, vae_scale_temporal=info.vae_scale_temporal,
+        patch=(int(patch[1]), int(patch[2])), frames_per_chunk=cfg.frames_per_chunk,
+        sink_frames=sink, global_sink_frames=global_sink,
+        window_frames=max(cfg.window_frames, cfg.cache_frames or 0), height=info.height,
+        width=info.width, fps=info.fps, default_frames=info.video_frames(info.default_frames),
+        shot_sinks=bool(serving) and serving[0].supports("multi_shot"),
+        window_is_video=sink == 0 and not local_window,
+    )
 
 
 def read_model_geometry(path: str | Path) -> ModelGeometry:
     """A local diffusers or sglang model folder's `ModelGeometry`, from its JSON only.
 
-    Reads ``transformer/config.json`` (``num_layers``, ``num_attention_heads``,
-    ``attention_head_dim``, ``patch_size``; an sglang folder's ``num_frames_per_block``,
-    ``sink_size``, ``local_attn_size`` / ``sliding_window_num_frames``), ``vae/config.json``
-    (``scale_factor_spatial`` / ``scale_factor_temporal``, else derived from ``dim_mult`` and
-    ``temperal_downsample`` as `causalkv.runtime.model_config` does), ``model_index.json``'s
-    ``_class_name`` (the family's defaults) and ``causalkv.json`` (the stream keys), in that
-    order of precedence from last to first.
+    Read as ``causalkv generate`` reads a model folder (`model_info_from_dicts`: the family's
+    defaults from the registered stage serving ``model_index.json``'s ``_class_name``, then
+    ``causalkv.json``), with sglang's own stream fields of ``transformer/config.json``
+    (``num_frames_per_block``, ``sink_size``, ``local_attn_size`` /
+    ``sliding_window_num_frames``) between the two. Needs ``model_index.json`` and
+    ``transformer/config.json``; ``vae/config.json`` and ``causalkv.json`` when present.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -158,108 +189,44 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
             f"model {str(path)!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor "
             "a folder; pass one of those names or a diffusers / sglang model folder"
         )
-    tcfg_path = folder / "transformer" / "config.json"
-    if not tcfg_path.is_file():
-        raise ConfigError(
-            f"model folder {str(folder)!r} has no transformer/config.json; pass a diffusers or "
-            "sglang model folder (model_index.json, transformer/, vae/)"
+    for needed in ("model_index.json", "transformer/config.json"):
+        if not (folder / needed).is_file():
+            raise ConfigError(
+                f"model folder {str(folder)!r} has no {needed}; pass a diffusers or sglang model "
+                "folder (model_index.json, transformer/, vae/)"
+            )
+    try:
+        tcfg = read_json(folder / "transformer" / "config.json")
+        vae_path, ck_path = folder / "vae" / "config.json", folder / CAUSALKV_FILE
+        native = {key: tcfg[field] for field, key in _SGLANG_FIELDS.items() if field in tcfg}
+        local = tcfg.get("local_attn_size")
+        local_window = isinstance(local, int) and not isinstance(local, bool) and local != -1
+        if local_window:
+            native["window_frames"] = local  # sglang: a local window is the cache size
+        user = read_json(ck_path) if ck_path.is_file() else None
+        registry = _registry()
+        info = model_info_from_dicts(
+            str(folder), read_json(folder / "model_index.json"), tcfg,
+            read_json(vae_path) if vae_path.is_file() else {},
+            {**native, **(user or {})} if user is not None or native else None,
+            path=folder, registry=registry,
         )
-    tcfg = read_json(tcfg_path)
-    vae_path = folder / "vae" / "config.json"
-    vae = read_json(vae_path) if vae_path.is_file() else {}
-    index_path = folder / "model_index.json"
-    index = read_json(index_path) if index_path.is_file() else {}
-    model_class = index.get("_class_name") if isinstance(index.get("_class_name"), str) else None
-    ck_path = folder / "causalkv.json"
-    user = read_json(ck_path) if ck_path.is_file() else {}
-    where = str(tcfg_path)
-    fix = "restore the file (re-download or re-convert the model)"
-
-    def field_int(cfg: Mapping[str, Any], key: str, at: str, minimum: int = 1) -> int:
-        if key not in cfg:
-            raise ConfigError(f"{at} lacks {key!r}; {fix}")
-        return check_int(f"{at}: {key}", cfg[key], minimum=minimum, hint=fix)
-
-    layers = field_int(tcfg, "num_layers", where)
-    heads = field_int(tcfg, "num_attention_heads", where)
-    head_dim = field_int(tcfg, "attention_head_dim", where)
-    patch = tcfg.get("patch_size", [1, 2, 2])
-    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(_is_int(p) and p > 0 for p in patch)):
-        raise ConfigError(f"{where}: patch_size must be 3 positive ints, got {patch!r}; {fix}")
-    vwhere = str(vae_path)
-    dim_mult = vae.get("dim_mult", [1, 2, 4, 4])
-    temporal = vae.get("temperal_downsample", [False, True, True])
-    if not isinstance(dim_mult, list) or not isinstance(temporal, list):
-        raise ConfigError(f"{vwhere}: dim_mult and temperal_downsample must be lists; {fix}")
-    spatial_scale = vae.get("scale_factor_spatial") or 2 ** (len(dim_mult) - 1)
-    temporal_scale = vae.get("scale_factor_temporal") or 2 ** sum(bool(t) for t in temporal)
-    check_int(f"{vwhere}: scale_factor_spatial", spatial_scale, minimum=1, hint=fix)
-    check_int(f"{vwhere}: scale_factor_temporal", temporal_scale, minimum=1, hint=fix)
-
-    s: dict[str, Any] = {"frames_per_chunk": 3, "sink_frames": 0, "global_sink_frames": None,
-                         "window_frames": 21, "height": 480, "width": 832, "fps": 16}
-    s.update({k: v for k, v in _family_defaults(model_class).items() if k in s})
-    native = {"num_frames_per_block": "frames_per_chunk", "sink_size": "sink_frames",
-              "sliding_window_num_frames": "window_frames"}
-    for key, target in native.items():
-        if key in tcfg:
-            s[target] = tcfg[key]
-    local = tcfg.get("local_attn_size")
-    if _is_int(local) and local != -1:
-        s["window_frames"] = local  # sglang: a local window is the cache size
-    for key in s:
-        if key in user:
-            s[key] = user[key]
-    if user.get("realtime_causal_sink_size") is not None:
-        s["sink_frames"] = user["realtime_causal_sink_size"]
-    if user.get("realtime_causal_kv_cache_num_frames") is not None:
-        s["window_frames"] = user["realtime_causal_kv_cache_num_frames"]
-    sink_frames, global_sink = s["sink_frames"], s["global_sink_frames"]
-    if global_sink is None:
-        global_sink = sink_frames
-    elif _is_int(global_sink) and _is_int(sink_frames):
-        global_sink = min(global_sink, sink_frames)  # as the stages read it
-    window = s["window_frames"]
-    return ModelGeometry(
-        str(folder), layers, heads, head_dim, vae_scale_spatial=spatial_scale,
-        vae_scale_temporal=temporal_scale, patch=(int(patch[1]), int(patch[2])),
-        frames_per_chunk=s["frames_per_chunk"], sink_frames=sink_frames,
-        global_sink_frames=global_sink, window_frames=window, height=s["height"],
-        width=s["width"], fps=s["fps"],
-        # a request that gives no length fills the window once (sglang's own tiny requests)
-        default_frames=1 + temporal_scale * (window - 1) if _is_int(window) and window > 0 else 1,
-        shot_sinks=model_class == "LongLive2Pipeline",
-        # global attention without a sink (Self-Forcing): the cache holds the whole video
-        window_is_video=(not _is_int(local) or local == -1) and sink_frames == 0,
-    )
+    except ModelFolderError as exc:
+        raise ConfigError(str(exc)) from None
+    return _geometry(str(folder), info, tcfg.get("patch_size", [1, 2, 2]), registry,
+                     local_window=local_window)
 
 
 def preset_geometry(name: str) -> ModelGeometry | None:
     """The `ModelGeometry` of a causalkv preset (``causalkv generate --model NAME``: the tiny
     models the plugins declare; no files needed), or None when no plugin declares ``name``."""
-    from causalkv.runtime.model_io.model_config import (
-        ModelFolderError,
-        preset_info,
-        preset_transformer_config,
-    )
-
+    registry = _registry()
     try:
-        info = preset_info(name)
+        info = preset_info(name, registry=registry)
     except ModelFolderError:
         return None
-    cfg = info.config
-    patch = preset_transformer_config(name).get("patch_size", [1, 2, 2])
-    sink = cfg.sink_frames
-    global_sink = sink if cfg.global_sink_frames is None else min(cfg.global_sink_frames, sink)
-    return ModelGeometry(
-        f"preset {name}", cfg.num_layers, cfg.num_heads, cfg.head_dim,
-        vae_scale_spatial=info.vae_scale_spatial, vae_scale_temporal=info.vae_scale_temporal,
-        patch=(int(patch[1]), int(patch[2])), frames_per_chunk=cfg.frames_per_chunk,
-        sink_frames=sink, global_sink_frames=global_sink,
-        window_frames=max(cfg.window_frames, cfg.cache_frames or 0), height=info.height,
-        width=info.width, fps=info.fps, default_frames=info.video_frames(info.default_frames),
-        shot_sinks=cfg.model_class == "LongLive2Pipeline", window_is_video=sink == 0,
-    )
+    patch = preset_transformer_config(name, registry=registry).get("patch_size", [1, 2, 2])
+    return _geometry(f"preset {name}", info, patch, registry)
 
 
 def resolve_model(model: str) -> ModelGeometry:

@@ -1,4 +1,11 @@
-"""Bytes per setting (`plan_setting`) and the whole plan with the budget search (`plan_memory`)."""
+"""Bytes per setting (`plan_setting`) and the whole plan with the budget search (`plan_memory`).
+
+`plan_setting` models one layer's segment store as bytes (`_Seg`): per chunk the host's held
+positions (`causalkv.runtime.memory.layout.positions`), the host's `PackingPolicy`, then the
+store's own tier policy (`causalkv.caches.qvg.tiering.TierPolicy`) deciding what is packed by
+which codec in which spans; the bytes of a packed span are the codec's ``nbytes`` formula, a
+shared codebook counted once. No tiering rule lives here.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +14,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from causalkv.caches import intervals as iv
-from causalkv.caches.codecs import make_codec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import (
-    CAUSALKV,
-    RECENT,
-    SGLANG,
-    SINK,
-    ChunkInfo,
-    PackingPolicy,
-    centroids_for,
+from causalkv.caches.qvg.policy import CAUSALKV, MIN_TOKENS_PER_CENTROID, SGLANG, PackingPolicy
+from causalkv.caches.qvg.tiering import (
+    BookState,
+    Kept,
+    TierPolicy,
+    chunk_infos,
+    codec_for,
+    keep_held,
 )
 from causalkv.errors import ConfigError, check_int
 from causalkv.runtime.memory.geometry import ModelGeometry
@@ -105,22 +111,13 @@ def _policy(host: str) -> PackingPolicy:
     return SGLANG if host == "sglang" else CAUSALKV
 
 
-def _packed_nbytes(b: int, h: int, s: int, d: int, q: QVGKVQuantArgs, host: str) -> int:
-    """K and V of a span of ``s`` tokens packed with ``q`` (the host's centroid rule)."""
-    if host == "causalkv":
-        k = centroids_for(s, q.centroids)
-        if k != q.centroids:
-            q = replace(q, centroids=k)
-    return 2 * make_codec(q.codec, q).nbytes((b, h, s, d))
-
-
 def _call_buffers(
-    cs: ChunkState, store: Mapping[int, _Held], n: int, host: str, attention: str
+    cs: ChunkState, segs: Sequence[_Seg], n: int, host: str, attention: str
 ) -> tuple[int, int, bool]:
     """``(denoising, context, after the move)``: tokens of the one-call buffer of chunk
-    ``cs.index``'s denoising and context passes (both read chunk i-1's layout, whose tiers
-    ``store`` holds, plus the chunk in the scratch), and whether the context pass fills it
-    after the layer moved the chunk to its tier.
+    ``cs.index``'s denoising and context passes (both read chunk i-1's layout, ``segs``,
+    plus the chunk in the scratch), and whether the context pass fills it after the layer
+    moved the chunk to its tier.
 
     A window that is the chunk alone is read as views (no buffer). The bridge gathers the
     window when the call is done (after the move). causalkv's own cache builds it when the
@@ -133,8 +130,7 @@ def _call_buffers(
         return 0, 0, True
     if host == "sglang":
         return cs.visible, cs.visible, True
-    packed = max((iv.count(iv.intersect((h.span,), cs.seen))
-                  for h in store.values() if h.tier != "bf16"), default=0)
+    packed = max((iv.count(iv.intersect(s.run, cs.seen)) for s in segs if s.packed), default=0)
     if packed:
         return (cs.visible,) * 2 + (True,) if attention == "gathered" else (packed, packed, True)
     if not iv.subtract(cs.seen, cs.held):  # built when made, on both passes
@@ -142,28 +138,68 @@ def _call_buffers(
     return cs.visible, cs.visible if attention == "gathered" else 0, True
 
 
-@dataclass
-class _Held:
-    """A chunk in one layer's store: its tier and, once packed, its bytes (kept whole)."""
+@dataclass(frozen=True, slots=True)
+class _Seg:
+    """A segment of one layer's store, as bytes (`causalkv.caches.qvg.tiering.TierSegment`):
+    positions ``[start, end)`` of chunks ``first_chunk..last_chunk``, dense (``codec`` bf16)
+    or packed (its stored bytes; ``book``: the shared codebook it references, whose
+    ``shared`` bytes the store counts once)."""
 
-    tier: str  # "bf16" or a codec setting ("int2", "fp8", ...)
-    nbytes: int = 0  # packed bytes (a packed chunk is kept whole until all of it rolled out)
-    span: tuple[int, int] = (0, 0)  # the positions it was packed from
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    codec: str = "bf16"
+    recent: bool = False
+    nbytes: int = 0
+    book: int = -1
+    shared: int = 0
+    packed: bool = False
+    rewritten: bool = False  # a planned stream never writes into a packed chunk
 
     @property
-    def tokens(self) -> int:
-        return self.span[1] - self.span[0]
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
+    @property
+    def run(self) -> iv.Intervals:
+        return ((self.start, self.end),)
+
+
+def _cut(seg: _Seg, a: int, b: int) -> _Seg:
+    return replace(seg, start=a, end=b)
+
+
+def _resident(segs: Sequence[_Seg], per_token: int) -> int:
+    """One layer's bytes held, a shared codebook counted once (`SegmentStore.resident_nbytes`)."""
+    total, books = 0, set()
+    for s in segs:
+        if not s.packed:
+            total += (s.end - s.start) * per_token
+            continue
+        total += s.nbytes
+        if s.book >= 0:
+            if s.book in books:
+                total -= s.shared
+            books.add(s.book)
+    return total
 
 
 def plan_setting(
     geom: ModelGeometry, lay: StreamLayout, setting: Setting, *, host: str = "sglang",
     dtype: str = "bfloat16", batch_size: int = 1, sink: bool = True,
     states: Sequence[ChunkState] | None = None, record: bool = True,
-    attention: str | None = None,
+    attention: str | None = None, quant: QVGKVQuantArgs | None = None,
 ) -> SettingPlan:
     """``setting``'s figures for the stream ``lay`` (see the module docstring); ``states``:
     `positions` of ``lay`` when already computed; ``record``: keep the per-chunk tiers;
-    ``attention``: how a call reads its window (`ATTENTION`; None: the host's way)."""
+    ``attention``: how a call reads its window (`ATTENTION`; None: the host's way);
+    ``quant``: settings to plan instead of the row's (spans, shared codebooks, a sink span).
+
+    Each chunk's context pass is the store's: its held positions trimmed as the host's
+    bookkeeping says, then the host's `PackingPolicy` and the store's own tier policy
+    (`causalkv.caches.qvg.tiering.TierPolicy`) decide what is packed, counted by the codec's
+    ``nbytes`` formula."""
     attention = attention_of(host, attention)
     B, H, D = batch_size, geom.num_heads, geom.head_dim
     item = DTYPE_BYTES[dtype]
@@ -173,80 +209,55 @@ def plan_setting(
     scratch = n * per_token
     sets_layers = geom.num_layers * lay.sets
     dense_bytes = sets_layers * lay.cache_tokens * 2 * B * H * D * item
-    q = setting.quant_args(sink=sink)
+    q = setting.quant_args(sink=sink) if quant is None else quant.validate()
     q.check_layout(D)
-    tier_codec = setting.recent_tier
-    q_tier = replace(q, codec=tier_codec) if q.enabled and tier_codec != "bf16" else q
     policy = _policy(host)
-    main = q.codec
-    store: dict[int, _Held] = {}
+    # the store's tier policy: causalkv's own host applies the centroid rule, the bridge not
+    tiering = TierPolicy(q, MIN_TOKENS_PER_CENTROID if host == "causalkv" else None, B, H, D, item)
+    segs: list[_Seg] = []
+    book: BookState | None = None
+    book_id, books, book_shared = -1, 0, 0
     resident: list[int] = []
     tiers: list[dict[int, str]] = []
-    infos_seen: dict[tuple[int, int, int, bool, bool], ChunkInfo] = {}
-    packed_of: dict[tuple[str, int], int] = {}  # (codec, tokens) -> packed bytes
-
-    def packed(codec: str, tokens: int) -> int:
-        key = (codec, tokens)
-        if key not in packed_of:
-            packed_of[key] = _packed_nbytes(B, H, tokens, D, q if codec == main else q_tier, host)
-        return packed_of[key]
 
     # per chunk, the tokens of the one-call buffer of its denoising passes and of its context
     # pass (both read chunk i-1's layout plus the chunk in the scratch), and whether the
     # context pass fills its buffer after the layer's move (True) or before it
     window: list[tuple[int, int, bool]] = []
     for cs in states:
-        window.append(_call_buffers(cs, store, n, host, attention))
-        # the chunks held (ascending), each with its held part: (chunk, start, end, tokens)
-        held: list[tuple[int, int, int, int]] = []
-        for a, b in cs.held:
-            for c in range(a // n, (b - 1) // n + 1):
-                lo, hi = max(a, c * n), min(b, (c + 1) * n)
-                if held and held[-1][0] == c:  # a chunk cut in two by a rolled-out range
-                    c0, lo0, _, t0 = held.pop()
-                    held.append((c, lo0, hi, t0 + hi - lo))
-                else:
-                    held.append((c, lo, hi, hi - lo))
-        live = {c for c, *_ in held}
-        for c in [c for c in store if c not in live]:
-            del store[c]  # every position rolled out: freed
-        store.setdefault(cs.index, _Held("bf16"))
+        window.append(_call_buffers(cs, segs, n, host, attention))
+        segs.append(_Seg(cs.index * n, (cs.index + 1) * n, cs.index, cs.index))
+        segs = keep_held(segs, cs.held, _cut)
+        if book is not None and all(s.book != book_id for s in segs):
+            book, book_id = None, -1  # every segment using it rolled out: a fresh one next
         if q.enabled:
-            infos = []
-            for c, lo, hi, _t in held:
-                if store[c].tier != "bf16":  # a packed chunk is its whole segment to the policy
-                    lo, hi = store[c].span
-                is_pinned = bool(cs.pinned) and bool(iv.intersect(((lo, hi),), cs.pinned))
-                key = (c, lo, hi, lo < cs.sink_end, is_pinned)
-                info = infos_seen.get(key)
-                if info is None:
-                    info = infos_seen[key] = ChunkInfo(c, lo, hi, sink=key[3], pinned=is_pinned)
-                infos.append(info)
-            decision = policy.decide(q, tuple(infos), cs.index + 1,
-                                     sink_open=cs.sink_end > (cs.index + 1) * n, chunk_tokens=n)
-            if decision.groups:
-                raise ConfigError("causalkv memory models sink_span='chunk' only")
-            for c, lo, hi, tokens in held:
-                h = store[c]
-                if h.tier == main:
-                    continue  # packed at the main bits: never again
-                reason = decision.dense.get(c)
-                if reason is None:  # cold: packed at the main bits (re-packed from the tier)
-                    span = (lo, hi) if h.tier == "bf16" else h.span
-                    nb = packed(main, span[1] - span[0])
-                    if nb < (span[1] - span[0]) * per_token:
-                        store[c] = _Held(main, nb, span)
-                elif tier_codec != "bf16" and h.tier == "bf16" and reason in (RECENT, SINK):
-                    nb = packed(tier_codec, tokens)
-                    if nb < tokens * per_token:
-                        store[c] = _Held(tier_codec, nb, (lo, hi))
-        total = 0
-        for c, _lo, _hi, tokens in held:
-            h = store[c]
-            total += tokens * per_token if h.tier == "bf16" else h.nbytes
-        resident.append(total)
+            ahead = cs.index + 1  # the chunk after this one: every chunk held is completed
+            decision = policy.decide(q, chunk_infos(segs, ahead, cs.sink_end, cs.pinned), ahead,
+                                     sink_open=cs.sink_end > ahead * n, chunk_tokens=n)
+            out: list[_Seg] = []
+            for step in tiering.decide(segs, decision, ahead, book).steps:
+                if isinstance(step, Kept):
+                    out.append(step.seg)
+                    continue
+                sq = step.quant
+                seg = _Seg(step.pieces[0].start, step.pieces[-1].end, step.pieces[0].first_chunk,
+                           step.pieces[-1].last_chunk, sq.codec, step.recent, packed=True)
+                if step.joins_book and book is not None:  # assigned to the book's centroids
+                    sq = replace(sq, centroids=book.centroids)
+                    seg = replace(seg, book=book_id, shared=book_shared)
+                elif not step.tier and step.book_after is not None:  # a new codebook
+                    books += 1
+                    book_id = books
+                    book_shared = 2 * codec_for(sq).shared_nbytes((B, H, step.tokens, D))
+                    seg = replace(seg, book=book_id, shared=book_shared)
+                out.append(replace(seg, nbytes=tiering.packed_nbytes(sq, step.tokens)))
+                if not step.tier:
+                    book = step.book_after
+                    book_id = book_id if book is not None else -1
+            segs = out
+        resident.append(_resident(segs, per_token))
         if record:
-            tiers.append({c: store[c].tier for c, *_ in held})
+            tiers.append({c: s.codec for s in segs for c in s.chunks})
     kv = sets_layers * max(resident, default=0) + scratch
     transient = max((max(deno, ctx) for deno, ctx, _ in window), default=0) * per_token
     # while chunk i is generated every layer holds chunk i-1's context (its denoising passes),

@@ -1,0 +1,149 @@
+"""The segment store's packing: `StorePacking` executes the tier policy's decision on tensors.
+
+`causalkv.caches.qvg.tiering.TierPolicy` decides, without tensors, which cold segments are
+packed by which codec in which spans and which stay dense and why; this part of
+`causalkv.caches.qvg.store.SegmentStore` carries that decision out on a `StorePlan`: one
+encode per packed span (from the segments' K/V as they are after the plan's write), the
+shared codebook threaded through, a recency-tier segment re-packed at the cache's codec
+decoded first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg.policy import ChunkInfo, PackingDecision
+from causalkv.caches.qvg.segments import (
+    Codebook,
+    DenseKV,
+    KVWrite,
+    PackedKV,
+    Segment,
+    StorePlan,
+    dense_storage,
+)
+from causalkv.caches.qvg.tiering import (
+    BookState,
+    Kept,
+    Packed,
+    TierPolicy,
+    chunk_infos,
+    codec_for,
+    keep_held,
+)
+
+__all__ = ["StorePacking"]
+
+
+class StorePacking:
+    """`SegmentStore`'s packing (see the module docstring); a base class of the store only."""
+
+    if TYPE_CHECKING:  # set by SegmentStore.__init__
+        tiering: TierPolicy
+        device: torch.device
+        dtype: torch.dtype
+        seed: int
+        head_offset: int
+        offload: bool
+
+        @staticmethod
+        def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None: ...
+
+    def _chunk_infos(
+        self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
+    ) -> tuple[ChunkInfo, ...]:
+        return chunk_infos(segs, current, sink_end, pinned)
+
+    def _keep_held(
+        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
+    ) -> tuple[list[Segment], Codebook | None]:
+        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
+        and ``book`` if it is still in use."""
+        kept = keep_held(segs, held, Segment.dense_slice)
+        if book is not None and not any(book.used_by(seg) for seg in kept):
+            book = None  # every segment using it rolled out: start a fresh one
+        return kept, book
+
+    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> None:
+        """Pack the cold segments of ``plan.segments`` as the tier policy decides under
+        ``decision`` (in place on the plan; ``current``: the chunk being generated, or the one
+        after a committed chunk)."""
+        book = None if plan.codebook is None else BookState(
+            plan.codebook.chunks, int(plan.codebook.k[0].shape[2]))
+        dense: dict[int, Segment] = {}  # id of a recency-tier segment -> it decoded
+
+        def as_dense(seg: Segment) -> Segment:
+            if not seg.packed:
+                return seg
+            if id(seg) not in dense:
+                assert isinstance(seg.storage, PackedKV)
+                dense[id(seg)] = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
+            return dense[id(seg)]
+
+        tiering = self.tiering.decide(
+            plan.segments, decision, current, book,
+            finite=lambda pieces: self._finite([as_dense(p) for p in pieces], plan.write),
+        )
+        plan.segments = []
+        for step in tiering.steps:
+            if isinstance(step, Kept):
+                plan.segments.append(step.seg)
+                plan.reasons.update(tiering.reasons(step))
+                continue
+            packed = self._encode(step, [as_dense(p) for p in step.pieces], plan)
+            plan.segments.append(packed)
+            plan.packs.append(packed)
+
+    def _encode(self, step: Packed[Segment], pieces: list[Segment], plan: StorePlan) -> Segment:
+        """One packed segment of ``pieces`` (dense, adjacent; as they are after the plan's write)
+        as ``step`` says; ``plan.codebook`` follows it."""
+        stores = [self._with_write(p, plan.write) for p in pieces]
+        k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
+        v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
+        c = codec_for(step.quant)
+        book = plan.codebook if step.joins_book else None
+        pk = c.encode(k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
+                      codebooks=list(book.k) if book else None)
+        pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
+                      codebooks=list(book.v) if book else None)
+        if not step.tier:
+            plan.codebook = Codebook(
+                pk.shared_tensors(), pv.shared_tensors(),
+                (book.chunks if book else 0) + step.num_chunks,
+            ) if step.book_after is not None else None
+        storage = PackedKV(pk, pv, c, recent=step.recent)
+        if self.offload:
+            storage = storage.offloaded()
+        seg = Segment(
+            start=pieces[0].start, end=pieces[-1].end,
+            first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
+            storage=storage,
+        )
+        return seg
+
+    def _finite(self, pieces: Sequence[Segment], write: KVWrite) -> bool:
+        """False when ``pieces`` (dense, as after ``write``) hold NaN or inf, checked where the
+        codec would refuse them (the CPU, where the check costs no device sync); the chunk
+        then stays dense, as the dense cache keeps it. On other devices the codec stores a
+        non-finite head poisoned (it decodes to non-finite values) without a host sync."""
+        if self.device.type != "cpu":
+            return True
+        for p in pieces:
+            st = self._with_write(p, write)
+            if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
+                return False
+        return True
+
+    def _with_write(self, seg: Segment, w: KVWrite) -> DenseKV:
+        """``seg``'s dense K/V as they will be after ``w`` (a patched copy only if it overlaps)."""
+        store = dense_storage(seg)
+        if w.key is None or seg.end <= w.start or seg.start >= w.end:
+            return store
+        patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
+        self._copy_write([patched], w)
+        return dense_storage(patched)

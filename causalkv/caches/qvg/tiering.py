@@ -1,0 +1,357 @@
+"""The tier policy: which cold chunks of a segment store are packed, by which codec, in which spans.
+
+One decision, two executors. `TierPolicy.decide` walks a store's segments (ascending
+position) once per advance and, from the `PackingPolicy`'s `PackingDecision` (which chunks
+stay dense, which sink chunks pack as one span), the settings and the codec's ``nbytes``
+formula, says for every segment what becomes of it (`Tiering`, one step per segment after):
+
+- `Kept`: the segment stays as it is (dense, packed at the cache's codec, or packed at the
+  recency tier) with the reason of each of its chunks
+  (`causalkv.caches.qvg.policy.DENSE_REASONS`). A segment packed at the recency tier that the
+  policy no longer keeps is re-packed at the cache's codec with its span, and only then
+  decoded: while its span waits, or when the cache's codec would not store fewer bytes, it
+  stays at its tier (decoding it to bf16 would only hold more bytes of the same values).
+- `Packed`: adjacent segments packed as one span with the given settings, at the cache's
+  codec (``span_chunks`` chunks at a time, or a policy group whole; sharing a codebook over
+  ``codebook_chunks`` chunks when the codec shares them), or at the recency tier
+  (``recent_tier``: a chunk the policy keeps for recency, or as a bf16 sink, packed with the
+  tier's codec, its own codebook). A span is packed only when its packed bytes (the codec's
+  ``nbytes``, decided before any encode) are smaller than its dense bytes; a segment packed at
+  the cache's codec is never packed again, nor is one decoded for a write into part of it
+  (``REWRITTEN``: its rows carry the codec's error already).
+
+The segment store (`causalkv.caches.qvg.store_pack.StorePacking`) executes the steps on its
+tensors (one encode per `Packed`); the memory planner (`causalkv.runtime.memory.plan`) counts
+their bytes without tensors. The only input the decision cannot know without tensors is
+whether a span's K/V are finite: the store passes ``finite`` (a span that is not stays dense,
+``NON_FINITE``), the planner passes nothing (every span is).
+
+No torch here: the planner imports it without loading a model's worth of anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
+
+from causalkv.caches import intervals as iv
+from causalkv.caches.codecs import make_codec
+from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.qvg.policy import (
+    NON_FINITE,
+    NOT_SMALLER,
+    POLICY,
+    RECENT,
+    REWRITTEN,
+    SINK,
+    WAITING,
+    ChunkInfo,
+    PackingDecision,
+    centroids_for,
+)
+
+if TYPE_CHECKING:
+    from causalkv.caches.codecs.base import KVCodec
+
+__all__ = [
+    "BookState",
+    "Kept",
+    "Packed",
+    "TierPolicy",
+    "TierSegment",
+    "Tiering",
+    "chunk_infos",
+    "codec_for",
+    "keep_held",
+]
+
+
+class TierSegment(Protocol):
+    """What the policy reads of a segment (the store's `Segment`, the planner's model of one)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def first_chunk(self) -> int: ...
+    @property
+    def last_chunk(self) -> int: ...
+    @property
+    def packed(self) -> bool: ...
+    @property
+    def recent(self) -> bool:
+        """Packed at the recency tier (re-packed at the cache's codec once no longer kept)."""
+        ...
+    @property
+    def rewritten(self) -> bool:
+        """Decoded from packed for a write into part of it: its rows carry a codec error
+        already, so it stays dense (``REWRITTEN``) and is never packed twice."""
+        ...
+    @property
+    def chunks(self) -> range: ...
+    @property
+    def run(self) -> Intervals: ...
+
+
+S = TypeVar("S", bound=TierSegment)
+
+
+@dataclass(frozen=True)
+class BookState:
+    """The codebook the next span at the cache's codec may join: chunks packed with it so far
+    and its centroids (per batch, head and stage)."""
+
+    chunks: int
+    centroids: int
+
+
+class Kept(NamedTuple, Generic[S]):
+    """``seg`` stays as it is; ``reason``: why its chunks are not packed now (None: each
+    chunk's reason is the `PackingDecision`'s, `Tiering.reasons`; recorded for a packed one
+    too)."""
+
+    seg: S
+    reason: str | None = None
+
+
+class Packed(NamedTuple, Generic[S]):
+    """``pieces`` (adjacent; a recency-tier one among them is decoded first) packed as one
+    segment with ``quant`` (its ``codec`` and centroids).
+
+    Attributes:
+        tier: the recency tier's pack of one kept chunk (its own codebook; the current one
+            is left as it is).
+        recent: stored as recency-tier (re-packed at the cache's codec once no longer kept):
+            a tier pack whose codec is not the cache's.
+        joins_book: encoded with the current codebook (`BookState`) instead of its own.
+        book_after: the codebook after it (None when the codec shares none); unchanged by a
+            recency-tier pack.
+    """
+
+    pieces: tuple[S, ...]
+    quant: QVGKVQuantArgs
+    tier: bool = False
+    recent: bool = False
+    joins_book: bool = False
+    book_after: BookState | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.pieces[-1].end - self.pieces[0].start
+
+    @property
+    def num_chunks(self) -> int:
+        return self.pieces[-1].last_chunk - self.pieces[0].first_chunk + 1
+
+
+@dataclass(frozen=True)
+class Tiering(Generic[S]):
+    """`TierPolicy.decide`'s answer: one step per resulting segment, in position order, the
+    codebook after them, and the policy's decision they follow."""
+
+    steps: tuple[Kept[S] | Packed[S], ...]
+    book: BookState | None
+    decision: PackingDecision
+
+    def reasons(self, step: Kept[S]) -> dict[int, str]:
+        """Why each chunk of a kept segment is dense (`causalkv.caches.qvg.policy.DENSE_REASONS`)."""
+        if step.reason is not None:
+            return dict.fromkeys(step.seg.chunks, step.reason)
+        dense = self.decision.dense
+        return {c: dense.get(c, POLICY) for c in step.seg.chunks}
+
+
+@functools.lru_cache(maxsize=64)
+def codec_for(q: QVGKVQuantArgs) -> KVCodec:
+    """The codec of settings ``q`` (``q.codec`` configured by ``q``; settings are frozen)."""
+    return make_codec(q.codec, q)
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """The one tier policy of a store (see the module docstring).
+
+    Attributes:
+        quant: the cache's QVG settings (``codec``, ``recent_tier``, ``span_chunks``,
+            ``codebook_chunks``, centroids).
+        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
+            ``quant.centroids`` as given (sglang's bridge).
+        batch_size, num_heads, head_dim: the K/V's ``[B, ., H, D]``.
+        item_bytes: bytes of one dense element (the store's dtype).
+    """
+
+    quant: QVGKVQuantArgs
+    min_tokens_per_centroid: int | None
+    batch_size: int
+    num_heads: int
+    head_dim: int
+    item_bytes: int
+
+    def span_quant(self, tokens: int) -> QVGKVQuantArgs:
+        """The settings a span of ``tokens`` is packed with (the centroid rule applied, if set)."""
+        if self.min_tokens_per_centroid is None:
+            return self.quant
+        k = centroids_for(tokens, self.quant.centroids, self.min_tokens_per_centroid)
+        return self.quant if k == self.quant.centroids else replace(self.quant, centroids=k)
+
+    def tier_quant(self, tokens: int) -> QVGKVQuantArgs:
+        """The settings a recency-tier chunk of ``tokens`` is packed with (the tier's codec)."""
+        q = self.span_quant(tokens)
+        tier = self.quant.recent_tier
+        return q if q.codec == tier else replace(q, codec=tier)
+
+    def packed_nbytes(self, q: QVGKVQuantArgs, tokens: int) -> int:
+        """K and V of a span of ``tokens`` packed with ``q`` (the codec's formula, each codebook
+        counted)."""
+        return 2 * codec_for(q).nbytes((self.batch_size, self.num_heads, tokens, self.head_dim))
+
+    def dense_nbytes(self, tokens: int) -> int:
+        """K and V of ``tokens`` positions held dense."""
+        return 2 * self.batch_size * tokens * self.num_heads * self.head_dim * self.item_bytes
+
+    def pays(self, tokens: int, chunks: int, book: BookState | None,
+             q: QVGKVQuantArgs | None = None) -> bool:
+        """True when packing a span of ``tokens`` (``chunks`` chunks) stores fewer bytes than
+        keeping it dense. Counted without sharing: a span that would join ``book`` is charged
+        its centroids too. ``q``: the settings (default: the span's at the cache's codec)."""
+        q = self.span_quant(tokens) if q is None else q
+        if book is not None and book.chunks + chunks <= q.codebook_chunks:
+            q = replace(q, centroids=book.centroids)  # it would assign to ``book``
+        shape = (self.batch_size, self.num_heads, tokens, self.head_dim)
+        return codec_for(q).nbytes(shape) < self.dense_nbytes(tokens) // 2
+
+    def decide(
+        self,
+        segs: Sequence[S],
+        decision: PackingDecision,
+        current: int,
+        book: BookState | None,
+        finite: Callable[[Sequence[S]], bool] | None = None,
+    ) -> Tiering[S]:
+        """What becomes of ``segs`` under ``decision`` (``current``: the chunk being generated,
+        or the one after a committed chunk; ``book``: the codebook a span may join;
+        ``finite``: whether a span's K/V are finite, None when every span is)."""
+        keep = set(decision.dense) | {current}
+        tiered = self.quant.recent_tier != "bf16"
+        steps: list[Kept[S] | Packed[S]] = []
+        pending: list[S] = []  # adjacent packable segments of one group
+        pending_group: frozenset[int] | None = None
+
+        def flush_dense(reason: str) -> None:
+            steps.extend(Kept(p, reason) for p in pending)
+            pending.clear()
+
+        for seg in segs:
+            if seg.packed and not seg.recent:  # packed at the cache's codec: never again
+                if pending:
+                    flush_dense(WAITING)
+                steps.append(Kept(seg))
+                continue
+            chunks = set(seg.chunks)
+            if seg.rewritten and current not in chunks:  # a codec error already: dense
+                flush_dense(WAITING)
+                steps.append(Kept(seg, REWRITTEN))
+                continue
+            tokens = seg.end - seg.start
+            why = {decision.dense.get(c, POLICY) for c in chunks}
+            if (tiered and chunks & keep and current not in chunks and not seg.packed
+                    and why <= {RECENT, SINK}
+                    and self.pays(tokens, len(chunks), None, self.tier_quant(tokens))):
+                flush_dense(WAITING)
+                if finite is not None and not finite([seg]):
+                    steps.append(Kept(seg, NON_FINITE))
+                    continue
+                steps.append(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
+                                    recent=self.quant.codec != self.quant.recent_tier))
+                continue
+            if seg.packed and not chunks & keep and seg.recent:
+                pass  # left recency: re-packed at the cache's codec with its span
+            elif seg.packed or chunks & keep:
+                flush_dense(WAITING)
+                steps.append(Kept(seg))
+                continue
+            group = next((g for g in decision.groups if chunks & g), None)
+            if pending and (group != pending_group or pending[-1].end != seg.start):
+                flush_dense(WAITING)
+            pending.append(seg)
+            pending_group = group
+            have = set().union(*(p.chunks for p in pending))
+            if (group is not None and have >= group) or (
+                group is None and len(have) >= self.quant.span_chunks
+            ):
+                span_tokens = pending[-1].end - pending[0].start
+                span_chunks = pending[-1].last_chunk - pending[0].first_chunk + 1
+                if not self.pays(span_tokens, span_chunks, book):
+                    flush_dense(NOT_SMALLER)
+                    continue
+                if finite is not None and not finite(pending):
+                    flush_dense(NON_FINITE)
+                    continue
+                step = self._span(tuple(pending), span_tokens, span_chunks, book)
+                book = step.book_after
+                steps.append(step)
+                pending.clear()
+        flush_dense(WAITING)
+        return Tiering(tuple(steps), book, decision)
+
+    def _span(self, pieces: tuple[S, ...], tokens: int, chunks: int,
+              book: BookState | None) -> Packed[S]:
+        """The pack of ``pieces`` at the cache's codec, and its codebook."""
+        q = self.span_quant(tokens)
+        if book is not None and book.chunks + chunks > self.quant.codebook_chunks:
+            book = None
+        if not codec_for(q).shares_codebooks:
+            return Packed(pieces, q)
+        if book is None:  # a new codebook: k-means caps its centroids at the span's tokens
+            return Packed(pieces, q, book_after=BookState(chunks, min(q.centroids, tokens)))
+        return Packed(pieces, q, joins_book=True,
+                      book_after=BookState(book.chunks + chunks, book.centroids))
+
+
+@functools.lru_cache(maxsize=8192)
+def _info(index: int, start: int, end: int, sink: bool, pinned: bool) -> ChunkInfo:
+    return ChunkInfo(index, start, end, sink, pinned)  # one object per distinct chunk view
+
+
+def chunk_infos(
+    segs: Sequence[TierSegment], current: int, sink_end: int, pinned: Intervals
+) -> tuple[ChunkInfo, ...]:
+    """The completed chunks ``segs`` hold (``current`` excluded), by index, as a `PackingPolicy`
+    reads them: what is held of each (a packed span: all of it), and whether that holds sink
+    (below ``sink_end``) or ``pinned`` positions."""
+    acc: dict[int, tuple[int, int, bool, bool]] = {}
+    for seg in segs:
+        a, b = seg.start, seg.end
+        sink = a < sink_end
+        pin = bool(pinned) and any(p0 < b and a < p1 for p0, p1 in pinned)
+        for c in range(seg.first_chunk, seg.last_chunk + 1):
+            if c == current:
+                continue
+            if c in acc:  # a chunk held in several segments
+                a0, b0, sink0, pin0 = acc[c]
+                acc[c] = (min(a0, a), max(b0, b), sink0 or sink, pin0 or pin)
+            else:
+                acc[c] = (a, b, sink, pin)
+    return tuple(_info(c, *acc[c]) for c in sorted(acc))
+
+
+def keep_held(segs: Sequence[S], held: Intervals, cut: Callable[[S, int, int], S]) -> list[S]:
+    """``segs`` (ascending, disjoint) trimmed to ``held``: a dense segment to the runs of it
+    still held (``cut(seg, a, b)`` makes the part ``[a, b)``), a packed one kept whole while
+    any of it is."""
+    kept: list[S] = []
+    j, m = 0, len(held)
+    for seg in segs:
+        while j < m and held[j][1] <= seg.start:
+            j += 1
+        if j == m or held[j][0] >= seg.end:
+            continue  # none of it held
+        if seg.packed or (held[j][0] <= seg.start and seg.end <= held[j][1]):
+            kept.append(seg)
+        else:
+            kept.extend(cut(seg, a, b) for a, b in iv.intersect(seg.run, held))
+    return kept
