@@ -84,6 +84,9 @@ B, D = 1, 64
 #: examples per machine in `make test` (``CAUSALKV_MACHINE_EXAMPLES`` for a longer run)
 EXAMPLES = int(os.environ.get("CAUSALKV_MACHINE_EXAMPLES", "500"))
 STEPS = 12
+#: `make test` draws the same examples every run (a red CI is reproducible);
+#: ``CAUSALKV_MACHINE_RANDOM=1`` draws new ones (``--hypothesis-seed=N`` then picks them)
+DERANDOMIZE = os.environ.get("CAUSALKV_MACHINE_RANDOM", "") != "1"
 
 
 def codec_bound(bits: int | None, expected: torch.Tensor) -> torch.Tensor:
@@ -250,7 +253,8 @@ class Protocol:
     ``plain_last``: the current chunk's last write was not inside a context pass (with 2+
     layers another layer has overwritten its K/V in the scratch since). ``committed``: a
     context pass wrote the current chunk; ``held``: the positions it kept; ``announced``: its
-    ``pin`` flag; ``late_pin``: a pin made after it that it did not announce.
+    ``pin`` flag; ``late_pin``: a pin made after it that it did not announce, or a change of
+    the announced one.
 
     The refusals a declared shared scratch allows (`may_refuse`; never without a scratch or
     before the caller declared it, and only as ``CacheProtocolError``):
@@ -261,7 +265,7 @@ class Protocol:
     - a read (or a rewrite's view) after such a chunk, or after a context pass when it needs
       positions the pass dropped (``held``: causalkv's environment computes them; sglang's
       cannot, so there any read after a context pass may refuse);
-    - a pin after a context pass that did not announce it, of positions the pass dropped.
+    - a pin after a context pass, other than the one it announced, of positions it dropped.
     """
 
     shared_scratch: bool
@@ -297,7 +301,8 @@ class Protocol:
         if kind in ("rewrite", "read"):
             return overwritten or dropped or (self.committed and self.late_pin)
         if kind == "pin":
-            return self.committed and not self.announced and bool(needed) and dropped
+            return (self.committed and bool(needed) and dropped
+                    and not (self.announced and n == self.cur_n))
         return False
 
 
@@ -551,8 +556,13 @@ def make_machine(
             # the positions the pin keeps (causalkv's contract; sglang's slots differ, but its
             # environment cannot say what a context pass kept, so any late pin may refuse)
             needed = list(range(end - n, end - n + size)) if n > 0 and size > 0 else []
-            late = self.proto.committed and not self.proto.announced and bool(needed)
-            ok = [self._run("pin", i, lambda c: c.pin_current_chunk(n), check=False, needed=needed)
+            # after a context pass, a pin it did not announce, or a change of the one it did
+            # (another size, or unpinned): what the pass kept was for the announced pin
+            late = self.proto.committed and (
+                (self.proto.announced and n != self.proto.cur_n)
+                or (not self.proto.announced and bool(needed)))
+            ok = [self._run("pin", i, lambda c: c.pin_current_chunk(n), check=False, n=n,
+                            needed=needed)
                   for i in range(self.cfg.layers)]
             if late and any(ok):  # the stream after it may need positions the pass dropped
                 self.proto.late_pin = True

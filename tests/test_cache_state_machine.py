@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from cache_machine import (
+    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -178,7 +179,7 @@ STATS = Stats()
 Machine = make_machine(CausalkvEnv(), STATS)
 TestCacheStateMachine = Machine.TestCase
 TestCacheStateMachine.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=DERANDOMIZE,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 

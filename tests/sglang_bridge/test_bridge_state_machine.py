@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from cache_machine import (
+    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -175,7 +176,7 @@ STATS = Stats()
 Machine = make_machine(SGLangEnv(), STATS)
 TestBridgeStateMachine = Machine.TestCase
 TestBridgeStateMachine.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=DERANDOMIZE,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
