@@ -29,6 +29,10 @@ def test_setting_reads_causalkvs_reference_keys():
     assert (q.bits, q.keep_recent_chunks, q.centroids) == (2, 0, 64)
     assert read_settings({CONFIG_KEY: {"kv_cache_quant": "int4"}}).bits == 4
     assert read_settings({CONFIG_KEY: {"kv_cache_quant": "off"}}).enabled is False
+    # every registered codec, the recency tier too (the codec seam: no host lists them)
+    q = read_settings({CONFIG_KEY: {"kv_cache_quant": "nvfp4",
+                                    "kv_cache_quant_recent_tier": "fp8"}})
+    assert (q.codec, q.recent_tier) == ("nvfp4", "fp8")
 
 
 @pytest.mark.parametrize(("value", "message"), [
@@ -38,7 +42,7 @@ def test_setting_reads_causalkvs_reference_keys():
     ({"kv_cache_quant": "int2", "kv_cache_quant_centroids": 300}, "<= 256"),
     ({"kv_cache_quant": "off", "kv_cache_quant_keep_recent": 2}, "which is off"),
     ({"kv_cache_quant": "int2", "bits": 2}, "unknown key\\(s\\) \\['bits'\\]"),
-    ({"kv_cache_quant_keep_recent": 2}, "must set kv_cache_quant"),
+    ({"kv_cache_quant_keep_recent": 2}, "must set kv_cache_quant \\(one of \\['off', 'int4'"),
 ])
 def test_bad_settings_are_refused_naming_the_key(value, message):
     with pytest.raises(ConfigError, match=message) as info:

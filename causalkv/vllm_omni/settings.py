@@ -7,7 +7,7 @@ reads one nested key, `CONFIG_KEY`, holding the QVG settings under causalkv's re
 
     model_config:
       causalkv_kv_cache:
-        kv_cache_quant: int2            # off | int4 | int2
+        kv_cache_quant: int2            # off | int4 | int2 | fp8 | nvfp4 | a plugin's codec
         kv_cache_quant_keep_recent: 1   # and the other kv_cache_quant_* knobs
 
 Absent key: vLLM-Omni's own cache, nothing changed. Present: causalkv's
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.errors import ConfigError
 
 __all__ = ["CONFIG_KEY", "KNOWN_KEYS", "read_settings"]
@@ -62,7 +62,8 @@ def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | No
         )
     if "kv_cache_quant" not in raw:
         raise ConfigError(
-            f"model_config.{CONFIG_KEY} must set kv_cache_quant (off, int4 or int2), got {dict(raw)!r}"
+            f"model_config.{CONFIG_KEY} must set kv_cache_quant (one of {list(quant_choices())}), "
+            f"got {dict(raw)!r}"
         )
     try:
         args = QVGKVQuantArgs.from_dict(raw)
