@@ -227,8 +227,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         for a missing ``cache_head_start`` or a negative ``recent_window_tokens``;
         RuntimeError as sglang for a write range outside the buffer; CacheWriteError for a
         write sglang would serve by overwriting slots of other positions (it corrupts them),
-        or a head range other than the one written since the last reset; what the codec
-        raises for a chunk it cannot pack (NaN/inf K/V on the CPU).
+        or a head range other than the one written since the last reset; CacheProtocolError
+        (a UsageError) once the stage's scratch is shared, for a call its protocol does not
+        allow (a context pass of a chunk other than the newest, a chunk another block has
+        overwritten in the scratch, positions the last context pass dropped).
 
         The view's ``k``/``v`` ``[B, visible, h, D]`` are one buffer the visible slots are
         read into (packed chunks decoded into it), or views of one dense chunk when the view
