@@ -50,7 +50,7 @@ from causalkv.caches.qvg.segments import (
 )
 from causalkv.caches.qvg.store_pack import StorePacking
 from causalkv.caches.qvg.store_reads import StoreReads
-from causalkv.caches.qvg.tiering import TierPolicy
+from causalkv.caches.qvg.tiering import tier_policy
 from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import ConfigError
 
@@ -117,14 +117,14 @@ class SegmentStore(StoreReads, StorePacking):
                 f"QVG block_size={quant.block_size} does not divide head_dim={head_dim}; "
                 f"choose --kv-cache-quant-block-size among the divisors of {head_dim}"
             )
-        problem = quant.layout_problem(head_dim)
-        if problem is not None:
-            raise ConfigError(problem)
-        if quant.enabled and not dtype.is_floating_point:
-            raise ConfigError(f"QVG packs floating-point K/V, the cache dtype is {dtype}")
         m = min_tokens_per_centroid
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
+        # checked once per settings and geometry: every layer's store shares the policy
+        tiering = tier_policy(quant, m, batch_size, num_heads, head_dim,
+                              torch.empty((), dtype=dtype).element_size())
+        if quant.enabled and not dtype.is_floating_point:
+            raise ConfigError(f"QVG packs floating-point K/V, the cache dtype is {dtype}")
         if not isinstance(policy, PackingPolicy):
             raise ConfigError(f"SegmentStore policy must be a PackingPolicy, got {policy!r}")
         self.batch_size, self.num_heads, self.head_dim = batch_size, num_heads, head_dim
@@ -137,8 +137,7 @@ class SegmentStore(StoreReads, StorePacking):
         self.offload = offload
         self.min_tokens_per_centroid = m
         #: what is packed by which codec, in which spans (`causalkv.caches.qvg.tiering`)
-        self.tiering = TierPolicy(quant, m, batch_size, num_heads, head_dim,
-                                  torch.empty((), dtype=dtype).element_size())
+        self.tiering = tiering
         if scratch is not None and not isinstance(scratch, ChunkScratch):
             raise ConfigError(f"SegmentStore scratch must be a ChunkScratch or None, got {scratch!r}")
         self.scratch = scratch

@@ -52,6 +52,7 @@ from causalkv.caches.qvg.policy import (
     PackingDecision,
     centroids_for,
 )
+from causalkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.base import KVCodec
@@ -66,6 +67,7 @@ __all__ = [
     "chunk_infos",
     "codec_for",
     "keep_held",
+    "tier_policy",
 ]
 
 
@@ -169,6 +171,24 @@ class Tiering(Generic[S]):
 def codec_for(q: QVGKVQuantArgs) -> KVCodec:
     """The codec of settings ``q`` (``q.codec`` configured by ``q``; settings are frozen)."""
     return make_codec(q.codec, q)
+
+
+@functools.lru_cache(maxsize=64)
+def tier_policy(
+    quant: QVGKVQuantArgs, min_tokens_per_centroid: int | None, batch_size: int,
+    num_heads: int, head_dim: int, item_bytes: int,
+) -> TierPolicy:
+    """The `TierPolicy` of these settings and geometry, checked once and shared by every layer's
+    store (settings are frozen and the policy holds no state).
+
+    Raises:
+        ConfigError: the codec (or the recency tier's) cannot pack K/V of ``head_dim``
+            channels (`QVGKVQuantArgs.layout_problem`).
+    """
+    problem = quant.layout_problem(head_dim)
+    if problem is not None:
+        raise ConfigError(problem)
+    return TierPolicy(quant, min_tokens_per_centroid, batch_size, num_heads, head_dim, item_bytes)
 
 
 @dataclass(frozen=True)
