@@ -73,7 +73,7 @@ _PACKED = "packed"
 # The store
 # ---------------------------------------------------------------------------------------------
 class SegmentStore(StoreReads, StorePacking):
-    """K/V of one layer by global position, cold chunks PRQ-packed (see the module docstring).
+    """K/V of one layer by global position, cold chunks packed by a codec (see the module docstring).
 
     Args:
         batch_size, num_heads, head_dim, dtype, device: the K/V it stores, ``[B, ., H, D]``.
