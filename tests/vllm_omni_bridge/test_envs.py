@@ -1,0 +1,9 @@
+"""The vLLM-Omni environment (.venv-vllm-omni): a second clone beside this one gets its own
+causalkv and its own vLLM-Omni entry point over the same cached layer, and deleting it breaks
+nothing here (tests/env_isolation.py)."""
+
+from env_isolation import check_two_clones
+
+
+def test_two_clones_each_import_their_own_causalkv_in_the_vllm_omni_environment(tmp_path):
+    check_two_clones("vllm-omni", tmp_path)
