@@ -1,78 +1,42 @@
 # Entry points: `make run` (the product on an embedded preset), `make run-sglang` (the product
 # inside `sglang generate`) and `make test`.
 PY ?= python3
+# Three environments, each made by tools/env.py: third-party packages in layers cached outside
+# the checkout (keyed by their pins, built once per machine, torch installed once under all
+# three), causalkv from THIS checkout in a small venv of the checkout's own (.venv,
+# .venv-sglang, .venv-vllm-omni), so two clones share packages but never each other's code.
+ENVTOOL := $(PY) tools/env.py
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
-BENCH_STAMP := $(VENV)/.installed-bench
-# Second environment: the released sglang (CPU-only import set) next to causalkv, for tests/sglang_bridge.
+# Second: the released sglang 0.5.23 (CPU-only import set, requirements/sglang.txt).
 SGL_VENV ?= .venv-sglang
 SGL_BIN := $(SGL_VENV)/bin
-SGL_STAMP := $(SGL_VENV)/.installed
-# Third: vLLM-Omni 0.30.0 (vllm 0.30.0, CPU torch), for tests/vllm_omni_bridge. 6.6 GB and ~6
-# minutes to build, so it lives outside the checkout, keyed by a hash of its pinned
-# requirements: a second clone (CI's fresh one) reuses it. .venv-vllm-omni links to it.
-ENV_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/causalkv/envs
-VO_KEY := $(shell cat requirements/vllm-omni.txt | sha256sum | cut -c1-12)
-VO_ENV := $(ENV_CACHE)/vllm-omni-$(VO_KEY)
+# Third: vLLM-Omni 0.30.0 (vllm 0.30.0, CPU torch; requirements/vllm-omni.txt).
 VO_VENV ?= .venv-vllm-omni
 VO_BIN := $(VO_VENV)/bin
+# `make bench`: the main environment plus the benchmarks' peer quantizers (extra `bench`).
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: run run-sglang run-vllm-omni test test-sglang test-vllm-omni lint bench venv venv-sglang venv-vllm-omni clean
+.PHONY: run run-sglang run-vllm-omni test test-long test-sglang test-vllm-omni lint bench venv venv-sglang venv-vllm-omni venv-bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	# torch first, pinned: the CPU build on this machine's disk; a range would pull a CUDA build.
-	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[test]'
-	touch $(STAMP)
+# each is quick when nothing changed (tools/env.py checks its layer and the checkout's venv)
+venv:
+	@$(ENVTOOL) main $(VENV)
 
-venv: $(STAMP)
+venv-sglang:
+	@$(ENVTOOL) sglang $(SGL_VENV)
 
-# The benchmark peers (extra `bench`), apart from `make test`'s environment.
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -m pip install -e '.[bench]'
-	$(BIN)/python -m pip check
-	touch $(BENCH_STAMP)
+venv-vllm-omni:
+	@$(ENVTOOL) vllm-omni $(VO_VENV)
 
-$(SGL_STAMP): pyproject.toml requirements/sglang.txt
-	test -x $(SGL_BIN)/python || $(PY) -m venv $(SGL_VENV)
-	$(SGL_BIN)/python -m pip install --upgrade pip
-	# torch first, pinned (the CPU build on disk); then sglang's import set without its GPU deps.
-	$(SGL_BIN)/python -m pip install torch==2.13.0
-	$(SGL_BIN)/python -m pip install --no-deps -r requirements/sglang.txt
-	# causalkv as a distribution, so sglang finds its entry point.
-	$(SGL_BIN)/python -m pip install --no-deps -e .
-	touch $(SGL_STAMP)
-
-venv-sglang: $(SGL_STAMP)
-
-# no prerequisite: the folder name is the requirements' hash, so a fresh clone's newer files
-# never make it stale
-$(VO_ENV)/.installed:
-	test -x $(VO_ENV)/bin/python || $(PY) -m venv $(VO_ENV)
-	$(VO_ENV)/bin/python -m pip install --upgrade pip
-	# torch first, pinned (the CPU build on disk); vllm 0.30.0's torch==2.13.0 pin then keeps it.
-	$(VO_ENV)/bin/python -m pip install torch==2.13.0
-	$(VO_ENV)/bin/python -m pip install -r requirements/vllm-omni.txt
-	touch $@
-
-# The cached environment, linked as .venv-vllm-omni, with causalkv installed from THIS checkout
-# (--no-deps -e ., a few seconds; redone whenever the checkout's folder or pyproject.toml
-# differs from the last install's, so every clone gets its own code and entry points).
-venv-vllm-omni: $(VO_ENV)/.installed
-	ln -sfn $(VO_ENV) $(VO_VENV)
-	@want="$(CURDIR) $$(sha256sum pyproject.toml | cut -c1-12)"; \
-	if [ "$$(cat $(VO_ENV)/.causalkv-source 2>/dev/null)" != "$$want" ]; then \
-	  echo "installing causalkv from $(CURDIR) into $(VO_ENV)"; \
-	  $(VO_ENV)/bin/python -m pip install -q --no-deps -e . && echo "$$want" > $(VO_ENV)/.causalkv-source; \
-	fi
+venv-bench:
+	@$(ENVTOOL) bench $(BENCH_VENV)
 
 # A LongLive-2.0-like two-shot video (1,024 tokens per chunk, scene cut pinned) with the int2
 # packed cache, compared with the bf16 cache on the same seed; the last lines are the summary.
 # float32 compute with bf16 caches: CPUs without bf16 instructions run bf16 matmuls ~10x slower.
-run: $(STAMP)
+run: venv
 	$(BIN)/causalkv generate --model tiny-longlive2-1k \
 	  --prompt "A red fox trots through fresh snow in a pine forest at dawn" \
 	  --prompt "A neon-lit city street at night in the rain" \
@@ -84,7 +48,7 @@ run: $(STAMP)
 # sglang's own format, two shots, off vs int2 on the same seed, each timed warm; the last lines
 # are the summary. PYTHONPATH brings the CPU stand-ins for sglang's GPU kernels
 # (demo/sglang/cpu_stand_ins, docs/sglang.md) into sglang's processes; never on a GPU machine.
-run-sglang: $(SGL_STAMP)
+run-sglang: venv-sglang
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/sglang/cpu_stand_ins \
 	  $(SGL_BIN)/python demo/sglang/run_int2_vs_off.py --out out/sglang
 
@@ -98,34 +62,41 @@ run-vllm-omni: venv-vllm-omni
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/vllm_omni/cpu_stand_ins \
 	  $(VO_BIN)/python demo/vllm_omni/run_offline.py
 
-test: $(STAMP)
-	$(BIN)/ruff check causalkv tests benchmarks demo
-	# the layers (docs/design.md, "Layers"): lower layers never import higher ones, no cycles
-	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q
-	$(MAKE) test-sglang
-	$(MAKE) test-vllm-omni
+# everything CI runs (.ci/run): each environment, ruff, the layer check and each suite, with the
+# wall time of each phase and each suite's 20 slowest tests (tools/test.sh)
+test:
+	@PY=$(PY) bash tools/test.sh
+
+# the longer runs `make test` leaves out (tests marked `slow`, tests/README.md): new state-machine
+# examples at 10x the count, the full-size soak
+test-long: venv venv-sglang
+	CAUSALKV_MACHINE_EXAMPLES=5000 CAUSALKV_MACHINE_RANDOM=1 $(BIN)/python -m pytest -q -m slow \
+	  tests/test_cache_state_machine.py tests/test_soak.py --durations=20
+	CAUSALKV_MACHINE_EXAMPLES=5000 CAUSALKV_MACHINE_RANDOM=1 HF_HUB_OFFLINE=1 \
+	  $(SGL_BIN)/python tests/sglang_bridge/run.py -k state_machine --durations=20
 
 # The bridge against the released sglang: our tests, then sglang's own unit tests with the hooks on.
-test-sglang: $(SGL_STAMP)
-	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py
+test-sglang: venv-sglang
+	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py --durations=20
 
 # The vLLM-Omni bridge against the released vllm-omni 0.30.0 (tests/vllm_omni_bridge/run.py).
 test-vllm-omni: venv-vllm-omni
-	HF_HUB_OFFLINE=1 $(VO_BIN)/python tests/vllm_omni_bridge/run.py
+	HF_HUB_OFFLINE=1 $(VO_BIN)/python tests/vllm_omni_bridge/run.py --durations=20
 
-lint: $(STAMP)
-	$(BIN)/ruff check causalkv tests benchmarks demo
+lint: venv
+	$(BIN)/ruff check causalkv tests benchmarks demo tools
 	$(BIN)/lint-imports
 
-bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/codec.py
-	$(BIN)/python benchmarks/cache.py
-	$(BIN)/python benchmarks/plugins.py
-	$(BIN)/python benchmarks/generate.py
+# the benchmarks with their peer quantizers (.venv-bench: they stay out of the suite's .venv)
+bench: venv-bench
+	$(BENCH_BIN)/python benchmarks/codec.py
+	$(BENCH_BIN)/python benchmarks/cache.py
+	$(BENCH_BIN)/python benchmarks/plugins.py
+	$(BENCH_BIN)/python benchmarks/generate.py
 	# the figures of docs/benchmarks.md (reruns codec.py --only quality and generate.py as JSON)
-	$(BIN)/python benchmarks/report.py --out docs/figures
+	$(BENCH_BIN)/python benchmarks/report.py --out docs/figures
 
+# the checkout's environments only: the cached layers stay for the next clone
+# (`python3 tools/env.py NAME DIR --print-layer` names each)
 clean:
-	rm -rf $(VENV) $(SGL_VENV) out .pytest_cache
-	rm -f $(VO_VENV)  # the link only: the cached environment stays for the next clone
+	rm -rf $(VENV) $(SGL_VENV) $(VO_VENV) $(BENCH_VENV) out .pytest_cache

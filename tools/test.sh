@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# `make test`, what CI runs (.ci/run): the three environments, ruff, the layer check and the
+# three suites. Each phase prints one `phase` line with its wall time as it ends, each suite its
+# 20 slowest tests, and the end repeats every phase with the total. The first phase that fails
+# stops the run (its exit status is the run's).
+#
+#   PY=python3.11 bash tools/test.sh     # the Python the environments are built from
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+DURATIONS=${CAUSALKV_DURATIONS:-20}
+summary=()
+t_all=$(date +%s%N)
+
+fmt() {  # nanoseconds -> m:ss
+  local s=$(( $1 / 1000000000 ))
+  printf '%d:%02d' $((s / 60)) $((s % 60))
+}
+
+report() {
+  echo
+  echo "make test: phases (wall time)"
+  printf '  %s\n' "${summary[@]}"
+  echo "  total $(fmt $(( $(date +%s%N) - t_all )))"
+}
+trap report EXIT
+
+phase() {  # phase NAME CMD...: run CMD, then one line with its wall time
+  local name=$1
+  shift
+  local t0 rc line
+  t0=$(date +%s%N)
+  "$@"
+  rc=$?
+  line=$(printf 'phase %-18s %6s  %s' "$name" "$(fmt $(( $(date +%s%N) - t0 )))" \
+    "$([ "$rc" = 0 ] && echo ok || echo "FAILED (exit $rc)")")
+  echo "$line"
+  summary+=("$line")
+  [ "$rc" = 0 ] || exit "$rc"
+}
+
+phase "env main" "$PY" tools/env.py main .venv
+phase "env sglang" "$PY" tools/env.py sglang .venv-sglang
+phase "env vllm-omni" "$PY" tools/env.py vllm-omni .venv-vllm-omni
+phase "ruff" .venv/bin/ruff check causalkv tests benchmarks demo tools
+# the layers (docs/design.md, "Layers"): lower layers never import higher ones, no cycles
+phase "layers" .venv/bin/lint-imports
+phase "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile -q -m "not slow" \
+  --durations="$DURATIONS"
+phase "sglang suite" env HF_HUB_OFFLINE=1 .venv-sglang/bin/python tests/sglang_bridge/run.py \
+  -m "not slow" --durations="$DURATIONS"
+phase "vllm-omni suite" env HF_HUB_OFFLINE=1 .venv-vllm-omni/bin/python \
+  tests/vllm_omni_bridge/run.py -m "not slow" --durations="$DURATIONS"
