@@ -19,7 +19,6 @@ STAGES = {"longlive2", "lingbot-world"}
 NUMBERS = ("seconds_per_chunk", "kv_peak_bytes", "rss_peak_bytes", "time_ratio", "kv_ratio", "rss_ratio")
 
 
-@pytest.mark.slow
 def test_generate_benchmark_quick_json_schema(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--json",

@@ -17,7 +17,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -74,14 +73,12 @@ def sweep_table() -> list[str]:
     return rows
 
 
-@pytest.mark.slow
 def test_packed_cache_sweep_table_is_the_benchmark_output() -> None:
     text = doc("packed_cache.md").splitlines()
     start = text.index(sweep_table()[0])
     assert text[start : start + len(sweep_table())] == sweep_table()
 
 
-@pytest.mark.slow
 def test_packed_cache_sweep_claims_hold() -> None:
     s = sweep()
     sizes = sorted({t for t, _, _ in s})

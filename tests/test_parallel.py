@@ -30,8 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 WORLD = 2
 
-pytestmark = pytest.mark.slow
-
 
 def _env(home: str, extra_path: str | None = None) -> dict[str, str]:
     env = dict(os.environ, CAUSALKV_HOME=home, OMP_NUM_THREADS="1")

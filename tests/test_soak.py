@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
@@ -46,3 +47,24 @@ def test_soak_resident_bytes_exactly_flat_and_no_tensor_leak():
     # packing kept happening all along: every pinned chunk is packed once it is cold
     assert result.quantize_calls >= cfg.chunks // cfg.pin_every - 1
     assert result.packing["chunks_packed"] + result.packing["chunks_kept_dense"] == cfg.chunks - 1
+
+
+@pytest.mark.slow
+def test_soak_at_longlive2_chunk_size_stays_flat_over_1000_chunks():
+    """`make test-long` only: 1,000 chunks at LongLive 2.0's real chunk size (7,040 tokens, an
+    8-frame global sink plus the pinned shot sink, a 32-frame window, one head of 128), a scene
+    cut every 4 chunks: resident bytes exactly flat once the window is full, the process RSS
+    within the benchmark's tolerance, no tensor leak (docs/packed_cache.md, "Soak")."""
+    soak = _soak_module()
+    cfg = soak.SoakConfig(chunks=1000, sample_every=100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = soak.run_soak(cfg, count_tensors=True)
+    finally:
+        torch.set_num_threads(threads)
+    after = result.after_fill()
+    assert len({s.resident_bytes for s in after}) == 1, [s.resident_bytes for s in after]
+    assert result.drift("rss_bytes") <= 0.05, [s.rss_bytes for s in after]
+    tensors = [s.live_tensors for s in after]
+    assert max(tensors) <= tensors[0], tensors

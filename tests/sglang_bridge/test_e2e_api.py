@@ -20,8 +20,6 @@ import pytest
 from e2e import serving_lines, summaries
 from longlive2_request import GEOMETRY, SHOTS, fd_log, frames_of, free_ports, psnr
 
-pytestmark = pytest.mark.slow
-
 MODES = {
     "stock": ({"CAUSALKV_SGLANG_BRIDGE": "0"}, {"bits": 2}),
     "off": ({}, None),

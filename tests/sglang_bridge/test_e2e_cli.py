@@ -10,8 +10,6 @@ import pytest
 from e2e import planner_matches, serving_lines, summaries
 from longlive2_request import GEOMETRY, psnr, read_video, run_cli
 
-pytestmark = pytest.mark.slow
-
 SHAPE = (GEOMETRY["num_frames"], GEOMETRY["height"], GEOMETRY["width"], 3)
 
 

@@ -41,8 +41,6 @@ from e2e import (
 )
 from longlive2_request import psnr
 
-pytestmark = pytest.mark.slow
-
 #: chunks per session. Oracle (sglang's packing rule, which the bridge keeps): a 12-frame cache
 #: holds the sink chunk plus three 3-frame chunks; with keep-recent 1 a completed non-sink
 #: chunk packs once a newer completed one exists, the sink (sink packing on, sglang's

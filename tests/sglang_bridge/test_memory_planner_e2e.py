@@ -10,11 +10,8 @@ generate`` process serves both files' checks); keep-recent 0 runs here.
 
 from __future__ import annotations
 
-import pytest
 from e2e import planner_matches
 from longlive2_request import run_cli
-
-pytestmark = pytest.mark.slow
 
 
 def test_planner_equals_sglang_generates_summary_at_keep_recent_0(longlive2_checkpoint, tmp_path):
