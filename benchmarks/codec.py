@@ -89,7 +89,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -269,7 +269,7 @@ def probe_peers() -> dict[str, dict]:
 # runs
 # ---------------------------------------------------------------------------------------------
 def prq_variants(bits: int) -> dict[str, QVGKVQuantArgs]:
-    b = dict(bits=bits)
+    b = dict(codec=f"int{bits}")  # PRQ at ``bits``: the codec setting of that name
     return {
         "prq-ref": QVGKVQuantArgs(**b),
         "prq-mse4": QVGKVQuantArgs(**b, grid="mse4"),
@@ -292,33 +292,45 @@ def _row(data: str, tensor: str, bits: int, method: str, family: str, y: torch.T
                 rel_err=round(e, 5), snr_db=round(-20 * math.log10(max(e, 1e-12)), 2))
 
 
-def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[str, dict]) -> list[dict]:
+def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[str, dict],
+            methods: Collection[str] | None = None) -> list[dict]:
+    """The quality rows; ``methods`` (names such as ``rtn-asym``, ``kivi``, ``prq-mse4``,
+    ``fp8``) keeps only those (tests/test_doc_commands.py recomputes the docs' rows)."""
     rows = []
+
+    def want(method: str) -> bool:
+        return methods is None or method in methods
+
     for data, (k, v) in datasets.items():
         S, D = k.shape[2], k.shape[3]
         for bits in (2, 4):
             for tensor, x in (("K", k), ("V", v)):
                 for sym in (True, False):
+                    if not want("rtn-sym" if sym else "rtn-asym"):
+                        continue
                     y, bpe = rtn(x, bits, GROUP, sym)
                     rows.append(_row(data, tensor, bits, "rtn-sym" if sym else "rtn-asym",
                                      "baseline", y, x, bpe, bpe))
-                y, bpe = kivi(x, bits, tensor == "K")
-                rows.append(_row(data, tensor, bits, "kivi", "baseline", y, x, bpe, bpe))
+                if want("kivi"):
+                    y, bpe = kivi(x, bits, tensor == "K")
+                    rows.append(_row(data, tensor, bits, "kivi", "baseline", y, x, bpe, bpe))
                 x2 = x.reshape(-1, D)
                 for name, info in peers.items():
-                    if not info["available"]:
+                    if not info["available"] or not want(name):
                         continue
                     y, nbytes = PEERS[name][1](x2, bits)
                     rows.append(_row(data, tensor, bits, name, "peer", y, x,
                                      bits + 32 / GROUP, 8 * nbytes / x.numel()))
                 for name, args in prq_variants(bits).items():
+                    if not want(name):
+                        continue
                     p = quantize(x, args)
                     y = dequantize(p, dtype=torch.float32)
                     rows.append(_row(data, tensor, bits, name, "prq", y, x,
                                      bits_per_element(S, D, args), 8 * p.nbytes / x.numel()))
             if bits == 4:  # the 4-bit-class and 8-bit formats: one row each, in the bits-4 group
                 for tensor, x in (("K", k), ("V", v)):
-                    for name in ("fp8", "nvfp4"):
+                    for name in (n for n in ("fp8", "nvfp4") if want(n)):
                         c = make_codec(name, QVGKVQuantArgs(codec=name))
                         rec = c.encode(x)
                         y = c.decode(rec, torch.float32)
