@@ -438,9 +438,20 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
     return rows
 
 
-def run(quick: bool, reps: int, parts: str = "all") -> dict:
-    frames, H, S_tp = (1, 2, 1560) if quick else (3, 4, 14040)
+def quality_data(quick: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The quality table's K/V: ``structured`` and ``gaussian`` (see the module doc)."""
+    frames, H = (1, 2) if quick else (3, 4)
     k, v = structured_kv(H=H, frames=frames)
+    g = torch.Generator().manual_seed(1)
+    gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+    gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+    return {"structured": (k, v), "gaussian": (gk, gv)}
+
+
+def run(quick: bool, reps: int, parts: str = "all") -> dict:
+    S_tp = 1560 if quick else 14040
+    data = quality_data(quick)
+    k = data["structured"][0]
     res: dict = {
         "schema": SCHEMA,
         "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
@@ -448,11 +459,8 @@ def run(quick: bool, reps: int, parts: str = "all") -> dict:
         "peers": {}, "quality": [], "targets": [], "throughput": None, "compare": [],
     }
     if parts in ("all", "quality"):
-        g = torch.Generator().manual_seed(1)
-        gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-        gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
         res["peers"] = probe_peers()
-        res["quality"] = quality({"structured": (k, v), "gaussian": (gk, gv)}, res["peers"])
+        res["quality"] = quality(data, res["peers"])
         res["targets"] = targets(res["quality"])
     if parts in ("all", "throughput", "compare"):  # the comparison shows the throughput too
         res["throughput"] = throughput(S_tp, 3 if quick else reps)

@@ -3,7 +3,11 @@ README's set-up, checked without running it: a ``make`` target exists in the Mak
 ``causalkv`` command parses against the real parser, a script run by ``.venv/bin/python`` (or
 ``.venv-sglang/bin/python``) exists and declares every flag the line passes, and no line runs
 a bare ``python`` (which on a fresh machine has neither torch nor causalkv). And the figures
-the docs quote from ``causalkv memory`` are what it prints.
+the docs attribute to a command are what the command gives, run in this process: the README's,
+docs/benchmarks.md's and docs/design.md's from ``causalkv memory``; docs/usage.md's output of
+``causalkv memory``, its row names, its "Measured" bytes (a ``causalkv generate`` run and the
+planner) and its example runs' metrics, and its flag table against ``causalkv generate``'s
+parser.
 
 Blocks are the fences tagged ``bash``, ``sh``, ``shell`` or ``console`` (in ``console``
 blocks the commands are the ``$ `` lines, the rest is output).
