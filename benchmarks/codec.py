@@ -89,7 +89,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -269,7 +269,7 @@ def probe_peers() -> dict[str, dict]:
 # runs
 # ---------------------------------------------------------------------------------------------
 def prq_variants(bits: int) -> dict[str, QVGKVQuantArgs]:
-    b = dict(bits=bits)
+    b = dict(codec=f"int{bits}")  # PRQ at ``bits``: the codec setting of that name
     return {
         "prq-ref": QVGKVQuantArgs(**b),
         "prq-mse4": QVGKVQuantArgs(**b, grid="mse4"),
@@ -292,33 +292,45 @@ def _row(data: str, tensor: str, bits: int, method: str, family: str, y: torch.T
                 rel_err=round(e, 5), snr_db=round(-20 * math.log10(max(e, 1e-12)), 2))
 
 
-def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[str, dict]) -> list[dict]:
+def quality(datasets: dict[str, tuple[torch.Tensor, torch.Tensor]], peers: dict[str, dict],
+            methods: Collection[str] | None = None) -> list[dict]:
+    """The quality rows; ``methods`` (names such as ``rtn-asym``, ``kivi``, ``prq-mse4``,
+    ``fp8``) keeps only those (tests/test_doc_commands.py recomputes the docs' rows)."""
     rows = []
+
+    def want(method: str) -> bool:
+        return methods is None or method in methods
+
     for data, (k, v) in datasets.items():
         S, D = k.shape[2], k.shape[3]
         for bits in (2, 4):
             for tensor, x in (("K", k), ("V", v)):
                 for sym in (True, False):
+                    if not want("rtn-sym" if sym else "rtn-asym"):
+                        continue
                     y, bpe = rtn(x, bits, GROUP, sym)
                     rows.append(_row(data, tensor, bits, "rtn-sym" if sym else "rtn-asym",
                                      "baseline", y, x, bpe, bpe))
-                y, bpe = kivi(x, bits, tensor == "K")
-                rows.append(_row(data, tensor, bits, "kivi", "baseline", y, x, bpe, bpe))
+                if want("kivi"):
+                    y, bpe = kivi(x, bits, tensor == "K")
+                    rows.append(_row(data, tensor, bits, "kivi", "baseline", y, x, bpe, bpe))
                 x2 = x.reshape(-1, D)
                 for name, info in peers.items():
-                    if not info["available"]:
+                    if not info["available"] or not want(name):
                         continue
                     y, nbytes = PEERS[name][1](x2, bits)
                     rows.append(_row(data, tensor, bits, name, "peer", y, x,
                                      bits + 32 / GROUP, 8 * nbytes / x.numel()))
                 for name, args in prq_variants(bits).items():
+                    if not want(name):
+                        continue
                     p = quantize(x, args)
                     y = dequantize(p, dtype=torch.float32)
                     rows.append(_row(data, tensor, bits, name, "prq", y, x,
                                      bits_per_element(S, D, args), 8 * p.nbytes / x.numel()))
             if bits == 4:  # the 4-bit-class and 8-bit formats: one row each, in the bits-4 group
                 for tensor, x in (("K", k), ("V", v)):
-                    for name in ("fp8", "nvfp4"):
+                    for name in (n for n in ("fp8", "nvfp4") if want(n)):
                         c = make_codec(name, QVGKVQuantArgs(codec=name))
                         rec = c.encode(x)
                         y = c.decode(rec, torch.float32)
@@ -426,9 +438,20 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
     return rows
 
 
-def run(quick: bool, reps: int, parts: str = "all") -> dict:
-    frames, H, S_tp = (1, 2, 1560) if quick else (3, 4, 14040)
+def quality_data(quick: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The quality table's K/V: ``structured`` and ``gaussian`` (see the module doc)."""
+    frames, H = (1, 2) if quick else (3, 4)
     k, v = structured_kv(H=H, frames=frames)
+    g = torch.Generator().manual_seed(1)
+    gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+    gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
+    return {"structured": (k, v), "gaussian": (gk, gv)}
+
+
+def run(quick: bool, reps: int, parts: str = "all") -> dict:
+    S_tp = 1560 if quick else 14040
+    data = quality_data(quick)
+    k = data["structured"][0]
     res: dict = {
         "schema": SCHEMA,
         "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
@@ -436,11 +459,8 @@ def run(quick: bool, reps: int, parts: str = "all") -> dict:
         "peers": {}, "quality": [], "targets": [], "throughput": None, "compare": [],
     }
     if parts in ("all", "quality"):
-        g = torch.Generator().manual_seed(1)
-        gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
-        gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
         res["peers"] = probe_peers()
-        res["quality"] = quality({"structured": (k, v), "gaussian": (gk, gv)}, res["peers"])
+        res["quality"] = quality(data, res["peers"])
         res["targets"] = targets(res["quality"])
     if parts in ("all", "throughput", "compare"):  # the comparison shows the throughput too
         res["throughput"] = throughput(S_tp, 3 if quick else reps)

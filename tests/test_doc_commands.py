@@ -3,7 +3,11 @@ README's set-up, checked without running it: a ``make`` target exists in the Mak
 ``causalkv`` command parses against the real parser, a script run by ``.venv/bin/python`` (or
 ``.venv-sglang/bin/python``) exists and declares every flag the line passes, and no line runs
 a bare ``python`` (which on a fresh machine has neither torch nor causalkv). And the figures
-the docs quote from ``causalkv memory`` are what it prints.
+the docs attribute to a command are what the command gives, run in this process: the README's,
+docs/benchmarks.md's and docs/design.md's from ``causalkv memory``; docs/usage.md's output of
+``causalkv memory``, its row names, its "Measured" bytes (a ``causalkv generate`` run and the
+planner) and its example runs' metrics, and its flag table against ``causalkv generate``'s
+parser.
 
 Blocks are the fences tagged ``bash``, ``sh``, ``shell`` or ``console`` (in ``console``
 blocks the commands are the ``$ `` lines, the rest is output).
@@ -212,3 +216,169 @@ def test_design_md_quotes_the_dense_bytes_in_gib() -> None:
     assert f"(28,160 tokens) = {dense / 2**30:.2f} GiB per cache" in text
     assert f"{2 * dense / 2**30:.2f} GiB with the CFG branch's cache" in text
     assert " GB" not in text.split("## Memory math")[1].split("##")[0]
+
+
+# ---- docs/usage.md: what `causalkv memory` and `causalkv generate` print ----------------------
+USAGE = ROOT / "docs" / "usage.md"
+
+
+def console_outputs(text: str) -> list[tuple[list[str], list[str]]]:
+    """``(argv, output lines)`` of each ``$ `` command of a console block that shows output."""
+    shown: list[tuple[list[str], list[str]]] = []
+    for tag, body in blocks(text):
+        if tag != "console":
+            continue
+        for line in body.splitlines():
+            if line.startswith("$ "):
+                shown.append((shlex.split(line[2:], comments=True), []))
+            elif shown:
+                shown[-1][1].append(line)
+    return [(argv, out) for argv, out in shown if out]
+
+
+def _cli(argv: list[str]) -> str:
+    """``causalkv ARGV``'s stdout, run in this process (exit status 0)."""
+    from causalkv.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0, shlex.join(argv)
+    return out.getvalue()
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread while a tiny generation runs (a busy 2-core machine: two threads
+    made each step tens of times slower); restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _generate(argv: list[str], tmp_path: Path) -> dict:
+    """The metrics of ``causalkv generate ARGV`` as the doc writes it, run in this process with
+    the files it writes moved under ``tmp_path`` (``--metrics``) and no video."""
+    import json
+
+    argv = list(argv)
+    for flag in ("--metrics", "--output"):
+        if flag in argv:
+            i = argv.index(flag)
+            del argv[i : i + 2]
+    metrics = tmp_path / "metrics.json"
+    _cli([*argv[1:], "--no-video", "--quiet", "--metrics", str(metrics)])
+    return json.loads(metrics.read_text())
+
+
+def _bash_example(text: str, head: str) -> tuple[list[str], dict[str, str]]:
+    """The bash block whose command starts with ``head``: its argv (``causalkv ...``) and its
+    ``# key: value`` comment lines."""
+    for tag, body in blocks(text):
+        if tag == "bash" and re.sub(r"\\\n\s*", " ", body).startswith(head):
+            (argv,) = block_commands(tag, body)
+            notes = dict(re.findall(r"^# (\w+): (.*)$", body, re.M))
+            return argv, notes
+    raise AssertionError(f"no bash block starts with {head!r}")
+
+
+def test_console_outputs_reads_the_lines_after_a_command() -> None:
+    text = "```console\n$ causalkv memory x   # note\nrow 1\nrow 2\n$ causalkv plugins\n```\n"
+    assert console_outputs(text) == [(["causalkv", "memory", "x"], ["row 1", "row 2"])]
+
+
+def test_usage_md_shows_what_causalkv_memory_prints() -> None:
+    shown = [(argv, out) for argv, out in console_outputs(USAGE.read_text())
+             if argv[:2] == ["causalkv", "memory"]]
+    assert shown, "usage.md shows no causalkv memory output"
+    for argv, out in shown:
+        assert _cli(argv[1:]).splitlines() == out, shlex.join(argv)
+
+
+def test_usage_md_names_the_rows_causalkv_memory_prints() -> None:
+    from causalkv.runtime.memory.records import SETTINGS
+
+    text = " ".join(USAGE.read_text().split())
+    listed = re.search(r"The rows are (.*?) \(the names", text)
+    assert listed is not None
+    assert re.findall(r"`([\w-]+)`", listed.group(1)) == list(SETTINGS)
+    words = {"eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14}
+    count = re.search(r"one row per setting, (\w+) in all", text)
+    assert count is not None and words.get(count.group(1)) == len(SETTINGS)
+
+
+def test_usage_md_measured_bytes_are_the_runs_and_the_planners(
+    causalkv_home: str, tmp_path: Path, one_thread: None
+) -> None:
+    """"Measured:": the generate run's per-chunk and peak KV bytes, and the planner's for the
+    same request; and the planner's for the sglang checkpoint the paragraph names (the sglang
+    run's own log line is checked in the sglang environment, tests/sglang_bridge/e2e.py)."""
+    text = " ".join(USAGE.read_text().split())
+    m = re.search(
+        r"Measured: `(causalkv generate [^`]+)` reports `kv_resident_bytes_per_chunk` ([\d,]+) "
+        r"\.\.\. ([\d,]+) and `kv_peak_bytes` ([\d,]+), what `(causalkv memory [^`]+)` gives "
+        r"for `([\w-]+)` as `kv_bytes`", text)
+    assert m is not None
+    first, last, peak = (int(g.replace(",", "")) for g in m.group(2, 3, 4))
+    row = _plan(shlex.split(m.group(5))[2:])[m.group(6)]
+    assert (row["kv_bytes"], row["peak_bytes"]) == (last, peak)
+    run = _generate(shlex.split(m.group(1)), tmp_path)
+    per_chunk = run["kv_resident_bytes_per_chunk"]
+    assert (per_chunk[0], max(per_chunk), per_chunk[-1], run["kv_peak_bytes"]) == (
+        first, last, last, peak)
+
+    s = re.search(
+        r"`causalkv (sglang-checkpoint \w+)` \([^)]*\) logs `peak_bytes=(\d+) resident_bytes=(\d+) "
+        r"dense_bytes=(\d+)`, what `causalkv memory DIR ([^`]+)` gives for `([\w-]+)`", text)
+    assert s is not None
+    folder = tmp_path / "checkpoint"
+    _cli([*s.group(1).split(), str(folder)])
+    row = _plan([str(folder), *shlex.split(s.group(5))])[s.group(6)]
+    assert (row["peak_bytes"], row["kv_bytes"], row["dense_bytes"]) == tuple(
+        int(g) for g in s.group(2, 3, 4))
+
+
+def test_usage_md_longlive2_shots_example_is_what_the_run_reports(
+    causalkv_home: str, tmp_path: Path, one_thread: None
+) -> None:
+    import json
+
+    argv, notes = _bash_example(USAGE.read_text(), "causalkv generate --model tiny-longlive2 ")
+    assert set(notes) == {"chunk_prompts", "pinned_chunks", "rope_frame_start_per_chunk"}
+    run = _generate(argv, tmp_path)
+    for key, shown in notes.items():
+        assert run[key] == json.loads(shown), key
+
+
+def test_usage_md_lingbot_motion_example_is_what_the_run_reports(
+    causalkv_home: str, tmp_path: Path, one_thread: None
+) -> None:
+    argv, notes = _bash_example(USAGE.read_text(), "causalkv generate --model tiny-lingbot ")
+    run = _generate(argv, tmp_path)
+    windows = ", ".join(f"{w['mode']} {w['frames']}" for w in run["kv_window_per_chunk"])
+    assert notes["kv_window_per_chunk"] == windows
+
+
+def test_usage_md_flag_table_is_generates_flags() -> None:
+    """Every flag of ``causalkv generate`` has a row (``-x`` in the QVG settings' row stands
+    for ``--kv-cache-quant-x``), and a row that shows choices shows the parser's."""
+    from causalkv.cli.commands import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and "generate" in a.choices)
+    flags = {o: a for a in sub.choices["generate"]._actions for o in a.option_strings
+             if o.startswith("--") and o != "--help"}
+    text = USAGE.read_text()
+    table = [line for line in text[text.index("## Flags"):text.index("## Planning KV memory")]
+             .splitlines() if line.startswith("| `-")]
+    documented: set[str] = set()
+    for line in table:
+        cell = line.split(" | ")[0]
+        documented |= set(re.findall(r"(--[a-z][\w-]*)", cell))
+        documented |= {"--kv-cache-quant" + s for s in re.findall(r"`(-[a-z][\w-]*)", cell)}
+        for flag, choices in re.findall(r"`(--[\w-]+) \{([^}]+)\}", cell):
+            assert flags[flag].choices is not None, flag
+            assert choices.split(",") == [str(c) for c in flags[flag].choices], flag
+    assert sorted(set(flags) - documented) == []
+    assert sorted(documented - set(flags)) == []

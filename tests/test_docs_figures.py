@@ -1,8 +1,11 @@
 """The figures the docs quote that a computation gives deterministically are recomputed here,
 so a doc that drifts from the code fails a test: the QVG byte formula in docs/design.md, the
 centroid-sweep table of docs/packed_cache.md and the claims below it (``benchmarks/cache.py
---centroid-sweep``, seeded), its tiny-preset resident bytes, and the registration tables of
-docs/plugins.md and docs/usage.md.
+--centroid-sweep``, seeded), its tiny-preset resident bytes and centroid rule, the quality
+table of docs/qvg.md (``benchmarks/codec.py``, seeded; the rows that need no peer package),
+docs/design.md's layout and layers against the package and pyproject's import contract, and
+the registration tables of docs/plugins.md and docs/usage.md. The figures quoted from
+``causalkv memory`` and ``causalkv generate`` are checked in tests/test_doc_commands.py.
 
 To refresh the sweep table after a codec change: ``python tests/test_docs_figures.py``
 prints it (the same `sweep_table` this test compares).
@@ -13,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +41,21 @@ def test_design_quotes_the_int2_bits_the_formula_gives() -> None:
 
 
 # ---- docs/packed_cache.md: the centroid sweep --------------------------------------------------------
-@lru_cache(maxsize=1)
-def sweep() -> dict[tuple[int, int, str], dict[str, Any]]:
-    """``benchmarks/cache.py``'s `centroid_sweep`, by (tokens, bits, which)."""
-    path = ROOT / "benchmarks" / "cache.py"
-    spec = importlib.util.spec_from_file_location("ckv_bench_cache", path)
+@cache
+def bench(name: str) -> Any:
+    """The script ``benchmarks/<name>.py`` as a module (its functions compute the figures)."""
+    spec = importlib.util.spec_from_file_location(f"ckv_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
-    return {(r["tokens"], r["bits"], r["which"]): r for r in module.centroid_sweep()}
+    return module
+
+
+@lru_cache(maxsize=1)
+def sweep() -> dict[tuple[int, int, str], dict[str, Any]]:
+    """``benchmarks/cache.py``'s `centroid_sweep`, by (tokens, bits, which)."""
+    return {(r["tokens"], r["bits"], r["which"]): r for r in bench("cache").centroid_sweep()}
 
 
 def _cell(r: dict[str, Any], *, show_k: bool) -> str:
@@ -123,6 +131,100 @@ def test_packed_cache_quotes_the_tiny_preset_bytes() -> None:
                          lambda sp: QVGPackedCausalKVCache(sp, QVGKVQuantArgs(codec="int2")))
         ]
         assert f"{name} {peaks[0]:,} / {peaks[1]:,} / {peaks[2]:,}" in text, (name, peaks)
+
+
+def test_packed_cache_quotes_the_centroid_rule() -> None:
+    """"Chunks of 4,096 tokens and more keep the reference's 128 (LingBot-World's 4,680,
+    LongLive 2.0's 7,040); 880 tokens get 16, the tiny presets' 32-48 tokens get 1", and the
+    reference's 128 centroids cost 0.44 bit on 4,680-token chunks."""
+    from causalkv.caches.qvg.packed import centroids_for
+
+    text = " ".join(doc("packed_cache.md").split())
+    assert ("Chunks of 4,096 tokens and more keep the reference's 128 (LingBot-World's 4,680, "
+            "LongLive 2.0's 7,040); 880 tokens get 16, the tiny presets' 32-48 tokens get 1") in text
+    assert [centroids_for(s, 128) for s in (4_096, 4_680, 7_040, 880, 32, 48)] == [128] * 3 + [16, 1, 1]
+    assert centroids_for(4_095, 128) < 128
+    assert f"its own 4,680-token chunks ({16 * 128 / 4_680:.2f})" in text
+
+
+# ---- docs/qvg.md: the quality table of benchmarks/codec.py -----------------------------------------
+#: the table's method labels -> benchmarks/codec.py's method names
+QUALITY_LABELS = {
+    "RTN min/max, block 64": "rtn-asym",
+    "KIVI-style": "kivi",
+    "PRQ reference defaults": "prq-ref",
+    "PRQ mse4": "prq-mse4",
+    "PRQ 64 centroids, mse4": "prq-k64-mse4",
+    "PRQ block 128, 96 centroids, mse4": "prq-b128-k96-mse4",
+    "PRQ block 128, 64 centroids, mse4": "prq-b128-k64-mse4",
+    "PRQ block 128, 32 centroids, mse4": "prq-b128-k32-mse4",
+}
+#: the peers' rows need the bench extra (hqq, torchao, optimum-quanto), not the test environment
+QUALITY_PEERS = {"HQQ", "torchao affine", "quanto", "HQQ / torchao / quanto"}
+
+
+def quality_rows() -> list[list[str]]:
+    """The cells of qvg.md's quality table (bold marks dropped)."""
+    text = doc("qvg.md")
+    head = "| data | bits | method | bits/el counted | stored | K rel err | V rel err |"
+    lines = text[text.index(head):].split("\n\n", 1)[0].splitlines()[2:]
+    return [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in lines]
+
+
+def test_qvg_md_quality_table_is_the_benchmark_output() -> None:
+    """Every row of the table that needs no peer package is ``benchmarks/codec.py``'s output
+    (`quality` on `quality_data`, seeded): bits counted and stored, K and V error as printed.
+    The gaussian PRQ rows give K of two settings and "V within 0.002 of K"."""
+    import torch
+
+    rows = quality_rows()
+    assert len(rows) == 22
+    structured = [r for r in rows if r[0] == "structured" and r[2] not in QUALITY_PEERS]
+    gaussian = [r for r in rows if r[0] == "gaussian" and r[2] not in QUALITY_PEERS]
+    assert len(structured) == 12 and len(gaussian) == 2
+    assert all(r[2] in QUALITY_LABELS or r[2] in QUALITY_PEERS for r in rows if r[0] == "structured")
+    codec = bench("codec")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = codec.quality_data(quick=False)
+        got = codec.quality({"structured": data["structured"]}, {}, methods=set(QUALITY_LABELS.values()))
+        got += codec.quality({"gaussian": data["gaussian"]}, {},
+                             methods={"prq-mse4", "prq-b128-k96-mse4", "prq-k64-mse4"})
+    finally:
+        torch.set_num_threads(threads)
+    by = {(r["data"], r["bits"], r["method"], r["tensor"]): r for r in got}
+    for _, bits, label, counted, stored, k_err, v_err in structured:
+        k, v = (by["structured", int(bits), QUALITY_LABELS[label], t] for t in "KV")
+        assert [counted, stored, k_err, v_err] == [
+            f"{k['bits_per_element']:.3f}", f"{k['bits_stored']:.3f}",
+            f"{k['rel_err']:.4f}", f"{v['rel_err']:.4f}"], (bits, label)
+    for _, bits, label, counted, _, k_err, v_err in gaussian:
+        first, second = label.split(" / ")
+        assert v_err == "within 0.002 of K"
+        for name, count, err in zip((first, "PRQ " + second), counted.split(" / "), k_err.split(" / ")):
+            k, v = (by["gaussian", int(bits), QUALITY_LABELS[name], t] for t in "KV")
+            assert (count, err) == (f"{k['bits_per_element']:.3f}", f"{k['rel_err']:.3f}"), (bits, name)
+            assert abs(v["rel_err"] - k["rel_err"]) <= 0.002, (bits, name)
+
+
+# ---- docs/design.md: the layout and the layers --------------------------------------------------------
+def test_design_md_layers_are_the_import_contract() -> None:
+    """The layers line is pyproject's layers contract, and the layout names every package and
+    top-level module of causalkv."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers" and "containers" not in c)
+    line = " -> ".join(layer.replace("causalkv.", "") for layer in layers)
+    text = doc("design.md")
+    assert f"```text\n{line}\n```" in text, line
+    layout = text[text.index("## Layout"):text.index("### Layers")]
+    shown = set(re.findall(r"^  ([\w.]+/?)\s", layout, re.M))
+    package = ROOT / "causalkv"
+    wanted = {f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    wanted |= {p.name for p in package.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    assert sorted(wanted - shown) == [] and sorted(shown - wanted) == []
 
 
 # ---- registrations ---------------------------------------------------------------------------------

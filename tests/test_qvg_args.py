@@ -149,3 +149,17 @@ def test_the_parts_are_declared_once_and_make_up_the_whole():
     # the reference runtime's dict keys and flags come from the declarations
     assert QVGKVQuantArgs.keys()["kv_cache_quant_iters"] == "kmeans_iters"
     assert QVGKVQuantArgs.flags()["--kv-cache-quant-keep-recent"] == "keep_recent_chunks"
+
+
+def test_every_exported_name_resolves():
+    """``causalkv.caches.qvg`` exports its names lazily: each one in ``__all__`` imports (a
+    stale entry made ``from causalkv.caches.qvg import *`` raise AttributeError)."""
+    import causalkv.caches.qvg as qvg
+
+    for name in qvg.__all__:
+        assert getattr(qvg, name) is not None, name
+    assert qvg.quant_choices()[0] == "off" and "int2" in qvg.quant_choices()
+    assert qvg.recent_tiers()[0] == "bf16"
+    namespace: dict = {}
+    exec("from causalkv.caches.qvg import *", namespace)
+    assert set(qvg.__all__) <= set(namespace)

@@ -29,12 +29,13 @@ if TYPE_CHECKING:
     from causalkv.caches.qvg.codec import BACKEND_ENV, dequantize, quantize, resolve_backend
     from causalkv.caches.qvg.format import PackedSegment, bits_per_element, packed_nbytes_formula
     from causalkv.caches.qvg.options import (
-        QUANT_CHOICES,
         QVGCodecOptions,
         QVGKVQuantArgs,
         QVGPackingOptions,
         add_cli_args,
         from_namespace,
+        quant_choices,
+        recent_tiers,
     )
     from causalkv.caches.qvg.policy import (
         CAUSALKV,
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
 #: exported name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("QUANT_CHOICES", "QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions",
-         "add_cli_args", "from_namespace"),
+        ("QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions", "add_cli_args",
+         "from_namespace", "quant_choices", "recent_tiers"),
         "causalkv.caches.qvg.options",
     ),
     **dict.fromkeys(
@@ -72,7 +73,6 @@ _EXPORTS = {
 __all__ = [
     "BACKEND_ENV",
     "CAUSALKV",
-    "QUANT_CHOICES",
     "SGLANG",
     "CausalKVPolicy",
     "ChunkInfo",
@@ -91,7 +91,9 @@ __all__ = [
     "dequantize",
     "from_namespace",
     "packed_nbytes_formula",
+    "quant_choices",
     "quantize",
+    "recent_tiers",
     "resolve_backend",
 ]
 
