@@ -20,7 +20,6 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
