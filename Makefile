@@ -77,7 +77,7 @@ test-long: venv venv-sglang
 
 # The bridge against the released sglang: our tests, then sglang's own unit tests with the hooks on.
 test-sglang: venv-sglang
-	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py --durations=20
+	HF_HUB_OFFLINE=1 $(SGL_BIN)/python tests/sglang_bridge/run.py -n 2 --dist loadfile --durations=20
 
 # The vLLM-Omni bridge against the released vllm-omni 0.30.0 (tests/vllm_omni_bridge/run.py).
 test-vllm-omni: venv-vllm-omni

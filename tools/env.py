@@ -19,7 +19,9 @@ every checkout runs its own code:
   is installed once. A layer sees the layers below it through a ``.pth`` file of its
   ``site-packages`` (``site.addsitedir``), as a venv sees its base's packages. A build holds a
   lock (two clones building the same layer wait for each other) and is marked complete only at
-  its end: a failed build is removed, never reused.
+  its end: a failed build is removed, never reused. What a layer installs is first fetched into
+  the machine's wheelhouse (``<cache>/wheels``), which pip never downloads a file into twice,
+  and installed from there: a changed pin downloads that one package, not the layer.
 - **The checkout's environment** (``.venv``, ``.venv-sglang``, ``.venv-vllm-omni`` in the
   checkout) is a venv of its own that sees one layer and holds causalkv from this checkout
   (editable, with its entry points) and a copy of the layer's console scripts (``pytest``,
@@ -70,6 +72,8 @@ class Layer:
     name: str
     steps: tuple[tuple[str, ...], ...]
     below: str | None = None
+    #: fetch what the steps install into the machine's wheelhouse first, install from there
+    wheelhouse: bool = True
 
 
 def _pyproject() -> dict:
@@ -89,7 +93,8 @@ def _requirements(*extras: str) -> tuple[str, ...]:
 
 
 LAYERS = {
-    "torch": Layer("torch", (("--upgrade", "pip"), TORCH, BUILD)),
+    # torch from this machine's disk; pip and the build backend are small
+    "torch": Layer("torch", (("--upgrade", "pip"), TORCH, BUILD), wheelhouse=False),
     "main": Layer("main", ((*_pyproject()["project"]["dependencies"], *_requirements("test")),),
                   below="torch"),
     # the benchmarks' peer quantizers (extra `bench`), apart from the suite's packages: torchao
@@ -109,10 +114,15 @@ def cache_dir() -> Path:
     return Path(base) / "causalkv" / "envs"
 
 
-def _step_text(step: tuple[str, ...]) -> list[str]:
-    """A step with the text of each requirement file it reads (its pins are the key)."""
-    return [Path(arg).read_text() if i and step[i - 1] == "-r" else arg
-            for i, arg in enumerate(step)]
+def _pins(path: Path) -> list[str]:
+    """A requirement file's requirements (comments and blank lines are no part of the key)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def _step_text(step: tuple[str, ...]) -> list:
+    """A step with each requirement file it reads replaced by its pins (they are the key)."""
+    return [_pins(Path(arg)) if i and step[i - 1] == "-r" else arg for i, arg in enumerate(step)]
 
 
 def layer_key(layer: Layer) -> str:
@@ -154,9 +164,21 @@ def _link_below(env: Path, below: Path) -> None:
         f"import site; site.addsitedir({str(site_packages(below))!r})\n")
 
 
-def _pip(env: Path, *args: str) -> None:
-    subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install",
+def _pip(env: Path, *args: str, verb: str = "install") -> None:
+    subprocess.run([str(env / "bin" / "python"), "-m", "pip", verb,
                     "--disable-pip-version-check", *args], check=True, cwd=ROOT)
+
+
+def _install(env: Path, step: tuple[str, ...]) -> None:
+    """One step through the machine's wheelhouse (``<cache>/wheels``): pip downloads into it
+    only the files it does not hold yet (pip's own HTTP cache may be off: it is here), then
+    installs from it alone. A step that resolves dependencies is downloaded with torch pinned
+    as the torch layer has it, so the resolver never reaches for another (CUDA) build."""
+    wheels = cache_dir() / "wheels"
+    extra = () if "--no-deps" in step else TORCH
+    with _locked(wheels.with_suffix(".lock")):
+        _pip(env, "--quiet", "--dest", str(wheels), *step, *extra, verb="download")
+    _pip(env, "--no-index", "--find-links", str(wheels), *step)
 
 
 def ensure_layer(layer: Layer, base_python: str) -> tuple[Path, bool]:
@@ -175,7 +197,10 @@ def ensure_layer(layer: Layer, base_python: str) -> tuple[Path, bool]:
                 _venv(path, base_python)
                 _link_below(path, below)
             for step in layer.steps:
-                _pip(path, *step)
+                if layer.wheelhouse:
+                    _install(path, step)
+                else:
+                    _pip(path, *step)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise

@@ -47,7 +47,8 @@ phase "ruff" .venv/bin/ruff check causalkv tests benchmarks demo tools
 phase "layers" .venv/bin/lint-imports
 phase "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile -q -m "not slow" \
   --durations="$DURATIONS"
+# two files at a time: most of its time is sglang processes on one core each
 phase "sglang suite" env HF_HUB_OFFLINE=1 .venv-sglang/bin/python tests/sglang_bridge/run.py \
-  -m "not slow" --durations="$DURATIONS"
+  -n 2 --dist loadfile -m "not slow" --durations="$DURATIONS"
 phase "vllm-omni suite" env HF_HUB_OFFLINE=1 .venv-vllm-omni/bin/python \
   tests/vllm_omni_bridge/run.py -m "not slow" --durations="$DURATIONS"

@@ -40,25 +40,45 @@ DEFAULT_PORTS = {"port": 30000, "master_port": 30005, "scheduler_port": 5555}
 
 #: ports handed out by this process (two sglang starting at once must not share one)
 _TAKEN: set[int] = set()
+#: a folder shared by processes that hand out ports at the same time (the test suite's
+#: workers): a port is handed out by the one process that creates its file there
+PORT_REGISTRY = "CAUSALKV_PORT_REGISTRY"
+
+
+def _claim(port: int) -> bool:
+    """Claims ``port`` for this process, and across processes in ``$CAUSALKV_PORT_REGISTRY``."""
+    if port in _TAKEN:
+        return False
+    registry = os.environ.get(PORT_REGISTRY)
+    if registry:
+        os.makedirs(registry, exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(registry, str(port)), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+    _TAKEN.add(port)
+    return True
 
 
 def free_port() -> int:
     """A loopback port that is free (the kernel's choice), with the next one free too
-    (sglang's HTTP server gives its broker ``port + 1``), neither handed out before."""
+    (sglang's HTTP server gives its broker ``port + 1``), neither handed out before, by this
+    process or (``$CAUSALKV_PORT_REGISTRY``) by another."""
     import socket
 
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if {port, port + 1} & _TAKEN:
-            continue
         with socket.socket() as t:
             try:
                 t.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
-        _TAKEN.update((port, port + 1))
+        if not _claim(port):
+            continue
+        if not _claim(port + 1):
+            continue  # the first stays claimed: never handed out, harmless
         return port
     raise RuntimeError("no two adjacent free loopback ports")
 

@@ -6,7 +6,9 @@ demo's request, `longlive2_request`, which the end-to-end tests share) goes on `
 """
 
 import importlib.util
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 _DEMO = str(Path(__file__).resolve().parents[2] / "demo" / "sglang")
@@ -15,6 +17,14 @@ if _DEMO not in sys.path:
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
+
+# `make test` runs these files two at a time (pytest-xdist): the workers hand out ports through
+# one registry, so two sglang started by two workers never get the same free port
+if "PYTEST_XDIST_TESTRUNUID" in os.environ:
+    from longlive2_request import PORT_REGISTRY
+
+    os.environ.setdefault(PORT_REGISTRY, os.path.join(
+        tempfile.gettempdir(), f"causalkv-ports-{os.environ['PYTEST_XDIST_TESTRUNUID']}"))
 
 
 def _build(name: str, tmp_path_factory):

@@ -7,6 +7,7 @@ lifecycle). sglang's test files run from the installed package, minus the tests 
 `DESELECTED` that assert the very refusal the bridge removes.
 
     .venv-sglang/bin/python tests/sglang_bridge/run.py [extra pytest args]
+    .venv-sglang/bin/python tests/sglang_bridge/run.py -n 2 --dist loadfile   # as make test
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ def main(argv: list[str]) -> int:
     os.environ.pop("CAUSALKV_SGLANG_FUSED_ATTENTION", None)
     # every process the tests start (`sglang generate`, DiffGenerator's workers) runs
     # site/sitecustomize.py: the CPU stand-ins (demo/sglang/cpu_stand_ins), the realtime probe
+    # (and this folder, for `-p ckv_sglang_pytest` in pytest-xdist's workers: `-n 2`)
     site = str(HERE / "site")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([site, *[p for p in paths if p != site]])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [site, str(HERE), *[p for p in paths if p not in (site, str(HERE))]])
     sys.path.insert(0, str(HERE))
     # and so does this one, before sglang is imported (even locating its tests imports
     # torchvision); it puts the stand-ins' folder on sys.path for ckv_sglang_pytest
@@ -63,7 +66,6 @@ def main(argv: list[str]) -> int:
     root = HERE.parent.parent
     args = ["-p", "ckv_sglang_pytest", "-p", "no:cacheprovider", f"--rootdir={root}", "-q"]
     args += [str(HERE)] + [str(unit / f) for f in SGLANG_TEST_FILES]
-    args += [f"--deselect={os.path.relpath(unit, root)}/{node}" for node in DESELECTED]
     return pytest.main(args + argv)
 
 

@@ -42,7 +42,7 @@ def test_int2_runs_on_causalkvs_caches_and_the_log_says_so(cli_runs):
 
 def test_causalkv_memory_on_the_folder_equals_the_int2_summary(cli_runs, longlive2_checkpoint):
     """`causalkv memory` at sglang's defaults, from the folder's config, gives this run's
-    logged peak, resident and dense bytes to the byte (test_memory_planner_e2e)."""
+    logged peak, resident and dense bytes to the byte (keep-recent 0: test_e2e_api.py)."""
     rc, log, _ = cli_runs["int2"]
     assert rc == 0, log[-3000:]
     planner_matches(longlive2_checkpoint, log, "int2-default")
