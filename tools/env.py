@@ -165,8 +165,11 @@ def _link_below(env: Path, below: Path) -> None:
 
 
 def _pip(env: Path, *args: str, verb: str = "install") -> None:
+    # PYTHONWARNINGS: setuptools' editable build warns in ten lines about folders named like
+    # the package, which is what an editable checkout is
     subprocess.run([str(env / "bin" / "python"), "-m", "pip", verb,
-                    "--disable-pip-version-check", *args], check=True, cwd=ROOT)
+                    "--disable-pip-version-check", *args], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 def _install(env: Path, step: tuple[str, ...]) -> None:
