@@ -109,9 +109,6 @@ def test_int2_runs_on_causalkvs_caches_pins_and_holds_less_than_dense(longlive2_
         assert int(s["resident_bytes"]) < int(s["dense_bytes"])
         assert int(s["packed_chunks"]) >= 1
         assert int(s["pinned_tokens"]) > 0  # the second shot's scene-cut chunk
-    # the negative prompt's cache set doubles every figure of the request without CFG
-    for key in ("resident_bytes", "dense_bytes"):
-        assert int(by_sets[2][key]) == 2 * int(by_sets[1][key]), key
     for name in REQUESTS:
         f = frames[name]
         assert f.shape == stock[name].shape and f.dtype == np.uint8
