@@ -5,7 +5,7 @@ real peers.
     .venv/bin/python benchmarks/codec.py                  # tables
     .venv/bin/python benchmarks/codec.py --json out.json  # also write the figures as JSON
     .venv/bin/python benchmarks/codec.py --json -         # JSON on stdout instead of tables
-    .venv/bin/python benchmarks/codec.py --quick          # smaller shapes (smoke run)
+    .venv/bin/python benchmarks/codec.py --quick          # small shapes (smoke run, seconds)
     .venv/bin/python benchmarks/codec.py --only compare   # the codec comparison (+ throughput)
 
 Peers (the ``bench`` extra: ``pip install -e '.[bench]'``; a missing one is reported, not
@@ -269,7 +269,7 @@ def probe_peers() -> dict[str, dict]:
 # runs
 # ---------------------------------------------------------------------------------------------
 def prq_variants(bits: int) -> dict[str, QVGKVQuantArgs]:
-    b = dict(bits=bits)
+    b = dict(codec=f"int{bits}")  # the PRQ codec setting of that many residual bits
     return {
         "prq-ref": QVGKVQuantArgs(**b),
         "prq-mse4": QVGKVQuantArgs(**b, grid="mse4"),
@@ -401,7 +401,7 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
         geom = BUILTIN_MODELS[model]
         lay = stream_layout(geom, MemoryRequest())
         S, D = lay.chunk_tokens, geom.head_dim
-        S_data = min(S, 1560) if quick else S
+        S_data = min(S, QUICK_TOKENS) if quick else S
         hw = (30, 52)
         k, v = structured_kv(H=2, frames=-(-(S_data + 256) // (hw[0] * hw[1])), hw=hw, D=D,
                              seed=MODELS.index(model))
@@ -426,9 +426,14 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
     return rows
 
 
+#: ``--quick`` (a smoke run, seconds: every method, peer and codec setting, small tensors): the
+#: quality data is one frame of 16 x 32 tokens, the throughput and comparison chunks 512 tokens
+QUICK_HW, QUICK_TOKENS = (16, 32), 512
+
+
 def run(quick: bool, reps: int, parts: str = "all") -> dict:
-    frames, H, S_tp = (1, 2, 1560) if quick else (3, 4, 14040)
-    k, v = structured_kv(H=H, frames=frames)
+    frames, H, S_tp, hw = (1, 2, QUICK_TOKENS, QUICK_HW) if quick else (3, 4, 14040, (30, 52))
+    k, v = structured_kv(H=H, frames=frames, hw=hw)
     res: dict = {
         "schema": SCHEMA,
         "config": {"shape": list(k.shape), "group": GROUP, "quick": quick,
