@@ -26,7 +26,9 @@ channel outliers known from LLM and video K caches). Keys and values use indepen
 element of int2 and int4 with the rule's centroid count, half and twice it, and the
 reference's fixed 128 (capped at the token count, as the codec does).
 
-Run: ``.venv/bin/python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--centroid-sweep] [--json]``.
+Run: ``.venv/bin/python benchmarks/cache.py [--chunks 60] [--long-chunks 1000] [--centroid-sweep] [--json]``;
+``--quick`` runs every stream and setting at 16 tokens per frame, each just past a full window,
+and a 24-chunk long run (a smoke run of seconds, what the test runs).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -77,6 +79,8 @@ CONFIGS = [
     StreamConfig("lingbot-world", 1560, 3, 3, 3, 45),
     StreamConfig("longlive2", 880, 8, 8, 8, 32, scene_cut_every=4),
 ]
+#: ``--quick``: the same streams (frames, sinks, windows, cuts) at this many tokens per frame
+QUICK_TOKENS_PER_FRAME = 16
 
 
 def settings() -> list[tuple[str, QVGKVQuantArgs]]:
@@ -236,11 +240,15 @@ def _ratio(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=int, default=60, help="chunks per stream (default 60)")
-    p.add_argument("--long-chunks", type=int, default=1000,
-                   help="chunks of the long LongLive-2.0-like int2 run (default 1000; 0 skips)")
-    p.add_argument("--long-tokens-per-frame", type=int, default=110,
-                   help="tokens per frame of the long run (default 110 = 880/8, to keep it short)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="chunks per stream (default 60; --quick: the window's chunks + 3)")
+    p.add_argument("--long-chunks", type=int, default=None,
+                   help="chunks of the long LongLive-2.0-like int2 run (default 1000, --quick 24; 0 skips)")
+    p.add_argument("--long-tokens-per-frame", type=int, default=None,
+                   help="tokens per frame of the long run (default 110 = 880/8, to keep it short; --quick 16)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run of seconds: every stream and setting at 16 tokens per frame, "
+                   "each stream just past a full window, a 24-chunk long run")
     p.add_argument("--config", choices=[c.name for c in CONFIGS], action="append",
                    help="run only these stream configs")
     p.add_argument("--centroid-sweep", action="store_true",
@@ -262,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in CONFIGS:
         if args.config and cfg.name not in args.config:
             continue
+        chunks = args.chunks
+        if args.quick:
+            cfg = replace(cfg, tokens_per_frame=QUICK_TOKENS_PER_FRAME)
+            chunks = chunks or cfg.window_frames // cfg.frames_per_chunk + 3
         for label, q in settings():
-            row = run_stream(cfg, q, args.chunks)
+            row = run_stream(cfg, q, chunks or 60)
             row["label"] = label
             rows.append(row)
             if not args.json:
@@ -277,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"streaming {row['streaming_peak_segments']:.2f} segments",
                     flush=True,
                 )
-    long = run_long(args.long_chunks, args.long_tokens_per_frame) if args.long_chunks else None
+    long_chunks = (24 if args.quick else 1000) if args.long_chunks is None else args.long_chunks
+    long_tpf = args.long_tokens_per_frame or (QUICK_TOKENS_PER_FRAME if args.quick else 110)
+    long = run_long(long_chunks, long_tpf) if long_chunks else None
     if args.json:
         json.dump({"streams": rows, "long": long}, sys.stdout, indent=2)
         print()

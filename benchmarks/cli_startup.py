@@ -9,6 +9,7 @@ shares, the wall time measures the queue, the CPU time what the command itself c
     .venv/bin/python benchmarks/cli_startup.py              # table
     .venv/bin/python benchmarks/cli_startup.py --repeats 9  # more runs per command
     .venv/bin/python benchmarks/cli_startup.py --json
+    .venv/bin/python benchmarks/cli_startup.py --quick      # one run per command (smoke run)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ COMMANDS: tuple[tuple[str, ...], ...] = (
     ("demo", "--help"),
     ("memory", "--help"),
     ("sglang-checkpoint", "--help"),
+    ("vllm-omni-checkpoint", "--help"),
 )
 
 HEAVY = ("torch", "diffusers", "transformers")
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per command (default 5)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="one run per command (a smoke run: the table, not a timing)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     rows = measure(args.repeats)

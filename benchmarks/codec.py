@@ -5,7 +5,7 @@ real peers.
     .venv/bin/python benchmarks/codec.py                  # tables
     .venv/bin/python benchmarks/codec.py --json out.json  # also write the figures as JSON
     .venv/bin/python benchmarks/codec.py --json -         # JSON on stdout instead of tables
-    .venv/bin/python benchmarks/codec.py --quick          # smaller shapes (smoke run)
+    .venv/bin/python benchmarks/codec.py --quick          # small shapes (smoke run, seconds)
     .venv/bin/python benchmarks/codec.py --only compare   # the codec comparison (+ throughput)
 
 Peers (the ``bench`` extra: ``pip install -e '.[bench]'``; a missing one is reported, not
@@ -413,7 +413,7 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
         geom = BUILTIN_MODELS[model]
         lay = stream_layout(geom, MemoryRequest())
         S, D = lay.chunk_tokens, geom.head_dim
-        S_data = min(S, 1560) if quick else S
+        S_data = min(S, QUICK_TOKENS) if quick else S
         hw = (30, 52)
         k, v = structured_kv(H=2, frames=-(-(S_data + 256) // (hw[0] * hw[1])), hw=hw, D=D,
                              seed=MODELS.index(model))
@@ -438,10 +438,15 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
     return rows
 
 
+#: ``--quick`` (a smoke run, seconds: every method, peer and codec setting, small tensors): the
+#: quality data is one frame of 16 x 32 tokens, the throughput and comparison chunks 512 tokens
+QUICK_HW, QUICK_TOKENS = (16, 32), 512
+
+
 def quality_data(quick: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The quality table's K/V: ``structured`` and ``gaussian`` (see the module doc)."""
-    frames, H = (1, 2) if quick else (3, 4)
-    k, v = structured_kv(H=H, frames=frames)
+    frames, H, hw = (1, 2, QUICK_HW) if quick else (3, 4, (30, 52))
+    k, v = structured_kv(H=H, frames=frames, hw=hw)
     g = torch.Generator().manual_seed(1)
     gk = torch.randn(k.shape, generator=g).to(torch.bfloat16)
     gv = torch.randn(k.shape, generator=g).to(torch.bfloat16)
@@ -449,7 +454,7 @@ def quality_data(quick: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run(quick: bool, reps: int, parts: str = "all") -> dict:
-    S_tp = 1560 if quick else 14040
+    S_tp = QUICK_TOKENS if quick else 14040
     data = quality_data(quick)
     k = data["structured"][0]
     res: dict = {

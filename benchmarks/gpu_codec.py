@@ -31,7 +31,8 @@ JSON (``--json PATH``), schema ``causalkv.gpu-codec-bench/1``::
                      "dequant_over_copy"}],
      "ok": bool}
 
-The exit status is 1 when a check fails.
+The exit status is 1 when a check fails. Without a CUDA device (``--device cuda``, the
+default) it says so in one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="+", type=Path)
     p.add_argument("--packages", action="store_true", help="total per package; list files over 500 lines")
     a = p.parse_args(argv)
+    missing = [str(path) for path in a.paths if not path.exists()]
+    if missing:  # else a mistyped path counts as 0 lines
+        p.error(f"no such file or folder: {', '.join(missing)} (paths are relative to {Path.cwd()})")
     files = sorted(f for path in a.paths for f in ([path] if path.is_file() else path.rglob("*.py")))
     counts = {f: code_lines(f) for f in files}
     if a.packages:

@@ -15,8 +15,9 @@ ranks seeded alike so the weights and inputs agree. Per row:
   `causalkv.runtime.processes.distributed.exchange_nbytes` next to it);
 - the largest |difference| of the 2-rank output from the 1-rank output (same seed).
 
-Run: ``.venv/bin/python benchmarks/parallel.py [--device cpu|cuda] [--chunks 8] [--json]``. On CUDA the
-2-rank row needs 2 GPUs; with one GPU only the 1-rank row runs and the table says so.
+Run: ``.venv/bin/python benchmarks/parallel.py [--device cpu|cuda] [--chunks 8] [--json]``
+(``--quick``: 2 chunks per row, a smoke run). On CUDA the 2-rank row needs 2 GPUs; with one GPU
+only the 1-rank row runs and the table says so.
 """
 
 from __future__ import annotations
@@ -156,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--chunks", type=int, default=None, help="chunks per row (default 8, --quick 2)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 chunks per row (a smoke run: both rows, the same geometry)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.chunks is None:
+        args.chunks = 2 if args.quick else 8
     if args.worker:
         worker(args)
         return 0

@@ -9,6 +9,7 @@ factory. One run = scan installed entry points + import/register/validate the 50
 collect the registries (conflict checks) + three resolutions.
 
     .venv/bin/python benchmarks/plugins.py [--plugins 50] [--repeat 30] [--json] [--check]
+    .venv/bin/python benchmarks/plugins.py --quick    # 3 timed runs (smoke run)
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true", help="exit 1 when the median misses the target")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 timed runs instead of --repeat (a smoke run: the same 50 plugins)")
     ns = ap.parse_args(argv)
+    if ns.quick:
+        ns.repeat = 3
     fake = make_plugin_modules(ns.plugins)
     cold = one_run(fake, ns.plugins)
     runs = [one_run(fake, ns.plugins) for _ in range(ns.repeat)]

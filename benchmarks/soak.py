@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/soak.py                  # 10,000 chunks, table
     .venv/bin/python benchmarks/soak.py --chunks 2000 --json
+    .venv/bin/python benchmarks/soak.py --quick          # 400 chunks of 128 tokens (smoke run)
 
 Stream (defaults): LongLive 2.0's real chunk geometry, 880 tokens per frame x 8 frames =
 7,040 tokens per chunk, an 8-frame global sink plus an 8-frame pinned shot sink, a 32-frame
@@ -82,6 +83,10 @@ class SoakConfig:
             global_sink_tokens=self.global_sink_frames * tpf,
             attention_window_size=self.window_frames * tpf, dtype=torch.bfloat16,
         )
+
+
+#: ``--quick``: the same stream (frames, sinks, window, cuts) at 16 tokens per frame, 400 chunks
+QUICK = SoakConfig(chunks=400, sample_every=50, tokens_per_frame=16)
 
 
 @dataclass(frozen=True)
@@ -205,12 +210,17 @@ def _row(s: Sample) -> str:
 def main(argv: list[str] | None = None) -> int:
     d = SoakConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=int, default=d.chunks, help=f"chunks to write (default {d.chunks})")
-    p.add_argument("--sample-every", type=int, default=d.sample_every,
-                   help=f"chunks between samples (default {d.sample_every})")
+    q = QUICK
+    p.add_argument("--chunks", type=int, default=None,
+                   help=f"chunks to write (default {d.chunks}, --quick {q.chunks})")
+    p.add_argument("--sample-every", type=int, default=None,
+                   help=f"chunks between samples (default {d.sample_every}, --quick {q.sample_every})")
     p.add_argument("--heads", type=int, default=d.heads, help=f"heads (default {d.heads})")
-    p.add_argument("--tokens-per-frame", type=int, default=d.tokens_per_frame,
-                   help=f"tokens per frame (default {d.tokens_per_frame})")
+    p.add_argument("--tokens-per-frame", type=int, default=None,
+                   help=f"tokens per frame (default {d.tokens_per_frame}, --quick {q.tokens_per_frame})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run of seconds: {q.chunks} chunks of {q.tokens_per_chunk} tokens, "
+                   f"a sample every {q.sample_every}")
     p.add_argument("--bits", type=int, choices=(2, 4), default=d.bits, help="QVG bits (default 2)")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="allowed drift of resident bytes and RSS after the window filled (default 0.05)")
@@ -222,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    base = QUICK if args.quick else d
+    for name in ("chunks", "sample_every", "tokens_per_frame"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(base, name))
     for name in ("chunks", "sample_every", "heads", "tokens_per_frame"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

@@ -11,6 +11,8 @@ listed in `causalkv.cli.faults`.
 
 This module is light (no torch): `main` is the console script, and a SIGINT or SIGTERM while
 the commands import (torch, diffusers: seconds) or parse ends in one line, exit 130 or 143.
+A reader of stdout that goes away (``causalkv plugins | head -n 1``) ends any command
+quietly with exit 0 (`causalkv.cli.reader_gone`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from causalkv.cli.reader_gone import flush_stdout, silence_stdout, stdout_reader_gone
 from causalkv.cli.signals import Terminated, sigterm_raises
 
 __all__ = ["build_parser", "main"]
@@ -29,13 +32,28 @@ STARTING = "causalkv: {how} while starting (before any work); nothing written"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``causalkv`` command: import the commands, parse ``argv``, run one."""
+    """The ``causalkv`` command: import the commands, parse ``argv``, run one.
+
+    A reader of stdout that goes away (``| head -n 1``) ends every command quietly, exit 0
+    (`causalkv.cli.reader_gone`): what the command printed is flushed here, before the
+    interpreter's exit, and a ``BrokenPipeError`` of stdout leaves no traceback."""
     try:
         with sigterm_raises():
             # lazy: the commands import torch; a signal during that import is one line here
             from causalkv.cli.commands import main as run
 
-            return run(argv)
+            try:
+                code = run(argv)
+            except SystemExit:  # --help, --version, a usage error: their text is buffered too
+                flush_stdout()
+                raise
+            flush_stdout()
+            return code
+    except BrokenPipeError:
+        if not stdout_reader_gone():  # another pipe broke: not the reader going away
+            raise
+        silence_stdout()
+        return 0
     except KeyboardInterrupt:
         _stderr(STARTING.format(how="interrupted"))
         return 128 + signal.SIGINT

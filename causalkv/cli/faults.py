@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from causalkv.cli.reader_gone import silence_stdout
 from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.runtime.processes import launch
@@ -88,16 +89,6 @@ def reserve_standard_fds() -> None:
                 os.close(got)
 
 
-def _silence_stdout() -> None:
-    """Point file descriptor 1 at /dev/null so the interpreter's final flush cannot fail."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (captured)
-        pass
-
-
 class StdoutError(CausalKVError, OSError):
     """stdout refused the first line (``/dev/full``, a device or file system error): exit 2,
     before any weights load (the first line is the run's header)."""
@@ -119,7 +110,7 @@ class Stdout:
 
     def _failed(self, exc: OSError) -> None:
         self.broken = True
-        _silence_stdout()
+        silence_stdout()
         if isinstance(exc, BrokenPipeError):
             return
         if self.lines == 0:
@@ -240,7 +231,7 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
     except MemoryError:  # a size no check foresaw: one line, not a traceback
         return fail("error: out of memory; free memory or make the request smaller", EXIT_ERROR)
     except BrokenPipeError:  # stdout went away outside of `Stdout` (a plugin printing)
-        _silence_stdout()
+        silence_stdout()
         return fail("error: stdout was closed before the command finished", EXIT_ERROR)
     except Exception as exc:  # noqa: BLE001 - the last resort: one line, traceback on request
         hint = "" if debug else "; rerun with --debug for the traceback"

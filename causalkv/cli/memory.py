@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -185,11 +184,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
     text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan)
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # `| head`: the reader has what it wanted
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    print(text, flush=True)  # a reader that went away (`| head`): `causalkv.cli.main` ends quietly
     return 0
 
 

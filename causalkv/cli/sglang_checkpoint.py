@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from causalkv.cli.faults import Steps, run_guarded
+from causalkv.cli.faults import Stdout, Steps, run_guarded
 from causalkv.runtime.tools.sglang_checkpoints import (
     CHECKPOINTS,
     build_sglang_checkpoint,
@@ -28,11 +28,13 @@ def _main(args: argparse.Namespace) -> int:
     def body() -> int:
         cached = is_complete_checkpoint(args.dir, spec.name)
         folder = build_sglang_checkpoint(spec.name, args.dir, force=bool(args.force))
-        print(f"{'found complete' if cached else 'built'} tiny {spec.name} checkpoint in {folder} "
-              f"({spec.pipeline_class}, {spec.dit_class}; RANDOM weights)")
+        out = Stdout()  # a reader that goes away (`| head`) ends the printing: the folder is built
+        out(f"{'found complete' if cached else 'built'} tiny {spec.name} checkpoint in {folder} "
+            f"({spec.pipeline_class}, {spec.dit_class}; RANDOM weights)")
         if spec.known_failure:
-            print(f"note: {spec.known_failure}")
-        print(generate_command(spec.name, folder))
+            out(f"note: {spec.known_failure}")
+        out(generate_command(spec.name, folder))
+        out.flush()
         return 0
 
     return run_guarded("causalkv sglang-checkpoint", body, debug=bool(args.debug),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from causalkv.cli.faults import Steps, run_guarded
+from causalkv.cli.faults import Stdout, Steps, run_guarded
 from causalkv.errors import ConfigError
 
 __all__ = ["build", "register"]
@@ -69,10 +69,12 @@ def build(folder: str | Path) -> tuple[Path, bool]:
 def _main(args: argparse.Namespace) -> int:
     def body() -> int:
         folder, cached = build(args.dir)
-        print(f"{'found complete' if cached else 'built'} tiny LingBot-World checkpoint in "
-              f"{folder} (vLLM-Omni 0.30.0 layout: LingBotWorldCausalDMDPipeline, "
-              "CausalLingBotWorldTransformer3DModel; RANDOM weights)")
-        print(NOTE)
+        out = Stdout()  # a reader that goes away (`| head`) ends the printing: the folder is built
+        out(f"{'found complete' if cached else 'built'} tiny LingBot-World checkpoint in "
+            f"{folder} (vLLM-Omni 0.30.0 layout: LingBotWorldCausalDMDPipeline, "
+            "CausalLingBotWorldTransformer3DModel; RANDOM weights)")
+        out(NOTE)
+        out.flush()
         return 0
 
     return run_guarded("causalkv vllm-omni-checkpoint", body, debug=bool(args.debug),
