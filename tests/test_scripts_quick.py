@@ -249,7 +249,6 @@ def generate_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "generate.json"
 
 
-@pytest.mark.slow
 def test_generate(generate_json: Path) -> None:
     results = json.loads(generate_json.read_text())
     assert set(results) == GENERATE_STAGES
@@ -271,7 +270,6 @@ def test_generate(generate_json: Path) -> None:
     assert all(results["longlive2"][m]["pinned_chunks"] == [2] for m in ("off", "int4", "int2"))
 
 
-@pytest.mark.slow
 def test_report(codec_json: Path, generate_json: Path, tmp_path: Path) -> None:
     """The four figures of docs/benchmarks.md, drawn from the JSON above (``make bench`` hands
     report.py the same files' contents through its own runs)."""
