@@ -15,8 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from causalkv.caches import KVCacheSpec
 from causalkv.caches.qvg import (
-    CAUSALKV,
-    SGLANG,
+    RECENT_CHUNKS,
+    RECENT_NON_SINK,
     ChunkInfo,
     KVWrite,
     PackingDecision,
@@ -75,8 +75,8 @@ def _peak(fn):
 
 def test_both_hosts_hold_their_kv_in_the_one_store():
     cache = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q)
-    assert type(cache.store) is SegmentStore and cache.store.policy is CAUSALKV
-    assert QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=SGLANG).store.policy is SGLANG
+    assert type(cache.store) is SegmentStore and cache.store.policy is RECENT_CHUNKS
+    assert QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=RECENT_NON_SINK).store.policy is RECENT_NON_SINK
 
 
 def test_gather_decodes_into_one_buffer_with_no_temporary_and_no_cat(monkeypatch):
@@ -218,17 +218,17 @@ CHUNKS = (ChunkInfo(0, 0, N, sink=True), ChunkInfo(1, N, 2 * N), ChunkInfo(2, 2 
 @pytest.mark.parametrize(
     ("policy", "quant", "dense"),
     [
-        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1), {3: "recent"}),
-        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
+        (RECENT_CHUNKS, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1), {3: "recent"}),
+        (RECENT_CHUNKS, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
          {0: "sink", 2: "sink", 3: "recent"}),
-        (CAUSALKV, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2, sink_keep_chunks=1),
+        (RECENT_CHUNKS, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2, sink_keep_chunks=1),
          {0: "sink_keep", 2: "recent", 3: "recent"}),
         # sglang: sink chunks (the pinned one included) do not count as recent ...
-        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2), {1: "recent", 3: "recent"}),
+        (RECENT_NON_SINK, QVGKVQuantArgs(codec="int2", keep_recent_chunks=2), {1: "recent", 3: "recent"}),
         # ... and with sink=0 stay bf16: the stream-start sink and the pinned shot sink
-        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
+        (RECENT_NON_SINK, QVGKVQuantArgs(codec="int2", keep_recent_chunks=1, sink=False),
          {0: "sink", 2: "sink", 3: "recent"}),
-        (SGLANG, QVGKVQuantArgs(codec="int2", keep_recent_chunks=0, sink_keep_chunks=1),
+        (RECENT_NON_SINK, QVGKVQuantArgs(codec="int2", keep_recent_chunks=0, sink_keep_chunks=1),
          {0: "sink_keep"}),
     ],
 )
@@ -239,9 +239,9 @@ def test_policy_decisions(policy, quant, dense):
 
 def test_causalkv_full_sink_span_groups_wait_while_the_sink_is_open():
     q = QVGKVQuantArgs(codec="int2", keep_recent_chunks=0, sink_span="full")
-    closed = CAUSALKV.decide(q, CHUNKS, 4, sink_open=False, chunk_tokens=N)
+    closed = RECENT_CHUNKS.decide(q, CHUNKS, 4, sink_open=False, chunk_tokens=N)
     assert closed.groups == (frozenset({0}), frozenset({2}))
-    assert CAUSALKV.decide(q, CHUNKS, 4, sink_open=True, chunk_tokens=N).groups[0] == {0, 4}
+    assert RECENT_CHUNKS.decide(q, CHUNKS, 4, sink_open=True, chunk_tokens=N).groups[0] == {0, 4}
 
 
 class _KeepEverything(PackingPolicy):
@@ -257,11 +257,11 @@ def test_a_host_passes_any_policy_object_and_names_are_spellings():
         k, v = _kv(i)
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
     assert cache.quantize_calls == 0 and cache.packing_report().chunks_dense == {"policy": 3}
-    assert resolve_policy("sglang") is SGLANG and resolve_policy("causalkv") is CAUSALKV
-    with pytest.raises(ConfigError, match=r"one of \['causalkv', 'sglang'\], got 'qvg'"):
+    assert resolve_policy("recent-non-sink") is RECENT_NON_SINK and resolve_policy("recent-chunks") is RECENT_CHUNKS
+    with pytest.raises(ConfigError, match=r"one of \['recent-chunks', 'recent-non-sink'\], got 'qvg'"):
         resolve_policy("qvg")
     with pytest.raises(ConfigError, match="must be a PackingPolicy"):
-        _store(policy="sglang")
+        _store(policy="recent-non-sink")
 
 
 def test_a_lazy_view_reads_the_layout_it_was_made_from():

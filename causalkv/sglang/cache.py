@@ -6,7 +6,7 @@ Where a token lands and what a view shows follow sglang's dense cache exactly
 (`causalkv.sglang.slots`); the K/V themselves live in causalkv's one QVG segment store
 (`causalkv.caches.qvg.store.SegmentStore`, the same store causalkv's own packed cache uses),
 completed chunks packed with causalkv's codec under sglang's packing rule (the policy object
-`causalkv.caches.qvg.policy.SGLANG`). With quantization off every view equals sglang's dense
+`causalkv.caches.qvg.policy.RECENT_NON_SINK`). With quantization off every view equals sglang's dense
 cache bit for bit.
 
 `SGLangQVGKVCache.update_and_get_segment_view` makes the same write and returns the same
@@ -35,7 +35,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals, normalize
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import SGLANG
+from causalkv.caches.qvg.policy import RECENT_NON_SINK
 from causalkv.caches.qvg.store import KVWrite, PackedKV, Segment, SegmentStore
 from causalkv.caches.spec import CacheProtocolError, CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
@@ -126,7 +126,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         #: centroids as sglang's flags give them, capped at a chunk's tokens by the codec)
         self.store = SegmentStore(
             batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            device=device, quant=quant, policy=SGLANG, min_tokens_per_centroid=None,
+            device=device, quant=quant, policy=RECENT_NON_SINK, min_tokens_per_centroid=None,
             scratch=scratch,
         )
         self.scratch = scratch

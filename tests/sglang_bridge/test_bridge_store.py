@@ -1,6 +1,6 @@
 """The bridge's cache over causalkv's one segment store: plan-then-commit, sink handling, views.
 
-- The bridge stores K/V in `causalkv.caches.qvg.store.SegmentStore` with the `SGLANG` policy
+- The bridge stores K/V in `causalkv.caches.qvg.store.SegmentStore` with the `RECENT_NON_SINK` policy
   object, the very class causalkv's own `QVGPackedCausalKVCache` uses.
 - A write whose pack fails (NaN/inf in a cold chunk) raises and leaves everything as it was:
   sglang's cursors and their int twins, the slots, the pin, the stored segments.
@@ -17,7 +17,7 @@ import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
 from causalkv.caches import KVCacheSpec
-from causalkv.caches.qvg import SGLANG, SegmentStore, codec
+from causalkv.caches.qvg import RECENT_NON_SINK, SegmentStore, codec
 from causalkv.caches.qvg import QVGKVQuantArgs as CausalKVQuant
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CacheWriteError
@@ -58,7 +58,7 @@ def _snapshot(cache):
 
 def test_the_bridge_stores_in_causalkvs_segment_store_with_sglangs_policy():
     cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16))
-    assert type(cache.store) is SegmentStore and cache.store.policy is SGLANG
+    assert type(cache.store) is SegmentStore and cache.store.policy is RECENT_NON_SINK
     own = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), CausalKVQuant(codec="int2", block_size=16))
     assert type(own.store) is type(cache.store)
 

@@ -1,7 +1,7 @@
 """`causalkv memory --host sglang` against the bridge's real cache (`SGLangQVGKVCache`).
 
 The planner's sglang host models the bridge: sglang's slot arithmetic decides what a layer
-holds, sglang's packing rule (`SGLANG`) which chunk is packed, the centroids as sglang's flags
+holds, sglang's packing rule (`RECENT_NON_SINK`) which chunk is packed, the centroids as sglang's flags
 give them. A bridge cache given no scratch holds the chunk being generated itself and packs at
 the next advance, so after chunk i+1's first write it holds what the planner says one layer
 holds after chunk i's context pass, plus chunk i+1 in bf16.

@@ -6,7 +6,7 @@ A codec turns one K or V segment ``[B, H, S, D]`` into a packed record and back
 A *codec setting* is a name the user types (``--kv-cache-quant int4``,
 ``--kv-cache-quant-recent-tier fp8``) bound to a ``"module:Class"`` target and the keyword
 parameters its ``from_settings`` receives. Settings are registered by name and imported on
-first use, like vLLM's attention backends, so this module imports no torch and naming a
+first use (lazy "module:Class" targets), so this module imports no torch and naming a
 setting costs nothing until a cache packs with it.
 
 Built in:

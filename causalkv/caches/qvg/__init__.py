@@ -9,8 +9,8 @@ without decoding it to memory (a Triton kernel; that module needs triton, so it 
 exported here). See docs/attention.md.
 
 `SegmentStore` (`causalkv.caches.qvg.store`) holds one layer's K/V by global position with
-cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `CAUSALKV`,
-`SGLANG`); causalkv's `QVGPackedCausalKVCache` and the sglang bridge's cache both use it.
+cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `RECENT_CHUNKS`,
+`RECENT_NON_SINK`); causalkv's `QVGPackedCausalKVCache` and every host adapter's cache use it.
 Which cold chunks it packs by which codec in which spans is its tier policy
 (`causalkv.caches.qvg.tiering`), the decision the memory planner counts bytes from.
 
@@ -38,13 +38,13 @@ if TYPE_CHECKING:
         recent_tiers,
     )
     from causalkv.caches.qvg.policy import (
-        CAUSALKV,
-        SGLANG,
-        CausalKVPolicy,
+        RECENT_CHUNKS,
+        RECENT_NON_SINK,
         ChunkInfo,
         PackingDecision,
         PackingPolicy,
-        SGLangPolicy,
+        RecentChunksPolicy,
+        RecentNonSinkPolicy,
     )
     from causalkv.caches.qvg.store import KVWrite, SegmentStore
 
@@ -62,8 +62,8 @@ _EXPORTS = {
         ("PackedSegment", "bits_per_element", "packed_nbytes_formula"), "causalkv.caches.qvg.format"
     ),
     **dict.fromkeys(
-        ("CAUSALKV", "SGLANG", "CausalKVPolicy", "ChunkInfo", "PackingDecision", "PackingPolicy",
-         "SGLangPolicy"),
+        ("RECENT_CHUNKS", "RECENT_NON_SINK", "RecentChunksPolicy", "ChunkInfo", "PackingDecision", "PackingPolicy",
+         "RecentNonSinkPolicy"),
         "causalkv.caches.qvg.policy",
     ),
     **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
@@ -72,9 +72,9 @@ _EXPORTS = {
 
 __all__ = [
     "BACKEND_ENV",
-    "CAUSALKV",
-    "SGLANG",
-    "CausalKVPolicy",
+    "RECENT_CHUNKS",
+    "RECENT_NON_SINK",
+    "RecentChunksPolicy",
     "ChunkInfo",
     "ChunkScratch",
     "KVWrite",
@@ -84,7 +84,7 @@ __all__ = [
     "QVGCodecOptions",
     "QVGKVQuantArgs",
     "QVGPackingOptions",
-    "SGLangPolicy",
+    "RecentNonSinkPolicy",
     "SegmentStore",
     "add_cli_args",
     "bits_per_element",

@@ -8,7 +8,7 @@ for V, ``[B, H, len, D]``). With quantization off every segment stays dense and 
 bit-for-bit those of `DenseCausalKVCache`.
 
 Packing, applied once per advance (a segment is quantized at most once), follows the cache's
-packing policy object (`causalkv.caches.qvg.policy`; `CAUSALKV` by default):
+packing policy object (`causalkv.caches.qvg.policy`; `RECENT_CHUNKS` by default):
 
 - the current chunk and the newest ``keep_recent_chunks`` completed chunks stay dense;
 - sink chunks (those holding stream-start sink or pinned shot-sink tokens) are packed too
@@ -116,10 +116,11 @@ class QVGPackedCausalKVCache(StreamCache):
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`, default 32);
             1 allows up to one centroid per token (never more than ``quant.centroids``).
         policy: which completed chunks stay dense, a `PackingPolicy` object:
-            `causalkv.caches.qvg.policy.CAUSALKV` (the rule above, the default) or ``SGLANG``
-            (sglang's: the newest ``keep_recent_chunks`` non-sink chunks; sink chunks are
-            packed as soon as they are completed unless ``sink=False`` or among the leading
-            ``sink_keep_chunks``). The names ``"causalkv"``/``"sglang"`` are accepted too.
+            `causalkv.caches.qvg.policy.RECENT_CHUNKS` (the rule above, the default) or
+            ``RECENT_NON_SINK`` (the newest ``keep_recent_chunks`` non-sink chunks; sink chunks
+            are packed as soon as they are completed unless ``sink=False`` or among the leading
+            ``sink_keep_chunks``). The names ``"recent-chunks"``/``"recent-non-sink"`` are
+            accepted too.
         scratch: the stage's `ChunkScratch` (shared by every layer and CFG branch of the
             stage): the chunk being generated lives there, once, not in this cache, and a
             write made inside ``scratch.context_pass()`` moves the chunk to its tier at once
@@ -189,7 +190,7 @@ class QVGPackedCausalKVCache(StreamCache):
         seed: int = 1234,
         min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
         head_offset: int | None = None,
-        policy: PackingPolicy | str = "causalkv",
+        policy: PackingPolicy | str = "recent-chunks",
         scratch: ChunkScratch | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)

@@ -7,18 +7,19 @@ A host only describes its chunks (`ChunkInfo`: where each one sits and whether i
 stream-start sink or pinned shot-sink tokens, by the host's own position bookkeeping); the
 rule is the policy's:
 
-- `CausalKVPolicy` (`CAUSALKV`): causalkv's rule. The newest ``keep_recent_chunks`` completed
+- `RecentChunksPolicy` (`RECENT_CHUNKS`, "recent-chunks"): keep-recent over all completed chunks. The newest ``keep_recent_chunks`` completed
   chunks stay dense, sink chunks included; ``sink=True`` packs sink chunks too (one chunk at a
   time, or, with ``sink_span="full"``, the stream-start sink and the pinned shot sink each as
   one span once all of it is cold), except the leading ``sink_keep_chunks``; ``sink=False``
   keeps every sink chunk dense.
-- `SGLangPolicy` (`SGLANG`): sglang's rule (its ``QVGPackedCausalKVCache``): the newest
+- `RecentNonSinkPolicy` (`RECENT_NON_SINK`, "recent-non-sink"): keep-recent over non-sink chunks: the newest
   ``keep_recent_chunks`` completed *non-sink* chunks stay dense; a completed sink chunk is
   packed at once unless ``sink=False`` or it starts before ``sink_keep_chunks`` chunks of
-  the stream's first chunk size. Pinned shot-sink chunks count as sink chunks (sglang's own
-  cache refuses pins; ``sink=False`` keeps them dense, as causalkv's rule does).
+  the stream's first chunk size. Pinned shot-sink chunks count as sink chunks (``sink=False``
+  keeps them dense, as the other rule does). A host whose stock packed cache follows this rule
+  uses it to match that cache chunk for chunk.
 
-No host imports this module's rule by name: a cache takes a policy object.
+Policies are named by the rule they decide, never by a host: a cache takes a policy object.
 """
 
 from __future__ import annotations
@@ -31,20 +32,20 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
 
 __all__ = [
-    "CAUSALKV",
+    "RECENT_CHUNKS",
     "DENSE_REASONS",
     "NON_FINITE",
     "REWRITTEN",
     "MIN_TOKENS_PER_CENTROID",
-    "SGLANG",
-    "CausalKVPolicy",
+    "RECENT_NON_SINK",
+    "RecentChunksPolicy",
     "ChunkInfo",
     "PackingDecision",
     "PackingPolicy",
-    "SGLangPolicy",
+    "RecentNonSinkPolicy",
     "centroids_for",
     "resolve_policy",
-    "sglang_dense_chunks",
+    "recent_non_sink_dense",
 ]
 
 MIN_TOKENS_PER_CENTROID = 32
@@ -129,10 +130,10 @@ class PackingPolicy(ABC):
 
 
 @dataclass(frozen=True)
-class CausalKVPolicy(PackingPolicy):
-    """causalkv's rule (the module docstring); `CAUSALKV` is the instance."""
+class RecentChunksPolicy(PackingPolicy):
+    """Keep-recent over all completed chunks (the module docstring); `RECENT_CHUNKS` is the instance."""
 
-    name: str = "causalkv"
+    name: str = "recent-chunks"
 
     def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
         q = quant
@@ -151,10 +152,10 @@ class CausalKVPolicy(PackingPolicy):
         return PackingDecision(dense, groups)
 
 
-def sglang_dense_chunks(
+def recent_non_sink_dense(
     completed: Iterable[tuple[int, bool, bool]], keep_recent: int, pack_sink: bool
 ) -> set[int]:
-    """Ids of the completed chunks that stay dense under sglang's rule.
+    """Ids of the completed chunks that stay dense under keep-recent over non-sink chunks.
 
     Args:
         completed: ``(chunk_id, is_sink, protected)`` for every completed chunk still held,
@@ -172,16 +173,16 @@ def sglang_dense_chunks(
 
 
 @dataclass(frozen=True)
-class SGLangPolicy(PackingPolicy):
-    """sglang's rule (the module docstring); `SGLANG` is the instance."""
+class RecentNonSinkPolicy(PackingPolicy):
+    """Keep-recent over non-sink chunks (the module docstring); `RECENT_NON_SINK` is the instance."""
 
-    name: str = "sglang"
+    name: str = "recent-non-sink"
 
     def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
         q = quant
         protect = q.sink_keep_chunks * max(1, chunk_tokens)
         rows = [(c.index, c.sink or c.pinned, c.sink and c.start < protect) for c in chunks]
-        keep = sglang_dense_chunks(rows, q.keep_recent_chunks, q.sink)
+        keep = recent_non_sink_dense(rows, q.keep_recent_chunks, q.sink)
         dense = {}
         for index, is_sink, _ in rows:
             if index in keep:
@@ -189,13 +190,13 @@ class SGLangPolicy(PackingPolicy):
         return PackingDecision(dense)
 
 
-CAUSALKV = CausalKVPolicy()
-SGLANG = SGLangPolicy()
-_BY_NAME = {p.name: p for p in (CAUSALKV, SGLANG)}
+RECENT_CHUNKS = RecentChunksPolicy()
+RECENT_NON_SINK = RecentNonSinkPolicy()
+_BY_NAME = {p.name: p for p in (RECENT_CHUNKS, RECENT_NON_SINK)}
 
 
 def resolve_policy(policy: PackingPolicy | str) -> PackingPolicy:
-    """A policy object; the names ``"causalkv"``/``"sglang"`` are accepted spellings."""
+    """A policy object; the names ``"recent-chunks"``/``"recent-non-sink"`` are accepted spellings."""
     if isinstance(policy, PackingPolicy):
         return policy
     if isinstance(policy, str) and policy in _BY_NAME:

@@ -1,7 +1,7 @@
 """`SegmentStore`: K/V by global position in chunk segments, cold ones packed by a codec.
 
 The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions by
-`StreamState`) and the sglang bridge's ``SGLangQVGKVCache`` (by `causalkv.sglang.slots`). A
+`StreamState`) and the host adapters' caches (by their own cursor arithmetic). A
 host tells the store *which* positions it holds and *what* to write; the store keeps the
 values: ``segments``, `Segment` s in ascending position, each a run of one chunk (or a packed
 span) whose ``storage`` is `DenseKV` ``[B, len, H, D]`` or `PackedKV` (a codec record each
@@ -28,10 +28,10 @@ from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
-    CAUSALKV,
     MIN_TOKENS_PER_CENTROID,
     POLICY,
     QUANT_OFF,
+    RECENT_CHUNKS,
     PackingPolicy,
 )
 from causalkv.caches.qvg.segments import (
@@ -104,7 +104,7 @@ class SegmentStore(StoreReads, StorePacking):
         dtype: torch.dtype,
         device: torch.device | str,
         quant: QVGKVQuantArgs,
-        policy: PackingPolicy = CAUSALKV,
+        policy: PackingPolicy = RECENT_CHUNKS,
         seed: int = 1234,
         head_offset: int = 0,
         offload: bool = False,
@@ -145,7 +145,7 @@ class SegmentStore(StoreReads, StorePacking):
         self.codebook: Codebook | None = None
         #: index of the chunk being written (None before the first advance)
         self.current: int | None = None
-        #: tokens of the stream's first chunk (sglang's ``sink_keep_chunks`` unit)
+        #: tokens of the stream's first chunk (the ``sink_keep_chunks`` unit of `RECENT_NON_SINK`)
         self.chunk_tokens = 0
         #: codec calls so far (K and V together): a segment is never packed twice
         self.quantize_calls = 0

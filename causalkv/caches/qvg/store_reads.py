@@ -5,7 +5,7 @@ position runs (dense rows copied, packed token ranges decoded in place with
 ``dequantize(out=...)``: no dequantized temporary, no concatenation); `decode` does the same
 for one segment (streaming attention holds one segment at a time); `locate_pieces` gives
 `gather`'s pieces as the stored runs they read, for a reader that attends them one at a time
-without building the buffer (the sglang bridge's segment view). Every read of a segment in
+without building the buffer (a host's segment view). Every read of a segment in
 the stage's shared scratch is checked first (`SegmentStore.check_readable`: only the
 scratch's last writer reads it). `held`, `resident_nbytes` (a shared codebook counted once), `covers_dense` say
 what the store holds.

@@ -199,7 +199,7 @@ class TierPolicy:
         quant: the cache's QVG settings (``codec``, ``recent_tier``, ``span_chunks``,
             ``codebook_chunks``, centroids).
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
-            ``quant.centroids`` as given (sglang's bridge).
+            ``quant.centroids`` as given.
         batch_size, num_heads, head_dim: the K/V's ``[B, ., H, D]``.
         item_bytes: bytes of one dense element (the store's dtype).
     """

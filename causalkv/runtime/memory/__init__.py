@@ -9,7 +9,7 @@ bytes the caches of one stage hold, beside what sglang's dense cache allocates f
 request. Nothing is allocated: the bytes of a packed chunk are `packed_nbytes_formula`'s
 (the codec's exact stored bytes), which chunk is held is the host's own position bookkeeping
 (`StreamState` for causalkv's cache, `causalkv.sglang.slots` for the sglang bridge), and which
-chunk stays dense is the packing policy object's decision (`SGLANG` / `CAUSALKV`), and which
+chunk stays dense is the packing policy object's decision (`RECENT_NON_SINK` / `RECENT_CHUNKS`), and which
 cold chunks are packed by which codec, in which spans and with which shared codebook is the
 segment store's own tier policy (`causalkv.caches.qvg.tiering.TierPolicy`, the store encodes
 what it decides, the planner counts it), so the planner and the caches share one

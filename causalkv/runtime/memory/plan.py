@@ -15,7 +15,12 @@ from typing import Any
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import CAUSALKV, MIN_TOKENS_PER_CENTROID, SGLANG, PackingPolicy
+from causalkv.caches.qvg.policy import (
+    MIN_TOKENS_PER_CENTROID,
+    RECENT_CHUNKS,
+    RECENT_NON_SINK,
+    PackingPolicy,
+)
 from causalkv.caches.qvg.tiering import (
     BookState,
     Kept,
@@ -108,7 +113,7 @@ class SettingPlan:
 
 
 def _policy(host: str) -> PackingPolicy:
-    return SGLANG if host == "sglang" else CAUSALKV
+    return RECENT_NON_SINK if host == "sglang" else RECENT_CHUNKS
 
 
 def _call_buffers(

@@ -7,7 +7,7 @@ by default, 1,560 tokens per latent frame) keeps per layer ``[B, max_tokens, H, 
 
 With causalkv's store (`causalkv.vllm_omni.store.LingBotLayerKV`) each layer holds a
 `QVGPackedCausalKVCache` without a chunk scratch: the context at its tiers (the packing policy
-``CAUSALKV``, the codec's stored-bytes formula) and, in every layer, the chunk committed last in
+``RECENT_CHUNKS``, the codec's stored-bytes formula) and, in every layer, the chunk committed last in
 bf16 (the cache's current chunk until the next block commits). The context is what
 `plan_setting` counts for causalkv's own cache (host ``causalkv``: after a context pass, trimmed
 to what the next advance keeps), whose chunk being generated lives in one scratch shared by the

@@ -1,7 +1,7 @@
-"""`QVGPackedCausalKVCache(policy=SGLANG)`: sglang's packing rule in causalkv's own cache.
+"""`QVGPackedCausalKVCache(policy=RECENT_NON_SINK)`: keep-recent over non-sink chunks in causalkv's own cache.
 
 Runs in the main environment (no sglang needed); the bridge's cache uses the same policy
-object (`causalkv.caches.qvg.policy.SGLANG`) over
+object (`causalkv.caches.qvg.policy.RECENT_NON_SINK`) over
 the same segment store and is tested against sglang itself in tests/sglang_bridge.
 """
 
@@ -13,7 +13,7 @@ import torch
 from causalkv.caches import KVCacheSpec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.qvg.policy import CAUSALKV, SGLANG, sglang_dense_chunks
+from causalkv.caches.qvg.policy import RECENT_CHUNKS, RECENT_NON_SINK, recent_non_sink_dense
 
 CHUNK = 8
 SPEC = KVCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
@@ -21,7 +21,7 @@ SPEC = KVCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
 
 
 def test_unknown_policy_names_the_choices():
-    with pytest.raises(ValueError, match=r"one of \['causalkv', 'sglang'\], got 'qvg'"):
+    with pytest.raises(ValueError, match=r"one of \['recent-chunks', 'recent-non-sink'\], got 'qvg'"):
         QVGPackedCausalKVCache(SPEC, policy="qvg")
 
 
@@ -36,7 +36,7 @@ def test_unknown_policy_names_the_choices():
     ],
 )
 def test_rule_counts_only_non_sink_chunks_as_recent(completed, keep_recent, pack_sink, dense):
-    assert sglang_dense_chunks(completed, keep_recent, pack_sink) == dense
+    assert recent_non_sink_dense(completed, keep_recent, pack_sink) == dense
 
 
 def _packed_flags(policy, chunks: int) -> list[list[bool]]:
@@ -52,15 +52,15 @@ def _packed_flags(policy, chunks: int) -> list[list[bool]]:
     return flags
 
 
-def test_sglang_policy_packs_the_sink_chunk_at_once():
+def test_recent_non_sink_packs_the_sink_chunk_at_once():
     # chunk 0 is the sink chunk; keep_recent=1 keeps one completed non-sink chunk dense
-    assert _packed_flags("sglang", 4) == [
+    assert _packed_flags("recent-non-sink", 4) == [
         [False], [True, False], [True, False, False], [True, True, False, False]]
     # causalkv's rule counts the sink chunk as the recent one
-    assert _packed_flags("causalkv", 4)[1] == [False, False]
+    assert _packed_flags("recent-chunks", 4)[1] == [False, False]
 
 
 def test_policy_names_are_spellings_of_the_objects():
-    assert _packed_flags(SGLANG, 4) == _packed_flags("sglang", 4)
-    assert _packed_flags(CAUSALKV, 4) == _packed_flags("causalkv", 4)
-    assert QVGPackedCausalKVCache(SPEC, policy="sglang").policy is SGLANG
+    assert _packed_flags(RECENT_NON_SINK, 4) == _packed_flags("recent-non-sink", 4)
+    assert _packed_flags(RECENT_CHUNKS, 4) == _packed_flags("recent-chunks", 4)
+    assert QVGPackedCausalKVCache(SPEC, policy="recent-non-sink").policy is RECENT_NON_SINK
