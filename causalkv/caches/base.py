@@ -1,9 +1,10 @@
 """`StreamCache`: the contract plumbing every causal cache shares.
 
-Validation, write classification (rewrite / advance / error), reads, pins and
+Validation, write classification (rewrite / advance / error), probes, reads, pins and
 `can_direct_current_attention` live here once, over a `StreamState`. A cache implements only
 its storage: `_advance` (make room for a new chunk and commit the new state), `_write_current`
-(copy the chunk's K/V into the current chunk's storage) and `_view` (build the view).
+(copy the chunk's K/V into the current chunk's storage), `_view` (build the view) and
+`_read_pieces` (held positions into one buffer, for a probe).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.spec import (
     CausalAttentionKVView,
@@ -49,20 +51,63 @@ class StreamCache(ABC):
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
+        probe: bool = False,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
 
         ``current_chunk_start`` equal to the current chunk's start rewrites it in place;
         equal to ``global_end`` advances the stream (evicting and, for a packed cache,
         packing). Anything else raises CacheWriteError and leaves the cache unchanged.
+        ``probe=True``: the same view, and nothing stored (`probe_view`).
         """
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
+        if probe:
+            return self.probe_view(key, value, current_chunk_start, (h0, h1),
+                                   recent_window_tokens, debug_name)
         n = key.shape[1]
         if self.state.classify(current_chunk_start, n, debug_name) == "advance":
             self._advance(self.state.advanced(n, debug_name), (h0, h1))
         self._write_current(key, value, h0, h1)
         return self._view(h0, h1, recent_window_tokens)
+
+    def probe_view(
+        self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],
+        recent_window_tokens: int | None, debug_name: str,
+    ) -> CausalAttentionKVView:
+        """The view the write of ``key``/``value`` ``[B, n, h, D]`` at ``start`` (heads
+        ``heads``, already checked) would return, with nothing stored: a probe (a denoising
+        pass of the chunk being generated, whose K/V no later call reads).
+
+        The history (the visible positions outside the chunk, as the write would leave them:
+        eviction applied) is read into one ``[B, visible, h, D]`` K and V buffer (packed
+        positions decoded into it) and the chunk's visible rows copied after it; the cache is
+        not changed, so a later call sees what it would have seen without the probe. Refused
+        as the write would be (CacheWriteError), the cache unchanged.
+        """
+        n = key.shape[1]
+        st = self.state
+        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
+        visible = new.visible(recent_window_tokens)
+        chunk = ((start, start + n),)
+        runs = [(a, b, False) for a, b in iv.subtract(visible, chunk)]
+        runs += [(a, b, True) for a, b in iv.intersect(visible, chunk)]
+        runs.sort()
+        k, v = self._read_pieces([(None if own else a, b - a) for a, b, own in runs], *heads)
+        at = 0
+        for a, b, own in runs:  # the chunk's visible rows: the caller's own K/V
+            if own:
+                k[:, at : at + b - a].copy_(key[:, a - start : b - start])
+                v[:, at : at + b - a].copy_(value[:, a - start : b - start])
+            at += b - a
+        return self._make_view(visible, state=new, k=k, v=v, device=k.device)
+
+    def _read_pieces(
+        self, pieces: list[tuple[int | None, int]], h0: int, h1: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[B, sum(lengths), h1 - h0, D]`` of ``pieces`` in order, one new buffer each:
+        ``(position, length)`` reads held positions, ``(None, length)`` leaves rows to fill."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _read_pieces")
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def get_attention_kv(

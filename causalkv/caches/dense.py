@@ -90,6 +90,22 @@ class DenseCausalKVCache(StreamCache):
             setattr(self, name, grown)
 
     # ---- views ------------------------------------------------------------------------
+    def _read_pieces(self, pieces, h0, h1):
+        """`StreamCache._read_pieces` from the buffer (a held run of positions is a run of slots)."""
+        st = self.state
+        total = sum(m for _, m in pieces)
+        shape = (self.spec.batch_size, total, h1 - h0, self.spec.head_dim)
+        k = self.k_cache.new_zeros(shape)
+        v = self.v_cache.new_zeros(shape)
+        at = 0
+        for p, m in pieces:
+            if p is not None:
+                slot = iv.rank(st.retained, p)
+                k[:, at : at + m].copy_(self.k_cache[:, slot : slot + m, h0:h1])
+                v[:, at : at + m].copy_(self.v_cache[:, slot : slot + m, h0:h1])
+            at += m
+        return k, v
+
     def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:
         st = self.state
         visible = st.visible(recent_window_tokens)

@@ -318,9 +318,14 @@ class CausalKVCache(Protocol):
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
+        probe: bool = False,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` for the chunk starting at
-        ``current_chunk_start`` (rewrite or advance) and return the attention view."""
+        ``current_chunk_start`` (rewrite or advance) and return the attention view.
+
+        ``probe=True`` marks a probe (a denoising pass of the chunk being generated): the same
+        view, and nothing stored or changed, so a later call sees what it would have seen
+        without it."""
         ...
 
     def get_attention_kv(

@@ -10,11 +10,12 @@ tokens per frame), so the pipeline's calls keep their meaning:
   that fit beside the chunk, and the chunk are visible; older chunks roll out and, with QVG on,
   cold chunks are packed;
 - the same ``current_start`` again rewrites the current chunk;
-- ``update_cache=False`` (LingBot's noisy DMD probes) returns the K/V the write would make
-  visible and stores nothing: one ``[B, visible, H, D]`` K and V buffer, the held positions
-  the write would keep read (packed ones decoded) straight into it and the probe's K/V copied
-  after them; nothing else is built, so the ledger's count of that buffer is the probe's
-  whole transient;
+- ``update_cache=False`` (LingBot's noisy DMD probes) is the core's probe
+  (``update_and_get_attention_kv(..., probe=True)``): the K/V the write would make visible,
+  nothing stored; one ``[B, visible, H, D]`` K and V buffer, the held positions the write
+  would keep read (packed ones decoded) straight into it and the probe's K/V copied after
+  them; nothing else is built, so the ledger's count of that buffer is the probe's whole
+  transient;
 - the errors vLLM-Omni raises for an overlapping, non-contiguous or resized chunk are raised
   here, with the same messages, before the cache is touched.
 
@@ -29,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import KVCacheSpec
@@ -136,14 +136,12 @@ class LingBotLayerKV:
                     "the full current chunk must remain visible."
                 )
             next_sink_end = max(0, min(n, sink_tokens - current_start))
-            kept: iv.Intervals | None = None
         elif current_start == self.last_start:
             if current_start + n != self.absolute_end:
                 raise ValueError("A repeated current_start must overwrite the same-size current chunk.")
             if n > self.end:
                 raise ValueError("The current chunk is no longer fully retained in the cache.")
             next_sink_end = self.sink_end
-            kept = None if update_cache else iv.clip(self.cache.visible_positions(), 0, current_start)
         else:
             if current_start < self.last_start:
                 raise ValueError(
@@ -163,11 +161,6 @@ class LingBotLayerKV:
             new_local = n - incoming_sink
             if new_local > local_capacity:
                 raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
-            retained = min(self.end - self.sink_end, local_capacity - new_local)
-            kept = None if update_cache else iv.intersect(  # the sink and the newest `retained`
-                self.cache.visible_positions(),
-                iv.normalize(((0, self.sink_end), (current_start - retained, current_start))),
-            )
         if update_cache:
             view = self.cache.update_and_get_attention_kv(
                 key=key, value=value, current_chunk_start=current_start,
@@ -179,23 +172,15 @@ class LingBotLayerKV:
             self.last_start = current_start
             self.sink_end = next_sink_end
             self.ledger.writes += 1
-        elif not kept:
+        elif self.last_start is None:  # a probe of the first chunk sees the chunk only
             k, v = key, value
-        else:
-            k, v = self._probe(key, value, kept)
+        else:  # a probe: the view the write would return, nothing stored (the core's probe)
+            view = self.cache.update_and_get_attention_kv(
+                key=key, value=value, current_chunk_start=current_start, probe=True,
+                debug_name=f"lingbot.self_attn[{self.layer}]",
+            )
+            k, v = view.k, view.v
         self.ledger.note(self.layer, self.cache.resident_nbytes(), k.nbytes + v.nbytes)
-        return k, v
-
-    def _probe(self, key: torch.Tensor, value: torch.Tensor,
-               kept: iv.Intervals) -> tuple[torch.Tensor, torch.Tensor]:
-        """A probe's visible K/V: the held positions ``kept`` (ascending) then the chunk, in one
-        ``[B, count(kept) + n, H, D]`` buffer per K and V, the history read (packed positions
-        decoded) straight into it: the only tensors the probe builds."""
-        n = key.shape[1]
-        pieces = [(a, b - a) for a, b in kept] + [(None, n)]
-        k, v = self.cache.store.gather(pieces, 0, self.spec.num_heads)
-        k[:, -n:].copy_(key)
-        v[:, -n:].copy_(value)
         return k, v
 
 

@@ -237,13 +237,18 @@ class QVGPackedCausalKVCache(StreamCache):
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
+        probe: bool = False,
     ) -> CausalAttentionKVView:
         """`StreamCache.update_and_get_attention_kv`; inside ``scratch.context_pass()`` the
         chunk then moves to its tier (the view returned shows it as written). The write and
         the move are planned first and committed as one: a refused call changes nothing,
-        the shared scratch included."""
+        the shared scratch included. ``probe=True``: the view, nothing stored
+        (`StreamCache.probe_view`; packed history decoded into the view's buffer)."""
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
+        if probe:
+            return self.probe_view(key, value, current_chunk_start, (h0, h1),
+                                   recent_window_tokens, debug_name)
         n, st = key.shape[1], self.state
         advance = st.classify(current_chunk_start, n, debug_name) == "advance"
         new = st.advanced(n, debug_name) if advance else st
@@ -358,6 +363,13 @@ class QVGPackedCausalKVCache(StreamCache):
         return self.store.packing_report()
 
     # ---- views ------------------------------------------------------------------------
+    def _read_pieces(self, pieces, h0, h1):
+        """`StreamCache._read_pieces` from the store (`SegmentStore.gather`, packed decoded)."""
+        if len(pieces) == 1:  # gather answers one piece with views of the store: copy it
+            k, v = self.store.gather(pieces, h0, h1)
+            return k.clone(), v.clone()
+        return self.store.gather(pieces, h0, h1)
+
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
         layout: list[Segment] | None = None, state: StreamState | None = None,
