@@ -494,8 +494,8 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
         "codec": quant.codec or "off", "recent_tier": quant.recent_tier,
         "layers": m.layers, "heads": m.heads,
         "chunk_tokens": m.chunk, "cache_tokens": m.cache, "chunks": m.chunks,
-        "peak_bytes": scratch.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
-        "peak_ratio": scratch.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
+        "peak_bytes": scratch.ledger.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
+        "peak_ratio": scratch.ledger.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
         "attn_rel_err": err,
     }
 

@@ -76,7 +76,7 @@ def test_views_are_those_without_the_scratch_and_the_stage_holds_less(name):
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
         assert a[2] == b[2] and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"view {i}"
     assert max(held_after) < max(held_before)
-    assert scratch.peak_resident_nbytes == max(held_after)
+    assert scratch.ledger.peak_resident_nbytes == max(held_after)
 
 
 def test_keep_recent_0_holds_the_next_chunks_context_packed_and_one_scratch_chunk():

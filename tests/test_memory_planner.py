@@ -381,7 +381,7 @@ def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered
             for c in caches:
                 c.pin_current_chunk(n)
         resident.append(sum(c.resident_nbytes() for c in caches))
-    return resident, scratch.nbytes, scratch.peak_nbytes
+    return resident, scratch.nbytes, scratch.ledger.peak_nbytes
 
 
 @pytest.mark.parametrize(("name", "cfg"), [*((n, False) for n in NAMES), ("int2-recent-int4", True)])

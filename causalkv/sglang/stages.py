@@ -152,7 +152,7 @@ def begin_chunk_loop(stage: Any) -> Any:
     stage.__dict__.pop(_SCENE_CUT, None)
     scratch = stage_scratch(stage)
     scratch.share()
-    scratch.reset_peaks()
+    scratch.ledger.reset_peaks()
     return scratch
 
 

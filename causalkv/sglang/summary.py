@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from causalkv.caches.ledger import peak_nbytes
 from causalkv.sglang.stages import begin_chunk_loop
 from causalkv.sglang.targets import log_once, qualname, served
 
@@ -82,10 +83,8 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
             if scratch is not None:
                 scratches[id(scratch)] = scratch
     resident += sum(s.nbytes for s in scratches.values())
-    if scratches:  # the ledger of the stage: every block that shares the scratch reports to it
-        peak = max(max(s.peak_nbytes for s in scratches.values()), resident)
-    else:
-        peak = resident
+    # the ledger of the stage: every block that shares the scratch reports to it
+    peak = peak_nbytes([s.ledger for s in scratches.values()], resident)
     first = sets[0][0]
     packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
     pinned = int(getattr(first, "pinned_len", 0) or 0)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
+from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.spec import CausalKVCache, KVCacheSpec
 from causalkv.capabilities import CHUNK_SCRATCH
@@ -265,7 +266,7 @@ class CausalDenoisingStage(StagePlanning):
             for cs in self._cache_sets:
                 cs.reset()
         if self.chunk_scratch is not None:
-            self.chunk_scratch.reset_peaks()
+            self.chunk_scratch.ledger.reset_peaks()
         self.loop.restart()
         self._reset_stream()
 
@@ -281,9 +282,8 @@ class CausalDenoisingStage(StagePlanning):
         chunk scratch its ledger (every layer and branch, the scratch, the largest one-call
         buffer a view filled), else the bytes held now (a preallocated cache holds its most
         from the first chunk on)."""
-        resident = self.kv_resident_nbytes()
         scratch = self.chunk_scratch
-        return resident if scratch is None else max(scratch.peak_nbytes, resident)
+        return peak_nbytes([] if scratch is None else [scratch.ledger], self.kv_resident_nbytes())
 
     @property
     def cache_name(self) -> str:

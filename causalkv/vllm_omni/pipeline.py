@@ -37,6 +37,7 @@ from vllm_omni.diffusion.models.lingbot_world.transformer import (
     LingBotTransformerCache,
 )
 
+from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
@@ -169,13 +170,13 @@ def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) ->
     dense cache for the same request (its preallocated buffers); ``dense_peak_bytes``: that plus
     the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak.
     """
-    peak = max(ledger.peak_bytes, ledger.resident_bytes)
+    peak = peak_nbytes([ledger], ledger.resident_nbytes)
     ratio = f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a"
-    bits = quant.codec if quant.enabled else "off"
+    codec = quant.codec if quant.enabled else "off"
     return (
         f"causalkv kv-cache summary: pipeline={pipeline_name} cache={QVGPackedCausalKVCache.__name__} "
-        f"bits={bits} layers={len(ledger.resident)} peak_bytes={peak} "
-        f"resident_bytes={ledger.resident_bytes} dense_bytes={ledger.dense_bytes} "
+        f"codec={codec} layers={ledger.num_layers} peak_bytes={peak} "
+        f"resident_bytes={ledger.resident_nbytes} dense_bytes={ledger.dense_bytes} "
         f"dense_peak_bytes={ledger.dense_peak_bytes} ratio={ratio}"
     )
 

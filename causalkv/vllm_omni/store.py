@@ -26,10 +26,9 @@ the same request. Imports torch and causalkv's caches only; never vLLM or vLLM-O
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from causalkv.caches.ledger import ByteLedger
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import KVCacheSpec
@@ -37,42 +36,37 @@ from causalkv.caches.spec import KVCacheSpec
 __all__ = ["KVLedger", "LingBotLayerKV", "allocate_layers"]
 
 
-@dataclass
-class KVLedger:
-    """Bytes of one request's self-attention caches, all layers.
+class KVLedger(ByteLedger):
+    """Bytes of one request's self-attention caches, all layers (a `ByteLedger` whose holders
+    are the layer indices), beside vLLM-Omni's dense cache for the same request.
 
     Attributes:
         dense_bytes: what vLLM-Omni's dense cache allocates for the request
             (``2 * B * max_tokens * H * D * itemsize`` per layer).
-        resident: bytes each layer holds now (index = layer).
-        peak_bytes: the most held at once: the sum over layers of what they hold plus the
-            visible K/V one call built (a materialized ``[B, visible, H, D]`` pair).
-        transient_bytes: the largest visible K/V one call built. vLLM-Omni's dense path builds
-            the same pair (its ``torch.cat`` of history and chunk), so its own peak is
-            ``dense_peak_bytes``.
+        num_layers: the layers reporting.
         writes: committing calls seen (all layers).
+
+    ``peak_nbytes`` is the most held at once: the sum over layers of what they hold plus the
+    visible K/V one call built (a materialized ``[B, visible, H, D]`` pair);
+    ``peak_transient_nbytes`` the largest such pair. vLLM-Omni's dense path builds the same pair
+    (its ``torch.cat`` of history and chunk), so its own peak is ``dense_peak_bytes``.
     """
 
-    dense_bytes: int = 0
-    resident: list[int] = field(default_factory=list)
-    peak_bytes: int = 0
-    transient_bytes: int = 0
-    writes: int = 0
+    def __init__(self, *, dense_bytes: int, num_layers: int) -> None:
+        super().__init__()
+        self.dense_bytes = dense_bytes
+        self.num_layers = num_layers
+        self.writes = 0
 
     @property
     def dense_peak_bytes(self) -> int:
         """vLLM-Omni's dense cache at its peak: its buffers plus the largest visible K/V."""
-        return self.dense_bytes + self.transient_bytes
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self.resident)
+        return self.dense_bytes + self.peak_transient_nbytes
 
     def note(self, layer: int, resident: int, transient: int) -> None:
         """Record that ``layer`` holds ``resident`` bytes and one call built ``transient``."""
-        self.resident[layer] = resident
-        self.transient_bytes = max(self.transient_bytes, transient)
-        self.peak_bytes = max(self.peak_bytes, self.resident_bytes + transient)
+        self.hold(layer, resident)
+        self.transient(transient)
 
 
 class LingBotLayerKV:
@@ -207,6 +201,6 @@ def allocate_layers(
         sink_tokens=sink_tokens, dtype=dtype, device=device,
         head_offset=head_offset,
     )
-    ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), resident=[0] * num_layers)
+    ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), num_layers=num_layers)
     layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i) for i in range(num_layers)]
     return layers, ledger

@@ -103,7 +103,7 @@ def test_the_scratch_changes_no_view_and_holds_less(name):
     # than the layout that keeps the chunk being generated in every block
     chunk = 2 * N * H * D * 2
     assert max(held_after) <= max(held_before) - (LAYERS - 1) * chunk // (8 if quant.bits else 1)
-    assert scratch.peak_resident_nbytes == max(held_after)
+    assert scratch.ledger.peak_resident_nbytes == max(held_after)
 
 
 def test_keep_recent_0_holds_three_packed_chunks_per_block_and_one_scratch():

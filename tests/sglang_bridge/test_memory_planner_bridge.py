@@ -147,7 +147,7 @@ def _check_with_scratch(
     assert resident == [len(caches) * r for r in plan.resident_per_chunk]
     assert scratch.nbytes == plan.scratch_bytes
     assert max(resident) + scratch.nbytes == plan.kv_bytes
-    assert scratch.peak_nbytes == plan.peak_bytes
+    assert scratch.ledger.peak_nbytes == plan.peak_bytes
 
 
 def _benchmark():

@@ -217,7 +217,7 @@ def _visible_positions(i: int) -> tuple[tuple[int, int], ...]:
 
 @pytest.mark.parametrize("quant", ["off", "int4", "int2"])
 def test_the_peak_counts_every_probes_kv_and_the_probe_builds_nothing_else(quant):
-    """The logged peak (`KVLedger.peak_bytes`, all layers) against an oracle: per call, the
+    """The logged peak (`KVLedger.peak_nbytes`, all layers) against an oracle: per call, the
     stores' resident bytes plus the visible K/V ``[B, visible, H, D]`` of that call, visible
     counted from positions (`_visible_positions`; with quantization off the resident bytes
     are counted from positions too: every held token dense). And each probe
@@ -245,14 +245,14 @@ def test_the_peak_counts_every_probes_kv_and_the_probe_builds_nothing_else(quant
                 else:  # plus the codec's own decode work (per packed chunk), not K/V
                     assert visible <= built.nbytes < visible + N * per_token, (i, step, built.nbytes)
                 probes += 1
-            resident = ledger.resident_bytes
+            resident = ledger.resident_nbytes
             if quant == "off":  # every held token dense: layers up to this one hold chunk i now
                 j = layers.index(layer)
                 held = [_visible_positions(i) if commit and m <= j else
                         (_visible_positions(i - 1) if i else ()) for m in range(len(layers))]
                 resident = sum(b - a for pos in held for a, b in pos) * per_token
-                assert resident == ledger.resident_bytes
+                assert resident == ledger.resident_nbytes
             want_peak = max(want_peak, resident + visible)
     assert probes == 2 * 6 * PROBES
-    assert ledger.peak_bytes == want_peak
-    assert ledger.transient_bytes == sum(b - a for a, b in _visible_positions(6)) * per_token
+    assert ledger.peak_nbytes == want_peak
+    assert ledger.peak_transient_nbytes == sum(b - a for a, b in _visible_positions(6)) * per_token

@@ -53,9 +53,9 @@ def test_qvg_holds_fewer_bytes_than_vllm_omnis_dense_cache_all_layers(stock, qua
     ledger = model.causalkv_ledger
     dense = sum(c.key.nbytes + c.value.nbytes for c in ref_cache.self_attention)
     assert ledger.dense_bytes == dense
-    assert len(ledger.resident) == tl.TINY["num_layers"]
-    assert 0 < ledger.resident_bytes < dense
-    assert ledger.peak_bytes < ledger.dense_peak_bytes
+    assert ledger.num_layers == tl.TINY["num_layers"]
+    assert 0 < ledger.resident_nbytes < dense
+    assert ledger.peak_nbytes < ledger.dense_peak_bytes
     scale = max(r.abs().max().item() for r in ref)
     diff = max((a - b).abs().max().item() for a, b in zip(outs, ref))
     assert 0 < diff < (0.01 if quant == "int4" else 0.1) * scale, (quant, diff, scale)

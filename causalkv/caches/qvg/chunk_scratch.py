@@ -16,10 +16,10 @@ plus the stage's word on which pass is the context update:
   drops what the next chunk's advance would drop. ``pin=True`` announces that the stage
   pins this chunk as the shot sink right after the pass (``pin_current_chunk``), so the
   tier it gets is the one a pinned chunk gets;
-- the byte ledger of the whole cache set: every cache reports its resident bytes after each
-  write (`account`) and every one-call buffer it fills (`transient`), so `peak_nbytes` is the
-  most the stage's caches held at once over the request, all layers, the scratch and the
-  largest one-call buffer included.
+- ``ledger``: the `causalkv.caches.ledger.ByteLedger` of the whole cache set: every cache
+  reports its resident bytes after each write and every one-call buffer it fills, the scratch
+  its own buffer, so ``ledger.peak_nbytes`` is the most the stage's caches held at once over
+  the request, all layers, the scratch and the largest one-call buffer included.
 
 Sharing is an opt-in the caller declares, because only the caller knows that it ends every
 chunk with a context pass and reads each view inside the call that wrote it:
@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import torch
 
+from causalkv.caches.ledger import ByteLedger
 from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import UsageError
 
@@ -63,9 +64,7 @@ class ChunkScratch:
         pin: the announcement of the current `context_pass` (False outside one).
         writer: the cache that wrote the buffer last (a reader that is not it would read
             another layer's K/V: `check_reader` refuses that).
-        resident_nbytes: the sum of the resident bytes the caches last reported.
-        peak_resident_nbytes: the largest ``resident_nbytes + nbytes`` seen.
-        peak_nbytes: the largest ``resident_nbytes + nbytes + one call's buffer`` seen.
+        ledger: the cache set's `ByteLedger` (the caches and this buffer report to it).
     """
 
     def __init__(self, *, shared: bool = False) -> None:
@@ -76,11 +75,7 @@ class ChunkScratch:
         self.committing = False
         self.pin = False
         self.writer: object | None = None
-        self._resident: dict[int, int] = {}
-        self.resident_nbytes = 0
-        self.peak_resident_nbytes = 0
-        self.peak_nbytes = 0
-        self.peak_transient_nbytes = 0
+        self.ledger = ByteLedger()
 
     # ---- the buffer ------------------------------------------------------------------------
     @property
@@ -112,7 +107,7 @@ class ChunkScratch:
             self._k = self._v = None  # free the old storage before the new one is allocated
             self._k = torch.empty(numel, dtype=dtype, device=device)
             self._v = torch.empty(numel, dtype=dtype, device=device)
-            self._record()
+            self.ledger.hold(self, self.nbytes)
         assert self._k is not None and self._v is not None
         kb, vb = self._k[:numel].view(shape), self._v[:numel].view(shape)
         kb.zero_()
@@ -148,6 +143,7 @@ class ChunkScratch:
         """Free the storage (a new request allocates it again on its first write)."""
         self._k = self._v = None
         self.writer = None
+        self.ledger.hold(self, 0)
 
     # ---- the context pass ------------------------------------------------------------------
     @contextmanager
@@ -163,26 +159,3 @@ class ChunkScratch:
             yield self
         finally:
             self.committing, self.pin = False, False
-
-    # ---- the ledger ------------------------------------------------------------------------
-    def account(self, cache: object, resident: int) -> None:
-        """``cache`` holds ``resident`` bytes now (its own storage, the scratch excluded)."""
-        key = id(cache)
-        self.resident_nbytes += resident - self._resident.get(key, 0)
-        self._resident[key] = resident
-        self._record()
-
-    def transient(self, nbytes: int) -> None:
-        """A call filled a one-call buffer of ``nbytes`` (freed when its view is consumed)."""
-        self.peak_transient_nbytes = max(self.peak_transient_nbytes, nbytes)
-        self._record(nbytes)
-
-    def reset_peaks(self) -> None:
-        """Start the peaks afresh from what is held now (a new request)."""
-        self.peak_resident_nbytes = self.peak_nbytes = self.resident_nbytes + self.nbytes
-        self.peak_transient_nbytes = 0
-
-    def _record(self, transient: int = 0) -> None:
-        held = self.resident_nbytes + self.nbytes
-        self.peak_resident_nbytes = max(self.peak_resident_nbytes, held)
-        self.peak_nbytes = max(self.peak_nbytes, held + transient)

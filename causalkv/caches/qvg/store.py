@@ -348,7 +348,7 @@ class SegmentStore(StoreReads, StorePacking):
         self.chunk_heads, self.pass_heads = plan.chunk_heads, plan.pass_heads
         self.lost_heads = plan.lost_heads
         if self.scratch is not None:
-            self.scratch.account(self, self.resident_nbytes())
+            self.scratch.ledger.hold(self, self.resident_nbytes())
 
     def _bind(self, seg: Segment) -> Segment:
         """``seg`` with a planned scratch chunk given the scratch's buffer (zeroed, now ours)."""
@@ -370,7 +370,7 @@ class SegmentStore(StoreReads, StorePacking):
         self._live = {}
         self.chunk_heads, self.pass_heads, self.lost_heads = frozenset(), None, frozenset()
         if self.scratch is not None:
-            self.scratch.account(self, 0)
+            self.scratch.ledger.hold(self, 0)
 
     def check_readable(self, seg: Segment) -> None:
         """`CacheProtocolError` for a segment in the shared scratch that another store has

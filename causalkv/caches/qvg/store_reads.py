@@ -149,7 +149,7 @@ class StoreReads:
         if decoded:
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
         if self.scratch is not None:
-            self.scratch.transient(k.nbytes + v.nbytes)
+            self.scratch.ledger.transient(k.nbytes + v.nbytes)
         return k, v
 
     def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
@@ -169,7 +169,7 @@ class StoreReads:
         if seg.packed:
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
         if self.scratch is not None:
-            self.scratch.transient(k.nbytes + v.nbytes)
+            self.scratch.ledger.transient(k.nbytes + v.nbytes)
         return k, v
 
     # ---- internals: reads -----------------------------------------------------------------
