@@ -151,3 +151,18 @@ def test_the_scan_sees_every_mechanism(tmp_path: Path) -> None:
         "causalkv.caches.qvg.options", "causalkv.cli", "causalkv.stages.longlive2",
     }
     assert "causalkv.options.Options" in names and not _above("causalkv.hooks", "causalkv.options.Options")
+
+
+def test_the_caches_print_nothing() -> None:
+    """The cache layer logs, prints and warns nothing: it records the fact (e.g.
+    `AttendStats.decode_reasons`) and the host that called it reports it."""
+    found = []
+    for path in sorted((PKG / "caches").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in ("logging", "warnings")]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls print")
+    assert not found, "\n".join(found)
