@@ -11,6 +11,7 @@ torch until a name that needs it is read). A leaf: imports nothing of causalkv, 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from importlib import import_module
 from typing import Any
@@ -20,12 +21,17 @@ __all__ = ["lazy_names"]
 
 def lazy_names(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: ``homes`` maps each name to the module it is
-    imported from on first use; any other name raises the usual `AttributeError`."""
+    imported from on first use (then kept on the package, so later reads skip the import);
+    any other name raises the usual `AttributeError`."""
 
     def __getattr__(name: str) -> Any:
         home = homes.get(name)
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(import_module(home), name)
+        value = getattr(import_module(home), name)
+        module = sys.modules.get(package)
+        if module is not None:  # kept: the next read is a plain attribute, no call
+            setattr(module, name, value)
+        return value
 
     return __getattr__

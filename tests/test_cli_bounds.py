@@ -42,7 +42,9 @@ from runtime_helpers import make_options
 
 from causalkv.caches.demo import DemoConfig
 from causalkv.cli import demo as demo_cli
+from causalkv.cli.commands import ENV_SWITCHES
 from causalkv.cli.signals import Terminated
+from causalkv.env import check_switches
 from causalkv.errors import ConfigError
 from causalkv.runtime.files import file_checks
 from causalkv.runtime.host import request_checks
@@ -467,8 +469,11 @@ def test_an_environment_variable_takes_only_its_documented_values(
     assert rc == 2 and loads == [] and files(empty_home) == set()
     assert line.startswith(f"causalkv: error: {var}={value!r} is not one of its values ("), line
     assert line.endswith("; set one of them or unset it")
-    monkeypatch.setenv(var, request_checks.ENV_VALUES[var][0][0])  # a documented value is accepted
-    request_checks.check_environment()
+    switch = next(sw for sw in ENV_SWITCHES if sw.name == var)
+    monkeypatch.setenv(var, switch.values[0])  # a documented value is accepted
+    check_switches(ENV_SWITCHES)
+    monkeypatch.setenv(var, " ")  # blank is unset: its default
+    check_switches(ENV_SWITCHES)
 
 
 def test_the_sglang_bridge_warns_once_on_a_value_it_does_not_know(

@@ -37,15 +37,10 @@ JUSTIFIED = {
         "an optional hook of the default write path: a cache that overrides the write needs none",
     ("caches/base.py", "_write_current", "NotImplementedError"):
         "an optional hook of the default write path: a cache that overrides the write needs none",
-    ("cli/__init__.py", "__getattr__", "AttributeError"):
-        "the light entry point's lazy build_parser (PEP 562): a missing name must raise AttributeError",
-    ("caches/__init__.py", "__getattr__", "AttributeError"):
-        "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
-    ("caches/qvg/__init__.py", "__getattr__", "AttributeError"):
-        "the package's lazy exports (PEP 562): a missing name must raise AttributeError",
     ("lazy.py", "__getattr__", "AttributeError"):
-        "the lazy exports of causalkv.runtime, causalkv.runtime.memory and causalkv.stages (PEP 562, "
-        "no torch for --help): a missing name must raise AttributeError",
+        "the lazy exports of causalkv.runtime, causalkv.runtime.memory, causalkv.stages, "
+        "causalkv.caches, causalkv.caches.qvg and causalkv.cli (PEP 562, no torch for --help): "
+        "a missing name must raise AttributeError",
     ("stages/records.py", "__getitem__", "KeyError"):
         "ChunkStats is a read-only Mapping: a missing key must raise KeyError (Mapping.get, "
         "`in` and dict() rely on it)",

@@ -44,6 +44,13 @@ def test_the_contracts_hold_and_each_kind_of_break_fails(tree: Path) -> None:
     out = _lint(tree)
     assert out.returncode == 1 and "causalkv.caches is not allowed to import causalkv.runtime" in out.stdout
     dense.write_text(original)
+    # the core reaching into a bridge: the runtime's request checks importing the sglang bridge
+    checks = tree / "causalkv/runtime/host/request_checks.py"
+    original = checks.read_text()
+    _append(checks, "import causalkv.sglang  # noqa")
+    out = _lint(tree)
+    assert out.returncode == 1 and "causalkv.runtime is not allowed to import causalkv.sglang" in out.stdout
+    checks.write_text(original)
     # a cycle between siblings two levels down, hidden in a function body
     _append(tree / "causalkv/caches/qvg/format.py",
             "def _f():\n    from causalkv.caches.qvg import torch_impl  # noqa")
@@ -57,6 +64,7 @@ PKG = ROOT / "causalkv"
 BELOW = {
     "causalkv.errors": (),
     "causalkv.lazy": (),
+    "causalkv.env": ("causalkv.errors",),
     "causalkv.options": ("causalkv.errors", "causalkv.capabilities"),
     "causalkv.config": ("causalkv.options", "causalkv.errors", "causalkv.capabilities"),
     "causalkv.hooks": ("causalkv.config", "causalkv.options", "causalkv.errors", "causalkv.capabilities"),
@@ -143,3 +151,18 @@ def test_the_scan_sees_every_mechanism(tmp_path: Path) -> None:
         "causalkv.caches.qvg.options", "causalkv.cli", "causalkv.stages.longlive2",
     }
     assert "causalkv.options.Options" in names and not _above("causalkv.hooks", "causalkv.options.Options")
+
+
+def test_the_caches_print_nothing() -> None:
+    """The cache layer logs, prints and warns nothing: it records the fact (e.g.
+    `AttendStats.decode_reasons`) and the host that called it reports it."""
+    found = []
+    for path in sorted((PKG / "caches").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in ("logging", "warnings")]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls print")
+    assert not found, "\n".join(found)

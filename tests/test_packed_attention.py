@@ -293,6 +293,40 @@ if not INTERPRETED:
         with pytest.raises(attn.AttendError, match="needs triton"):
             attn.attend(query, view, fused=True)
 
+    def test_without_triton_cudas_default_records_why_it_decodes_and_logs_nothing(monkeypatch, caplog):
+        monkeypatch.setattr(attn.triton_impl, "AVAILABLE", False)
+        st = attn.AttendStats()
+        with caplog.at_level("DEBUG"):
+            assert attn._use_fused(None, torch.device("cuda"), st) is False
+            assert attn._use_fused(None, torch.device("cuda"), st) is False
+        assert st.decode_reasons == [attn.NO_TRITON] and "triton does not import" in attn.NO_TRITON
+        assert caplog.records == []  # the caches print nothing: the host reports
+
+    def test_a_segment_the_kernel_does_not_take_is_decoded_and_the_reason_recorded(monkeypatch, caplog):
+        view, query = _stream_view(torch.float32, D=48, n=20)
+        monkeypatch.setattr(attn, "_use_fused", lambda fused, device, st: True)  # CUDA's default path
+        st = attn.AttendStats()
+        with caplog.at_level("DEBUG"):
+            out = attn.attend(query, view, stats=st)
+        assert st.decoded_segments >= 1 and st.fused_segments == 0
+        assert len(st.decode_reasons) == 1, st.decode_reasons  # each reason once, however many segments
+        assert st.decode_reasons[0].startswith("packed segment decoded before attention (")
+        assert caplog.records == []
+        ref = attn.attend_dense(query.double(), view.k.double(), view.v.double())
+        assert (out.double() - ref).abs().max() < 1e-3
+
+    def test_causalkvs_wan_processor_reports_each_decode_reason_once(monkeypatch, capsys):
+        from causalkv.runtime.model_io import causal_wan
+
+        monkeypatch.setattr(causal_wan, "_reported", set())
+        st = attn.AttendStats()
+        st.note("packed segment decoded before attention (why)")
+        st.note("packed segment decoded before attention (why)")
+        causal_wan.report_attend(st)
+        causal_wan.report_attend(st)
+        assert capsys.readouterr().err.splitlines() == [
+            "causalkv: warning: attention: packed segment decoded before attention (why)"]
+
     def test_gpu_attention_benchmark_says_it_needs_cuda():
         proc = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / "gpu_attention.py")],

@@ -2,16 +2,17 @@
 
     from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
 
-The names are exported lazily (PEP 562): importing a torch-free submodule such as
-`causalkv.caches.qvg.options` runs this package without importing torch; the first use of a
-name below imports its module. The feature names and `CacheCapabilities` live in
+The names are exported lazily (PEP 562, `causalkv.lazy.lazy_names`): importing a torch-free
+submodule such as `causalkv.caches.qvg.options` runs this package without importing torch; the
+first use of a name below imports its module. The feature names and `CacheCapabilities` live in
 `causalkv.capabilities` (torch-free), their one import path.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
     from causalkv.caches.attention import AttendError, AttendStats, attend
@@ -50,10 +51,4 @@ __all__ = [
     "attend",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _EXPORTS)

@@ -19,16 +19,16 @@ online-softmax recurrence. Two paths:
   Dense segments (the current chunk, recent chunks kept bf16) take the fused-attention step
   above over query blocks of `GPU_QUERY_BLOCK`.
 
-`AttendStats` reports which path each segment took and the transient bytes.
+`AttendStats` reports which path each segment took, the transient bytes, and why packed
+segments were decoded before attention (``decode_reasons``). The caches print nothing: the
+host that called `attend` reads the reasons and says them in its log, once.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -39,9 +39,7 @@ from causalkv.caches.qvg import triton_impl
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.errors import CausalKVError
 
-__all__ = ["AttendError", "AttendStats", "attend", "attend_dense"]
-
-log = logging.getLogger(__name__)
+__all__ = ["NO_TRITON", "AttendError", "AttendStats", "attend", "attend_dense"]
 
 #: queries per block on the CPU flash path / on the fp32 fallback path (decode path)
 CPU_QUERY_BLOCK = 512
@@ -75,6 +73,11 @@ class AttendStats:
             merged with ``addcmul_``, no fp32 copy of it).
         accumulator_nbytes: the running float32 output and log-sum-exp, held for the whole
             call (the returned output is a cast of it).
+        decode_reasons: why packed segments were decoded before attention instead of read in
+            place by the kernel, each reason once, in the order met: triton does not import (the
+            default path on CUDA falls back to decoding), or a packed segment the kernel does not
+            take (its reason). Empty when nothing was decoded for lack of the kernel. `attend`
+            logs nothing; its caller reports these.
     """
 
     segments: int = 0
@@ -83,6 +86,12 @@ class AttendStats:
     peak_segment_nbytes: int = 0
     peak_transient_nbytes: int = 0
     accumulator_nbytes: int = 0
+    decode_reasons: list[str] = field(default_factory=list)
+
+    def note(self, reason: str) -> None:
+        """Record ``reason`` in `decode_reasons` (once)."""
+        if reason not in self.decode_reasons:
+            self.decode_reasons.append(reason)
 
 
 def attend_dense(
@@ -213,13 +222,17 @@ def _kernel_module(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
-def _use_fused(fused: bool | None, device: torch.device) -> bool:
+#: `AttendStats.decode_reasons` when the default path on CUDA cannot take the fused path
+NO_TRITON = ("triton does not import: packed segments are decoded before attention (install "
+             "causalkv[triton] for the fused packed-attention kernel)")
+
+
+def _use_fused(fused: bool | None, device: torch.device, st: AttendStats) -> bool:
     if fused is None:
         if device.type != "cuda":
             return False
         if not triton_impl.AVAILABLE:
-            _warn_once("triton does not import: packed segments are decoded before attention "
-                       "(install causalkv[triton] for the fused packed-attention kernel)")
+            st.note(NO_TRITON)
             return False
         return True
     if fused and not triton_impl.AVAILABLE:
@@ -228,11 +241,6 @@ def _use_fused(fused: bool | None, device: torch.device) -> bool:
             "causalkv[triton], or pass fused=False to decode packed segments first"
         )
     return bool(fused)
-
-
-@functools.lru_cache(maxsize=32)
-def _warn_once(message: str) -> None:
-    log.warning("attend: %s", message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +266,9 @@ def attend(
             elsewhere. ``True``: the fused path (packed segments read in place by the Triton
             kernel; on CPU tensors this needs ``TRITON_INTERPRET=1``). ``False``: the decode
             path (each packed segment dequantized, then attended).
-        stats: filled with what the call did and held (see `AttendStats`).
+        stats: filled with what the call did and held (see `AttendStats`), and why packed
+            segments were decoded (``decode_reasons``: the caller reports them; `attend` logs
+            nothing).
 
     Returns ``[B, n, h, D]`` in ``query.dtype``.
 
@@ -288,11 +298,11 @@ def _attend_segments(
     log-sum-exp recurrence (the decode or the fused path). Runs outside torch.compile's graphs."""
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    use_fused = _use_fused(fused, query.device)
+    st = stats if stats is not None else AttendStats()
+    use_fused = _use_fused(fused, query.device, st)
     q = query.transpose(1, 2)  # [B, h, n, D], a view
     acc = torch.zeros((b, h, n, d), dtype=torch.float32, device=query.device)
     lse_run = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=query.device)
-    st = stats if stats is not None else AttendStats()
     st.accumulator_nbytes = acc.nbytes + lse_run.nbytes
     if use_fused:
         _attend_fused(query, q, view, acc, lse_run, scale, st, required=fused is True)
@@ -347,7 +357,7 @@ def _attend_fused(
                 continue
             if required and kernel is not None:
                 raise kernel.PackedAttentionError(f"attend(fused=True): {why}")
-            _warn_once(f"packed segment decoded before attention ({why})")
+            st.note(f"packed segment decoded before attention ({why})")
             st.decoded_segments += 1
             k = decode_record(k_seg, query.dtype)  # [B, h, s, D]
             v = decode_record(v_seg, query.dtype)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from causalkv.cli.reader_gone import flush_stdout, silence_stdout, stdout_reader_gone
 from causalkv.cli.signals import Terminated, sigterm_raises
+from causalkv.lazy import lazy_names
 
 __all__ = ["build_parser", "main"]
 
@@ -68,14 +68,8 @@ def _stderr(line: str) -> None:
     except (OSError, ValueError, AttributeError):  # stderr closed or gone
         pass
 
-
-def __getattr__(name: str) -> Any:
-    if name == "build_parser":
-        # lazy: the parser needs the commands, which import torch
-        from causalkv.cli.commands import build_parser
-
-        return build_parser
-    raise AttributeError(f"module 'causalkv.cli' has no attribute {name!r}")
+#: the parser needs the commands, which import torch: imported on first use
+__getattr__ = lazy_names("causalkv.cli", {"build_parser": "causalkv.cli.commands"})
 
 
 if __name__ == "__main__":

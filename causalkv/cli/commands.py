@@ -1,8 +1,9 @@
 """The ``causalkv`` parser and its dispatch (`causalkv.cli.main` is the light entry point
 that imports this module): the subcommands' parsers, then one command run.
 
-Before a command runs, the documented environment variables are checked
-(`causalkv.runtime.host.request_checks.check_environment`): a value they do not take is one line, exit 2.
+Before a command runs, the documented switches (`ENV_SWITCHES`: the plugin manager's and the
+sglang bridge's) are checked (`causalkv.env.check_switches`): a value they do not take is one
+line, exit 2.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from causalkv import __version__
+from causalkv import __version__, sglang
 from causalkv.cli import demo, generate, memory, plugins, sglang_checkpoint, vllm_omni_checkpoint
 from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
+from causalkv.env import check_switches
 from causalkv.errors import CausalKVError
-from causalkv.runtime.host.request_checks import check_environment
+from causalkv.plugin import manager
 
-__all__ = ["build_parser", "main"]
+__all__ = ["ENV_SWITCHES", "build_parser", "main"]
+
+#: the switches every command refuses up front when set to a value they do not take
+#: (``CAUSALKV_TRACE_PLUGINS=2`` would be read as off, ``CAUSALKV_SGLANG_BRIDGE=maybe`` as on)
+ENV_SWITCHES = (*manager.SWITCHES, *sglang.SWITCHES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     reserve_standard_fds()  # `>&-`: no file the run opens may land on descriptor 1 or 2
     try:
-        check_environment()
+        check_switches(ENV_SWITCHES)
     except CausalKVError as exc:
         print(f"causalkv: error: {exc}", file=sys.stderr)
         return 2

@@ -29,12 +29,13 @@ from typing import Any
 
 import pluggy
 
+from causalkv import env as envvars
 from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX, HOOK_NAMES, NAME, specs
 from causalkv.plugin import builtin
 from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
 
 __all__ = [
-    "ENV_ALLOW", "ENV_AUTOLOAD_OFF", "ENV_BLOCK", "ENV_TRACE", "CausalKVPluginManager", "PluginSettings",
+    "ENV_ALLOW", "ENV_AUTOLOAD_OFF", "ENV_BLOCK", "ENV_TRACE", "SWITCHES", "CausalKVPluginManager", "PluginSettings",
     "discover_entry_points", "get_plugin_manager", "make_plugin_manager",
     "reset_plugin_manager", "unknown_name_warnings",
 ]
@@ -43,11 +44,13 @@ ENV_ALLOW = f"{ENV_PREFIX}_PLUGINS"
 ENV_BLOCK = f"{ENV_PREFIX}_DISABLE_PLUGINS"
 ENV_AUTOLOAD_OFF = f"{ENV_PREFIX}_DISABLE_PLUGIN_AUTOLOAD"
 ENV_TRACE = f"{ENV_PREFIX}_TRACE_PLUGINS"
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _names(raw: str) -> frozenset[str]:
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+#: the plugin switches the ``causalkv`` command refuses up front when set to another value
+#: (`causalkv.env.check_switches`); `PluginSettings.from_env` reads them leniently
+SWITCHES = (
+    envvars.Switch(ENV_TRACE, envvars.FLAG_VALUES, "1 prints every plugin hook call, 0 (or unset) does not"),
+    envvars.Switch(ENV_AUTOLOAD_OFF, envvars.FLAG_VALUES,
+                   "1 loads no plugin entry point, 0 (or unset) loads them"),
+)
 
 
 def norm(name: str) -> str:
@@ -81,12 +84,13 @@ class PluginSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PluginSettings:
-        allow_raw = env.get(ENV_ALLOW)
+        """The controls in ``env`` (`causalkv.env`'s rules; a switch set to a value it does not
+        take reads as unset here: the ``causalkv`` command refuses it up front)."""
         return cls(
-            allow=None if allow_raw is None else _names(allow_raw),
-            block=_names(env.get(ENV_BLOCK, "")),
-            autoload=env.get(ENV_AUTOLOAD_OFF, "").strip().lower() not in _TRUE,
-            trace=env.get(ENV_TRACE, "").strip().lower() in _TRUE,
+            allow=envvars.names(ENV_ALLOW, env),
+            block=envvars.names(ENV_BLOCK, env) or frozenset(),
+            autoload=not envvars.flag(ENV_AUTOLOAD_OFF, default=False, environ=env, strict=False),
+            trace=envvars.flag(ENV_TRACE, default=False, environ=env, strict=False),
         )
 
     def wants(self, ep: EntryPoint) -> bool:

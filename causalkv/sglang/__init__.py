@@ -23,8 +23,8 @@ worker's log shows them.
 from __future__ import annotations
 
 import logging
-import os
 
+from causalkv import env
 from causalkv.errors import ConfigError
 
 __all__ = [
@@ -34,13 +34,15 @@ __all__ = [
     "ENV_CODEC",
     "ENV_RECENT_TIER",
     "ENV_SWITCH",
+    "SWITCHES",
     "enabled",
     "register",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: environment variable that turns the bridge off (``0``, ``false``, ``off``, ``no``)
+#: environment variable that turns the bridge off (a `causalkv.env.flag`: ``0``, ``false``,
+#: ``no``, ``off``; default on)
 ENV_SWITCH = "CAUSALKV_SGLANG_BRIDGE"
 #: which QVG codec serves LingBot-World: ``causalkv`` (default) or ``sglang`` (its own cache)
 ENV_LINGBOT_QVG = "CAUSALKV_SGLANG_LINGBOT_QVG"
@@ -58,11 +60,21 @@ ENV_CODEC = "CAUSALKV_SGLANG_CODEC"
 #: the entry point's name in sglang's plugin group (what ``SGLANG_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
 _PLUGIN_API = "sglang.multimodal_gen.runtime.platforms.plugins"
+#: the bridge's switches the ``causalkv`` command refuses up front when set to another value
+#: (`causalkv.env.check_switches`; inside sglang the bridge never raises for them)
+SWITCHES = (
+    env.Switch(ENV_SWITCH, env.FLAG_VALUES, "0 turns the sglang bridge off, 1 (or unset) keeps it on"),
+    env.Switch(ENV_FUSED_ATTENTION, env.FLAG_VALUES,
+               "1 routes sglang's attention through causalkv, 0 (or unset) does not"),
+    env.Switch(ENV_LINGBOT_QVG, ("causalkv", "sglang"),
+               "causalkv (default) or sglang: whose QVG codec serves LingBot-World"),
+)
 
 
 def enabled() -> bool:
-    """False when ``CAUSALKV_SGLANG_BRIDGE`` is set to 0/false/off/no."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when ``CAUSALKV_SGLANG_BRIDGE`` is off (`causalkv.env.flag`); a value it does not
+    take keeps the bridge on."""
+    return env.flag(ENV_SWITCH, default=True, strict=False)
 
 
 def register() -> bool:
@@ -76,13 +88,14 @@ def register() -> bool:
     on (a value it does not know: a warning, the route not registered; ``ServerArgs`` refuses
     it at start-up). Never raises for a setting: sglang would drop the whole bridge.
     """
-    off = not enabled()
-    raw = os.environ.get(ENV_SWITCH)
-    if raw is not None and raw.strip().lower() not in ("1", "true", "on", "yes", "0", "false", "off", "no"):
+    try:
+        off = not env.flag(ENV_SWITCH, default=True)
+    except ConfigError:
+        off = False
         logger.warning("causalkv: warning: %s=%r is not 0/false/off/no or 1/true/on/yes; the sglang bridge "
-                       "stays on (set %s=0 to turn it off)", ENV_SWITCH, raw, ENV_SWITCH)
+                       "stays on (set %s=0 to turn it off)", ENV_SWITCH, env.text(ENV_SWITCH), ENV_SWITCH)
     if off:
-        logger.info("causalkv sglang bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
+        logger.info("causalkv sglang bridge off: %s=%s", ENV_SWITCH, env.text(ENV_SWITCH))
     try:
         # lazy: sglang calls register() from its own plugin loading; importing causalkv.sglang loads no sglang
         from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook

@@ -30,6 +30,7 @@ from typing import Any
 from causalkv.caches.codecs import codec_names
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.caches.qvg.options import recent_tiers
+from causalkv.env import choice, flag
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_RECENT_TIER
 from causalkv.sglang.targets import LINGBOT, SERVED_PIPELINES
@@ -48,7 +49,6 @@ __all__ = [
 ]
 
 _CODECS = ("causalkv", "sglang")
-_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 
 
 # ---- causalkv's settings in the environment -------------------------------------------------
@@ -66,53 +66,41 @@ class EnvSettings:
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
-    """``CAUSALKV_SGLANG_RECENT_TIER`` and ``CAUSALKV_SGLANG_CODEC``, each read once.
+    """``CAUSALKV_SGLANG_RECENT_TIER`` and ``CAUSALKV_SGLANG_CODEC``, each read once
+    (`causalkv.env.choice`).
 
     Raises:
         ConfigError: a value the bridge does not know, naming the variable and the choices.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_RECENT_TIER, "")
-    tier = raw.strip().lower() or "bf16"
-    if tier not in recent_tiers():
-        raise ConfigError(
-            f"{ENV_RECENT_TIER}={raw!r}: choose one of {list(recent_tiers())} (a codec: the "
-            "bridge packs the keep-recent chunks, and bf16 sink chunks, with it until they are "
-            "packed with the cache's codec)"
-        )
-    raw = env.get(ENV_CODEC, "")
-    codec = raw.strip().lower() or None
-    if codec is not None and codec not in codec_names():
-        raise ConfigError(
-            f"{ENV_CODEC}={raw!r}: choose one of {list(codec_names())} (the codec the bridge "
-            "packs with while --kv-cache-quant int4/int2 turns QVG on), or unset it"
-        )
+    tier = choice(
+        ENV_RECENT_TIER, recent_tiers(), default="bf16", environ=environ,
+        meaning="a codec: the bridge packs the keep-recent chunks, and bf16 sink chunks, with it "
+                "until they are packed with the cache's codec",
+    )
+    codec = choice(
+        ENV_CODEC, codec_names(), default=None, environ=environ,
+        meaning="the codec the bridge packs with while --kv-cache-quant int4/int2 turns QVG on",
+    )
     return EnvSettings(recent_tier=tier, codec=codec)
 
 
 def lingbot_codec() -> str:
     """``CAUSALKV_SGLANG_LINGBOT_QVG`` (default ``causalkv``); ConfigError for another value."""
-    value = os.environ.get(ENV_LINGBOT_QVG, "causalkv").strip().lower() or "causalkv"
-    if value not in _CODECS:
-        raise ConfigError(
-            f"{ENV_LINGBOT_QVG}={value!r}: choose one of {list(_CODECS)} (causalkv: the bridge's "
-            "QVG cache; sglang: sglang's own QVGPackedCausalKVCache with quant-videogen)"
-        )
-    return value
+    return choice(
+        ENV_LINGBOT_QVG, _CODECS, default="causalkv",
+        meaning="causalkv: the bridge's QVG cache; sglang: sglang's own QVGPackedCausalKVCache "
+                "with quant-videogen",
+    )
 
 
 def fused_attention() -> bool:
-    """``CAUSALKV_SGLANG_FUSED_ATTENTION``: True for 1/true/on/yes, False when unset or
-    0/false/off/no; ConfigError for another value."""
-    value = os.environ.get(ENV_FUSED_ATTENTION, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ConfigError(
-        f"{ENV_FUSED_ATTENTION}={os.environ[ENV_FUSED_ATTENTION]!r}: set 1 to route sglang's "
-        "causal self-attention over causalkv's cache through causalkv.caches.attend on CUDA, "
-        "or 0 (the default) for sglang's attention over the materialized window"
+    """``CAUSALKV_SGLANG_FUSED_ATTENTION`` (`causalkv.env.flag`, default off); ConfigError for a
+    value a switch does not take."""
+    return flag(
+        ENV_FUSED_ATTENTION, default=False,
+        meaning="1 routes sglang's causal self-attention over causalkv's cache through "
+                "causalkv.caches.attend on CUDA, 0 (the default) keeps sglang's attention over "
+                "the materialized window",
     )
 
 

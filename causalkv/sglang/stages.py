@@ -23,10 +23,10 @@ imports no sglang and no torch at import time.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
+from causalkv import env
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_SWITCH
@@ -124,7 +124,7 @@ def off_prepare_forward_context(
     """With the bridge off: warn once when sglang silently drops the request's QVG."""
     _warn_unserved(
         self, server_args,
-        f"the causalkv sglang bridge is off ({ENV_SWITCH}={os.environ.get(ENV_SWITCH)})",
+        f"the causalkv sglang bridge is off ({ENV_SWITCH}={env.text(ENV_SWITCH)})",
         f"unset {ENV_SWITCH} to serve it with causalkv's QVG cache",
     )
     return original(self, batch, server_args)

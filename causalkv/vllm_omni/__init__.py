@@ -17,13 +17,15 @@ at all. See docs/vllm_omni.md.
 from __future__ import annotations
 
 import logging
-import os
+
+from causalkv import env
 
 __all__ = ["ENTRY_POINT_NAME", "ENV_SWITCH", "PIPELINE", "enabled", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: environment variable that turns the bridge off (``0``, ``false``, ``off``, ``no``)
+#: environment variable that turns the bridge off (a `causalkv.env.flag`: ``0``, ``false``,
+#: ``no``, ``off``; default on)
 ENV_SWITCH = "CAUSALKV_VLLM_OMNI"
 #: the entry point's name in ``vllm_omni.general_plugins`` (what ``VLLM_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
@@ -34,8 +36,9 @@ _REGISTRY = "vllm_omni.diffusion.registry"
 
 
 def enabled() -> bool:
-    """False when ``CAUSALKV_VLLM_OMNI`` is set to 0/false/off/no."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when ``CAUSALKV_VLLM_OMNI`` is off (`causalkv.env.flag`); a value it does not take
+    keeps the bridge on (`register` never raises)."""
+    return env.flag(ENV_SWITCH, default=True, strict=False)
 
 
 def _log_through_vllm() -> None:
@@ -58,7 +61,7 @@ def register() -> bool:
     """
     _log_through_vllm()
     if not enabled():
-        logger.info("causalkv vllm-omni bridge off: %s=%s", ENV_SWITCH, os.environ.get(ENV_SWITCH))
+        logger.info("causalkv vllm-omni bridge off: %s=%s", ENV_SWITCH, env.text(ENV_SWITCH))
         return False
     try:
         # lazy: vLLM-Omni calls register() from its own plugin loading

@@ -321,6 +321,27 @@ def test_the_route_gives_sglangs_attention_within_the_oracles_bound(
           f"{on_cache.store.peak_transient_nbytes:,} B at most, attend's peak {attend_peak:,} B")
 
 
+def test_the_bridge_reports_once_why_attend_decoded_packed_segments(monkeypatch, sdpa_backend, caplog):
+    """`attend` logs nothing; it records why it decoded packed segments before attention
+    (`AttendStats.decode_reasons`) and the bridge says each reason once in its log."""
+    from causalkv.caches import attention as cache_attention
+
+    attn = _make("wan", monkeypatch)
+    qkv = _qkv(torch.bfloat16)
+    # CUDA without triton, on the CPU: attend's default decodes and records why
+    monkeypatch.setattr(cache_attention, "_use_fused",
+                        lambda fused, device, st: st.note(cache_attention.NO_TRITON) or False)
+    route._said.clear()
+    record = []
+    with (_hooks_applied(monkeypatch), route.forced_route(fused=None, record=record),
+          caplog.at_level(logging.DEBUG)):
+        _stream(attn, _cache(torch.bfloat16), qkv)
+    assert len(record) >= 2 and all(st.decode_reasons == [cache_attention.NO_TRITON] for _, st in record)
+    said = [r.getMessage() for r in caplog.records if "triton does not import" in r.getMessage()]
+    assert said == [f"causalkv sglang bridge: attention: {cache_attention.NO_TRITON}"]
+    assert all(r.name == route.__name__ for r in caplog.records if "triton" in r.getMessage())
+
+
 @pytest.mark.parametrize("kind", ["wan", "lingbot"])
 def test_on_the_cpu_without_the_override_the_route_changes_nothing(
     kind, monkeypatch, sdpa_backend, caplog

@@ -15,14 +15,15 @@ Which cold chunks it packs by which codec in which spans is its tier policy
 (`causalkv.caches.qvg.tiering`), the decision the memory planner counts bytes from.
 
 The settings (`causalkv.caches.qvg.options`: `QVGCodecOptions`, `QVGPackingOptions`,
-`QVGKVQuantArgs`) are torch-free; the names are exported lazily (PEP 562), so importing the
-settings loads no torch.
+`QVGKVQuantArgs`) are torch-free; the names are exported lazily (PEP 562,
+`causalkv.lazy.lazy_names`), so importing the settings loads no torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
@@ -97,10 +98,4 @@ __all__ = [
     "resolve_backend",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _EXPORTS)

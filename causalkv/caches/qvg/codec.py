@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -55,6 +54,7 @@ from causalkv.caches.qvg.format import (
     scale_exponents,
 )
 from causalkv.caches.qvg.workspace import temporary
+from causalkv.env import text as env_text
 from causalkv.errors import ConfigError
 
 __all__ = ["BACKEND_ENV", "dequantize", "quantize", "resolve_backend"]
@@ -80,7 +80,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     Raises:
         ConfigError: an unknown name, or ``"triton"`` where it cannot run.
     """
-    name = (backend or os.environ.get(BACKEND_ENV) or "auto").lower()
+    name = (backend or env_text(BACKEND_ENV) or "auto").strip().lower()
     if name not in _BACKENDS:
         raise ConfigError(f"QVG codec backend must be one of {list(_BACKENDS)}, got {name!r}")
     if name == "auto":

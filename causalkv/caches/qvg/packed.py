@@ -38,7 +38,6 @@ so holds one decoded segment at a time, or, on its fused path,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import torch
@@ -85,6 +84,7 @@ from causalkv.capabilities import (
     RECENT_WINDOW,
     CacheCapabilities,
 )
+from causalkv.env import text as env_text
 from causalkv.errors import ConfigError, UsageError
 
 __all__ = [
@@ -157,7 +157,7 @@ class QVGPackedCausalKVCache(StreamCache):
             resolve_backend(None, dev)
         except ValueError as exc:
             raise ConfigError(
-                f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV)!r}: {exc}; set {BACKEND_ENV} to auto "
+                f"{BACKEND_ENV}={env_text(BACKEND_ENV)!r}: {exc}; set {BACKEND_ENV} to auto "
                 "(or unset it) to let causalkv pick the backend that runs here"
             ) from None
 

@@ -24,7 +24,6 @@ is first imported to run them on CPU tensors.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 
 from causalkv.caches.codecs.base import CodecError
 from causalkv.caches.qvg.format import POISON_SCALE_EXP, PackedSegment
+from causalkv.env import flag
 
 try:
     import triton
@@ -53,8 +53,10 @@ AVAILABLE: bool = triton is not None
 
 
 def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for triton's interpreter (the kernels on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    """Whether ``TRITON_INTERPRET`` asks for triton's interpreter (the kernels on CPU tensors):
+    a `causalkv.env.flag`, default off (a value it does not take reads as off; triton reads it
+    too)."""
+    return flag("TRITON_INTERPRET", default=False, strict=False)
 
 
 def _jit(fn: Callable[..., Any]) -> Any:

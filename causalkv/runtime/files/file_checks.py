@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from causalkv.env import text as env_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.runtime.files.outputs import latents_path_for
 from causalkv.runtime.files.video import check_video_suffix
@@ -30,6 +31,7 @@ from causalkv.runtime.model_io.model_config import (
     ModelFolderError,
     ModelInfo,
 )
+from causalkv.runtime.model_io.preset_configs import ENV_HOME
 from causalkv.runtime.model_io.presets import causalkv_home, is_complete_preset, preset_name
 
 __all__ = [
@@ -60,7 +62,7 @@ def check_home(info: ModelInfo) -> None:
     if is_complete_preset(info.path):
         return
     home = causalkv_home()
-    shown = os.environ.get("CAUSALKV_HOME") or str(home)
+    shown = env_text(ENV_HOME) or str(home)
     fix = "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)"
     folder = info.path.parent
     probe = folder

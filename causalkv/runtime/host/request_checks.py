@@ -38,11 +38,9 @@ from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
-from causalkv.plugin.manager import ENV_AUTOLOAD_OFF, ENV_TRACE
 from causalkv.runtime.model_io.model_config import (
     preset_transformer_config,
 )
-from causalkv.sglang import ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_SWITCH
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +51,6 @@ __all__ = [
     "MAX_SEED",
     "check_before_load",
     "check_device",
-    "check_environment",
     "check_request_effect",
     "check_sizes",
     "check_frames",
@@ -168,31 +165,6 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
             f"the caches hold room for {args.window_frames} frames ({_size(floor)} of KV); pass "
             f"--window-frames {plan.num_frames} for the same video in less memory"
         )
-
-
-# ---- the environment ----------------------------------------------------------------------------
-#: a switch's values (case and surrounding blanks ignored; empty: unset)
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-#: the documented environment variables with a fixed set of values -> (values, what each does)
-ENV_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
-    ENV_TRACE: ((*_ON, *_OFF), "1 prints every plugin hook call, 0 (or unset) does not"),
-    ENV_AUTOLOAD_OFF: ((*_ON, *_OFF), "1 loads no plugin entry point, 0 (or unset) loads them"),
-    ENV_SWITCH: ((*_ON, *_OFF[:-1]), "0 turns the sglang bridge off, 1 (or unset) keeps it on"),
-    ENV_FUSED_ATTENTION: ((*_ON, *_OFF), "1 routes sglang's attention through causalkv, 0 (or unset) does not"),
-    ENV_LINGBOT_QVG: (("causalkv", "sglang"), "causalkv (default) or sglang: whose QVG codec serves LingBot-World"),
-}
-
-
-def check_environment(environ: Any = None) -> None:
-    """Refuse a documented environment variable set to a value it does not take
-    (`ENV_VALUES`; ``CAUSALKV_TRACE_PLUGINS=2`` would be read as off, ``CAUSALKV_SGLANG_BRIDGE=maybe``
-    as on): `ConfigError` naming the variable, its values and what they do."""
-    env = os.environ if environ is None else environ
-    for name, (values, meaning) in ENV_VALUES.items():
-        raw = env.get(name)
-        if raw is not None and raw.strip().lower() not in values:
-            shown = ", ".join(v for v in values if v) + (" or empty" if "" in values else "")
-            raise ConfigError(f"{name}={raw!r} is not one of its values ({shown}): {meaning}; set one of them or unset it")
 
 
 # ---- options the stage cannot use --------------------------------------------------------------

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from causalkv.caches.attention import attend
+from causalkv.caches.attention import AttendStats, attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
 from causalkv.errors import ConfigError, UsageError
+from causalkv.runtime.model_io.prompt_encoding import warn_line
 from causalkv.runtime.processes.distributed import (
     ParallelContext,
     enable_sequence_parallel,
@@ -50,9 +51,24 @@ __all__ = [
     "CausalWanTransformer",
     "apply_rotary",
     "install_causal_processors",
+    "report_attend",
     "rope_at_frame_offset",
     "rope_temporal_at",
 ]
+
+
+#: the `AttendStats.decode_reasons` this process has reported
+_reported: set[str] = set()
+
+
+def report_attend(stats: AttendStats) -> None:
+    """Say each reason `attend` recorded for decoding packed segments before attention
+    (``stats.decode_reasons``) in one ``causalkv: warning:`` line, once per process: the cache
+    layer records them, the host reports them."""
+    for reason in stats.decode_reasons:
+        if reason not in _reported:
+            _reported.add(reason)
+            warn_line(f"attention: {reason}")
 
 
 def rope_at_frame_offset(
@@ -202,7 +218,9 @@ class CausalWanSelfAttnProcessor:
             debug_name=f"blocks.{self.layer_index}.attn1",
         )
         st.last_positions[self.layer_index] = tuple(view.position_ranges)
-        out = attend(query.to(dtype), view).to(query.dtype)
+        stats = AttendStats()
+        out = attend(query.to(dtype), view, stats=stats).to(query.dtype)
+        report_attend(stats)
         if par is not None:  # [B, S, H/N, D] -> [B, S/N, H, D]
             out = heads_to_seq(out, par)
         out = out.flatten(2, 3)

@@ -7,12 +7,12 @@ Read by `causalkv.runtime.model_io.model_config` (a preset's `ModelInfo`, no fil
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from causalkv.env import text as env_text
 from causalkv.hooks import Preset
 from causalkv.plugin import Registry
 from causalkv.runtime.model_io.prompt_encoding import BYTE_TOKENIZER_VOCAB_SIZE
@@ -23,11 +23,14 @@ __all__ = [
     "TINY_TRANSFORMER",
     "TINY_VAE",
     "PresetSpec",
+    "ENV_HOME",
     "causalkv_home",
     "preset_dir",
     "preset_spec",
 ]
 
+#: the folder presets are built in (default ``~/.cache/causalkv``)
+ENV_HOME = "CAUSALKV_HOME"
 TINY_TEXT_DIM = 32
 
 TINY_TRANSFORMER: dict[str, Any] = {
@@ -106,8 +109,8 @@ class PresetSpec:
 
 
 def causalkv_home() -> Path:
-    """``$CAUSALKV_HOME`` or ``~/.cache/causalkv``."""
-    return Path(os.environ.get("CAUSALKV_HOME") or Path.home() / ".cache" / "causalkv").expanduser()
+    """``$CAUSALKV_HOME`` (`ENV_HOME`) or, unset or blank, ``~/.cache/causalkv``."""
+    return Path(env_text(ENV_HOME) or Path.home() / ".cache" / "causalkv").expanduser()
 
 
 def preset_dir(name: str) -> Path:
