@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
+import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -49,15 +50,25 @@ def ensure_stand_ins() -> None:
 
 @contextlib.contextmanager
 def parallel_runtime(world_size: int = 1, rank: int = 0, *, ulysses: int = 1,
-                     port: int = 29533) -> Iterator[None]:
-    """vLLM's and vLLM-Omni's process groups on gloo for this process, torn down after."""
+                     port: int | None = None) -> Iterator[None]:
+    """vLLM's and vLLM-Omni's process groups on gloo for this process, torn down after.
+
+    ``port``: the rendezvous port every rank of the group shares (``MASTER_PORT``); None for a
+    one-process group takes a port the system reports free now, so two runs on one machine
+    (two clones testing at once) never meet on a fixed port."""
     ensure_stand_ins()
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    if port is None:
+        if world_size != 1:
+            raise ValueError("parallel_runtime: a group of several ranks needs the port they share")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
     with set_current_vllm_config(VllmConfig()):
