@@ -297,3 +297,12 @@ def test_a_recency_tier_chunk_the_cache_codec_would_not_shrink_stays_at_its_tier
     assert store.quantize_calls == 3  # chunks 0 to 2 once each, at the tier, never again
     report = store.packing_report()
     assert report.chunks_packed == 3 and not report.chunks_dense
+
+
+@pytest.mark.parametrize(("codec", "lines"), [("int2", 1), ("int4", 1), ("fp8", 0), ("nvfp4", 0)])
+def test_the_run_header_names_only_the_codecs_own_parameters(codec: str, lines: int):
+    """PRQ's centroid line is PRQ's: fp8 and nvfp4 have no k-means, so no centroids line."""
+    got = QVGPackedCausalKVCache.describe_request(
+        QVGKVQuantArgs(codec=codec), tokens_per_chunk=880, sink_tokens=880)
+    assert len(got) == lines
+    assert all(line.startswith("centroids: 16 per packed span of 880 tokens") for line in got)

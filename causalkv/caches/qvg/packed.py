@@ -64,6 +64,7 @@ from causalkv.caches.qvg.store import (
     SegmentStore,
     StorePlan,
 )
+from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
     CacheProtocolError,
     CausalAttentionKVView,
@@ -165,8 +166,10 @@ class QVGPackedCausalKVCache(StreamCache):
     def describe_request(
         cls, options: QVGKVQuantArgs | None, *, tokens_per_chunk: int, sink_tokens: int
     ) -> list[str]:
-        """The run header's lines for these settings: the centroids a packed span gets."""
-        if options is None or not options.enabled:
+        """The run header's lines for these settings: the codec's own parameters only (the
+        centroids a packed span gets, for a codec that clusters; none for fp8, nvfp4 or a
+        plugin codec without codebooks)."""
+        if options is None or not options.enabled or not codec_for(options).shares_codebooks:
             return []
         span = tokens_per_chunk * options.span_chunks
         whole_sink = (
