@@ -85,7 +85,7 @@ def test_planner_session_bytes_equal_the_stores_own_peak_resident(row):
     from causalkv.runtime.memory.geometry import ModelGeometry
     from causalkv.runtime.memory.records import SETTINGS
     from causalkv.runtime.memory.vllm_omni import ROWS, plan_sessions
-    from causalkv.vllm_omni.store import allocate_layers
+    from causalkv.vllm_omni.lingbot_cache import allocate_layers
 
     geom = ModelGeometry("tiny", 2, 2, 64, vae_scale_spatial=8, vae_scale_temporal=4,
                          patch=(2, 2), frames_per_chunk=3, sink_frames=3, global_sink_frames=3,

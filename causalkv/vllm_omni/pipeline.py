@@ -11,7 +11,7 @@ Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
   transformer and self-attention layers the subclasses below. No setting: nothing changes.
 - `CausalKVLingBotTransformer.allocate_cache` (the direct path's per-request cache) returns
   vLLM-Omni's ``LingBotTransformerCache`` whose self-attention entries are
-  `causalkv.vllm_omni.store.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
+  `causalkv.vllm_omni.lingbot_cache.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
   stays vLLM-Omni's. A new cache per request, so requests never share K/V.
 - `CausalKVLingBotSelfAttention._update_cache` sends those entries to the store and anything
   else (vLLM-Omni's own ``LingBotAttentionCache``) to the stock code.
@@ -41,8 +41,8 @@ from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
+from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_layers
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
-from causalkv.vllm_omni.store import KVLedger, LingBotLayerKV, allocate_layers
 
 __all__ = [
     "CausalKVLingBotSelfAttention",

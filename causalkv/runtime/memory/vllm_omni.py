@@ -5,7 +5,7 @@ vLLM-Omni 0.30.0's LingBot-World (``CausalLingBotWorldTransformer3DModel``'s che
 by default, 1,560 tokens per latent frame) keeps per layer ``[B, max_tokens, H, D]`` K and V,
 ``max_tokens`` = 18 x 1,560 = 28,080 (``allocate_lingbot_cache``). There is no CFG set.
 
-With causalkv's store (`causalkv.vllm_omni.store.LingBotLayerKV`) each layer holds a
+With causalkv's store (`causalkv.vllm_omni.lingbot_cache.LingBotLayerKV`) each layer holds a
 `QVGPackedCausalKVCache` without a chunk scratch: the context at its tiers (the packing policy
 ``RECENT_CHUNKS``, the codec's stored-bytes formula) and, in every layer, the chunk committed last in
 bf16 (the cache's current chunk until the next block commits). The context is what

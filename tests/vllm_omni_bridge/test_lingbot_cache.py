@@ -13,7 +13,7 @@ from vllm_omni.diffusion.models.lingbot_world.transformer import (
 )
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.vllm_omni.store import allocate_layers
+from causalkv.vllm_omni.lingbot_cache import allocate_layers
 
 B, H, D = 1, 2, 64
 N = 48            # one chunk: 3 frames x 16 tokens
