@@ -60,11 +60,15 @@ def causalkv_quant_args(sglang_args: object, recent_tier: str = "bf16") -> QVGKV
 
 
 def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str | None:
-    """None when the adapter can hold this cache, else the reason it cannot."""
-    if quant.enabled and head_dim % quant.block_size != 0:
-        return f"block_size={quant.block_size} does not divide head_dim={head_dim}"
+    """None when the adapter can hold this cache, else the reason it cannot: the codec's own
+    layout rule (`QVGKVQuantArgs.layout_problem`: PRQ's block size divides ``head_dim``; fp8
+    and nvfp4 have their own), or a dtype that is not floating point."""
+    problem = quant.layout_problem(head_dim)
+    if problem is not None:
+        return problem
     if quant.enabled and not dtype.is_floating_point:
-        return f"dtype {dtype} is not floating point"
+        return (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
+                "float32, or turn quantization off")
     return None
 
 
