@@ -297,3 +297,16 @@ def test_a_recency_tier_chunk_the_cache_codec_would_not_shrink_stays_at_its_tier
     assert store.quantize_calls == 3  # chunks 0 to 2 once each, at the tier, never again
     report = store.packing_report()
     assert report.chunks_packed == 3 and not report.chunks_dense
+
+
+def test_the_block_size_rule_is_the_codecs_own():
+    """PRQ's block size must divide head_dim; fp8 and nvfp4 have their own layout rules, so a
+    block size PRQ would refuse does not refuse them (`QVGKVQuantArgs.layout_problem`)."""
+    def store(codec: str, head_dim: int) -> SegmentStore:
+        return SegmentStore(batch_size=1, num_heads=H, head_dim=head_dim, dtype=torch.bfloat16,
+                            device="cpu", quant=QVGKVQuantArgs(codec=codec, block_size=64))
+
+    with pytest.raises(ConfigError, match="block-size 64 does not divide head_dim=48; choose"):
+        store("int4", 48)
+    assert store("fp8", 48).head_dim == 48
+    assert store("nvfp4", 48).head_dim == 48
