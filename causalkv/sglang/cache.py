@@ -36,7 +36,7 @@ from causalkv.caches.intervals import Intervals, normalize
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
-from causalkv.caches.qvg.store import KVWrite, PackedKV, Segment, SegmentStore
+from causalkv.caches.qvg.store import KVWrite, Segment, SegmentStore
 from causalkv.caches.spec import CacheProtocolError, CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
@@ -283,26 +283,13 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         store, (h0, h1), pieces = self.store, w.heads, w.pieces
         layout = w.layout  # a commit replaces this list, never mutates it
         located = store.locate_pieces(pieces, layout)
-        shape = (self.batch_size, h1 - h0, self.head_dim)
-
-        def zeros(n: int) -> KVSegment:
-            z = torch.zeros((shape[0], n, *shape[1:]), dtype=store.dtype, device=store.device)
-            return z, z
 
         def segments() -> Iterator[KVSegment]:
             for seg, a, b in located:
-                yield zeros(b - a) if seg is None else store.decode(seg, ((a, b),), h0, h1)
+                yield store.zeros(b - a, h0, h1) if seg is None else store.decode(seg, ((a, b),), h0, h1)
 
         def stored() -> Iterator[StoredSegment]:
-            for seg, a, b in located:
-                if seg is None:
-                    yield zeros(b - a)
-                elif isinstance(seg.storage, PackedKV):
-                    packed = seg.storage.onloaded(store.device).select_heads(h0, h1)
-                    lo, hi = a - seg.start, b - seg.start
-                    yield packed.k.select_tokens(lo, hi), packed.v.select_tokens(lo, hi)
-                else:
-                    yield seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+            return store.stored_segments([(seg, ((a, b),)) for seg, a, b in located], h0, h1)
 
         def materialize() -> KVSegment:
             return store.gather(pieces, h0, h1, layout)

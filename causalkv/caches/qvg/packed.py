@@ -384,16 +384,7 @@ class QVGPackedCausalKVCache(StreamCache):
 
         def stored() -> Iterator[StoredSegment]:
             # one piece per visible run: dense views, or packed head/token slices (no decode)
-            for seg, runs in located:
-                st = seg.storage
-                if isinstance(st, PackedKV):
-                    st = st.onloaded(store.device).select_heads(h0, h1)
-                for a, b in runs:
-                    lo, hi = a - seg.start, b - seg.start
-                    if isinstance(st, PackedKV):
-                        yield st.k.select_tokens(lo, hi), st.v.select_tokens(lo, hi)
-                    else:
-                        yield st.heads(lo, hi, h0, h1)
+            return store.stored_segments(located, h0, h1)
 
         k = v = None
         if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now
