@@ -308,7 +308,9 @@ class RollingSlots:
         pinned_start = st.pinned_start
         if plan.evicted and st.has_pinned_sink() and pinned_start >= plan.sink:
             pinned_start -= plan.evicted
-        window = plan.grow_to if st.attention_window_size == st.cache_size else st.attention_window_size
+        window = st.attention_window_size
+        if window == st.cache_size:
+            window = plan.grow_to
         return replace(
             self, state=replace(st, cache_size=plan.grow_to, attention_window_size=window,
                                 pinned_start=pinned_start),

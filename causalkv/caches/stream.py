@@ -108,7 +108,8 @@ class StreamState:
             ahead = after.advanced(self.cur_n, "the next chunk")
         except CacheWriteError:  # the next chunk would not fit: keep everything
             return replace(now, held=self.retained)
-        return replace(now, held=iv.subtract(ahead.retained, ((self.global_end, ahead.global_end),)))
+        chunk = ((self.global_end, ahead.global_end),)
+        return replace(now, held=iv.subtract(ahead.retained, chunk))
 
     def cursors(self, visible: Intervals) -> tuple[int, int, int, int]:
         """Reference-runtime cursors for a view of ``visible``, in compact retained slots.

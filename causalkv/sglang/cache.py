@@ -3,8 +3,9 @@
 `SGLangQVGKVCache` subclasses sglang's ``QVGPackedCausalKVCache`` (so sglang's checks of the
 class hold) and answers every attribute and method sglang's stages and attention layers use.
 Where a token lands and what a view shows follow sglang's dense cache exactly: its slot
-arithmetic is a fixed slot buffer that rolls, causalkv's `causalkv.caches.rolling_slots.RollingSlots`
-cursor (read from sglang 0.5.23's source, no sglang import there); the K/V themselves live in causalkv's one QVG segment store
+arithmetic is a fixed slot buffer that rolls, the core's cursor model
+`causalkv.caches.rolling_slots.RollingSlots` (read from sglang 0.5.23's source, no sglang
+import there); the K/V themselves live in causalkv's one QVG segment store
 (`causalkv.caches.qvg.store.SegmentStore`, the same store causalkv's own packed cache uses),
 completed chunks packed with causalkv's codec under sglang's packing rule (the policy object
 `causalkv.caches.qvg.policy.RECENT_NON_SINK`). With quantization off every view equals sglang's dense
@@ -292,7 +293,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
 
         def segments() -> Iterator[KVSegment]:
             for seg, a, b in located:
-                yield store.zeros(b - a, h0, h1) if seg is None else store.decode(seg, ((a, b),), h0, h1)
+                if seg is None:
+                    yield store.zeros(b - a, h0, h1)
+                else:
+                    yield store.decode(seg, ((a, b),), h0, h1)
 
         def stored() -> Iterator[StoredSegment]:
             return store.stored_segments([(seg, ((a, b),)) for seg, a, b in located], h0, h1)
