@@ -106,6 +106,7 @@ from causalkv.caches.qvg import (  # noqa: E402
 )
 from causalkv.runtime.memory import (  # noqa: E402
     BUILTIN_MODELS,
+    ROLLING_SLOT_CACHE,
     MemoryRequest,
     plan_setting,
     stream_layout,
@@ -431,7 +432,8 @@ def compare(quick: bool, codecs: tuple[str, ...] = CODECS) -> list[dict]:
                        k_rel_err=round(_rel(yk, k), 5), v_rel_err=round(_rel(yv, v), 5),
                        attn_rel_err=round(_rel(approx, exact), 5))
             for label, keep in (("recent0", 0), ("default", 1)):
-                plan = plan_setting(geom, lay, Setting(f"{name}-{label}", name, keep))
+                plan = plan_setting(geom, lay, Setting(f"{name}-{label}", name, keep),
+                                    cache=ROLLING_SLOT_CACHE)
                 row[f"peak_ratio_{label}"] = round(plan.peak_ratio, 4)
                 row[f"resident_ratio_{label}"] = round(plan.kv_ratio, 4)
             rows.append(row)

@@ -18,7 +18,9 @@ from causalkv.cli import main
 from causalkv.errors import ConfigError
 from causalkv.runtime.memory import (
     BUILTIN_MODELS,
+    ROLLING_SLOT_CACHE,
     SETTINGS,
+    STREAM_CACHE,
     MemoryRequest,
     ModelGeometry,
     parse_bytes,
@@ -91,7 +93,7 @@ def test_json_fields_and_dense_bytes(capsys) -> None:
 
 def test_off_is_the_held_context_plus_the_scratch() -> None:
     """Quant off at LongLive 2.0: 3 of the 4 slots hold context once the window is full."""
-    plan = plan_memory(LL2, MemoryRequest(latent_frames=80), settings=["off"])
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80), ROLLING_SLOT_CACHE, settings=["off"])
     r = plan.rows[0]
     token = 2 * 24 * 128 * 2  # K and V of one token, one layer
     assert r.scratch_bytes == 7_040 * token
@@ -104,7 +106,7 @@ def test_peak_ratio_targets_at_longlive2_geometry() -> None:
     """The model keeps the peak / dense ratios benchmarks/sglang_bridge.py --layers measured on
     the caches at this geometry (docs/benchmarks.md: 0.158, 0.189, 0.369, 0.252, 0.792; all
     layers, a shot pinned, the window full), each within its bound."""
-    plan = plan_memory(LL2, MemoryRequest(latent_frames=80, shots=2))
+    plan = plan_memory(LL2, MemoryRequest(latent_frames=80, shots=2), ROLLING_SLOT_CACHE)
     peak = {r.setting: r.peak_ratio for r in plan.rows}
     assert peak["int2-recent0"] <= 0.17
     assert peak["int2-recent-int4"] <= 0.19
@@ -127,8 +129,8 @@ def test_budget_answer_is_the_longest_window(capsys) -> None:
         memo: dict = {}
         setting = SETTINGS[r["setting"]]
         req = MemoryRequest(frames=61)
-        assert _peak_at(LL2, req, setting, w, memo) <= budget
-        assert _peak_at(LL2, req, setting, w + 8, memo) > budget
+        assert _peak_at(LL2, req, ROLLING_SLOT_CACHE, setting, w, memo) <= budget
+        assert _peak_at(LL2, req, ROLLING_SLOT_CACHE, setting, w + 8, memo) > budget
     table = run(capsys, "longlive2", "--frames", "61", "--budget", "80GiB", "--setting", "off")[1]
     assert "max_window_frames" in table and "fits" in table
 
@@ -141,8 +143,8 @@ def test_budget_answer_is_the_longest_video_for_self_forcing(capsys) -> None:
         v = r["max_video_frames"]
         assert "max_window_frames" not in r and v % 3 == 0
         memo: dict = {}
-        assert _peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v, memo) <= 16 * 2**30
-        assert _peak_at(sf, MemoryRequest(), SETTINGS[r["setting"]], v + 3, memo) > 16 * 2**30
+        assert _peak_at(sf, MemoryRequest(), ROLLING_SLOT_CACHE, SETTINGS[r["setting"]], v, memo) <= 16 * 2**30
+        assert _peak_at(sf, MemoryRequest(), ROLLING_SLOT_CACHE, SETTINGS[r["setting"]], v + 3, memo) > 16 * 2**30
     assert rows[1]["max_video_frames"] > 4 * rows[0]["max_video_frames"]
 
 
@@ -213,7 +215,7 @@ def test_seconds_round_up_to_whole_chunks() -> None:
     assert lay.latent_frames == 64 and lay.num_chunks == 8 and lay.video_frames >= 240
     lay = stream_layout(LL2, MemoryRequest(seconds=10, fps=16))  # 160 frames need 41 latent
     assert lay.latent_frames == 48 and lay.video_frames >= 160
-    budget = plan_memory(LL2, MemoryRequest(seconds=10, fps=16), settings=["off"],
+    budget = plan_memory(LL2, MemoryRequest(seconds=10, fps=16), ROLLING_SLOT_CACHE, settings=["off"],
                          budget=parse_bytes("40GiB")).rows[0]
     assert budget.max_window_frames is not None and budget.max_window_frames > 32
 
@@ -244,8 +246,8 @@ def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     assert (g.num_layers, g.num_heads, g.head_dim, g.frames_per_chunk, g.sink_frames,
             g.window_frames, g.shot_sinks) == (30, 24, 128, 8, 8, 32, True)
     assert g.tokens_per_frame(704, 1280) == 880
-    folder_rows = plan_memory(g, MemoryRequest(frames=61)).as_json()
-    builtin_rows = plan_memory(LL2, MemoryRequest(frames=61)).as_json()
+    folder_rows = plan_memory(g, MemoryRequest(frames=61), ROLLING_SLOT_CACHE).as_json()
+    builtin_rows = plan_memory(LL2, MemoryRequest(frames=61), ROLLING_SLOT_CACHE).as_json()
     assert [r["kv_bytes"] for r in folder_rows] == [r["kv_bytes"] for r in builtin_rows]
 
     df = tmp_path / "df"
@@ -318,13 +320,13 @@ def test_positions_and_tiers_equal_the_cache_without_a_scratch(sink: bool) -> No
     the next advance: after chunk i+1's first write it holds what the planner says one layer
     holds after chunk i's context pass, plus chunk i+1 in bf16 (own host, 8 chunks, a shot
     pinned at chunk 4, every setting without the recent tier)."""
-    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink)
+    req = MemoryRequest(latent_frames=16, shots=2, sink=sink)
     lay = stream_layout(TINY, req)
     assert lay.num_chunks == 8 and lay.pins == {4} and lay.chunk_tokens == 64
-    states = positions(lay, "causalkv")
+    states = positions(lay, STREAM_CACHE.positions)
     n, token = lay.chunk_tokens, 2 * TINY.num_heads * TINY.head_dim * 2
     for name in BF16_TIER:
-        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", sink=sink, states=states)
+        plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, sink=sink, states=states)
         q = SETTINGS[name].quant_args(sink=sink)
         cache = QVGPackedCausalKVCache(_tiny_spec(lay), q if q.enabled else None)
         measured = []
@@ -345,11 +347,11 @@ def test_positions_and_tiers_equal_the_cache_without_a_scratch(sink: bool) -> No
 
 
 def test_request_fields_reach_the_bytes() -> None:
-    base = plan_memory(TINY, MemoryRequest(latent_frames=16), settings=["off"]).rows[0]
-    b2 = plan_memory(TINY, MemoryRequest(latent_frames=16, batch_size=2), settings=["off"]).rows[0]
-    f32 = plan_memory(TINY, MemoryRequest(latent_frames=16, dtype="float32"), settings=["off"]).rows[0]
+    base = plan_memory(TINY, MemoryRequest(latent_frames=16), ROLLING_SLOT_CACHE, settings=["off"]).rows[0]
+    b2 = plan_memory(TINY, MemoryRequest(latent_frames=16, batch_size=2), ROLLING_SLOT_CACHE, settings=["off"]).rows[0]
+    f32 = plan_memory(TINY, MemoryRequest(latent_frames=16, dtype="float32"), ROLLING_SLOT_CACHE, settings=["off"]).rows[0]
     assert b2.kv_bytes == 2 * base.kv_bytes and f32.kv_bytes == 2 * base.kv_bytes
-    wide = plan_memory(TINY, replace(MemoryRequest(latent_frames=16), window_frames=12),
+    wide = plan_memory(TINY, replace(MemoryRequest(latent_frames=16), window_frames=12), ROLLING_SLOT_CACHE,
                        settings=["off"]).rows[0]
     assert wide.dense_bytes == base.dense_bytes * 12 // 8
 
@@ -390,9 +392,9 @@ def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool
     `QVGPackedCausalKVCache` s hold, 2 layers (x 2 CFG sets) sharing one scratch, 8 chunks of
     64 tokens in 4 slots, a shot pinned at chunk 4: per chunk the caches' resident bytes,
     ``kv_bytes`` (their most plus the scratch) and ``peak_bytes`` (the scratch's ledger)."""
-    req = MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg)
+    req = MemoryRequest(latent_frames=16, shots=2, cfg=cfg)
     lay = stream_layout(TINY, req)
-    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
+    plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention="gathered")
     q = SETTINGS[name].quant_args()
     spec = _tiny_spec(lay)
     resident, scratch_nbytes, peak = _drive_with_scratch(
@@ -410,15 +412,15 @@ def test_planner_equals_the_own_hosts_caches_read_by_streaming_attention(name: s
     """causalkv generate's attention (`attend`) decodes one packed segment at a time: the
     ledger's peak is the caches plus the scratch plus the largest segment decoded, and the
     planner's ``--attention streamed`` (the causalkv host's default) says the same."""
-    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, host="causalkv", cfg=cfg))
-    plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv")
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, cfg=cfg))
+    plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE)
     q = SETTINGS[name].quant_args()
     spec = _tiny_spec(lay)
     resident, _, peak = _drive_with_scratch(
         lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers, "streamed")
     assert resident == [TINY.num_layers * lay.sets * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes
-    gathered = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention="gathered")
+    gathered = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention="gathered")
     assert peak < gathered.peak_bytes if name != "off" else peak == gathered.peak_bytes
 
 
@@ -430,8 +432,8 @@ UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_fram
 @pytest.mark.parametrize(("name", "sink"), [("int2-recent-int4", False), ("int4-default", False),
                                             ("int2-recent0", False), ("int2-default", True)])
 def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sink: bool) -> None:
-    lay = stream_layout(UNALIGNED, MemoryRequest(latent_frames=16, shots=2, host="causalkv", sink=sink))
-    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], host="causalkv", sink=sink,
+    lay = stream_layout(UNALIGNED, MemoryRequest(latent_frames=16, shots=2, sink=sink))
+    plan = plan_setting(UNALIGNED, lay, SETTINGS[name], cache=STREAM_CACHE, sink=sink,
                         attention="gathered")
     q = SETTINGS[name].quant_args(sink=sink)
     spec = _tiny_spec(lay)
@@ -468,10 +470,10 @@ def test_planner_and_store_share_one_tier_policy(name: str) -> None:
     here (2 layers sharing a scratch, 8 chunks, a shot pinned at chunk 4). Each setting's
     path changes the bytes (against the same settings without it), so each is exercised."""
     q, geom, plain = TIER_PATHS[name]
-    lay = stream_layout(geom, MemoryRequest(latent_frames=16, shots=2, host="causalkv"))
-    plan = plan_setting(geom, lay, SETTINGS["int2-default"], host="causalkv",
+    lay = stream_layout(geom, MemoryRequest(latent_frames=16, shots=2))
+    plan = plan_setting(geom, lay, SETTINGS["int2-default"], cache=STREAM_CACHE,
                         attention="gathered", quant=q)
-    without = plan_setting(geom, lay, SETTINGS["int2-default"], host="causalkv",
+    without = plan_setting(geom, lay, SETTINGS["int2-default"], cache=STREAM_CACHE,
                            attention="gathered", quant=replace(q, **plain))
     assert plan.resident_per_chunk != without.resident_per_chunk
     spec = _tiny_spec(lay)
@@ -515,10 +517,10 @@ def test_a_causalkv_preset_is_a_model(capsys) -> None:
 def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, frames: int) -> None:
     """One and two chunks: the chunk alone is read as views (no buffer), and with nothing
     packed visible causalkv's cache builds the window when the view is made, before the move."""
-    lay = stream_layout(TINY, MemoryRequest(latent_frames=frames, host="causalkv", cfg=True))
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=frames, cfg=True))
     spec = _tiny_spec(lay)
     for name in ("int2-default", "int2-recent0"):
-        plan = plan_setting(TINY, lay, SETTINGS[name], host="causalkv", attention=attention)
+        plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention=attention)
         q = SETTINGS[name].quant_args()
         resident, _, peak = _drive_with_scratch(
             lay, lambda s, q=q: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers,
@@ -530,9 +532,9 @@ def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, f
 def test_the_budget_search_says_where_it_stopped() -> None:
     from causalkv.cli.memory import format_plan
 
-    plan = plan_memory(BUILTIN_MODELS["self-forcing"], MemoryRequest(), settings=["int2-recent0"],
+    plan = plan_memory(BUILTIN_MODELS["self-forcing"], MemoryRequest(), ROLLING_SLOT_CACHE, settings=["int2-recent0"],
                        budget=parse_bytes("1TiB"))
     (row,) = plan.as_json()
     assert row["fits"] and row["at_search_limit"] is True
     assert row["max_video_frames"] == 4242  # 1,414 chunks: 1,414^2 <= MAX_WORK
-    assert ">= 4242" in format_plan(plan)
+    assert ">= 4242" in format_plan(plan, "sglang")

@@ -18,7 +18,7 @@ from causalkv.cli.plugins import plugins_report
 from causalkv.hooks import CodecRegistration, hookimpl
 from causalkv.plugin import collect
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.memory import MemoryRequest, plan_setting, stream_layout
+from causalkv.runtime.memory import STREAM_CACHE, MemoryRequest, plan_setting, stream_layout
 from causalkv.runtime.memory.records import Setting
 
 
@@ -54,8 +54,8 @@ def test_the_cache_and_the_planner_count_the_plugin_codec_alike(toy):
     """The planner's bytes equal the real caches' (2 layers sharing a scratch, 8 chunks),
     with the plugin codec as the main codec and fp8 on the recency tier."""
     setting = Setting("int8-recent-fp8", "int8", 1, "fp8")
-    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, host="causalkv"))
-    plan = plan_setting(TINY, lay, setting, host="causalkv", attention="gathered")
+    lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2))
+    plan = plan_setting(TINY, lay, setting, cache=STREAM_CACHE, attention="gathered")
     q = setting.quant_args()
     spec = _tiny_spec(lay)
     caches = []

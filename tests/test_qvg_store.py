@@ -306,3 +306,16 @@ def test_the_run_header_names_only_the_codecs_own_parameters(codec: str, lines: 
         QVGKVQuantArgs(codec=codec), tokens_per_chunk=880, sink_tokens=880)
     assert len(got) == lines
     assert all(line.startswith("centroids: 16 per packed span of 880 tokens") for line in got)
+
+
+def test_the_block_size_rule_is_the_codecs_own():
+    """PRQ's block size must divide head_dim; fp8 and nvfp4 have their own layout rules, so a
+    block size PRQ would refuse does not refuse them (`QVGKVQuantArgs.layout_problem`)."""
+    def store(codec: str, head_dim: int) -> SegmentStore:
+        return SegmentStore(batch_size=1, num_heads=H, head_dim=head_dim, dtype=torch.bfloat16,
+                            device="cpu", quant=QVGKVQuantArgs(codec=codec, block_size=64))
+
+    with pytest.raises(ConfigError, match="block-size 64 does not divide head_dim=48; choose"):
+        store("int4", 48)
+    assert store("fp8", 48).head_dim == 48
+    assert store("nvfp4", 48).head_dim == 48

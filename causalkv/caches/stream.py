@@ -2,7 +2,8 @@
 
 `StreamState` implements the token-position half of the cache contract (docs/design.md):
 write classification (rewrite / advance / error), rolling eviction that keeps the sink and
-the pinned shot sink, pins, and the visible set. It never touches tensors. Every cache
+the pinned shot sink, pins, the visible set and what the next advance keeps
+(`causalkv.caches.positions.PositionModel`). It never touches tensors. Every cache
 delegates here, so the dense and the packed cache agree on positions by construction and
 differ only in how they store the values.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import EMPTY, Intervals
+from causalkv.caches.positions import HeldPositions
 from causalkv.caches.spec import CacheWriteError, KVCacheSpec
 
 
@@ -49,6 +51,13 @@ class StreamState:
             allow_growth=spec.allow_growth,
         )
 
+    @classmethod
+    def opened(cls, *, sink_tokens: int, global_sink_tokens: int, cache_tokens: int) -> StreamState:
+        """An empty stream holding at most ``cache_tokens`` tokens, its window as large, no
+        growth (`PositionModel.opened`)."""
+        return cls(sink_tokens=sink_tokens, global_sink_tokens=global_sink_tokens,
+                   window=cache_tokens, capacity=cache_tokens, allow_growth=False)
+
     # ---- sets -------------------------------------------------------------------------
     def sink_prefix_end(self) -> int:
         """End of the stream-start sink: ``global_sink_tokens`` while pinned, else ``sink_tokens``."""
@@ -78,6 +87,29 @@ class StreamState:
         candidates = iv.clip(iv.subtract(self.retained, sink), tail_start, self.global_end)
         tail = iv.newest(candidates, self.window - iv.count(sink))
         return iv.union(sink, tail)
+
+    def visible_rows(self, recent_window_tokens: int | None = None) -> int:
+        """Rows of the view: its positions (a stream shows no empty rows)."""
+        return iv.count(self.visible(recent_window_tokens))
+
+    def holding(self) -> HeldPositions:
+        """The positions retained, the sink prefix's end and the pinned range."""
+        return HeldPositions(self.retained, self.sink_prefix_end(),
+                             (self.pinned,) if self.pinned else ())
+
+    def after_context(self, pin: bool = False) -> HeldPositions:
+        """What the next advance keeps once the current chunk is context
+        (`PositionModel.after_context`): the positions retained after an advance by
+        ``cur_n`` tokens (after ``pinned_to(cur_n)`` when ``pin``), minus that chunk; all
+        retained now when the advance would not fit."""
+        after = self.pinned_to(self.cur_n) if pin else self
+        now = after.holding()
+        try:
+            ahead = after.advanced(self.cur_n, "the next chunk")
+        except CacheWriteError:  # the next chunk would not fit: keep everything
+            return replace(now, held=self.retained)
+        chunk = ((self.global_end, ahead.global_end),)
+        return replace(now, held=iv.subtract(ahead.retained, chunk))
 
     def cursors(self, visible: Intervals) -> tuple[int, int, int, int]:
         """Reference-runtime cursors for a view of ``visible``, in compact retained slots.

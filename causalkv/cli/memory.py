@@ -13,11 +13,10 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, ConfigError
 from causalkv.runtime.memory.geometry import BUILTIN_MODELS, resolve_model
 from causalkv.runtime.memory.records import (
     ATTENTION,
-    HOSTS,
     SETTINGS,
     MemoryRequest,
     attention_of,
@@ -27,8 +26,26 @@ from causalkv.runtime.memory.records import (
 
 if TYPE_CHECKING:
     from causalkv.runtime.memory.plan import MemoryPlan
+    from causalkv.runtime.memory.records import CacheModel
 
-__all__ = ["format_plan", "register"]
+__all__ = ["HOST_CACHES", "format_plan", "host_cache", "register"]
+
+#: the one place a ``--host`` name maps to the cache the planner counts (a name in
+#: `causalkv.runtime.memory.cache_models`: its cursor model, packing policy and centroid rule):
+#: sglang's stages get the bridge's cache (sglang's slot arithmetic, keep-recent over non-sink
+#: chunks, the centroids as given), causalkv generate its own ``QVGPackedCausalKVCache``
+#: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.runtime.memory.vllm_omni`)
+HOST_CACHES = {"sglang": "ROLLING_SLOT_CACHE", "causalkv": "STREAM_CACHE"}
+
+
+def host_cache(host: str) -> CacheModel:
+    """The cache ``--host host`` plans (`HOST_CACHES`; `ConfigError` for another name)."""
+    if host not in HOST_CACHES:
+        raise ConfigError(f"--host must be one of {[*HOST_CACHES, 'vllm-omni']}, got {host!r}")
+    # lazy: the cache models import the caches' position arithmetic (and torch); --help does not
+    from causalkv.runtime.memory import cache_models
+
+    return getattr(cache_models, HOST_CACHES[host])
 
 _EPILOG = """\
 columns (--json gives the same fields, in bytes, per setting):
@@ -79,12 +96,12 @@ def _bool01(text: str) -> bool:
     return text == "1"
 
 
-def format_plan(plan: MemoryPlan) -> str:
-    """The human-readable table of ``plan``."""
+def format_plan(plan: MemoryPlan, host: str) -> str:
+    """The human-readable table of ``plan``, planned for ``--host host``."""
     g, lay, req = plan.geometry, plan.layout, plan.request
     slots = lay.cache_tokens // lay.chunk_tokens
     lines = [
-        f"{g.describe()}, host {req.host}: {lay.height}x{lay.width} = "
+        f"{g.describe()}, host {host}: {lay.height}x{lay.width} = "
         f"{lay.tokens_per_frame:,} tokens per latent frame; {lay.video_frames} frames = "
         f"{lay.latent_frames} latent frames = {lay.num_chunks} chunks of {lay.frames_per_chunk} "
         f"frames ({lay.chunk_tokens:,} tokens)",
@@ -97,7 +114,7 @@ def format_plan(plan: MemoryPlan) -> str:
     ]
     if plan.rows:
         scratch = format_bytes(plan.rows[0].scratch_bytes)
-        if attention_of(req.host, req.attention) == "gathered":
+        if attention_of(plan.cache, req.attention) == "gathered":
             buffer = f"one layer's window gathered: {format_bytes(plan.rows[0].transient_bytes)}"
         else:
             buffer = "attention streamed, the largest one-call buffer: " + ", ".join(
@@ -175,15 +192,15 @@ def _main(args: argparse.Namespace) -> int:
         req = MemoryRequest(
             height=args.height, width=args.width, frames=args.frames,
             latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
-            shots=args.shots, batch_size=args.batch_size, host=args.host, dtype=args.kv_dtype,
+            shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
             window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
             attention=args.attention,
         )
-        plan = plan_memory(geom, req, settings=args.setting, budget=budget)
+        plan = plan_memory(geom, req, host_cache(args.host), settings=args.setting, budget=budget)
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
-    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan)
+    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
     print(text, flush=True)  # a reader that went away (`| head`): `causalkv.cli.main` ends quietly
     return 0
 
@@ -227,7 +244,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "as the shot sink; chunks split evenly); default 1")
     parser.add_argument("--window-frames", type=int, default=None,
                         help="the window (= the cache) in latent frames (default: the model's)")
-    parser.add_argument("--host", choices=(*HOSTS, "vllm-omni"), default="sglang",
+    parser.add_argument("--host", choices=(*HOST_CACHES, "vllm-omni"), default="sglang",
                         help="whose cache: sglang (the bridge: sglang's packing rule and slot "
                         "arithmetic, the centroids as given; the default), causalkv (causalkv "
                         "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid) "

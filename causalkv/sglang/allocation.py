@@ -80,8 +80,8 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
             caches = original(self, **kw)
             return track(self, caches, describe(caches, quant, self, "sglang", reason))
         raise ConfigError(
-            f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache "
-            f"({reason}); set --kv-cache-quant-block-size to a divisor of the head_dim"
+            f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache: "
+            f"{reason}"
         )
     # lazy: this module imports no torch until sglang calls a hook
     import torch

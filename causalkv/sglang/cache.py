@@ -2,8 +2,10 @@
 
 `SGLangQVGKVCache` subclasses sglang's ``QVGPackedCausalKVCache`` (so sglang's checks of the
 class hold) and answers every attribute and method sglang's stages and attention layers use.
-Where a token lands and what a view shows follow sglang's dense cache exactly
-(`causalkv.sglang.slots`); the K/V themselves live in causalkv's one QVG segment store
+Where a token lands and what a view shows follow sglang's dense cache exactly: its slot
+arithmetic is a fixed slot buffer that rolls, the core's cursor model
+`causalkv.caches.rolling_slots.RollingSlots` (read from sglang 0.5.23's source, no sglang
+import there); the K/V themselves live in causalkv's one QVG segment store
 (`causalkv.caches.qvg.store.SegmentStore`, the same store causalkv's own packed cache uses),
 completed chunks packed with causalkv's codec under sglang's packing rule (the policy object
 `causalkv.caches.qvg.policy.RECENT_NON_SINK`). With quantization off every view equals sglang's dense
@@ -31,15 +33,14 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
     QVGPackedCausalKVCache as _SGLangQVGCache,
 )
 
-from causalkv.caches import intervals as iv
-from causalkv.caches.intervals import Intervals, normalize
+from causalkv.caches.intervals import normalize
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
-from causalkv.caches.qvg.store import KVWrite, PackedKV, Segment, SegmentStore
+from causalkv.caches.qvg.store import KVWrite, Segment, SegmentStore
+from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState, WritePlan
 from causalkv.caches.spec import CacheProtocolError, CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
-from causalkv.sglang.slots import SlotMap, SlotState, WritePlan, plan_write, visible_slots
 
 __all__ = ["SGLangQVGKVCache", "SegmentView", "causalkv_quant_args", "can_serve"]
 
@@ -60,11 +61,15 @@ def causalkv_quant_args(sglang_args: object, recent_tier: str = "bf16") -> QVGKV
 
 
 def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str | None:
-    """None when the adapter can hold this cache, else the reason it cannot."""
-    if quant.enabled and head_dim % quant.block_size != 0:
-        return f"block_size={quant.block_size} does not divide head_dim={head_dim}"
+    """None when the adapter can hold this cache, else the reason it cannot: the codec's own
+    layout rule (`QVGKVQuantArgs.layout_problem`: PRQ's block size divides ``head_dim``; fp8
+    and nvfp4 have their own), or a dtype that is not floating point."""
+    problem = quant.layout_problem(head_dim)
+    if problem is not None:
+        return problem
     if quant.enabled and not dtype.is_floating_point:
-        return f"dtype {dtype} is not floating point"
+        return (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
+                "float32, or turn quantization off")
     return None
 
 
@@ -132,12 +137,17 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.scratch = scratch
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
-    def _state(self) -> SlotState:
-        return SlotState(
-            cache_size=self.cache_size, sink_tokens=self.sink_tokens,
-            attention_window_size=self.attention_window_size, allow_growth=self.allow_growth,
-            global_sink_tokens=self.global_sink_tokens, pinned_start=self.pinned_start,
-            pinned_len=self.pinned_len,
+    def _cursor(self) -> RollingSlots:
+        """sglang's int fields and the slot map as the slot buffer's cursor."""
+        g, loc = self._read_indices()
+        return RollingSlots(
+            SlotState(
+                cache_size=self.cache_size, sink_tokens=self.sink_tokens,
+                attention_window_size=self.attention_window_size,
+                allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
+                pinned_start=self.pinned_start, pinned_len=self.pinned_len,
+            ),
+            self._slots, g, loc,
         )
 
     def _read_indices(self) -> tuple[int, int]:
@@ -175,13 +185,14 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.pinned_len = 0
 
     def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """sglang's pin: the last ``current_num_tokens`` slots' first ``sink_tokens`` slots."""
+        """sglang's pin: the last ``current_num_tokens`` slots' first ``sink_tokens`` slots
+        (`RollingSlots.pinned_to`). Without a pin the cursors are not read (as sglang: its
+        int twins stay unset)."""
         if self.sink_tokens <= 0 or current_num_tokens <= 0:
             self.reset_pinned_sink()
             return
-        _, local_end = self._read_indices()
-        self.pinned_start = local_end - current_num_tokens
-        self.pinned_len = min(self.sink_tokens, current_num_tokens)
+        st = self._cursor().pinned_to(current_num_tokens).state
+        self.pinned_start, self.pinned_len = st.pinned_start, st.pinned_len
 
     def can_direct_current_attention(self, num_new_tokens: int) -> bool:
         """sglang's static rule; its attention then skips the write, which is safe only here."""
@@ -279,26 +290,16 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         store, (h0, h1), pieces = self.store, w.heads, w.pieces
         layout = w.layout  # a commit replaces this list, never mutates it
         located = store.locate_pieces(pieces, layout)
-        shape = (self.batch_size, h1 - h0, self.head_dim)
-
-        def zeros(n: int) -> KVSegment:
-            z = torch.zeros((shape[0], n, *shape[1:]), dtype=store.dtype, device=store.device)
-            return z, z
 
         def segments() -> Iterator[KVSegment]:
             for seg, a, b in located:
-                yield zeros(b - a) if seg is None else store.decode(seg, ((a, b),), h0, h1)
+                if seg is None:
+                    yield store.zeros(b - a, h0, h1)
+                else:
+                    yield store.decode(seg, ((a, b),), h0, h1)
 
         def stored() -> Iterator[StoredSegment]:
-            for seg, a, b in located:
-                if seg is None:
-                    yield zeros(b - a)
-                elif isinstance(seg.storage, PackedKV):
-                    packed = seg.storage.onloaded(store.device).select_heads(h0, h1)
-                    lo, hi = a - seg.start, b - seg.start
-                    yield packed.k.select_tokens(lo, hi), packed.v.select_tokens(lo, hi)
-                else:
-                    yield seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+            return store.stored_segments([(seg, ((a, b),)) for seg, a, b in located], h0, h1)
 
         def materialize() -> KVSegment:
             return store.gather(pieces, h0, h1, layout)
@@ -343,7 +344,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                 f"written since the last reset; one cache serves one head range"
             )
         start = current_chunk_start
-        global_end, local_end_prev = self._read_indices()
+        global_end, _ = self._read_indices()
         if self.scratch is not None and self.scratch.committing and start + n < global_end:
             raise CacheProtocolError(
                 f"{debug_name}: a context pass writes the chunk just generated, which ends at "
@@ -351,43 +352,30 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                 "changed): write the newest chunk inside ChunkScratch.context_pass(), or leave "
                 "the scratch unshared (ChunkScratch(shared=False))"
             )
-        st = self._state()
-        plan = plan_write(st, global_end, local_end_prev, start, n, debug_name)
-        slots = SlotMap(list(self._slots.runs))
-        if plan.roll is not None:
-            slots.copy(*plan.roll)
-        self._check_consistent(slots, plan, start, n, debug_name)
-        slots.write(plan.local_start, plan.local_end, start)
-        pinned_start = self.pinned_start
-        if plan.evicted and self.has_pinned() and pinned_start >= plan.sink:
-            pinned_start -= plan.evicted
+        cur = self._cursor()
+        plan = cur.plan(start, n, debug_name)
+        self._check_consistent(cur.rolled(plan), plan, start, n, debug_name)
+        after = cur.written(plan, start)
         write = KVWrite(start, start + n, heads, key, value)
-        held = tuple(slots.positions())
+        now = after.holding()
         advanced = start + n > global_end
         store = self.store
-        if held == store.held() and store.covers_dense(start, start + n):
+        if now.held == store.held() and store.covers_dense(start, start + n):
             stored = store.plan_write(write)  # the layout stays: one in-place copy
         else:
-            stored = store.plan(
-                held=held, write=write, advance=advanced, sink_end=self.sink_tokens,
-                pinned=self._pinned_positions(slots, pinned_start, self.pinned_len, plan.grow_to),
-            )
+            stored = store.plan(held=now.held, write=write, advance=advanced,
+                                sink_end=now.sink_end, pinned=now.pinned)
         if self.scratch is not None and self.scratch.committing:
-            # a context write: the chunk then moves to its tier, planned with the write
-            stored = store.plan_commit(
-                stored, **self._after_context(slots, plan, pinned_start, start, n))
+            # a context write: the chunk then moves to its tier, planned with the write; the
+            # store keeps what sglang's buffer keeps after the next advance by a chunk of the
+            # same size (after the pin ``scratch.context_pass(pin=True)`` announced). A next
+            # chunk smaller than this one would need positions dropped here: the store then
+            # refuses the read (`UsageError`) instead of showing other values.
+            ctx = after.after_context(self.scratch.pin)
+            stored = store.plan_commit(stored, held=ctx.held, sink_end=ctx.sink_end,
+                                       pinned=ctx.pinned)
         # the view, checked before anything changes: every position it shows is held
-        size = plan.grow_to
-        window = size if self.attention_window_size == self.cache_size else self.attention_window_size
-        after = SlotState(
-            cache_size=size, sink_tokens=self.sink_tokens, attention_window_size=window,
-            allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
-            pinned_start=pinned_start, pinned_len=self.pinned_len,
-        )
-        pieces = self._pieces(
-            slots, size,
-            visible_slots(after, plan.local_start, plan.updated_local_end, recent_window_tokens),
-        )
+        pieces = after.pieces(recent_window_tokens)
         layout = stored.view_segments or stored.segments  # what this call's view reads
         shown = normalize((p, p + ln) for p, ln in pieces if p is not None)
         store.check_view(layout, shown, *heads, debug_name, stored)
@@ -396,57 +384,17 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         store.commit(stored)
         if stored.view_segments is None:
             layout = store.segments  # the chunk as bound in the scratch
-        self.cache_size, self.attention_window_size = size, window
-        self.pinned_start = pinned_start
+        self.cache_size = after.state.cache_size
+        self.attention_window_size = after.state.attention_window_size
+        self.pinned_start = after.state.pinned_start
         self._heads = heads
-        self._slots = slots
-        self._write_indices(
-            global_end_index=plan.updated_global_end, local_end_index=plan.updated_local_end
-        )
+        self._slots = after.slots
+        self._write_indices(global_end_index=after.global_end, local_end_index=after.local_end)
         return _Written(
             pieces=pieces, heads=heads, local_start=plan.local_start,
             local_end=plan.local_end, visible_local_end=plan.updated_local_end,
             visible_global_end=plan.updated_global_end, layout=layout,
         )
-
-    def _after_context(
-        self, slots: SlotMap, plan: WritePlan, pinned_start: int, start: int, n: int
-    ) -> dict[str, Any]:
-        """`SegmentStore.plan_commit`'s arguments once the chunk ``[start, start + n)`` is
-        context: the positions sglang's buffer keeps after the next advance by a chunk of
-        the same size (nothing else is read again), the sink, and the pinned shot sink (the
-        one announced for this chunk by ``scratch.context_pass(pin=True)``, else the
-        current one). A next chunk smaller than this one would need positions dropped here:
-        the store then refuses the read (`UsageError`) instead of showing other values."""
-        assert self.scratch is not None
-        pin_len = self.pinned_len
-        if self.scratch.pin:  # sglang's pin_current_chunk(n), made right after this pass
-            if self.sink_tokens > 0 and n > 0:
-                pinned_start, pin_len = plan.updated_local_end - n, min(self.sink_tokens, n)
-            else:
-                pinned_start, pin_len = -1, 0
-        size = plan.grow_to
-        pinned = self._pinned_positions(slots, pinned_start, pin_len, size)
-        held = tuple(slots.positions())
-        ahead = SlotState(
-            cache_size=size, sink_tokens=self.sink_tokens,
-            attention_window_size=(size if self.attention_window_size == self.cache_size
-                                   else self.attention_window_size),
-            allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
-            pinned_start=pinned_start, pinned_len=pin_len,
-        )
-        end = plan.updated_global_end
-        try:
-            nxt = plan_write(ahead, end, plan.updated_local_end, end, n, "next chunk")
-        except RuntimeError:
-            nxt = None  # sglang would refuse that advance: keep everything
-        if nxt is not None and nxt.grow_to == size:
-            later = SlotMap(list(slots.runs))
-            if nxt.roll is not None:
-                later.copy(*nxt.roll)
-            later.write(nxt.local_start, nxt.local_end, end)
-            held = iv.subtract(normalize(later.positions()), ((end, end + n),))
-        return {"held": held, "sink_end": self.sink_tokens, "pinned": pinned}
 
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
@@ -462,30 +410,6 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                     f"[{plan.local_start}, {plan.local_end}) while slots [{a}, {b}) still hold "
                     f"some of them; sglang's dense cache would leave two versions (not served)"
                 )
-
-    # ---- positions -> the store ------------------------------------------------------------
-    def _pinned_positions(
-        self, slots: SlotMap, pinned_start: int, pinned_len: int, size: int
-    ) -> Intervals:
-        """Global positions held by the pinned slots (the LongLive 2.0 shot sink): with
-        ``sink=False`` the store keeps their chunks dense, as causalkv's own cache does."""
-        if not (pinned_start >= 0 and pinned_len > 0):
-            return ()
-        a, b = max(0, pinned_start), min(size, pinned_start + pinned_len)
-        if b <= a:
-            return ()
-        return normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
-
-    @staticmethod
-    def _pieces(slots: SlotMap, size: int, view_slots) -> list[tuple[int | None, int]]:
-        """The view's rows as ``(position or None, length)`` pieces: the slot ranges of
-        ``view_slots`` (clipped to ``size`` slots) -> the positions ``slots`` hold there."""
-        pieces: list[tuple[int | None, int]] = []
-        for a, b in view_slots:
-            a, b = max(0, min(a, size)), max(0, min(b, size))
-            if b > a:
-                pieces.extend((p, ln) for ln, p in slots.read(a, b))
-        return pieces
 
 
 class SegmentView(CausalKVView):

@@ -20,7 +20,12 @@ import numpy as np
 from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields, free_ports, port_flags
 from longlive2_request import summaries as request_summaries
 
-from causalkv.runtime.memory import MemoryRequest, plan_memory, read_model_geometry
+from causalkv.runtime.memory import (
+    ROLLING_SLOT_CACHE,
+    MemoryRequest,
+    plan_memory,
+    read_model_geometry,
+)
 
 #: what `realtime_probe` prints (its lines quote a summary line, which `summaries` skips)
 PROBE_PREFIX = "causalkv test probe: "
@@ -232,6 +237,6 @@ def planner_matches(longlive2_checkpoint, log: str, setting: str) -> None:
     geom = read_model_geometry(longlive2_checkpoint)
     req = MemoryRequest(height=GEOMETRY["height"], width=GEOMETRY["width"],
                         frames=GEOMETRY["num_frames"], shots=len(SHOTS["shot_prompts"]))
-    (row,) = plan_memory(geom, req, settings=[setting]).rows
+    (row,) = plan_memory(geom, req, ROLLING_SLOT_CACHE, settings=[setting]).rows
     assert (int(s["peak_bytes"]), int(s["resident_bytes"]), int(s["dense_bytes"])) == (
         row.peak_bytes, row.kv_bytes, row.dense_bytes)

@@ -130,7 +130,7 @@ def test_head_dim_below_the_block_defers_or_names_the_fix():
     assert all(type(c) is QVGPackedCausalKVCache for c in caches)  # sglang's own, as in its test
     base = _stage(CausalDMDDenoisingStage)
     base._kv_quant_args = QVGKVQuantArgs(bits=4)
-    with pytest.raises(ValueError, match="block_size=64 does not divide head_dim=4"):
+    with pytest.raises(ValueError, match=r"cannot pack this KV cache: kv-cache-quant-block-size 64 does not divide head_dim=4; choose one of \[2, 4\]"):
         _allocate(base, attention_head_dim=4)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.runtime.memory import (
+    ROLLING_SLOT_CACHE,
     SETTINGS,
     MemoryRequest,
     ModelGeometry,
@@ -53,8 +54,8 @@ def _kv(n: int, seed: int):
 def test_planner_equals_the_bridge_cache_without_a_scratch(name: str, sink: bool) -> None:
     lay = stream_layout(TINY, MemoryRequest(latent_frames=14, shots=2, sink=sink))
     assert lay.num_chunks == 7 and lay.pins == {4} and lay.chunk_tokens == 256
-    states = positions(lay, "sglang")
-    plan = plan_setting(TINY, lay, SETTINGS[name], host="sglang", sink=sink, states=states)
+    states = positions(lay, ROLLING_SLOT_CACHE.positions)
+    plan = plan_setting(TINY, lay, SETTINGS[name], cache=ROLLING_SLOT_CACHE, sink=sink, states=states)
     n, token = lay.chunk_tokens, 2 * 2 * 64 * 2
     cache = SGLangQVGKVCache(
         batch_size=1, cache_size=lay.cache_tokens, num_heads=2, head_dim=64,
@@ -115,7 +116,7 @@ def _check_with_scratch(
 
     shots = 2 if frames >= 4 * geom.frames_per_chunk else 1
     lay = stream_layout(geom, MemoryRequest(latent_frames=frames, shots=shots, cfg=cfg, sink=sink))
-    plan = plan_setting(geom, lay, SETTINGS[name], host="sglang", sink=sink)
+    plan = plan_setting(geom, lay, SETTINGS[name], cache=ROLLING_SLOT_CACHE, sink=sink)
     scratch = ChunkScratch(shared=True)
     n = lay.chunk_tokens
     caches = [
@@ -184,7 +185,7 @@ def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
     assert geom.tokens_per_frame(128, 128) == m.tokens_per_frame
     lay = replace(stream_layout(geom, MemoryRequest(latent_frames=m.chunks * m.frames_per_chunk)),
                   pins=frozenset({m.pin_after}))
-    plan = plan_setting(geom, lay, SETTINGS[setting], host="sglang")
+    plan = plan_setting(geom, lay, SETTINGS[setting], cache=ROLLING_SLOT_CACHE)
     assert row["peak_bytes"] == plan.peak_bytes
     assert row["resident_bytes"] == m.layers * plan.resident_per_chunk[-1] + plan.scratch_bytes
     assert row["dense_bytes"] == plan.dense_bytes

@@ -259,15 +259,16 @@ class QVGPackedCausalKVCache(StreamCache):
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         if advance:  # evict, pack cold chunks and add the new chunk
             self._check_holds(new, debug_name)
-            plan = self.store.plan(
-                held=new.retained, write=write, advance=True, sink_end=new.sink_prefix_end(),
-                pinned=(new.pinned,) if new.pinned else (),
-            )
+            now = new.holding()
+            plan = self.store.plan(held=now.held, write=write, advance=True,
+                                   sink_end=now.sink_end, pinned=now.pinned)
         else:
             plan = self._plan_rewrite(write)
         scratch = self.store.scratch
         if scratch is not None and scratch.committing:
-            plan = self.store.plan_commit(plan, **self._context_args(new, scratch.pin))
+            ctx = new.after_context(scratch.pin)
+            plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end,
+                                          pinned=ctx.pinned)
         if plan.view_segments is None:  # the layout after the commit (the scratch bound)
             self.store.check_view(plan.segments, new.visible(recent_window_tokens), h0, h1,
                                   debug_name, plan)
@@ -280,19 +281,6 @@ class QVGPackedCausalKVCache(StreamCache):
         self.store.commit(plan)  # nothing below can fail
         self.state = new
         return view
-
-    def _context_args(self, st: StreamState, pin: bool) -> dict[str, object]:
-        """`SegmentStore.plan_commit`'s positions once the chunk just written is context: what
-        the next advance by a chunk of the same size keeps (``pin``: after the pin announced
-        for this chunk), the rest dropped now."""
-        after = st.pinned_to(st.cur_n) if pin else st
-        try:
-            ahead = after.advanced(st.cur_n, "the next chunk")
-            held = iv.subtract(ahead.retained, ((st.global_end, ahead.global_end),))
-        except ValueError:  # the next chunk would not fit: keep everything
-            held = st.retained
-        return {"held": held, "sink_end": after.sink_prefix_end(),
-                "pinned": (after.pinned,) if after.pinned else ()}
 
     def _plan_rewrite(self, write: KVWrite):
         """The store after a rewrite of the current chunk: in place while dense segments hold
@@ -399,16 +387,7 @@ class QVGPackedCausalKVCache(StreamCache):
 
         def stored() -> Iterator[StoredSegment]:
             # one piece per visible run: dense views, or packed head/token slices (no decode)
-            for seg, runs in located:
-                st = seg.storage
-                if isinstance(st, PackedKV):
-                    st = st.onloaded(store.device).select_heads(h0, h1)
-                for a, b in runs:
-                    lo, hi = a - seg.start, b - seg.start
-                    if isinstance(st, PackedKV):
-                        yield st.k.select_tokens(lo, hi), st.v.select_tokens(lo, hi)
-                    else:
-                        yield st.heads(lo, hi, h0, h1)
+            return store.stored_segments(located, h0, h1)
 
         k = v = None
         if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now

@@ -91,8 +91,10 @@ class SegmentStore(StoreReads, StorePacking):
             ledger. None keeps the chunk being generated here.
 
     Raises:
-        ConfigError: a block size that does not divide ``head_dim``, a non-float dtype with
-            quantization on, or a bad ``min_tokens_per_centroid``.
+        ConfigError: settings whose codec (or recency tier) cannot pack ``head_dim``
+            channels (the codec's own rule, `QVGKVQuantArgs.layout_problem`: PRQ's block
+            size, fp8's block), a non-float dtype with quantization on, or a bad
+            ``min_tokens_per_centroid``.
     """
 
     def __init__(
@@ -112,15 +114,11 @@ class SegmentStore(StoreReads, StorePacking):
         scratch: ChunkScratch | None = None,
     ) -> None:
         quant = quant.validate()
-        if quant.enabled and head_dim % quant.block_size != 0 and quant.bits is not None:
-            raise ConfigError(
-                f"QVG block_size={quant.block_size} does not divide head_dim={head_dim}; "
-                f"choose --kv-cache-quant-block-size among the divisors of {head_dim}"
-            )
         m = min_tokens_per_centroid
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
-        # checked once per settings and geometry: every layer's store shares the policy
+        # checked once per settings and geometry (the codecs' own layout rules,
+        # `QVGKVQuantArgs.layout_problem`): every layer's store shares the policy
         tiering = tier_policy(quant, m, batch_size, num_heads, head_dim,
                               torch.empty((), dtype=dtype).element_size())
         if quant.enabled and not dtype.is_floating_point:

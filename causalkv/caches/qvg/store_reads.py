@@ -5,7 +5,8 @@ position runs (dense rows copied, packed token ranges decoded in place with
 ``dequantize(out=...)``: no dequantized temporary, no concatenation); `decode` does the same
 for one segment (streaming attention holds one segment at a time); `locate_pieces` gives
 `gather`'s pieces as the stored runs they read, for a reader that attends them one at a time
-without building the buffer (a host's segment view). Every read of a segment in
+without building the buffer (a host's segment view), and `stored_segments` yields those runs
+as stored (dense views, packed slices: nothing decoded). Every read of a segment in
 the stage's shared scratch is checked first (`SegmentStore.check_readable`: only the
 scratch's last writer reads it). `held`, `resident_nbytes` (a shared codebook counted once), `covers_dense` say
 what the store holds.
@@ -13,7 +14,7 @@ what the store holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +23,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.qvg.segments import DenseKV, PackedKV, Segment
-from causalkv.caches.spec import CacheReadError, KVSegment
+from causalkv.caches.spec import CacheReadError, KVSegment, StoredSegment
 
 __all__ = ["StoreReads"]
 
@@ -171,6 +172,39 @@ class StoreReads:
         if self.scratch is not None:
             self.scratch.ledger.transient(k.nbytes + v.nbytes)
         return k, v
+
+    def zeros(self, n: int, h0: int, h1: int) -> KVSegment:
+        """K/V zeros ``[B, n, h1 - h0, D]`` (one buffer for both): rows a reader shows that
+        hold no position."""
+        z = torch.zeros((self.batch_size, n, h1 - h0, self.head_dim), dtype=self.dtype,
+                        device=self.device)
+        return z, z
+
+    def stored_segments(
+        self, located: Sequence[tuple[Segment | None, Intervals]], h0: int, h1: int,
+    ) -> Iterator[StoredSegment]:
+        """The position runs ``located`` names, as stored, in order (nothing decoded): per run
+        ``(a, b)`` of a dense segment views ``[B, b - a, h1 - h0, D]`` of it, of a packed one
+        the codec's `PackedSegment` head/token slices of K and V (the segment onloaded to
+        ``device`` once per entry), and for a None segment zeros ``[B, b - a, h, D]``. What a
+        view's ``iter_stored_segments`` yields (`causalkv.caches.attend`'s fused path).
+
+        ``located``: ``(segment, runs)`` pairs as `locate` gives them (a None segment: runs
+        of rows with no position)."""
+        for seg, runs in located:
+            if seg is None:
+                for a, b in runs:
+                    yield self.zeros(b - a, h0, h1)
+                continue
+            storage = seg.storage
+            if isinstance(storage, PackedKV):
+                storage = storage.onloaded(self.device).select_heads(h0, h1)
+            for a, b in runs:
+                lo, hi = a - seg.start, b - seg.start
+                if isinstance(storage, PackedKV):
+                    yield storage.k.select_tokens(lo, hi), storage.v.select_tokens(lo, hi)
+                else:
+                    yield storage.heads(lo, hi, h0, h1)
 
     # ---- internals: reads -----------------------------------------------------------------
     def _fill(

@@ -6,10 +6,13 @@ diffusers / sglang folder read by its config, `read_model_geometry`) and a reque
 (`SETTINGS`: ``off``, ``int4-default``, ``int4-recent0``, ``int2-default``,
 ``int2-recent0``, ``int2-recent-int4``; the names `benchmarks/sglang_bridge.py` uses) the
 bytes the caches of one stage hold, beside what sglang's dense cache allocates for the same
-request. Nothing is allocated: the bytes of a packed chunk are `packed_nbytes_formula`'s
-(the codec's exact stored bytes), which chunk is held is the host's own position bookkeeping
-(`StreamState` for causalkv's cache, `causalkv.sglang.slots` for the sglang bridge), and which
-chunk stays dense is the packing policy object's decision (`RECENT_NON_SINK` / `RECENT_CHUNKS`), and which
+request, held by one cache (`CacheModel`: `STREAM_CACHE`, causalkv's packed cache;
+`ROLLING_SLOT_CACHE`, a cache reproducing a rolling slot buffer's views; the caller maps a host
+to one, ``causalkv memory --host``). Nothing is allocated: the bytes of a packed chunk are
+`packed_nbytes_formula`'s (the codec's exact stored bytes), which chunk is held is the cache's
+own cursor model (`causalkv.caches.positions.PositionModel`: `StreamState`, `RollingSlots`),
+which chunk stays dense is its packing policy object's decision (`RECENT_CHUNKS` /
+`RECENT_NON_SINK`), and which
 cold chunks are packed by which codec, in which spans and with which shared codebook is the
 segment store's own tier policy (`causalkv.caches.qvg.tiering.TierPolicy`, the store encodes
 what it decides, the planner counts it), so the planner and the caches share one
@@ -33,7 +36,7 @@ The memory model (docs/design.md, "Memory math"):
   ``gathered`` (sglang's) one layer's visible window as one dense buffer
   (``2 x B x visible x H x D x itemsize``; the whole window, ``cache_tokens``, once the
   cache is full), with ``streamed`` (causalkv's `attend`) the largest packed segment
-  decoded alone (`_call_buffers` has the hosts' exact rules); at most ``kv_bytes`` plus the
+  decoded alone (`_call_buffers` has the caches' exact rules); at most ``kv_bytes`` plus the
   window, equal to it once the window is full and the context no longer changes;
   ``dense_bytes``: sglang's dense cache,
   ``layers x sets x 2 x B x cache_tokens x H x D x itemsize``, allocated whole at the start.
@@ -41,9 +44,10 @@ The memory model (docs/design.md, "Memory math"):
 Out of scope: sequence-parallel and head-sliced caches (each rank would hold its heads'
 share), the text cross-attention cache, weights and activations.
 
-The modules: `records` (the settings, the request, the stream layout, byte units), `geometry`
-(the built-in models and a folder's config), `layout` (the request's stream and each host's
-position bookkeeping), `plan` (bytes per setting: the store's segments modelled as bytes
+The modules: `records` (the settings, the request, the cache model record, the stream layout,
+byte units), `cache_models` (the caches planned), `geometry` (the built-in models and a
+folder's config), `layout` (the request's stream and a cursor model's positions per chunk),
+`plan` (bytes per setting: the store's segments modelled as bytes
 under the tier policy's decisions; the plan, the budget search). Import the names from this
 package.
 """
@@ -56,8 +60,10 @@ __all__ = [
     "ATTENTION",
     "BUILTIN_MODELS",
     "DTYPE_BYTES",
-    "HOSTS",
+    "ROLLING_SLOT_CACHE",
     "SETTINGS",
+    "STREAM_CACHE",
+    "CacheModel",
     "ChunkState",
     "MemoryPlan",
     "MemoryRequest",
@@ -78,17 +84,19 @@ __all__ = [
 ]
 
 #: each name's module, imported on first use: ``causalkv memory --help`` reads `records` and
-#: `geometry` alone (`layout` and `plan` import the caches' position arithmetic)
+#: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
 _HOMES = {
     "ATTENTION": "causalkv.runtime.memory.records",
     "BUILTIN_MODELS": "causalkv.runtime.memory.geometry",
+    "CacheModel": "causalkv.runtime.memory.records",
     "ChunkState": "causalkv.runtime.memory.layout",
     "DTYPE_BYTES": "causalkv.runtime.memory.records",
-    "HOSTS": "causalkv.runtime.memory.records",
+    "ROLLING_SLOT_CACHE": "causalkv.runtime.memory.cache_models",
     "MemoryPlan": "causalkv.runtime.memory.plan",
     "MemoryRequest": "causalkv.runtime.memory.records",
     "ModelGeometry": "causalkv.runtime.memory.geometry",
     "SETTINGS": "causalkv.runtime.memory.records",
+    "STREAM_CACHE": "causalkv.runtime.memory.cache_models",
     "Setting": "causalkv.runtime.memory.records",
     "SettingPlan": "causalkv.runtime.memory.plan",
     "StreamLayout": "causalkv.runtime.memory.records",

@@ -1,17 +1,15 @@
-"""A request's stream in tokens, and what each host's position bookkeeping holds after each chunk."""
+"""A request's stream in tokens, and what a cursor model holds after each chunk's context pass."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.stream import StreamState
+from causalkv.caches.positions import PositionModel
 from causalkv.errors import ConfigError, check_int
 from causalkv.runtime.memory.geometry import ModelGeometry
-from causalkv.runtime.memory.records import DTYPE_BYTES, HOSTS, MemoryRequest, StreamLayout
-from causalkv.sglang.slots import SlotMap, SlotState, plan_write, visible_slots
+from causalkv.runtime.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
 
 
@@ -86,8 +84,6 @@ def _most_chunks(slots: int) -> int:
 
 def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
     """The request's stream in tokens (validates every field of ``req``: `ConfigError`)."""
-    if req.host not in HOSTS:
-        raise ConfigError(f"--host must be one of {list(HOSTS)}, got {req.host!r}")
     if req.dtype not in DTYPE_BYTES:
         raise ConfigError(f"--kv-dtype must be one of {list(DTYPE_BYTES)}, got {req.dtype!r}")
     check_int("--batch-size", req.batch_size, minimum=1, hint="pass 1 or more")
@@ -146,7 +142,7 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
 
 
 # ---------------------------------------------------------------------------------------------
-# Positions: what each host's cache holds after each chunk's context pass
+# Positions: what a cache's cursor holds after each chunk's context pass
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChunkState:
@@ -155,11 +151,12 @@ class ChunkState:
     Attributes:
         index: the chunk.
         held: the positions held (trimmed to what the next chunk's advance keeps).
-        sink_end: positions below it are stream-start sink (the host's bookkeeping).
-        pinned: the pinned shot-sink positions (as the host gives them to its store: some
+        sink_end: positions below it are stream-start sink (the cursor's bookkeeping).
+        pinned: the pinned shot-sink positions (as the cursor gives them to its store: some
             may be no longer held).
-        visible: tokens the chunk's calls see (their one-call window).
-        seen: the positions of that window (sglang: zero slots are not positions).
+        visible: rows the chunk's calls see (their one-call window; a slot buffer's
+            unwritten slots count).
+        seen: the positions of that window.
     """
 
     index: int
@@ -170,76 +167,21 @@ class ChunkState:
     seen: Intervals = ()
 
 
-def _own_host_positions(lay: StreamLayout) -> list[ChunkState]:
+def positions(lay: StreamLayout, model: type[PositionModel]) -> list[ChunkState]:
+    """Per chunk, what one layer holds after its context pass: ``model``'s cursor
+    (`PositionModel.opened` on the layout's sink and window) advanced chunk by chunk, each
+    chunk's view, what the next advance keeps (`PositionModel.after_context`, after the pin
+    of a shot's cut chunk, ``lay.pins``)."""
     n = lay.chunk_tokens
-    st = StreamState(sink_tokens=lay.sink_tokens, global_sink_tokens=lay.global_sink_tokens,
-                     window=lay.cache_tokens, capacity=lay.cache_tokens, allow_growth=False)
+    cur = model.opened(sink_tokens=lay.sink_tokens, global_sink_tokens=lay.global_sink_tokens,
+                       cache_tokens=lay.cache_tokens)
     out = []
     for i in range(lay.num_chunks):
-        st = st.advanced(n, "causalkv memory")
-        seen = st.visible()
-        visible = iv.count(seen)
-        if i in lay.pins:
-            st = st.pinned_to(n)
-        nxt = st.advanced(n, "causalkv memory")
-        held = iv.subtract(nxt.retained, ((st.global_end, nxt.global_end),))
-        pinned = (nxt.pinned,) if nxt.pinned else ()
-        out.append(ChunkState(i, held, nxt.sink_prefix_end(), pinned, visible, seen))
+        cur = cur.advanced(n, "causalkv memory")
+        pin = i in lay.pins
+        ctx = cur.after_context(pin)
+        out.append(ChunkState(i, ctx.held, ctx.sink_end, ctx.pinned, cur.visible_rows(),
+                              cur.visible()))
+        if pin:
+            cur = cur.pinned_to(n)
     return out
-
-
-def _merged_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """A `SlotMap`'s runs with adjacent ones that continue each other merged (same map)."""
-    out: list[tuple[int, int, int]] = []
-    for s0, s1, p0 in runs:
-        if out and out[-1][1] == s0 and out[-1][2] + (out[-1][1] - out[-1][0]) == p0:
-            out[-1] = (out[-1][0], s1, out[-1][2])
-        else:
-            out.append((s0, s1, p0))
-    return out
-
-
-def _sglang_positions(lay: StreamLayout) -> list[ChunkState]:
-    n = lay.chunk_tokens
-    st = SlotState(cache_size=lay.cache_tokens, sink_tokens=lay.sink_tokens,
-                   attention_window_size=lay.cache_tokens, allow_growth=False,
-                   global_sink_tokens=lay.global_sink_tokens)
-    slots, global_end, local_end = SlotMap(), 0, 0
-    out = []
-
-    def write(slots: SlotMap, st: SlotState, global_end: int, local_end: int):
-        plan = plan_write(st, global_end, local_end, global_end, n, "causalkv memory")
-        slots = SlotMap(list(slots.runs))
-        if plan.roll is not None:
-            slots.copy(*plan.roll)
-        slots.write(plan.local_start, plan.local_end, global_end)
-        slots.runs = _merged_runs(slots.runs)
-        pinned_start = st.pinned_start
-        if plan.evicted and st.has_pinned_sink() and pinned_start >= plan.sink:
-            pinned_start -= plan.evicted
-        return plan, slots, replace(st, pinned_start=pinned_start)
-
-    for i in range(lay.num_chunks):
-        plan, slots, st = write(slots, st, global_end, local_end)
-        global_end, local_end = plan.updated_global_end, plan.updated_local_end
-        view = visible_slots(st, plan.local_start, local_end, None)
-        visible = sum(b - a for a, b in view)
-        seen = iv.normalize(
-            (p, p + ln) for a, b in view for ln, p in slots.read(a, b) if p is not None
-        )
-        if i in lay.pins and st.sink_tokens > 0:
-            st = replace(st, pinned_start=local_end - n, pinned_len=min(st.sink_tokens, n))
-        _, nslots, _ = write(slots, st, global_end, local_end)
-        held = iv.subtract(iv.normalize(nslots.positions()), ((global_end, global_end + n),))
-        pinned: Intervals = ()  # the positions the pinned slots hold now (the bridge's rule)
-        if st.has_pinned_sink():
-            a, b = max(0, st.pinned_start), min(st.cache_size, st.pinned_start + st.pinned_len)
-            if a < b:
-                pinned = iv.normalize((p, p + ln) for ln, p in slots.read(a, b) if p is not None)
-        out.append(ChunkState(i, held, lay.sink_tokens, pinned, visible, seen))
-    return out
-
-
-def positions(lay: StreamLayout, host: str) -> list[ChunkState]:
-    """Per chunk, what one layer's cache holds after its context pass (the host's bookkeeping)."""
-    return _sglang_positions(lay) if host == "sglang" else _own_host_positions(lay)

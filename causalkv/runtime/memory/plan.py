@@ -1,8 +1,9 @@
 """Bytes per setting (`plan_setting`) and the whole plan with the budget search (`plan_memory`).
 
-`plan_setting` models one layer's segment store as bytes (`_Seg`): per chunk the host's held
-positions (`causalkv.runtime.memory.layout.positions`), the host's `PackingPolicy`, then the
-store's own tier policy (`causalkv.caches.qvg.tiering.TierPolicy`) deciding what is packed by
+`plan_setting` models one layer's segment store as bytes (`_Seg`): per chunk the positions the
+cache's cursor model holds (`causalkv.runtime.memory.layout.positions`), the cache's
+`PackingPolicy` (a `CacheModel` gives both, and its centroid rule), then the store's own tier
+policy (`causalkv.caches.qvg.tiering.TierPolicy`) deciding what is packed by
 which codec in which spans; the bytes of a packed span are the codec's ``nbytes`` formula, a
 shared codebook counted once. No tiering rule lives here.
 """
@@ -15,12 +16,6 @@ from typing import Any
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import (
-    MIN_TOKENS_PER_CENTROID,
-    RECENT_CHUNKS,
-    RECENT_NON_SINK,
-    PackingPolicy,
-)
 from causalkv.caches.qvg.tiering import (
     BookState,
     Kept,
@@ -43,6 +38,7 @@ from causalkv.runtime.memory.layout import (
 from causalkv.runtime.memory.records import (
     DTYPE_BYTES,
     SETTINGS,
+    CacheModel,
     MemoryRequest,
     Setting,
     StreamLayout,
@@ -112,28 +108,25 @@ class SettingPlan:
         return out
 
 
-def _policy(host: str) -> PackingPolicy:
-    return RECENT_NON_SINK if host == "sglang" else RECENT_CHUNKS
-
-
 def _call_buffers(
-    cs: ChunkState, segs: Sequence[_Seg], n: int, host: str, attention: str
+    cs: ChunkState, segs: Sequence[_Seg], n: int, cache: CacheModel, attention: str
 ) -> tuple[int, int, bool]:
     """``(denoising, context, after the move)``: tokens of the one-call buffer of chunk
     ``cs.index``'s denoising and context passes (both read chunk i-1's layout, ``segs``,
     plus the chunk in the scratch), and whether the context pass fills it after the layer
     moved the chunk to its tier.
 
-    A window that is the chunk alone is read as views (no buffer). The bridge gathers the
-    window when the call is done (after the move). causalkv's own cache builds it when the
-    view is made (before the move) if nothing packed is visible and the move drops nothing
-    the view shows; otherwise when it is read: gathered (``view.k``) or streamed (one packed
-    segment decoded at a time, the dense pieces views), both after the move.
+    A window that is the chunk alone is read as views (no buffer). A cache without lazy
+    views (`CacheModel.lazy_views`) gathers the window when the call is done (after the
+    move). A lazy view builds it when the view is made (before the move) if nothing packed
+    is visible and the move drops nothing the view shows; otherwise when it is read:
+    gathered (``view.k``) or streamed (one packed segment decoded at a time, the dense
+    pieces views), both after the move.
     """
     chunk = ((cs.index * n, (cs.index + 1) * n),)
     if not iv.subtract(cs.seen, chunk):
         return 0, 0, True
-    if host == "sglang":
+    if not cache.lazy_views:
         return cs.visible, cs.visible, True
     packed = max((iv.count(iv.intersect(s.run, cs.seen)) for s in segs if s.packed), default=0)
     if packed:
@@ -191,34 +184,34 @@ def _resident(segs: Sequence[_Seg], per_token: int) -> int:
 
 
 def plan_setting(
-    geom: ModelGeometry, lay: StreamLayout, setting: Setting, *, host: str = "sglang",
+    geom: ModelGeometry, lay: StreamLayout, setting: Setting, *, cache: CacheModel,
     dtype: str = "bfloat16", batch_size: int = 1, sink: bool = True,
     states: Sequence[ChunkState] | None = None, record: bool = True,
     attention: str | None = None, quant: QVGKVQuantArgs | None = None,
 ) -> SettingPlan:
-    """``setting``'s figures for the stream ``lay`` (see the module docstring); ``states``:
-    `positions` of ``lay`` when already computed; ``record``: keep the per-chunk tiers;
-    ``attention``: how a call reads its window (`ATTENTION`; None: the host's way);
-    ``quant``: settings to plan instead of the row's (spans, shared codebooks, a sink span).
+    """``setting``'s figures for the stream ``lay`` held by ``cache`` (see the module
+    docstring); ``states``: `positions` of ``lay`` for ``cache.positions`` when already
+    computed; ``record``: keep the per-chunk tiers; ``attention``: how a call reads its
+    window (`ATTENTION`; None: the cache's way); ``quant``: settings to plan instead of the
+    row's (spans, shared codebooks, a sink span).
 
-    Each chunk's context pass is the store's: its held positions trimmed as the host's
-    bookkeeping says, then the host's `PackingPolicy` and the store's own tier policy
-    (`causalkv.caches.qvg.tiering.TierPolicy`) decide what is packed, counted by the codec's
-    ``nbytes`` formula."""
-    attention = attention_of(host, attention)
+    Each chunk's context pass is the store's: its held positions trimmed as the cache's
+    cursor model says, then the cache's `PackingPolicy` and the store's own tier policy
+    (`causalkv.caches.qvg.tiering.TierPolicy`, with the cache's centroid rule) decide what
+    is packed, counted by the codec's ``nbytes`` formula."""
+    attention = attention_of(cache, attention)
     B, H, D = batch_size, geom.num_heads, geom.head_dim
     item = DTYPE_BYTES[dtype]
     n = lay.chunk_tokens
-    states = positions(lay, host) if states is None else states
+    states = positions(lay, cache.positions) if states is None else states
     per_token = 2 * B * H * D * item  # K and V of one token, one layer, dense
     scratch = n * per_token
     sets_layers = geom.num_layers * lay.sets
     dense_bytes = sets_layers * lay.cache_tokens * 2 * B * H * D * item
     q = setting.quant_args(sink=sink) if quant is None else quant.validate()
     q.check_layout(D)
-    policy = _policy(host)
-    # the store's tier policy: causalkv's own host applies the centroid rule, the bridge not
-    tiering = TierPolicy(q, MIN_TOKENS_PER_CENTROID if host == "causalkv" else None, B, H, D, item)
+    policy = cache.policy
+    tiering = TierPolicy(q, cache.min_tokens_per_centroid, B, H, D, item)
     segs: list[_Seg] = []
     book: BookState | None = None
     book_id, books, book_shared = -1, 0, 0
@@ -230,7 +223,7 @@ def plan_setting(
     # context pass fills its buffer after the layer's move (True) or before it
     window: list[tuple[int, int, bool]] = []
     for cs in states:
-        window.append(_call_buffers(cs, segs, n, host, attention))
+        window.append(_call_buffers(cs, segs, n, cache, attention))
         segs.append(_Seg(cs.index * n, (cs.index + 1) * n, cs.index, cs.index))
         segs = keep_held(segs, cs.held, _cut)
         if book is not None and all(s.book != book_id for s in segs):
@@ -298,6 +291,7 @@ class MemoryPlan:
 
     geometry: ModelGeometry
     request: MemoryRequest
+    cache: CacheModel
     layout: StreamLayout
     rows: tuple[SettingPlan, ...]
     budget: int | None = None
@@ -310,8 +304,8 @@ class MemoryPlan:
 MAX_SEARCH_FRAMES = 1 << 16
 
 
-def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: int,
-             memo: dict[int, Any]) -> int:
+def _peak_at(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting: Setting,
+             window: int, memo: dict[int, Any]) -> int:
     """``setting``'s peak bytes with a ``window``-frame window once that window is full (the
     request is lengthened to fill it when shorter; a window-is-video model's video is the
     window)."""
@@ -324,11 +318,11 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, setting: Setting, window: 
         r = replace(req, frames=None, seconds=None, fps=None, latent_frames=latent,
                     window_frames=window)
         lay = stream_layout(geom, r)  # valid: the search starts at the smallest valid window
-        memo[window] = (lay, positions(lay, req.host), {})
+        memo[window] = (lay, positions(lay, cache.positions), {})
     lay, states, peaks = memo[window]
     if setting.name not in peaks:
         peaks[setting.name] = plan_setting(
-            geom, lay, setting, host=req.host, dtype=req.dtype, batch_size=req.batch_size,
+            geom, lay, setting, cache=cache, dtype=req.dtype, batch_size=req.batch_size,
             sink=req.sink, states=states, record=False, attention=req.attention,
         ).peak_bytes
     return peaks[setting.name]
@@ -354,8 +348,8 @@ def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
     return lo
 
 
-def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: int,
-             smallest: int, memo: dict[int, Any]) -> int | None:
+def _longest(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting: Setting,
+             budget: int, smallest: int, memo: dict[int, Any]) -> int | None:
     """The longest window (chunk multiple, >= ``smallest``, <= `MAX_SEARCH_FRAMES`) whose
     peak fits ``budget``; None when ``smallest`` does not fit.
 
@@ -367,12 +361,12 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
     top = _search_top(geom, req, smallest)
 
     def fits(w: int) -> bool:
-        return _peak_at(geom, req, setting, w, memo) <= budget
+        return _peak_at(geom, req, cache, setting, w, memo) <= budget
 
     if not fits(smallest):
         return None
     # secant steps on the peak (about affine in the window once it is full)
-    pts = [(w, _peak_at(geom, req, setting, w, memo))
+    pts = [(w, _peak_at(geom, req, cache, setting, w, memo))
            for w in dict.fromkeys((smallest, min(top, smallest + 4 * fpc)))]
     guess = smallest
     for _ in range(4):
@@ -383,7 +377,7 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
         guess = min(top, max(smallest, guess))
         if guess in (wa, wb):
             break
-        pts.append((guess, _peak_at(geom, req, setting, guess, memo)))
+        pts.append((guess, _peak_at(geom, req, cache, setting, guess, memo)))
     step = fpc
     if fits(guess):
         lo = guess
@@ -409,11 +403,12 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, setting: Setting, budget: 
 
 
 def plan_memory(
-    geom: ModelGeometry, req: MemoryRequest, *, settings: Iterable[str] | None = None,
-    budget: int | None = None,
+    geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, *,
+    settings: Iterable[str] | None = None, budget: int | None = None,
 ) -> MemoryPlan:
-    """Every setting's figures for ``req`` (and, with ``budget`` in bytes, whether it fits and
-    the longest window, or video for a window-is-video model, that fits)."""
+    """Every setting's figures for ``req`` held by ``cache`` (`causalkv.runtime.memory.cache_models`;
+    and, with ``budget`` in bytes, whether it fits and the longest window, or video for a
+    window-is-video model, that fits)."""
     names = list(SETTINGS) if settings is None else list(settings)
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
@@ -425,8 +420,8 @@ def plan_memory(
     if budget is not None:
         check_int("--budget", budget, minimum=1, hint="pass e.g. 80GiB")
     lay = stream_layout(geom, req)
-    attention_of(req.host, req.attention)
-    states = positions(lay, req.host)
+    attention_of(cache, req.attention)
+    states = positions(lay, cache.positions)
     rows = []
     fpc = geom.frames_per_chunk
     multi = bool(lay.pins)
@@ -434,11 +429,11 @@ def plan_memory(
     smallest = -(-smallest // fpc) * fpc
     memo: dict[int, Any] = {}
     for name in dict.fromkeys(names):
-        row = plan_setting(geom, lay, SETTINGS[name], host=req.host, dtype=req.dtype,
+        row = plan_setting(geom, lay, SETTINGS[name], cache=cache, dtype=req.dtype,
                            batch_size=req.batch_size, sink=req.sink, states=states,
                            attention=req.attention)
         if budget is not None:
-            best = _longest(geom, req, SETTINGS[name], budget, smallest, memo)
+            best = _longest(geom, req, cache, SETTINGS[name], budget, smallest, memo)
             row = replace(
                 row, fits=row.peak_bytes <= budget,
                 max_window_frames=None if geom.window_is_video else best,
@@ -446,4 +441,4 @@ def plan_memory(
                 at_search_limit=best is not None and best == _search_top(geom, req, smallest),
             )
         rows.append(row)
-    return MemoryPlan(geom, req, lay, tuple(rows), budget)
+    return MemoryPlan(geom, req, cache, lay, tuple(rows), budget)

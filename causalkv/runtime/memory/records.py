@@ -6,18 +6,17 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
 
+if TYPE_CHECKING:
+    from causalkv.caches.positions import PositionModel
+    from causalkv.caches.qvg.policy import PackingPolicy
+
 #: bytes per element of the KV dtypes a request may name
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-#: the hosts whose caches the planner models: sglang's stages through the bridge
-#: (`causalkv.sglang.cache.SGLangQVGKVCache`, sglang's packing rule, the centroids as given)
-#: and causalkv's own host (`QVGPackedCausalKVCache`, causalkv's rule, `centroids_for`)
-HOSTS = ("sglang", "causalkv")
 
 #: how a call's attention reads the window it sees: ``gathered`` into one dense buffer
 #: (sglang's attention reads the view's ``k``/``v``: the bridge's default) or ``streamed``, one
@@ -25,10 +24,34 @@ HOSTS = ("sglang", "causalkv")
 ATTENTION = ("gathered", "streamed")
 
 
-def attention_of(host: str, attention: str | None) -> str:
-    """``attention`` checked (`ConfigError`), or the host's own way when None."""
+@dataclass(frozen=True)
+class CacheModel:
+    """The cache a plan counts (`causalkv.runtime.memory.cache_models` has the planned ones).
+
+    Attributes:
+        positions: the cursor model deciding which positions a layer holds and shows
+            (`causalkv.caches.positions.PositionModel`: ``StreamState``, ``RollingSlots``).
+        policy: which completed chunks stay dense (a `PackingPolicy`: ``RECENT_CHUNKS``,
+            ``RECENT_NON_SINK``).
+        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs
+            with the settings' centroids as given.
+        attention: how a call reads its window unless the request says (`ATTENTION`).
+        lazy_views: a view builds its window buffer when read (or when made, if nothing
+            packed is visible), `causalkv.caches.CausalAttentionKVView`; False: every call
+            gathers its window into one dense buffer after its write.
+    """
+
+    positions: type[PositionModel]
+    policy: PackingPolicy
+    min_tokens_per_centroid: int | None
+    attention: str
+    lazy_views: bool
+
+
+def attention_of(cache: CacheModel, attention: str | None) -> str:
+    """``attention`` checked (`ConfigError`), or the cache's own way when None."""
     if attention is None:
-        return "gathered" if host == "sglang" else "streamed"
+        return cache.attention
     if attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {list(ATTENTION)}, got {attention!r}")
     return attention
@@ -114,12 +137,12 @@ class MemoryRequest:
         cfg: classifier-free guidance on (a second cache set, the negative branch's).
         shots: shots (LongLive 2.0: each after the first starts with a pinned cut chunk).
         batch_size: B of the caches.
-        host: ``"sglang"`` (the bridge) or ``"causalkv"`` (causalkv's own host).
         dtype: the KV dtype (what sglang's dense cache and the bf16 tier store).
         window_frames: a window override in latent frames (None: the model's).
         sink: ``--kv-cache-quant-sink``: pack sink chunks (True, sglang's default) or keep
             them bf16 (or at the recent tier, ``int2-recent-int4``).
-        attention: how a call reads its window (`ATTENTION`; None: the host's way).
+        attention: how a call reads its window (`ATTENTION`; None: the cache's way,
+            `CacheModel.attention`).
     """
 
     height: int | None = None
@@ -131,7 +154,6 @@ class MemoryRequest:
     cfg: bool = False
     shots: int = 1
     batch_size: int = 1
-    host: str = "sglang"
     dtype: str = "bfloat16"
     window_frames: int | None = None
     sink: bool = True

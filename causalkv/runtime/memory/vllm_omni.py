@@ -9,7 +9,7 @@ With causalkv's store (`causalkv.vllm_omni.lingbot_cache.LingBotLayerKV`) each l
 `QVGPackedCausalKVCache` without a chunk scratch: the context at its tiers (the packing policy
 ``RECENT_CHUNKS``, the codec's stored-bytes formula) and, in every layer, the chunk committed last in
 bf16 (the cache's current chunk until the next block commits). The context is what
-`plan_setting` counts for causalkv's own cache (host ``causalkv``: after a context pass, trimmed
+`plan_setting` counts for that cache (`STREAM_CACHE`: after a context pass, trimmed
 to what the next advance keeps), whose chunk being generated lives in one scratch shared by the
 layers instead; so this module adds no rule of its own:
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from causalkv.errors import ConfigError
+from causalkv.runtime.memory.cache_models import STREAM_CACHE
 from causalkv.runtime.memory.geometry import ModelGeometry
 from causalkv.runtime.memory.layout import stream_layout
 from causalkv.runtime.memory.plan import plan_setting
@@ -83,12 +84,11 @@ def plan_sessions(budget: int | None = None, *, geom: ModelGeometry = VLLM_OMNI_
     if unknown:
         raise ConfigError(f"vllm-omni rows must be among {list(ROWS)}, got {unknown}")
     latent = geom.window_frames + _EXTRA_CHUNKS * geom.frames_per_chunk
-    lay = stream_layout(geom, MemoryRequest(latent_frames=latent, host="causalkv", height=height,
-                                            width=width))
+    lay = stream_layout(geom, MemoryRequest(latent_frames=latent, height=height, width=width))
     out = []
     for row in rows:
-        p = plan_setting(geom, lay, SETTINGS[ROWS[row]], host="causalkv", attention="gathered",
-                         record=False)
+        p = plan_setting(geom, lay, SETTINGS[ROWS[row]], cache=STREAM_CACHE,
+                         attention="gathered", record=False)
         session = p.kv_bytes - p.scratch_bytes + geom.num_layers * p.scratch_bytes
         sessions = dense_sessions = None
         if budget is not None:
