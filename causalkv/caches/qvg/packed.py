@@ -39,6 +39,7 @@ so holds one decoded segment at a time, or, on its fused path,
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -215,6 +216,9 @@ class QVGPackedCausalKVCache(StreamCache):
             scratch=scratch,
         )
         self.state = StreamState.from_spec(spec)
+        #: (chunk start, heads) the probes of the chunk being generated wrote: a context pass
+        #: of that chunk is complete once it has written those heads too
+        self._probed: tuple[int, frozenset[int]] = (-1, frozenset())
 
     def use_scratch(self, scratch: ChunkScratch) -> None:
         """Hold the chunk being generated in ``scratch`` from now on (before the first write:
@@ -250,8 +254,12 @@ class QVGPackedCausalKVCache(StreamCache):
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
         if probe:
-            return self.probe_view(key, value, current_chunk_start, (h0, h1),
+            view = self.probe_view(key, value, current_chunk_start, (h0, h1),
                                    recent_window_tokens, debug_name)
+            start, heads = self._probed
+            heads = heads if start == current_chunk_start else frozenset()
+            self._probed = (current_chunk_start, heads | frozenset(range(h0, h1)))
+            return view
         n, st = key.shape[1], self.state
         advance = st.classify(current_chunk_start, n, debug_name) == "advance"
         new = st.advanced(n, debug_name) if advance else st
@@ -266,6 +274,10 @@ class QVGPackedCausalKVCache(StreamCache):
             plan = self._plan_rewrite(write)
         scratch = self.store.scratch
         if scratch is not None and scratch.committing:
+            start, probed = self._probed
+            if start == new.cur_start and not probed <= plan.chunk_heads:
+                # a pass of the heads the probes wrote completes the chunk, not the first slice
+                plan = replace(plan, chunk_heads=plan.chunk_heads | probed)
             ctx = new.after_context(scratch.pin)
             plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end,
                                           pinned=ctx.pinned)
@@ -404,5 +416,6 @@ class QVGPackedCausalKVCache(StreamCache):
         `packing_report` keeps counting: the dropped chunks count with their last storage.
         """
         self.state = StreamState.from_spec(self.spec)
+        self._probed = (-1, frozenset())
         self.store.reset()
 
