@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.attention import AttendStats, attend, attend_dense
 from causalkv.caches.qvg.codec import dequantize, quantize
 from causalkv.caches.qvg.format import bits_per_element
@@ -66,9 +66,9 @@ class StreamConfig:
     def chunk(self) -> int:
         return self.tokens_per_frame * self.frames_per_chunk
 
-    def spec(self) -> KVCacheSpec:
+    def spec(self) -> CausalCacheSpec:
         tpf = self.tokens_per_frame
-        return KVCacheSpec(
+        return CausalCacheSpec(
             batch_size=1, num_heads=self.heads, head_dim=self.head_dim,
             cache_size=self.window_frames * tpf, sink_tokens=self.sink_frames * tpf,
             global_sink_tokens=self.global_sink_frames * tpf, dtype=torch.bfloat16,

@@ -101,7 +101,7 @@ import triton  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache  # noqa: E402
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, QVGPackedCausalKVCache  # noqa: E402
 from causalkv.caches.attention import AttendStats, attend, attend_dense  # noqa: E402
 from causalkv.caches.qvg import QVGKVQuantArgs, dequantize  # noqa: E402
 from causalkv.caches.qvg.attention import packed_attention  # noqa: E402
@@ -142,7 +142,7 @@ def kv_like(n: int, H: int, D: int, seed: int, device: torch.device) -> torch.Te
 def build(geo: Geometry, bits: int, device: torch.device):
     """(dense cache, packed cache, query) after writing ``geo.chunks`` chunks to both."""
     n, H, D = geo.chunk, geo.heads, geo.head_dim
-    spec = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=geo.chunks * n,
+    spec = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=geo.chunks * n,
                        sink_tokens=geo.sink_chunks * n, global_sink_tokens=geo.sink_chunks * n,
                        dtype=torch.bfloat16, device=device)
     quant = QVGKVQuantArgs(codec=f"int{bits}", keep_recent_chunks=0).validate()

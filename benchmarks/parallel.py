@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of a row: run the chunks, write this rank's figures (rank 0: the output too)."""
     import torch.distributed as dist
 
-    from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+    from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
     from causalkv.caches.cross import CrossAttentionKVCache
     from causalkv.runtime.processes.distributed import (
         EXCHANGE,
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     hw = g["latent_hw"]
     tpf = net.tokens_per_frame(hw, hw)
     tpc = tpf * g["frames_per_chunk"]
-    spec = KVCacheSpec(batch_size=1, num_heads=net.num_heads, head_dim=net.head_dim,
+    spec = CausalCacheSpec(batch_size=1, num_heads=net.num_heads, head_dim=net.head_dim,
                        cache_size=g["window_frames"] * tpf, dtype=dtype, device=ctx.device,
                        head_offset=net.head_offset)
     caches = [DenseCausalKVCache(spec) for _ in range(net.num_layers)]

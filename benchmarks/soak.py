@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cache import StreamKV  # noqa: E402
 
-from causalkv.caches import KVCacheSpec  # noqa: E402
+from causalkv.caches import CausalCacheSpec  # noqa: E402
 from causalkv.caches.qvg.options import QVGKVQuantArgs  # noqa: E402
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache  # noqa: E402
 
@@ -75,9 +75,9 @@ class SoakConfig:
         """Chunks after which the window is full and every later advance looks the same."""
         return -(-self.window_frames // self.frames_per_chunk) + self.pin_every + 2
 
-    def spec(self) -> KVCacheSpec:
+    def spec(self) -> CausalCacheSpec:
         tpf = self.tokens_per_frame
-        return KVCacheSpec(
+        return CausalCacheSpec(
             batch_size=1, num_heads=self.heads, head_dim=self.head_dim,
             cache_size=self.window_frames * tpf, sink_tokens=self.sink_frames * tpf,
             global_sink_tokens=self.global_sink_frames * tpf,

@@ -82,7 +82,7 @@ def check_int(
     """``value`` if it is an int (not a bool) ``>= minimum``; else ``error`` naming it and the fix.
 
     Args:
-        name: what the value is, as the user wrote it (``"--frames"``, ``"KVCacheSpec.num_heads"``).
+        name: what the value is, as the user wrote it (``"--frames"``, ``"CausalCacheSpec.num_heads"``).
         minimum: the smallest accepted value (1 for "positive").
         hint: the fix, appended after ``"; "``.
     """

@@ -30,7 +30,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from causalkv.caches.spec import CacheWriteError, KVCacheSpec
+from causalkv.caches.spec import CacheWriteError, CausalCacheSpec
 
 # ======================================================================================
 # Part 1: the oracle (plain Python, sets of ints)
@@ -105,7 +105,7 @@ class OracleCache:
         self.capacity = self.cache_size
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec) -> OracleCache:
+    def from_spec(cls, spec: CausalCacheSpec) -> OracleCache:
         return cls(
             batch_size=spec.batch_size,
             num_heads=spec.num_heads,
@@ -283,7 +283,7 @@ def _to_kv(f: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode_kv(
-    spec: KVCacheSpec, start: int, n: int, h0: int, h: int, wid: int
+    spec: CausalCacheSpec, start: int, n: int, h0: int, h: int, wid: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key/value ``[B, n, h, D]`` for positions ``[start, start + n)`` and heads ``[h0, h0 + h)``."""
     pos = torch.arange(start, start + n)
@@ -298,7 +298,7 @@ def encode_kv(
     return k_out.to(spec.torch_device), v_out.to(spec.torch_device)
 
 
-def expected_kv(ov: OracleView, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def expected_kv(ov: OracleView, spec: CausalCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``[B, visible, h, D]`` the view's k and v must equal."""
     pos = torch.tensor(ov.positions, dtype=torch.int64)
     heads = torch.tensor(list(ov.heads), dtype=torch.int64)
@@ -394,7 +394,7 @@ def resolve(op: Op, oracle: OracleCache, wid: int) -> Call:
     return Call("can_direct", n=op.n)
 
 
-def apply_to_cache(cache: Any, spec: KVCacheSpec, call: Call) -> Any:
+def apply_to_cache(cache: Any, spec: CausalCacheSpec, call: Call) -> Any:
     """Run ``call`` on a cache; return its result (a view, a bool or None)."""
     if call.kind == "write":
         k, v = encode_kv(spec, call.start, call.n, call.h0 or 0, call.h, call.wid)
@@ -453,7 +453,7 @@ def cursors(view: Any) -> tuple[int, int, int, int]:
     )
 
 
-def assert_view_matches(view: Any, ov: OracleView, spec: KVCacheSpec, where: str) -> None:
+def assert_view_matches(view: Any, ov: OracleView, spec: CausalCacheSpec, where: str) -> None:
     """Positions, cursors and exact K/V values of ``view`` against the oracle's."""
     got = view.positions.tolist()
     assert got == ov.positions, f"{where}: positions {runs_of(got)} != oracle {ov.ranges()}"
@@ -485,8 +485,8 @@ def _expect_error(exc: BaseException | None, err: OracleError, where: str) -> No
 
 
 def run_sequence(
-    make_cache: Callable[[KVCacheSpec], Any],
-    spec: KVCacheSpec,
+    make_cache: Callable[[CausalCacheSpec], Any],
+    spec: CausalCacheSpec,
     ops: Sequence[Op],
     *,
     check_resident_nbytes: bool = True,
@@ -539,9 +539,9 @@ def assert_views_equal(a: Any, b: Any, where: str) -> None:
 
 
 def assert_caches_agree(
-    make_a: Callable[[KVCacheSpec], Any],
-    make_b: Callable[[KVCacheSpec], Any],
-    spec: KVCacheSpec,
+    make_a: Callable[[CausalCacheSpec], Any],
+    make_b: Callable[[CausalCacheSpec], Any],
+    spec: CausalCacheSpec,
     ops: Sequence[Op],
     *,
     compare_views: Callable[[Any, Any, str], None] = assert_views_equal,
@@ -582,13 +582,13 @@ def assert_caches_agree(
 
 
 @st.composite
-def specs(draw: st.DrawFn, dtype: torch.dtype = torch.float32) -> KVCacheSpec:
+def specs(draw: st.DrawFn, dtype: torch.dtype = torch.float32) -> CausalCacheSpec:
     """Tiny specs: B <= 2, H <= 4, D = 4, cache <= 20 tokens, every sink/window/growth mode."""
     cache_size = draw(st.integers(1, 20))
     sink = draw(st.integers(0, min(cache_size, 8)))
     global_sink = draw(st.integers(0, sink))
     window = draw(st.none() | st.integers(1, cache_size))
-    return KVCacheSpec(
+    return CausalCacheSpec(
         batch_size=draw(st.integers(1, 2)),
         num_heads=draw(st.integers(1, 4)),
         head_dim=4,
@@ -601,7 +601,7 @@ def specs(draw: st.DrawFn, dtype: torch.dtype = torch.float32) -> KVCacheSpec:
     )
 
 
-def ops_for(spec: KVCacheSpec, *, errors: bool = True) -> st.SearchStrategy[Op]:
+def ops_for(spec: CausalCacheSpec, *, errors: bool = True) -> st.SearchStrategy[Op]:
     """One op; mostly valid, with invalid writes and pins mixed in when ``errors``."""
     return _ops_for(spec.num_heads, errors)
 
@@ -663,7 +663,7 @@ def _op_lists(H: int, errors: bool, max_ops: int) -> st.SearchStrategy[list[Op]]
 @st.composite
 def scenarios(
     draw: st.DrawFn, dtype: torch.dtype = torch.float32, max_ops: int = 24, errors: bool = True
-) -> tuple[KVCacheSpec, list[Op]]:
+) -> tuple[CausalCacheSpec, list[Op]]:
     """A spec and a sequence of ops for it."""
     spec = draw(specs(dtype))
     ops = draw(_op_lists(spec.num_heads, errors, max_ops))

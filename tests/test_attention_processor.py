@@ -14,7 +14,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from runtime_helpers import make_options, plan_and_run
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.runtime.model_io.causal_wan import CausalWanTransformer, rope_at_frame_offset
 from causalkv.runtime.model_io.components import load_wan_transformer
@@ -123,7 +123,7 @@ def test_oracle_mask_actually_evicts(causalkv_home: str) -> None:
 def test_processor_writes_advance_then_rewrite(causalkv_home: str) -> None:
     model = load_wan_transformer(materialize_preset("tiny-wan") / "transformer")
     tr = CausalWanTransformer(model)
-    spec = KVCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=144, dtype=torch.float32)
+    spec = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=144, dtype=torch.float32)
     kv = [DenseCausalKVCache(spec) for _ in range(tr.num_layers)]
     cross = [CrossAttentionKVCache() for _ in range(tr.num_layers)]
     text = torch.randn(1, 8, 32)

@@ -22,13 +22,13 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, QVGPackedCausalKVCache, attend
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 
 B, H, D, N = 1, 2, 64, 16
 CHUNKS, CALLS = 10, 4
-SPEC = KVCacheSpec(batch_size=B, num_heads=H, head_dim=D, cache_size=4 * N, sink_tokens=N,
+SPEC = CausalCacheSpec(batch_size=B, num_heads=H, head_dim=D, cache_size=4 * N, sink_tokens=N,
                    global_sink_tokens=N, dtype=torch.bfloat16)
 KINDS = ("dense", "int4", "int2")
 

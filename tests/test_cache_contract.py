@@ -28,7 +28,7 @@ from oracle import (
     scenarios,
 )
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 
 DENSE_SEQUENCES = examples(2000)
 
@@ -80,7 +80,7 @@ class _StaleRewriteDense(DenseCausalKVCache):
         )
 
 
-SHOT_SPEC = KVCacheSpec(
+SHOT_SPEC = CausalCacheSpec(
     batch_size=1, num_heads=2, head_dim=4, cache_size=12, sink_tokens=2, global_sink_tokens=2,
     dtype=torch.float32,
 )
@@ -114,7 +114,7 @@ def test_driver_rejects_a_broken_cache(broken, ops):
 def test_clearing_a_pin_does_not_resurrect_evicted_sink_tokens():
     """With sink 4 / global sink 2, pinning lets [2, 4) roll out; clearing the pin then
     must not make [2, 4) visible again (the cache no longer holds them)."""
-    spec = KVCacheSpec(
+    spec = CausalCacheSpec(
         batch_size=1, num_heads=1, head_dim=4, cache_size=8, sink_tokens=4,
         global_sink_tokens=2, dtype=torch.float32,
     )
@@ -129,5 +129,5 @@ def test_clearing_a_pin_does_not_resurrect_evicted_sink_tokens():
 def test_oracle_can_direct_and_reset():
     o = OracleCache(batch_size=1, num_heads=1, head_dim=4, cache_size=4)
     assert o.can_direct(4) and not o.can_direct(5) and not o.can_direct(0)
-    run_sequence(DenseCausalKVCache, KVCacheSpec(1, 1, 4, 4, dtype=torch.float32),
+    run_sequence(DenseCausalKVCache, CausalCacheSpec(1, 1, 4, 4, dtype=torch.float32),
                  [CanDirect(4), Write("advance", n=2), CanDirect(2), Reset(), CanDirect(4)])

@@ -7,9 +7,9 @@ import pytest
 import torch
 from oracle import OracleCache, encode_kv, run_sequence
 
-from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
 
-SPEC = KVCacheSpec(
+SPEC = CausalCacheSpec(
     batch_size=2, num_heads=4, head_dim=4, cache_size=16, sink_tokens=4, global_sink_tokens=2,
     attention_window_size=12, dtype=torch.float32,
 )
@@ -161,7 +161,7 @@ def test_first_write_must_start_at_zero():
 
 
 def test_growth_turns_the_fit_error_into_a_bigger_buffer():
-    spec = KVCacheSpec(1, 1, 4, cache_size=6, sink_tokens=2, dtype=torch.float32,
+    spec = CausalCacheSpec(1, 1, 4, cache_size=6, sink_tokens=2, dtype=torch.float32,
                        allow_growth=True)
     cache = DenseCausalKVCache(spec)
     k, v = encode_kv(spec, 0, 2, 0, 1, 1)
@@ -211,7 +211,7 @@ BAD_SPECS = {
 def test_bad_spec_field_is_a_value_error_naming_field_and_value(case):
     kwargs, fragments = BAD_SPECS[case]
     with pytest.raises((ValueError, RuntimeError)) as info:
-        KVCacheSpec(**{**GOOD, **kwargs})
+        CausalCacheSpec(**{**GOOD, **kwargs})
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
 

@@ -28,7 +28,7 @@ from cache_machine import (
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec, attend
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, attend
 from causalkv.caches import intervals as iv
 from causalkv.caches.attention import AttendError, attend_dense
 from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
@@ -69,7 +69,7 @@ class CausalkvEnv(Env):
         return configs()
 
     def build(self, cfg: Config):
-        spec = KVCacheSpec(
+        spec = CausalCacheSpec(
             batch_size=B, num_heads=cfg.heads, head_dim=D, cache_size=cfg.cache_size,
             sink_tokens=cfg.sink, global_sink_tokens=cfg.global_sink,
             attention_window_size=cfg.window, dtype=DT, allow_growth=cfg.growth,

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec, attend
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, attend
 from causalkv.caches.attention import AttendError
 from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CacheWriteError
 
 H, D, N = 2, 32, 32
-SPEC = KVCacheSpec(1, H, D, 4 * N, sink_tokens=N, dtype=torch.bfloat16)
+SPEC = CausalCacheSpec(1, H, D, 4 * N, sink_tokens=N, dtype=torch.bfloat16)
 CACHES = {
     "dense": lambda: DenseCausalKVCache(SPEC),
     "packed-int2": lambda: QVGPackedCausalKVCache(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec, attend
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, attend
 from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
 from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
@@ -20,7 +20,7 @@ from causalkv.caches.qvg.policy import centroids_for
 from causalkv.caches.spec import CacheProtocolError
 
 H, D, N, SLOTS, LAYERS, PASSES, PIN_AFTER = 2, 32, 64, 4, 3, 3, 3
-SPEC = KVCacheSpec(1, H, D, SLOTS * N, sink_tokens=N, global_sink_tokens=N, dtype=torch.bfloat16)
+SPEC = CausalCacheSpec(1, H, D, SLOTS * N, sink_tokens=N, global_sink_tokens=N, dtype=torch.bfloat16)
 
 
 def _kv(chunk, layer, step):

@@ -201,12 +201,12 @@ def test_the_cache_packs_with_any_codec_on_any_tier(main, tier):
     """A window of 4 chunks, keep-recent 1: chunk 5 is the recent one (at ``tier``), 3 and 4
     cold (at ``main``, re-packed from the tier), 6 current; each packed chunk reads back as its
     codecs' round trips of what was written, and the resident bytes are the codecs' formulas."""
-    from causalkv.caches import KVCacheSpec, attention
+    from causalkv.caches import CausalCacheSpec, attention
     from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
     from causalkv.caches.qvg.segments import PackedKV
 
     n, H, D = 32, 2, 32
-    spec = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=4 * n, sink_tokens=0,
+    spec = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=4 * n, sink_tokens=0,
                        global_sink_tokens=0, dtype=torch.bfloat16)
     q = QVGKVQuantArgs(codec=main, centroids=4, block_size=16, recent_tier=tier)
     cache = QVGPackedCausalKVCache(spec, q)

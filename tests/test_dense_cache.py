@@ -7,7 +7,12 @@ import pytest
 import torch
 from oracle import encode_kv
 
-from causalkv.caches import CausalKVCache, CrossAttentionKVCache, DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import (
+    CausalCacheSpec,
+    CausalKVCache,
+    CrossAttentionKVCache,
+    DenseCausalKVCache,
+)
 from causalkv.capabilities import (
     GROWTH,
     HEAD_SLICE,
@@ -17,7 +22,7 @@ from causalkv.capabilities import (
     RECENT_WINDOW,
 )
 
-SPEC = KVCacheSpec(batch_size=2, num_heads=3, head_dim=4, cache_size=10, sink_tokens=2,
+SPEC = CausalCacheSpec(batch_size=2, num_heads=3, head_dim=4, cache_size=10, sink_tokens=2,
                    attention_window_size=8)
 
 
@@ -147,7 +152,7 @@ def test_segments_cover_the_view():
 
 def test_bf16_exact_small_values():
     """bf16 has 8 significant bits: integers up to 256 are exact, so the markers survive."""
-    spec = KVCacheSpec(1, 2, 4, cache_size=8, sink_tokens=1, dtype=torch.bfloat16)
+    spec = CausalCacheSpec(1, 2, 4, cache_size=8, sink_tokens=1, dtype=torch.bfloat16)
     cache = DenseCausalKVCache(spec)
     for c in range(20):
         view = write(cache, 4 * c, 4, wid=200 + c)
@@ -160,7 +165,7 @@ def test_bf16_exact_small_values():
 
 
 def test_can_direct_current_attention():
-    spec = KVCacheSpec(1, 1, 4, cache_size=6, dtype=torch.float32)
+    spec = CausalCacheSpec(1, 1, 4, cache_size=6, dtype=torch.float32)
     cache = DenseCausalKVCache(spec)
     assert cache.can_direct_current_attention(3)
     assert not cache.can_direct_current_attention(7)  # does not fit

@@ -13,7 +13,7 @@ import torch
 from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.spec import KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.cli import main
 from causalkv.errors import ConfigError
 from causalkv.runtime.memory import (
@@ -305,8 +305,8 @@ def _kv(n: int, heads: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Te
     return k, v
 
 
-def _tiny_spec(lay) -> KVCacheSpec:
-    return KVCacheSpec(
+def _tiny_spec(lay) -> CausalCacheSpec:
+    return CausalCacheSpec(
         batch_size=1, num_heads=TINY.num_heads, head_dim=TINY.head_dim,
         cache_size=lay.cache_tokens, sink_tokens=lay.sink_tokens,
         global_sink_tokens=lay.global_sink_tokens, attention_window_size=lay.cache_tokens,

@@ -32,7 +32,7 @@ import pytest
 import torch
 from interpreter import INTERPRETED, run_interpreted
 
-from causalkv.caches import KVCacheSpec, QVGPackedCausalKVCache
+from causalkv.caches import CausalCacheSpec, QVGPackedCausalKVCache
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import PackedSegment, QVGKVQuantArgs, dequantize, quantize
 
@@ -343,7 +343,7 @@ def _stream_view(dtype, *, D=64, n=48, H=2, chunks=9, span=1, pin_at=None, recen
                  heads=None, keep_recent=1):
     """A packed cache streamed ``chunks`` chunks of ``n`` tokens (sink 1 chunk, window 5);
     returns (view of the last write, query [1, n, h, D])."""
-    spec = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=6 * n, sink_tokens=n,
+    spec = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=6 * n, sink_tokens=n,
                        global_sink_tokens=n, dtype=torch.bfloat16)
     q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=32 if D % 32 == 0 else 16,
                        keep_recent_chunks=keep_recent, span_chunks=span).validate()

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from causalkv.caches import CacheWriteError, DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches import attention as attn
 from causalkv.caches.qvg import codec
 from causalkv.caches.qvg import format as qvg_format
@@ -31,11 +31,11 @@ D = 32
 H = 2
 
 
-def spec(**kw) -> KVCacheSpec:
+def spec(**kw) -> CausalCacheSpec:
     base = dict(batch_size=1, num_heads=H, head_dim=D, cache_size=6 * N, sink_tokens=N,
                 global_sink_tokens=N, dtype=torch.bfloat16)
     base.update(kw)
-    return KVCacheSpec(**base)
+    return CausalCacheSpec(**base)
 
 
 def quant(**kw) -> QVGKVQuantArgs:
@@ -355,7 +355,7 @@ PRESET_GEOMETRIES = {
 def _preset_stream(name: str, make, chunks: int = 6) -> tuple[int, object]:
     fpc, sink, gsink, window, pin_every = PRESET_GEOMETRIES[name]
     tpf, n = 16, 16 * fpc
-    s = KVCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=window * tpf,
+    s = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=window * tpf,
                     sink_tokens=sink * tpf, global_sink_tokens=gsink * tpf,
                     attention_window_size=window * tpf, dtype=torch.bfloat16)
     cache = make(s)

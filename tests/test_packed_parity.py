@@ -20,14 +20,14 @@ from oracle import (
     scenarios,
 )
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 PARITY_SEQUENCES = examples(2000)
 
 
-def packed_off(spec: KVCacheSpec) -> QVGPackedCausalKVCache:
+def packed_off(spec: CausalCacheSpec) -> QVGPackedCausalKVCache:
     return QVGPackedCausalKVCache(spec, QVGKVQuantArgs())
 
 

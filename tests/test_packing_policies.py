@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalkv.caches import KVCacheSpec
+from causalkv.caches import CausalCacheSpec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.qvg.policy import RECENT_CHUNKS, RECENT_NON_SINK, recent_non_sink_dense
 
 CHUNK = 8
-SPEC = KVCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
+SPEC = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
                    sink_tokens=CHUNK, dtype=torch.bfloat16)
 
 

@@ -1,7 +1,7 @@
 """A head-sharded packed cache stores exactly what one cache stores for the same global heads.
 
 Oracle: one `QVGPackedCausalKVCache` holding all H heads. Two caches holding heads ``[0, H/2)``
-and ``[H/2, H)`` (``KVCacheSpec.head_offset`` = their first global head) are fed the matching
+and ``[H/2, H)`` (``CausalCacheSpec.head_offset`` = their first global head) are fed the matching
 slices of the same chunks; every visible K/V (packed chunks included) must equal the whole
 cache's view of those heads bit for bit, and the two halves' bytes must add up to the whole's.
 (``min_tokens_per_centroid=1``: 8 centroids for 24 tokens, so the k-means seeding matters.)
@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from causalkv.caches import KVCacheSpec
+from causalkv.caches import CausalCacheSpec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
@@ -22,8 +22,8 @@ from causalkv.errors import ConfigError
 N, H, D = 24, 4, 32
 
 
-def _spec(heads: int, offset: int = 0) -> KVCacheSpec:
-    return KVCacheSpec(batch_size=1, num_heads=heads, head_dim=D, cache_size=5 * N, sink_tokens=N,
+def _spec(heads: int, offset: int = 0) -> CausalCacheSpec:
+    return CausalCacheSpec(batch_size=1, num_heads=heads, head_dim=D, cache_size=5 * N, sink_tokens=N,
                        global_sink_tokens=N, dtype=torch.float32, head_offset=offset)
 
 

@@ -13,7 +13,7 @@ import torch
 import causalkv.hooks as hooks
 from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.spec import KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.capabilities import CacheCapabilities
 from causalkv.hooks import CacheFactory, StageRegistration, import_object, specs
 from causalkv.stages.longlive2 import LongLive2Stage
@@ -123,7 +123,7 @@ def test_cache_factory_converts_capabilities():
 
 
 def test_cache_factory_build_imports_string_and_passes_spec_and_quant():
-    spec = KVCacheSpec(batch_size=1, num_heads=2, head_dim=4, cache_size=8, dtype=torch.float32)
+    spec = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=4, cache_size=8, dtype=torch.float32)
     f = CacheFactory("dense", "causalkv.caches.dense:DenseCausalKVCache", ["growth"])
     assert f.load() is DenseCausalKVCache
     cache = f.build(spec, None)

@@ -16,13 +16,13 @@ import random
 import pytest
 import torch
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CacheWriteError
 
 H, D = 4, 32
-SPEC = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=40, sink_tokens=6,
+SPEC = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=40, sink_tokens=6,
                    global_sink_tokens=3, attention_window_size=34)
 OFF = QVGKVQuantArgs()
 INT4 = QVGKVQuantArgs(codec="int4", centroids=4, block_size=16, keep_recent_chunks=0)

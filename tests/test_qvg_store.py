@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from causalkv.caches import KVCacheSpec
+from causalkv.caches import CausalCacheSpec
 from causalkv.caches.qvg import (
     RECENT_CHUNKS,
     RECENT_NON_SINK,
@@ -74,9 +74,9 @@ def _peak(fn):
 
 
 def test_both_hosts_hold_their_kv_in_the_one_store():
-    cache = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q)
+    cache = QVGPackedCausalKVCache(CausalCacheSpec(1, H, D, 4 * N), Q)
     assert type(cache.store) is SegmentStore and cache.store.policy is RECENT_CHUNKS
-    assert QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=RECENT_NON_SINK).store.policy is RECENT_NON_SINK
+    assert QVGPackedCausalKVCache(CausalCacheSpec(1, H, D, 4 * N), Q, policy=RECENT_NON_SINK).store.policy is RECENT_NON_SINK
 
 
 def test_gather_decodes_into_one_buffer_with_no_temporary_and_no_cat(monkeypatch):
@@ -252,7 +252,7 @@ class _KeepEverything(PackingPolicy):
 
 
 def test_a_host_passes_any_policy_object_and_names_are_spellings():
-    cache = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), Q, policy=_KeepEverything())
+    cache = QVGPackedCausalKVCache(CausalCacheSpec(1, H, D, 4 * N), Q, policy=_KeepEverything())
     for i in range(4):
         k, v = _kv(i)
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * N)
@@ -265,7 +265,7 @@ def test_a_host_passes_any_policy_object_and_names_are_spellings():
 
 
 def test_a_lazy_view_reads_the_layout_it_was_made_from():
-    spec = KVCacheSpec(1, H, D, 3 * N)
+    spec = CausalCacheSpec(1, H, D, 3 * N)
     a, b = QVGPackedCausalKVCache(spec, Q), QVGPackedCausalKVCache(spec, Q)
     for i in range(3):
         k, v = _kv(i)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from oracle import Pin, Write, encode_kv, run_sequence, runs_of
 
-from causalkv.caches import CrossAttentionKVCache, DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, CrossAttentionKVCache, DenseCausalKVCache
 
 FORWARDS_PER_CHUNK = 5  # 4 denoising steps + context pass
 
@@ -50,7 +50,7 @@ def drive(cache, spec, chunks, chunk_tokens, *, recent=None, pins=(), h0=None, h
 def test_self_forcing_global_window():
     tpf, chunk = 4, 3 * 4  # 4 tokens per frame (1560 in the model), 3 frames per chunk
     window = 21 * tpf
-    spec = KVCacheSpec(batch_size=1, num_heads=12, head_dim=4, cache_size=window)
+    spec = CausalCacheSpec(batch_size=1, num_heads=12, head_dim=4, cache_size=window)
     cache = DenseCausalKVCache(spec)
     assert cache.can_direct_current_attention(chunk)  # first chunk sees only itself
     seen = drive(cache, spec, 10, chunk)
@@ -68,7 +68,7 @@ def test_self_forcing_global_window():
 def test_longlive_frame_sink():
     tpf = 4
     chunk, sink, window = 3 * tpf, 3 * tpf, 12 * tpf
-    spec = KVCacheSpec(1, 12, 4, cache_size=window, sink_tokens=sink)
+    spec = CausalCacheSpec(1, 12, 4, cache_size=window, sink_tokens=sink)
     cache = DenseCausalKVCache(spec)
     seen = drive(cache, spec, 10, chunk)
     for c, ranges in enumerate(seen):
@@ -80,7 +80,7 @@ def test_longlive_frame_sink():
 
 
 def test_longlive_prompt_switch_resets_cross_attention_only():
-    spec = KVCacheSpec(1, 2, 4, cache_size=16, sink_tokens=4)
+    spec = CausalCacheSpec(1, 2, 4, cache_size=16, sink_tokens=4)
     cache, cross = DenseCausalKVCache(spec), CrossAttentionKVCache()
     text = torch.randn(1, 5, 2, 4, requires_grad=True)
     cross.store(text * 2, text * 3)
@@ -99,7 +99,7 @@ def test_longlive2_global_sink_and_pinned_shot_sink():
     chunk = 8 * tpf  # 8 frames per chunk
     sink = 8 * tpf  # 8-frame global sink, 8-frame shot sink
     window = 32 * tpf
-    spec = KVCacheSpec(1, 24, 4, cache_size=window, sink_tokens=sink, global_sink_tokens=sink)
+    spec = CausalCacheSpec(1, 24, 4, cache_size=window, sink_tokens=sink, global_sink_tokens=sink)
     cache = DenseCausalKVCache(spec)
     cuts = {3, 6}  # "The scene transitions. " chunks: pinned after their context pass
     seen = drive(cache, spec, 9, chunk, pins=cuts)
@@ -123,7 +123,7 @@ def test_longlive2_global_sink_and_pinned_shot_sink():
 
 def test_longlive2_shot_sink_replaces_part_of_a_larger_first_sink():
     """global_sink 4 < sink 8: the first shot keeps [0, 8); after a cut only [0, 4) stays."""
-    spec = KVCacheSpec(1, 2, 4, cache_size=24, sink_tokens=8, global_sink_tokens=4)
+    spec = CausalCacheSpec(1, 2, 4, cache_size=24, sink_tokens=8, global_sink_tokens=4)
     cache = DenseCausalKVCache(spec)
     seen = drive(cache, spec, 7, 8, pins={2})
     assert seen[1] == [(0, 16)]
@@ -158,7 +158,7 @@ def lingbot_expected(c: int, chunk: int, sink: int, window: int) -> list[tuple[i
 def test_lingbot_world_recent_window_sampling():
     tpf = 1
     chunk, sink, window = 3 * tpf, 3 * tpf, 45 * tpf
-    spec = KVCacheSpec(1, 8, 4, cache_size=window, sink_tokens=sink)
+    spec = CausalCacheSpec(1, 8, 4, cache_size=window, sink_tokens=sink)
     cache = DenseCausalKVCache(spec)
     seen = drive(cache, spec, 24, chunk, recent=lingbot_recent)
     for c, ranges in enumerate(seen):
@@ -175,8 +175,8 @@ def test_lingbot_world_two_ranks_with_half_the_heads_each():
     (a) each rank's cache is full-sized and is written through ``cache_head_start``;
     (b) each rank's cache holds its 4 heads only. The union equals a full-head cache."""
     chunk, sink, window, H = 3, 3, 18, 8
-    full_spec = KVCacheSpec(1, H, 4, cache_size=window, sink_tokens=sink)
-    shard_spec = KVCacheSpec(1, H // 2, 4, cache_size=window, sink_tokens=sink)
+    full_spec = CausalCacheSpec(1, H, 4, cache_size=window, sink_tokens=sink)
+    shard_spec = CausalCacheSpec(1, H // 2, 4, cache_size=window, sink_tokens=sink)
     full = DenseCausalKVCache(full_spec)
     sliced = [DenseCausalKVCache(full_spec) for _ in range(2)]
     sharded = [DenseCausalKVCache(shard_spec) for _ in range(2)]

@@ -7,7 +7,7 @@ inside the call and never again), the context pass commits the chunk (inside the
 chunk is then pinned as the shot sink, and a new request resets every cache. The heads are
 written as two head slices (a head-parallel host's two ranks, one after the other).
 
-Only the contract's names are used: `KVCacheSpec`, `QVGPackedCausalKVCache`,
+Only the contract's names are used: `CausalCacheSpec`, `QVGPackedCausalKVCache`,
 `DenseCausalKVCache`, `QVGKVQuantArgs`, `ChunkScratch` (its ``ledger``) and the
 cache calls (``update_and_get_attention_kv(probe=...)``, ``pin_current_chunk``,
 ``reset_indices``, ``resident_nbytes``).
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from causalkv.caches import DenseCausalKVCache, KVCacheSpec
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 H, D, N = 4, 32, 48  # heads, head dim, tokens per chunk
-SPEC = KVCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=4 * N, sink_tokens=N,
+SPEC = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=4 * N, sink_tokens=N,
                    global_sink_tokens=N, dtype=torch.bfloat16)
 
 

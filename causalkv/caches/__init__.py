@@ -1,6 +1,6 @@
 """Causal KV caches: one contract (docs/caches.md), a dense rolling cache and a QVG packed cache.
 
-    from causalkv.caches import DenseCausalKVCache, KVCacheSpec, QVGPackedCausalKVCache, attend
+    from causalkv.caches import DenseCausalKVCache, CausalCacheSpec, QVGPackedCausalKVCache, attend
 
 The names are exported lazily (PEP 562, `causalkv.lazy.lazy_names`): importing a torch-free
 submodule such as `causalkv.caches.qvg.options` runs this package without importing torch; the
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from causalkv.caches.spec import (
         CacheWriteError,
         CausalAttentionKVView,
+        CausalCacheSpec,
         CausalKVCache,
-        KVCacheSpec,
     )
 
 #: exported name -> the module that defines it
@@ -33,7 +33,7 @@ _EXPORTS = {
     "DenseCausalKVCache": "causalkv.caches.dense",
     "QVGPackedCausalKVCache": "causalkv.caches.qvg.packed",
     **dict.fromkeys(
-        ("CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "KVCacheSpec"),
+        ("CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "CausalCacheSpec"),
         "causalkv.caches.spec",
     ),
 }
@@ -46,7 +46,7 @@ __all__ = [
     "CausalKVCache",
     "CrossAttentionKVCache",
     "DenseCausalKVCache",
-    "KVCacheSpec",
+    "CausalCacheSpec",
     "QVGPackedCausalKVCache",
     "attend",
 ]

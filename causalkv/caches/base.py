@@ -17,7 +17,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.spec import (
     CausalAttentionKVView,
-    KVCacheSpec,
+    CausalCacheSpec,
     check_recent_window,
     check_write,
     read_heads,
@@ -30,7 +30,7 @@ __all__ = ["StreamCache"]
 class StreamCache(ABC):
     """Base of the built-in caches; see `causalkv.caches.spec.CausalKVCache` for the contract."""
 
-    spec: KVCacheSpec
+    spec: CausalCacheSpec
     state: StreamState
 
     @property

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from causalkv.caches.intervals import describe
 
 if TYPE_CHECKING:
-    from causalkv.caches.spec import KVCacheSpec
+    from causalkv.caches.spec import CausalCacheSpec
 
 #: the bytes as the report prints them (``causalkv demo`` passes the planner's binary units)
 SizeFormat = Callable[[int], str]
@@ -44,13 +44,13 @@ class DemoConfig:
     def chunk_tokens(self) -> int:
         return self.frames_per_chunk * self.tokens_per_frame
 
-    def spec(self) -> KVCacheSpec:
+    def spec(self) -> CausalCacheSpec:
         import torch  # the walkthrough builds tensors; its config (``demo --help``) does not
 
-        from causalkv.caches.spec import KVCacheSpec
+        from causalkv.caches.spec import CausalCacheSpec
 
         sink = self.sink_frames * self.tokens_per_frame
-        return KVCacheSpec(
+        return CausalCacheSpec(
             batch_size=1,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
@@ -192,10 +192,10 @@ def full_scale_line(config: DemoConfig, size: SizeFormat) -> str:
     """The same window at LongLive 2.0 scale: 880 tokens/frame, 30 layers x 24 heads x 128, bf16."""
     import torch
 
-    from causalkv.caches.spec import KVCacheSpec
+    from causalkv.caches.spec import CausalCacheSpec
 
     tokens = config.window_frames * 880
-    per_layer = KVCacheSpec(1, 24, 128, tokens, dtype=torch.bfloat16).dense_nbytes()
+    per_layer = CausalCacheSpec(1, 24, 128, tokens, dtype=torch.bfloat16).dense_nbytes()
     total = 30 * per_layer
     return (
         f"At LongLive 2.0 scale (880 tokens/frame, 30 layers x 24 heads x 128, bf16) this "

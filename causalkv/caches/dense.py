@@ -6,7 +6,7 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
-from causalkv.caches.spec import CausalAttentionKVView, KVCacheSpec, concat_segments
+from causalkv.caches.spec import CausalAttentionKVView, CausalCacheSpec, concat_segments
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
     GROWTH,
@@ -36,7 +36,7 @@ class DenseCausalKVCache(StreamCache):
     #: counts all of it, whatever the video's length)
     preallocates = True
 
-    def __init__(self, spec: KVCacheSpec, quant: object | None = None) -> None:
+    def __init__(self, spec: CausalCacheSpec, quant: object | None = None) -> None:
         if quant is not None and getattr(quant, "enabled", False):
             raise ConfigError(
                 "DenseCausalKVCache stores bf16 only; for QVG quantization use "

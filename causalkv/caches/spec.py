@@ -24,7 +24,7 @@ __all__ = [
     "CacheWriteError",
     "CausalAttentionKVView",
     "CausalKVCache",
-    "KVCacheSpec",
+    "CausalCacheSpec",
 ]
 
 def _dtype_nbytes(dtype: torch.dtype) -> int:
@@ -49,7 +49,7 @@ class CacheProtocolError(UsageError):
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
+class CausalCacheSpec:
     """Shape and policy of one layer's causal KV cache.
 
     Args:
@@ -85,29 +85,29 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
-            check_int(f"KVCacheSpec.{name}", getattr(self, name), minimum=1)
-        check_int("KVCacheSpec.head_offset", self.head_offset)
+            check_int(f"CausalCacheSpec.{name}", getattr(self, name), minimum=1)
+        check_int("CausalCacheSpec.head_offset", self.head_offset)
         for name in ("sink_tokens", "global_sink_tokens"):
-            value = check_int(f"KVCacheSpec.{name}", getattr(self, name))
+            value = check_int(f"CausalCacheSpec.{name}", getattr(self, name))
             if value > self.cache_size:
                 raise ConfigError(
-                    f"KVCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
+                    f"CausalCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
                     f"raise cache_size or lower {name}"
                 )
         if self.global_sink_tokens > self.sink_tokens:
             raise ConfigError(
-                f"KVCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
+                f"CausalCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
                 f"sink_tokens={self.sink_tokens}"
             )
         w = self.attention_window_size
         if w is not None:
-            check_int("KVCacheSpec.attention_window_size", w, minimum=1, hint="or None")
+            check_int("CausalCacheSpec.attention_window_size", w, minimum=1, hint="or None")
             if w > self.cache_size:
                 raise ConfigError(
-                    f"KVCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
+                    f"CausalCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
                 )
         if not isinstance(self.dtype, torch.dtype):
-            raise ConfigError(f"KVCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+            raise ConfigError(f"CausalCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
 
     @property
@@ -298,7 +298,7 @@ class CausalAttentionKVView:
 class CausalKVCache(Protocol):
     """The contract every causal KV cache honours (see docs/caches.md)."""
 
-    spec: KVCacheSpec
+    spec: CausalCacheSpec
 
     @property
     def capabilities(self) -> CacheCapabilities: ...
@@ -352,7 +352,7 @@ class CausalKVCache(Protocol):
 
 
 def check_write(
-    spec: KVCacheSpec,
+    spec: CausalCacheSpec,
     key: torch.Tensor,
     value: torch.Tensor,
     cache_head_start: int | None,
@@ -407,7 +407,7 @@ def check_write(
     return h0, h0 + h
 
 
-def read_heads(spec: KVCacheSpec, cache_head_start: int | None, num_heads: int | None) -> tuple[int, int]:
+def read_heads(spec: CausalCacheSpec, cache_head_start: int | None, num_heads: int | None) -> tuple[int, int]:
     """The head slice ``(h0, h1)`` of a read (`get_attention_kv`); CacheWriteError if outside."""
     h0 = cache_head_start or 0
     h1 = spec.num_heads if num_heads is None else h0 + num_heads

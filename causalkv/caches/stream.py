@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import EMPTY, Intervals
 from causalkv.caches.positions import HeldPositions
-from causalkv.caches.spec import CacheWriteError, KVCacheSpec
+from causalkv.caches.spec import CacheWriteError, CausalCacheSpec
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class StreamState:
     retained: Intervals = EMPTY
 
     @classmethod
-    def from_spec(cls, spec: KVCacheSpec) -> StreamState:
+    def from_spec(cls, spec: CausalCacheSpec) -> StreamState:
         return cls(
             sink_tokens=spec.sink_tokens,
             global_sink_tokens=spec.global_sink_tokens,

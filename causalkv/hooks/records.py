@@ -46,7 +46,7 @@ class CacheKind(Protocol):
     """
 
     def __call__(self, spec: Any, options: CacheOptions | None) -> CacheReporting:
-        """One layer's cache for ``spec`` (a `causalkv.caches.spec.KVCacheSpec`), honouring
+        """One layer's cache for ``spec`` (a `causalkv.caches.spec.CausalCacheSpec`), honouring
         the cache contract (docs/caches.md) for every capability it declares."""
 
     def check_request(self, options: CacheOptions | None, *, head_dim: int, device: str) -> None:
@@ -256,7 +256,7 @@ class CacheFactory:
     Attributes:
         name: unique cache name (``--cache NAME`` forces it).
         cache: a cache class, a ``"module:Class"`` string imported only when needed, or any
-            callable ``(spec: KVCacheSpec, options) -> cache``; ``options`` is the request's
+            callable ``(spec: CausalCacheSpec, options) -> cache``; ``options`` is the request's
             record of the ``options`` class (its defaults when the request gives none), or
             None when the factory declares no options record.
         capabilities: what it supports. None (the default) reads the cache class's own

@@ -39,7 +39,7 @@ import torch
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 from causalkv.capabilities import CHUNK_SCRATCH
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
@@ -197,8 +197,8 @@ class CausalDenoisingStage(StagePlanning):
         name = self.server_args.kv_cache_dtype
         return self.denoiser.dtype if name is None else getattr(torch, name)
 
-    def kv_spec(self) -> KVCacheSpec:
-        """One layer's `KVCacheSpec` under the current settings, for the denoiser's heads
+    def kv_spec(self) -> CausalCacheSpec:
+        """One layer's `CausalCacheSpec` under the current settings, for the denoiser's heads
         (a head-sharded rank's, starting at its ``head_offset``)."""
         return self.settings.kv_spec(
             batch_size=self.batch_size,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from causalkv.caches.cross import CrossAttentionKVCache
-from causalkv.caches.spec import CausalKVCache, KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 
 __all__ = ["CacheFactoryLike", "CacheSet", "build_cache_set"]
 
@@ -22,7 +22,7 @@ class CacheFactoryLike(Protocol):
 
     name: str
 
-    def build(self, spec: KVCacheSpec, options: Any = None) -> CausalKVCache: ...
+    def build(self, spec: CausalCacheSpec, options: Any = None) -> CausalKVCache: ...
 
 
 @dataclass
@@ -50,7 +50,7 @@ class CacheSet:
         return sum(cache.resident_nbytes() for cache in self.kv)
 
 
-def build_cache_set(factory: CacheFactoryLike, spec: KVCacheSpec, options: Any, num_layers: int) -> CacheSet:
+def build_cache_set(factory: CacheFactoryLike, spec: CausalCacheSpec, options: Any, num_layers: int) -> CacheSet:
     """``num_layers`` caches ``factory.build(spec, options)`` and as many cross caches."""
     kv = [factory.build(spec, options) for _ in range(num_layers)]
     return CacheSet(kv=kv, cross=[CrossAttentionKVCache() for _ in range(num_layers)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from causalkv.caches.spec import KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.errors import ConfigError, check_int
 
 if TYPE_CHECKING:
@@ -98,11 +98,11 @@ class StreamSettings:
         dtype: torch.dtype,
         device: str | torch.device,
         head_offset: int = 0,
-    ) -> KVCacheSpec:
-        """One layer's `KVCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
+    ) -> CausalCacheSpec:
+        """One layer's `CausalCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
         ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
         tpf = self.tokens_per_frame
-        return KVCacheSpec(
+        return CausalCacheSpec(
             batch_size=batch_size,
             num_heads=num_heads,
             head_dim=head_dim,

@@ -31,7 +31,7 @@ import torch
 from causalkv.caches.ledger import ByteLedger
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.spec import KVCacheSpec
+from causalkv.caches.spec import CausalCacheSpec
 
 __all__ = ["KVLedger", "LingBotLayerKV", "allocate_layers"]
 
@@ -73,7 +73,7 @@ class LingBotLayerKV:
     """One layer's self-attention K/V of one request: vLLM-Omni's cursors over a causalkv cache.
 
     Args:
-        spec: the layer's `KVCacheSpec` (``cache_size`` = vLLM-Omni's ``max_tokens``,
+        spec: the layer's `CausalCacheSpec` (``cache_size`` = vLLM-Omni's ``max_tokens``,
             ``sink_tokens`` = its sink, ``head_offset`` = the global index of the first head this
             rank holds, for Ulysses/TP shards).
         quant: QVG settings (``bits=None``: every chunk dense, bit for bit vLLM-Omni's cache).
@@ -86,7 +86,7 @@ class LingBotLayerKV:
     """
 
     def __init__(
-        self, spec: KVCacheSpec, quant: QVGKVQuantArgs, *, ledger: KVLedger, layer: int
+        self, spec: CausalCacheSpec, quant: QVGKVQuantArgs, *, ledger: KVLedger, layer: int
     ) -> None:
         self.spec = spec
         self.cache = QVGPackedCausalKVCache(spec, quant)
@@ -196,7 +196,7 @@ def allocate_layers(
     The geometry is vLLM-Omni's ``allocate_lingbot_cache``'s: ``[B, max_tokens, H, D]`` per
     layer, ``H`` the heads this rank holds, starting at global head ``head_offset``.
     """
-    spec = KVCacheSpec(
+    spec = CausalCacheSpec(
         batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, cache_size=max_tokens,
         sink_tokens=sink_tokens, dtype=dtype, device=device,
         head_offset=head_offset,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
-from causalkv.caches import KVCacheSpec
+from causalkv.caches import CausalCacheSpec
 from causalkv.caches.qvg import RECENT_NON_SINK, SegmentStore, codec
 from causalkv.caches.qvg import QVGKVQuantArgs as CausalKVQuant
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
@@ -59,7 +59,7 @@ def _snapshot(cache):
 def test_the_bridge_stores_in_causalkvs_segment_store_with_sglangs_policy():
     cache = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16))
     assert type(cache.store) is SegmentStore and cache.store.policy is RECENT_NON_SINK
-    own = QVGPackedCausalKVCache(KVCacheSpec(1, H, D, 4 * N), CausalKVQuant(codec="int2", block_size=16))
+    own = QVGPackedCausalKVCache(CausalCacheSpec(1, H, D, 4 * N), CausalKVQuant(codec="int2", block_size=16))
     assert type(own.store) is type(cache.store)
 
 
@@ -89,7 +89,7 @@ def _pinned_chunk_storage(sink: int) -> tuple[list[bool], list[bool]]:
     holding chunk 2 packed, in the bridge and in causalkv's own cache?"""
     bridge = _cache(QVGKVQuantArgs(bits=2, centroids=8, block_size=16, sink=bool(sink)))
     own = QVGPackedCausalKVCache(
-        KVCacheSpec(1, H, D, 4 * N, sink_tokens=N, global_sink_tokens=N),
+        CausalCacheSpec(1, H, D, 4 * N, sink_tokens=N, global_sink_tokens=N),
         CausalKVQuant(codec="int2", centroids=8, block_size=16, sink=bool(sink)))
     flags = ([], [])
     for i in range(9):

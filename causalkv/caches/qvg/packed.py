@@ -69,7 +69,7 @@ from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
     CacheProtocolError,
     CausalAttentionKVView,
-    KVCacheSpec,
+    CausalCacheSpec,
     KVSegment,
     StoredSegment,
     check_recent_window,
@@ -187,7 +187,7 @@ class QVGPackedCausalKVCache(StreamCache):
 
     def __init__(
         self,
-        spec: KVCacheSpec,
+        spec: CausalCacheSpec,
         quant: QVGKVQuantArgs | None = None,
         *,
         offload: bool = False,

@@ -13,7 +13,7 @@ RING_FEATURE = "example:ring"
 
 
 def build_ring_cache(spec, quant=None):
-    """A cache factory callable: ``(spec: KVCacheSpec, quant) -> cache``."""
+    """A cache factory callable: ``(spec: CausalCacheSpec, quant) -> cache``."""
     from causalkv.caches.dense import DenseCausalKVCache
 
     return DenseCausalKVCache(spec, quant)
