@@ -54,13 +54,13 @@ class _RecordingPacked(QVGPackedCausalKVCache):
         self.packed_runs: list[tuple[int, int]] = []
         encode = self.store._encode
 
-        def recording(step, pieces, plan):
-            seg = encode(step, pieces, plan)
+        def recording(step, pieces, write, codebook):
+            seg, book = encode(step, pieces, write, codebook)
             if not step.tier:  # at the cache's codec (a recency-tier pack is re-packed once)
                 for a, b in self.packed_runs:
                     assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"
                 self.packed_runs.append((seg.start, seg.end))
-            return seg
+            return seg, book
 
         self.store._encode = recording
 

@@ -322,9 +322,10 @@ class KVWrite:
     value: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class StorePlan:
-    """The store after one write, as values (`SegmentStore.plan`); `SegmentStore.commit` applies it."""
+    """The store after one write, as a value (`SegmentStore.plan`; a step makes a new one with
+    `dataclasses.replace`); `SegmentStore.commit` applies it."""
 
     segments: list[Segment]
     codebook: Codebook | None

@@ -226,17 +226,15 @@ class SegmentStore(StoreReads, StorePacking):
         )
         completed = {c for s in kept for c in s.chunks if c != current}
         if not self.quant.enabled:
-            plan.reasons = dict.fromkeys(completed, QUANT_OFF)
-        elif advance and current is not None:
+            return replace(plan, reasons=dict.fromkeys(completed, QUANT_OFF))
+        if advance and current is not None:
             decision = self.policy.decide(
                 self.quant, self._chunk_infos(kept, current, sink_end, pinned), current,
                 sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
                 chunk_tokens=chunk_tokens,
             )
-            self._pack_cold(plan, decision, current)
-        else:
-            plan.reasons = {c: self._reasons.get(c, POLICY) for c in completed}
-        return plan
+            return self._pack_cold(plan, decision, current)
+        return replace(plan, reasons={c: self._reasons.get(c, POLICY) for c in completed})
 
     def plan_commit(
         self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = ()
@@ -289,16 +287,15 @@ class SegmentStore(StoreReads, StorePacking):
             chunk_heads=base.chunk_heads, pass_heads=pass_heads, view_segments=written,
         )
         if not self.quant.enabled:
-            plan.reasons = {c: QUANT_OFF for s in kept for c in s.chunks}
+            plan = replace(plan, reasons={c: QUANT_OFF for s in kept for c in s.chunks})
         else:
             decision = self.policy.decide(
                 self.quant, self._chunk_infos(kept, ahead, sink_end, pinned), ahead,
                 sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=base.chunk_tokens,
             )
-            self._pack_cold(plan, decision, ahead)
+            plan = self._pack_cold(plan, decision, ahead)
         # what stays dense gets its own copy (the write's tensors are the caller's)
-        plan.segments = [_owned(seg) for seg in plan.segments]
-        return plan
+        return replace(plan, segments=[_owned(seg) for seg in plan.segments])
 
     def _as_written(self, seg: Segment, w: KVWrite) -> DenseKV:
         """``seg``'s dense K/V once ``w`` is written: views of ``w`` when it covers the segment

@@ -69,9 +69,9 @@ class StorePacking:
             book = None  # every segment using it rolled out: start a fresh one
         return kept, book
 
-    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> None:
-        """Pack the cold segments of ``plan.segments`` as the tier policy decides under
-        ``decision`` (in place on the plan; ``current``: the chunk being generated, or the one
+    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> StorePlan:
+        """``plan`` with the cold segments of ``plan.segments`` packed as the tier policy decides
+        under ``decision`` (a new plan; ``current``: the chunk being generated, or the one
         after a committed chunk)."""
         book = None if plan.codebook is None else BookState(
             plan.codebook.chunks, int(plan.codebook.k[0].shape[2]))
@@ -89,30 +89,35 @@ class StorePacking:
             plan.segments, decision, current, book,
             finite=lambda pieces: self._finite([as_dense(p) for p in pieces], plan.write),
         )
-        plan.segments = []
+        segments, packs, reasons, codebook = [], list(plan.packs), dict(plan.reasons), plan.codebook
         for step in tiering.steps:
             if isinstance(step, Kept):
-                plan.segments.append(step.seg)
-                plan.reasons.update(tiering.reasons(step))
+                segments.append(step.seg)
+                reasons.update(tiering.reasons(step))
                 continue
-            packed = self._encode(step, [as_dense(p) for p in step.pieces], plan)
-            plan.segments.append(packed)
-            plan.packs.append(packed)
+            packed, codebook = self._encode(step, [as_dense(p) for p in step.pieces], plan.write,
+                                            codebook)
+            segments.append(packed)
+            packs.append(packed)
+        return replace(plan, segments=segments, packs=packs, reasons=reasons, codebook=codebook)
 
-    def _encode(self, step: Packed[Segment], pieces: list[Segment], plan: StorePlan) -> Segment:
-        """One packed segment of ``pieces`` (dense, adjacent; as they are after the plan's write)
-        as ``step`` says; ``plan.codebook`` follows it."""
-        stores = [self._with_write(p, plan.write) for p in pieces]
+    def _encode(
+        self, step: Packed[Segment], pieces: list[Segment], write: KVWrite,
+        codebook: Codebook | None,
+    ) -> tuple[Segment, Codebook | None]:
+        """One packed segment of ``pieces`` (dense, adjacent; as they are after ``write``) as
+        ``step`` says, and the codebook after it (``codebook`` before)."""
+        stores = [self._with_write(p, write) for p in pieces]
         k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
         v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
         c = codec_for(step.quant)
-        book = plan.codebook if step.joins_book else None
+        book = codebook if step.joins_book else None
         pk = c.encode(k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.k) if book else None)
         pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.v) if book else None)
         if not step.tier:
-            plan.codebook = Codebook(
+            codebook = Codebook(
                 pk.shared_tensors(), pv.shared_tensors(),
                 (book.chunks if book else 0) + step.num_chunks,
             ) if step.book_after is not None else None
@@ -124,7 +129,7 @@ class StorePacking:
             first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
             storage=storage,
         )
-        return seg
+        return seg, codebook
 
     def _finite(self, pieces: Sequence[Segment], write: KVWrite) -> bool:
         """False when ``pieces`` (dense, as after ``write``) hold NaN or inf, checked where the
