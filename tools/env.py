@@ -41,6 +41,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -181,7 +182,20 @@ def _install(env: Path, step: tuple[str, ...]) -> None:
     extra = () if "--no-deps" in step else TORCH
     with _locked(wheels.with_suffix(".lock")):
         _pip(env, "--quiet", "--dest", str(wheels), *step, *extra, verb="download")
+        _build_sdists(env, wheels)
     _pip(env, "--no-index", "--find-links", str(wheels), *step)
+
+
+def _build_sdists(env: Path, wheels: Path) -> None:
+    """A wheel, once, for every source distribution in the wheelhouse (``hqq``, for one): an
+    install from the wheelhouse alone could not fetch the packages its build needs."""
+    built = {w.name.lower() for w in wheels.glob("*.whl")}
+    for sdist in sorted([*wheels.glob("*.tar.gz"), *wheels.glob("*.zip")]):
+        stem = sdist.name.removesuffix(".tar.gz").removesuffix(".zip")
+        name, _, version = stem.rpartition("-")
+        prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version.lower()}-"
+        if not any(w.startswith(prefix) for w in built):
+            _pip(env, "--quiet", "--no-deps", "--wheel-dir", str(wheels), str(sdist), verb="wheel")
 
 
 def ensure_layer(layer: Layer, base_python: str) -> tuple[Path, bool]:
