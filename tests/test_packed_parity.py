@@ -4,7 +4,7 @@
   and errors match, for 2,000 sequences (profile ``ci``), plus the oracle directly.
 - Quantization on: positions, cursors, errors and ``global_end`` still equal the dense
   cache's; k/v stay finite and shaped like the dense ones; and no position is ever packed
-  twice within a stream (each encode of the segment store at the cache's codec, ``_encode``, is recorded and
+  twice within a stream (each encode of the segment store at the cache's codec, ``Packer.encode``, is recorded and
   checked for overlap).
 """
 
@@ -47,12 +47,12 @@ def test_packed_quant_off_matches_oracle_bf16(scenario):
 
 class _RecordingPacked(QVGPackedCausalKVCache):
     """Records every packed run per stream and fails on a position packed twice (a hook on
-    its segment store's one encode, `StorePacking._encode`)."""
+    its segment store's one encode, `Packer.encode`)."""
 
     def __init__(self, spec, quant):
         super().__init__(spec, quant)
         self.packed_runs: list[tuple[int, int]] = []
-        encode = self.store._encode
+        encode = self.store.packer.encode
 
         def recording(step, pieces, write, codebook):
             seg, book = encode(step, pieces, write, codebook)
@@ -62,7 +62,7 @@ class _RecordingPacked(QVGPackedCausalKVCache):
                 self.packed_runs.append((seg.start, seg.end))
             return seg, book
 
-        self.store._encode = recording
+        object.__setattr__(self.store.packer, "encode", recording)
 
     def reset_indices(self):
         super().reset_indices()

@@ -34,6 +34,7 @@ __all__ = [
     "PackingReport",
     "Segment",
     "StorePlan",
+    "copy_write",
     "dense_storage",
 ]
 
@@ -352,3 +353,18 @@ def dense_storage(seg: Segment) -> DenseKV:
     if not isinstance(seg.storage, DenseKV):  # packed, or a scratch chunk not yet bound
         raise InvalidTypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
     return seg.storage
+
+
+def copy_write(segs: Iterable[Segment], w: KVWrite) -> None:
+    """``w`` into the dense segments of ``segs`` it overlaps (in place; a packed one is skipped:
+    the store packs it from a patched copy)."""
+    if w.key is None or w.value is None:
+        return
+    h0, h1 = w.heads
+    for seg in segs:
+        if seg.end <= w.start or seg.start >= w.end or seg.packed:
+            continue
+        store = dense_storage(seg)
+        lo, hi = max(w.start, seg.start), min(w.end, seg.end)
+        store.k[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.key[:, lo - w.start : hi - w.start])
+        store.v[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.value[:, lo - w.start : hi - w.start])

@@ -18,7 +18,7 @@ Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `stor
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -46,11 +46,12 @@ from causalkv.caches.qvg.segments import (
     ScratchKV,
     Segment,
     StorePlan,
+    copy_write,
     dense_storage,
 )
-from causalkv.caches.qvg.store_pack import StorePacking
+from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.store_reads import StoreReads
-from causalkv.caches.qvg.tiering import tier_policy
+from causalkv.caches.qvg.tiering import chunk_infos, keep_held, tier_policy
 from causalkv.caches.spec import CacheProtocolError
 from causalkv.errors import ConfigError
 
@@ -72,7 +73,7 @@ _PACKED = "packed"
 # ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
-class SegmentStore(StoreReads, StorePacking):
+class SegmentStore(StoreReads):
     """K/V of one layer by global position, cold chunks packed by a codec (see the module docstring).
 
     Args:
@@ -136,6 +137,8 @@ class SegmentStore(StoreReads, StorePacking):
         self.min_tokens_per_centroid = m
         #: what is packed by which codec, in which spans (`causalkv.caches.qvg.tiering`)
         self.tiering = tiering
+        #: packs the cold segments as ``tiering`` decides (`causalkv.caches.qvg.store_pack`)
+        self.packer = Packer(tiering, self.device, dtype, seed, head_offset, offload)
         if scratch is not None and not isinstance(scratch, ChunkScratch):
             raise ConfigError(f"SegmentStore scratch must be a ChunkScratch or None, got {scratch!r}")
         self.scratch = scratch
@@ -217,7 +220,7 @@ class SegmentStore(StoreReads, StorePacking):
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
-        kept, book = self._keep_held(segs, held, self.codebook)
+        kept, book = self._held_only(segs, held, self.codebook)
         plan = StorePlan(
             kept, book, current, chunk_tokens, next_chunk, write,
             chunk_heads=_heads(write) if advance else self.chunk_heads | _heads(write),
@@ -229,11 +232,11 @@ class SegmentStore(StoreReads, StorePacking):
             return replace(plan, reasons=dict.fromkeys(completed, QUANT_OFF))
         if advance and current is not None:
             decision = self.policy.decide(
-                self.quant, self._chunk_infos(kept, current, sink_end, pinned), current,
+                self.quant, chunk_infos(kept, current, sink_end, pinned), current,
                 sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
                 chunk_tokens=chunk_tokens,
             )
-            return self._pack_cold(plan, decision, current)
+            return self.packer.pack_cold(plan, decision, current)
         return replace(plan, reasons={c: self._reasons.get(c, POLICY) for c in completed})
 
     def plan_commit(
@@ -280,7 +283,7 @@ class SegmentStore(StoreReads, StorePacking):
                 base, segments=[_owned(seg) for seg in written], write=_NO_WRITE,
                 pass_heads=pass_heads, view_segments=written,
             )
-        kept, book = self._keep_held(written, held, base.codebook)
+        kept, book = self._held_only(written, held, base.codebook)
         ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
         plan = StorePlan(
             kept, book, None, base.chunk_tokens, ahead, _NO_WRITE, packs=list(base.packs),
@@ -290,12 +293,22 @@ class SegmentStore(StoreReads, StorePacking):
             plan = replace(plan, reasons={c: QUANT_OFF for s in kept for c in s.chunks})
         else:
             decision = self.policy.decide(
-                self.quant, self._chunk_infos(kept, ahead, sink_end, pinned), ahead,
+                self.quant, chunk_infos(kept, ahead, sink_end, pinned), ahead,
                 sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=base.chunk_tokens,
             )
-            plan = self._pack_cold(plan, decision, ahead)
+            plan = self.packer.pack_cold(plan, decision, ahead)
         # what stays dense gets its own copy (the write's tensors are the caller's)
         return replace(plan, segments=[_owned(seg) for seg in plan.segments])
+
+    def _held_only(
+        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
+    ) -> tuple[list[Segment], Codebook | None]:
+        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
+        and ``book`` if it is still in use."""
+        kept = keep_held(segs, held, Segment.dense_slice)
+        if book is not None and not any(book.used_by(seg) for seg in kept):
+            book = None  # every segment using it rolled out: start a fresh one
+        return kept, book
 
     def _as_written(self, seg: Segment, w: KVWrite) -> DenseKV:
         """``seg``'s dense K/V once ``w`` is written: views of ``w`` when it covers the segment
@@ -316,7 +329,7 @@ class SegmentStore(StoreReads, StorePacking):
             else:  # a chunk decoded from packed stays marked so (never packed twice)
                 own = (DecodedKV if isinstance(st, DecodedKV) else DenseKV)(st.k.clone(), st.v.clone())
         patched = replace(seg, storage=own)
-        self._copy_write([patched], w)
+        copy_write([patched], w)
         return own
 
     def commit(self, plan: StorePlan) -> None:
@@ -325,7 +338,7 @@ class SegmentStore(StoreReads, StorePacking):
         now (the scratch is this store's from here on)."""
         segments = [self._bind(seg) for seg in plan.segments]
         self._claim_scratch(segments, plan.write)
-        self._copy_write(segments, plan.write)
+        copy_write(segments, plan.write)
         live = {
             c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
             for seg in segments for c in seg.chunks if c != plan.current
@@ -547,21 +560,6 @@ class SegmentStore(StoreReads, StorePacking):
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
         st = seg.storage.decoded(self.device, self.dtype)
         return DecodedKV(st.k, st.v)
-
-    @staticmethod
-    def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None:
-        """``w`` into the dense segments of ``segs`` it overlaps (a packed one overlapping it was
-        packed from its patched copy, `_with_write`)."""
-        if w.key is None or w.value is None:
-            return
-        h0, h1 = w.heads
-        for seg in segs:
-            if seg.end <= w.start or seg.start >= w.end or seg.packed:
-                continue
-            store = dense_storage(seg)
-            lo, hi = max(w.start, seg.start), min(w.end, seg.end)
-            store.k[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.key[:, lo - w.start : hi - w.start])
-            store.v[:, lo - seg.start : hi - seg.start, h0:h1].copy_(w.value[:, lo - w.start : hi - w.start])
 
 
 _NO_WRITE = KVWrite(0, 0, (0, 0))

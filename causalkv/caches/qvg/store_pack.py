@@ -1,8 +1,8 @@
-"""The segment store's packing: `StorePacking` executes the tier policy's decision on tensors.
+"""The segment store's packing: a `Packer` executes the tier policy's decision on tensors.
 
 `causalkv.caches.qvg.tiering.TierPolicy` decides, without tensors, which cold segments are
-packed by which codec in which spans and which stay dense and why; this part of
-`causalkv.caches.qvg.store.SegmentStore` carries that decision out on a `StorePlan`: one
+packed by which codec in which spans and which stay dense and why; the `Packer` a
+`causalkv.caches.qvg.store.SegmentStore` owns carries that decision out on a `StorePlan`: one
 encode per packed span (from the segments' K/V as they are after the plan's write), the
 shared codebook threaded through, a recency-tier segment re-packed at the cache's codec
 decoded first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
@@ -10,14 +10,12 @@ decoded first, and the one check only tensors can answer (a span holding NaN or 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg.policy import ChunkInfo, PackingDecision
+from causalkv.caches.qvg.policy import PackingDecision
 from causalkv.caches.qvg.segments import (
     Codebook,
     DenseKV,
@@ -25,51 +23,34 @@ from causalkv.caches.qvg.segments import (
     PackedKV,
     Segment,
     StorePlan,
+    copy_write,
     dense_storage,
 )
-from causalkv.caches.qvg.tiering import (
-    BookState,
-    Kept,
-    Packed,
-    TierPolicy,
-    chunk_infos,
-    codec_for,
-    keep_held,
-)
+from causalkv.caches.qvg.tiering import BookState, Kept, Packed, TierPolicy, codec_for
 
-__all__ = ["StorePacking"]
+__all__ = ["Packer"]
 
 
-class StorePacking:
-    """`SegmentStore`'s packing (see the module docstring); a base class of the store only."""
+@dataclass(frozen=True)
+class Packer:
+    """Packs a store's cold segments as its tier policy decides (see the module docstring).
 
-    if TYPE_CHECKING:  # set by SegmentStore.__init__
-        tiering: TierPolicy
-        device: torch.device
-        dtype: torch.dtype
-        seed: int
-        head_offset: int
-        offload: bool
+    Attributes:
+        tiering: the store's `TierPolicy` (what is packed by which codec, in which spans).
+        device, dtype: where the store's dense K/V live, and their dtype.
+        seed: k-means seed (packing is reproducible).
+        head_offset: global index of the first head (the codec keys each head's draws by it).
+        offload: keep packed segments in CPU memory (pinned when on a GPU).
+    """
 
-        @staticmethod
-        def _copy_write(segs: Iterable[Segment], w: KVWrite) -> None: ...
+    tiering: TierPolicy
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    head_offset: int
+    offload: bool
 
-    def _chunk_infos(
-        self, segs: list[Segment], current: int, sink_end: int, pinned: Intervals
-    ) -> tuple[ChunkInfo, ...]:
-        return chunk_infos(segs, current, sink_end, pinned)
-
-    def _keep_held(
-        self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
-    ) -> tuple[list[Segment], Codebook | None]:
-        """``segs`` trimmed to ``held`` (a packed segment is kept whole while any of it is),
-        and ``book`` if it is still in use."""
-        kept = keep_held(segs, held, Segment.dense_slice)
-        if book is not None and not any(book.used_by(seg) for seg in kept):
-            book = None  # every segment using it rolled out: start a fresh one
-        return kept, book
-
-    def _pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> StorePlan:
+    def pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> StorePlan:
         """``plan`` with the cold segments of ``plan.segments`` packed as the tier policy decides
         under ``decision`` (a new plan; ``current``: the chunk being generated, or the one
         after a committed chunk)."""
@@ -95,13 +76,13 @@ class StorePacking:
                 segments.append(step.seg)
                 reasons.update(tiering.reasons(step))
                 continue
-            packed, codebook = self._encode(step, [as_dense(p) for p in step.pieces], plan.write,
+            packed, codebook = self.encode(step, [as_dense(p) for p in step.pieces], plan.write,
                                             codebook)
             segments.append(packed)
             packs.append(packed)
         return replace(plan, segments=segments, packs=packs, reasons=reasons, codebook=codebook)
 
-    def _encode(
+    def encode(
         self, step: Packed[Segment], pieces: list[Segment], write: KVWrite,
         codebook: Codebook | None,
     ) -> tuple[Segment, Codebook | None]:
@@ -150,5 +131,5 @@ class StorePacking:
         if w.key is None or seg.end <= w.start or seg.start >= w.end:
             return store
         patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
-        self._copy_write([patched], w)
+        copy_write([patched], w)
         return dense_storage(patched)
