@@ -15,7 +15,7 @@ from causalkv.lazy import lazy_names
 ROOT = Path(__file__).resolve().parents[1]
 #: the packages whose names are imported on first use
 LAZY = ("causalkv.runtime", "causalkv.runtime.memory", "causalkv.stages", "causalkv.caches",
-        "causalkv.caches.qvg", "causalkv.cli")
+        "causalkv.caches.qvg", "causalkv.caches.codecs.prq", "causalkv.cli")
 
 
 def test_no_module_defines_a_getattr_of_its_own() -> None:
@@ -50,11 +50,13 @@ def test_a_name_is_imported_on_first_read_and_kept(monkeypatch: pytest.MonkeyPat
 def test_the_public_paths_stay_and_import_no_torch_until_read() -> None:
     code = (
         "import sys\n"
-        "import causalkv.caches, causalkv.caches.qvg, causalkv.cli\n"
+        "import causalkv.caches, causalkv.caches.codecs, causalkv.caches.codecs.prq\n"
+        "import causalkv.caches.qvg, causalkv.cli\n"
         "from causalkv.caches.qvg import QVGKVQuantArgs\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from causalkv.caches import DenseCausalKVCache, attend\n"
-        "from causalkv.caches.qvg import SegmentStore, BACKEND_ENV\n"
+        "from causalkv.caches.qvg import SegmentStore\n"
+        "from causalkv.caches.codecs.prq import BACKEND_ENV\n"
         "from causalkv.cli import build_parser\n"
         "assert DenseCausalKVCache.__module__ == 'causalkv.caches.dense'\n"
         "assert callable(build_parser) and BACKEND_ENV == 'CAUSALKV_QVG_BACKEND'\n"
