@@ -56,6 +56,10 @@ def test_the_contracts_hold_and_each_kind_of_break_fails(tree: Path) -> None:
             "def _f():\n    from causalkv.caches.codecs.prq import torch_impl  # noqa")
     out = _lint(tree)
     assert out.returncode == 1 and "No cycles are allowed in causalkv.caches.codecs.prq" in out.stdout
+    # the codec layer reaching into the store that packs with it
+    _append(tree / "causalkv/caches/codecs/fp8.py", "import causalkv.caches.qvg.options  # noqa")
+    out = _lint(tree)
+    assert out.returncode == 1 and "causalkv.caches.codecs is not allowed to import causalkv.caches.qvg" in out.stdout
 
 
 # ---- the lowest layers, by their syntax trees (import-linter cannot see importlib strings) ----

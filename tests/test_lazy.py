@@ -34,6 +34,17 @@ def test_each_lazy_package_uses_lazy_names(package: str) -> None:
     assert module.__getattr__.__qualname__ == "lazy_names.<locals>.__getattr__"
 
 
+@pytest.mark.parametrize("package", LAZY)
+def test_no_lazy_name_is_also_a_submodule(package: str) -> None:
+    """Importing a submodule sets it on its package, so a lazy name spelled like a submodule
+    would read the module once anything imported it (``prq.quantize`` is a function: its module
+    is ``quantizer``)."""
+    folder = ROOT / package.replace(".", "/")
+    homes = __import__(package, fromlist=["__all__"]).__all__
+    shadowed = [n for n in homes if (folder / f"{n}.py").is_file() or (folder / n).is_dir()]
+    assert not shadowed, f"{package}: exported names that are also its submodules: {shadowed}"
+
+
 def test_a_name_is_imported_on_first_read_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
