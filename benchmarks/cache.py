@@ -44,8 +44,7 @@ import torch
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.attention import AttendStats, attend, attend_dense
-from causalkv.caches.qvg.codec import dequantize, quantize
-from causalkv.caches.qvg.format import bits_per_element
+from causalkv.caches.codecs.prq import bits_per_element, dequantize, quantize
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache, centroids_for
 

@@ -98,12 +98,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from causalkv.caches.codecs import make_codec  # noqa: E402
-from causalkv.caches.qvg import (  # noqa: E402
-    QVGKVQuantArgs,
-    bits_per_element,
-    dequantize,
-    quantize,
-)
+from causalkv.caches.codecs.prq import bits_per_element, dequantize, quantize  # noqa: E402
+from causalkv.caches.qvg import QVGKVQuantArgs  # noqa: E402
 from causalkv.runtime.memory import (  # noqa: E402
     BUILTIN_MODELS,
     ROLLING_SLOT_CACHE,

@@ -16,7 +16,7 @@ over the window's view, five ways, in one run:
 - ``attend_decode``: `causalkv.caches.attend(..., fused=False)`: one packed segment decoded
   at a time, CUDA flash attention with the log-sum-exp per segment, merged;
 - ``attend_fused``: ``attend(..., fused=True)``: the packed segments read in place by the
-  Triton kernel (`causalkv.caches.qvg.attention.packed_attention`), the dense current
+  Triton kernel (`causalkv.caches.codecs.prq.attention.packed_attention`), the dense current
   chunk through CUDA flash attention;
 - ``kernel`` / ``kernel_ref``: one packed chunk alone: `packed_attention` vs decoding it and
   calling SDPA.
@@ -103,8 +103,9 @@ sys.path.insert(0, str(ROOT))
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, QVGPackedCausalKVCache  # noqa: E402
 from causalkv.caches.attention import AttendStats, attend, attend_dense  # noqa: E402
-from causalkv.caches.qvg import QVGKVQuantArgs, dequantize  # noqa: E402
-from causalkv.caches.qvg.attention import packed_attention  # noqa: E402
+from causalkv.caches.codecs.prq import dequantize  # noqa: E402
+from causalkv.caches.codecs.prq.attention import packed_attention  # noqa: E402
+from causalkv.caches.qvg import QVGKVQuantArgs  # noqa: E402
 
 SCHEMA = "causalkv.gpu-attention-bench/1"
 PATHS = ("dense", "decode_sdpa", "attend_decode", "attend_fused", "kernel", "kernel_ref")

@@ -48,7 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from causalkv.caches.qvg import QVGKVQuantArgs, dequantize, quantize  # noqa: E402
+from causalkv.caches.codecs.prq import dequantize, quantize  # noqa: E402
+from causalkv.caches.qvg import QVGKVQuantArgs  # noqa: E402
 
 SCHEMA = "causalkv.gpu-codec-bench/1"
 CHECK_ARGS = {

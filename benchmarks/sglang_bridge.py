@@ -230,7 +230,7 @@ def attention_seconds(g: Geometry, device: torch.device) -> float:
 
 def codec_workspace_bytes() -> int:
     """Bytes of the PRQ codec's per-thread CPU workspace (kept between calls)."""
-    from causalkv.caches.qvg import workspace
+    from causalkv.caches.codecs.prq import workspace
 
     bufs = workspace.WORKSPACE.__dict__.get("bufs", {})
     return sum(b.nbytes for b in bufs.values())

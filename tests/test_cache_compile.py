@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, QVGPackedCausalKVCache, attend
-from causalkv.caches.qvg import codec
+from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 
 B, H, D, N = 1, 2, 64, 16
@@ -170,14 +170,14 @@ def test_packing_under_torch_compile_gives_the_eager_codes(bits):
     x = torch.randn(1, H, 2 * N, D, generator=torch.Generator().manual_seed(bits))
     x = x.to(torch.bfloat16)
     args = QVGKVQuantArgs(codec=f"int{bits}", block_size=16, centroids=8).validate()
-    eager = codec.quantize(x, args, seed=1234)
+    eager = quantizer.quantize(x, args, seed=1234)
 
     def host(t: torch.Tensor):
-        return codec.quantize(t * 1, args, seed=1234)
+        return quantizer.quantize(t * 1, args, seed=1234)
 
     torch._dynamo.reset()
     try:
         _assert_same_codes(torch.compile(host)(x), eager)
-        _assert_same_codes(torch.compile(codec.quantize)(x, args, seed=1234), eager)
+        _assert_same_codes(torch.compile(quantizer.quantize)(x, args, seed=1234), eager)
     finally:
         torch._dynamo.reset()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, attend
+from causalkv.caches.codecs.prq.format import packed_nbytes_formula
 from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
-from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.qvg.policy import centroids_for
 from causalkv.caches.spec import CacheProtocolError

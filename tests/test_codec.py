@@ -7,18 +7,18 @@ import math
 import pytest
 import torch
 
-from causalkv.caches.qvg import (
+from causalkv.caches.codecs.prq import (
+    BACKEND_ENV,
     PackedSegment,
-    QVGKVQuantArgs,
     bits_per_element,
     dequantize,
     packed_nbytes_formula,
     quantize,
     resolve_backend,
 )
-from causalkv.caches.qvg import torch_impl as ti
-from causalkv.caches.qvg.codec import BACKEND_ENV
-from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, scale_exponent
+from causalkv.caches.codecs.prq import torch_impl as ti
+from causalkv.caches.codecs.prq.format import ZERO_BLOCK_SCALE_BYTE, scale_exponent
+from causalkv.caches.qvg import QVGKVQuantArgs
 
 BF16_EPS = 2.0**-8  # relative rounding bound of bf16 (8 significant bits)
 
@@ -459,14 +459,14 @@ def test_scale_exponent_is_per_head():
 def test_any_grouping_of_heads_gives_the_same_bytes(name, monkeypatch):
     """`quantize` runs groups of heads through batched kernels (a few on the CPU, all of
     them on CUDA): one head at a time and all heads at once give the same bytes."""
-    from causalkv.caches.qvg import codec
+    from causalkv.caches.codecs.prq import quantizer
 
     args = SPLIT_ARGS[name]
     x = heads_of_different_scales()
-    monkeypatch.setattr(codec, "_head_group", lambda device, n, S: 1)
+    monkeypatch.setattr(quantizer, "_head_group", lambda device, n, S: 1)
     one = quantize(x, args, seed=2)
     for group in (3, 10):
-        monkeypatch.setattr(codec, "_head_group", lambda device, n, S, g=group: min(g, n))
+        monkeypatch.setattr(quantizer, "_head_group", lambda device, n, S, g=group: min(g, n))
         assert_same_segment(quantize(x, args, seed=2), one)
         assert_same_segment(quantize(x[:, 1:4], args, seed=2, head_offset=1),
                             one.select_heads(1, 4))

@@ -2,7 +2,7 @@
 
 On any device but the CPU, `quantize` must make no host sync: no ``.tolist()`` / ``.item()``
 of a device tensor, no k-means draws on the host per call. Here the device path is forced
-on CPU tensors (`codec._host_checked` answers False) with ``Tensor.tolist`` / ``.item`` made
+on CPU tensors (`quantizer._host_checked` answers False) with ``Tensor.tolist`` / ``.item`` made
 to fail, and its bytes are compared with the CPU path's (the oracle: the host path the
 codec tests pin), including exponents outside float32's normal range. A head with NaN/inf
 cannot be refused without a sync: it must come back poisoned (decoding to non-finite values)
@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalkv.caches.qvg import QVGKVQuantArgs, codec, dequantize, quantize
-from causalkv.caches.qvg.format import POISON_SCALE_EXP
+from causalkv.caches.codecs.prq import dequantize, quantize, quantizer
+from causalkv.caches.codecs.prq.format import POISON_SCALE_EXP
+from causalkv.caches.qvg import QVGKVQuantArgs
 
 ARGS = [
     QVGKVQuantArgs(codec="int2", centroids=8, block_size=16),
@@ -42,7 +43,7 @@ def _sync(*args, **kwargs):
 @pytest.fixture
 def device_path(monkeypatch):
     """Run `quantize` as on a GPU: no host read of device values allowed."""
-    monkeypatch.setattr(codec, "_host_checked", lambda device: False)
+    monkeypatch.setattr(quantizer, "_host_checked", lambda device: False)
     monkeypatch.setattr(torch.Tensor, "tolist", _sync)
     monkeypatch.setattr(torch.Tensor, "item", _sync)
 
@@ -65,7 +66,7 @@ def test_device_path_gives_the_cpu_paths_bytes_without_a_sync(args, monkeypatch)
     book = quantize(cases[0][1], args, seed=5)  # a codebook to assign to
     want_book = quantize(cases[0][1] * 0.5, args, codebooks=book.centroids)
 
-    monkeypatch.setattr(codec, "_host_checked", lambda device: False)
+    monkeypatch.setattr(quantizer, "_host_checked", lambda device: False)
     with monkeypatch.context() as m:
         m.setattr(torch.Tensor, "tolist", _sync)
         m.setattr(torch.Tensor, "item", _sync)
@@ -77,12 +78,12 @@ def test_device_path_gives_the_cpu_paths_bytes_without_a_sync(args, monkeypatch)
 
 
 def test_kmeans_draws_are_computed_once_per_geometry(device_path):
-    codec.kmeans_draws.cache_clear()
+    quantizer.kmeans_draws.cache_clear()
     x = torch.randn(1, 2, 300, 32).to(torch.bfloat16)
     q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16)
     for i in range(3):
         quantize(x * (i + 1), q)
-    info = codec.kmeans_draws.cache_info()
+    info = quantizer.kmeans_draws.cache_info()
     assert (info.misses, info.hits) == (1, 2)
 
 
@@ -94,7 +95,7 @@ def test_poisoned_heads_decode_to_non_finite_values(monkeypatch):
     q = QVGKVQuantArgs(codec="int2", centroids=4, block_size=16)
     with pytest.raises(ValueError, match="2 non-finite"):  # the CPU path refuses it
         quantize(x, q)
-    monkeypatch.setattr(codec, "_host_checked", lambda device: False)
+    monkeypatch.setattr(quantizer, "_host_checked", lambda device: False)
     with monkeypatch.context() as m:  # no raise, and no host read of a device value
         m.setattr(torch.Tensor, "tolist", _sync)
         m.setattr(torch.Tensor, "item", _sync)

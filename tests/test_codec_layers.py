@@ -1,8 +1,9 @@
-"""The QVG codec's layers: a format leaf, two backends behind one protocol, a driver on top.
+"""The PRQ codec's layers: a format leaf, two backends behind one protocol, a driver on top.
 
-- No import cycle among the modules of ``causalkv.caches.qvg`` and no import inside a
-  function of the codec's modules (the edges are read from the source, so a future change
-  that brings a loop back, or hides one in a function, fails here).
+- No import cycle among the modules of ``causalkv.caches.codecs.prq`` (nor of
+  ``causalkv.caches.qvg``, the store over it) and no import inside a function of the codec's
+  modules (the edges are read from the source, so a future change that brings a loop back,
+  or hides one in a function, fails here).
 - Both backends implement `format.Backend` with the protocol's very signatures.
 - The codec reads only its own settings (`format.CodecSettings`): an object holding just those
   seven attributes packs the very bytes a `QVGKVQuantArgs` does, and counts the same bytes.
@@ -21,19 +22,21 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from causalkv.caches.qvg import (
-    QVGKVQuantArgs,
+from causalkv.caches.codecs.prq import (
     dequantize,
     format,
     quantize,
     torch_impl,
     triton_impl,
 )
+from causalkv.caches.qvg import QVGKVQuantArgs
 
-QVG = Path(format.__file__).parent
-CODEC_MODULES = ("codec", "format", "workspace", "torch_impl", "triton_impl")
+PRQ = Path(format.__file__).parent
+QVG = PRQ.parents[1] / "qvg"
+CODEC_MODULES = ("quantizer", "format", "workspace", "torch_impl", "triton_impl")
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -64,17 +67,18 @@ def _causalkv_imports(tree: ast.AST, package: str) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    package = "causalkv.caches.qvg"
-    mods = {f"{package}.{p.stem}": p for p in QVG.glob("*.py") if p.stem != "__init__"}
+def _graph(package: str = "causalkv.caches.codecs.prq", folder: Path = PRQ) -> dict[str, set[str]]:
+    mods = {f"{package}.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"}
     return {
         name: _causalkv_imports(ast.parse(path.read_text()), package) & set(mods)
         for name, path in mods.items()
     }
 
 
-def test_no_import_cycle_among_the_qvg_modules():
-    graph = _graph()
+@pytest.mark.parametrize("package, folder", [("causalkv.caches.codecs.prq", PRQ),
+                                             ("causalkv.caches.qvg", QVG)])
+def test_no_import_cycle_among_the_modules(package: str, folder: Path):
+    graph = _graph(package, folder)
     done: set[str] = set()
 
     def visit(node: str, path: list[str]) -> None:
@@ -94,12 +98,12 @@ def test_the_format_is_a_leaf_and_the_backends_import_no_driver():
     assert graph["format"] == set() and graph["workspace"] == set()
     assert graph["torch_impl"] <= {"format", "workspace"}
     assert graph["triton_impl"] <= {"format", "workspace"}
-    assert {"torch_impl", "triton_impl", "format"} <= graph["codec"]
+    assert {"torch_impl", "triton_impl", "format"} <= graph["quantizer"]
 
 
 def test_the_codec_modules_import_nothing_inside_functions():
     for stem in CODEC_MODULES:
-        tree = ast.parse((QVG / f"{stem}.py").read_text())
+        tree = ast.parse((PRQ / f"{stem}.py").read_text())
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -156,7 +160,8 @@ WITHOUT_TRITON = r"""
 import hashlib, json, sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError
 import torch
-from causalkv.caches.qvg import QVGKVQuantArgs, codec, dequantize, quantize, triton_impl
+from causalkv.caches.codecs.prq import dequantize, quantize, quantizer, triton_impl
+from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.errors import ConfigError
 
 x = torch.load(sys.argv[1])  # the parent's very bytes (see the test)
@@ -165,14 +170,14 @@ h = hashlib.sha256()
 for t in (p.codes, p.scales.view(torch.uint8), p.scale_exp, *p.ids, *p.centroids):
     h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
 refused = []
-for call in (lambda: codec.resolve_backend("triton", torch.device("cpu")),
+for call in (lambda: quantizer.resolve_backend("triton", torch.device("cpu")),
              lambda: dequantize(p, backend="triton")):
     try:
         call()
     except ConfigError as exc:
         refused.append(str(exc))
 y = dequantize(p, dtype=torch.float32)
-print(json.dumps({"available": triton_impl.AVAILABLE, "auto": codec.resolve_backend(None, torch.device("cpu")),
+print(json.dumps({"available": triton_impl.AVAILABLE, "auto": quantizer.resolve_backend(None, torch.device("cpu")),
                   "digests": [h.hexdigest(), hashlib.sha256(y.numpy().tobytes()).hexdigest()],
                   "refused": refused}))
 """

@@ -13,8 +13,9 @@ import pytest
 import torch
 from interpreter import INTERPRETED, run_interpreted
 
-from causalkv.caches.qvg import QVGKVQuantArgs, dequantize, quantize
-from causalkv.caches.qvg import torch_impl as ti
+from causalkv.caches.codecs.prq import dequantize, quantize
+from causalkv.caches.codecs.prq import torch_impl as ti
+from causalkv.caches.qvg import QVGKVQuantArgs
 
 BF16_ULP = 2.0**-7  # bf16 spacing relative to the value's power of two
 
@@ -29,7 +30,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     @pytest.fixture(scope="module")
     def tr():
-        from causalkv.caches.qvg import triton_impl
+        from causalkv.caches.codecs.prq import triton_impl
 
         return triton_impl
 
@@ -132,7 +133,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
     def test_poisoned_head_decodes_to_nan_like_the_torch_path(tr):
         """A head stored with `POISON_SCALE_EXP` (non-finite input on the sync-free device
         path) decodes to non-finite values in the kernel too; the other heads are untouched."""
-        from causalkv.caches.qvg.format import POISON_SCALE_EXP
+        from causalkv.caches.codecs.prq.format import POISON_SCALE_EXP
 
         x = torch.randn(1, 3, 40, 48).to(torch.bfloat16)
         x[0, 1, :5] = 0  # zero blocks in the poisoned head must not decode to exact zeros
@@ -149,7 +150,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         """Every e4m3 scale byte under per-head exponents at both ends of the range decodes
         in the kernel to exactly `scale_table` (float64 product rounded once); 0x80 and the
         NaN bytes give 0. Level 1 on zero centroids isolates the decoded scale."""
-        from causalkv.caches.qvg.format import PackedSegment, scale_table
+        from causalkv.caches.codecs.prq.format import PackedSegment, scale_table
 
         exps = [-100, -3, 0, 119]
         H, S, D = len(exps), 256, 16
@@ -210,9 +211,9 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
     def test_triton_head_slices_equal_the_whole(tr, args, batched, monkeypatch):
         """head_offset under the Triton backend, with heads one at a time (the CPU grouping)
         and all heads in one launch (the CUDA grouping): bytes equal the whole tensor's."""
-        from causalkv.caches.qvg import codec
+        from causalkv.caches.codecs.prq import quantizer
 
-        monkeypatch.setattr(codec, "_head_group", lambda device, n, S: n if batched else 1)
+        monkeypatch.setattr(quantizer, "_head_group", lambda device, n, S: n if batched else 1)
         g = torch.Generator().manual_seed(8)
         x = torch.randn(1, 3, 160, 32, generator=g)
         x = (x * torch.tensor([2.0**-5, 1.0, 2.0**7]).view(1, 3, 1, 1)).to(torch.bfloat16)

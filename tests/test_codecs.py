@@ -12,7 +12,7 @@ from causalkv.caches.codecs import codec_names, codec_setting, make_codec, regis
 from causalkv.caches.codecs.base import CodecError, decode_record
 from causalkv.caches.codecs.fp8 import FP8Codec
 from causalkv.caches.codecs.nvfp4 import E2M1, NVFP4Codec
-from causalkv.caches.qvg import codec as prq
+from causalkv.caches.codecs.prq import quantizer as prq
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
 
@@ -186,7 +186,7 @@ def test_bits_per_element_at_longlive2_geometry():
 def test_registry_is_lazy_and_refuses_clashes():
     assert codec_names()[:4] == ("int4", "int2", "fp8", "nvfp4")
     assert codec_setting("int4").params == {"bits": 4}
-    register_codec("int4", "causalkv.caches.qvg.prq:PRQCodec", bits=4)  # same: a no-op
+    register_codec("int4", "causalkv.caches.codecs.prq.codec:PRQCodec", bits=4)  # same: a no-op
     with pytest.raises(ConfigError, match="registered twice"):
         register_codec("int4", "causalkv.caches.codecs.fp8:FP8Codec")
     with pytest.raises(ConfigError, match="reserved"):

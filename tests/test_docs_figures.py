@@ -30,7 +30,7 @@ def doc(name: str) -> str:
 
 # ---- docs/design.md: the byte formula -------------------------------------------------------------
 def test_design_quotes_the_int2_bits_the_formula_gives() -> None:
-    from causalkv.caches.qvg.format import bits_per_element
+    from causalkv.caches.codecs.prq.format import bits_per_element
     from causalkv.caches.qvg.options import QVGKVQuantArgs
 
     bits = bits_per_element(4680, 128, QVGKVQuantArgs(codec="int2"))  # the reference's defaults

@@ -84,13 +84,13 @@ def test_the_codec_backend_and_the_triton_interpreter_read_through_the_helper(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from causalkv.caches.qvg import codec, triton_impl
+    from causalkv.caches.codecs.prq import quantizer, triton_impl
 
     cpu = torch.device("cpu")
-    monkeypatch.setenv(codec.BACKEND_ENV, " Torch ")
-    assert codec.resolve_backend(None, cpu) == "torch"
-    monkeypatch.setenv(codec.BACKEND_ENV, "")
-    assert codec.resolve_backend(None, cpu) == "torch"  # blank: auto
+    monkeypatch.setenv(quantizer.BACKEND_ENV, " Torch ")
+    assert quantizer.resolve_backend(None, cpu) == "torch"
+    monkeypatch.setenv(quantizer.BACKEND_ENV, "")
+    assert quantizer.resolve_backend(None, cpu) == "torch"  # blank: auto
     for value, on in (("1", True), ("yes", True), ("0", False), ("2", False)):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert triton_impl.interpreting() is on, value

@@ -52,10 +52,14 @@ def test_the_contracts_hold_and_each_kind_of_break_fails(tree: Path) -> None:
     assert out.returncode == 1 and "causalkv.runtime is not allowed to import causalkv.sglang" in out.stdout
     checks.write_text(original)
     # a cycle between siblings two levels down, hidden in a function body
-    _append(tree / "causalkv/caches/qvg/format.py",
-            "def _f():\n    from causalkv.caches.qvg import torch_impl  # noqa")
+    _append(tree / "causalkv/caches/codecs/prq/format.py",
+            "def _f():\n    from causalkv.caches.codecs.prq import torch_impl  # noqa")
     out = _lint(tree)
-    assert out.returncode == 1 and "No cycles are allowed in causalkv.caches.qvg" in out.stdout
+    assert out.returncode == 1 and "No cycles are allowed in causalkv.caches.codecs.prq" in out.stdout
+    # the codec layer reaching into the store that packs with it
+    _append(tree / "causalkv/caches/codecs/fp8.py", "import causalkv.caches.qvg.options  # noqa")
+    out = _lint(tree)
+    assert out.returncode == 1 and "causalkv.caches.codecs is not allowed to import causalkv.caches.qvg" in out.stdout
 
 
 # ---- the lowest layers, by their syntax trees (import-linter cannot see importlib strings) ----

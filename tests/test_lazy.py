@@ -15,7 +15,7 @@ from causalkv.lazy import lazy_names
 ROOT = Path(__file__).resolve().parents[1]
 #: the packages whose names are imported on first use
 LAZY = ("causalkv.runtime", "causalkv.runtime.memory", "causalkv.stages", "causalkv.caches",
-        "causalkv.caches.qvg", "causalkv.cli")
+        "causalkv.caches.qvg", "causalkv.caches.codecs.prq", "causalkv.cli")
 
 
 def test_no_module_defines_a_getattr_of_its_own() -> None:
@@ -34,6 +34,17 @@ def test_each_lazy_package_uses_lazy_names(package: str) -> None:
     assert module.__getattr__.__qualname__ == "lazy_names.<locals>.__getattr__"
 
 
+@pytest.mark.parametrize("package", LAZY)
+def test_no_lazy_name_is_also_a_submodule(package: str) -> None:
+    """Importing a submodule sets it on its package, so a lazy name spelled like a submodule
+    would read the module once anything imported it (``prq.quantize`` is a function: its module
+    is ``quantizer``)."""
+    folder = ROOT / package.replace(".", "/")
+    homes = __import__(package, fromlist=["__all__"]).__all__
+    shadowed = [n for n in homes if (folder / f"{n}.py").is_file() or (folder / n).is_dir()]
+    assert not shadowed, f"{package}: exported names that are also its submodules: {shadowed}"
+
+
 def test_a_name_is_imported_on_first_read_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
@@ -50,11 +61,13 @@ def test_a_name_is_imported_on_first_read_and_kept(monkeypatch: pytest.MonkeyPat
 def test_the_public_paths_stay_and_import_no_torch_until_read() -> None:
     code = (
         "import sys\n"
-        "import causalkv.caches, causalkv.caches.qvg, causalkv.cli\n"
+        "import causalkv.caches, causalkv.caches.codecs, causalkv.caches.codecs.prq\n"
+        "import causalkv.caches.qvg, causalkv.cli\n"
         "from causalkv.caches.qvg import QVGKVQuantArgs\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "from causalkv.caches import DenseCausalKVCache, attend\n"
-        "from causalkv.caches.qvg import SegmentStore, BACKEND_ENV\n"
+        "from causalkv.caches.qvg import SegmentStore\n"
+        "from causalkv.caches.codecs.prq import BACKEND_ENV\n"
         "from causalkv.cli import build_parser\n"
         "assert DenseCausalKVCache.__module__ == 'causalkv.caches.dense'\n"
         "assert callable(build_parser) and BACKEND_ENV == 'CAUSALKV_QVG_BACKEND'\n"

@@ -34,7 +34,8 @@ from interpreter import INTERPRETED, run_interpreted
 
 from causalkv.caches import CausalCacheSpec, QVGPackedCausalKVCache
 from causalkv.caches import attention as attn
-from causalkv.caches.qvg import PackedSegment, QVGKVQuantArgs, dequantize, quantize
+from causalkv.caches.codecs.prq import PackedSegment, dequantize, quantize
+from causalkv.caches.qvg import QVGKVQuantArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_ROUNDOFF = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -207,7 +208,7 @@ def build(case: Case):
 
 
 def run_case(case: Case) -> Errors:
-    from causalkv.caches.qvg.attention import packed_attention
+    from causalkv.caches.codecs.prq.attention import packed_attention
 
     query, k, v = build(case)
     out, lse = packed_attention(query, k, v, tiles=case.tiles)
@@ -223,14 +224,14 @@ if not INTERPRETED:
         run_interpreted(__file__)
 
     def test_packed_attention_refuses_cpu_tensors_without_the_interpreter():
-        from causalkv.caches.qvg.attention import PackedAttentionError, packed_attention
+        from causalkv.caches.codecs.prq.attention import PackedAttentionError, packed_attention
 
         query, k, v = build(CASES[0])
         with pytest.raises(PackedAttentionError, match="TRITON_INTERPRET=1"):
             packed_attention(query, k, v)
 
     def test_packed_attention_refuses_bad_inputs_naming_them():
-        from causalkv.caches.qvg.attention import PackedAttentionError, packed_attention
+        from causalkv.caches.codecs.prq.attention import PackedAttentionError, packed_attention
 
         query, k, v = build(CASES[0])
         bad = [
@@ -374,7 +375,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
     def test_head_offset_segment_equals_the_head_slice_bit_for_bit():
         """A rank's own segment (quantize with head_offset) and the same heads sliced out of
         the whole segment give the same bytes, so the kernel's outputs are equal too."""
-        from causalkv.caches.qvg.attention import packed_attention
+        from causalkv.caches.codecs.prq.attention import packed_attention
 
         x = kv_like(1, 4, 70, 64, seed=11)
         args = args_of(2, 32)
@@ -388,7 +389,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
 
     def test_merge_into_equals_attention_over_both_segments():
         """Two segments merged in the kernel's epilogue = one attention over their union."""
-        from causalkv.caches.qvg.attention import packed_attention
+        from causalkv.caches.codecs.prq.attention import packed_attention
 
         x = kv_like(1, 2, 150, 64, seed=12)
         args = args_of(4, 32)
@@ -456,7 +457,7 @@ if INTERPRETED:  # the cases, run only in the interpreted child process
         assert st.peak_transient_nbytes == expected
 
     def test_fused_attend_refuses_a_segment_the_kernel_cannot_take():
-        from causalkv.caches.qvg.attention import PackedAttentionError
+        from causalkv.caches.codecs.prq.attention import PackedAttentionError
 
         view, query = _stream_view(torch.float32, D=48, n=20)
         with pytest.raises(PackedAttentionError, match="power of two"):

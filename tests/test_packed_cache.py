@@ -16,8 +16,8 @@ import torch
 
 from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches import attention as attn
-from causalkv.caches.qvg import codec
-from causalkv.caches.qvg import format as qvg_format
+from causalkv.caches.codecs.prq import format as prq_format
+from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import (
     PackedKV,
@@ -55,7 +55,7 @@ def roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
     """The codec oracle for a chunk ``[B, n, H, D]`` packed alone, with the centroids the
     cache's rule gives its ``n`` tokens (`test_centroid_rule` pins the rule's values)."""
     q = replace(q, centroids=centroids_for(x.shape[1], q.centroids))
-    return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q, seed=1234)).permute(0, 2, 1, 3)
+    return quantizer.dequantize(quantizer.quantize(x.permute(0, 2, 1, 3), q, seed=1234)).permute(0, 2, 1, 3)
 
 
 def write(cache, i: int, n: int = N, **kw):
@@ -80,8 +80,8 @@ def test_capabilities_cover_the_dense_features_and_qvg():
 
 def test_packing_policy_and_codec_oracle(monkeypatch):
     calls = []
-    real = codec.quantize
-    monkeypatch.setattr(codec, "quantize", lambda x, a, **kw: calls.append(x.shape) or real(x, a, **kw))
+    real = quantizer.quantize
+    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(x.shape) or real(x, a, **kw))
     q = quant(keep_recent_chunks=1)
     cache = QVGPackedCausalKVCache(spec(), q)
     dense = DenseCausalKVCache(spec())
@@ -299,7 +299,7 @@ def test_codebook_chunks_share_centroids_and_count_them_once():
     assert books[0] is books[1] is books[2] and books[3] is books[4] is books[5]
     assert books[2] is not books[3]
     # oracle: chunk 1 is the codec's round trip with chunk 0's codebook, stored once
-    want = codec.dequantize(codec.quantize(
+    want = quantizer.dequantize(quantizer.quantize(
         chunk(1)[0].permute(0, 2, 1, 3), q, codebooks=packed[0].storage.k.centroids)).permute(0, 2, 1, 3)
     pos = view.positions.tolist()
     assert torch.equal(view.k[:, pos.index(N) : pos.index(N) + N], want)
@@ -313,7 +313,7 @@ def test_codebooks_argument_validated():
     q = quant()
     x = chunk(0)[0].permute(0, 2, 1, 3)
     with pytest.raises(ValueError, match="codebooks must be 1 bf16"):
-        codec.quantize(x, q, codebooks=[torch.zeros(1, H, 4, D)])
+        quantizer.quantize(x, q, codebooks=[torch.zeros(1, H, 4, D)])
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -386,11 +386,11 @@ def test_preset_geometries_int2_below_int4_below_bf16(name):
 
 def test_chunk_whose_packed_form_is_not_smaller_stays_dense(monkeypatch):
     calls = []
-    real = codec.quantize
-    monkeypatch.setattr(codec, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
+    real = quantizer.quantize
+    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
     q = quant(keep_recent_chunks=0)
     # one-token chunks: the centroid alone is 16 bits per element, so packed > bf16 ...
-    assert qvg_format.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
+    assert prq_format.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
     cache = QVGPackedCausalKVCache(spec(), q)
     dense = DenseCausalKVCache(spec())
     for i in range(8):
@@ -415,7 +415,7 @@ def test_reference_centroids_on_tiny_chunks_would_cost_more_than_bf16():
     def make(s):
         return QVGPackedCausalKVCache(s, QVGKVQuantArgs(codec="int2"), min_tokens_per_centroid=1)
 
-    assert qvg_format.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(codec="int2")) > 32 * 2 * 64 * 2
+    assert prq_format.packed_nbytes_formula((1, 2, 32, 64), QVGKVQuantArgs(codec="int2")) > 32 * 2 * 64 * 2
     peak, cache = _preset_stream("tiny-longlive2", make)
     off, _ = _preset_stream("tiny-longlive2", DenseCausalKVCache)
     assert cache.quantize_calls == 0

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from causalkv.caches import CausalCacheSpec
+from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.qvg import (
     RECENT_CHUNKS,
     RECENT_NON_SINK,
@@ -23,7 +24,6 @@ from causalkv.caches.qvg import (
     PackingPolicy,
     QVGKVQuantArgs,
     SegmentStore,
-    codec,
 )
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.qvg.policy import centroids_for, resolve_policy
@@ -57,7 +57,7 @@ def _stream(store: SegmentStore, chunks: int) -> list[tuple[torch.Tensor, torch.
 def _roundtrip(x: torch.Tensor, q: QVGKVQuantArgs) -> torch.Tensor:
     """The codec oracle: ``x [B, n, H, D]`` packed alone with the store's centroid rule."""
     q = replace(q, centroids=centroids_for(x.shape[1], q.centroids))
-    return codec.dequantize(codec.quantize(x.permute(0, 2, 1, 3), q)).permute(0, 2, 1, 3)
+    return quantizer.dequantize(quantizer.quantize(x.permute(0, 2, 1, 3), q)).permute(0, 2, 1, 3)
 
 
 def _peak(fn):
@@ -91,7 +91,7 @@ def test_gather_decodes_into_one_buffer_with_no_temporary_and_no_cat(monkeypatch
         _roundtrip(written[0][0], Q), _roundtrip(written[1][0], Q), written[3][0]], dim=1)
     store.gather(pieces, 0, H)  # the codec's reusable CPU workspace is sized once
     outs = []
-    real = codec.dequantize
+    real = quantizer.dequantize
 
     def recording(packed, **kw):
         assert kw.get("out") is not None, "decoded into a temporary"
@@ -101,7 +101,7 @@ def test_gather_decodes_into_one_buffer_with_no_temporary_and_no_cat(monkeypatch
     def no_cat(*a, **kw):
         raise AssertionError("torch.cat in a view")
 
-    monkeypatch.setattr(codec, "dequantize", recording)
+    monkeypatch.setattr(quantizer, "dequantize", recording)
     monkeypatch.setattr(torch, "cat", no_cat)
     peak, (k, v) = _peak(lambda: store.gather(pieces, 0, H))
     monkeypatch.undo()
@@ -153,7 +153,7 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     patched[:, N // 2 :] = k2[:, : N // 2]
     chunk2 = next(s for s in store.segments if s.start == 2 * N)
     assert chunk2.packed
-    got = codec.dequantize(chunk2.storage.k).permute(0, 2, 1, 3)
+    got = quantizer.dequantize(chunk2.storage.k).permute(0, 2, 1, 3)
     assert torch.equal(got, _roundtrip(patched, Q))
     assert before[2].k.equal(written[2][0])  # the planned-from storage was not written
     current = store.segments[-1]
@@ -171,7 +171,7 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
                             write=KVWrite(3 * N + N // 2, 4 * N, (0, H), k4, v4)))
     chunk1 = next(s for s in store.segments if s.start == N)
     assert chunk1.packed
-    got = codec.dequantize(chunk1.storage.k).permute(0, 2, 1, 3)
+    got = quantizer.dequantize(chunk1.storage.k).permute(0, 2, 1, 3)
     assert torch.equal(got, _roundtrip(k3, Q))
 
 

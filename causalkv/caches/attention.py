@@ -13,7 +13,7 @@ online-softmax recurrence. Two paths:
 - **Fused path** (CUDA by default, ``fused=True`` anywhere the Triton kernel runs):
   ``view.iter_stored_segments()`` yields packed records as stored (any codec's
   `causalkv.caches.codecs.base.PackedRecord`); a record type registered with an attention
-  kernel (PRQ's `causalkv.caches.qvg.attention.packed_attention`) is attended directly,
+  kernel (PRQ's `causalkv.caches.codecs.prq.attention.packed_attention`) is attended directly,
   decoding K/V tiles in registers and merging into the running output in its epilogue: a
   packed segment costs no temporary at all. Any other record is decoded, then attended.
   Dense segments (the current chunk, recent chunks kept bf16) take the fused-attention step
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from causalkv.caches.codecs.base import decode_record, record_kind
-from causalkv.caches.qvg import triton_impl
+from causalkv.caches.codecs.prq import triton_impl
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.errors import CausalKVError
 

@@ -42,8 +42,8 @@ from test_bridge_discovery import _causalkv_hooks, _fresh_registration
 from test_bridge_parity import streams
 
 import causalkv.sglang as bridge
-from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.format import PackedSegment
+from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.codecs.prq.format import PackedSegment
 from causalkv.caches.spec import CacheWriteError
 from causalkv.errors import ConfigError
 from causalkv.sglang import attention as route
@@ -82,8 +82,8 @@ def _pieces_equal_the_view(seg_view, view) -> None:
     for pk, pv in seg_view.iter_stored_segments():
         if isinstance(pk, PackedSegment):  # [B, h, s, D] as stored: decode to compare
             SEEN["packed pieces"] += 1
-            pk = codec.dequantize(pk, dtype=view.k.dtype).transpose(1, 2)
-            pv = codec.dequantize(pv, dtype=view.v.dtype).transpose(1, 2)
+            pk = quantizer.dequantize(pk, dtype=view.k.dtype).transpose(1, 2)
+            pv = quantizer.dequantize(pv, dtype=view.v.dtype).transpose(1, 2)
         stored_k.append(pk)
         stored_v.append(pv)
     assert torch.equal(torch.cat(stored_k, dim=1), view.k)

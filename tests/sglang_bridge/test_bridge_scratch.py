@@ -28,8 +28,8 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
     LongLive2CausalDenoisingStage,
 )
 
+from causalkv.caches.codecs.prq.format import packed_nbytes_formula
 from causalkv.caches.qvg import ChunkScratch
-from causalkv.caches.qvg.format import packed_nbytes_formula
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuant
 from causalkv.caches.spec import CacheProtocolError
 from causalkv.sglang.cache import SGLangQVGKVCache

@@ -17,7 +17,8 @@ import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 
 from causalkv.caches import CausalCacheSpec
-from causalkv.caches.qvg import RECENT_NON_SINK, SegmentStore, codec
+from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.qvg import RECENT_NON_SINK, SegmentStore
 from causalkv.caches.qvg import QVGKVQuantArgs as CausalKVQuant
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CacheWriteError
@@ -121,7 +122,7 @@ def test_a_view_is_one_buffer_packed_ranges_decoded_into_it(monkeypatch):
         _chunk(cache, i)
     assert cache.packed_chunks() == 3
     outs = []
-    real = codec.dequantize
+    real = quantizer.dequantize
 
     def recording(packed, **kw):
         assert kw.get("out") is not None, "decoded into a temporary"
@@ -132,7 +133,7 @@ def test_a_view_is_one_buffer_packed_ranges_decoded_into_it(monkeypatch):
         raise AssertionError("torch.cat in a view")
 
     expected = _chunk(cache, 3, passes=1)
-    monkeypatch.setattr(codec, "dequantize", recording)
+    monkeypatch.setattr(quantizer, "dequantize", recording)
     monkeypatch.setattr(torch, "cat", no_cat)
     view = _chunk(cache, 3, passes=1)
     monkeypatch.undo()

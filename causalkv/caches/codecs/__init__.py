@@ -11,15 +11,21 @@ setting costs nothing until a cache packs with it.
 
 Built in:
 
-======  ==============================================  =====================================
-name    target                                          what it stores
-======  ==============================================  =====================================
-int4    ``causalkv.caches.qvg.prq:PRQCodec`` bits=4     PRQ: k-means + 4-bit residual (docs/qvg.md)
-int2    ``causalkv.caches.qvg.prq:PRQCodec`` bits=2     PRQ: k-means + 2-bit residual
-fp8     ``causalkv.caches.codecs.fp8:FP8Codec``         e4m3 values, an fp32 scale per token and head
-nvfp4   ``causalkv.caches.codecs.nvfp4:NVFP4Codec``     e2m1 values, an e4m3 scale per 16, one fp32
-                                                        scale per encoded segment (the tensor)
-======  ==============================================  =====================================
+======  =====================================================  ====================================
+name    target                                                 what it stores
+======  =====================================================  ====================================
+int4    ``causalkv.caches.codecs.prq.codec:PRQCodec`` bits=4   PRQ: k-means + 4-bit residual
+                                                               (docs/qvg.md)
+int2    ``causalkv.caches.codecs.prq.codec:PRQCodec`` bits=2   PRQ: k-means + 2-bit residual
+fp8     ``causalkv.caches.codecs.fp8:FP8Codec``                e4m3 values, an fp32 scale per token
+                                                               and head
+nvfp4   ``causalkv.caches.codecs.nvfp4:NVFP4Codec``            e2m1 values, an e4m3 scale per 16,
+                                                               one fp32 scale per encoded segment
+                                                               (the tensor)
+======  =====================================================  ====================================
+
+Each codec has one home here: PRQ's package `causalkv.caches.codecs.prq` (quantizer, packed
+format, kernels, packed attention), `fp8`, `nvfp4`.
 
 A plugin adds one with `register_codec` (from its ``causalkv_codecs`` hook or at import of
 its plugin module); docs/plugins.md shows a whole codec in one module.
@@ -134,9 +140,9 @@ def make_codec(name: str, settings: Any) -> KVCodec:
     return entry.load().from_settings(settings, **entry.params)
 
 
-register_codec("int4", "causalkv.caches.qvg.prq:PRQCodec", bits=4,
+register_codec("int4", "causalkv.caches.codecs.prq.codec:PRQCodec", bits=4,
                help="PRQ: k-means centroids + 4-bit residual with fp8 block scales")
-register_codec("int2", "causalkv.caches.qvg.prq:PRQCodec", bits=2,
+register_codec("int2", "causalkv.caches.codecs.prq.codec:PRQCodec", bits=2,
                help="PRQ: k-means centroids + 2-bit residual with fp8 block scales")
 register_codec("fp8", "causalkv.caches.codecs.fp8:FP8Codec",
                help="FP8 e4m3 values with an fp32 scale per token and head")

@@ -1,12 +1,8 @@
-"""QVG (Quant-VideoGen) KV-cache quantization: settings, the PRQ codec, the segment store.
+"""QVG (Quant-VideoGen) KV-cache quantization: the settings and the segment store.
 
-`quantize` packs a K or V segment ``[B, H, S, D]`` into a `PackedSegment` (k-means
-centroids + uint8 ids + 2/4-bit residual codes with fp8 block scales); `dequantize`
-reconstructs it, optionally straight into a slice of a larger buffer. See docs/qvg.md.
-
-`causalkv.caches.qvg.attention.packed_attention` attends queries over a packed segment
-without decoding it to memory (a Triton kernel; that module needs triton, so it is not
-exported here). See docs/attention.md.
+The codec that packs QVG's cold chunks, PRQ (``quantize``/``dequantize``, `PackedSegment`,
+the byte formula, `PRQCodec`), is the codec layer's: `causalkv.caches.codecs.prq`, beside
+FP8 and NVFP4. See docs/qvg.md.
 
 `SegmentStore` (`causalkv.caches.qvg.store`) holds one layer's K/V by global position with
 cold chunks packed under a packing policy object (`causalkv.caches.qvg.policy`: `RECENT_CHUNKS`,
@@ -27,8 +23,6 @@ from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
     from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-    from causalkv.caches.qvg.codec import BACKEND_ENV, dequantize, quantize, resolve_backend
-    from causalkv.caches.qvg.format import PackedSegment, bits_per_element, packed_nbytes_formula
     from causalkv.caches.qvg.options import (
         QVGCodecOptions,
         QVGKVQuantArgs,
@@ -57,12 +51,6 @@ _EXPORTS = {
         "causalkv.caches.qvg.options",
     ),
     **dict.fromkeys(
-        ("BACKEND_ENV", "dequantize", "quantize", "resolve_backend"), "causalkv.caches.qvg.codec"
-    ),
-    **dict.fromkeys(
-        ("PackedSegment", "bits_per_element", "packed_nbytes_formula"), "causalkv.caches.qvg.format"
-    ),
-    **dict.fromkeys(
         ("RECENT_CHUNKS", "RECENT_NON_SINK", "RecentChunksPolicy", "ChunkInfo", "PackingDecision", "PackingPolicy",
          "RecentNonSinkPolicy"),
         "causalkv.caches.qvg.policy",
@@ -72,14 +60,12 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "BACKEND_ENV",
     "RECENT_CHUNKS",
     "RECENT_NON_SINK",
     "RecentChunksPolicy",
     "ChunkInfo",
     "ChunkScratch",
     "KVWrite",
-    "PackedSegment",
     "PackingDecision",
     "PackingPolicy",
     "QVGCodecOptions",
@@ -88,14 +74,9 @@ __all__ = [
     "RecentNonSinkPolicy",
     "SegmentStore",
     "add_cli_args",
-    "bits_per_element",
-    "dequantize",
     "from_namespace",
-    "packed_nbytes_formula",
     "quant_choices",
-    "quantize",
     "recent_tiers",
-    "resolve_backend",
 ]
 
 __getattr__ = lazy_names(__name__, _EXPORTS)

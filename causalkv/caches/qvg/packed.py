@@ -45,8 +45,8 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
+from causalkv.caches.codecs.prq.quantizer import BACKEND_ENV, resolve_backend
 from causalkv.caches.qvg.chunk_scratch import ChunkScratch
-from causalkv.caches.qvg.codec import BACKEND_ENV, resolve_backend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     DENSE_REASONS,

@@ -4,7 +4,7 @@
 packed K/V segment (two codec `PackedSegment` of ``[B, H, s, D]``), returning the output and
 its log-sum-exp, so that `causalkv.caches.attend` can merge segments. The decoded K/V never
 exist in global memory: each program decodes its K and V tiles in registers from what the
-codec stores (codec.py's module docstring has the byte layout):
+codec stores (format.py's module docstring has the byte layout):
 
 - cluster ids ``[B, H, s]`` uint8 per stage -> rows of the bf16 centroids ``[B, H, K, D]``
   (small: at most 256 x D per head, so they stay in L1/L2);
@@ -43,14 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from causalkv.caches.qvg.format import PackedSegment
-from causalkv.caches.qvg.triton_impl import (
+from causalkv.caches.codecs.prq.format import PackedSegment
+from causalkv.caches.codecs.prq.triton_impl import (
     _MODE_ASYM,
     _MODE_MSE,
     _MODE_REFERENCE,
     _e4m3_scale,
 )
-from causalkv.caches.qvg.triton_impl import interpreting as _triton_interpret
+from causalkv.caches.codecs.prq.triton_impl import interpreting as _triton_interpret
 from causalkv.errors import CausalKVError
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The PRQ packed format: `PackedSegment`, its constants, its byte formula and its scale table.
 
-The leaf of the QVG codec: the driver (`causalkv.caches.qvg.codec`) and both backends
-(`torch_impl`, `triton_impl`) import it, and it imports neither. `Backend` is the protocol
+The leaf of the PRQ codec: the driver (`causalkv.caches.codecs.prq.quantizer`) and both
+backends (`torch_impl`, `triton_impl`) import it, and it imports neither. `Backend` is the protocol
 the two backends implement.
 
 Byte layout (all tensors contiguous when produced by `quantize`):
@@ -313,7 +313,7 @@ class Backend(Protocol):
     """The kernels a codec backend provides (`torch_impl` and `triton_impl` are modules that
     implement it). Layouts: ``x [G, S, D]`` float32 token vectors of ``G`` (batch, head)
     pairs, ``c [G, K, D]`` float32 centroids, residual ``r [N, D]`` float32 (``N = G * S``),
-    block scales ``[N, D // block]``. The driver (`causalkv.caches.qvg.codec`) does the
+    block scales ``[N, D // block]``. The driver (`causalkv.caches.codecs.prq.quantizer`) does the
     rest: normalization, k-means draws, block statistics, scale encoding."""
 
     def kmeans_assign(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Triton implementation of the PRQ codec's kernels (CUDA tensors; CPU under TRITON_INTERPRET=1).
 
-A `causalkv.caches.qvg.format.Backend`, with the same functions and layouts as
-`causalkv.caches.qvg.torch_impl`:
+A `causalkv.caches.codecs.prq.format.Backend`, with the same functions and layouts as
+`causalkv.caches.codecs.prq.torch_impl`:
 
 - `kmeans_assign`: per (batch-head, token tile) a running argmin of ``||c||^2 - 2 x.c`` over
   centroid tiles (``tl.dot`` in IEEE fp32).
@@ -15,8 +15,8 @@ A `causalkv.caches.qvg.format.Backend`, with the same functions and layouts as
   (16-byte vector stores when ``out`` is contiguous along D).
 
 triton is optional: this module imports it when it can and says so in `AVAILABLE`
-(`causalkv.caches.qvg.codec` selects this backend only then). Without triton the kernels
-below stay plain, never-launched functions. triton decides at import time whether its
+(`causalkv.caches.codecs.prq.quantizer` selects this backend only then). Without triton the
+kernels below stay plain, never-launched functions. triton decides at import time whether its
 kernels run interpreted, so set ``TRITON_INTERPRET=1`` before this module (or the codec)
 is first imported to run them on CPU tensors.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from causalkv.caches.codecs.base import CodecError
-from causalkv.caches.qvg.format import POISON_SCALE_EXP, PackedSegment
+from causalkv.caches.codecs.prq.format import POISON_SCALE_EXP, PackedSegment
 from causalkv.env import flag
 
 try:

@@ -1,9 +1,9 @@
 """PRQ behind the codec interface: `PRQCodec` (the ``int4`` and ``int2`` codec settings).
 
-A thin adapter over the QVG codec (`causalkv.caches.qvg.codec` ``quantize``/``dequantize``,
-`causalkv.caches.qvg.format` ``PackedSegment`` and its byte formula): the numbers are that
-codec's, bit for bit. PRQ shares k-means codebooks between segments (``codebooks``) and has
-an attention kernel straight over its records (`causalkv.caches.qvg.attention`).
+A thin adapter over the PRQ quantizer (`causalkv.caches.codecs.prq.quantizer`
+``quantize``/``dequantize``, `causalkv.caches.codecs.prq.format` ``PackedSegment`` and its byte
+formula): the numbers are the quantizer's, bit for bit. PRQ shares k-means codebooks between segments (``codebooks``) and has
+an attention kernel straight over its records (`causalkv.caches.codecs.prq.attention`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from typing import Any
 import torch
 
 from causalkv.caches.codecs.base import KVCodec
-from causalkv.caches.qvg import codec
-from causalkv.caches.qvg.format import PackedSegment, bits_per_element, packed_nbytes_formula
+from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.codecs.prq.format import PackedSegment, bits_per_element, packed_nbytes_formula
 
 __all__ = ["PRQCodec", "PRQSettings"]
 
 
 @dataclass(frozen=True)
 class PRQSettings:
-    """What `codec.quantize` reads (the `CodecSettings` protocol), fixed for one codec."""
+    """What `quantizer.quantize` reads (the `CodecSettings` protocol), fixed for one codec."""
 
     bits: int
     centroids: int = 128
@@ -62,11 +62,11 @@ class PRQCodec(KVCodec):
         self, x: torch.Tensor, *, seed: int = 1234, head_offset: int = 0,
         codebooks: list[torch.Tensor] | None = None,
     ) -> PackedSegment:
-        return codec.quantize(x, self.settings, seed=seed, head_offset=head_offset,
+        return quantizer.quantize(x, self.settings, seed=seed, head_offset=head_offset,
                               codebooks=codebooks)
 
     def decode_into(self, record: PackedSegment, out: torch.Tensor) -> None:  # type: ignore[override]
-        codec.dequantize(record, out=out)
+        quantizer.dequantize(record, out=out)
 
     def nbytes(self, shape: tuple[int, int, int, int]) -> int:
         return packed_nbytes_formula(shape, self.settings)

@@ -1,9 +1,10 @@
 """PyTorch implementation of the PRQ codec's kernels (any device; the CPU reference).
 
-This module is a `causalkv.caches.qvg.format.Backend`: `kmeans_assign`, `kmeans_update`,
-`quantize_pack` and `dequantize_into` have Triton twins in `causalkv.caches.qvg.triton_impl`
-with the same signatures; `causalkv.caches.qvg.codec` picks one. Layouts: ``x [BH, S, D]``
-fp32 token vectors per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
+This module is a `causalkv.caches.codecs.prq.format.Backend`: `kmeans_assign`,
+`kmeans_update`, `quantize_pack` and `dequantize_into` have Triton twins in
+`causalkv.caches.codecs.prq.triton_impl` with the same signatures;
+`causalkv.caches.codecs.prq.quantizer` picks one. Layouts: ``x [BH, S, D]`` fp32 token vectors
+per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 with
 ``N = BH * S``, block scales ``[N, D // block]``.
 """
 
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from causalkv.caches.qvg.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
-from causalkv.caches.qvg.workspace import temporary as _temporary
+from causalkv.caches.codecs.prq.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
+from causalkv.caches.codecs.prq.workspace import temporary as _temporary
 
 __all__ = [
     "dequantize_into",
@@ -37,7 +38,8 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     Squared distance up to the per-token constant: ``||c||^2 - 2 x.c`` (one GEMM per token
     tile); ties go to the lowest centroid index. On the CPU the distances are laid out
     ``[K, tokens]`` so the minimum and the first index reaching it are reductions over the
-    outer dimension (vectorized along the tokens), in reused workspace buffers (`causalkv.caches.qvg.workspace`).
+    outer dimension (vectorized along the tokens), in reused workspace buffers
+    (`causalkv.caches.codecs.prq.workspace`).
     """
     BH, S, _ = x.shape
     K = c.shape[1]

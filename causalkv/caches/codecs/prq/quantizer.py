@@ -1,4 +1,4 @@
-"""PRQ codec: `quantize` a K or V segment ``[B, H, S, D]`` into a `PackedSegment`, `dequantize` it.
+"""The PRQ quantizer: `quantize` a K or V segment ``[B, H, S, D]`` into a `PackedSegment`, `dequantize` it.
 
 PRQ (the Quant-VideoGen scheme), per (batch, head):
 
@@ -11,8 +11,8 @@ PRQ (the Quant-VideoGen scheme), per (batch, head):
 
 Dequantize = sum of the assigned centroids + level x scale, in one pass per stage.
 
-The packed form, its byte layout and its scale table are `causalkv.caches.qvg.format` (the
-leaf both backends import); this module is the driver: it checks the input, normalizes each
+The packed form, its byte layout and its scale table are `causalkv.caches.codecs.prq.format`
+(the leaf both backends import); this module is the driver: it checks the input, normalizes each
 head, draws the k-means initialization, computes the block statistics and encodes the scales,
 and hands the kernels to a `format.Backend`: `torch_impl` (any device) or `triton_impl`
 (CUDA, when triton imports), picked by `resolve_backend`. ``args`` is any object with the
@@ -43,8 +43,8 @@ import math
 import torch
 
 from causalkv.caches.codecs.base import CodecError, register_record
-from causalkv.caches.qvg import torch_impl, triton_impl
-from causalkv.caches.qvg.format import (
+from causalkv.caches.codecs.prq import torch_impl, triton_impl
+from causalkv.caches.codecs.prq.format import (
     POISON_SCALE_EXP,
     ZERO_BLOCK_SCALE_BYTE,
     Backend,
@@ -53,7 +53,7 @@ from causalkv.caches.qvg.format import (
     encode_scales,
     scale_exponents,
 )
-from causalkv.caches.qvg.workspace import temporary
+from causalkv.caches.codecs.prq.workspace import temporary
 from causalkv.env import text as env_text
 from causalkv.errors import ConfigError
 
@@ -557,4 +557,4 @@ def _dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
 
 # a PackedSegment is read through the codec seam: decoded here, attended by the Triton kernel
 register_record(PackedSegment, decode_into=_dequantize_into,
-                attention_module="causalkv.caches.qvg.attention")
+                attention_module="causalkv.caches.codecs.prq.attention")
