@@ -170,3 +170,13 @@ def test_the_caches_print_nothing() -> None:
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls print")
     assert not found, "\n".join(found)
+
+
+def test_the_caches_name_no_host() -> None:
+    """caches/ is the core every host drives: no host's name in its code, strings or docstrings
+    (a rule is named for what it decides, a policy by its rule; docs/hosts.md)."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted((PKG / "caches").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"sglang|vllm|omni", line, re.I)]
+    assert not found, "\n".join(found)
