@@ -59,7 +59,7 @@ def test_omni_generates_the_table_off_int4_int2(tmp_path):
         described = "off" if setting == "off" else f"qvg({setting},"
         assert installed.endswith("self-attention cache QVGPackedCausalKVCache " + described) or (
             f"self-attention cache QVGPackedCausalKVCache {described} " in installed)
-        assert f["cache"] == "QVGPackedCausalKVCache" and f["bits"] == setting
+        assert f["cache"] == "QVGPackedCausalKVCache" and f["codec"] == setting
         assert f["layers"] == str(LAYERS)
         assert int(f["dense_bytes"]) == DENSE and int(f["dense_peak_bytes"]) == DENSE_PEAK
         peak, resident = int(f["peak_bytes"]), int(f["resident_bytes"])
