@@ -34,32 +34,33 @@ def _append(path: Path, line: str) -> None:
     path.write_text(path.read_text() + f"\n{line}\n")
 
 
+#: (file, line appended to it, what lint-imports must then say): one break of each kind
+BREAKS = [
+    # an upward import: the dense cache reaching into the host
+    ("causalkv/caches/dense.py", "import causalkv.runtime.model_io.components  # noqa",
+     "causalkv.caches is not allowed to import causalkv.runtime"),
+    # the core reaching into a bridge: the runtime's request checks importing the sglang bridge
+    ("causalkv/runtime/host/request_checks.py", "import causalkv.sglang  # noqa",
+     "causalkv.runtime is not allowed to import causalkv.sglang"),
+    # a cycle between siblings two levels down, hidden in a function body
+    ("causalkv/caches/codecs/prq/format.py",
+     "def _f():\n    from causalkv.caches.codecs.prq import torch_impl  # noqa",
+     "No cycles are allowed in causalkv.caches.codecs.prq"),
+    # the codec layer reaching into the store that packs with it
+    ("causalkv/caches/codecs/fp8.py", "import causalkv.caches.qvg.options  # noqa",
+     "causalkv.caches.codecs is not allowed to import causalkv.caches.qvg"),
+]
+
+
 def test_the_contracts_hold_and_each_kind_of_break_fails(tree: Path) -> None:
     assert LINT.exists(), f"{LINT} missing: import-linter is in the test extra (pip install -e '.[test]')"
     assert _lint(tree).returncode == 0
-    # an upward import: the dense cache reaching into the host
-    dense = tree / "causalkv/caches/dense.py"
-    original = dense.read_text()
-    _append(dense, "import causalkv.runtime.model_io.components  # noqa")
-    out = _lint(tree)
-    assert out.returncode == 1 and "causalkv.caches is not allowed to import causalkv.runtime" in out.stdout
-    dense.write_text(original)
-    # the core reaching into a bridge: the runtime's request checks importing the sglang bridge
-    checks = tree / "causalkv/runtime/host/request_checks.py"
-    original = checks.read_text()
-    _append(checks, "import causalkv.sglang  # noqa")
-    out = _lint(tree)
-    assert out.returncode == 1 and "causalkv.runtime is not allowed to import causalkv.sglang" in out.stdout
-    checks.write_text(original)
-    # a cycle between siblings two levels down, hidden in a function body
-    _append(tree / "causalkv/caches/codecs/prq/format.py",
-            "def _f():\n    from causalkv.caches.codecs.prq import torch_impl  # noqa")
-    out = _lint(tree)
-    assert out.returncode == 1 and "No cycles are allowed in causalkv.caches.codecs.prq" in out.stdout
-    # the codec layer reaching into the store that packs with it
-    _append(tree / "causalkv/caches/codecs/fp8.py", "import causalkv.caches.qvg.options  # noqa")
-    out = _lint(tree)
-    assert out.returncode == 1 and "causalkv.caches.codecs is not allowed to import causalkv.caches.qvg" in out.stdout
+    for path, line, said in BREAKS:  # each alone: the tree is restored after each
+        original = (tree / path).read_text()
+        _append(tree / path, line)
+        out = _lint(tree)
+        (tree / path).write_text(original)
+        assert out.returncode == 1 and said in out.stdout, (path, out.stdout[-2000:])
 
 
 # ---- the lowest layers, by their syntax trees (import-linter cannot see importlib strings) ----
