@@ -208,7 +208,8 @@ def test_the_cache_packs_with_any_codec_on_any_tier(main, tier):
     n, H, D = 32, 2, 32
     spec = CausalCacheSpec(batch_size=1, num_heads=H, head_dim=D, cache_size=4 * n, sink_tokens=0,
                        global_sink_tokens=0, dtype=torch.bfloat16)
-    q = QVGKVQuantArgs(codec=main, centroids=4, block_size=16, recent_tier=tier)
+    prq = dict(centroids=4, block_size=16) if "int2" in (main, tier) else {}  # PRQ's own knobs
+    q = QVGKVQuantArgs(codec=main, recent_tier=tier, **prq)
     cache = QVGPackedCausalKVCache(spec, q)
 
     def chunk(i):

@@ -163,3 +163,33 @@ def test_every_exported_name_resolves():
     namespace: dict = {}
     exec("from causalkv.caches.qvg import *", namespace)
     assert set(qvg.__all__) <= set(namespace)
+
+
+@pytest.mark.parametrize(("kwargs", "problem"), [
+    (dict(codec="fp8", centroids=64),
+     "--kv-cache-quant-centroids 64: --kv-cache-quant fp8 does not read it (read by int4, int2); "
+     "drop the flag, or choose a codec that reads it"),
+    (dict(codec="nvfp4", recent_tier="fp8", asymmetric=True),
+     "--kv-cache-quant-asymmetric True: --kv-cache-quant nvfp4 with --kv-cache-quant-recent-tier "
+     "fp8 does not read it (read by int4, int2); drop the flag, or choose a codec that reads it"),
+    (dict(codec="fp8", grid="mse4"), "--kv-cache-quant-grid 'mse4': --kv-cache-quant fp8 does"),
+    (dict(codec="int2", centroids=64), None),  # PRQ reads it
+    (dict(codec="fp8", recent_tier="int4", centroids=64), None),  # the recency tier reads it
+    (dict(codec="fp8"), None),  # PRQ's defaults are not a request
+])
+def test_a_codec_option_no_codec_in_use_reads_is_refused(kwargs, problem):
+    """A PRQ knob with fp8 or nvfp4 is refused at start-up, naming the flag, the codec and the
+    codecs that read it, never silently ignored (`KVCodec.reads`)."""
+    got = QVGKVQuantArgs(**kwargs).layout_problem(128)
+    assert got == problem if problem is None or problem.endswith("reads it") else got.startswith(problem)
+
+
+def test_the_command_line_refuses_an_unread_codec_option_before_loading(capsys):
+    from fault_helpers import one_line, run_cli
+
+    rc = run_cli(["generate", "--kv-cache-quant", "fp8", "--kv-cache-quant-centroids", "64"])
+    err = one_line(capsys.readouterr().err)
+    assert rc == 2
+    assert err == ("causalkv generate: error: --kv-cache-quant-centroids 64: --kv-cache-quant fp8 "
+                   "does not read it (read by int4, int2); drop the flag, or choose a codec that "
+                   "reads it")

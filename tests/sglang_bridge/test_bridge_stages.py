@@ -340,7 +340,7 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "nvfp4")
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "fp8")
     stage = _stage(LongLive2CausalDenoisingStage)
-    stage._kv_quant_args = INT2
+    stage._kv_quant_args = QVGKVQuantArgs(bits=2)  # PRQ's knobs at their defaults: nvfp4 reads none
     blocks = _allocate(stage)
     assert {(c.quant.codec, c.quant.recent_tier) for c in blocks} == {("nvfp4", "fp8")}
     cache, gen = blocks[0], torch.Generator().manual_seed(0)
@@ -351,6 +351,9 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     codecs = {s.storage.codec.name for s in cache.store.segments if isinstance(s.storage, PackedKV)}
     assert codecs == {"nvfp4", "fp8"}
     assert "codec=nvfp4 recent_tier=fp8" in summary_line(stage, [blocks])
+    # sglang's PRQ knobs with a codec that reads none of them: refused at start-up, by flag
+    with pytest.raises(ConfigError, match="--kv-cache-quant-centroids 8: --kv-cache-quant nvfp4"):
+        check_settings("LongLive2Pipeline", INT2, HEAD_DIM)
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "int3")
     with pytest.raises(ConfigError, match="CAUSALKV_SGLANG_CODEC='int3': choose one of"):
         check_settings("LongLive2Pipeline", INT2, HEAD_DIM)

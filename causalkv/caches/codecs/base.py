@@ -129,10 +129,15 @@ class KVCodec(ABC):
     Attributes:
         name: the setting name it was made from (``"fp8"``).
         shares_codebooks: `encode` accepts ``codebooks`` (segments may share tensors).
+        reads: the codec options it reads (see the attribute).
     """
 
     name: str = ""
     shares_codebooks: bool = False
+    #: the codec options it reads (fields of `causalkv.caches.qvg.options.QVGCodecOptions`
+    #: beyond ``codec``: PRQ's ``centroids``, ``block_size``, ...); a user who sets another away
+    #: from its default is refused at start-up, never silently ignored
+    reads: frozenset[str] = frozenset()
 
     @classmethod
     @abstractmethod

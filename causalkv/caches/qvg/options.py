@@ -19,6 +19,7 @@ runtime's) derive from them. Torch-free: importing this module loads no torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -182,7 +183,27 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
         problem = make_codec(self.codec, self).layout_problem(head_dim)
         if problem is None and self.recent_tier != "bf16":
             problem = make_codec(self.recent_tier, self).layout_problem(head_dim)
-        return problem
+        return problem or self._unread_problem()
+
+    def _unread_problem(self) -> str | None:
+        """A codec option set away from its default that no codec in use reads (PRQ's
+        ``--kv-cache-quant-centroids`` with fp8, say), or None: refused, never ignored."""
+        used = [self.codec] + ([self.recent_tier] if self.recent_tier != "bf16" else [])
+        reads = frozenset().union(*(_reads_of(name) for name in used))
+        for f in dataclasses.fields(QVGCodecOptions):
+            if f.name == "codec" or f.name in reads or getattr(self, f.name) == f.default:
+                continue
+            spec = QVGCodecOptions.specs()[f.name]
+            readers = [n for n in codec_names() if f.name in _reads_of(n)]
+            using = f"--kv-cache-quant {self.codec}" + (
+                f" with --kv-cache-quant-recent-tier {self.recent_tier}"
+                if self.recent_tier != "bf16" else "")
+            return (
+                f"{spec.flag} {getattr(self, f.name)!r}: {using} does not read it (read by "
+                f"{', '.join(readers) or 'no registered codec'}); drop the flag, or choose a "
+                "codec that reads it"
+            )
+        return None
 
     def check_layout(self, head_dim: int) -> Any:
         """Raise `ConfigError` with `layout_problem`'s message when there is one; return self."""
@@ -190,6 +211,16 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
         if problem is not None:
             raise ConfigError(problem)
         return self
+
+
+def _reads_of(name: str) -> frozenset[str]:
+    """The codec options the codec setting ``name`` reads (`KVCodec.reads`; imports its class,
+    so torch: called at start-up only). A setting whose class does not import reads nothing
+    here; using it is refused by name elsewhere."""
+    try:
+        return codec_setting(name).load().reads
+    except ConfigError:
+        return frozenset()
 
 
 @dataclass(frozen=True)

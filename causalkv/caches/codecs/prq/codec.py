@@ -43,6 +43,7 @@ class PRQCodec(KVCodec):
     """
 
     shares_codebooks = True
+    reads = frozenset({"centroids", "block_size", "stages", "kmeans_iters", "asymmetric", "grid"})
 
     def __init__(self, settings: PRQSettings, name: str = "") -> None:
         self.settings = settings
