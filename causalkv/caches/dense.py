@@ -95,8 +95,8 @@ class DenseCausalKVCache(StreamCache):
         st = self.state
         total = sum(m for _, m in pieces)
         shape = (self.spec.batch_size, total, h1 - h0, self.spec.head_dim)
-        k = self.k_cache.new_zeros(shape)
-        v = self.v_cache.new_zeros(shape)
+        k = self.k_cache.new_empty(shape)  # the (None, n) rows are the caller's to fill
+        v = self.v_cache.new_empty(shape)
         at = 0
         for p, m in pieces:
             if p is not None:

@@ -39,10 +39,6 @@ class ByteLedger:
         self._held[holder] = nbytes
         self._record(0)
 
-    def held_by(self, holder: Hashable) -> int:
-        """What ``holder`` last reported (0 if never)."""
-        return self._held.get(holder, 0)
-
     def transient(self, nbytes: int) -> None:
         """A call filled a one-call buffer of ``nbytes`` (freed once its view is consumed)."""
         self.peak_transient_nbytes = max(self.peak_transient_nbytes, nbytes)
