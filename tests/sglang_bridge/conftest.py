@@ -40,8 +40,9 @@ if importlib.util.find_spec("sglang") is not None:
     def default_ports_taken():
         """Something else listens on sglang's default ports for the whole session, as another
         sglang on the machine would: every sglang the tests start must run on ports of its own
-        (`longlive2_request.free_ports`). Yields the ports held here (a port someone else
-        holds already is taken all the same)."""
+        (`longlive2_request.free_ports`). Yields ``(held, busy)``: the ports held here for the
+        session, and those someone else held when it began (another xdist worker, or another
+        clone's suite, which may let them go before this session ends)."""
         import socket
 
         from longlive2_request import DEFAULT_PORTS
@@ -49,7 +50,7 @@ if importlib.util.find_spec("sglang") is not None:
         wanted = {DEFAULT_PORTS["port"], DEFAULT_PORTS["port"] + 1, DEFAULT_PORTS["master_port"],
                   # the scheduler's default is 5555 plus up to 100
                   *range(DEFAULT_PORTS["scheduler_port"], DEFAULT_PORTS["scheduler_port"] + 101)}
-        held = []
+        held, busy = [], []
         for port in sorted(wanted):
             s = socket.socket()
             try:
@@ -57,10 +58,11 @@ if importlib.util.find_spec("sglang") is not None:
                 s.listen()
             except OSError:
                 s.close()
+                busy.append(port)
                 continue
             held.append(s)
         try:
-            yield [s.getsockname()[1] for s in held]
+            yield [s.getsockname()[1] for s in held], busy
         finally:
             for s in held:
                 s.close()
