@@ -39,6 +39,7 @@ is reported on its own line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -72,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from cache import StreamKV  # noqa: E402  (benchmarks/cache.py: the structured K/V)
 
-from causalkv.caches.qvg import ChunkScratch  # noqa: E402
+from causalkv.caches.passes import PassMarker  # noqa: E402
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuant  # noqa: E402
 from causalkv.sglang.cache import SGLangQVGKVCache  # noqa: E402
 from causalkv.sglang.settings import EnvSettings, bridge_args  # noqa: E402
@@ -128,10 +129,10 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
         return lambda: QVGPackedCausalKVCache(**common, **_indices(device),
                                               quant_args=QVGKVQuantArgs(bits=bits))
 
-    def bridge(bits, scratch=False):
+    def bridge(bits, marked=False):
         return lambda: SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=g.sink,
                                         quant_args=QVGKVQuantArgs(bits=bits),
-                                        scratch=ChunkScratch(shared=True) if scratch else None)
+                                        marker=PassMarker() if marked else None)
 
     out = {"sglang dense": (dense, True), "sglang QVG off": (sglang_qvg(None), False)}
     if device.type == "cuda":
@@ -139,18 +140,17 @@ def make_caches(g: Geometry, device: torch.device) -> dict[str, tuple[Callable[[
         out["sglang QVG int2"] = (sglang_qvg(2), False)
     out["bridge int4"] = (bridge(4), True)
     out["bridge int2"] = (bridge(2), True)
-    # as sglang's served stages run it now: the chunk being generated in the stage's scratch,
-    # the context update inside its context pass (the chunk packed there, not at the advance)
-    out["bridge int4, stage scratch"] = (bridge(4, True), True)
-    out["bridge int2, stage scratch"] = (bridge(2, True), True)
+    # as sglang's served stages run it now: the denoising passes are probes (nothing stored),
+    # the context update commits (the chunk packed there, not at the advance)
+    out["bridge int4, probe + commit"] = (bridge(4, True), True)
+    out["bridge int2, probe + commit"] = (bridge(2, True), True)
     return out
 
 
 def resident(cache) -> int:
     if isinstance(cache, CausalSelfAttentionKVCache):
         return cache.k.nbytes + cache.v.nbytes
-    scratch = getattr(cache, "scratch", None)
-    return int(cache.resident_nbytes()) + (scratch.nbytes if scratch is not None else 0)
+    return int(cache.resident_nbytes())
 
 
 class Peak:
@@ -186,15 +186,18 @@ def stream(g: Geometry, factory, pins: bool, data, device, *, measure=None):
     cache = factory()
     calls, top_resident, view = [], 0, None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    scratch = getattr(cache, "scratch", None)
+    marker = getattr(cache, "marker", None)
     for c in range(g.chunks):
         k, v = data[c]
         for p in range(g.passes):
             def call(k=k, v=v, c=c, p=p):
-                if scratch is None or p < g.passes - 1:
-                    return cache.update_and_get_attention_kv(
-                        key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
-                with scratch.context_pass(pin=pins and c == g.pin_after):
+                if marker is None:
+                    scope = contextlib.nullcontext()
+                elif p < g.passes - 1:
+                    scope = marker.probing()
+                else:
+                    scope = marker.committing(pin=pins and c == g.pin_after)
+                with scope:
                     return cache.update_and_get_attention_kv(
                         key=k, value=v, current_chunk_start=c * g.chunk, debug_name="bench")
             if measure is None:
@@ -433,24 +436,24 @@ def _attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
-    """One request through ``m.layers`` bridge blocks sharing a `ChunkScratch` (4 denoising
-    passes and the context update per chunk, as sglang's stage makes them), beside sglang's
-    dense cache for layer 0 on the same K/V and queries.
+    """One request through ``m.layers`` bridge blocks sharing a `PassMarker` (4 denoising
+    passes, probes, and the context update, the commit, per chunk, as sglang's hooked stage
+    marks them), beside sglang's dense cache for layer 0 on the same K/V and queries.
 
-    Returns the peak bytes over the request (every block's storage, the scratch and the
-    largest one-call buffer, from the scratch's ledger), the resident bytes at the end, sglang
+    Returns the peak bytes over the request (every block's storage and the largest one-call
+    buffer, from the marker's ledger), the resident bytes at the end, sglang
     dense's allocation for all layers, and the largest relative L2 error of layer 0's
     attention output against dense attention on the same queries (512 of each chunk's, at its
     first denoising pass and at its context update).
     """
     quant = SETTINGS[setting].quant()
-    scratch = ChunkScratch(shared=True)  # the stage loop ends every chunk with its pass
+    marker = PassMarker()
     common = dict(batch_size=1, cache_size=m.cache, num_heads=m.heads, head_dim=m.head_dim,
                   dtype=torch.bfloat16, device=device, attention_window_size=m.cache)
     sink = m.sink_frames * m.tokens_per_frame
     common["sink_tokens"] = sink
     blocks = [SGLangQVGKVCache(**common, **_indices(device), global_sink_tokens=sink,
-                               quant_args=quant, scratch=scratch) for _ in range(m.layers)]
+                               quant_args=quant, marker=marker) for _ in range(m.layers)]
     shape = (1, m.cache, m.heads, m.head_dim)
     dense = CausalSelfAttentionKVCache(
         k=torch.zeros(shape, dtype=torch.bfloat16, device=device),
@@ -463,10 +466,8 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
     for c in range(m.chunks):
         kv = [(d.chunk(c, m.chunk, 0).to(device), d.chunk(c, m.chunk, 1).to(device)) for d in data]
         for step in range(5):  # 4 denoising passes, then the context update
-            ctx = scratch.context_pass(pin=c == m.pin_after) if step == 4 else None
-            if ctx is not None:
-                ctx.__enter__()
-            try:
+            ctx = marker.committing(pin=c == m.pin_after) if step == 4 else marker.probing()
+            with ctx:
                 for layer, block in enumerate(blocks):
                     k, v = kv[layer]
                     view = block.update_and_get_attention_kv(
@@ -480,22 +481,19 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
                         a, b = _attn(q, view.k, view.v), _attn(q, ref.k, ref.v)
                         err = max(err, float((a - b).norm() / b.norm().clamp_min(1e-30)))
                     del view
-            finally:
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
         if m.pin_after is not None and c == m.pin_after:
             for block in blocks:
                 block.pin_current_chunk(m.chunk)
             dense.pin_current_chunk(m.chunk)
     dense_bytes = m.layers * (dense.k.nbytes + dense.v.nbytes)
-    held = sum(b.resident_nbytes() for b in blocks) + scratch.nbytes
+    held = sum(b.resident_nbytes() for b in blocks)
     return {
         "geometry": m.name, "setting": setting, "sglang": SETTINGS[setting].command(),
         "codec": quant.codec or "off", "recent_tier": quant.recent_tier,
         "layers": m.layers, "heads": m.heads,
         "chunk_tokens": m.chunk, "cache_tokens": m.cache, "chunks": m.chunks,
-        "peak_bytes": scratch.ledger.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
-        "peak_ratio": scratch.ledger.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
+        "peak_bytes": marker.ledger.peak_nbytes, "resident_bytes": held, "dense_bytes": dense_bytes,
+        "peak_ratio": marker.ledger.peak_nbytes / dense_bytes, "resident_ratio": held / dense_bytes,
         "attn_rel_err": err,
     }
 
@@ -503,8 +501,8 @@ def request(m: ModelGeometry, setting: str, device: torch.device) -> dict:
 def layers_table(rows: list[dict]) -> str:
     lines = [
         "All layers, the whole request (decode then attend; heads reduced, every byte scales "
-        "with them): peak = every block's storage + the stage's chunk scratch + the largest "
-        "one-call buffer; ratios to sglang's dense cache (all layers) in the same run",
+        "with them; denoising passes are probes, the context update commits): peak = every block's "
+        "storage + the largest one-call buffer; ratios to sglang's dense cache (all layers) in the same run",
         f"{'geometry':<13} {'setting':<17} {'peak/dense':>10} {'resident/dense':>14} "
         f"{'attn rel err':>12}  sglang flags (and causalkv's settings)",
     ]

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 __all__ = [
-    "CHUNK_SCRATCH",
     "GROWTH",
     "HEAD_SLICE",
     "INT_INDICES",
     "PINNED_SINK",
+    "PROBE_COMMIT",
     "QUANT_QVG",
     "RECENT_WINDOW",
     "CacheCapabilities",
@@ -26,9 +26,10 @@ RECENT_WINDOW = "recent_window"
 GROWTH = "growth"
 INT_INDICES = "int_indices"
 QUANT_QVG = "quant:qvg"
-#: the cache kind can hold the chunk being generated in the stage's one shared `ChunkScratch`
-#: (``cache.use_scratch(scratch)``): the stage hands it one when every cache it built has this
-CHUNK_SCRATCH = "chunk_scratch"
+#: the cache kind stores less when told which writes are probes and which commit
+#: (``cache.use_marker(marker)``, `causalkv.caches.passes`): the stage marks its passes
+#: when every cache it built has this
+PROBE_COMMIT = "probe_commit"
 
 
 @dataclass(frozen=True)

@@ -6,19 +6,22 @@ the op, before the next layer writes): a *reference* dense cache per layer again
 *subject* cache per layer. `Env` says which caches and which semantics:
 
 - tests/test_cache_state_machine.py: causalkv's `DenseCausalKVCache` against
-  `QVGPackedCausalKVCache` (quant off / int4 / int2; no scratch, or one `ChunkScratch`
-  shared by the layers, given at construction or through ``use_scratch``);
+  `QVGPackedCausalKVCache` (quant off / int4 / int2), both given the same marks (call
+  arguments, or one `PassMarker` shared by the layers): the dense cache is the contract's
+  answer to a probe and a commit too;
 - tests/sglang_bridge/test_bridge_state_machine.py: sglang's own
   ``CausalSelfAttentionKVCache`` against the bridge's ``SGLangQVGKVCache`` allocated as sglang's
-  stages allocate them (the bridge's ``allocate`` hook, or exactly its arguments).
+  stages allocate them (the bridge's ``allocate`` hook, or exactly its arguments); the
+  bridge's marks come from its stage marker, and sglang's cache, which hears none, stores
+  every write: there a commit is a promise (the next chunk's size, the pin) the machine keeps.
 
-Ops: advance by a chunk (sizes drawn, mostly equal), rewrites of the current chunk (denoising
-passes), a context pass (``with scratch.context_pass(pin=...)`` around one write per layer;
-a plain write without a scratch), head-slice writes (the chunk written as two halves, also
-both inside one context pass), pins (announced by ``context_pass(pin=True)`` or not), reads
-between chunks with and without ``recent_window_tokens``, ``reset_indices()`` then a new
-request, bad calls (a non-sequential start, a wrong dtype, fewer heads without
-``cache_head_start``), and, at the start, ``scratch.share()`` or not.
+Ops: unmarked advances by a chunk (sizes drawn, mostly equal) and rewrites of the current
+chunk, probes (of a new chunk, again and again, or of the chunk stored last), commits (of the
+probed chunk, the chunk stored last, or a new one; telling the next chunk's size or not;
+announcing a pin or not, then pinning), head-slice writes (the chunk written as two halves,
+a commit complete once both are written), pins, reads between chunks with and without
+``recent_window_tokens``, ``reset_indices()`` then a new request, bad calls (a
+non-sequential start, a wrong dtype, fewer heads without ``cache_head_start``).
 
 Checks after every op, on every layer's view:
 
@@ -30,9 +33,9 @@ Checks after every op, on every layer's view:
   codec's definition); pieces the view yields stored dense (``iter_stored_segments``) bit
   for bit;
 - refusals: when the reference refuses, the subject refuses with an exception of the same
-  type; the subject may refuse in addition only as `may_refuse` allows (a shared scratch the
-  caller declared, with ``CacheProtocolError``); after every refusal the state is unchanged
-  (the op is not applied to the reference, and the next views must still agree).
+  type; the subject never refuses a call the reference accepts (beyond an environment's
+  documented refusal); after every refusal the state is unchanged (the op is not applied to
+  the reference, and the next views must still agree).
 
 **Values.** ``key[b, t, h, d] = A * (6 * m + s)`` with ``m = 1 + (layer + h + chunk) % 3`` and
 ``s = +-1`` a hash of (position, head, write id, layer, d, K or V); the value is the same with
@@ -71,7 +74,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
-    invariant,
     precondition,
     rule,
 )
@@ -96,18 +98,6 @@ def codec_bound(bits: int | None, expected: torch.Tensor) -> torch.Tensor:
     q = 2 ** (bits - 1) - 1
     e = expected.double().abs()
     return (1 + 2**-3) / (2 * q) * (2 * A + 2**-8 * MAX_ABS) + 2**-8 * e + 2**-12 * A
-
-
-def protocol_error() -> type[BaseException] | None:
-    """``causalkv.caches.spec.CacheProtocolError`` where it exists (None before it does)."""
-    from causalkv.caches import spec
-
-    return getattr(spec, "CacheProtocolError", None)
-
-
-def is_protocol_refusal(exc: BaseException) -> bool:
-    cls = protocol_error()
-    return cls is not None and isinstance(exc, cls)
 
 
 # ---- values -------------------------------------------------------------------------------
@@ -155,8 +145,7 @@ class Config:
     bits: int | None
     keep_recent: int
     quant_sink: bool
-    scratch: str  # "none" | "ctor" | "use" | "hook"
-    declare: bool  # scratch.share() at the start
+    marks: str  # how marks reach the caches: "args" | "marker" | "hook" (sglang's allocate)
     head_slice: tuple[int, int] | None = None  # sglang: the run's fixed head slice
     int_indices: bool = False
 
@@ -177,21 +166,20 @@ class Env:
     #: the head-slice op writes a chunk as two halves (causalkv); else every write uses the
     #: run's fixed ``Config.head_slice`` (sglang's ranks)
     halves = True
+    #: the reference gets the marks too (causalkv's dense cache); else it stores every write,
+    #: and a commit is a promise the machine keeps (sglang's cache)
+    marks_reference = True
 
     def configs(self) -> st.SearchStrategy[Config]:
         raise NotImplementedError
 
     def build(self, cfg: Config) -> tuple[list[Any], list[Any], Any]:
-        """(references, subjects, the shared scratch or None)."""
+        """(references, subjects, the `PassMarker` the caches read marks from, or None: marks
+        are call arguments)."""
         raise NotImplementedError
 
     def global_end(self, ref: Any) -> int:
         raise NotImplementedError
-
-    def held_after_context(self, ref: Any, pin: bool) -> Any:
-        """Positions a context pass keeps (what the next same-size advance keeps), or None
-        when the environment cannot say (then every read after a context pass may refuse)."""
-        return None
 
     def positions(self, view: Any) -> list[int] | None:
         return None
@@ -204,7 +192,7 @@ class Env:
         return ()
 
     def allowed_extra(self, exc: BaseException) -> bool:
-        """A subject refusal the environment allows beyond the protocol ones."""
+        """A subject refusal the environment documents (the reference accepts the call)."""
         return False
 
     def after_refusal(self, ref: Any, trial: Any) -> None:
@@ -244,73 +232,6 @@ def assert_values(bits: int | None, got: torch.Tensor, want: torch.Tensor, where
             f"bound {bound[tuple(bad)].item():.3f}")
 
 
-# ---- the protocol model -------------------------------------------------------------------
-@dataclass
-class Protocol:
-    """What the caller did to the shared scratch, and so which refusals it may get.
-
-    ``declared``: ``scratch.share()`` was called or a context pass opened (sharing on).
-    ``plain_last``: the current chunk's last write was not inside a context pass (with 2+
-    layers another layer has overwritten its K/V in the scratch since). ``committed``: a
-    context pass wrote the current chunk; ``held``: the positions it kept; ``announced``: its
-    ``pin`` flag; ``late_pin``: a pin made after it that it did not announce, or a change of
-    the announced one.
-
-    The refusals a declared shared scratch allows (`may_refuse`; never without a scratch or
-    before the caller declared it, and only as ``CacheProtocolError``):
-
-    - an advance after a chunk whose last write was not a context pass, with 2+ layers;
-    - an advance after a context pass by a chunk of another size, or after a late pin that
-      needs positions the pass dropped;
-    - a read (or a rewrite's view) after such a chunk, or after a context pass when it needs
-      positions the pass dropped (``held``: causalkv's environment computes them; sglang's
-      cannot, so there any read after a context pass may refuse);
-    - a pin after a context pass, other than the one it announced, of positions it dropped.
-    """
-
-    shared_scratch: bool
-    layers: int
-    declared: bool = False
-    plain_last: bool = False
-    committed: bool = False
-    held: Any = None
-    announced: bool = False
-    late_pin: bool = False
-    cur_n: int | None = None
-
-    def new_chunk(self, n: int) -> None:
-        self.plain_last = self.committed = self.announced = self.late_pin = False
-        self.held, self.cur_n = None, n
-
-    def reset(self) -> None:
-        self.new_chunk(0)
-        self.cur_n = None
-
-    def on(self) -> bool:
-        return self.shared_scratch and self.declared
-
-    def may_refuse(self, kind: str, *, n: int | None = None, needed: Any = None) -> bool:
-        """May the subject refuse this op that the reference accepts (CacheProtocolError)?"""
-        if not self.on():
-            return False
-        overwritten = self.layers > 1 and self.plain_last
-        if kind == "advance":
-            return overwritten or (self.committed and (n != self.cur_n or self.late_pin))
-        dropped = self.committed and (needed is None or self.held is None
-                                      or not _contains(self.held, needed))
-        if kind in ("rewrite", "read"):
-            return overwritten or dropped or (self.committed and self.late_pin)
-        if kind == "pin":
-            return (self.committed and bool(needed) and dropped
-                    and not (self.announced and n == self.cur_n))
-        return False
-
-
-def _contains(held: Any, positions: Sequence[int]) -> bool:
-    from causalkv.caches import intervals as iv
-
-    return iv.contains(held, iv.normalize((p, p + 1) for p in positions))
-
 
 # ---- the machine ----------------------------------------------------------------------------
 @dataclass
@@ -318,10 +239,29 @@ class Stats:
     runs: int = 0
     ops: int = 0
     refused_both: int = 0
-    refused_protocol: int = 0
-    context_passes: int = 0
-    declared_runs: int = 0
+    probes: int = 0
+    commits: int = 0
+    unmarked: int = 0
     by_config: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Stream:
+    """What the caller did, as the machine needs it to keep the subject's stream (and, where
+    the reference hears no marks, the promises of a commit).
+
+    ``cur_n``: the size of the chunk stored last (None: none since the reset). ``pending``:
+    the size of a chunk only probed so far, at the subject's end (the reference, when it hears
+    no marks, stored it). ``promise``: after a commit the reference cannot hear, the next
+    chunk's size it told (the machine keeps it; the announced pin is made in the same op).
+    """
+
+    cur_n: int | None = None
+    pending: int | None = None
+    promise: int | None = None
+
+    def reset(self) -> None:
+        self.cur_n = self.pending = self.promise = None
 
 
 def make_machine(
@@ -339,13 +279,8 @@ def make_machine(
         @initialize(cfg=env.configs())
         def setup(self, cfg: Config) -> None:
             self.cfg = cfg
-            self.refs, self.subs, self.scratch = env.build(cfg)
-            self.proto = Protocol(shared_scratch=self.scratch is not None, layers=cfg.layers)
-            if self.scratch is not None and cfg.declare:
-                share = getattr(self.scratch, "share", None)
-                assert share is not None, "ChunkScratch.share() does not exist"
-                share()
-                self.proto.declared = True
+            self.refs, self.subs, self.marker = env.build(cfg)
+            self.stream = Stream()
             self.wid = 0
             self.chunk = -1
             self.resets = 0
@@ -357,9 +292,8 @@ def make_machine(
             g = torch.Generator().manual_seed(7)
             self.q_full = (torch.randn(B, 2, cfg.heads, D, generator=g) * 0.05).to(DT)
             stats.runs += 1
-            key = f"bits={cfg.bits} scratch={cfg.scratch} layers={cfg.layers}"
+            key = f"bits={cfg.bits} marks={cfg.marks} layers={cfg.layers}"
             stats.by_config[key] = stats.by_config.get(key, 0) + 1
-            stats.declared_runs += cfg.declare
 
         # ---- helpers ----------------------------------------------------------------------
         def _q(self, h0: int, h1: int) -> torch.Tensor:
@@ -376,17 +310,14 @@ def make_machine(
             h = self.cfg.heads // 2
             return [(0, 0, h), (h, h, self.cfg.heads)]
 
-        def _check_declared(self) -> None:
-            if self.scratch is not None and hasattr(self.scratch, "shared"):
-                assert self.scratch.shared == self.proto.declared, (
-                    f"scratch.shared is {self.scratch.shared}, the caller "
-                    f"{'declared' if self.proto.declared else 'never declared'} sharing")
+        def _end(self) -> int:
+            """Where the subject's next chunk starts."""
+            return env.global_end(self.subs[0])
 
-        def _run(self, kind: str, i: int, call: Callable[[Any], Any], *, n: int | None = None,
-                 check: bool = True, h: tuple[int, int] | None = None,
-                 may_refuse_extra: bool = False, needed: Any = None) -> bool:
-            """``call`` on layer ``i``'s reference (a copy) and subject; compare; True when both
-            accepted (the reference then adopts the copy)."""
+        def _run(self, kind: str, i: int, call: Callable[[Any], Any], *, check: bool = True,
+                 h: tuple[int, int] | None = None) -> bool:
+            """``call`` on layer ``i``'s subject and reference (a copy); compare; True when
+            both accepted (the reference then adopts the copy)."""
             where = f"layer {i} {kind} after {self.log}"
             try:
                 got, exc = call(self.subs[i]), None
@@ -411,35 +342,28 @@ def make_machine(
                 self._after_refusal(i, where)
                 return False
             if exc is not None:
-                if want is not None and kind in ("rewrite", "read"):
-                    needed = env.positions(want)
-                allowed = self.proto.may_refuse(kind, n=n, needed=needed) or may_refuse_extra
                 if env.allowed_extra(exc):
-                    pass
-                elif allowed:
-                    assert is_protocol_refusal(exc), (
-                        f"{where}: a refusal is allowed here (declared shared scratch) but only "
-                        f"as CacheProtocolError, got {type(exc).__name__}: {exc}")
-                else:
-                    raise AssertionError(
-                        f"{where}: the subject refused what the reference accepts: "
-                        f"{type(exc).__name__}: {exc}") from exc
-                stats.refused_protocol += 1
-                self._after_refusal(i, f"{where} (refused: {type(exc).__name__}: {exc})")
-                return False
+                    self._after_refusal(i, f"{where} (refused: {type(exc).__name__}: {exc})")
+                    return False
+                raise AssertionError(
+                    f"{where}: the subject refused what the reference accepts: "
+                    f"{type(exc).__name__}: {exc}") from exc
             self.refs[i] = trial
             if check and want is not None and got is not None and h is not None:
                 env.check_view(self.cfg, got, want, self._q(*h), where)
+            self._same_state(i, where)
+            return True
+
+        def _same_state(self, i: int, where: str) -> None:
+            if self.stream.pending is not None and not env.marks_reference:
+                return  # the reference stored the probed chunk, the subject did not (yet)
             assert env.extra_state(self.subs[i]) == env.extra_state(self.refs[i]), (
                 f"{where}: state {env.extra_state(self.subs[i])} != reference "
                 f"{env.extra_state(self.refs[i])}")
-            return True
 
         def _after_refusal(self, i: int, where: str) -> None:
             """A refused op left the subject as it was: it still agrees with the reference."""
-            assert env.extra_state(self.subs[i]) == env.extra_state(self.refs[i]), (
-                f"{where}: after a refusal the state {env.extra_state(self.subs[i])} != "
-                f"reference {env.extra_state(self.refs[i])}")
+            self._same_state(i, f"{where}, after the refusal")
             if env.has_reads:
                 self._compare_read(i, None, f"{where}, read after the refusal")
 
@@ -449,128 +373,149 @@ def make_machine(
             try:
                 got = env.read(self.subs[i], recent)
             except (ValueError, RuntimeError) as exc:
-                if self.proto.may_refuse("read", needed=env.positions(want)):
-                    assert is_protocol_refusal(exc), (
-                        f"{where}: a read may be refused here, but only as CacheProtocolError, "
-                        f"got {type(exc).__name__}: {exc}")
-                    return
                 raise AssertionError(f"{where}: read refused: {type(exc).__name__}: {exc}") from exc
             env.check_view(cfg, got, want, self._q(0, cfg.heads), where)
 
         def _write(self, kind: str, start: int, n: int, *, chunk: int, recent: int | None,
-                   context: bool = False, pin: bool = False, halves: bool = False,
-                   dtype: torch.dtype = DT, drop_head_start: bool = False,
-                   extra_refusal: bool = False) -> list[bool]:
-            """One write (or two half writes) per layer, in layer order."""
+                   mark: Any = None, halves: bool = False, dtype: torch.dtype = DT,
+                   drop_head_start: bool = False) -> list[bool]:
+            """One write (or two half writes) per layer, in layer order; ``mark``: None,
+            ``"probe"`` or a `Commit`."""
             cfg = self.cfg
             self.wid += 1
             parts = self._halves() if halves else self._heads()
-            ctx = (self.scratch.context_pass(pin=pin) if context and self.scratch is not None
-                   else nullcontext())
-            if context and self.scratch is not None:
-                self.proto.declared = True
+            scope = nullcontext()
+            marks: dict[str, Any] = {}
+            if mark is not None and self.marker is not None:
+                scope = (self.marker.probing() if mark == "probe" else
+                         self.marker.committing(pin=mark.pin, next_tokens=mark.next_tokens))
+            elif mark is not None:
+                marks = {"probe": True} if mark == "probe" else {"commit": mark}
+            stats.probes += mark == "probe"
+            stats.commits += mark is not None and mark != "probe"
+            stats.unmarked += mark is None
             ok = []
-            with ctx:
+            with scope:
                 for i in range(cfg.layers):
-                    for j, (hs, h0, h1) in enumerate(parts):
+                    for hs, h0, h1 in parts:
                         k, v = chunk_kv(i, chunk, start, n, h0, h1 - h0, self.wid, dtype)
-                        # the second half of an advance is a rewrite of the chunk it opened
-                        part_kind = "rewrite" if (j > 0 and kind == "advance") else kind
 
-                        def call(c, k=k, v=v, hs=hs):
+                        def call(c, k=k, v=v, hs=hs, marks=marks):
                             return c.update_and_get_attention_kv(
                                 key=k, value=v, current_chunk_start=start,
                                 cache_head_start=None if drop_head_start else hs,
-                                recent_window_tokens=recent)
+                                recent_window_tokens=recent, **marks)
 
-                        ok.append(self._run(part_kind, i, call, n=n, h=(h0, h1),
-                                            may_refuse_extra=extra_refusal))
+                        ok.append(self._run(kind, i, call, h=(h0, h1)))
             return ok
+
+        def _new_size(self, size: str, other: int) -> int:
+            """A new chunk's size: the promised one, else the chunk's (mostly) or another."""
+            s = self.stream
+            if s.promise is not None:
+                return s.promise
+            if s.pending is not None:
+                return s.pending
+            return self.cfg.chunk if size == "same" else other
 
         # ---- rules ------------------------------------------------------------------------
         @rule(size=st.sampled_from(["same"] * 5 + ["other"]), other=st.integers(8, 32),
               halves=st.booleans(), recent=st.none() | st.sampled_from([0, 8, 24]))
         def advance(self, size: str, other: int, halves: bool, recent: int | None) -> None:
-            cfg = self.cfg
-            n = cfg.chunk if size == "same" else other
+            """An unmarked write of a new chunk (of the probed one when probes came first)."""
+            n = self._new_size(size, other)
             halves = halves and env.halves
-            start = env.global_end(self.refs[0])
             self.log.append(f"advance(n={n}{', halves' if halves else ''}, recent={recent})")
-            ok = self._write("advance", start, n, chunk=self.chunk + 1, recent=recent,
+            ok = self._write("advance", self._end(), n, chunk=self.chunk + 1, recent=recent,
                              halves=halves)
             if any(ok):
                 self.chunk += 1
-                self.proto.new_chunk(n)
-                self.proto.plain_last = True
+                self.stream.cur_n, self.stream.pending, self.stream.promise = n, None, None
 
-        @precondition(lambda self: self.cfg is not None and self.proto.cur_n is not None)
+        @precondition(lambda self: self.cfg is not None and self.stream.cur_n is not None
+                      and self.stream.pending is None
+                      and (env.marks_reference or self.stream.promise is None))
         @rule(halves=st.booleans(), recent=st.none() | st.sampled_from([0, 8, 24]))
         def rewrite(self, halves: bool, recent: int | None) -> None:
-            """A denoising pass: the current chunk again."""
-            n = self.proto.cur_n
-            if n is None:
-                return
+            """An unmarked rewrite of the chunk stored last."""
+            n = self.stream.cur_n
             halves = halves and env.halves
-            start = env.global_end(self.refs[0]) - n
             self.log.append(f"rewrite({'halves, ' if halves else ''}recent={recent})")
-            if any(self._write("rewrite", start, n, chunk=self.chunk, recent=recent, halves=halves)):
-                self.proto.plain_last = True
+            self._write("rewrite", self._end() - n, n, chunk=self.chunk, recent=recent,
+                        halves=halves)
 
-        @precondition(lambda self: self.cfg is not None and self.proto.cur_n is not None)
-        @rule(halves=st.booleans(), pin=st.booleans(), then_pin=st.booleans(),
-              recent=st.none() | st.sampled_from([0, 8]))
-        def context(self, halves: bool, pin: bool, then_pin: bool, recent: int | None) -> None:
-            """The chunk's context update (inside ``scratch.context_pass(pin=pin)``), and the
-            stage's pin right after it when announced (``then_pin``: also when not)."""
-            n = self.proto.cur_n
-            if n is None:
-                return
+        @precondition(lambda self: self.cfg is not None)
+        @rule(which=st.sampled_from(["new", "new", "new", "current"]),
+              size=st.sampled_from(["same"] * 5 + ["other"]), other=st.integers(8, 32),
+              halves=st.booleans(), recent=st.none() | st.sampled_from([0, 8, 24]))
+        def probe(self, which: str, size: str, other: int, halves: bool,
+                  recent: int | None) -> None:
+            """A denoising pass, marked: of a new chunk (again and again: nothing is stored),
+            or of the chunk stored last (where the reference hears the marks: sglang's cache
+            would store the pass, and a later view of that chunk would differ)."""
+            s = self.stream
             halves = halves and env.halves
-            start = env.global_end(self.refs[0]) - n
-            self.log.append(f"context(pin={pin}{', halves' if halves else ''}, recent={recent})")
-            was_on = self.proto.on()
-            ok = self._write("rewrite", start, n, chunk=self.chunk, recent=recent,
-                             context=True, pin=pin, halves=halves)
-            stats.context_passes += 1
-            if all(ok):
-                # a later pass of the same chunk cannot bring back what an earlier one dropped
-                first = not self.proto.committed
-                held = env.held_after_context(self.refs[0], pin)
-                if not first and held is not None and self.proto.held is not None:
-                    from causalkv.caches import intervals as iv
+            current = which == "current" and s.cur_n is not None and env.marks_reference
+            if current:
+                n, start, chunk = s.cur_n, self._end() - s.cur_n, self.chunk
+            else:
+                n, start, chunk = self._new_size(size, other), self._end(), self.chunk + 1
+            self.log.append(f"probe({'current' if current else 'new'}, n={n}"
+                            f"{', halves' if halves else ''}, recent={recent})")
+            before = s.pending
+            if not current and not env.marks_reference:
+                s.pending = n  # the reference stores it (sglang's cache hears no marks)
+            if not all(self._write("probe", start, n, chunk=chunk, recent=recent, mark="probe",
+                                   halves=halves)):
+                s.pending = before
 
-                    held = iv.intersect(self.proto.held, held)
-                self.proto.plain_last = False
-                self.proto.announced = pin and (first or self.proto.announced)
-                self.proto.committed = True
-                self.proto.held = held
-            elif any(ok) and not was_on:
-                self.proto.plain_last = True
-            if pin or then_pin:
-                self._pin(n)
+        @precondition(lambda self: self.cfg is not None)
+        @rule(size=st.sampled_from(["same"] * 5 + ["other"]), other=st.integers(8, 32),
+              halves=st.booleans(), pin=st.booleans(), then_pin=st.booleans(),
+              tell=st.sampled_from([None, "same", "other"]), nxt=st.integers(8, 32),
+              recent=st.none() | st.sampled_from([0, 8]))
+        def commit(self, size: str, other: int, halves: bool, pin: bool, then_pin: bool,
+                   tell: str | None, nxt: int, recent: int | None) -> None:
+            """The chunk's context pass, marked: of the probed chunk, else the chunk stored
+            last (where the reference hears the marks), else a new one; telling the next
+            chunk's size or not, announcing a pin (then made) or not (``then_pin``: pinned
+            anyway, where the reference hears the marks)."""
+            from causalkv.caches.passes import Commit
+
+            s = self.stream
+            halves = halves and env.halves
+            new = s.pending is not None or s.cur_n is None or not env.marks_reference
+            if new:
+                n, start, chunk = self._new_size(size, other), self._end(), self.chunk + 1
+            else:
+                n, start, chunk = s.cur_n, self._end() - s.cur_n, self.chunk
+            told = None if tell is None else n if tell == "same" else nxt
+            self.log.append(f"commit({'new' if new else 'current'}, n={n}, next={told}, "
+                            f"pin={pin}{', halves' if halves else ''}, recent={recent})")
+            ok = self._write("commit", start, n, chunk=chunk, recent=recent,
+                             mark=Commit(pin=pin, next_tokens=told), halves=halves)
+            if all(ok):
+                if new:
+                    self.chunk += 1
+                s.cur_n, s.pending = n, None
+                if not env.marks_reference:
+                    s.promise = told or n
+                if pin or (then_pin and env.marks_reference):
+                    self._pin(n)
+            elif any(ok) and new:  # some layers took it: the stream went on there
+                self.chunk += 1
+                s.cur_n, s.pending = n, None
 
         def _pin(self, n: int) -> None:
             self.log.append(f"pin({n})")
-            end = env.global_end(self.refs[0])
-            size = min(self.cfg.sink, n)
-            # the positions the pin keeps (causalkv's contract; sglang's slots differ, but its
-            # environment cannot say what a context pass kept, so any late pin may refuse)
-            needed = list(range(end - n, end - n + size)) if n > 0 and size > 0 else []
-            # after a context pass, a pin it did not announce, or a change of the one it did
-            # (another size, or unpinned): what the pass kept was for the announced pin
-            late = self.proto.committed and (
-                (self.proto.announced and n != self.proto.cur_n)
-                or (not self.proto.announced and bool(needed)))
-            ok = [self._run("pin", i, lambda c: c.pin_current_chunk(n), check=False, n=n,
-                            needed=needed)
-                  for i in range(self.cfg.layers)]
-            if late and any(ok):  # the stream after it may need positions the pass dropped
-                self.proto.late_pin = True
+            for i in range(self.cfg.layers):
+                self._run("pin", i, lambda c: c.pin_current_chunk(n), check=False)
 
-        @precondition(lambda self: self.cfg is not None)
+        @precondition(lambda self: self.cfg is not None and self.stream.pending is None
+                      and (env.marks_reference or self.stream.promise is None))
         @rule(which=st.sampled_from(["current", "current", "zero", "one", "more"]))
         def pin(self, which: str) -> None:
-            cur = self.proto.cur_n or 0
+            cur = self.stream.cur_n or 0
             n = {"current": cur, "zero": 0, "one": 1, "more": cur + 4}[which]
             self._pin(n)
 
@@ -585,34 +530,30 @@ def make_machine(
         @rule()
         def reset(self) -> None:
             self.log.append("reset")
+            self.stream.reset()
             for i in range(self.cfg.layers):
                 self._run("reset", i, lambda c: c.reset_indices(), check=False)
-            self.proto.reset()
             self.chunk = -1
             self.resets += 1
 
-        @precondition(lambda self: self.cfg is not None)
+        @precondition(lambda self: self.cfg is not None and self.stream.pending is None
+                      and (env.marks_reference or self.stream.promise is None))
         @rule(kind=st.sampled_from(list(bad_calls)))
         def bad_call(self, kind: str) -> None:
             """A call the contract refuses; the state must not change."""
             cfg = self.cfg
-            end = env.global_end(self.refs[0])
+            end = self._end()
             n = cfg.chunk
             self.log.append(f"bad({kind})")
             if kind in ("skip", "dtype"):
                 if kind == "skip" and self.resets and not env.skip_after_reset:
                     return
-                # a write past the end after a context pass: the pass kept what the next advance
-                # at the end keeps, so a view of what a gap write keeps instead may be refused
-                gap = kind == "skip" and self.proto.on() and self.proto.committed
                 ok = self._write("advance", end + 3 if kind == "skip" else end, n,
                                  chunk=self.chunk + 1, recent=None,
-                                 dtype=torch.float32 if kind == "dtype" else DT,
-                                 extra_refusal=gap)
+                                 dtype=torch.float32 if kind == "dtype" else DT)
                 if any(ok):  # the reference accepts it (sglang's cache does): a new chunk
                     self.chunk += 1
-                    self.proto.new_chunk(n)
-                    self.proto.plain_last = True
+                    self.stream.cur_n = n
             else:
                 if cfg.heads < 2:
                     return
@@ -635,16 +576,11 @@ def make_machine(
                             f"layer {i} after {self.log}: a write of {h} heads into a cache of "
                             f"{cfg.heads} without cache_head_start was accepted by the "
                             "reference; the contract refuses it (naming cache_head_start)")
-                    self._run("advance", i, call, n=n, check=False)
+                    self._run("advance", i, call, check=False)
 
         def teardown(self) -> None:
             if self.cfg is not None:
                 torch.set_num_threads(self.threads)
-
-        @invariant()
-        def declared_flag(self) -> None:
-            if self.cfg is not None:
-                self._check_declared()
 
     CacheMachine.__name__ = f"CacheMachine_{env.name}"
     return CacheMachine

@@ -2,10 +2,10 @@
 
 tests/cache_machine.py is the machine (ops, checks, the codec bound, the protocol model);
 this module is causalkv's environment: per layer a dense cache (the reference) and a packed
-cache (quant off / int4 / int2; no scratch, or one `ChunkScratch` shared by the layers, given
-at construction or through ``use_scratch``, declared by ``scratch.share()`` or by the first
-context pass, or never). `EXAMPLES` runs (500; ``CAUSALKV_MACHINE_EXAMPLES`` for more, see
-tests/README.md) of up to `STEPS` ops each.
+cache (quant off / int4 / int2), both given the same marks: as call arguments (``probe=True``,
+``commit=Commit(...)``) or through one `PassMarker` every cache uses (``use_marker``).
+`EXAMPLES` runs (500; ``CAUSALKV_MACHINE_EXAMPLES`` for more, see tests/README.md) of up to
+`STEPS` ops each. Zero refusals of a call the dense cache accepts: the machine fails on any.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from cache_machine import (
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, attend
-from causalkv.caches import intervals as iv
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, PassMarker, attend
 from causalkv.caches.attention import AttendError, attend_dense
-from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
+from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 
@@ -40,7 +39,6 @@ def configs(draw: st.DrawFn) -> Config:
     chunk = draw(st.sampled_from([8, 16, 16, 24, 32]))
     sink = draw(st.sampled_from([0, chunk]))
     slots = draw(st.integers(2, 4))
-    scratch = draw(st.sampled_from(["none", "ctor", "ctor", "use"]))
     cfg = Config(
         layers=draw(st.integers(1, 3)),
         heads=draw(st.sampled_from([2, 4])),
@@ -54,8 +52,7 @@ def configs(draw: st.DrawFn) -> Config:
         bits=draw(st.sampled_from([None, 4, 2])),
         keep_recent=draw(st.integers(0, 1)),
         quant_sink=draw(st.booleans()),
-        scratch=scratch,
-        declare=scratch != "none" and draw(st.booleans()),
+        marks=draw(st.sampled_from(["args", "marker"])),
     )
     if draw(st.booleans()):
         cfg.window = cfg.cache_size - draw(st.sampled_from([0, chunk // 2, chunk]))
@@ -77,33 +74,15 @@ class CausalkvEnv(Env):
         quant = (QVGKVQuantArgs() if cfg.bits is None else QVGKVQuantArgs(
             codec=f"int{cfg.bits}", centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
             sink=cfg.quant_sink))
-        scratch = ChunkScratch() if cfg.scratch != "none" else None
-        subs = []
-        for _ in range(cfg.layers):
-            cache = QVGPackedCausalKVCache(spec, quant, scratch=scratch if cfg.scratch == "ctor" else None)
-            if cfg.scratch == "use":
-                cache.use_scratch(scratch)
-            subs.append(cache)
-        return [DenseCausalKVCache(spec) for _ in range(cfg.layers)], subs, scratch
+        marker = PassMarker() if cfg.marks == "marker" else None
+        subs = [QVGPackedCausalKVCache(spec, quant, marker=marker) for _ in range(cfg.layers)]
+        refs = [DenseCausalKVCache(spec) for _ in range(cfg.layers)]
+        for ref in refs:
+            ref.use_marker(marker)
+        return refs, subs, marker
 
     def global_end(self, ref) -> int:
         return ref.global_end
-
-    def held_after_context(self, ref, pin: bool):
-        """What the next advance by a chunk of the same size keeps (the announced pin applied),
-        the next chunk excluded; everything held when that advance would not fit."""
-        s = ref.state
-        after = s
-        if pin:
-            try:
-                after = s.pinned_to(s.cur_n)
-            except ValueError:
-                after = s
-        try:
-            ahead = after.advanced(s.cur_n, "the next chunk")
-        except ValueError:
-            return s.retained
-        return iv.subtract(ahead.retained, ((s.global_end, ahead.global_end),))
 
     def positions(self, view) -> list[int]:
         return view.positions.tolist()
@@ -120,17 +99,18 @@ class CausalkvEnv(Env):
             f"{where}: positions {got.position_ranges} != reference {want.position_ranges}")
         assert cursors(got) == cursors(want), f"{where}: cursors {cursors(got)} != {cursors(want)}"
         wk, wv = want.k, want.v
-        # what is stored dense is returned bit for bit (before anything materializes the view)
-        at = 0
+        # what is stored dense is returned bit for bit (before anything materializes the view;
+        # a view built as one buffer, a probe's, yields that buffer: decoded rows included)
+        at, lazy = 0, not got.is_materialized
         for pk, pv in got.iter_stored_segments():
-            if isinstance(pk, torch.Tensor):
+            if isinstance(pk, torch.Tensor) and (lazy or cfg.bits is None):
                 rows = pk.shape[1]
                 assert_values(None, pk,
                               wk[:, at:at + rows], f"{where}: stored dense K rows [{at}, {at + rows})")
                 assert_values(None, pv,
                               wv[:, at:at + rows], f"{where}: stored dense V rows [{at}, {at + rows})")
             else:
-                rows = pk.shape[2]
+                rows = pk.shape[1] if isinstance(pk, torch.Tensor) else pk.shape[2]
             at += rows
         assert at == len(pos), f"{where}: stored pieces hold {at} tokens, the view {len(pos)}"
         segs = list(got.iter_segments())
@@ -189,5 +169,5 @@ def test_examples_ran():
     if STATS.runs == 0:  # the machine test was deselected
         return
     assert STATS.runs >= EXAMPLES
-    assert STATS.context_passes > 0 and STATS.declared_runs > 0 and STATS.refused_both > 0
+    assert STATS.probes > 0 and STATS.commits > 0 and STATS.unmarked > 0 and STATS.refused_both > 0
     print(f"cache state machine: {STATS}")

@@ -37,6 +37,8 @@ JUSTIFIED = {
         "an optional hook of the default write path: a cache that overrides the write needs none",
     ("caches/base.py", "_write_current", "NotImplementedError"):
         "an optional hook of the default write path: a cache that overrides the write needs none",
+    ("caches/base.py", "_commit", "NotImplementedError"):
+        "an optional hook of the default write path: a cache that overrides the write needs none",
     ("caches/base.py", "_read_pieces", "NotImplementedError"):
         "the storage hook of the probe path: a cache that answers no probe needs none",
     ("lazy.py", "__getattr__", "AttributeError"):

@@ -3,7 +3,6 @@ the budget answer, the validation, and the planner's bytes against the real cach
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import replace
 
@@ -36,7 +35,7 @@ LL2 = BUILTIN_MODELS["longlive2"]
 NAMES = ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0", "int2-recent-int4",
          "int2-recent-fp8", "int2-sink0", "fp8-default", "fp8-recent0", "nvfp4-default",
          "nvfp4-recent0"]
-#: the rows without the recency tier (a cache without a scratch has none)
+#: the rows without the recency tier (an unmarked cache decides tiers at the advance: none)
 BF16_TIER = [n for n in NAMES if n not in ("int2-recent-int4", "int2-recent-fp8")]
 
 #: a tiny LongLive-2.0-like geometry: 2 layers x 2 heads x 64, 32 tokens per frame (32x64 px,
@@ -87,17 +86,17 @@ def test_json_fields_and_dense_bytes(capsys) -> None:
     with_cfg = json.loads(run(capsys, "longlive2", "--frames", "61", "--json", "--cfg")[1])
     for a, b in zip(rows, with_cfg):
         assert b["dense_bytes"] == 2 * a["dense_bytes"]
-        scratch = a["scratch_bytes"]  # one scratch for both sets
-        assert b["kv_bytes"] - scratch == 2 * (a["kv_bytes"] - scratch)
+        assert b["kv_bytes"] == 2 * a["kv_bytes"]
 
 
-def test_off_is_the_held_context_plus_the_scratch() -> None:
-    """Quant off at LongLive 2.0: 3 of the 4 slots hold context once the window is full."""
+def test_off_is_the_held_context() -> None:
+    """Quant off at LongLive 2.0: 3 of the 4 slots hold context once the window is full (the
+    denoising passes are probes: no layer holds the chunk being generated)."""
     plan = plan_memory(LL2, MemoryRequest(latent_frames=80), ROLLING_SLOT_CACHE, settings=["off"])
     r = plan.rows[0]
     token = 2 * 24 * 128 * 2  # K and V of one token, one layer
-    assert r.scratch_bytes == 7_040 * token
-    assert r.kv_bytes == 30 * 3 * 7_040 * token + r.scratch_bytes
+    assert r.chunk_bytes == 7_040 * token
+    assert r.kv_bytes == 30 * 3 * 7_040 * token
     assert r.transient_bytes == 28_160 * token
     assert r.peak_bytes == r.kv_bytes + r.transient_bytes
 
@@ -315,8 +314,8 @@ def _tiny_spec(lay) -> CausalCacheSpec:
 
 
 @pytest.mark.parametrize("sink", [True, False])
-def test_positions_and_tiers_equal_the_cache_without_a_scratch(sink: bool) -> None:
-    """A cache given no scratch holds the chunk being generated itself and decides the tiers at
+def test_positions_and_tiers_equal_the_unmarked_cache(sink: bool) -> None:
+    """A cache whose writes are unmarked holds the chunk being generated itself and decides the tiers at
     the next advance: after chunk i+1's first write it holds what the planner says one layer
     holds after chunk i's context pass, plus chunk i+1 in bf16 (own host, 8 chunks, a shot
     pinned at chunk 4, every setting without the recent tier)."""
@@ -356,23 +355,23 @@ def test_request_fields_reach_the_bytes() -> None:
     assert wide.dense_bytes == base.dense_bytes * 12 // 8
 
 
-# ---- the planner against the caches with the shared scratch (the new layout) -------------------
-def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered"):
-    """Drive ``layers x sets`` caches sharing one `ChunkScratch` through ``lay``'s stream: per
-    chunk a denoising pass, then the context pass (``pin`` announced for a cut chunk), then
-    the pin; every view read as attention reads it (``gathered``: its ``k``/``v``, one buffer;
-    ``streamed``: its segments one at a time). Returns per chunk the caches' resident bytes
-    after the context pass, the scratch's bytes, and the scratch's ledger peak."""
-    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+# ---- the planner against the caches, probes and commits marked -------------------------------
+def _drive_marked(lay, make_cache, layers: int, attention: str = "gathered"):
+    """Drive ``layers x sets`` caches sharing one `PassMarker` through ``lay``'s stream: per
+    chunk a denoising pass (a probe), then the context pass (the commit, ``pin`` announced for
+    a cut chunk), then the pin; every view read as attention reads it (``gathered``: its
+    ``k``/``v``, one buffer; ``streamed``: its segments one at a time). Returns per chunk the
+    caches' resident bytes after the commit, and the marker's ledger peak."""
+    from causalkv.caches.passes import PassMarker
 
-    scratch = ChunkScratch(shared=True)
-    caches = [make_cache(scratch) for _ in range(layers * lay.sets)]
+    marker = PassMarker()
+    caches = [make_cache(marker) for _ in range(layers * lay.sets)]
     n = lay.chunk_tokens
     resident = []
     for i in range(lay.num_chunks):
         for p in range(2):
             k, v = _kv(n, TINY.num_heads, TINY.head_dim, seed=10 * i + p)
-            with scratch.context_pass(pin=i in lay.pins) if p else contextlib.nullcontext():
+            with marker.committing(pin=i in lay.pins) if p else marker.probing():
                 for c in caches:
                     view = c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
                     if attention == "gathered":
@@ -383,26 +382,25 @@ def _drive_with_scratch(lay, make_cache, layers: int, attention: str = "gathered
             for c in caches:
                 c.pin_current_chunk(n)
         resident.append(sum(c.resident_nbytes() for c in caches))
-    return resident, scratch.nbytes, scratch.ledger.peak_nbytes
+    return resident, marker.ledger.peak_nbytes
 
 
 @pytest.mark.parametrize(("name", "cfg"), [*((n, False) for n in NAMES), ("int2-recent-int4", True)])
-def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool) -> None:
+def test_planner_equals_the_own_hosts_caches_marked(name: str, cfg: bool) -> None:
     """The exactness test: ``causalkv memory --host causalkv`` equals the bytes the real
-    `QVGPackedCausalKVCache` s hold, 2 layers (x 2 CFG sets) sharing one scratch, 8 chunks of
+    `QVGPackedCausalKVCache` s hold, 2 layers (x 2 CFG sets) sharing one marker, 8 chunks of
     64 tokens in 4 slots, a shot pinned at chunk 4: per chunk the caches' resident bytes,
-    ``kv_bytes`` (their most plus the scratch) and ``peak_bytes`` (the scratch's ledger)."""
+    ``kv_bytes`` (their most) and ``peak_bytes`` (the marker's ledger)."""
     req = MemoryRequest(latent_frames=16, shots=2, cfg=cfg)
     lay = stream_layout(TINY, req)
     plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention="gathered")
     q = SETTINGS[name].quant_args()
     spec = _tiny_spec(lay)
-    resident, scratch_nbytes, peak = _drive_with_scratch(
-        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers)
+    resident, peak = _drive_marked(
+        lay, lambda m: QVGPackedCausalKVCache(spec, q, marker=m), TINY.num_layers)
     per_layer = TINY.num_layers * lay.sets
     assert resident == [per_layer * r for r in plan.resident_per_chunk]
-    assert scratch_nbytes == plan.scratch_bytes
-    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert max(resident) == plan.kv_bytes
     assert peak == plan.peak_bytes
 
 
@@ -410,14 +408,15 @@ def test_planner_equals_the_own_hosts_caches_with_a_scratch(name: str, cfg: bool
                                            ("int2-default", False), ("int2-recent-int4", True)])
 def test_planner_equals_the_own_hosts_caches_read_by_streaming_attention(name: str, cfg: bool) -> None:
     """causalkv generate's attention (`attend`) decodes one packed segment at a time: the
-    ledger's peak is the caches plus the scratch plus the largest segment decoded, and the
+    ledger's peak is the caches plus the largest one-call buffer (a probe's window, a segment
+    decoded), and the
     planner's ``--attention streamed`` (the causalkv host's default) says the same."""
     lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2, cfg=cfg))
     plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE)
     q = SETTINGS[name].quant_args()
     spec = _tiny_spec(lay)
-    resident, _, peak = _drive_with_scratch(
-        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers, "streamed")
+    resident, peak = _drive_marked(
+        lay, lambda m: QVGPackedCausalKVCache(spec, q, marker=m), TINY.num_layers, "streamed")
     assert resident == [TINY.num_layers * lay.sets * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes
     gathered = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention="gathered")
@@ -437,8 +436,8 @@ def test_planner_equals_the_own_hosts_caches_at_an_unaligned_sink(name: str, sin
                         attention="gathered")
     q = SETTINGS[name].quant_args(sink=sink)
     spec = _tiny_spec(lay)
-    resident, _, peak = _drive_with_scratch(
-        lay, lambda s: QVGPackedCausalKVCache(spec, q, scratch=s), UNALIGNED.num_layers)
+    resident, peak = _drive_marked(
+        lay, lambda m: QVGPackedCausalKVCache(spec, q, marker=m), UNALIGNED.num_layers)
     assert resident == [UNALIGNED.num_layers * r for r in plan.resident_per_chunk]
     assert peak == plan.peak_bytes
 
@@ -467,7 +466,7 @@ def test_planner_and_store_share_one_tier_policy(name: str) -> None:
     """The planner has no tiering of its own: for settings beyond the table (spans, shared
     codebooks, a sink span, recency tiers) its bytes and its tiers equal the real caches' at
     every chunk, so a change to the store's tiering that the planner did not follow fails
-    here (2 layers sharing a scratch, 8 chunks, a shot pinned at chunk 4). Each setting's
+    here (2 layers sharing a marker, 8 chunks, a shot pinned at chunk 4). Each setting's
     path changes the bytes (against the same settings without it), so each is exercised."""
     q, geom, plain = TIER_PATHS[name]
     lay = stream_layout(geom, MemoryRequest(latent_frames=16, shots=2))
@@ -479,13 +478,13 @@ def test_planner_and_store_share_one_tier_policy(name: str) -> None:
     spec = _tiny_spec(lay)
     caches: list[QVGPackedCausalKVCache] = []
 
-    def make(scratch):
-        caches.append(QVGPackedCausalKVCache(spec, q, scratch=scratch))
+    def make(marker):
+        caches.append(QVGPackedCausalKVCache(spec, q, marker=marker))
         return caches[-1]
 
-    resident, scratch_nbytes, peak = _drive_with_scratch(lay, make, geom.num_layers)
+    resident, peak = _drive_marked(lay, make, geom.num_layers)
     assert resident == [geom.num_layers * r for r in plan.resident_per_chunk]
-    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert max(resident) == plan.kv_bytes
     assert peak == plan.peak_bytes
     held = {c: seg.storage.codec.name if seg.packed else "bf16"
             for seg in caches[0].store.segments for c in seg.chunks}
@@ -501,13 +500,14 @@ def test_a_causalkv_preset_is_a_model(capsys) -> None:
     rows = {r["setting"]: r for r in json.loads(out)}
     token = 2 * 2 * 64 * 2
     assert rows["off"]["dense_bytes"] == 2 * 2 * 6_144 * token  # layers x sets x window x token
-    assert rows["off"]["scratch_bytes"] == 1_024 * token
+    assert rows["off"]["chunk_bytes"] == 1_024 * token
     # `causalkv generate --model tiny-longlive2-1k --prompt a --prompt b --frames 24
-    # --kv-cache-quant int2` measured kv_resident_bytes_per_chunk [2621440, 2981920, 3342400,
-    # 3702880, 4063360, 4063360] and kv_peak_bytes 4587648 (its attention streams the window:
-    # one decoded chunk, 512 KiB, on top)
-    assert rows["int2-default"]["kv_bytes"] == 4_063_360
-    assert rows["int2-default"]["peak_bytes"] == 4_587_648
+    # --kv-cache-quant int2 --metrics m.json` measured kv_resident_bytes_per_chunk [2097152,
+    # 2457632, 2818112, 3178592, 3539072, 3539072] and kv_peak_bytes 4063360 (its denoising
+    # passes are probes, storing nothing; its attention streams the window: one decoded
+    # chunk, 512 KiB, on top)
+    assert rows["int2-default"]["kv_bytes"] == 3_539_072
+    assert rows["int2-default"]["peak_bytes"] == 4_063_360
     text = run(capsys, "tiny-longlive2-1k")[1]
     assert "note: off is the QVG cache with quantization off" in text
 
@@ -522,8 +522,8 @@ def test_planner_equals_the_own_hosts_caches_on_short_requests(attention: str, f
     for name in ("int2-default", "int2-recent0"):
         plan = plan_setting(TINY, lay, SETTINGS[name], cache=STREAM_CACHE, attention=attention)
         q = SETTINGS[name].quant_args()
-        resident, _, peak = _drive_with_scratch(
-            lay, lambda s, q=q: QVGPackedCausalKVCache(spec, q, scratch=s), TINY.num_layers,
+        resident, peak = _drive_marked(
+            lay, lambda m, q=q: QVGPackedCausalKVCache(spec, q, marker=m), TINY.num_layers,
             attention)
         assert resident == [TINY.num_layers * 2 * r for r in plan.resident_per_chunk], name
         assert peak == plan.peak_bytes, name

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 import toy_codec_plugin
-from test_memory_planner import TINY, _drive_with_scratch, _tiny_spec
+from test_memory_planner import TINY, _drive_marked, _tiny_spec
 
 from causalkv.caches import codecs
 from causalkv.caches.qvg.options import QVGKVQuantArgs
@@ -60,13 +60,13 @@ def test_the_cache_and_the_planner_count_the_plugin_codec_alike(toy):
     spec = _tiny_spec(lay)
     caches = []
 
-    def make(scratch):
-        caches.append(QVGPackedCausalKVCache(spec, q, scratch=scratch))
+    def make(marker):
+        caches.append(QVGPackedCausalKVCache(spec, q, marker=marker))
         return caches[-1]
 
-    resident, scratch_nbytes, _ = _drive_with_scratch(lay, make, TINY.num_layers)
+    resident, _ = _drive_marked(lay, make, TINY.num_layers)
     assert resident == [TINY.num_layers * r for r in plan.resident_per_chunk]
-    assert max(resident) + scratch_nbytes == plan.kv_bytes
+    assert max(resident) == plan.kv_bytes
     names = {s.storage.codec.name for c in caches for s in c.store.segments
              if isinstance(s.storage, PackedKV)}
     assert names == {"int8", "fp8"}

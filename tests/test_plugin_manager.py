@@ -71,7 +71,7 @@ def test_builtin_plugin_registers_through_the_public_hooks(pm):
     # registered as "module:Class" strings: the capabilities are the classes', read on first use
     assert qvg.capabilities is None and dense.capabilities is None
     assert qvg.features().missing(dense.features().features) == frozenset()
-    assert qvg.features().features - dense.features().features == {"quant:qvg", "chunk_scratch"}
+    assert qvg.features().features - dense.features().features == {"quant:qvg", "probe_commit"}
 
 
 def test_builtin_stage_table():

@@ -65,12 +65,13 @@ def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) 
     assert all(type(c) is QVGPackedCausalKVCache for c in stage.negative_caches.kv)
     # RoPE: shot 1 is offset by 2 frames
     assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 2, 4, 6, 10, 12, 14, 16]
-    # window 8 frames = 128 tokens. The last chunk [224, 256) sees the global sink [0, 32),
-    # the pinned shot sink [128, 160) and the newest 128 - 64 = 64 other tokens [192, 256);
-    # without the pin it would see [0, 32) + [160, 256).
+    # window 8 frames = 128 tokens. The last commit kept what the next chunk [256, 288) reads:
+    # the global sink [0, 32), the pinned shot sink [128, 160) and the newest 128 - 64 = 64
+    # other tokens [224, 288), so [224, 256) of what exists; without the pin the next chunk
+    # would read [0, 32) + [192, 288).
     for cs in stage.cache_sets():
         for cache in cs.kv:
-            assert cache.visible_positions() == ((0, 32), (128, 160), (192, 256))
+            assert cache.visible_positions() == ((0, 32), (128, 160), (224, 256))
     assert torch.isfinite(run.latents).all()
 
 

@@ -2,14 +2,15 @@
 
 It generates "video" chunk by chunk with a stack of layers whose attention reads causalkv's
 caches, the way a real host does: every denoising pass of a chunk is a probe (its K/V are read
-inside the call and never again), the context pass commits the chunk (inside the stage's
-``ChunkScratch.context_pass``, announcing a pin when the chunk is a scene cut), a scene-cut
+inside the call and never again), the context pass commits the chunk (the caches' shared
+``PassMarker``: ``probing()`` around the denoising passes, ``committing(pin=...)`` around the
+context pass, announcing a pin when the chunk is a scene cut), a scene-cut
 chunk is then pinned as the shot sink, and a new request resets every cache. The heads are
 written as two head slices (a head-parallel host's two ranks, one after the other).
 
 Only the contract's names are used: `CausalCacheSpec`, `QVGPackedCausalKVCache`,
-`DenseCausalKVCache`, `QVGKVQuantArgs`, `ChunkScratch` (its ``ledger``) and the
-cache calls (``update_and_get_attention_kv(probe=...)``, ``pin_current_chunk``,
+`DenseCausalKVCache`, `QVGKVQuantArgs`, `PassMarker` (its ``ledger``) and the
+cache calls (``use_marker``, ``update_and_get_attention_kv``, ``pin_current_chunk``,
 ``reset_indices``, ``resident_nbytes``).
 """
 
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
-from causalkv.caches.qvg import ChunkScratch, QVGKVQuantArgs
+from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, PassMarker
+from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 H, D, N = 4, 32, 48  # heads, head dim, tokens per chunk
@@ -56,11 +57,11 @@ def run(requests: list[Request], *, layers: int, quant: QVGKVQuantArgs | None,
         marked: bool = True) -> Trace:
     """Generate ``requests`` one after another; ``quant=None``: the dense cache, unmarked
     writes (the reference host); else the packed cache, probes and commits marked."""
-    scratch = ChunkScratch() if quant is not None and marked else None
+    marker = PassMarker() if quant is not None and marked else None
     if quant is None:
         caches = [DenseCausalKVCache(SPEC) for _ in range(layers)]
     else:
-        caches = [QVGPackedCausalKVCache(SPEC, quant, scratch=scratch) for _ in range(layers)]
+        caches = [QVGPackedCausalKVCache(SPEC, quant, marker=marker) for _ in range(layers)]
     trace = Trace()
     for r, req in enumerate(requests):
         if r:
@@ -69,22 +70,20 @@ def run(requests: list[Request], *, layers: int, quant: QVGKVQuantArgs | None,
         for c in range(req.chunks):
             for step in range(req.steps + 1):
                 context = step == req.steps
-                probe = marked and quant is not None and not context
-                scope = (scratch.context_pass(pin=c in req.cuts)
-                         if context and scratch is not None else contextlib.nullcontext())
+                scope = (contextlib.nullcontext() if marker is None else
+                         marker.committing(pin=c in req.cuts) if context else marker.probing())
                 with scope:
                     for layer, cache in enumerate(caches):
                         for h0, h1 in ((0, H // 2), (H // 2, H)):
                             k, v = kv(r, c, layer, step, h0, h1)
                             view = cache.update_and_get_attention_kv(
-                                key=k, value=v, current_chunk_start=c * N, cache_head_start=h0,
-                                probe=probe)
+                                key=k, value=v, current_chunk_start=c * N, cache_head_start=h0)
                             trace.views[(r, c, layer, step, h0)] = (
                                 view.k.clone(), view.v.clone(), view.position_ranges)
             if c in req.cuts:
                 for cache in caches:
                     cache.pin_current_chunk(N)
         resident = sum(cache.resident_nbytes() for cache in caches)
-        most = scratch.ledger.peak_resident_nbytes if scratch is not None else resident
+        most = marker.ledger.peak_resident_nbytes if marker is not None else resident
         trace.peak_resident_bytes = max(trace.peak_resident_bytes, most, resident)
     return trace

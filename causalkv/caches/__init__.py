@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from causalkv.caches.attention import AttendError, AttendStats, attend
     from causalkv.caches.cross import CrossAttentionKVCache
     from causalkv.caches.dense import DenseCausalKVCache
+    from causalkv.caches.passes import Commit, PassMarker
     from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
     from causalkv.caches.spec import (
         CacheWriteError,
@@ -31,6 +32,7 @@ _EXPORTS = {
     **dict.fromkeys(("AttendError", "AttendStats", "attend"), "causalkv.caches.attention"),
     "CrossAttentionKVCache": "causalkv.caches.cross",
     "DenseCausalKVCache": "causalkv.caches.dense",
+    **dict.fromkeys(("Commit", "PassMarker"), "causalkv.caches.passes"),
     "QVGPackedCausalKVCache": "causalkv.caches.qvg.packed",
     **dict.fromkeys(
         ("CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "CausalCacheSpec"),
@@ -44,9 +46,11 @@ __all__ = [
     "CacheWriteError",
     "CausalAttentionKVView",
     "CausalKVCache",
+    "Commit",
     "CrossAttentionKVCache",
     "DenseCausalKVCache",
     "CausalCacheSpec",
+    "PassMarker",
     "QVGPackedCausalKVCache",
     "attend",
 ]

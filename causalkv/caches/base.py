@@ -15,6 +15,7 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
+from causalkv.caches.passes import Commit, PassMarker
 from causalkv.caches.spec import (
     CausalAttentionKVView,
     CausalCacheSpec,
@@ -23,6 +24,7 @@ from causalkv.caches.spec import (
     read_heads,
 )
 from causalkv.caches.stream import StreamState
+from causalkv.errors import ConfigError, UsageError
 
 __all__ = ["StreamCache"]
 
@@ -41,6 +43,43 @@ class StreamCache(ABC):
     def global_end(self) -> int:
         return self.state.global_end
 
+    #: the caller's `PassMarker` (shared by the caches of a stage), or None: the writes are
+    #: marked by their own arguments only
+    marker: PassMarker | None = None
+    #: (chunk start, heads) written by the commits of the current pass
+    _pass: tuple[int, frozenset[int]] = (-1, frozenset())
+
+    def use_marker(self, marker: PassMarker | None) -> None:
+        """Read the pass of every write from ``marker`` too (`causalkv.caches.passes`)."""
+        if marker is not None and not isinstance(marker, PassMarker):
+            raise ConfigError(f"use_marker takes a PassMarker or None, got {marker!r}")
+        self.marker = marker
+
+    def _marks(self, probe: bool, commit: Commit | None) -> tuple[bool, Commit | None]:
+        """The call's marks: its own arguments, else the shared marker's."""
+        m = self.marker
+        if m is not None and not probe and commit is None:
+            probe, commit = m.probe, m.commit
+        if probe and commit is not None:
+            raise UsageError("a write is a probe or a commit, not both")
+        if commit is not None and not isinstance(commit, Commit):
+            raise UsageError(f"commit must be a causalkv.caches.passes.Commit or None, got {commit!r}")
+        return bool(probe), commit
+
+    def _commit_pass(
+        self, start: int, heads: tuple[int, int], commit: Commit | None
+    ) -> tuple[tuple[int, frozenset[int]], bool]:
+        """The pass record once ``heads`` of the chunk at ``start`` are written with
+        ``commit``, and whether the chunk is then complete: the commits of this pass have
+        written every head of the cache (drop what the next advance drops). A commit of heads
+        already written this pass starts a new pass; an unmarked write ends it."""
+        if commit is None:
+            return (-1, frozenset()), False
+        s0, done = self._pass
+        mine = frozenset(range(*heads))
+        done = done | mine if s0 == start and not done & mine else mine
+        return (start, done), len(done) == self.num_cache_heads
+
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def update_and_get_attention_kv(
         self,
@@ -52,16 +91,21 @@ class StreamCache(ABC):
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
         probe: bool = False,
+        commit: Commit | None = None,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
 
         ``current_chunk_start`` equal to the current chunk's start rewrites it in place;
         equal to ``global_end`` advances the stream (evicting and, for a packed cache,
         packing). Anything else raises CacheWriteError and leaves the cache unchanged.
-        ``probe=True``: the same view, and nothing stored (`probe_view`).
+        ``probe=True``: the same view, and nothing stored (`probe_view`). ``commit``: the
+        chunk's context pass (`causalkv.caches.passes.Commit`): stored as an unmarked write,
+        then, once every head is written, only what the next advance keeps stays
+        (`StreamState.committed`). Unmarked calls follow the `marker`'s pass.
         """
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
+        probe, commit = self._marks(probe, commit)
         if probe:
             return self.probe_view(key, value, current_chunk_start, (h0, h1),
                                    recent_window_tokens, debug_name)
@@ -69,7 +113,20 @@ class StreamCache(ABC):
         if self.state.classify(current_chunk_start, n, debug_name) == "advance":
             self._advance(self.state.advanced(n, debug_name), (h0, h1))
         self._write_current(key, value, h0, h1)
-        return self._view(h0, h1, recent_window_tokens)
+        self._pass, done = self._commit_pass(current_chunk_start, (h0, h1), commit)
+        if not done:
+            return self._view(h0, h1, recent_window_tokens)
+        assert commit is not None
+        # the view reads the positions before the commit drops them: its own buffer
+        visible = self.state.visible(recent_window_tokens)
+        k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
+        view = self._make_view(visible, k=k, v=v, device=k.device)
+        self._commit(self.state.committed(commit.pin, commit.next_tokens))
+        return view
+
+    def _commit(self, new: StreamState) -> None:
+        """Keep only ``new.retained`` (a subset of what is retained now) and commit ``new``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _commit")
 
     def probe_view(
         self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],

@@ -57,11 +57,18 @@ class DenseCausalKVCache(StreamCache):
         self._relayout(new, fresh_heads=heads)
         self.state = new
 
+    def _commit(self, new: StreamState) -> None:
+        self._relayout(new, fresh_heads=(0, self.spec.num_heads))
+        self.state = new
+
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
-        slot = iv.rank(self.state.retained, self.state.cur_start)
-        n = key.shape[1]
-        self.k_cache[:, slot : slot + n, h0:h1].copy_(key)
-        self.v_cache[:, slot : slot + n, h0:h1].copy_(value)
+        st = self.state
+        start = st.cur_start
+        # the chunk's retained runs (a commit may have dropped some of them)
+        for a, b in iv.intersect(st.retained, ((start, start + st.cur_n),)):
+            slot = iv.rank(st.retained, a)
+            self.k_cache[:, slot : slot + b - a, h0:h1].copy_(key[:, a - start : b - start])
+            self.v_cache[:, slot : slot + b - a, h0:h1].copy_(value[:, a - start : b - start])
 
     def _relayout(self, new: StreamState, fresh_heads: tuple[int, int]) -> None:
         """Move the survivors of ``self.state.retained`` into their slots under ``new``."""

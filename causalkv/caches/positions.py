@@ -83,10 +83,10 @@ class PositionModel(Protocol):
         """The positions held now, the sink and the pinned shot sink."""
         ...
 
-    def after_context(self, pin: bool = False) -> HeldPositions:
+    def after_context(self, pin: bool = False, next_tokens: int | None = None) -> HeldPositions:
         """What the next advance keeps once the chunk just written is context: the positions
-        held after the next advance by a chunk of the same size, minus that chunk (nothing
-        else is read again), the sink and the pinned shot sink; ``pin``: after the pin
-        announced for this chunk (`pinned_to` of its size). Everything held now when the
-        cache could not take that advance."""
+        held after the next advance by ``next_tokens`` (default: the chunk's size), minus
+        that chunk (nothing else is read again), the sink and the pinned shot sink; ``pin``:
+        after the pin announced for this chunk (`pinned_to` of its size). Everything held
+        now when the cache could not take that advance."""
         ...

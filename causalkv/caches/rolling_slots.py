@@ -366,13 +366,13 @@ class RollingSlots:
     def holding(self) -> HeldPositions:
         return HeldPositions(self.slots.positions(), self.state.sink_tokens, self.pinned())
 
-    def after_context(self, pin: bool = False) -> HeldPositions:
+    def after_context(self, pin: bool = False, next_tokens: int | None = None) -> HeldPositions:
         """`PositionModel.after_context`: the positions the buffer holds after the next advance
-        by ``chunk`` tokens (after the pin when ``pin``), minus that chunk; everything held
-        now when the buffer would refuse that advance or grow for it."""
+        by ``next_tokens`` (default ``chunk``) tokens (after the pin when ``pin``), minus that
+        chunk; everything held now when the buffer would refuse that advance or grow for it."""
         cur = self.pinned_to(self.chunk) if pin else self
         now = cur.holding()
-        end, n = cur.global_end, cur.chunk
+        end, n = cur.global_end, next_tokens or cur.chunk
         try:
             nxt = cur.plan(end, n, "next chunk")
         except SlotRangeError:

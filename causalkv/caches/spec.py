@@ -37,15 +37,15 @@ class CacheWriteError(CausalKVError, ValueError):
 
 class CacheReadError(CausalKVError, RuntimeError):
     """A view's K/V cannot be produced for the positions it reports (the cache no longer holds
-    them, or another layer overwrote them in a shared scratch): the read is refused rather
-    than answered over fewer or other tokens. The cache is left exactly as it was."""
+    them): the read is refused rather than answered over fewer or other tokens. The cache is
+    left exactly as it was."""
 
 
 class CacheProtocolError(UsageError):
-    """A caller broke a cooperation it declared (a shared `ChunkScratch`: every chunk ends
-    with its context pass, views are read inside the call that wrote them). The call is
-    refused and the cache is left exactly as it was; the message names the chunk and the fix.
-    A caller that never declares the cooperation never sees this error."""
+    """A caller broke a promise it made (a `causalkv.caches.passes.Commit` told a host cache
+    whose cursor cannot follow the commit the next chunk's size or pin, and the next call
+    differs). The call is refused and the cache is left exactly as it was; the message names
+    the positions and the fix. A caller that makes no promise never sees this error."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class CausalCacheSpec:
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.base import PackedRecord
+    from causalkv.caches.passes import Commit
 
 KVSegment = tuple[torch.Tensor, torch.Tensor]
 #: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``
@@ -319,13 +320,15 @@ class CausalKVCache(Protocol):
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
         probe: bool = False,
+        commit: Commit | None = None,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` for the chunk starting at
         ``current_chunk_start`` (rewrite or advance) and return the attention view.
 
         ``probe=True`` marks a probe (a denoising pass of the chunk being generated): the same
         view, and nothing stored or changed, so a later call sees what it would have seen
-        without it."""
+        without it. ``commit`` marks the chunk's context pass (`causalkv.caches.passes`):
+        stored, then only what the next advance keeps stays (`StreamState.committed`)."""
         ...
 
     def get_attention_kv(

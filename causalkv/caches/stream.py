@@ -97,19 +97,24 @@ class StreamState:
         return HeldPositions(self.retained, self.sink_prefix_end(),
                              (self.pinned,) if self.pinned else ())
 
-    def after_context(self, pin: bool = False) -> HeldPositions:
+    def after_context(self, pin: bool = False, next_tokens: int | None = None) -> HeldPositions:
         """What the next advance keeps once the current chunk is context
         (`PositionModel.after_context`): the positions retained after an advance by
-        ``cur_n`` tokens (after ``pinned_to(cur_n)`` when ``pin``), minus that chunk; all
-        retained now when the advance would not fit."""
+        ``next_tokens`` (default ``cur_n``) tokens (after ``pinned_to(cur_n)`` when ``pin``),
+        minus that chunk; all retained now when the advance would not fit."""
         after = self.pinned_to(self.cur_n) if pin else self
         now = after.holding()
         try:
-            ahead = after.advanced(self.cur_n, "the next chunk")
+            ahead = after.advanced(next_tokens or self.cur_n, "the next chunk")
         except CacheWriteError:  # the next chunk would not fit: keep everything
             return replace(now, held=self.retained)
         chunk = ((self.global_end, ahead.global_end),)
         return replace(now, held=iv.subtract(ahead.retained, chunk))
+
+    def committed(self, pin: bool = False, next_tokens: int | None = None) -> StreamState:
+        """The state once the current chunk is committed (`causalkv.caches.passes.Commit`):
+        only what the next advance keeps (`after_context`) stays retained."""
+        return replace(self, retained=self.after_context(pin, next_tokens).held)
 
     def cursors(self, visible: Intervals) -> tuple[int, int, int, int]:
         """Reference-runtime cursors for a view of ``visible``, in compact retained slots.

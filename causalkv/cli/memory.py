@@ -51,11 +51,11 @@ _EPILOG = """\
 columns (--json gives the same fields, in bytes, per setting):
   setting        the QVG setting (the rows below, the benchmark's names)
   kv_bytes       the most the stage's caches hold after any chunk's context pass, all
-                 layers and CFG sets, plus the one scratch buffer of the chunk being
-                 generated (shared by all layers and sets)
+                 layers and CFG sets (the denoising passes are probes: they store
+                 nothing; the context pass commits the chunk to its tier)
   peak_bytes     the most held at once over the request: while a chunk is generated,
                  the caches (the larger of the context before it and after it) plus
-                 the scratch plus one layer's visible window gathered as one dense
+                 one layer's visible window gathered as one dense
                  buffer (the whole window once the cache is full); at most kv_bytes +
                  that window (--attention gathered: sglang's attention reads the
                  view that way, the default with --host sglang), or one packed
@@ -73,7 +73,8 @@ columns (--json gives the same fields, in bytes, per setting):
                  video, that fits
                  (">= N", --json at_search_limit: the search stops there and it still fits)
 
---json also gives scratch_bytes and transient_bytes (the two terms above).
+--json also gives transient_bytes (the window term above) and chunk_bytes (one layer's
+chunk, dense).
 
 settings (every one: 128 centroids, block 64, 1 stage, symmetric, sink packed unless
 --kv-cache-quant-sink 0; a chunk is packed only where that stores fewer bytes):
@@ -113,16 +114,12 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
         + ("" if req.sink else "; --kv-cache-quant-sink 0"),
     ]
     if plan.rows:
-        scratch = format_bytes(plan.rows[0].scratch_bytes)
         if attention_of(plan.cache, req.attention) == "gathered":
             buffer = f"one layer's window gathered: {format_bytes(plan.rows[0].transient_bytes)}"
         else:
             buffer = "attention streamed, the largest one-call buffer: " + ", ".join(
                 f"{format_bytes(r.transient_bytes)} ({r.setting})" for r in plan.rows)
-        lines.append(
-            f"scratch (the chunk being generated, one for all layers and sets): {scratch}; "
-            f"{buffer}"
-        )
+        lines.append(f"denoising passes are probes (nothing stored); {buffer}")
     budget = plan.budget
     longest = "max_video_frames" if g.window_is_video else "max_window_frames"
     head = ["setting", "kv_bytes", "peak_bytes", "dense_bytes", "kv/dense", "peak/dense"]
@@ -144,8 +141,8 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
         ).rstrip())
     if any(r.setting == "off" for r in plan.rows):
         lines.append(
-            "note: off is the QVG cache with quantization off (the chunk in the scratch, context "
-            "bf16); "
+            "note: off is the QVG cache with quantization off (probes store nothing, the "
+            "commit keeps what the next chunk reads, bf16); "
             "a run with --kv-cache-quant off keeps sglang's (or causalkv's) dense cache: "
             "dense_bytes"
         )
@@ -211,8 +208,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "memory",
         help="KV-cache bytes of a request per QVG setting, against sglang's dense cache",
         description="Plan the KV-cache memory of one request: per QVG setting the bytes the "
-        "caches of a stage hold (all layers, CFG sets, the shared scratch of the chunk being "
-        "generated), their peak with the largest one-call buffer, and what sglang's dense "
+        "caches of a stage hold (all layers, CFG sets), their peak with the largest one-call buffer, and what sglang's dense "
         "cache allocates for the same request. Exact arithmetic on the model's geometry (the "
         "codec's stored-bytes formula, the hosts' own position bookkeeping and packing "
         "policies): no weights, no tensors.",

@@ -18,7 +18,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_LINGBOT_QVG
 from causalkv.sglang.settings import lingbot_codec
-from causalkv.sglang.stages import request_args, stage_scratch
+from causalkv.sglang.stages import request_args, stage_marker
 from causalkv.sglang.summary import track
 from causalkv.sglang.targets import LINGBOT, qualname, served
 
@@ -39,8 +39,8 @@ def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
     tier = args.recent_tier if args is not None else "bf16"
     sink = (f"sink chunks (stream-start and pinned shot sinks) kept {tier}" if not quant.sink
             else "sink chunks (stream-start and pinned shot sinks) packed")
-    where = ("the chunk being generated held once for the stage (shared scratch), completed "
-             "chunks moved to their tier by the context pass" if codec == "causalkv"
+    where = ("denoising passes stored nothing (probes), the context pass stored each chunk "
+             "in its tier" if codec == "causalkv"
              else "the chunk being generated held in every block")
     return (f"causalkv sglang bridge: {type(stage).__name__} KV cache {name} x {len(caches)} "
             f"blocks, codec {codec}, {settings}, keep-recent {quant.keep_recent_chunks} "
@@ -87,7 +87,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     import torch
 
     device = kw["device"]
-    scratch = stage_scratch(self)
+    marker = stage_marker(self)
     caches = [
         SGLangQVGKVCache(
             batch_size=kw["batch_size"], cache_size=kw["kv_cache_size"],
@@ -98,7 +98,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
             use_int_indices=kw.get("use_int_indices", False), sink_tokens=kw.get("sink_tokens", 0),
             attention_window_size=kw.get("attention_window_size") or kw["kv_cache_size"],
             quant_args=args, global_sink_tokens=kw.get("global_sink_tokens", 0),
-            allow_growth=kw.get("allow_growth", False), scratch=scratch,
+            allow_growth=kw.get("allow_growth", False), marker=marker,
         )
         for _ in range(self.num_transformer_blocks)
     ]

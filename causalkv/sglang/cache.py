@@ -33,13 +33,13 @@ from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
     QVGPackedCausalKVCache as _SGLangQVGCache,
 )
 
-from causalkv.caches.intervals import normalize
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches import intervals as iv
+from causalkv.caches.passes import PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
 from causalkv.caches.qvg.store import KVWrite, Segment, SegmentStore
 from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState, WritePlan
-from causalkv.caches.spec import CacheProtocolError, CacheWriteError, KVSegment, StoredSegment
+from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 
 __all__ = ["SGLangQVGKVCache", "SegmentView", "causalkv_quant_args", "can_serve"]
@@ -84,10 +84,11 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         sink_tokens, global_sink_tokens, attention_window_size, allow_growth: as sglang's
             dense cache.
         quant_args: sglang's or causalkv's QVG settings (``bits=None``: nothing is packed).
-        scratch: the stage's `ChunkScratch` (shared by every block of the stage, CFG sets
-            included): the chunk being generated lives there, once, instead of in every
-            block, and the writes made inside ``scratch.context_pass()`` move the chunk to its
-            tier at once. None keeps it in each block (sglang's layout).
+        marker: the stage's `causalkv.caches.passes.PassMarker` (shared by every block of the
+            stage, CFG sets included): the writes of its denoising passes are probes (nothing
+            stored), its context pass commits the chunk to its tier at once and drops what
+            the next advance drops; the store reports to its ledger. None: every write is
+            unmarked (sglang's dense semantics).
     """
 
     def __init__(
@@ -107,7 +108,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         quant_args: object,
         global_sink_tokens: int = 0,
         allow_growth: bool = False,
-        scratch: ChunkScratch | None = None,
+        marker: PassMarker | None = None,
     ) -> None:
         quant = causalkv_quant_args(quant_args)
         reason = can_serve(quant, head_dim, dtype)
@@ -132,9 +133,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.store = SegmentStore(
             batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
             device=device, quant=quant, policy=RECENT_NON_SINK, min_tokens_per_centroid=None,
-            scratch=scratch,
+            ledger=None if marker is None else marker.ledger,
         )
-        self.scratch = scratch
+        self.marker = marker
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
     def _cursor(self) -> RollingSlots:
@@ -212,8 +213,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         return self.store.quantize_calls
 
     def resident_nbytes(self) -> int:
-        """Bytes of the stored K/V: dense chunks plus packed chunks' stored bytes (the stage's
-        `ChunkScratch`, when given, is counted once by the scratch, not here)."""
+        """Bytes of the stored K/V: dense chunks plus packed chunks' stored bytes."""
         return self.store.resident_nbytes()
 
     def packed_chunks(self) -> int:
@@ -239,9 +239,12 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         RuntimeError as sglang for a write range outside the buffer; CacheWriteError for a
         write sglang would serve by overwriting slots of other positions (it corrupts them),
         or a head range other than the one written since the last reset; CacheProtocolError
-        (a UsageError) once the stage's scratch is shared, for a call its protocol does not
-        allow (a context pass of a chunk other than the newest, a chunk another block has
-        overwritten in the scratch, positions the last context pass dropped).
+        (a UsageError) for a view that needs positions a commit dropped because it was told
+        a different next chunk or pin (`causalkv.caches.passes.Commit`).
+
+        Marks come from the stage's `marker`: a probe returns the same view and stores
+        nothing (the cursors stay; the chunk's rows are the call's own K/V); a commit
+        stores the chunk, moves it to its tier and drops what the next advance drops.
 
         The view's ``k``/``v`` ``[B, visible, h, D]`` are one buffer the visible slots are
         read into (packed chunks decoded into it), or views of one dense chunk when the view
@@ -252,7 +255,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         """
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
-        k, v = self.store.gather(w.pieces, *w.heads, w.layout)
+        k, v = self._read(w)
         return CausalAttentionKVView(
             k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
             visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
@@ -287,6 +290,16 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         """
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
+        if w.own is not None:  # a probe: the history read and the chunk's rows, one buffer
+            k, v = self._read(w)
+            return SegmentView(
+                rows=k.shape[1],
+                position_ranges=tuple((p, p + ln) for p, ln in w.pieces if p is not None),
+                local_start_index=w.local_start, local_end_index=w.local_end,
+                visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
+                k=k, v=v, segments=lambda: iter([(k, v)]), materialize=lambda: (k, v),
+                stored=lambda: iter([(k, v)]), device=self.store.device,
+            )
         store, (h0, h1), pieces = self.store, w.heads, w.pieces
         layout = w.layout  # a commit replaces this list, never mutates it
         located = store.locate_pieces(pieces, layout)
@@ -345,45 +358,50 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             )
         start = current_chunk_start
         global_end, _ = self._read_indices()
-        if self.scratch is not None and self.scratch.committing and start + n < global_end:
-            raise CacheProtocolError(
-                f"{debug_name}: a context pass writes the chunk just generated, which ends at "
-                f"{global_end}; the write of [{start}, {start + n}) ends before it (nothing was "
-                "changed): write the newest chunk inside ChunkScratch.context_pass(), or leave "
-                "the scratch unshared (ChunkScratch(shared=False))"
-            )
+        m = self.marker
+        probe, commit = (m.probe, m.commit) if m is not None else (False, None)
+        if commit is not None and start + n < global_end:
+            commit = None  # a commit is the newest chunk's context pass: an older one is unmarked
         cur = self._cursor()
         plan = cur.plan(start, n, debug_name)
         self._check_consistent(cur.rolled(plan), plan, start, n, debug_name)
         after = cur.written(plan, start)
+        pieces = after.pieces(recent_window_tokens)
+        store = self.store
+        if probe:  # the view the write would return, nothing stored
+            chunk = ((start, start + n),)
+            shown = iv.normalize((p, p + ln) for p, ln in pieces if p is not None)
+            store.check_view(store.segments, iv.subtract(shown, chunk), debug_name)
+            return _Written(
+                pieces=pieces, heads=heads, local_start=plan.local_start,
+                local_end=plan.local_end, visible_local_end=plan.updated_local_end,
+                visible_global_end=plan.updated_global_end, layout=store.segments,
+                own=(start, key, value),
+            )
         write = KVWrite(start, start + n, heads, key, value)
         now = after.holding()
         advanced = start + n > global_end
-        store = self.store
         if now.held == store.held() and store.covers_dense(start, start + n):
             stored = store.plan_write(write)  # the layout stays: one in-place copy
         else:
             stored = store.plan(held=now.held, write=write, advance=advanced,
                                 sink_end=now.sink_end, pinned=now.pinned)
-        if self.scratch is not None and self.scratch.committing:
-            # a context write: the chunk then moves to its tier, planned with the write; the
-            # store keeps what sglang's buffer keeps after the next advance by a chunk of the
-            # same size (after the pin ``scratch.context_pass(pin=True)`` announced). A next
-            # chunk smaller than this one would need positions dropped here: the store then
-            # refuses the read (`UsageError`) instead of showing other values.
-            ctx = after.after_context(self.scratch.pin)
+        if commit is not None:
+            # the context pass: the chunk moves to its tier, planned with the write; the store
+            # keeps what sglang's buffer keeps after the next advance the commit names (the
+            # pin included). A next chunk that needs more is refused by `check_view`.
+            ctx = after.after_context(commit.pin, commit.next_tokens)
             stored = store.plan_commit(stored, held=ctx.held, sink_end=ctx.sink_end,
                                        pinned=ctx.pinned)
         # the view, checked before anything changes: every position it shows is held
-        pieces = after.pieces(recent_window_tokens)
         layout = stored.view_segments or stored.segments  # what this call's view reads
-        shown = normalize((p, p + ln) for p, ln in pieces if p is not None)
-        store.check_view(layout, shown, *heads, debug_name, stored)
+        shown = iv.normalize((p, p + ln) for p, ln in pieces if p is not None)
+        store.check_view(layout, shown, debug_name)
 
         # the commit (nothing above changed anything, nothing below can fail)
         store.commit(stored)
         if stored.view_segments is None:
-            layout = store.segments  # the chunk as bound in the scratch
+            layout = store.segments  # the copies the store owns
         self.cache_size = after.state.cache_size
         self.attention_window_size = after.state.attention_window_size
         self.pinned_start = after.state.pinned_start
@@ -395,6 +413,35 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             local_end=plan.local_end, visible_local_end=plan.updated_local_end,
             visible_global_end=plan.updated_global_end, layout=layout,
         )
+
+    def _read(self, w: _Written) -> KVSegment:
+        """The view's K/V ``[B, rows, h, D]``: the store's positions, and for a probe the
+        chunk's rows from its own K/V (one buffer)."""
+        if w.own is None:
+            return self.store.gather(w.pieces, *w.heads, w.layout)
+        start, key, value = w.own
+        end = start + key.shape[1]
+        if w.pieces == [(start, key.shape[1])]:  # the chunk alone: its own K/V, as views
+            return key, value
+        pieces: list[tuple[int | None, int]] = []
+        own: list[tuple[int, int, int]] = []  # (row, offset in the chunk, rows)
+        at = 0
+        for p, ln in w.pieces:
+            if p is None:
+                pieces.append((None, ln))
+                at += ln
+                continue
+            cuts = sorted({p, p + ln, min(max(start, p), p + ln), min(max(end, p), p + ln)})
+            for a, b in zip(cuts, cuts[1:]):
+                if start <= a < end:
+                    own.append((at, a - start, b - a))
+                pieces.append((None, b - a) if start <= a < end else (a, b - a))
+                at += b - a
+        k, v = self.store.gather(pieces, *w.heads, w.layout)
+        for row, off, ln in own:
+            k[:, row : row + ln].copy_(key[:, off : off + ln])
+            v[:, row : row + ln].copy_(value[:, off : off + ln])
+        return k, v
 
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
@@ -439,3 +486,5 @@ class _Written:
     visible_local_end: int
     visible_global_end: int
     layout: list[Segment]  # the store's segments this view reads
+    #: a probe's chunk: (start, key, value) ``[B, n, h, D]``, its rows in the view (None: a write)
+    own: tuple[int, torch.Tensor, torch.Tensor] | None = None

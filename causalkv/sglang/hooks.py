@@ -11,7 +11,8 @@ sglang's original method first (sglang's AROUND convention). The hooks live by j
   one conversion to causalkv's (`bridge_args`), the start-up checks (``ServerArgs`` and the
   pipeline's ``_load_config``).
 - `causalkv.sglang.stages`: what a served stage carries through a request (its settings,
-  converted once per request) and its context-update pass over the shared chunk scratch.
+  converted once per request), its denoising passes marked as probes and its context-update
+  pass as the commit.
 - `causalkv.sglang.allocation`: the cache allocation hook and its log line.
 - `causalkv.sglang.summary`: the per-request ``causalkv kv-cache summary:`` line.
 - `causalkv.sglang.attention_hooks`: the fused-attention route's hooks (registered only with
@@ -38,6 +39,7 @@ from causalkv.sglang.settings import load_config, post_init
 from causalkv.sglang.stages import (
     apply_overrides,
     context_update,
+    denoise_chunk,
     off_prepare_forward_context,
     prepare_forward_context,
     scene_cut,
@@ -74,6 +76,11 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     (f"{LONGLIVE2}._update_causal_context_cache", context_update),
     (f"{LINGBOT}._update_causal_context_cache", context_update),
     (f"{LONGLIVE2}._is_scene_cut", scene_cut),
+    (f"{BASE}._denoise_causal_dmd_chunk", denoise_chunk),
+    (f"{LONGLIVE2}._denoise_causal_dmd_chunk", denoise_chunk),
+    (f"{LONGLIVE2}._denoise_causal_dmd_chunk_cfg", denoise_chunk),
+    (f"{BASE}._denoise_realtime_causal_chunk", denoise_chunk),
+    (f"{LINGBOT}._denoise_realtime_causal_chunk", denoise_chunk),
 )
 
 #: what `causalkv.sglang.register` adds to `HOOKS` with ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``

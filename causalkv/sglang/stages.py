@@ -7,14 +7,16 @@
   request's first allocation and every later allocation of the request (the CFG set, a
   realtime session's) reuses them. A stage that is not served keeps sglang's behaviour, and
   one warning says so when ``--kv-cache-quant`` is on and sglang's stage does not support QVG.
-- The chunk being generated: with quantization on, the blocks of a served stage share one
-  `causalkv.caches.qvg.ChunkScratch` (`stage_scratch`; its CFG sets too), and the
-  context-update pass (``_update_causal_context_cache``, every served class's own) runs
-  inside ``scratch.context_pass`` (`context_update`), so each block moves the chunk straight
-  to its tier; LongLive 2.0's ``_is_scene_cut`` (`scene_cut`) announces the pin made after
-  that pass. sglang's attention consumes the view of each write inside the same call
-  (``causal_wanvideo.py``, ``lingbot_world.py``), and nothing else reads a denoising pass's
-  K/V (docs/sglang.md).
+- Probe and commit: with quantization on, the blocks of a served stage share one
+  `causalkv.caches.passes.PassMarker` (`stage_marker`; its CFG sets too). The denoising
+  passes (``_denoise_causal_dmd_chunk``, LongLive 2.0's CFG variant, the realtime chunk) run
+  inside ``marker.probing()`` (`denoise_chunk`): sglang's attention consumes the view of each
+  write inside the same call (``causal_wanvideo.py``, ``lingbot_world.py``) and nothing else
+  reads a denoising pass's K/V, so they store nothing. The context-update pass
+  (``_update_causal_context_cache``, every served class's own) runs inside
+  ``marker.committing`` (`context_update`), so each block stores the chunk straight in its
+  tier; LongLive 2.0's ``_is_scene_cut`` (`scene_cut`) announces the pin made after that
+  pass (docs/sglang.md).
 
 Each hook receives sglang's original method first (sglang's AROUND convention). This module
 imports no sglang and no torch at import time.
@@ -36,11 +38,12 @@ from causalkv.sglang.targets import SERVED, log_once, qualname, served
 __all__ = [
     "apply_overrides",
     "context_update",
+    "denoise_chunk",
     "off_prepare_forward_context",
     "prepare_forward_context",
     "request_args",
     "scene_cut",
-    "stage_scratch",
+    "stage_marker",
     "supports_qvg",
 ]
 
@@ -48,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 #: the request's causalkv settings on the stage: (sglang's args they came from, causalkv's)
 _ARGS = "_causalkv_quant_args"
-_SCRATCH = "_causalkv_chunk_scratch"
+_MARKER = "_causalkv_pass_marker"
 _SCENE_CUT = "_causalkv_scene_cut"
 
 
@@ -130,30 +133,27 @@ def off_prepare_forward_context(
     return original(self, batch, server_args)
 
 
-# ---- the context pass -----------------------------------------------------------------------
-def stage_scratch(stage: Any) -> Any:
-    """The stage's one `causalkv.caches.qvg.ChunkScratch` (its blocks and CFG sets run one
-    after another). Unshared until the stage's own request loop runs (the ``forward`` hook,
-    which ends every chunk with the hooked context pass): code of sglang's that drives the
-    caches directly gets every block's chunk in its own cache, as sglang's dense cache holds it."""
-    scratch = stage.__dict__.get(_SCRATCH)
-    if scratch is None:
+# ---- probe and commit ------------------------------------------------------------------------
+def stage_marker(stage: Any) -> Any:
+    """The stage's one `causalkv.caches.passes.PassMarker` (its blocks and CFG sets run one
+    after another, and share it). Outside the hooked passes it marks nothing: code of
+    sglang's that drives the caches directly gets sglang's dense semantics."""
+    marker = stage.__dict__.get(_MARKER)
+    if marker is None:
         # lazy: this module imports no torch until sglang calls a hook
-        from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+        from causalkv.caches.passes import PassMarker
 
-        scratch = stage.__dict__[_SCRATCH] = ChunkScratch()
-    return scratch
+        marker = stage.__dict__[_MARKER] = PassMarker()
+    return marker
 
 
 def begin_chunk_loop(stage: Any) -> Any:
     """The stage's own request loop starts (the ``forward`` hook): no scene cut noted yet, the
-    scratch shared (the loop ends every chunk with its hooked context pass) and its peaks
-    reset. Returns the scratch."""
+    marker's peaks reset. Returns the marker."""
     stage.__dict__.pop(_SCENE_CUT, None)
-    scratch = stage_scratch(stage)
-    scratch.share()
-    scratch.ledger.reset_peaks()
-    return scratch
+    marker = stage_marker(stage)
+    marker.ledger.reset_peaks()
+    return marker
 
 
 def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
@@ -165,14 +165,34 @@ def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index:
     return out
 
 
+def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
+    """The stage's marker when the pass's caches (``kv_cache``, or a realtime ``cache_ctx``'s)
+    use it, else None."""
+    marker = stage.__dict__.get(_MARKER) if served(stage) else None
+    ctx = kw.get("cache_ctx")
+    caches = kw.get("kv_cache") or (getattr(ctx, "kv_cache", None) if ctx is not None else None)
+    if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
+        return None
+    return marker
+
+
+def denoise_chunk(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+    """A chunk's denoising passes (offline, LongLive 2.0's CFG, realtime): run inside the
+    stage marker's ``probing``, so every block serves its view and stores nothing (a context
+    update inside commits: the inner mark wins)."""
+    marker = _marker_of(self, kw)
+    if marker is None:
+        return original(self, *args, **kw)
+    with marker.probing():
+        return original(self, *args, **kw)
+
+
 def context_update(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
     """``_update_causal_context_cache`` (the chunk's context-update pass, offline, realtime and
-    warm-up alike): run inside the stage scratch's ``context_pass``, so every block that shares
-    it moves the chunk to its tier in this pass."""
-    scratch = self.__dict__.get(_SCRATCH) if served(self) else None
-    caches = kw.get("kv_cache") or ()
-    if (scratch is None or scratch.committing
-            or not any(getattr(c, "scratch", None) is scratch for c in caches)):
+    warm-up alike): run inside the stage marker's ``committing``, so every block stores the
+    chunk in its tier in this pass (announcing LongLive 2.0's pin)."""
+    marker = _marker_of(self, kw)
+    if marker is None or marker.commit is not None:
         return original(self, *args, **kw)
-    with scratch.context_pass(pin=bool(self.__dict__.get(_SCENE_CUT, False))):
+    with marker.committing(pin=bool(self.__dict__.get(_SCENE_CUT, False))):
         return original(self, *args, **kw)

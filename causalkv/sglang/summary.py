@@ -3,8 +3,7 @@
 A served stage's ``forward`` (`forward`) notes every cache set the request allocates (`track`,
 called by the allocation hook; a realtime session's caches through
 `prepare_realtime_caches`) and logs, after the request, the peak bytes of the stage's whole
-cache set over the request (all blocks, the shared chunk scratch and the largest one-call
-buffer included), the bytes held at the end, what sglang's dense cache allocates for the same
+cache set over the request (all blocks and the largest one-call buffer included), the bytes held at the end, what sglang's dense cache allocates for the same
 request, packed chunks, pinned shot sink (`summary_line`).
 
 This module imports no sglang and no torch at import time (sglang imports the hooks while it
@@ -56,10 +55,9 @@ def _nbytes(cache: Any) -> tuple[int | None, int]:
 def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     """One ``causalkv kv-cache summary:`` line over the stage's cache sets (positive, CFG).
 
-    ``peak_bytes``: the most the sets held at once over the request: every block's storage,
-    the shared chunk scratch and the largest one-call buffer (a view gathered for attention);
-    for sglang's own caches, their preallocated buffers. ``resident_bytes``: what they hold
-    now (the scratch included). ``dense_bytes``: what sglang's dense cache allocates for the
+    ``peak_bytes``: the most the sets held at once over the request: every block's storage
+    and the largest one-call buffer (a view gathered for attention or a probe); for sglang's
+    own caches, their preallocated buffers. ``resident_bytes``: what they hold now. ``dense_bytes``: what sglang's dense cache allocates for the
     same request. ``ratio``: ``dense_bytes / peak_bytes``, so a request that never packed
     reads 1.00 or less, not a compression. ``codec``: the codec setting of causalkv's cache
     (``int2``, ``fp8``, ...; ``off`` for sglang's own caches), ``recent_tier`` its recency tier.
@@ -70,7 +68,7 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     cls = type(sets[0][0])
     resident = dense = 0
     known = True
-    scratches: dict[int, Any] = {}
+    markers: dict[int, Any] = {}
     for caches in sets:
         for cache in caches:
             r, d = _nbytes(cache)
@@ -79,12 +77,11 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
                 known = False
             else:
                 resident += r
-            scratch = getattr(cache, "scratch", None)
-            if scratch is not None:
-                scratches[id(scratch)] = scratch
-    resident += sum(s.nbytes for s in scratches.values())
-    # the ledger of the stage: every block that shares the scratch reports to it
-    peak = peak_nbytes([s.ledger for s in scratches.values()], resident)
+            marker = getattr(cache, "marker", None)
+            if marker is not None:
+                markers[id(marker)] = marker
+    # the ledger of the stage: every block that shares the marker reports to it
+    peak = peak_nbytes([m.ledger for m in markers.values()], resident)
     first = sets[0][0]
     packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
     pinned = int(getattr(first, "pinned_len", 0) or 0)

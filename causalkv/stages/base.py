@@ -38,9 +38,9 @@ import torch
 
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.ledger import peak_nbytes
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.passes import PassMarker
 from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
-from causalkv.capabilities import CHUNK_SCRATCH
+from causalkv.capabilities import PROBE_COMMIT
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
 from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet, build_cache_set
@@ -222,30 +222,36 @@ class CausalDenoisingStage(StagePlanning):
                 for _ in range(self.num_branches())
             ]
             caches = [c for cs in self._cache_sets for c in cs.kv]
-            if caches and all(CHUNK_SCRATCH in getattr(c, "capabilities", ()) for c in caches):
-                # the chunk being generated: once for the stage (its layers and branches run
-                # one after another, each consumes its view inside the call, and the chunk
-                # loop ends every chunk with its context pass: shared from the first chunk)
-                self.chunk_scratch = ChunkScratch(shared=True)
+            if caches and all(PROBE_COMMIT in getattr(c, "capabilities", ()) for c in caches):
+                # the denoising passes are probes and the context pass commits: the chunk
+                # being generated is stored once it is final, in its tier at once
+                self.marker = PassMarker()
                 for cache in caches:
-                    cache.use_scratch(self.chunk_scratch)
+                    cache.use_marker(self.marker)
         return self._cache_sets
 
-    #: the stage's `ChunkScratch` once its caches hold the chunk being generated there
-    chunk_scratch: ChunkScratch | None = None
+    #: the `PassMarker` the stage's caches share once they all take one
+    marker: PassMarker | None = None
 
     def pins_after_context(self) -> bool:
         """True when the chunk whose context pass runs now is pinned as the shot sink right
         after it (LongLive 2.0's scene cuts); its caches then give it a pinned chunk's tier."""
         return False
 
-    def context_scope(self) -> AbstractContextManager[Any]:
-        """The context of a context-update pass: the writes inside are the chunk's last, which
-        the caches move to their tier (`ChunkScratch.context_pass`); nothing without a scratch."""
-        scratch = self.chunk_scratch
-        if scratch is None or scratch.committing:
+    def probe_scope(self) -> AbstractContextManager[Any]:
+        """The context of the denoising passes: their writes are probes (`PassMarker.probing`);
+        nothing without a marker."""
+        marker = self.marker
+        return nullcontext() if marker is None else marker.probing()
+
+    def context_scope(self, next_tokens: int | None = None) -> AbstractContextManager[Any]:
+        """The context of a context-update pass: its writes commit the chunk
+        (`PassMarker.committing`, with the pin the stage makes right after and the next
+        chunk's size, default this one's); nothing without a marker."""
+        marker = self.marker
+        if marker is None or marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
             return nullcontext()
-        return scratch.context_pass(pin=self.pins_after_context())
+        return marker.committing(pin=self.pins_after_context(), next_tokens=next_tokens)
 
     @property
     def caches(self) -> CacheSet:
@@ -265,25 +271,22 @@ class CausalDenoisingStage(StagePlanning):
         if self._cache_sets is not None:
             for cs in self._cache_sets:
                 cs.reset()
-        if self.chunk_scratch is not None:
-            self.chunk_scratch.ledger.reset_peaks()
+        if self.marker is not None:
+            self.marker.ledger.reset_peaks()
         self.loop.restart()
         self._reset_stream()
 
     def kv_resident_nbytes(self) -> int:
-        """Bytes all self-attention caches of all branches hold now (the stage's chunk
-        scratch, when they share one, counted once)."""
-        scratch = self.chunk_scratch
-        held = sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
-        return held + (scratch.nbytes if scratch is not None else 0)
+        """Bytes all self-attention caches of all branches hold now."""
+        return sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
 
     def kv_peak_nbytes(self) -> int:
         """The most the self-attention caches held at once since the request began: with a
-        chunk scratch its ledger (every layer and branch, the scratch, the largest one-call
-        buffer a view filled), else the bytes held now (a preallocated cache holds its most
-        from the first chunk on)."""
-        scratch = self.chunk_scratch
-        return peak_nbytes([] if scratch is None else [scratch.ledger], self.kv_resident_nbytes())
+        marker its ledger (every layer and branch, plus the largest one-call buffer a view or
+        a probe filled), else the bytes held now (a preallocated cache holds its most from
+        the first chunk on)."""
+        marker = self.marker
+        return peak_nbytes([] if marker is None else [marker.ledger], self.kv_resident_nbytes())
 
     @property
     def cache_name(self) -> str:

@@ -2,8 +2,9 @@
 
 A stage builds one (``stage.loop``); the host runs a request with `ChunkLoop.run`: for each
 chunk of ``frames_per_chunk`` latent frames, ``stage.begin_chunk``, ``stage.denoise_chunk``
-(the stage's sampler), the finiteness check, the context pass at ``context_noise`` that
-writes the chunk's clean K/V (``stage.context_pass``), ``stage.end_chunk``, and one
+(the stage's sampler; its writes are probes, inside ``stage.probe_scope()``), the finiteness
+check, the context pass at ``context_noise`` that commits the chunk's clean K/V
+(``stage.context_pass``), ``stage.end_chunk``, and one
 `ChunkStats`. The loop is the one writer of the stream's state: the next token start in the
 caches' positions (`token_end`) and the ``(frame, rope frame)`` of every latent frame the
 caches hold (`cache_frames`). A stage reads them there and writes them only through
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +53,7 @@ class LoopStage(Protocol):
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None: ...
     def rope_frame_offset(self, chunk_index: int, prompt: str) -> float: ...
     def denoise_chunk(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+    def probe_scope(self) -> AbstractContextManager[Any]: ...
     def context_pass(self, prompt: str, latents: torch.Tensor, token_start: int,
                      rope_frame_start: float) -> torch.Tensor: ...
     def end_chunk(self, chunk_index: int, prompt: str) -> None: ...
@@ -143,7 +146,9 @@ class ChunkLoop:
             token_start = self._token_end
             rope_f0 = f0 + stage.rope_frame_offset(i, prompt)
             x = noise[:, :, f0 : f0 + fpc].float()
-            x0 = stage.denoise_chunk(i, prompt, x, token_start, rope_f0, generator=generator, on_forward=on_forward)
+            with stage.probe_scope():  # the denoising passes store nothing
+                x0 = stage.denoise_chunk(i, prompt, x, token_start, rope_f0, generator=generator,
+                                         on_forward=on_forward)
             self.check_finite(x0, i, len(chunk_prompts))
             out[:, :, f0 : f0 + fpc] = x0
             ctx_in = x0

@@ -30,8 +30,10 @@ class ChunkStats(Mapping[str, Any]):
         seconds: wall time of the chunk (its denoising steps and the context pass).
         kv_resident_bytes: bytes all self-attention caches hold after it (every layer, K and
             V, every CFG branch).
-        visible_tokens: tokens the first layer's view shows the next call (sink, pinned range,
-            window; the recent window when one applies).
+        visible_tokens: tokens a read of the first layer's cache shows after the chunk (sink,
+            pinned range, window; the recent window when one applies). After a commit (a
+            stage that marks its context pass) that is what the next chunk reads beside
+            itself: the commit already dropped what the next advance drops.
     """
 
     chunk: int

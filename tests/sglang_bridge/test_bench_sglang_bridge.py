@@ -30,7 +30,7 @@ def test_bridge_benchmark_quick_rows_and_memory_facts(tmp_path: Path) -> None:
     g = result["geometry"]
     rows = {r["cache"]: r for r in result["rows"]}
     assert list(rows) == ["sglang dense", "sglang QVG off", "bridge int4", "bridge int2",
-                          "bridge int4, stage scratch", "bridge int2, stage scratch"]
+                          "bridge int4, probe + commit", "bridge int2, probe + commit"]
     assert all("unavailable" not in r for r in rows.values())
     window = 2 * g["cache_tokens"] * g["heads"] * g["head_dim"] * 2
     dense, own = rows["sglang dense"], rows["sglang QVG off"]
@@ -44,8 +44,8 @@ def test_bridge_benchmark_quick_rows_and_memory_facts(tmp_path: Path) -> None:
         assert r["resident_kv_bytes_vs_dense"] == r["resident_kv_bytes"] / window
     assert rows["bridge int2"]["resident_kv_bytes"] < rows["bridge int4"]["resident_kv_bytes"]
     assert rows["bridge int4"]["k_rel_err"] < rows["bridge int2"]["k_rel_err"]
-    for bits in ("int4", "int2"):  # the stage scratch changes no view, and holds no more
-        plain, staged = rows[f"bridge {bits}"], rows[f"bridge {bits}, stage scratch"]
+    for bits in ("int4", "int2"):  # probes and commits change no view, and hold no more
+        plain, staged = rows[f"bridge {bits}"], rows[f"bridge {bits}, probe + commit"]
         assert staged["k_rel_err"] == plain["k_rel_err"]
         assert staged["resident_kv_bytes"] <= plain["resident_kv_bytes"]
     assert result["sdpa_full_window_s"] > 0 and len(result["load_average"]) == 3
@@ -67,16 +67,16 @@ def layers_rows(tmp_path_factory) -> dict[str, dict]:
 def test_the_whole_request_view_by_the_byte_formula(layers_rows: dict[str, dict]) -> None:
     """``--layers --quick --json``: one row per setting with the issue's fields; quant off is
     lossless, and its bytes are the layout's arithmetic: every layer holds 3 of its 4 chunk
-    slots (the chunk being generated is the stage's one scratch chunk), and the peak adds one
-    layer's gathered window (4 chunks)."""
+    slots (the chunk being generated is stored by no layer: its denoising passes are probes),
+    and the peak adds one layer's gathered window (4 chunks)."""
     rows = layers_rows
     assert {"off", "int2-default", "int2-recent0", "int2-recent-int4", "int4-recent0"} <= set(rows)
     for r in rows.values():
         assert {"geometry", "setting", "peak_ratio", "resident_ratio", "attn_rel_err"} <= set(r)
     off, layers = rows["off"], rows["off"]["layers"]
     assert off["attn_rel_err"] == 0
-    assert off["resident_ratio"] == (3 * layers + 1) / (4 * layers)
-    assert off["peak_ratio"] == (3 * layers + 1 + 4) / (4 * layers)
+    assert off["resident_ratio"] == (3 * layers) / (4 * layers)
+    assert off["peak_ratio"] == (3 * layers + 4) / (4 * layers)
     for name in ("int2-default", "int2-recent0", "int2-recent-int4", "int4-recent0"):
         assert rows[name]["peak_ratio"] < off["peak_ratio"], name
         assert 0 < rows[name]["attn_rel_err"] < 0.5, name

@@ -303,10 +303,10 @@ def test_longlive2_forward_chunk_loop_on_the_bridge_caches(monkeypatch):
     assert 0 < err < 0.5
 
 
-def test_the_stage_blocks_share_one_scratch_and_take_the_recency_tier_from_the_environment(
+def test_the_stage_blocks_share_one_marker_and_take_the_recency_tier_from_the_environment(
         monkeypatch):
     """``CAUSALKV_SGLANG_RECENT_TIER`` reaches the caches a served stage allocates (sglang's QVG
-    settings have no such field), and every block of the stage shares one `ChunkScratch`, the
+    settings have no such field), and every block of the stage shares one `PassMarker`, the
     CFG set too; a value the bridge does not know, or a tier with nothing to hold, is refused
     where the settings are checked (`check_settings`, before any weight loads)."""
     from causalkv.errors import ConfigError
@@ -318,7 +318,7 @@ def test_the_stage_blocks_share_one_scratch_and_take_the_recency_tier_from_the_e
     positive, negative = _allocate(stage, global_sink_tokens=CHUNK), _allocate(stage)
     blocks = [*positive, *negative]
     assert all(c.quant.recent_tier == "int4" for c in blocks)
-    assert len({id(c.scratch) for c in blocks}) == 1 and blocks[0].scratch is not None
+    assert len({id(c.marker) for c in blocks}) == 1 and blocks[0].marker is not None
     check_settings("LongLive2Pipeline", INT2, HEAD_DIM)  # keep-recent 1: the tier holds a chunk
     with pytest.raises(ConfigError, match="recent-tier int4 .* there are none"):
         check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2, keep_recent_chunks=0), HEAD_DIM)

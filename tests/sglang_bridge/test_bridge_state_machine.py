@@ -3,14 +3,16 @@
 Per block: sglang's own ``CausalSelfAttentionKVCache`` (the reference, allocated with the
 arguments of sglang's ``_allocate_causal_kv_cache``) against the bridge's ``SGLangQVGKVCache``
 (quant off / int4 / int2) allocated as sglang's stages get it: through the bridge's
-``allocate`` hook on a LongLive 2.0 stage object (one `ChunkScratch` shared by the blocks), or
-with exactly that hook's arguments (quant off, where the hook keeps sglang's own cache), or
-without a scratch. sglang's semantics: its views (K/V and the four cursors), its cursors and
-pin after every op, its errors (ValueError/RuntimeError as sglang raises them); the bridge may
-refuse in addition only with CacheWriteError where its docstring says sglang's dense cache
-would leave two versions of a position, or with CacheProtocolError once the caller declared
-the shared scratch (the protocol model of tests/cache_machine.py). Each run uses one head
-slice (sglang's ranks hold a fixed one), so the two-halves op of causalkv's machine is off.
+``allocate`` hook on a LongLive 2.0 stage object (the blocks share the stage's `PassMarker`),
+or with exactly that hook's arguments and a marker of its own (quant off, where the hook
+keeps sglang's own cache). sglang's cache hears no marks: it stores every probe, and the
+machine keeps each commit's promise (the next chunk's size, the announced pin), as sglang's
+hooked stages do. sglang's semantics: its views (K/V and the four cursors), its cursors and
+pin after every op (once the probed chunk is committed: a probe moves no cursor of the
+bridge's), its errors (ValueError/RuntimeError as sglang raises them); the bridge may refuse
+in addition only with CacheWriteError where its docstring says sglang's dense cache would
+leave two versions of a position. Each run uses one head slice (sglang's ranks hold a fixed
+one), so the two-halves op of causalkv's machine is off.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
     LongLive2CausalDenoisingStage,
 )
 
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.passes import PassMarker
 from causalkv.caches.spec import CacheWriteError
 from causalkv.sglang.allocation import allocate
 from causalkv.sglang.cache import SGLangQVGKVCache
@@ -52,9 +54,9 @@ def configs(draw: st.DrawFn) -> Config:
     sink = draw(st.sampled_from([0, chunk]))
     heads = draw(st.sampled_from([2, 4]))
     bits = draw(st.sampled_from([None, 4, 2]))
-    scratch = draw(st.sampled_from(["hook", "hook", "direct", "none"]))
-    if bits is None and scratch == "hook":
-        scratch = "direct"  # the hook keeps sglang's own cache at quant off: its arguments
+    marks = draw(st.sampled_from(["hook", "hook", "direct"]))
+    if bits is None:
+        marks = "direct"  # the hook keeps sglang's own cache at quant off: its arguments
     cfg = Config(
         layers=draw(st.integers(1, 3)),
         heads=heads,
@@ -68,8 +70,7 @@ def configs(draw: st.DrawFn) -> Config:
         bits=bits,
         keep_recent=draw(st.integers(0, 1)),
         quant_sink=draw(st.booleans()),
-        scratch=scratch,
-        declare=scratch != "none" and draw(st.booleans()),
+        marks=marks,
         head_slice=draw(st.sampled_from([None, None, (0, heads // 2), (heads // 2, heads)])),
         int_indices=draw(st.booleans()),
     )
@@ -94,6 +95,7 @@ class SGLangEnv(Env):
     ref_atomic = False
     has_reads = False
     halves = False
+    marks_reference = False
 
     def configs(self) -> st.SearchStrategy[Config]:
         return configs()
@@ -116,7 +118,7 @@ class SGLangEnv(Env):
         quant = (QVGKVQuantArgs() if cfg.bits is None else QVGKVQuantArgs(
             bits=cfg.bits, centroids=4, block_size=cfg.block, keep_recent_chunks=cfg.keep_recent,
             sink=cfg.quant_sink))
-        if cfg.scratch == "hook":
+        if cfg.marks == "hook":
             stage = LongLive2CausalDenoisingStage.__new__(LongLive2CausalDenoisingStage)
             stage.num_transformer_blocks = cfg.layers
             stage._kv_quant_args = quant
@@ -126,10 +128,10 @@ class SGLangEnv(Env):
 
             subs = allocate(original, stage, **kw)
             assert all(type(c) is SGLangQVGKVCache for c in subs)
-            scratch = subs[0].scratch
-            assert scratch is not None and all(c.scratch is scratch for c in subs)
-            return refs, subs, scratch
-        scratch = ChunkScratch() if cfg.scratch == "direct" else None
+            marker = subs[0].marker
+            assert marker is not None and all(c.marker is marker for c in subs)
+            return refs, subs, marker
+        marker = PassMarker()
         subs = [
             SGLangQVGKVCache(
                 batch_size=B, cache_size=cfg.cache_size, num_heads=cfg.heads, head_dim=D,
@@ -138,11 +140,11 @@ class SGLangEnv(Env):
                 local_end_index=torch.zeros(1, dtype=torch.long),
                 use_int_indices=cfg.int_indices, sink_tokens=cfg.sink,
                 attention_window_size=kw["attention_window_size"], quant_args=quant,
-                global_sink_tokens=cfg.global_sink, allow_growth=cfg.growth, scratch=scratch,
+                global_sink_tokens=cfg.global_sink, allow_growth=cfg.growth, marker=marker,
             )
             for _ in range(cfg.layers)
         ]
-        return refs, subs, scratch
+        return refs, subs, marker
 
     def global_end(self, ref) -> int:
         return int(ref.global_end_index.item())
@@ -186,5 +188,5 @@ def test_examples_ran():
     if STATS.runs == 0:  # the machine test was deselected
         return
     assert STATS.runs >= EXAMPLES
-    assert STATS.context_passes > 0 and STATS.declared_runs > 0 and STATS.refused_both > 0
+    assert STATS.probes > 0 and STATS.commits > 0 and STATS.unmarked > 0 and STATS.refused_both > 0
     print(f"bridge state machine: {STATS}")

@@ -176,7 +176,8 @@ def test_quant_streams_on_causalkvs_caches_packs_and_rolls(realtime_runs, mode):
             assert line[key] == record[key], key
     assert [int(r["chunk"]) for r in records] == list(range(CHUNKS))
     assert {r["cache"] for r in records} == {"SGLangQVGKVCache"} and {r["persist"] for r in records} == {"1"}
-    # each chunk goes to its tier in its own context pass (the stage's chunk scratch): the sink
+    # each chunk goes to its tier in its own context pass (the commit; its denoising passes
+    # are probes, storing nothing): the sink
     # chunk packed at once (sglang's rule), the newest non-sink chunk bf16 (keep-recent 1) until
     # the next one's context pass packs it; the 4-slot cache keeps 3 chunks of context (the
     # next chunk's advance evicts the oldest non-sink one, dropped at the context pass already)

@@ -86,7 +86,7 @@ def test_planner_equals_the_bridge_cache_without_a_scratch(name: str, sink: bool
                             "int2-recent0", "int2-recent-int4")), ("int2-recent-int4", True)],
 )
 def test_planner_equals_the_bridge_caches_with_a_scratch(name: str, cfg: bool) -> None:
-    _check_with_scratch(TINY, name, cfg=cfg, sink=True)
+    _check_marked(TINY, name, cfg=cfg, sink=True)
 
 
 #: a sink that is not a whole number of chunks (3 frames of 2-frame chunks) whose global part
@@ -97,27 +97,28 @@ UNALIGNED = replace(TINY, name="tiny-unaligned", sink_frames=3, global_sink_fram
 
 @pytest.mark.parametrize("name", ["int2-recent-int4", "int4-default", "int2-recent0"])
 def test_planner_equals_the_bridge_caches_at_an_unaligned_sink(name: str) -> None:
-    _check_with_scratch(UNALIGNED, name, cfg=False, sink=False)
+    _check_marked(UNALIGNED, name, cfg=False, sink=False)
 
 
 @pytest.mark.parametrize("frames", [2, 4])
 def test_planner_equals_the_bridge_caches_on_short_requests(frames: int) -> None:
     """One chunk (its window is the chunk alone: read as views, no buffer) and two."""
-    _check_with_scratch(TINY, "int2-default", cfg=True, sink=True, frames=frames)
+    _check_marked(TINY, "int2-default", cfg=True, sink=True, frames=frames)
 
 
-def _check_with_scratch(
+def _check_marked(
     geom: ModelGeometry, name: str, *, cfg: bool, sink: bool, frames: int = 14
 ) -> None:
-    """The exactness test through the bridge: 2 layers (x 2 CFG sets) sharing one `ChunkScratch`,
-    per chunk a denoising pass and the context pass (the pin announced), then the pin; the
-    views are read as one buffer (sglang's attention), so the ledger sees the gathered window."""
-    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+    """The exactness test through the bridge: 2 layers (x 2 CFG sets) sharing one `PassMarker`,
+    per chunk a denoising pass (a probe) and the context pass (the commit, the pin announced),
+    then the pin; the views are read as one buffer (sglang's attention), so the ledger sees the
+    gathered window."""
+    from causalkv.caches.passes import PassMarker
 
     shots = 2 if frames >= 4 * geom.frames_per_chunk else 1
     lay = stream_layout(geom, MemoryRequest(latent_frames=frames, shots=shots, cfg=cfg, sink=sink))
     plan = plan_setting(geom, lay, SETTINGS[name], cache=ROLLING_SLOT_CACHE, sink=sink)
-    scratch = ChunkScratch(shared=True)
+    marker = PassMarker()
     n = lay.chunk_tokens
     caches = [
         SGLangQVGKVCache(
@@ -126,7 +127,7 @@ def _check_with_scratch(
             local_end_index=torch.zeros(1, dtype=torch.long), use_int_indices=True,
             sink_tokens=lay.sink_tokens, attention_window_size=lay.cache_tokens,
             quant_args=SETTINGS[name].quant_args(sink=sink),
-            global_sink_tokens=lay.global_sink_tokens, scratch=scratch,
+            global_sink_tokens=lay.global_sink_tokens, marker=marker,
         )
         for _ in range(geom.num_layers * lay.sets)
     ]
@@ -134,11 +135,7 @@ def _check_with_scratch(
     for i in range(lay.num_chunks):
         for p in range(2):
             k, v = _kv(n, 10 * i + p)
-            if p < 1:
-                for c in caches:
-                    c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
-                continue
-            with scratch.context_pass(pin=i in lay.pins):
+            with marker.committing(pin=i in lay.pins) if p else marker.probing():
                 for c in caches:
                     c.update_and_get_attention_kv(key=k, value=v, current_chunk_start=i * n)
         if i in lay.pins:
@@ -146,9 +143,8 @@ def _check_with_scratch(
                 c.pin_current_chunk(n)
         resident.append(sum(c.resident_nbytes() for c in caches))
     assert resident == [len(caches) * r for r in plan.resident_per_chunk]
-    assert scratch.nbytes == plan.scratch_bytes
-    assert max(resident) + scratch.nbytes == plan.kv_bytes
-    assert scratch.ledger.peak_nbytes == plan.peak_bytes
+    assert max(resident) == plan.kv_bytes
+    assert marker.ledger.peak_nbytes == plan.peak_bytes
 
 
 def _benchmark():
@@ -171,7 +167,7 @@ def _benchmark():
 def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
     """`benchmarks/sglang_bridge.py --layers` (its quick geometry: 3 blocks, 512-token chunks
     in 4 slots, 4 denoising passes and the context update, a shot pinned after chunk 2): its
-    peak (the scratch's ledger), its resident bytes at the end and sglang dense's allocation
+    peak (the marker's ledger), its resident bytes at the end and sglang dense's allocation
     are the planner's."""
     bench = _benchmark()
     m = bench.QUICK_MODEL
@@ -187,5 +183,5 @@ def test_planner_equals_the_benchmarks_all_layers_request(setting: str) -> None:
                   pins=frozenset({m.pin_after}))
     plan = plan_setting(geom, lay, SETTINGS[setting], cache=ROLLING_SLOT_CACHE)
     assert row["peak_bytes"] == plan.peak_bytes
-    assert row["resident_bytes"] == m.layers * plan.resident_per_chunk[-1] + plan.scratch_bytes
+    assert row["resident_bytes"] == m.layers * plan.resident_per_chunk[-1]
     assert row["dense_bytes"] == plan.dense_bytes

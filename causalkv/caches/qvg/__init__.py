@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from causalkv.caches.qvg.chunk_scratch import ChunkScratch
     from causalkv.caches.qvg.options import (
         QVGCodecOptions,
         QVGKVQuantArgs,
@@ -56,7 +55,6 @@ _EXPORTS = {
         "causalkv.caches.qvg.policy",
     ),
     **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
-    "ChunkScratch": "causalkv.caches.qvg.chunk_scratch",
 }
 
 __all__ = [
@@ -64,7 +62,6 @@ __all__ = [
     "RECENT_NON_SINK",
     "RecentChunksPolicy",
     "ChunkInfo",
-    "ChunkScratch",
     "KVWrite",
     "PackingDecision",
     "PackingPolicy",

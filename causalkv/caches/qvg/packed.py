@@ -39,14 +39,12 @@ so holds one decoded segment at a time, or, on its fused path,
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 
-from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
 from causalkv.caches.codecs.prq.quantizer import BACKEND_ENV, resolve_backend
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.passes import Commit, PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     DENSE_REASONS,
@@ -55,6 +53,7 @@ from causalkv.caches.qvg.policy import (
     centroids_for,
     resolve_policy,
 )
+from causalkv.caches.qvg.segments import CallerKV
 from causalkv.caches.qvg.store import (
     Codebook,
     DenseKV,
@@ -63,11 +62,9 @@ from causalkv.caches.qvg.store import (
     PackingReport,
     Segment,
     SegmentStore,
-    StorePlan,
 )
 from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
-    CacheProtocolError,
     CausalAttentionKVView,
     CausalCacheSpec,
     KVSegment,
@@ -77,17 +74,17 @@ from causalkv.caches.spec import (
 )
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
-    CHUNK_SCRATCH,
     GROWTH,
     HEAD_SLICE,
     INT_INDICES,
     PINNED_SINK,
+    PROBE_COMMIT,
     QUANT_QVG,
     RECENT_WINDOW,
     CacheCapabilities,
 )
 from causalkv.env import text as env_text
-from causalkv.errors import ConfigError, UsageError
+from causalkv.errors import ConfigError
 
 __all__ = [
     "DENSE_REASONS",
@@ -123,11 +120,9 @@ class QVGPackedCausalKVCache(StreamCache):
             are packed as soon as they are completed unless ``sink=False`` or among the leading
             ``sink_keep_chunks``). The names ``"recent-chunks"``/``"recent-non-sink"`` are
             accepted too.
-        scratch: the stage's `ChunkScratch` (shared by every layer and CFG branch of the
-            stage): the chunk being generated lives there, once, not in this cache, and a
-            write made inside ``scratch.context_pass()`` moves the chunk to its tier at once
-            and drops what the next advance would drop. The stage must end every chunk with
-            such a context write. None (default) keeps the chunk here (no cooperation needed).
+        marker: the caller's `causalkv.caches.passes.PassMarker` (`use_marker`): its
+            probes store nothing, its commit moves the chunk to its tier at once and drops
+            what the next advance drops; the cache reports its bytes to its ledger.
 
     Attributes:
         store: the `SegmentStore` holding the K/V.
@@ -139,7 +134,7 @@ class QVGPackedCausalKVCache(StreamCache):
     """
 
     capabilities = CacheCapabilities.of(
-        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG, CHUNK_SCRATCH
+        PINNED_SINK, HEAD_SLICE, RECENT_WINDOW, GROWTH, INT_INDICES, QUANT_QVG, PROBE_COMMIT
     )
 
     # ---- before any weights load (the host calls these on the chosen cache's class) -----------
@@ -195,7 +190,7 @@ class QVGPackedCausalKVCache(StreamCache):
         min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
         head_offset: int | None = None,
         policy: PackingPolicy | str = "recent-chunks",
-        scratch: ChunkScratch | None = None,
+        marker: PassMarker | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)
         quant = (quant or QVGKVQuantArgs()).validate()
@@ -213,26 +208,16 @@ class QVGPackedCausalKVCache(StreamCache):
             batch_size=spec.batch_size, num_heads=spec.num_heads, head_dim=spec.head_dim,
             dtype=spec.dtype, device=spec.torch_device, quant=quant, policy=self.policy,
             seed=seed, head_offset=self.head_offset, offload=offload, min_tokens_per_centroid=m,
-            scratch=scratch,
         )
         self.state = StreamState.from_spec(spec)
-        #: (chunk start, heads) the probes of the chunk being generated wrote: a context pass
-        #: of that chunk is complete once it has written those heads too
-        self._probed: tuple[int, frozenset[int]] = (-1, frozenset())
+        self.use_marker(marker)
 
-    def use_scratch(self, scratch: ChunkScratch) -> None:
-        """Hold the chunk being generated in ``scratch`` from now on (before the first write:
-        a `UsageError` once the cache holds K/V)."""
-        if self.store.segments:
-            raise UsageError("QVGPackedCausalKVCache.use_scratch: the cache already holds K/V; "
-                             "give it the scratch before the first write (or after reset_indices)")
-        if not isinstance(scratch, ChunkScratch):
-            raise ConfigError(f"use_scratch takes a ChunkScratch, got {scratch!r}")
-        self.store.scratch = scratch
-
-    @property
-    def scratch(self) -> ChunkScratch | None:
-        return self.store.scratch
+    def use_marker(self, marker: PassMarker | None) -> None:
+        """`StreamCache.use_marker`; the store reports to the marker's ledger."""
+        super().use_marker(marker)
+        self.store.ledger = None if marker is None else marker.ledger
+        if marker is not None:
+            marker.ledger.hold(self.store, self.store.resident_nbytes())
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def update_and_get_attention_kv(  # type: ignore[override]
@@ -245,58 +230,48 @@ class QVGPackedCausalKVCache(StreamCache):
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
         probe: bool = False,
+        commit: Commit | None = None,
     ) -> CausalAttentionKVView:
-        """`StreamCache.update_and_get_attention_kv`; inside ``scratch.context_pass()`` the
-        chunk then moves to its tier (the view returned shows it as written). The write and
-        the move are planned first and committed as one: a refused call changes nothing,
-        the shared scratch included. ``probe=True``: the view, nothing stored
-        (`StreamCache.probe_view`; packed history decoded into the view's buffer)."""
+        """`StreamCache.update_and_get_attention_kv`. A commit moves the chunk to its tier in
+        the same step (packed straight from the write's K/V when the policy does not keep
+        it). The write and the move are planned first and committed as one: a refused call
+        changes nothing. ``probe=True``: the view, nothing stored (`StreamCache.probe_view`;
+        packed history decoded into the view's buffer)."""
         h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
+        probe, commit = self._marks(probe, commit)
         if probe:
-            view = self.probe_view(key, value, current_chunk_start, (h0, h1),
+            return self.probe_view(key, value, current_chunk_start, (h0, h1),
                                    recent_window_tokens, debug_name)
-            start, heads = self._probed
-            heads = heads if start == current_chunk_start else frozenset()
-            self._probed = (current_chunk_start, heads | frozenset(range(h0, h1)))
-            return view
         n, st = key.shape[1], self.state
         advance = st.classify(current_chunk_start, n, debug_name) == "advance"
         new = st.advanced(n, debug_name) if advance else st
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         if advance:  # evict, pack cold chunks and add the new chunk
-            self._check_holds(new, debug_name)
             now = new.holding()
             plan = self.store.plan(held=now.held, write=write, advance=True,
                                    sink_end=now.sink_end, pinned=now.pinned)
         else:
             plan = self._plan_rewrite(write)
-        scratch = self.store.scratch
-        if scratch is not None and scratch.committing:
-            start, probed = self._probed
-            if start == new.cur_start and not probed <= plan.chunk_heads:
-                # a pass of the heads the probes wrote completes the chunk, not the first slice
-                plan = replace(plan, chunk_heads=plan.chunk_heads | probed)
-            ctx = new.after_context(scratch.pin)
-            plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end,
-                                          pinned=ctx.pinned)
-        if plan.view_segments is None:  # the layout after the commit (the scratch bound)
-            self.store.check_view(plan.segments, new.visible(recent_window_tokens), h0, h1,
-                                  debug_name, plan)
+        passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
+        if not done:
             self.store.commit(plan)  # nothing below can fail
-            self.state = new
+            self.state, self._pass = new, passed
             return self._view(h0, h1, recent_window_tokens)
-        # a context write: the view reads the layout before the commit drops what the next
-        # advance drops (and fills its buffer before the chunk takes its own storage)
-        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new, plan)
+        assert commit is not None
+        ctx = new.after_context(commit.pin, commit.next_tokens)
+        plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end, pinned=ctx.pinned)
+        # the view reads the layout before the commit drops what the next advance drops
+        assert plan.view_segments is not None
+        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
         self.store.commit(plan)  # nothing below can fail
-        self.state = new
+        self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed
         return view
 
     def _plan_rewrite(self, write: KVWrite):
         """The store after a rewrite of the current chunk: in place while dense segments hold
-        it, else (a chunk a context pass already moved to its tier) decoded back to dense."""
+        it, else (a chunk a commit already moved to its tier) decoded back to dense."""
         store = self.store
         if store.covers_dense(write.start, write.end):
             return store.plan_write(write)
@@ -305,37 +280,6 @@ class QVGPackedCausalKVCache(StreamCache):
             held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
             pinned=(st.pinned,) if st.pinned else (),
         )
-
-    def _check_holds(self, new: StreamState, what: str) -> None:
-        """`CacheProtocolError` when ``new`` retains positions a context pass already dropped
-        (it kept what an advance by a chunk of the committed chunk's size keeps)."""
-        assert new.cur_start is not None
-        have = iv.union(self.store.held(), ((new.cur_start, new.global_end),))
-        if not iv.contains(have, new.retained):
-            missing = iv.subtract(new.retained, have)
-            raise CacheProtocolError(
-                f"{what}: positions {iv.describe(missing)} were dropped at the last context pass "
-                f"(it kept what the next chunk of {self.state.cur_n} tokens keeps, with the pin "
-                "it announced); nothing was changed. Advance by chunks of the committed size and "
-                "announce a pin with ChunkScratch.context_pass(pin=True), or leave the scratch "
-                "unshared (ChunkScratch(shared=False))"
-            )
-
-    def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """`StreamCache.pin_current_chunk`; refused (`CacheProtocolError`, nothing changed) when
-        the range it pins was already dropped by a context pass that did not announce the pin.
-        A pin the pass did not announce may leave the next advance, or a read, needing
-        positions the pass dropped: those calls are refused then (`_check_holds`, `_view`)."""
-        new = self.state.pinned_to(current_num_tokens)
-        if new.pinned is not None and not iv.contains(self.store.held(), (new.pinned,)):
-            missing = iv.subtract((new.pinned,), self.store.held())
-            raise CacheProtocolError(
-                f"pin_current_chunk({current_num_tokens}): positions {iv.describe(missing)} were "
-                "dropped at the last context pass (nothing was changed); announce the pin with "
-                "ChunkScratch.context_pass(pin=True), or leave the scratch unshared "
-                "(ChunkScratch(shared=False))"
-            )
-        self.state = new
 
     # ---- the store's figures -----------------------------------------------------------
     @property
@@ -366,9 +310,24 @@ class QVGPackedCausalKVCache(StreamCache):
         return self.store.packing_report()
 
     # ---- views ------------------------------------------------------------------------
+    def probe_view(self, key, value, start, heads, recent_window_tokens, debug_name):
+        """`StreamCache.probe_view` as a lazy view: the store's segments for the history (packed
+        ones decoded only when read, one at a time when streamed) and the caller's own K/V
+        for the chunk's rows; nothing stored, nothing changed."""
+        n, st = key.shape[1], self.state
+        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
+        end = start + n
+        own = Segment(start, end, -1, -1, CallerKV(key, value, h0=heads[0]))
+        kept = [s for s in self.store.segments if s.end <= start or s.start >= end]
+        if any(s.start < end and start < s.end for s in self.store.segments
+               if not (start <= s.start and s.end <= end)):  # a segment across the chunk's edge
+            return super().probe_view(key, value, start, heads, recent_window_tokens, debug_name)
+        layout = sorted([*kept, own], key=lambda s: s.start)
+        return self._view(*heads, recent_window_tokens, layout, new)
+
     def _read_pieces(self, pieces, h0, h1):
         """`StreamCache._read_pieces` from the store (`SegmentStore.gather`, packed decoded)."""
-        if len(pieces) == 1:  # gather answers one piece with views of the store: copy it
+        if len(pieces) == 1 and pieces[0][0] is not None:  # gather gives views of the store: copy
             k, v = self.store.gather(pieces, h0, h1)
             return k.clone(), v.clone()
         return self.store.gather(pieces, h0, h1)
@@ -376,18 +335,13 @@ class QVGPackedCausalKVCache(StreamCache):
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
         layout: list[Segment] | None = None, state: StreamState | None = None,
-        plan: StorePlan | None = None,
     ) -> CausalAttentionKVView:
         """The view of ``visible`` read from ``layout`` (default: the store's segments; a
-        commit replaces that list, never mutates it). Refused (`CacheProtocolError`, nothing
-        changed) when ``layout`` does not hold every visible position, or holds the chunk in
-        a shared scratch another layer has written since: a view never claims what it does
-        not hold."""
+        commit replaces that list, never mutates it)."""
         st = self.state if state is None else state
         visible = st.visible(recent_window_tokens)
         store = self.store
         layout = store.segments if layout is None else layout
-        store.check_view(layout, visible, h0, h1, "read", plan)
         located = store.locate(visible, layout)
 
         def segments() -> Iterator[KVSegment]:
@@ -416,6 +370,6 @@ class QVGPackedCausalKVCache(StreamCache):
         `packing_report` keeps counting: the dropped chunks count with their last storage.
         """
         self.state = StreamState.from_spec(self.spec)
-        self._probed = (-1, frozenset())
+        self._pass = (-1, frozenset())
         self.store.reset()
 

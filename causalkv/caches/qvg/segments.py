@@ -18,17 +18,15 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
 __all__ = [
     "BorrowedKV",
+    "CallerKV",
     "Codebook",
     "DecodedKV",
     "DenseKV",
-    "PendingScratchKV",
-    "ScratchKV",
     "KVWrite",
     "PackedKV",
     "PackingReport",
@@ -81,39 +79,29 @@ class DecodedKV(DenseKV):
 
 
 @dataclass(frozen=True, eq=False)
-class ScratchKV(DenseKV):
-    """The chunk being generated: ``k``/``v`` are views of the stage's shared `ChunkScratch`
-    ``[B, len, H, D]``, held once for every layer, so a layer counts no bytes for them.
-
-    Valid only for the cache that wrote the scratch last (``scratch.writer``); the store
-    checks that before every read.
-    """
-
-    scratch: ChunkScratch
-
-    @property
-    def nbytes(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True, eq=False)
 class BorrowedKV(DenseKV):
     """Views of K/V the store does not own ``[B, len, H, D]`` (the write's tensors): a plan
-    packs straight from them, and a plan that keeps the chunk dense gives it its own copy
-    (`SegmentStore.plan_commit`); never committed as is."""
+    packs straight from them, and `SegmentStore.commit` gives what stays dense its own copy;
+    never held as is."""
 
 
 @dataclass(frozen=True, eq=False)
-class PendingScratchKV:
-    """A new chunk planned into the stage's shared `ChunkScratch` ``shape = [B, len, H, D]``:
-    `SegmentStore.commit` takes the scratch's buffer for it (planning changes nothing)."""
+class CallerKV(BorrowedKV):
+    """A probe's own K/V ``[B, len, h, D]`` of heads ``[h0, h0 + h)`` (the caller's tensors,
+    views): read as the store's segments are, by global head (a probe view's chunk rows)."""
 
-    scratch: ChunkScratch
-    shape: tuple[int, int, int, int]
+    h0: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return 0
+    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
+        return self.k[:, lo:hi, h0 - self.h0 : h1 - self.h0], self.v[:, lo:hi, h0 - self.h0 : h1 - self.h0]
+
+    def read_into(
+        self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        kk, vv = self.heads(lo, hi, h0, h1)
+        k.copy_(kk)
+        v.copy_(vv)
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,7 +192,7 @@ class Segment:
     end: int
     first_chunk: int
     last_chunk: int
-    storage: DenseKV | PackedKV | PendingScratchKV
+    storage: DenseKV | PackedKV
 
     @property
     def packed(self) -> bool:
@@ -336,12 +324,6 @@ class StorePlan:
     write: KVWrite
     packs: list[Segment] = field(default_factory=list)
     reasons: dict[int, str] = field(default_factory=dict)  # chunk -> why it stays dense
-    #: heads of the chunk being generated written since its advance
-    chunk_heads: frozenset[int] = frozenset()
-    #: (context pass number, heads written in it) of the chunk a context pass writes
-    pass_heads: tuple[int, frozenset[int]] | None = None
-    #: heads of the chunk being generated another layer overwrote in the shared scratch
-    lost_heads: frozenset[int] = frozenset()
     #: what the call's view reads (`SegmentStore.plan_commit`: the chunk as written, and the
     #: positions the commit drops); None: ``segments``
     view_segments: list[Segment] | None = None
@@ -350,7 +332,7 @@ class StorePlan:
 
 def dense_storage(seg: Segment) -> DenseKV:
     """``seg``'s `DenseKV` (a packed segment is refused: only dense ones are sliced or packed)."""
-    if not isinstance(seg.storage, DenseKV):  # packed, or a scratch chunk not yet bound
+    if not isinstance(seg.storage, DenseKV):
         raise InvalidTypeError(f"segment [{seg.start}, {seg.end}) is packed; only dense segments are sliced or packed")
     return seg.storage
 

@@ -12,20 +12,25 @@ committed (`commit`, which cannot fail: a write that raises leaves the store as 
 rewrite of the current chunk is one in-place copy (`write`). Which chunks stay dense is the
 `PackingPolicy` object's; what is packed by which codec in which spans is the tier policy's
 (`causalkv.caches.qvg.tiering`, counted by the memory planner too), encoded by `store_pack`.
-Reads (`gather`, `decode`, `locate_pieces`; `held`, `resident_nbytes`) are `store_reads`.
+Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list of
+position runs (dense rows copied, packed token ranges decoded in place: no dequantized
+temporary, no concatenation); `decode` does the same for one segment (streaming attention
+holds one segment at a time); `locate_pieces` gives `gather`'s pieces as the stored runs they
+read, and `stored_segments` yields those runs as stored (dense views, packed slices: nothing
+decoded). Every buffer a read fills is reported to the store's ledger, if it has one.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg.chunk_scratch import ChunkScratch
+from causalkv.caches.ledger import ByteLedger
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
     MIN_TOKENS_PER_CENTROID,
@@ -42,17 +47,14 @@ from causalkv.caches.qvg.segments import (
     KVWrite,
     PackedKV,
     PackingReport,
-    PendingScratchKV,
-    ScratchKV,
     Segment,
     StorePlan,
     copy_write,
     dense_storage,
 )
 from causalkv.caches.qvg.store_pack import Packer
-from causalkv.caches.qvg.store_reads import StoreReads
 from causalkv.caches.qvg.tiering import chunk_infos, keep_held, tier_policy
-from causalkv.caches.spec import CacheProtocolError
+from causalkv.caches.spec import CacheProtocolError, CacheReadError, KVSegment, StoredSegment
 from causalkv.errors import ConfigError
 
 __all__ = [
@@ -61,7 +63,6 @@ __all__ = [
     "KVWrite",
     "PackedKV",
     "PackingReport",
-    "ScratchKV",
     "Segment",
     "SegmentStore",
     "StorePlan",
@@ -73,7 +74,7 @@ _PACKED = "packed"
 # ---------------------------------------------------------------------------------------------
 # The store
 # ---------------------------------------------------------------------------------------------
-class SegmentStore(StoreReads):
+class SegmentStore:
     """K/V of one layer by global position, cold chunks packed by a codec (see the module docstring).
 
     Args:
@@ -86,10 +87,8 @@ class SegmentStore(StoreReads):
             ``device`` when read.
         min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
             ``quant.centroids`` as given.
-        scratch: the stage's `ChunkScratch`: the chunk being generated lives there (one
-            buffer for all layers), not in this store; the host then ends every chunk with a
-            context write (`plan_commit`), and the store reports its bytes to the scratch's
-            ledger. None keeps the chunk being generated here.
+        ledger: the `ByteLedger` the store reports to (what it holds after each commit,
+            every buffer a read fills), shared by the caches of a request; None: no report.
 
     Raises:
         ConfigError: settings whose codec (or recency tier) cannot pack ``head_dim``
@@ -112,7 +111,7 @@ class SegmentStore(StoreReads):
         head_offset: int = 0,
         offload: bool = False,
         min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
-        scratch: ChunkScratch | None = None,
+        ledger: ByteLedger | None = None,
     ) -> None:
         quant = quant.validate()
         m = min_tokens_per_centroid
@@ -139,9 +138,9 @@ class SegmentStore(StoreReads):
         self.tiering = tiering
         #: packs the cold segments as ``tiering`` decides (`causalkv.caches.qvg.store_pack`)
         self.packer = Packer(tiering, self.device, dtype, seed, head_offset, offload)
-        if scratch is not None and not isinstance(scratch, ChunkScratch):
-            raise ConfigError(f"SegmentStore scratch must be a ChunkScratch or None, got {scratch!r}")
-        self.scratch = scratch
+        if ledger is not None and not isinstance(ledger, ByteLedger):
+            raise ConfigError(f"SegmentStore ledger must be a ByteLedger or None, got {ledger!r}")
+        self.ledger = ledger
         self.segments: list[Segment] = []
         self.codebook: Codebook | None = None
         #: index of the chunk being written (None before the first advance)
@@ -157,12 +156,6 @@ class SegmentStore(StoreReads):
         self._live: dict[int, str] = {}  # completed chunk still held -> "packed" or dense reason
         self._settled: Counter[str] = Counter()  # the same for chunks no longer held
         self._centroids_used: Counter[int] = Counter()
-        #: heads of the chunk being generated written since its advance
-        self.chunk_heads: frozenset[int] = frozenset()
-        #: (context pass number, heads written in it) of the chunk the last pass wrote
-        self.pass_heads: tuple[int, frozenset[int]] | None = None
-        #: heads of the chunk being generated another layer overwrote in the shared scratch
-        self.lost_heads: frozenset[int] = frozenset()
 
     def packing_report(self) -> PackingReport:
         """Chunks packed and kept dense (and why) so far, and the centroids used."""
@@ -177,29 +170,15 @@ class SegmentStore(StoreReads):
 
     # ---- writes ---------------------------------------------------------------------------
     def write(self, w: KVWrite) -> None:
-        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`).
-
-        Raises:
-            CacheProtocolError: the chunk lives in a shared scratch another layer has
-                written since, and ``w`` does not rewrite every head written to it (nothing
-                is changed).
-        """
+        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`)."""
         self.commit(self.plan_write(w))
 
     def plan_write(self, w: KVWrite) -> StorePlan:
         """The store after ``w``, a rewrite of positions dense segments hold (`covers_dense`):
-        the layout stays, ``w`` is copied in by `commit` (``self`` untouched).
-
-        Raises:
-            CacheProtocolError: ``w`` rewrites part of a chunk in the shared scratch that
-                another layer has written since (its other rows are gone).
-        """
-        self._check_partial_scratch(w)
+        the layout stays, ``w`` is copied in by `commit` (``self`` untouched)."""
         return StorePlan(
             _rewritten(self.segments, w, self.num_heads), self.codebook, self.current, self.chunk_tokens,
             self._next_chunk, w, reasons=dict(self._reasons),
-            chunk_heads=self.chunk_heads | _heads(w), pass_heads=self.pass_heads,
-            lost_heads=self._lost_after(w),
         )
 
     def plan(
@@ -221,12 +200,7 @@ class SegmentStore(StoreReads):
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
         kept, book = self._held_only(segs, held, self.codebook)
-        plan = StorePlan(
-            kept, book, current, chunk_tokens, next_chunk, write,
-            chunk_heads=_heads(write) if advance else self.chunk_heads | _heads(write),
-            pass_heads=self.pass_heads,
-            lost_heads=frozenset() if advance else self._lost_after(write),
-        )
+        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
         completed = {c for s in kept for c in s.chunks if c != current}
         if not self.quant.enabled:
             return replace(plan, reasons=dict.fromkeys(completed, QUANT_OFF))
@@ -240,55 +214,32 @@ class SegmentStore(StoreReads):
         return replace(plan, reasons={c: self._reasons.get(c, POLICY) for c in completed})
 
     def plan_commit(
-        self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = ()
+        self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = (),
     ) -> StorePlan:
-        """The store once the chunk ``base`` writes is context (a context pass writes it last).
+        """The store once the chunk ``base`` writes is committed (the context pass writes it).
 
         ``base`` is this call's write planned on this very state (`plan` or `plan_write`),
         not yet committed: the two are committed as one (`commit` of the result), so a
-        refusal here changes nothing, the shared scratch included. The chunk leaves the
-        scratch for its tier at once: packed straight from the write's K/V when the policy
-        does not keep it, else its own dense copy (or its recency-tier packing). Only the
-        positions in ``held`` stay: the host passes what its next advance will keep, so
-        nothing is held only to be evicted at the next chunk. ``sink_end``/``pinned`` as in
-        `plan`, for the stream after this chunk (a pin announced for this chunk included).
-
-        A context write of some of the chunk's heads (one part of a head-parallel write)
-        moves the chunk to its own dense copy and waits: it is packed by the pass's write
-        that completes the heads the chunk was written with since its advance.
+        refusal here changes nothing. The chunk goes to its tier at once: packed straight
+        from the write's K/V when the policy does not keep it, else its own dense copy (or
+        its recency-tier packing). Only the positions in ``held`` stay: the host passes
+        what its next advance will keep. ``sink_end``/``pinned`` as in `plan`, for the
+        stream after this chunk (a pin announced for this chunk included).
 
         The returned plan's ``view_segments`` is what this call's view reads: the layout
         before the drop, the chunk as written (views of the write's K/V or its copy).
-
-        Raises:
-            CacheProtocolError (a UsageError): ``base`` writes nothing, or the chunk's K/V in
-                the scratch were overwritten by another layer (`_check_scratch_rewrite`).
         """
         w = base.write
-        if w.key is None or w.value is None or w.end <= w.start:
-            raise CacheProtocolError(
-                "SegmentStore.plan_commit: the context pass's write carries no K/V; commit the "
-                "write of the chunk's clean K/V made inside ChunkScratch.context_pass()"
-            )
-        number = self.scratch.passes if self.scratch is not None else 0
-        before = self.pass_heads[1] if self.pass_heads and self.pass_heads[0] == number else frozenset()
-        pass_heads = (number, before | _heads(w))
+        assert w.key is not None and w.value is not None and w.end > w.start
         written = [
             replace(seg, storage=self._as_written(seg, w))
             if seg.start < w.end and w.start < seg.end and not seg.packed else seg
             for seg in base.segments
         ]
-        if not pass_heads[1] >= base.chunk_heads or base.lost_heads:  # more heads are coming
-            return replace(
-                base, segments=[_owned(seg) for seg in written], write=_NO_WRITE,
-                pass_heads=pass_heads, view_segments=written,
-            )
         kept, book = self._held_only(written, held, base.codebook)
         ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
-        plan = StorePlan(
-            kept, book, None, base.chunk_tokens, ahead, _NO_WRITE, packs=list(base.packs),
-            chunk_heads=base.chunk_heads, pass_heads=pass_heads, view_segments=written,
-        )
+        plan = StorePlan(kept, book, None, base.chunk_tokens, ahead, _NO_WRITE,
+                         packs=list(base.packs), view_segments=written)
         if not self.quant.enabled:
             plan = replace(plan, reasons={c: QUANT_OFF for s in kept for c in s.chunks})
         else:
@@ -297,8 +248,7 @@ class SegmentStore(StoreReads):
                 sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=base.chunk_tokens,
             )
             plan = self.packer.pack_cold(plan, decision, ahead)
-        # what stays dense gets its own copy (the write's tensors are the caller's)
-        return replace(plan, segments=[_owned(seg) for seg in plan.segments])
+        return plan
 
     def _held_only(
         self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
@@ -312,32 +262,29 @@ class SegmentStore(StoreReads):
 
     def _as_written(self, seg: Segment, w: KVWrite) -> DenseKV:
         """``seg``'s dense K/V once ``w`` is written: views of ``w`` when it covers the segment
-        whole (`BorrowedKV`), else a copy with ``w`` copied in."""
+        whole (`BorrowedKV`), else a copy with ``w`` copied in (a chunk decoded from packed
+        stays marked so: never packed twice)."""
         lo, hi = max(w.start, seg.start), min(w.end, seg.end)
         assert w.key is not None and w.value is not None
-        if (lo, hi) == (seg.start, seg.end) and w.heads == (0, self.num_heads):
+        if (lo, hi) == (seg.start, seg.end) and self._borrows(w):
             return BorrowedKV(w.key[:, lo - w.start : hi - w.start], w.value[:, lo - w.start : hi - w.start])
-        st = seg.storage
-        if isinstance(st, PendingScratchKV):
-            own = DenseKV(torch.zeros(st.shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(st.shape, dtype=self.dtype, device=self.device))
-        else:
-            st = dense_storage(seg)
-            if isinstance(st, ScratchKV) and not st.scratch.intact(self):
-                # another layer wrote the scratch: only heads never written were zeros
-                own = DenseKV(torch.zeros_like(st.k), torch.zeros_like(st.v))
-            else:  # a chunk decoded from packed stays marked so (never packed twice)
-                own = (DecodedKV if isinstance(st, DecodedKV) else DenseKV)(st.k.clone(), st.v.clone())
+        st = dense_storage(seg)
+        own = (DecodedKV if isinstance(st, DecodedKV) else DenseKV)(st.k.clone(), st.v.clone())
         patched = replace(seg, storage=own)
         copy_write([patched], w)
         return own
 
+    def _borrows(self, w: KVWrite) -> bool:
+        """True when the store may hold views of ``w``'s K/V until its commit copies them: every
+        head, in the store's dtype and on its device."""
+        return (w.key is not None and w.value is not None and w.heads == (0, self.num_heads)
+                and w.key.dtype == w.value.dtype == self.dtype
+                and w.key.device == w.value.device == self.device)
+
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
-        nothing here can fail. A new chunk planned into the shared scratch takes its buffer
-        now (the scratch is this store's from here on)."""
-        segments = [self._bind(seg) for seg in plan.segments]
-        self._claim_scratch(segments, plan.write)
+        nothing here can fail. K/V the plan borrowed from a write get their own copy."""
+        segments = [_owned(seg) for seg in plan.segments]
         copy_write(segments, plan.write)
         live = {
             c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
@@ -353,18 +300,8 @@ class SegmentStore(StoreReads):
         self.segments, self.codebook = segments, plan.codebook
         self.current, self.chunk_tokens = plan.current, plan.chunk_tokens
         self._next_chunk = plan.next_chunk
-        self.chunk_heads, self.pass_heads = plan.chunk_heads, plan.pass_heads
-        self.lost_heads = plan.lost_heads
-        if self.scratch is not None:
-            self.scratch.ledger.hold(self, self.resident_nbytes())
-
-    def _bind(self, seg: Segment) -> Segment:
-        """``seg`` with a planned scratch chunk given the scratch's buffer (zeroed, now ours)."""
-        st = seg.storage
-        if not isinstance(st, PendingScratchKV):
-            return seg
-        k, v = st.scratch.buffer(st.shape, self.dtype, self.device, self)
-        return replace(seg, storage=ScratchKV(k, v, scratch=st.scratch))
+        if self.ledger is not None:
+            self.ledger.hold(self, self.resident_nbytes())
 
     def reset(self) -> None:
         """Free every segment (a new stream); the packing report keeps counting."""
@@ -376,121 +313,29 @@ class SegmentStore(StoreReads):
         self._reasons = {}
         self._settled.update(self._live.values())
         self._live = {}
-        self.chunk_heads, self.pass_heads, self.lost_heads = frozenset(), None, frozenset()
-        if self.scratch is not None:
-            self.scratch.ledger.hold(self, 0)
+        if self.ledger is not None:
+            self.ledger.hold(self, 0)
 
-    def check_readable(self, seg: Segment) -> None:
-        """`CacheProtocolError` for a segment in the shared scratch that another store has
-        written since this one (its K/V are gone): readable only by the scratch's last writer."""
-        if isinstance(seg.storage, ScratchKV):
-            seg.storage.scratch.check_reader(self, "SegmentStore read")
-
-    # ---- internals: writes ----------------------------------------------------------------
-    def _lost_after(self, w: KVWrite) -> frozenset[int]:
-        """Heads of the chunk being generated whose K/V are unknown once ``w`` is written:
-        those written to the shared scratch before another layer overwrote it, and not
-        rewritten since (``w`` included). Nothing reads them (`check_heads`) until rewritten."""
-        lost = self.lost_heads
-        for seg in self.segments:
-            st = seg.storage
-            if (isinstance(st, ScratchKV) and seg.start < w.end and w.start < seg.end
-                    and not st.scratch.intact(self)):
-                lost = lost | self.chunk_heads
-        return lost - _heads(w) if w.key is not None else lost
-
-    def check_view(
-        self, layout: Sequence[Segment], positions: Intervals, h0: int, h1: int, what: str,
-        plan: StorePlan | None = None,
-    ) -> None:
-        """Refuse a view of ``positions`` (heads ``[h0, h1)``) that ``layout`` cannot give: the
-        segments the view reads, now or (with ``plan``, checked before it is committed) once
-        ``plan`` is committed. So a view never shows what the store does not hold, and a
-        refused call changes nothing.
+    def check_view(self, layout: Sequence[Segment], positions: Intervals, what: str) -> None:
+        """Refuse a view of ``positions`` that ``layout`` (the segments the view reads) does
+        not hold, before anything changes: a view never shows what the store does not hold.
 
         Raises:
-            CacheProtocolError (a UsageError): positions the last context pass dropped (it kept
-                what the next advance by a chunk of its size keeps); heads of the chunk being
-                generated another layer overwrote in the shared scratch and nobody rewrote
-                (``plan.lost_heads``); or a chunk in the shared scratch another layer has
-                written since that ``plan``'s write does not rewrite whole.
+            CacheProtocolError (a UsageError): positions a commit dropped because the caller
+                said the next advance drops them (`causalkv.caches.passes.Commit`), read by a
+                host whose cursor does not follow the commit (nothing was changed).
         """
         missing = iv.subtract(positions, iv.normalize((s.start, s.end) for s in layout))
         if missing:
             raise CacheProtocolError(
                 f"{what}: the view of positions {iv.describe(positions)} needs "
-                f"{iv.describe(missing)}, which were dropped at the last context pass (it keeps "
-                "only what the next advance by a chunk of its size keeps; nothing was changed); "
-                "advance by chunks of the committed size and read a view inside the call that "
-                "wrote it, or leave the scratch unshared (ChunkScratch(shared=False)) to keep "
-                "every visible position until the advance"
-            )
-        lost = self.lost_heads if plan is None else plan.lost_heads
-        heads = sorted(lost & frozenset(range(h0, h1)))
-        if heads:
-            raise CacheProtocolError(
-                f"{what}: heads {heads} of the chunk being generated were written to the stage's "
-                "shared scratch, which another layer has written since, and were not rewritten "
-                "(nothing was changed); write every head of the chunk before another layer "
-                "writes, or leave the scratch unshared (ChunkScratch(shared=False))"
-            )
-        w = _NO_WRITE if plan is None else plan.write
-        for seg in layout:
-            st = seg.storage
-            if (isinstance(st, ScratchKV) and iv.intersect(seg.run, positions)
-                    and not st.scratch.intact(self)
-                    and not (w.key is not None and w.start <= seg.start and seg.end <= w.end)):
-                raise CacheProtocolError(
-                    f"{what}: the view needs chunk [{seg.start}, {seg.end}), generated in the "
-                    "stage's shared scratch, which another layer has written since (nothing was "
-                    "changed); end every chunk with its context pass inside "
-                    "ChunkScratch.context_pass() before another layer writes, or leave the "
-                    "scratch unshared (ChunkScratch(shared=False))"
-                )
-
-    def _check_partial_scratch(self, w: KVWrite) -> None:
-        """`CacheProtocolError` for a write into part of a chunk in the shared scratch that
-        another layer has written since: its other rows would be that layer's K/V."""
-        for seg in self.segments:
-            st = seg.storage
-            if (isinstance(st, ScratchKV) and seg.start < w.end and w.start < seg.end
-                    and not (w.start <= seg.start and seg.end <= w.end)
-                    and not st.scratch.intact(self)):
-                raise CacheProtocolError(
-                    f"SegmentStore: the write of [{w.start}, {w.end}) rewrites part of chunk "
-                    f"[{seg.start}, {seg.end}), generated in the stage's shared scratch, which "
-                    "another layer has written since: its other rows are gone (nothing was "
-                    "changed); end every chunk with its context pass inside "
-                    "ChunkScratch.context_pass(), or leave the scratch unshared "
-                    "(ChunkScratch(shared=False))"
-                )
-
-    def check_heads(self, h0: int, h1: int, what: str) -> None:
-        """`CacheProtocolError` when heads ``[h0, h1)`` of the chunk being generated are lost
-        (another layer overwrote them in the shared scratch and they were not rewritten)."""
-        lost = sorted(self.lost_heads & frozenset(range(h0, h1)))
-        if lost:
-            raise CacheProtocolError(
-                f"{what}: heads {lost} of the chunk being generated were written to the stage's "
-                "shared scratch, which another layer has written since, and were not rewritten "
-                "(nothing was changed); write every head of the chunk before another layer "
-                "writes, or leave the scratch unshared (ChunkScratch(shared=False))"
+                f"{iv.describe(missing)}, which the last commit dropped (it kept what the next "
+                "advance it was told of keeps; nothing was changed); give the commit the next "
+                "chunk's size and pin (Commit(next_tokens=..., pin=...)), or write the context "
+                "pass unmarked"
             )
 
-    def _claim_scratch(self, segs: Sequence[Segment], w: KVWrite) -> None:
-        """Before ``w`` is copied into a scratch segment of ``segs``: the scratch is this
-        store's now, and heads outside ``w`` read as zeros (another layer wrote them)."""
-        if w.key is None or self.scratch is None:
-            return
-        for seg in segs:
-            if isinstance(seg.storage, ScratchKV) and seg.start < w.end and w.start < seg.end:
-                if seg.storage.scratch.writer is not self:
-                    h0, h1 = w.heads
-                    if (h0, h1) != (0, self.num_heads):
-                        seg.storage.k.zero_()
-                        seg.storage.v.zero_()
-                seg.storage.scratch.claim(self)
-
+    # ---- internals: writes ----------------------------------------------------------------
     def _covered(self, w: KVWrite, advance: bool) -> tuple[list[Segment], int, int | None, int]:
         """The segments once ``w``'s positions are all held: new zero chunks where none held
         them, packed ones it touches decoded to dense. Returns (segments, next chunk index,
@@ -499,37 +344,21 @@ class SegmentStore(StoreReads):
         nxt, current, chunk_tokens = self._next_chunk, self.current, self.chunk_tokens
         at = w.start
 
-        def new_chunk(a: int, b: int, scratch: ChunkScratch | None = None) -> Segment:
+        def new_chunk(a: int, b: int) -> Segment:
             nonlocal nxt
-            shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
-            storage: DenseKV | PendingScratchKV
-            if scratch is not None and scratch.shared:  # the stage's one buffer, at commit
-                storage = PendingScratchKV(scratch, shape)
+            storage: DenseKV
+            if self._borrows(w):
+                # every row comes from the write: borrow it (`commit` copies, a commit packs it)
+                storage = BorrowedKV(w.key[:, a - w.start : b - w.start],
+                                     w.value[:, a - w.start : b - w.start])
             else:
+                shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
                 storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
                                   torch.zeros(shape, dtype=self.dtype, device=self.device))
             nxt += 1
             return Segment(a, b, nxt - 1, nxt - 1, storage)
 
-        if advance and self.lost_heads and self.current is not None:
-            self.check_heads(0, self.num_heads, f"SegmentStore: the advance to [{w.start}, {w.end})")
         segments = _rewritten(self.segments, w, self.num_heads)
-        for i, seg in enumerate(segments):
-            if not isinstance(seg.storage, ScratchKV) or (seg.start, seg.end) == (w.start, w.end):
-                continue
-            # a chunk that leaves the scratch without a context pass: its own copy while the
-            # scratch still holds its K/V (no other layer wrote it since), else it is lost
-            if not seg.storage.scratch.intact(self) or self.lost_heads:
-                raise CacheProtocolError(
-                    f"SegmentStore: chunk [{seg.start}, {seg.end}) was generated in the stage's "
-                    "shared scratch, another layer has written the scratch since, and the chunk "
-                    f"was never committed by a context pass, so the write of [{w.start}, "
-                    f"{w.end}) would lose it (nothing was changed); end every chunk with its "
-                    "context pass inside ChunkScratch.context_pass(), or leave the scratch "
-                    "unshared (ChunkScratch(shared=False), no context_pass) to keep each "
-                    "layer's chunk in its own cache"
-                )
-            segments[i] = replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
         for seg in segments:
             if seg.end <= w.start or seg.start >= w.end:
                 out.append(seg)
@@ -541,7 +370,7 @@ class SegmentStore(StoreReads):
             out.append(seg)
             at = max(at, min(seg.end, w.end))
         if at < w.end:
-            tail = new_chunk(at, w.end, self.scratch if advance else None)
+            tail = new_chunk(at, w.end)
             out.append(tail)
             if advance:
                 current = tail.first_chunk
@@ -561,13 +390,209 @@ class SegmentStore(StoreReads):
         st = seg.storage.decoded(self.device, self.dtype)
         return DecodedKV(st.k, st.v)
 
+    # ---- what it holds --------------------------------------------------------------------
+    def held(self) -> Intervals:
+        """The positions stored."""
+        return iv.normalize((s.start, s.end) for s in self.segments)
+
+    def resident_nbytes(self) -> int:
+        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
+
+        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
+        tensor referenced by each of them and is counted once.
+        """
+        total, seen = 0, set()
+        for seg in self.segments:
+            total += seg.nbytes
+            if isinstance(seg.storage, PackedKV):
+                for c in seg.storage.shared_tensors():
+                    key = (c.device, c.data_ptr())
+                    if key in seen:
+                        total -= c.nbytes
+                    seen.add(key)
+        return total
+
+    def packed_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.packed]
+
+    def covers_dense(self, start: int, end: int) -> bool:
+        """True when dense segments hold every position of ``[start, end)``."""
+        at = start
+        for seg in self.segments:
+            if seg.end <= at or seg.start >= end:
+                continue
+            if seg.start > at or seg.packed:
+                return False
+            at = seg.end
+            if at >= end:
+                return True
+        return at >= end
+
+    # ---- reads ----------------------------------------------------------------------------
+    def locate(
+        self, positions: Intervals, segments: Sequence[Segment] | None = None
+    ) -> list[tuple[Segment, Intervals]]:
+        """The segments (of ``segments``, default the store's) holding any of ``positions``,
+        each with the runs of them it holds."""
+        out = []
+        for seg in self.segments if segments is None else segments:
+            runs = iv.intersect(seg.run, positions)
+            if runs:
+                out.append((seg, runs))
+        return out
+
+    def locate_pieces(
+        self, pieces: Sequence[tuple[int | None, int]], segments: Sequence[Segment] | None = None,
+    ) -> list[tuple[Segment | None, int, int]]:
+        """``pieces`` (as `gather` takes them) as stored runs, in order: ``(segment, a, b)`` for
+        positions ``[a, b)`` held by ``segment``, ``(None, 0, n)`` for ``n`` zero rows. A piece
+        repeated or out of position order stays so: this is a reader's order, not a set.
+        ``segments``: the layout to read (default: the store's now).
+
+        Raises:
+            CacheReadError (a RuntimeError): a position the store does not hold.
+        """
+        segs = self.segments if segments is None else segments
+        out: list[tuple[Segment | None, int, int]] = []
+        for p, n in pieces:
+            if p is None:
+                out.append((None, 0, n))
+            else:
+                out.extend(self._walk(segs, p, p + n))
+        return out
+
+    def gather(
+        self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
+        segments: Sequence[Segment] | None = None,
+    ) -> KVSegment:
+        """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order: ``(position, length)`` reads the
+        positions ``[position, position + length)``, ``(None, length)`` gives zeros.
+        ``segments``: the layout to read (default: the store's now; a lazy view passes the
+        one it was made from, which a later commit replaces but never mutates).
+
+        One buffer is allocated and filled in place (packed ranges decoded into it); a single
+        piece held by one dense segment is returned as views of it, as a dense cache would.
+
+        Raises:
+            CacheReadError (a RuntimeError): a position the store does not hold.
+        """
+        segs = self.segments if segments is None else segments
+        total = sum(n for _, n in pieces)
+        shape = (self.batch_size, total, h1 - h0, self.head_dim)
+        if len(pieces) == 1 and pieces[0][0] is not None:
+            p, n = pieces[0]
+            for seg in segs:
+                if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
+                    return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        at, decoded = 0, False
+        for p, n in pieces:
+            if p is None:
+                k[:, at : at + n].zero_()
+                v[:, at : at + n].zero_()
+            else:
+                decoded |= self._fill(segs, p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
+            at += n
+        if decoded:
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        if self.ledger is not None:
+            self.ledger.transient(k.nbytes + v.nbytes)
+        return k, v
+
+    def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
+        """K/V ``[B, count(runs), h1 - h0, D]`` of the runs ``seg`` holds, in one buffer (views
+        of a dense segment when one run); for attention that visits one segment at a time."""
+        if isinstance(seg.storage, DenseKV) and len(runs) == 1:
+            (a, b), = runs
+            return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+        shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        at = 0
+        for a, b in runs:
+            self._copy_into(seg, a, b, h0, h1, k[:, at : at + b - a], v[:, at : at + b - a])
+            at += b - a
+        if seg.packed:
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        if self.ledger is not None:
+            self.ledger.transient(k.nbytes + v.nbytes)
+        return k, v
+
+    def zeros(self, n: int, h0: int, h1: int) -> KVSegment:
+        """K/V zeros ``[B, n, h1 - h0, D]`` (one buffer for both): rows a reader shows that
+        hold no position."""
+        z = torch.zeros((self.batch_size, n, h1 - h0, self.head_dim), dtype=self.dtype,
+                        device=self.device)
+        return z, z
+
+    def stored_segments(
+        self, located: Sequence[tuple[Segment | None, Intervals]], h0: int, h1: int,
+    ) -> Iterator[StoredSegment]:
+        """The position runs ``located`` names, as stored, in order (nothing decoded): per run
+        ``(a, b)`` of a dense segment views ``[B, b - a, h1 - h0, D]`` of it, of a packed one
+        the codec's `PackedSegment` head/token slices of K and V (the segment onloaded to
+        ``device`` once per entry), and for a None segment zeros ``[B, b - a, h, D]``. What a
+        view's ``iter_stored_segments`` yields (`causalkv.caches.attend`'s fused path).
+
+        ``located``: ``(segment, runs)`` pairs as `locate` gives them (a None segment: runs
+        of rows with no position)."""
+        for seg, runs in located:
+            if seg is None:
+                for a, b in runs:
+                    yield self.zeros(b - a, h0, h1)
+                continue
+            storage = seg.storage
+            if isinstance(storage, PackedKV):
+                storage = storage.onloaded(self.device).select_heads(h0, h1)
+            for a, b in runs:
+                lo, hi = a - seg.start, b - seg.start
+                if isinstance(storage, PackedKV):
+                    yield storage.k.select_tokens(lo, hi), storage.v.select_tokens(lo, hi)
+                else:
+                    yield storage.heads(lo, hi, h0, h1)
+
+    # ---- internals: reads -----------------------------------------------------------------
+    def _fill(
+        self, segs: Sequence[Segment], p0: int, p1: int, h0: int, h1: int,
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> bool:
+        """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
+        was packed."""
+        decoded = False
+        for seg, a, b in self._walk(segs, p0, p1):
+            self._copy_into(seg, a, b, h0, h1, k[:, a - p0 : b - p0], v[:, a - p0 : b - p0])
+            decoded |= seg.packed
+        return decoded
+
+    def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
+        """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
+        `CacheReadError` (a RuntimeError) for a position no segment holds."""
+        out: list[tuple[Segment, int, int]] = []
+        at = p0
+        for seg in segs:
+            if seg.end <= at or seg.start >= p1:
+                continue
+            if seg.start > at:
+                break
+            b = min(seg.end, p1)
+            out.append((seg, at, b))
+            at = b
+            if at >= p1:
+                return out
+        raise CacheReadError(
+            f"SegmentStore: positions [{at}, {p1}) are not held (held: "
+            f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"
+        )
+
+    def _copy_into(
+        self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
+        seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
+
 
 _NO_WRITE = KVWrite(0, 0, (0, 0))
-
-
-def _heads(w: KVWrite) -> frozenset[int]:
-    """The heads ``w`` writes."""
-    return frozenset(range(*w.heads))
 
 
 def _rewritten(segs: Sequence[Segment], w: KVWrite, num_heads: int) -> list[Segment]:

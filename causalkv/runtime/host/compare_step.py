@@ -145,7 +145,7 @@ def compare_table(metrics: dict[str, Any]) -> str:
         ("", ref_name, quant, "ratio"),
         ("causalkv cache", cache("reference_"), cache(""), ""),
         ("KV bytes (max resident)", format_bytes(ref_b), format_bytes(q_b), bytes_ratio(ref_b, q_b)),
-        ("KV bytes (peak: all layers, scratch, one call's buffer)", format_bytes(ref_p),
+        ("KV bytes (peak: all layers, one call's buffer)", format_bytes(ref_p),
          format_bytes(q_p), bytes_ratio(ref_p, q_p)),
         ("latent PSNR vs off (*)", "-", "identical" if psnr is None else f"{psnr:.1f} dB", ""),
     ]

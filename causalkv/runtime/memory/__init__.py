@@ -20,8 +20,9 @@ implementation of every rule.
 
 The memory model (docs/design.md, "Memory math"):
 
-- The chunk being generated lives in one scratch buffer shared by every layer of the stage
-  (and by the CFG branch's caches): ``2 x B x chunk_tokens x H x D x itemsize``.
+- The chunk being generated is stored by no layer while it is denoised: its denoising passes
+  are probes (each call's view is one buffer of the history plus the call's own K/V), and
+  its context pass commits it straight to its tier.
 - After each chunk's context pass a layer's cache holds context only, already trimmed to what
   the next chunk's advance keeps (the sink, a pinned shot sink, the newest chunks: at most
   ``cache_tokens - chunk_tokens`` tokens), each chunk at its tier: bf16
@@ -30,10 +31,10 @@ The memory model (docs/design.md, "Memory math"):
   ``recent``) or as a sink with ``sink=0`` (reason ``sink``); such a chunk is re-packed at the
   main bits when it leaves recency. A chunk is packed only if that stores fewer bytes.
 - ``kv_bytes``: the most the caches hold after any chunk's context pass (all layers, all CFG
-  sets) plus the scratch; ``peak_bytes``: the most held at once over the request: per chunk
+  sets); ``peak_bytes``: the most held at once over the request: per chunk
   i, the caches (chunk i-1's context during the denoising passes, then layer by layer chunk
-  i's during the context pass) plus the scratch plus one call's buffer: with attention
-  ``gathered`` (sglang's) one layer's visible window as one dense buffer
+  i's during the context pass) plus one call's buffer: a probe's whole window; the commit's,
+  with attention ``gathered`` (sglang's), one layer's visible window as one dense buffer
   (``2 x B x visible x H x D x itemsize``; the whole window, ``cache_tokens``, once the
   cache is full), with ``streamed`` (causalkv's `attend`) the largest packed segment
   decoded alone (`_call_buffers` has the caches' exact rules); at most ``kv_bytes`` plus the

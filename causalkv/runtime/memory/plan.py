@@ -55,11 +55,11 @@ class SettingPlan:
 
     Attributes:
         setting: the row's name.
-        kv_bytes: the most held after any chunk's context pass, plus the scratch.
+        kv_bytes: the most held after any chunk's context pass.
         peak_bytes: the most held at once (the module docstring): at most ``kv_bytes`` plus
             the largest one-call buffer (`transient_bytes`).
         dense_bytes: what sglang's dense cache allocates for the request.
-        scratch_bytes: the shared buffer of the chunk being generated.
+        chunk_bytes: one layer's K/V of one chunk, dense.
         transient_bytes: one layer's largest visible window gathered dense.
         resident_per_chunk: per chunk, one layer's resident bytes after its context pass.
         tiers_per_chunk: per chunk, the tier of every chunk held (chunk -> ``"bf16"``,
@@ -75,7 +75,7 @@ class SettingPlan:
     kv_bytes: int
     peak_bytes: int
     dense_bytes: int
-    scratch_bytes: int
+    chunk_bytes: int
     transient_bytes: int
     resident_per_chunk: tuple[int, ...] = ()
     tiers_per_chunk: tuple[Mapping[int, str], ...] = ()
@@ -95,7 +95,7 @@ class SettingPlan:
     def as_json(self, budget: int | None, window_is_video: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
             "setting": self.setting, "kv_bytes": self.kv_bytes, "dense_bytes": self.dense_bytes,
-            "peak_bytes": self.peak_bytes, "scratch_bytes": self.scratch_bytes,
+            "peak_bytes": self.peak_bytes, "chunk_bytes": self.chunk_bytes,
             "transient_bytes": self.transient_bytes,
             "kv_ratio": round(self.kv_ratio, 6), "peak_ratio": round(self.peak_ratio, 6),
         }
@@ -112,9 +112,9 @@ def _call_buffers(
     cs: ChunkState, segs: Sequence[_Seg], n: int, cache: CacheModel, attention: str
 ) -> tuple[int, int, bool]:
     """``(denoising, context, after the move)``: tokens of the one-call buffer of chunk
-    ``cs.index``'s denoising and context passes (both read chunk i-1's layout, ``segs``,
-    plus the chunk in the scratch), and whether the context pass fills it after the layer
-    moved the chunk to its tier.
+    ``cs.index``'s denoising passes (probes) and context pass (the commit; both read chunk
+    i-1's layout, ``segs``, plus the chunk's own K/V), and whether the context pass fills it
+    after the layer moved the chunk to its tier.
 
     A window that is the chunk alone is read as views (no buffer). A cache without lazy
     views (`CacheModel.lazy_views`) gathers the window when the call is done (after the
@@ -205,7 +205,6 @@ def plan_setting(
     n = lay.chunk_tokens
     states = positions(lay, cache.positions) if states is None else states
     per_token = 2 * B * H * D * item  # K and V of one token, one layer, dense
-    scratch = n * per_token
     sets_layers = geom.num_layers * lay.sets
     dense_bytes = sets_layers * lay.cache_tokens * 2 * B * H * D * item
     q = setting.quant_args(sink=sink) if quant is None else quant.validate()
@@ -219,8 +218,8 @@ def plan_setting(
     tiers: list[dict[int, str]] = []
 
     # per chunk, the tokens of the one-call buffer of its denoising passes and of its context
-    # pass (both read chunk i-1's layout plus the chunk in the scratch), and whether the
-    # context pass fills its buffer after the layer's move (True) or before it
+    # pass (both read chunk i-1's layout plus the chunk's own K/V), and whether the context
+    # pass fills its buffer after the layer's move (True) or before it
     window: list[tuple[int, int, bool]] = []
     for cs in states:
         window.append(_call_buffers(cs, segs, n, cache, attention))
@@ -256,9 +255,10 @@ def plan_setting(
         resident.append(_resident(segs, per_token))
         if record:
             tiers.append({c: s.codec for s in segs for c in s.chunks})
-    kv = sets_layers * max(resident, default=0) + scratch
+    kv = sets_layers * max(resident, default=0)
     transient = max((max(deno, ctx) for deno, ctx, _ in window), default=0) * per_token
-    # while chunk i is generated every layer holds chunk i-1's context (its denoising passes),
+    # while chunk i is generated every layer holds chunk i-1's context (its denoising passes:
+    # probes store nothing),
     # then, layer by layer, chunk i's (its context pass): when layer j fills its buffer, the
     # layers before it (and, when it fills it after its move, layer j too) hold chunk i's
     # context, the others chunk i-1's; the most over j is at one end
@@ -270,14 +270,14 @@ def plan_setting(
         return max(LS * before, (LS - 1) * after + before)
 
     peak = max(
-        (scratch + max(LS * before + deno * per_token, LS * after,
-                       context(before, after, moved) + ctx * per_token)
+        (max(LS * before + deno * per_token, LS * after,
+             context(before, after, moved) + ctx * per_token)
          for before, after, (deno, ctx, moved) in zip((0, *resident), resident, window)),
-        default=scratch,
+        default=0,
     )
     return SettingPlan(
         setting=setting.name, kv_bytes=kv, peak_bytes=peak, dense_bytes=dense_bytes,
-        scratch_bytes=scratch, transient_bytes=transient, resident_per_chunk=tuple(resident),
+        chunk_bytes=n * per_token, transient_bytes=transient, resident_per_chunk=tuple(resident),
         tiers_per_chunk=tuple(tiers),
     )
 

@@ -6,16 +6,16 @@ by default, 1,560 tokens per latent frame) keeps per layer ``[B, max_tokens, H, 
 ``max_tokens`` = 18 x 1,560 = 28,080 (``allocate_lingbot_cache``). There is no CFG set.
 
 With causalkv's store (`causalkv.vllm_omni.lingbot_cache.LingBotLayerKV`) each layer holds a
-`QVGPackedCausalKVCache` without a chunk scratch: the context at its tiers (the packing policy
-``RECENT_CHUNKS``, the codec's stored-bytes formula) and, in every layer, the chunk committed last in
-bf16 (the cache's current chunk until the next block commits). The context is what
-`plan_setting` counts for that cache (`STREAM_CACHE`: after a context pass, trimmed
-to what the next advance keeps), whose chunk being generated lives in one scratch shared by the
-layers instead; so this module adds no rule of its own:
+`QVGPackedCausalKVCache` whose context writes are unmarked (vLLM-Omni's ``update_cache=True``;
+its DMD probes store nothing): the context at its tiers (the packing policy ``RECENT_CHUNKS``,
+the codec's stored-bytes formula) and, in every layer, the chunk written last in bf16 (the
+cache's current chunk until the next block advances). The context is what `plan_setting`
+counts for that cache (`STREAM_CACHE`: after a commit, trimmed to what the next advance
+keeps); so this module adds no rule of its own:
 
-- ``session_bytes``: the most one session's stores hold (all layers): ``plan.kv_bytes -
-  plan.scratch_bytes`` (the context) ``+ layers x plan.scratch_bytes`` (each layer's current
-  chunk, bf16); quantization off: vLLM-Omni's dense bytes exactly;
+- ``session_bytes``: the most one session's stores hold (all layers): ``plan.kv_bytes`` (the
+  context) ``+ layers x plan.chunk_bytes`` (each layer's current chunk, bf16); quantization
+  off: vLLM-Omni's dense bytes exactly;
 - ``transient_bytes``: one layer's visible K/V built for one attention call (vLLM-Omni's dense
   path builds the same ``torch.cat``), gathered: ``plan.transient_bytes``;
 - ``dense_bytes``: vLLM-Omni's dense cache, allocated whole per request;
@@ -89,7 +89,7 @@ def plan_sessions(budget: int | None = None, *, geom: ModelGeometry = VLLM_OMNI_
     for row in rows:
         p = plan_setting(geom, lay, SETTINGS[ROWS[row]], cache=STREAM_CACHE,
                          attention="gathered", record=False)
-        session = p.kv_bytes - p.scratch_bytes + geom.num_layers * p.scratch_bytes
+        session = p.kv_bytes + geom.num_layers * p.chunk_bytes
         sessions = dense_sessions = None
         if budget is not None:
             sessions = max(0, (budget - p.transient_bytes) // session)
