@@ -311,6 +311,23 @@ def test_generate_refuses_a_broken_plugin_codec_before_anything_loads(
     assert line.startswith("causalkv generate: error: ")
 
 
+def test_plugins_lists_a_codec_that_does_not_import_or_conform_as_broken(registry, pm, capsys):
+    from causalkv.cli.plugins import _print_plugins
+
+    with temporary_plugin(pm, _BrokenPlugin(), name="broken-codecs"):
+        collect(pm, report=None)
+        report = plugins_report(pm, include_builtin=False)
+    rows = {c["name"]: c for c in report["codecs"]}
+    assert "cannot import 'no_such_module_anywhere:Codec'" in rows["i8gone"]["error"]
+    assert "No module named 'no_such_module_anywhere'" in rows["i8gone"]["error"]
+    assert "conformance check 'finite'" in rows["i8nothing"]["error"]
+    assert all("error" not in rows[n] for n in ("int4", "int2", "fp8", "nvfp4"))
+    _print_plugins(report)
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("  i8gone ("))
+    assert out[at + 1].startswith("      error: codec setting 'i8gone': cannot import")
+
+
 def test_the_toy_plugin_codec_passes_through_its_registration(registry, pm):
     with temporary_plugin(pm, toy_codec_plugin, name="toy-codec"):
         collect(pm, report=None)
