@@ -126,7 +126,7 @@ class QuarterBytes(Int8Codec):
 
 class RaisingEncode(Int8Codec):
     def encode(self, x, *, seed=1234, head_offset=0, codebooks=None):
-        raise RuntimeError("the encoder fails on purpose")
+        raise RuntimeError("the encoder fails on purpose\n(a second line the message leaves out)")
 
 
 class WritesNothing(Int8Codec):

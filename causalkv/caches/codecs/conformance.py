@@ -65,6 +65,7 @@ from causalkv.caches.codecs.base import (
     TensorRecord,
     record_kind,
 )
+from causalkv.errors import describe_exception
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs import CodecSetting
@@ -230,7 +231,7 @@ def check_codec(
     try:
         record = codec.encode(x)
     except Exception as exc:  # noqa: BLE001 - any failure is the codec's, named
-        raise fail("encode", f"encode of a {list(shape)} {_name(dtype)} segment raised {type(exc).__name__}: {exc}",
+        raise fail("encode", f"encode of a {list(shape)} {_name(dtype)} segment raised {describe_exception(exc)}",
                    "encode must pack any finite [B, H, S, D] float segment of a head_dim it accepts") from exc
 
     # ---- the record ----
@@ -286,7 +287,7 @@ def check_codec(
             codec.decode_into(record, out)
         except Exception as exc:  # noqa: BLE001 - any failure is the codec's, named
             raise fail("decode", f"decode_into into a {_name(out_dtype)} out of shape {list(shape)} with strides "
-                       f"{list(out.stride())} raised {type(exc).__name__}: {exc}",
+                       f"{list(out.stride())} raised {describe_exception(exc)}",
                        "decode_into must write any float out of record.shape, of any strides, on "
                        "record.device") from exc
         bad = ~torch.isfinite(out)
@@ -302,7 +303,7 @@ def check_codec(
     try:
         bound = torch.as_tensor(codec.error_bound(x), dtype=torch.float64, device=x.device)
     except Exception as exc:  # noqa: BLE001
-        raise fail("bound", f"error_bound raised {type(exc).__name__}: {exc}",
+        raise fail("bound", f"error_bound raised {describe_exception(exc)}",
                    "error_bound(x) must return the allowed |decoded - x| per element") from exc
     if tuple(bound.shape) != shape or not bool(torch.isfinite(bound).all()) or bool((bound < 0).any()):
         raise fail("bound", f"error_bound returned {list(bound.shape)} values, not {list(shape)} finite "
@@ -339,7 +340,7 @@ def check_codec(
         kind.decode_into(view, part)
     except Exception as exc:  # noqa: BLE001
         raise fail("views", f"select_heads(1, {H}).select_tokens({a}, {b}) then its registered decode "
-                   f"raised {type(exc).__name__}: {exc}",
+                   f"raised {describe_exception(exc)}",
                    "select_heads/select_tokens must return records of those heads and tokens "
                    "(views), which the registered decode_into reads") from exc
     want = got[:, 1:H, a:b]
