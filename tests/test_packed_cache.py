@@ -81,9 +81,9 @@ def test_capabilities_cover_the_dense_features_and_qvg():
 def test_packing_policy_and_codec_oracle(monkeypatch):
     calls = []
     real = quantizer.quantize
-    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(x.shape) or real(x, a, **kw))
     q = quant(keep_recent_chunks=1)
-    cache = QVGPackedCausalKVCache(spec(), q)
+    cache = QVGPackedCausalKVCache(spec(), q)  # first, its codec's conformance probe uncounted
+    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(x.shape) or real(x, a, **kw))
     dense = DenseCausalKVCache(spec())
     for i in range(10):
         view = write(cache, i)
@@ -387,11 +387,11 @@ def test_preset_geometries_int2_below_int4_below_bf16(name):
 def test_chunk_whose_packed_form_is_not_smaller_stays_dense(monkeypatch):
     calls = []
     real = quantizer.quantize
-    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
     q = quant(keep_recent_chunks=0)
     # one-token chunks: the centroid alone is 16 bits per element, so packed > bf16 ...
     assert prq_format.packed_nbytes_formula((1, H, 1, D), q) >= 1 * H * 1 * D * 2
-    cache = QVGPackedCausalKVCache(spec(), q)
+    cache = QVGPackedCausalKVCache(spec(), q)  # first, its codec's conformance probe uncounted
+    monkeypatch.setattr(quantizer, "quantize", lambda x, a, **kw: calls.append(1) or real(x, a, **kw))
     dense = DenseCausalKVCache(spec())
     for i in range(8):
         view = write(cache, i, n=1)

@@ -46,6 +46,10 @@ class Int8Codec(KVCodec):
         B, H, S, D = shape
         return B * H * S * D + 4 * B * H * S
 
+    def error_bound(self, x):
+        """Half a step of the token's grid (``amax / 127``), plus float32 rounding."""
+        return x.double().abs().amax(-1, keepdim=True).expand(x.shape) * (0.5 + 2**-16) / 127
+
 
 @hookimpl
 def causalkv_register_codecs():

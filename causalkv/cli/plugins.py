@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from causalkv import __version__
-from causalkv.caches.codecs import codec_names, codec_setting
+from causalkv.caches.codecs import CodecSetting, codec_names, codec_setting, make_codec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.generate import (
     _PLUGINS,
@@ -21,7 +21,7 @@ from causalkv.cli.generate import (
     host_flags,
 )
 from causalkv.config import ServerArgs
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import NAME
 from causalkv.plugin import Resolution, collect, get_plugin_manager, resolve
 from causalkv.plugin import builtin as builtin_plugin
@@ -107,6 +107,20 @@ def _stage_row(entry: Any) -> dict[str, Any]:
     return row
 
 
+def _codec_row(setting: CodecSetting) -> dict[str, Any]:
+    """A codec setting as ``causalkv plugins`` lists it, with ``error`` when it is broken: its
+    target does not import, or the codec fails its conformance check (`make_codec` runs it)."""
+    row: dict[str, Any] = {"name": setting.name, "target": setting.target, "params": dict(setting.params),
+                           "help": setting.help, "plugin": setting.source}
+    try:
+        make_codec(setting.name, QVGKVQuantArgs(codec=setting.name))
+    except CausalKVError as exc:
+        row["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a broken plugin codec must not take the listing down
+        row["error"] = f"codec setting {setting.name!r} ({setting.target}): {describe_exception(exc)}"
+    return row
+
+
 def plugin_rows(pm: Any) -> list[dict[str, Any]]:
     """The registered plugins as ``causalkv plugins`` lists them: the built-in one first, then
     by name; each with its name, version and distribution (None for a plugin registered
@@ -170,11 +184,7 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
             }
             for e in registry.caches
         ],
-        "codecs": [
-            {"name": s.name, "target": s.target, "params": dict(s.params), "help": s.help,
-             "plugin": s.source}
-            for s in map(codec_setting, codec_names())
-        ],
+        "codecs": [_codec_row(codec_setting(name)) for name in codec_names()],
         "failures": [
             {"name": f.name, "distribution": f.distribution, "error": f.error, "line": str(f)}
             for f in (*pm.load_failures, *registry.failures)
@@ -213,6 +223,8 @@ def _print_plugins(report: dict[str, Any]) -> None:
     for c in report["codecs"]:
         params = "".join(f" {k}={v}" for k, v in c["params"].items())
         print(f"  {c['name']} ({c['target']}{params}, plugin {c['plugin']}): {c['help']}")
+        if "error" in c:
+            print(f"      error: {c['error']}")
     if report["failures"]:
         print("Set aside (every other plugin and model works; --strict-plugins makes it fatal):")
         for f in report["failures"]:

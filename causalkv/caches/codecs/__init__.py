@@ -29,6 +29,10 @@ format, kernels, packed attention), `fp8`, `nvfp4`.
 
 A plugin adds one with `register_codec` (from its ``causalkv_codecs`` hook or at import of
 its plugin module); docs/plugins.md shows a whole codec in one module.
+
+A setting is checked before it can change an answer: the first time a process uses it
+(`make_codec`, `codec_problem`), `causalkv.caches.codecs.conformance` encodes and decodes a
+probe segment with it and refuses a codec that breaks its contract, naming the check.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CodecSetting",
     "codec_names",
+    "codec_problem",
     "codec_setting",
     "make_codec",
     "register_codec",
@@ -135,9 +140,46 @@ def codec_setting(name: str) -> CodecSetting:
 
 def make_codec(name: str, settings: Any) -> KVCodec:
     """The codec of setting ``name`` configured from the cache's options record ``settings``
-    (``QVGKVQuantArgs``: PRQ reads its centroids, block size, stages...)."""
+    (``QVGKVQuantArgs``: PRQ reads its centroids, block size, stages...).
+
+    The first use of a setting in a process runs the conformance check on it
+    (`causalkv.caches.codecs.conformance.check_first_use`, at a default head_dim unless the
+    setting was checked already, e.g. by `codec_problem` at the model's).
+
+    Raises:
+        ConfigError: an unknown setting, or one whose target does not import.
+        CodecConformanceError: the codec fails the conformance check (now or earlier).
+    """
     entry = codec_setting(name)
-    return entry.load().from_settings(settings, **entry.params)
+    codec = entry.load().from_settings(settings, **entry.params)
+    from causalkv.caches.codecs.conformance import check_first_use  # torch, as the codec
+
+    check_first_use(codec, entry, settings)
+    return codec
+
+
+def codec_problem(name: str, settings: Any, head_dim: int) -> str | None:
+    """Why the codec of setting ``name`` configured from ``settings`` cannot pack K/V of
+    ``head_dim`` channels, or None when it can: its layout rule
+    (`causalkv.caches.codecs.base.KVCodec.layout_problem`), else the first-use conformance
+    check at ``head_dim`` (its message: the codec, the check, the fix). A host's start-up check
+    (`causalkv.caches.qvg.options.QVGCodecOptions.layout_problem`) calls it before any weights
+    load.
+
+    Raises:
+        ConfigError: an unknown setting, or one whose target does not import.
+    """
+    from causalkv.caches.codecs.conformance import CodecConformanceError, check_first_use
+
+    entry = codec_setting(name)
+    codec = entry.load().from_settings(settings, **entry.params)
+    problem = codec.layout_problem(head_dim)
+    if problem is None:
+        try:
+            check_first_use(codec, entry, settings, head_dim=head_dim)
+        except CodecConformanceError as exc:
+            return str(exc)
+    return problem
 
 
 register_codec("int4", "causalkv.caches.codecs.prq.codec:PRQCodec", bits=4,

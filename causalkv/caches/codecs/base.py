@@ -123,8 +123,11 @@ class TensorRecord:
 class KVCodec(ABC):
     """A K/V codec configured for one cache (its settings fixed at construction).
 
-    Subclasses implement `from_settings`, `encode`, `decode_into` and `nbytes`; `attention`
-    is optional (None: readers decode, then attend).
+    Subclasses implement `from_settings`, `encode`, `decode_into` and `nbytes`; `error_bound`
+    (the error the codec promises; the default allows half of a token-head's largest
+    magnitude) and `layout_problem` are optional. `causalkv.caches.codecs.conformance.check_codec`
+    checks an implementation against this contract; causalkv runs it on the first use of
+    each codec setting in a process.
 
     Attributes:
         name: the setting name it was made from (``"fp8"``).
@@ -149,8 +152,21 @@ class KVCodec(ABC):
         self, x: torch.Tensor, *, seed: int = 1234, head_offset: int = 0,
         codebooks: list[torch.Tensor] | None = None,
     ) -> PackedRecord:
-        """Pack ``x [B, H, S, D]`` (any float dtype, any strides). ``head_offset``: the
-        global index of ``x``'s first head; ``seed``: for codecs that draw. Deterministic.
+        """Pack ``x [B, H, S, D]`` (any float dtype, any strides) into a record of logical
+        shape ``(B, H, S, D)`` whose `PackedRecord.nbytes` is `nbytes` of that shape.
+        Deterministic: the same ``x`` and arguments give the same record.
+
+        The keywords are the cache's; a codec that has no use for one ignores it:
+
+        - ``seed``: for a codec that draws (PRQ's k-means initialization); combine it with
+          ``head_offset`` so a head's draws do not depend on which rank packs it.
+        - ``head_offset``: the global index of ``x``'s first head (``rank * H`` when ranks
+          split the heads); a codec whose result per head depends only on that head's input
+          ignores it.
+        - ``codebooks``: only for a codec with ``shares_codebooks = True``: the tensors of an
+          earlier record of this codec (its `PackedRecord.shared_tensors`) to reuse instead of
+          computing new ones; the record then references those very tensors. The cache passes
+          None to every other codec.
 
         Raises:
             CodecError: a bad shape or dtype, or non-finite input (on the CPU).
@@ -158,8 +174,15 @@ class KVCodec(ABC):
 
     @abstractmethod
     def decode_into(self, record: PackedRecord, out: torch.Tensor) -> None:
-        """Write the reconstruction of ``record`` into ``out`` (``record.shape``, any strides,
-        a float dtype, on ``record.device``)."""
+        """Write the reconstruction of ``record`` into ``out``.
+
+        ``out`` is a buffer the caller owns and keeps: a float tensor of shape
+        ``record.shape`` (``[B, H, S, D]``), on ``record.device``, of any float dtype (the
+        cache's, bf16 usually; float32 in the conformance check) and any strides (the cache
+        passes views such as ``buf.permute(0, 2, 1, 3)[:, :, a:b]`` of a ``[B, S, H, D]``
+        buffer). Write every element of it, in place (never rebind or resize it), and keep
+        no reference to it; what it held before is garbage. `check_out` refuses a wrong one.
+        """
 
     @abstractmethod
     def nbytes(self, shape: tuple[int, int, int, int]) -> int:
@@ -174,6 +197,21 @@ class KVCodec(ABC):
     def layout_problem(self, head_dim: int) -> str | None:
         """Why this codec cannot pack ``head_dim`` channels (None when it can)."""
         return None
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """The error this codec promises: for ``x [B, H, S, D]`` (what `encode` is given), the
+        largest ``|decoded - x|`` it allows at each element, a float64 ``[B, H, S, D]`` on
+        ``x``'s device, for a decode into a float32 ``out`` (a narrower ``out`` adds its own
+        rounding). Derived from the format, not measured: the conformance check
+        (`causalkv.caches.codecs.conformance`) refuses a codec whose reconstruction of its
+        probe exceeds it anywhere.
+
+        Default: half of each token-head's largest ``|x|`` (rounding every element to the
+        nearest of ``-amax, 0, amax`` keeps within it; a decode that writes zeros does not).
+        A codec states its own, tighter bound by overriding this.
+        """
+        amax = x.detach().double().abs().amax(dim=-1, keepdim=True)
+        return (amax / 2).expand(x.shape).contiguous()
 
     def bits_per_element(self, S: int, D: int) -> float:
         """Stored bits per element of one head's ``[S, D]`` segment: ``8 * nbytes / (S * D)``."""
@@ -191,7 +229,10 @@ class KVCodec(ABC):
         return out
 
     def check_out(self, record: PackedRecord, out: torch.Tensor) -> None:
-        """Refuse an ``out`` of the wrong shape, device or dtype (`CodecError`)."""
+        """Refuse an ``out`` `decode_into` cannot write (`CodecError` naming the codec): a
+        shape other than ``record.shape``, a device other than ``record.device``, or a dtype
+        that is not floating point. Strides and the float dtype are not checked (any is
+        fine); nothing is written."""
         shape = tuple(record.shape)
         if tuple(out.shape) != shape:
             raise CodecError(f"{self.name} decode: out has shape {tuple(out.shape)}, the record is {shape}")
@@ -255,7 +296,9 @@ def decode_record(record: PackedRecord, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_segment(name: str, x: torch.Tensor) -> None:
-    """Refuse what no codec packs: not ``[B, H, S, D]``, not floating point (`CodecError`)."""
+    """Refuse what no codec packs (`CodecError` naming the codec ``name``): an ``x`` that is
+    not 4-D ``[B, H, S, D]``, or not floating point. Nothing else is checked: the sizes, the
+    device, the strides and the values (finiteness) are the codec's to check."""
     if x.dim() != 4:
         raise CodecError(f"{name} encode: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
     if not x.is_floating_point():

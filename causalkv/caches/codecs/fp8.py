@@ -107,3 +107,14 @@ class FP8Codec(KVCodec):
     def nbytes(self, shape: tuple[int, int, int, int]) -> int:
         B, H, S, D = (int(v) for v in shape)
         return B * H * S * D + 4 * B * H * S * self._groups(D)
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """The module docstring's bound per element: ``2**-4 * |x| + 2**-10 * scale`` with
+        ``scale = amax / 448`` of the element's group, plus float32 rounding (``2**-22 * |x|``
+        covers the division and the product)."""
+        B, H, S, D = x.shape
+        G = self._groups(D)
+        xd = x.detach().double().reshape(B, H, S, G, D // G)
+        scale = xd.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+        bound = (2.0**-4 + 2.0**-22) * xd.abs() + 2.0**-10 * scale
+        return bound.reshape(B, H, S, D)

@@ -128,3 +128,14 @@ class NVFP4Codec(KVCodec):
         B, H, S, D = (int(v) for v in shape)
         n = B * H * S * D
         return n // 2 + n // BLOCK + 4
+
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """The module docstring's bound per element: ``bmax / 4`` in a block whose e4m3 scale
+        is normal (``bmax >= amax / 28672``), ``amax / 14336`` in any other (the larger of
+        the two is taken everywhere), plus float32 rounding (``2**-22 * |x|``)."""
+        B, H, S, D = x.shape
+        xd = x.detach().double().reshape(B, H, S, D // BLOCK, BLOCK)
+        amax = xd.abs().amax() if xd.numel() else xd.new_zeros(())
+        bmax = xd.abs().amax(dim=-1, keepdim=True)
+        bound = torch.maximum(bmax / 4, amax / 14336) + 2.0**-22 * xd.abs()
+        return bound.reshape(B, H, S, D)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from causalkv.caches.codecs import codec_names, codec_setting
+from causalkv.caches.codecs import codec_names, codec_problem, codec_setting
 from causalkv.errors import ConfigError
 from causalkv.options import CacheOptions, option
 
@@ -174,15 +174,16 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
 
         Knowable before any weights load (``head_dim`` comes from the model's config): a host
         calls it at start-up, so a bad block size is refused before the first chunk. The
-        codec says (``KVCodec.layout_problem``; this imports the codec's module).
+        codec says (``KVCodec.layout_problem``; this imports the codec's module), then the
+        first use of the codec setting in the process is checked
+        (`causalkv.caches.codecs.codec_problem`: a codec that breaks its contract is refused,
+        naming the check).
         """
         if not self.enabled:
             return None
-        from causalkv.caches.codecs import make_codec  # lazy: codecs import torch
-
-        problem = make_codec(self.codec, self).layout_problem(head_dim)
+        problem = codec_problem(self.codec, self, head_dim)  # the layout, then conformance
         if problem is None and self.recent_tier != "bf16":
-            problem = make_codec(self.recent_tier, self).layout_problem(head_dim)
+            problem = codec_problem(self.recent_tier, self, head_dim)
         return problem or self._unread_problem()
 
     def _unread_problem(self) -> str | None:

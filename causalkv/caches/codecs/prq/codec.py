@@ -80,6 +80,46 @@ class PRQCodec(KVCodec):
     def bits_per_element(self, S: int, D: int) -> float:
         return bits_per_element(S, D, self.settings)
 
+    def error_bound(self, x: torch.Tensor) -> torch.Tensor:
+        """PRQ's bound per element, from its definition (`quantizer`), for any settings.
+
+        Per (batch, head), stage by stage: a k-means centroid is a mean of the stage's input
+        tokens (or one of them), so per channel it lies within their range, then is rounded to
+        bf16 (``2**-9`` of the largest magnitude). Stage 1 leaves a residual
+        ``|r_td| <= max(x_td - lo_d, hi_d - x_td) + 2**-9 * M_d`` (``lo``, ``hi``, ``M``: the
+        channel's minimum, maximum and largest ``|x|`` over the tokens); a later stage, whose
+        centroids lie within the previous residual's range, adds at most that range's largest
+        magnitude (times ``1 + 2**-9``). The final residual is coded per block of
+        ``block_size`` channels with the block's largest ``|r|``, ``a``, bounding the error:
+
+        - reference grid, or zero points: ``|e| <= s / 2`` with the scale ``s`` rounded *up*
+          to e4m3 (``s <= (1 + 2**-3) * a / q``, ``q = 2**(bits-1) - 1``; with zero points the
+          scale is ``range / (2**bits - 1)`` and no code clips), so ``(1 + 2**-3) / (2 q) * a``;
+        - ``mse4``: nearest of the odd levels, the least-squares scale is at most ``a`` and
+          rounded to the nearest e4m3 (``2**-4``), an element beyond the outer level is off by
+          at most ``a``: ``(1 + 2**-4) * a``.
+
+        Plus ``2**-14`` of the head's largest ``a`` (an e4m3 subnormal scale rounded) and
+        ``2**-20 * (|x| + a)`` (float32 arithmetic).
+        """
+        st = self.settings
+        B, H, S, D = x.shape
+        xd = x.detach().double()
+        lo, hi = xd.amin(dim=2, keepdim=True), xd.amax(dim=2, keepdim=True)  # [B, H, 1, D]
+        big = xd.abs().amax(dim=2, keepdim=True)
+        r = torch.maximum(xd - lo, hi - xd) + 2.0**-9 * big  # stage 1's residual, [B, H, S, D]
+        for _ in range(1, st.stages):
+            r = r + (1 + 2.0**-9) * r.amax(dim=2, keepdim=True)
+        nb = D // st.block_size
+        a = r.reshape(B, H, S, nb, st.block_size).amax(dim=-1, keepdim=True)
+        if st.grid == "mse4" and not st.asymmetric:
+            f = 1 + 2.0**-4
+        else:
+            f = (1 + 2.0**-3) / (2 * (2 ** (st.bits - 1) - 1))
+        head = a.amax(dim=(2, 3, 4), keepdim=True)
+        bound = f * a + 2.0**-14 * head + 2.0**-20 * a
+        return bound.expand(B, H, S, nb, st.block_size).reshape(B, H, S, D) + 2.0**-20 * xd.abs()
+
     def layout_problem(self, head_dim: int) -> str | None:
         s = self.settings
         if head_dim % s.block_size:
