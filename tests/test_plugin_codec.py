@@ -124,3 +124,17 @@ def test_causalkv_memory_gives_every_registered_codec_its_rows(toy, capsys):
     assert capsys.readouterr().err == (
         "causalkv memory: error: kv-cache-quant must be one of ['off', 'int4', 'int2', 'fp8', "
         "'nvfp4', 'int8'], got 'i8tok'; see causalkv memory --help\n")
+
+
+def test_collect_with_no_manager_is_a_scripts_one_call_to_load_the_plugins(pm, monkeypatch):
+    """``collect()`` collects the process-wide manager's plugins (`get_plugin_manager`: the
+    installed ones, under the CAUSALKV_* switches): their codecs join the registry."""
+    from causalkv.plugin import manager
+
+    monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
+    monkeypatch.setattr(manager, "_default", pm)
+    with temporary_plugin(pm, toy_codec_plugin, name="toy-codec"):
+        assert "int8" not in codecs.codec_names()
+        registry = collect()
+    assert [(r.name, p) for r, p in registry.codecs] == [("int8", "toy-codec")]
+    assert codecs.codec_names()[-1] == "int8" and QVGKVQuantArgs(codec="int8").codec == "int8"
