@@ -14,12 +14,19 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 
+#: distribution -> the modules of tests/ it ships (copied into the build's copy, so a module a
+#: test also imports in-process has one source)
+SHARED_MODULES = {"causalkv-codec-plugin": ("toy_codec_plugin.py",)}
+
 
 def install(name: str, root: Path) -> Path:
-    """Install ``tests/plugin_dist/<name>`` into ``root/site``; that folder."""
+    """Install ``tests/plugin_dist/<name>`` (with its `SHARED_MODULES`) into ``root/site``;
+    that folder."""
     src = root / "src"
     shutil.copytree(HERE / "plugin_dist" / name, src,
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    for module in SHARED_MODULES.get(name, ()):
+        shutil.copy(HERE / module, src / module)
     target = root / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
