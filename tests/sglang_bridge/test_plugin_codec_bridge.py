@@ -25,14 +25,14 @@ from test_bridge_stages import CHUNK, HEAD_DIM, HEADS, INT2, _allocate, _stage
 from causalkv.caches import codecs
 from causalkv.caches.qvg.segments import PackedKV
 from causalkv.errors import ConfigError
-from causalkv.plugin.manager import ENV_ALLOW, ENV_AUTOLOAD_OFF, ENV_BLOCK, reset_plugin_manager
+from causalkv.plugin.manager import ENV_BLOCK, reset_plugin_manager
 from causalkv.sglang.settings import check_settings, read_env
 from causalkv.sglang.summary import summary_line
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:  # plugin_dists, the test distributions' installer
     sys.path.insert(0, str(TESTS))
-from plugin_dists import install  # noqa: E402
+from plugin_dists import found_in_process, install  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +42,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def installed(site: Path, monkeypatch: pytest.MonkeyPatch):
-    """The distribution importable and discoverable; the process-wide plugin manager rebuilt
-    (and again afterwards), the codec registry restored afterwards."""
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
-    for var in (ENV_ALLOW, ENV_BLOCK, ENV_AUTOLOAD_OFF, "CAUSALKV_SGLANG_CODEC",
-                "CAUSALKV_SGLANG_RECENT_TIER"):
-        monkeypatch.delenv(var, raising=False)
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
-    sys.modules.pop("toy_codec_plugin", None)
+    """The distribution found as an installed plugin by this process (`found_in_process`)."""
+    with found_in_process(site, monkeypatch):
+        yield
 
 
 @pytest.mark.parametrize(("codec", "tier", "quant", "packed"), [
@@ -90,9 +82,13 @@ def test_a_plugin_codec_is_a_codec_setting_of_the_bridge(installed, monkeypatch,
 
 def test_the_plugin_switches_of_causalkvs_runtime_hold_in_the_bridge(installed, monkeypatch):
     """``CAUSALKV_DISABLE_PLUGINS`` (as in ``causalkv generate``): the blocked plugin's codec is
-    not a setting, and the refusal lists the codecs there are."""
+    not a setting, and the refusal lists the codecs there are; unblocked (a new process: a new
+    manager), it is one."""
     monkeypatch.setenv(ENV_BLOCK, "toy-codec")
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "int8")
     with pytest.raises(ConfigError, match=r"CAUSALKV_SGLANG_CODEC='int8': choose one of "
                                           r"\['int4', 'int2', 'fp8', 'nvfp4'\]"):
         check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2), HEAD_DIM)
+    monkeypatch.delenv(ENV_BLOCK)
+    reset_plugin_manager()
+    check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2), HEAD_DIM)
