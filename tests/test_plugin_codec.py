@@ -138,3 +138,12 @@ def test_collect_with_no_manager_is_a_scripts_one_call_to_load_the_plugins(pm, m
         registry = collect()
     assert [(r.name, p) for r, p in registry.codecs] == [("int8", "toy-codec")]
     assert codecs.codec_names()[-1] == "int8" and QVGKVQuantArgs(codec="int8").codec == "int8"
+
+
+def test_a_codec_setting_with_quantization_off_names_every_registered_codec(toy):
+    """The refusal of a codec option while quantization is off lists the codecs there are."""
+    from causalkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"pass --kv-cache-quant with a codec \(int4, int2, fp8, "
+                                          r"nvfp4, int8\), or drop them"):
+        QVGKVQuantArgs(centroids=64).check_used()
