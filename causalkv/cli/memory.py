@@ -187,12 +187,16 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
 def _vllm_omni(args: argparse.Namespace) -> int:
     """``--host vllm-omni``: vLLM-Omni's LingBot-World layout, bytes and sessions per setting."""
     # lazy: only this host's rows need the module
-    from causalkv.runtime.memory.vllm_omni import format_sessions, plan_sessions
+    from causalkv.runtime.memory.vllm_omni import ROWS, format_sessions, plan_sessions
 
     try:
         if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
             raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; "
                                 "pass lingbot")
+        for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
+            if given:  # refused, never ignored
+                raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
+                                    f"plans its own rows ({', '.join(ROWS)}): drop {flag}")
         budget = None if args.budget is None else parse_bytes(args.budget)
         plans = plan_sessions(budget, height=args.height, width=args.width)
     except CausalKVError as exc:
