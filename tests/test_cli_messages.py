@@ -3,6 +3,7 @@ a load that runs out of memory says, and the run header's centroid line against 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -82,3 +83,22 @@ def test_header_says_which_centroids_the_chunks_get_as_the_metrics_count(
     packing = json.loads(m.read_text())["kv_packing"]
     assert set(packing["centroids"]) == {said.group(1)} and files(tmp_path) == {"m.json"}
     assert packing["chunks_packed"] >= 1
+
+
+def test_no_command_reads_a_flag_prefix_as_another_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every parser of the ``causalkv`` command takes flags whole (``allow_abbrev=False``): a
+    prefix is an unknown argument, never the flag it starts (``causalkv memory --kv-cache-quant
+    int8`` was read as ``--kv-cache-quant-sink int8``: "must be 0 or 1, got 'int8'")."""
+    from causalkv.cli.commands import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = {"causalkv": parser, **sub.choices}
+    assert set(parsers) >= {"causalkv", "generate", "memory", "plugins", "resolve", "demo"}
+    assert {name for name, p in parsers.items() if p.allow_abbrev} == set()
+    for argv, typed in ((["memory", "longlive2", "--kv-cache-quant-s", "0"], "--kv-cache-quant-s 0"),
+                        (["generate", "--kv-cache-q", "int2"], "--kv-cache-q int2"),
+                        (["resolve", "tiny-wan", "--kv-cache-quant-keep", "0"], "--kv-cache-quant-keep 0")):
+        assert run_cli(argv) == 2
+        assert one_line(capsys.readouterr().err) == (
+            f"causalkv: error: unrecognized arguments: {typed}; see causalkv --help")

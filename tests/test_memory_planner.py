@@ -186,6 +186,11 @@ def test_help_explains_every_column(capsys) -> None:
         (["self-forcing", "--window-frames", "30000", "--latent-frames", "30000"],
          ["10,000 chunks with 10,000 chunk slots", "pass --latent-frames 4242"]),
         (["no-such-model"], ["unknown model 'no-such-model'", "longlive2, lingbot, self-forcing"]),
+        (["longlive2", "--kv-cache-quant", "int3"],
+         ["kv-cache-quant must be one of ['off', 'int4', 'int2', 'fp8', 'nvfp4'], got 'int3'"]),
+        (["lingbot", "--host", "vllm-omni", "--kv-cache-quant", "int2"],
+         ["--kv-cache-quant picks rows of --host sglang or causalkv", "(off, int4, int2): drop --kv-cache-quant"]),
+        (["lingbot", "--host", "vllm-omni", "--setting", "int2-default"], ["drop --setting"]),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value_and_the_fix(capsys, argv, words) -> None:

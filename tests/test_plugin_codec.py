@@ -4,6 +4,7 @@ metrics' settings and ``causalkv plugins`` all know it, touching no causalkv fil
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -14,11 +15,18 @@ from causalkv.caches import codecs
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.qvg.segments import PackedKV
+from causalkv.cli import main
 from causalkv.cli.plugins import plugins_report
 from causalkv.hooks import CodecRegistration, hookimpl
 from causalkv.plugin import collect
 from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.memory import STREAM_CACHE, MemoryRequest, plan_setting, stream_layout
+from causalkv.runtime.memory import (
+    SETTINGS,
+    STREAM_CACHE,
+    MemoryRequest,
+    plan_setting,
+    stream_layout,
+)
 from causalkv.runtime.memory.records import Setting
 
 
@@ -50,10 +58,12 @@ def test_causalkv_register_codecs_reaches_everywhere_a_user_picks_a_codec(toy, p
             "plugin": name} in report["codecs"]
 
 
-def test_the_cache_and_the_planner_count_the_plugin_codec_alike(toy):
+@pytest.mark.parametrize("setting", [Setting("int8-recent-fp8", "int8", 1, "fp8"),
+                                     Setting("int2-recent-int8", "int2", 1, "int8")], ids=lambda s: s.name)
+def test_the_cache_and_the_planner_count_the_plugin_codec_alike(toy, setting):
     """The planner's bytes equal the real caches' (2 layers sharing a scratch, 8 chunks),
-    with the plugin codec as the main codec and fp8 on the recency tier."""
-    setting = Setting("int8-recent-fp8", "int8", 1, "fp8")
+    with the plugin codec as the main codec (fp8 on the recency tier), or on the recency tier
+    (int2 the main codec)."""
     lay = stream_layout(TINY, MemoryRequest(latent_frames=16, shots=2))
     plan = plan_setting(TINY, lay, setting, cache=STREAM_CACHE, attention="gathered")
     q = setting.quant_args()
@@ -69,7 +79,7 @@ def test_the_cache_and_the_planner_count_the_plugin_codec_alike(toy):
     assert max(resident) == plan.kv_bytes
     names = {s.storage.codec.name for c in caches for s in c.store.segments
              if isinstance(s.storage, PackedKV)}
-    assert names == {"int8", "fp8"}
+    assert names == {setting.codec, setting.recent_tier}
     seg = next(s for s in caches[0].store.segments if isinstance(s.storage, PackedKV)
                and s.storage.codec.name == "int8")
     got = seg.storage.decoded(torch.device("cpu"), torch.float32).k
@@ -90,3 +100,50 @@ def test_causalkv_register_codecs_taking_a_builtin_name_sets_the_plugin_aside(pm
     (failure,) = registry.failures
     assert failure.name == "clash" and "'fp8' is registered twice" in failure.error
     assert codecs.codec_setting("fp8").target == "causalkv.caches.codecs.fp8:FP8Codec"
+
+
+def test_causalkv_memory_gives_every_registered_codec_its_rows(toy, capsys):
+    """The planner's rows are the codec registry's: the plugin's codec gets ``int8-default``
+    and ``int8-recent0`` after causalkv's own rows, ``--setting`` takes them and
+    ``--kv-cache-quant`` picks a codec's rows (validated as the codec options validate)."""
+    from test_memory_planner import NAMES
+
+    assert list(SETTINGS) == [*NAMES, "int8-default", "int8-recent0"]
+    assert [(s.codec, s.keep_recent_chunks, s.recent_tier) for s in
+            (SETTINGS["int8-default"], SETTINGS["int8-recent0"])] == [("int8", 1, "bf16"), ("int8", 0, "bf16")]
+    assert SETTINGS["int8-default"].help.startswith("int8 (int8 with a float32 scale per token and head (a toy))")
+    argv = ["memory", "tiny-longlive2", "--host", "causalkv", "--latent-frames", "16", "--shots", "2"]
+    assert main([*argv, "--json", "--setting", "int2-recent0", "--kv-cache-quant", "int8"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in rows] == ["int2-recent0", "int8-default", "int8-recent0"]
+    assert rows[2]["kv_bytes"] < rows[1]["kv_bytes"] < rows[1]["dense_bytes"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    assert "int8-recent0      int8, keep-recent 0 (every context chunk packed)" in capsys.readouterr().out
+    assert main([*argv, "--kv-cache-quant", "i8tok"]) == 2
+    assert capsys.readouterr().err == (
+        "causalkv memory: error: kv-cache-quant must be one of ['off', 'int4', 'int2', 'fp8', "
+        "'nvfp4', 'int8'], got 'i8tok'; see causalkv memory --help\n")
+
+
+def test_collect_with_no_manager_is_a_scripts_one_call_to_load_the_plugins(pm, monkeypatch):
+    """``collect()`` collects the process-wide manager's plugins (`get_plugin_manager`: the
+    installed ones, under the CAUSALKV_* switches): their codecs join the registry."""
+    from causalkv.plugin import manager
+
+    monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
+    monkeypatch.setattr(manager, "_default", pm)
+    with temporary_plugin(pm, toy_codec_plugin, name="toy-codec"):
+        assert "int8" not in codecs.codec_names()
+        registry = collect()
+    assert [(r.name, p) for r, p in registry.codecs] == [("int8", "toy-codec")]
+    assert codecs.codec_names()[-1] == "int8" and QVGKVQuantArgs(codec="int8").codec == "int8"
+
+
+def test_a_codec_setting_with_quantization_off_names_every_registered_codec(toy):
+    """The refusal of a codec option while quantization is off lists the codecs there are."""
+    from causalkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"pass --kv-cache-quant with a codec \(int4, int2, fp8, "
+                                          r"nvfp4, int8\), or drop them"):
+        QVGKVQuantArgs(centroids=64).check_used()

@@ -66,7 +66,16 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (exit 2) pointing at ``--help``."""
+    """An argument parser whose usage errors are one line (exit 2) pointing at ``--help``.
+
+    Flags are never abbreviated (``allow_abbrev=False``, also in every subcommand's parser:
+    argparse makes them of this class): a prefix would be read as another flag, whose
+    message then misleads (``causalkv memory --kv-cache-quant int8`` read as
+    ``--kv-cache-quant-sink``), and the flags plugins add would change what a prefix means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_REQUEST, f"{self.prog}: error: {message}; see {self.prog} --help\n")

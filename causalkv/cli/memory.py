@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.runtime.memory.geometry import BUILTIN_MODELS, resolve_model
 from causalkv.runtime.memory.records import (
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from causalkv.runtime.memory.plan import MemoryPlan
     from causalkv.runtime.memory.records import CacheModel
 
-__all__ = ["HOST_CACHES", "format_plan", "host_cache", "register"]
+__all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "register"]
 
 #: the one place a ``--host`` name maps to the cache the planner counts (a name in
 #: `causalkv.runtime.memory.cache_models`: its cursor model, packing policy and centroid rule):
@@ -47,7 +49,12 @@ def host_cache(host: str) -> CacheModel:
 
     return getattr(cache_models, HOST_CACHES[host])
 
-_EPILOG = """\
+def _epilog() -> str:
+    """The ``--help`` epilog: the columns, every row `SETTINGS` has now, the built-in models."""
+    return _COLUMNS + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + _MODELS
+
+
+_COLUMNS = """\
 columns (--json gives the same fields, in bytes, per setting):
   setting        the QVG setting (the rows below, the benchmark's names)
   kv_bytes       the most the stage's caches hold after any chunk's context pass, all
@@ -77,8 +84,11 @@ columns (--json gives the same fields, in bytes, per setting):
 chunk, dense).
 
 settings (every one: 128 centroids, block 64, 1 stage, symmetric, sink packed unless
---kv-cache-quant-sink 0; a chunk is packed only where that stores fewer bytes):
-""" + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + """
+--kv-cache-quant-sink 0; a chunk is packed only where that stores fewer bytes; every codec
+setting registered, a loaded plugin's too, has its -default and -recent0 rows):
+"""
+
+_MODELS = """
 
 Out of scope: sequence-parallel and head-sliced caches (each rank holds its heads' share),
 the cross-attention (text) cache, weights and activations.
@@ -95,6 +105,20 @@ def _bool01(text: str) -> bool:
     if text not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
     return text == "1"
+
+
+def chosen_settings(names: Sequence[str] | None, codecs: Sequence[str] | None) -> list[str] | None:
+    """The rows ``--setting`` (``names``) and ``--kv-cache-quant`` (``codecs``) pick: the named
+    ones, then each codec setting's rows in table order; None (every row) when neither is given.
+
+    Raises:
+        ConfigError: a codec setting no codec registered (the codec options' own check: the
+            message lists the registered ones).
+    """
+    if codecs is None:
+        return None if names is None else list(names)
+    wanted = {QVGKVQuantArgs.from_codec_name(c).codec for c in codecs}
+    return list(dict.fromkeys([*(names or ()), *(n for n, s in SETTINGS.items() if s.codec in wanted)]))
 
 
 def format_plan(plan: MemoryPlan, host: str) -> str:
@@ -160,12 +184,16 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
 def _vllm_omni(args: argparse.Namespace) -> int:
     """``--host vllm-omni``: vLLM-Omni's LingBot-World layout, bytes and sessions per setting."""
     # lazy: only this host's rows need the module
-    from causalkv.runtime.memory.vllm_omni import format_sessions, plan_sessions
+    from causalkv.runtime.memory.vllm_omni import ROWS, format_sessions, plan_sessions
 
     try:
         if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
             raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; "
                                 "pass lingbot")
+        for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
+            if given:  # refused, never ignored
+                raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
+                                    f"plans its own rows ({', '.join(ROWS)}): drop {flag}")
         budget = None if args.budget is None else parse_bytes(args.budget)
         plans = plan_sessions(budget, height=args.height, width=args.width)
     except CausalKVError as exc:
@@ -193,7 +221,8 @@ def _main(args: argparse.Namespace) -> int:
             window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
             attention=args.attention,
         )
-        plan = plan_memory(geom, req, host_cache(args.host), settings=args.setting, budget=budget)
+        plan = plan_memory(geom, req, host_cache(args.host), budget=budget,
+                           settings=chosen_settings(args.setting, args.kv_cache_quant))
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
@@ -203,7 +232,9 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``memory`` subcommand."""
+    """Add the ``memory`` subcommand: its rows (``--setting``, ``--help``) are every codec
+    setting registered when it is called (`causalkv.cli.commands.build_parser` loads the
+    plugins first)."""
     parser = subparsers.add_parser(
         "memory",
         help="KV-cache bytes of a request per QVG setting, against sglang's dense cache",
@@ -212,7 +243,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cache allocates for the same request. Exact arithmetic on the model's geometry (the "
         "codec's stored-bytes formula, the hosts' own position bookkeeping and packing "
         "policies): no weights, no tensors.",
-        epilog=_EPILOG,
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -260,6 +291,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="KV dtype (default bfloat16)")
     parser.add_argument("--setting", action="append", choices=list(SETTINGS), default=None,
                         help="only this setting (repeat for several; default: all)")
+    parser.add_argument("--kv-cache-quant", action="append", default=None, metavar="CODEC",
+                        help="only the rows of this codec setting (repeat for several; with "
+                        f"--setting, those too): one of {', '.join(quant_choices())} (off: the off row)")
     parser.add_argument("--budget", default=None, metavar="SIZE",
                         help="memory for the KV caches, e.g. 80GiB (GiB = 2^30 B, GB = 10^9 B): "
                         "adds fits and the longest window (or video) that fits")

@@ -1,6 +1,7 @@
 """The causalkv plugin system: manager, entry-point discovery, registries and resolution.
 
-    from causalkv.plugin import resolve
+    from causalkv.plugin import collect, resolve
+    collect()          # a script's one call: load the installed plugins (their codecs too)
     res = resolve("tiny-longlive2", ServerArgs(multi_shot=True))
     res.stage, res.cache_factory.name, res.reasons
 

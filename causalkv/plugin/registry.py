@@ -26,7 +26,7 @@ from causalkv.plugin.errors import (
     PluginSetAsideError,
     ResolutionError,
 )
-from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, warn
+from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, get_plugin_manager, warn
 
 if TYPE_CHECKING:
     from causalkv.stages.base import CausalDenoisingStage
@@ -37,10 +37,6 @@ __all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
 #: the base every stage derives from, by name: a loaded stage class brought it in, so the
 #: check needs no import of it (`causalkv.stages.base` imports torch; collecting does not)
 STAGE_BASE = "causalkv.stages.base.CausalDenoisingStage"
-
-
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,7 @@ class StageEntry:
             raise ImportPathError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}) cannot be imported from {reg.target!r}: {exc}"
             ) from exc
-        if not (isinstance(cls, type) and any(_name(c) == STAGE_BASE for c in cls.__mro__)):
+        if not (isinstance(cls, type) and any(f"{c.__module__}.{c.__qualname__}" == STAGE_BASE for c in cls.__mro__)):
             raise InvalidTypeError(
                 f"stage {reg.name!r} (plugin {self.plugin!r}): {reg.target!r} is {cls!r}, not "
                 f"a subclass of causalkv.stages.base.CausalDenoisingStage"
@@ -172,20 +168,24 @@ def _claims(r: StageRegistration | CacheFactory | CodecRegistration) -> list[tup
 
 
 def collect(
-    pm: CausalKVPluginManager,
+    pm: CausalKVPluginManager | None = None,
     *,
     reserved_flags: Iterable[str] = (),
     strict: bool = False,
     report: Callable[[PluginLoadFailure], None] | None = lambda f: warn(f"{NAME}: warning: {f}"),
 ) -> Registry:
-    """Run the registration hooks of every plugin; set aside each plugin that fails or clashes
-    (module docstring; ``reserved_flags``: the host's own flags, e.g. ``--seed``), passing each
-    to ``report`` (default: one line on stderr).
+    """Run the registration hooks of every plugin of ``pm`` (default: the process-wide manager,
+    `get_plugin_manager`, which loads the installed plugins under the ``CAUSALKV_*`` switches);
+    set aside each plugin that fails or clashes (module docstring; ``reserved_flags``: the
+    host's own flags, e.g. ``--seed``), passing each to ``report`` (default: one line on
+    stderr). ``collect()`` is how a script loads the plugins: their codec settings join the
+    codec registry, so every API that takes a codec name takes theirs.
 
     Raises:
         PluginConflictError, InvalidTypeError, PluginSetAsideError: with ``strict``, for the
             first plugin that would be set aside (the message names it and the fix).
     """
+    pm = get_plugin_manager() if pm is None else pm
     found: dict[str, list[Any]] = {}
     failed: dict[str, PluginLoadFailure] = {}
 

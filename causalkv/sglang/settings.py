@@ -14,6 +14,11 @@ the user's process, when the model folder is local) and the pipeline's ``_load_c
 naming the flag and the fix, settings causalkv's codec cannot pack for that model (centroids,
 block size x bits, head_dim), and environment settings the bridge does not know.
 
+The codec names are causalkv's codec registry's, read after this process has loaded causalkv's
+plugins (`load_plugins`: ``causalkv.plugin.collect``, once per process, under the allow and
+block switches of causalkv's runtime), so ``CAUSALKV_SGLANG_CODEC`` and
+``CAUSALKV_SGLANG_RECENT_TIER`` take a plugin's codec as they take a built-in one.
+
 This module imports no sglang at import time (sglang imports the hooks while it loads its
 plugins): sglang's and the bridge cache's modules are imported inside the functions.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -42,6 +48,7 @@ __all__ = [
     "fused_attention",
     "lingbot_codec",
     "load_config",
+    "load_plugins",
     "normalize",
     "post_init",
     "read_env",
@@ -65,13 +72,33 @@ class EnvSettings:
     codec: str | None = None
 
 
+def load_plugins() -> None:
+    """Load causalkv's plugins in this process (`causalkv.plugin.collect` on the process-wide
+    manager: ``CAUSALKV_PLUGINS``, ``CAUSALKV_DISABLE_PLUGINS`` and
+    ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD`` as in causalkv's runtime; a plugin set aside is one
+    warning line on stderr): their codec settings join the registry the settings read. Once
+    per manager, so a request reads its settings without collecting again."""
+    # lazy: the plugin system is needed once a setting is read, not when sglang loads the hooks
+    from causalkv.plugin import collect, get_plugin_manager
+
+    pm = get_plugin_manager()
+    if pm not in _COLLECTED:
+        collect(pm)
+        _COLLECTED.add(pm)
+
+
+#: the plugin managers whose plugins `load_plugins` collected in this process
+_COLLECTED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     """``CAUSALKV_SGLANG_RECENT_TIER`` and ``CAUSALKV_SGLANG_CODEC``, each read once
-    (`causalkv.env.choice`).
+    (`causalkv.env.choice`), each taking every registered codec setting (`load_plugins` first).
 
     Raises:
         ConfigError: a value the bridge does not know, naming the variable and the choices.
     """
+    load_plugins()
     tier = choice(
         ENV_RECENT_TIER, recent_tiers(), default="bf16", environ=environ,
         meaning="a codec: the bridge packs the keep-recent chunks, and bf16 sink chunks, with it "
@@ -137,6 +164,7 @@ def sglang_quant_args(value: Any) -> Any:
         kw = dict(value)
         bits = kw.get("bits")
         if isinstance(bits, str):
+            load_plugins()  # a plugin's codec name is pointed at CAUSALKV_SGLANG_CODEC below
             kw["bits"] = CausalKVQuantArgs.from_codec_name(bits).bits
             if kw["bits"] is None and bits.lower() not in ("off", "none"):
                 raise ConfigError(

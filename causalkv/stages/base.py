@@ -241,6 +241,7 @@ class CausalDenoisingStage(StagePlanning):
     def probe_scope(self) -> AbstractContextManager[Any]:
         """The context of the denoising passes: their writes are probes (`PassMarker.probing`);
         nothing without a marker."""
+        self.cache_sets()  # built on first use: the marker comes with them
         marker = self.marker
         return nullcontext() if marker is None else marker.probing()
 
@@ -248,6 +249,7 @@ class CausalDenoisingStage(StagePlanning):
         """The context of a context-update pass: its writes commit the chunk
         (`PassMarker.committing`, with the pin the stage makes right after and the next
         chunk's size, default this one's); nothing without a marker."""
+        self.cache_sets()
         marker = self.marker
         if marker is None or marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
             return nullcontext()

@@ -12,7 +12,11 @@ reads one nested key, `CONFIG_KEY`, holding the QVG settings under causalkv's re
 
 Absent key: vLLM-Omni's own cache, nothing changed. Present: causalkv's
 `QVGPackedCausalKVCache` holds LingBot-World's self-attention K/V (``kv_cache_quant: off`` keeps
-every chunk dense, bit for bit vLLM-Omni's output). Torch-free: importing this loads no torch.
+every chunk dense, bit for bit vLLM-Omni's output). The codec names are causalkv's codec
+registry's once the process has loaded causalkv's plugins (`read_settings` loads them first,
+``causalkv.plugin.collect``, under the allow and block switches of causalkv's runtime), so
+``kv_cache_quant`` and ``kv_cache_quant_recent_tier`` take a plugin's codec as they take a
+built-in one. Torch-free: importing this loads no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.errors import ConfigError
+from causalkv.plugin import collect
 
 __all__ = ["CONFIG_KEY", "KNOWN_KEYS", "read_settings"]
 
@@ -40,16 +45,22 @@ KNOWN_KEYS: tuple[str, ...] = _known_keys()
 def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | None:
     """The QVG settings asked for in a stage's ``model_config``, or None when it asks none.
 
+    The codec names are the registry's after causalkv's plugins are loaded
+    (`causalkv.plugin.collect` on the process-wide manager; only when the key asks for
+    something).
+
     Raises `ConfigError` (a ValueError, the error vLLM-Omni's pipelines raise for a bad
     ``model_config`` value) naming the key, the value and the fix, for: a `CONFIG_KEY` that is
-    not a mapping, an unknown key under it, a value out of range (``kv_cache_quant: int8``,
-    ``kv_cache_quant_centroids: 0``), or a knob set while ``kv_cache_quant`` is off.
+    not a mapping, an unknown key under it, a value out of range (``kv_cache_quant: int9``, a
+    codec no plugin registered; ``kv_cache_quant_centroids: 0``), or a knob set while
+    ``kv_cache_quant`` is off.
     """
     if not model_config or CONFIG_KEY not in model_config:
         return None
     raw = model_config[CONFIG_KEY]
     if raw is None:
         return None
+    collect()  # the plugins' codec settings join the registry the keys are read against
     if not isinstance(raw, Mapping):
         raise ConfigError(
             f"model_config.{CONFIG_KEY} must be a mapping such as {{kv_cache_quant: int2}}, "

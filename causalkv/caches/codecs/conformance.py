@@ -43,8 +43,8 @@ milliseconds for every built-in codec.
 codec options it `reads`) is used in a process, `check_first_use` runs the check once and
 remembers the outcome: `causalkv.caches.codecs.make_codec` runs it at a default geometry, and
 the start-up check every host makes (`QVGCodecOptions.layout_problem`, through
-`causalkv.caches.codecs.codec_problem`) at the model's ``head_dim``, so ``causalkv generate``,
-sglang and vLLM-Omni refuse a broken codec with one line before any weights load. The check
+`causalkv.caches.codecs.codec_problem`) at the model's ``head_dim``, so every host refuses a
+broken codec with one line before any weights load. The check
 runs on the CPU (a codec's device kernels are not exercised by it).
 """
 

@@ -314,7 +314,7 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
             if changed:
                 raise ConfigError(
                     f"{', '.join(changed)} set(s) QVG quantization, which is off; pass "
-                    "--kv-cache-quant with a codec (int4, int2, fp8, nvfp4), or drop them"
+                    f"--kv-cache-quant with a codec ({', '.join(codec_names())}), or drop them"
                 )
             return
         if self.recent_tier != "bf16" and self.keep_recent_chunks == 0 and self.sink:

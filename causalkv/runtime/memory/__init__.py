@@ -3,10 +3,11 @@
 For a model's geometry (`ModelGeometry`: a built-in one, `BUILTIN_MODELS`, or a local
 diffusers / sglang folder read by its config, `read_model_geometry`) and a request
 (`MemoryRequest`: video size, frames, CFG, shots), `plan_memory` gives per QVG setting
-(`SETTINGS`: ``off``, ``int4-default``, ``int4-recent0``, ``int2-default``,
-``int2-recent0``, ``int2-recent-int4``; the names `benchmarks/sglang_bridge.py` uses) the
-bytes the caches of one stage hold, beside what sglang's dense cache allocates for the same
-request, held by one cache (`CacheModel`: `STREAM_CACHE`, causalkv's packed cache;
+(`SETTINGS`: ``off``, then per registered codec setting, a plugin's too, ``<codec>-default``
+and ``<codec>-recent0``, and the benchmark's ``int2-recent-int4``, ``int2-recent-fp8``,
+``int2-sink0``; the names `benchmarks/sglang_bridge.py` uses), and `plan_setting` per any
+one `Setting`, the bytes the caches of one stage hold, beside what sglang's dense cache
+allocates for the same request, held by one cache (`CacheModel`: `STREAM_CACHE`, causalkv's packed cache;
 `ROLLING_SLOT_CACHE`, a cache reproducing a rolling slot buffer's views; the caller maps a host
 to one, ``causalkv memory --host``). Nothing is allocated: the bytes of a packed chunk are
 `packed_nbytes_formula`'s (the codec's exact stored bytes), which chunk is held is the cache's

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
 
@@ -95,35 +96,63 @@ class Setting:
         return QVGKVQuantArgs(**kw)
 
 
-#: the planner's rows, in table order (names shared with benchmarks/sglang_bridge.py)
-SETTINGS: Mapping[str, Setting] = {
-    s.name: s
-    for s in (
-        Setting("off", None, help="the QVG cache with quantization off: every context chunk bf16 "
-                "(the benchmark's row; a run with --kv-cache-quant off keeps the dense cache, "
-                "dense_bytes)"),
-        Setting("int4-default", "int4", 1,
-                help="int4, sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("int4-recent0", "int4", 0, help="int4, keep-recent 0 (every context chunk packed)"),
-        Setting("int2-default", "int2", 1,
-                help="int2, sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("int2-recent0", "int2", 0, help="int2, keep-recent 0 (every context chunk packed)"),
-        Setting("int2-recent-int4", "int2", 1, "int4",
-                help="int2, keep-recent 1 with the recent chunk held at int4 (recent tier int4)"),
-        Setting("int2-recent-fp8", "int2", 1, "fp8",
-                help="int2, keep-recent 1 with the recent chunk held at fp8 (recent tier fp8)"),
-        Setting("int2-sink0", "int2", 1, sink=False,
-                help="int2, sglang's defaults but --kv-cache-quant-sink 0: the sink and the "
-                "pinned shot sink bf16"),
-        Setting("fp8-default", "fp8", 1, help="fp8 (e4m3, a scale per token and head), "
-                "sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("fp8-recent0", "fp8", 0, help="fp8, keep-recent 0 (every context chunk packed)"),
-        Setting("nvfp4-default", "nvfp4", 1, help="nvfp4 (e2m1, an e4m3 scale per 16), "
-                "sglang's defaults (keep-recent 1, sink packed)"),
-        Setting("nvfp4-recent0", "nvfp4", 0,
-                help="nvfp4, keep-recent 0 (every context chunk packed)"),
-    )
-}
+#: the rows every registered codec setting gets, in table order: (name suffix, completed chunks
+#: the recency guard keeps out of the codec, what the row is)
+VARIANTS: tuple[tuple[str, int, str], ...] = (
+    ("default", 1, "sglang's defaults (keep-recent 1, sink packed)"),
+    ("recent0", 0, "keep-recent 0 (every context chunk packed)"),
+)
+
+#: the benchmark's study rows (benchmarks/sglang_bridge.py), each after its codec's `VARIANTS`
+#: rows while every codec it names is registered
+STUDIES: tuple[Setting, ...] = (
+    Setting("int2-recent-int4", "int2", 1, "int4",
+            help="int2, keep-recent 1 with the recent chunk held at int4 (recent tier int4)"),
+    Setting("int2-recent-fp8", "int2", 1, "fp8",
+            help="int2, keep-recent 1 with the recent chunk held at fp8 (recent tier fp8)"),
+    Setting("int2-sink0", "int2", 1, sink=False,
+            help="int2, sglang's defaults but --kv-cache-quant-sink 0: the sink and the "
+            "pinned shot sink bf16"),
+)
+
+_OFF = Setting("off", None, help="the QVG cache with quantization off: every context chunk bf16 "
+               "(the benchmark's row; a run with --kv-cache-quant off keeps the dense cache, "
+               "dense_bytes)")
+
+
+def settings() -> dict[str, Setting]:
+    """The planner's rows, in table order, from the codec registry as it is now
+    (`causalkv.caches.codecs`: causalkv's codec settings, then each loaded plugin's, registered
+    alike): ``off``, then per codec setting its `VARIANTS` rows (``<codec>-default``,
+    ``<codec>-recent0``) and its `STUDIES` rows. A script loads its plugins' codecs first with
+    `causalkv.plugin.collect` (the ``causalkv`` command does before it builds its parsers)."""
+    names = codec_names()
+    rows = [_OFF]
+    for codec in names:
+        about = codec_setting(codec).help
+        for i, (suffix, keep, what) in enumerate(VARIANTS):  # the first row says what it is
+            named = f"{codec} ({about})" if about and i == 0 else codec
+            rows.append(Setting(f"{codec}-{suffix}", codec, keep, help=f"{named}, {what}"))
+        rows += [s for s in STUDIES if s.codec == codec and s.recent_tier in ("bf16", *names)]
+    return {s.name: s for s in rows}
+
+
+class _Rows(Mapping[str, Setting]):
+    """`settings()` as a mapping read at each use, so a codec registered later has its rows."""
+
+    def __getitem__(self, name: str) -> Setting:
+        return settings()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(settings())
+
+    def __len__(self) -> int:
+        return len(settings())
+
+
+#: the planner's rows by name, in table order (`settings()`; names shared with
+#: benchmarks/sglang_bridge.py): read at each use, so a plugin's codec loaded later has its rows
+SETTINGS: Mapping[str, Setting] = _Rows()
 
 
 @dataclass(frozen=True)
