@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from causalkv.errors import describe_exception
 from causalkv.hooks import HostRegistration, import_object
 from causalkv.plugin import collected, get_plugin_manager
 from causalkv.plugin.manager import ENV_BLOCK
@@ -100,8 +101,8 @@ _SERVED: weakref.WeakKeyDictionary[Any, dict[str, ServedStage]] = weakref.WeakKe
 
 
 def _stage_class(reg: HostRegistration) -> type:
-    """The registered class, checked to be one the bridge's hooks reach (ImportError,
-    TypeError otherwise)."""
+    """The registered class, checked to be one the bridge's hooks reach (raises what its
+    import raises, or TypeError)."""
     cls = import_object(reg.target)
     if not (isinstance(cls, type) and any(_dotted(c) == BASE for c in cls.__mro__)):
         raise TypeError(f"{cls!r} is not a subclass of sglang's CausalDMDDenoisingStage, whose "
@@ -125,11 +126,10 @@ def served_stages() -> Mapping[str, ServedStage]:
     for pipeline, (reg, plugin) in collected(pm).host_classes(HOST).items():
         try:
             found[pipeline] = ServedStage(_stage_class(reg), reg, plugin)
-        except (ImportError, AttributeError, TypeError) as exc:
-            logger.warning(
-                "causalkv sglang bridge: %s is not served: %s (plugin %s) %s: %s; fix the plugin, "
-                "or turn it off with %s=%s", pipeline, reg.target, plugin,
-                "cannot be served", exc, ENV_BLOCK, plugin)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take sglang down
+            logger.warning("causalkv sglang bridge: %s is not served: %s (plugin %s): %s; fix the "
+                           "plugin, or turn it off with %s=%s", pipeline, reg.target, plugin,
+                           describe_exception(exc), ENV_BLOCK, plugin)
     _SERVED[pm] = found
     logger.info("causalkv sglang bridge serves %s", "; ".join(
         f"{p}: {s.describe()}" for p, s in found.items()) or "nothing (no plugin registers an sglang stage)")

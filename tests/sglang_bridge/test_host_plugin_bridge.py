@@ -153,7 +153,8 @@ def test_a_class_the_hooks_cannot_reach_is_one_warning_and_not_served(installed,
     assert set(targets.served_stages()) == BUILTIN | {"ToyLongLive2Pipeline"}
     odd, gone = _messages(caplog, "is not served")
     assert odd.startswith("causalkv sglang bridge: OddPipeline is not served: causalkv.sglang.cache:"
-                          "SGLangQVGKVCache (plugin unreachable) cannot be served: ")
+                          "SGLangQVGKVCache (plugin unreachable): TypeError: ")
     assert "is not a subclass of sglang's CausalDMDDenoisingStage" in odd
-    assert "No module named 'causalkv_host_plugin.missing'" in gone
+    assert ("GonePipeline is not served: causalkv_host_plugin.missing:Stage (plugin unreachable): "
+            "ModuleNotFoundError: No module named 'causalkv_host_plugin.missing'") in gone
     assert odd.endswith("turn it off with CAUSALKV_DISABLE_PLUGINS=unreachable")
