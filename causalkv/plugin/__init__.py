@@ -22,11 +22,11 @@ from causalkv.plugin.manager import (
     make_plugin_manager,
     reset_plugin_manager,
 )
-from causalkv.plugin.registry import Registry, collect
+from causalkv.plugin.registry import Registry, collect, collected
 from causalkv.plugin.resolver import Resolution, resolve
 
 __all__ = [
     "CausalKVPluginManager", "PluginConflictError", "PluginHookError", "PluginLoadFailure", "PluginSetAsideError",
-    "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect",
+    "Registry", "Resolution", "ResolutionError", "UnsupportedRequestError", "collect", "collected",
     "get_plugin_manager", "make_plugin_manager", "reset_plugin_manager", "resolve",
 ]

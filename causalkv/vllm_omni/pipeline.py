@@ -4,8 +4,10 @@ Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
 `CausalKVLingBotWorldPipeline` under ``LingBotWorldCausalDMDPipeline`` with
 ``register_diffusion_model``, and vLLM-Omni imports this module when it builds that pipeline.
 
-- `CausalKVLingBotWorldPipeline` reads the setting (``model_config.causalkv_kv_cache``,
-  `causalkv.vllm_omni.settings`) before anything loads, refuses a bad one and refuses QVG on
+- `CausalKVLingBotWorldPipeline` (and a plugin's subclass registered under a name of its own,
+  `causalkv.vllm_omni.served_pipelines`) reads the setting (``model_config.causalkv_kv_cache``,
+  `causalkv.vllm_omni.settings`, with the codec the served name's registration gives) before
+  anything loads, refuses a bad one and refuses QVG on
   the paged AR-diffusion engine path (realtime ticks: vLLM's block pool holds that K/V; the
   request (direct) mode supports QVG), then builds the stock pipeline and gives its
   transformer and self-attention layers the subclasses below. No setting: nothing changes.
@@ -41,6 +43,7 @@ from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
+from causalkv.vllm_omni import served_pipelines
 from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_layers
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
 
@@ -184,30 +187,41 @@ def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) ->
 class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
     """vLLM-Omni's ``LingBotWorldCausalDMDPipeline`` with causalkv's self-attention cache.
 
-    Registered under ``LingBotWorldCausalDMDPipeline``. Without ``model_config.causalkv_kv_cache``
-    it is the stock pipeline. With it: the setting is checked first (a bad value, or QVG on
-    the paged engine path, raises before any component or weight loads), then the stock
-    pipeline is built and `install` puts causalkv's store on its transformer.
+    Registered under ``LingBotWorldCausalDMDPipeline`` by the built-in plugin (a plugin's
+    subclass under its own name). Without ``model_config.causalkv_kv_cache`` it is the stock
+    pipeline. With it: the setting is checked first (a bad value, or QVG on the paged engine
+    path, raises before any component or weight loads; the codec the served name's
+    registration gives fills a ``kv_cache_quant`` left out), then the stock pipeline is built
+    and `install` puts causalkv's store on its transformer.
+
+    Attributes:
+        causalkv_name: the ``model_class_name`` it was built as (the summary's ``pipeline=``).
+        causalkv_quant: the QVG settings, or None (vLLM-Omni's own cache).
     """
 
     def __init__(self, *, od_config: Any, prefix: str = "") -> None:
-        quant = read_settings(getattr(od_config, "model_config", None) or {})
+        name = getattr(od_config, "model_class_name", None) or LingBotWorldCausalDMDPipeline.__name__
+        served = served_pipelines().get(name)
+        quant = read_settings(getattr(od_config, "model_config", None) or {},
+                              codec=served[0].codec if served else None)
         if quant is not None:
             quant.check_layout(_HEAD_DIM)
             check_engine_mode(od_config, quant)
         super().__init__(od_config=od_config, prefix=prefix)
+        self.causalkv_name = name
         self.causalkv_quant = quant
         if quant is None:
             logger.info("causalkv: LingBotWorldCausalDMDPipeline keeps vLLM-Omni's KV cache "
                         "(no model_config.%s)", CONFIG_KEY)
             return
         install(self.transformer, quant)
-        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s",
-                    QVGPackedCausalKVCache.__name__, quant.describe())
+        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s%s",
+                    QVGPackedCausalKVCache.__name__, quant.describe(),
+                    f" (served as {name}, plugin {served[1]})" if served else "")
 
     def forward(self, req: Any) -> Any:
         out = super().forward(req)
         ledger = getattr(self.transformer, "causalkv_ledger", None)
         if self.causalkv_quant is not None and ledger is not None:
-            logger.info("%s", summary_line(LingBotWorldCausalDMDPipeline.__name__, self.causalkv_quant, ledger))
+            logger.info("%s", summary_line(self.causalkv_name, self.causalkv_quant, ledger))
         return out
