@@ -24,11 +24,11 @@ from causalkv.plugin import (
     get_plugin_manager,
     make_plugin_manager,
     reset_plugin_manager,
-    resolve,
 )
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME, STAGES
 from causalkv.plugin.manager import PluginSettings
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+from causalkv.runtime import resolve
 from causalkv.runtime.host.hook_calls import configure_stage
 from causalkv.stages.longlive import LongLiveStage
 
