@@ -250,13 +250,19 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
 
 
 _LIVE: weakref.WeakSet[CausalKVPagedKVCache] = weakref.WeakSet()
+#: vLLM-Omni's own caches `session_cache` built (for a measurement of the stock pool)
+_LIVE_STOCK: weakref.WeakSet[ARDiffusionKVCache] = weakref.WeakSet()
 #: id of a pool tensor -> (its cache, layer): the pools `paged_write_attn` serves
 _POOLS: dict[int, tuple[weakref.ref[CausalKVPagedKVCache], int]] = {}
 
 
-def live_caches() -> list[CausalKVPagedKVCache]:
-    """The `CausalKVPagedKVCache` objects alive in this process (the worker's, in process)."""
-    return list(_LIVE)
+def live_caches(*, stock: bool = False) -> list[Any]:
+    """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
+    process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
+    return sorted(_LIVE_STOCK if stock else _LIVE, key=lambda c: c._causalkv_serial)
+
+
+_SERIAL = iter(range(1 << 62))
 
 
 class CausalKVPagedKVCache(ARDiffusionKVCache):
@@ -364,6 +370,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
         self._view: tuple[torch.Tensor, Any] | None = None
+        self._causalkv_serial = next(_SERIAL)
         _LIVE.add(self)
 
     # -- sessions ------------------------------------------------------------------------------
@@ -675,7 +682,10 @@ def session_cache(config: Any, **kwargs: Any) -> ARDiffusionKVCache:
     pipeline's spec carries a `CausalKVBranchSpec`, vLLM-Omni's own cache otherwise."""
     ours = [b for b in kwargs.get("kv_branches", ()) if isinstance(b, CausalKVBranchSpec)]
     if not ours:
-        return _STOCK_CACHE(config, **kwargs)
+        cache = _STOCK_CACHE(config, **kwargs)
+        cache._causalkv_serial = next(_SERIAL)
+        _LIVE_STOCK.add(cache)
+        return cache
     return CausalKVPagedKVCache(config, quant=ours[0].quant, head_offset=ours[0].head_offset, **kwargs)
 
 
