@@ -29,8 +29,9 @@ import causalkv.stages  # noqa: F401
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.config import ServerArgs
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
-from causalkv.plugin import collect, make_plugin_manager, resolve
+from causalkv.plugin import collect, make_plugin_manager
 from causalkv.plugin.manager import discover_entry_points
+from causalkv.runtime import resolve
 
 TARGET_MS = 20.0
 FEATURES = ("pinned_sink", "head_slice", "recent_window", "growth", "int_indices")

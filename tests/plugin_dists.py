@@ -20,7 +20,8 @@ HERE = Path(__file__).parent
 
 #: distribution -> the modules of tests/ it ships (copied into the build's copy, so a module a
 #: test also imports in-process has one source)
-SHARED_MODULES = {"causalkv-codec-plugin": ("toy_codec_plugin.py",)}
+SHARED_MODULES = {"causalkv-codec-plugin": ("toy_codec_plugin.py",),
+                  "causalkv-host-plugin": ("toy_codec_plugin.py",)}
 
 
 def install(name: str, root: Path) -> Path:

@@ -45,7 +45,7 @@ OPENING = re.compile(r"^```(?:python3?|py)\b", re.M)
 #: a block that is a file of the page's plugin: ``# my_plugin/world.py`` [``(continued)``]
 FILE_LINE = re.compile(r"# ((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*\.py)( \(continued\))?[ \t]*\n")
 #: the runnable blocks the docs hold now; fewer means a block was lost or made a fragment
-MIN_RUNNABLE = 25
+MIN_RUNNABLE = 26
 #: one page's run, all its blocks (a block should take a few seconds at most)
 PAGE_TIMEOUT_S = 300
 

@@ -237,6 +237,15 @@ def test_plugins_md_lists_every_builtin_stage_with_its_presets() -> None:
         assert row in text, row
 
 
+def test_plugins_md_lists_every_builtin_host_class() -> None:
+    from causalkv.plugin.builtin import HOSTS
+
+    text = doc("plugins.md")
+    for reg in HOSTS:
+        row = f"| `{reg.host}` | `{reg.target}` | {', '.join(reg.models)} |"
+        assert row in text, row
+
+
 def test_usage_md_lists_every_preset_once_and_each_metrics_key_once() -> None:
     from causalkv.plugin.builtin import STAGES
 

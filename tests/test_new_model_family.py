@@ -16,8 +16,8 @@ from runtime_helpers import make_options, plan_and_run
 
 from causalkv.config import ServerArgs
 from causalkv.hooks import Preset, StageRegistration
-from causalkv.plugin import resolve
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+from causalkv.runtime import resolve
 from causalkv.runtime.host.report import run_report
 from causalkv.runtime.model_io.model_config import read_model_folder
 from causalkv.runtime.model_io.presets import preset_dir

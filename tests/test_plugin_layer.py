@@ -119,7 +119,8 @@ def test_an_entry_point_claiming_the_builtin_name_is_set_aside(monkeypatch):
 
 @pytest.mark.parametrize("module", [
     "hooks/__init__.py", "hooks/markers.py", "hooks/records.py", "hooks/specs.py", "plugin/calls.py",
-    "plugin/errors.py", "plugin/manager.py", "plugin/registry.py", "plugin/resolver.py", "plugin/testing.py",
+    "plugin/errors.py", "plugin/manager.py", "plugin/registry.py", "plugin/testing.py",
+    "runtime/host/resolve.py",
 ])
 def test_the_plugin_machinery_imports_nothing_inside_functions(module):
     tree = ast.parse((Path(causalkv.__file__).parent / module).read_text())
@@ -143,3 +144,18 @@ def test_no_two_plugin_modules_import_each_other_even_for_annotations():
         for b in deps:
             if b in graph and b != a and a in graph[b]:
                 pytest.fail(f"{a} and {b} import each other")
+
+
+def test_the_plugin_layer_stays_small():
+    """hooks/ + plugin/ (the registry every host reads) within 800 lines of code by
+    benchmarks/loc.py's count; a host's own resolution lives in that host
+    (`causalkv.runtime.resolve`, the bridges' `Registry.host_classes` lookups)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_causalkv_loc", Path(causalkv.__file__).parents[1] / "benchmarks" / "loc.py")
+    loc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loc)
+    root = Path(causalkv.__file__).parent
+    total = sum(loc.code_lines(p) for d in ("hooks", "plugin") for p in (root / d).glob("*.py"))
+    assert total <= 800, f"the plugin layer has {total} lines of code (at most 800)"

@@ -56,7 +56,8 @@ def test_builtin_plugin_registers_through_the_public_hooks(pm):
     rows = plugin_rows(pm)
     assert [row["name"] for row in rows] == [BUILTIN_PLUGIN_NAME]
     assert rows[0]["builtin"] and rows[0]["distribution"] == "causalkv"
-    assert rows[0]["hooks"] == ["causalkv_register_cache_factories", "causalkv_register_stages"]
+    assert rows[0]["hooks"] == ["causalkv_register_cache_factories", "causalkv_register_host_classes",
+                                "causalkv_register_stages"]
     reg = collect(pm)
     assert [e.name for e in reg.stages] == [
         "self-forcing-wan",

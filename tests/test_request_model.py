@@ -13,7 +13,7 @@ import torch
 from causalkv.cli.generate import add_generate_args, options_from_args
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import ConfigError
-from causalkv.plugin import resolve
+from causalkv.runtime import resolve
 from causalkv.stages.families import SCENE_CUT_PREFIX as P
 from causalkv.stages.families import MotionOptions, ShotRequest, parse_motion
 from causalkv.stages.lingbot import LingBotWorldStage, window_per_chunk

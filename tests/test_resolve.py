@@ -13,9 +13,10 @@ from causalkv.cli.plugins import resolution_dict
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import InvalidTypeError
 from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
-from causalkv.plugin import Resolution, ResolutionError, resolve
+from causalkv.plugin import ResolutionError
 from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
+from causalkv.runtime import Resolution, resolve
 from causalkv.runtime.model_io.model_config import model_ref
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.lingbot import LingBotWorldStage

@@ -131,5 +131,6 @@ class DenseCausalKVCache(StreamCache):
     def reset_indices(self) -> None:
         """Forget the stream (new request). The buffers are kept and overwritten later."""
         self.state = StreamState.from_spec(self.spec)
+        self._pass = (-1, frozenset())
         if self.k_cache.shape[1] != self.spec.cache_size:
-            self.__init__(self.spec)  # drop growth
+            self.__init__(self.spec)  # drop growth (the marker stays)

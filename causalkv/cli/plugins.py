@@ -23,8 +23,9 @@ from causalkv.cli.generate import (
 from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import NAME
-from causalkv.plugin import Resolution, collect, get_plugin_manager, resolve
 from causalkv.plugin import builtin as builtin_plugin
+from causalkv.plugin import collect, get_plugin_manager
+from causalkv.runtime.host.resolve import Resolution, resolve
 from causalkv.runtime.model_io.model_config import is_loadable_model, model_head_dim, model_ref
 
 __all__ = ["plugin_rows", "plugins_report", "register", "resolution_dict", "run_plugins", "run_resolve"]

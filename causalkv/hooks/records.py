@@ -1,11 +1,14 @@
-"""Records the registration hooks return: `StageRegistration` (with its `Preset`s) and `CacheFactory`.
+"""Records the registration hooks return: `StageRegistration` (with its `Preset`s), `CacheFactory`,
+`CodecRegistration` and `HostRegistration`.
 
 Plain frozen dataclasses, torch-free: a ``"module:Class"`` string is imported only by ``load()``.
 A `StageRegistration` is the one place that describes a model family to the host: the stage
 class, the model names it serves, the model-config defaults of those models, tiny presets, and
 the family's own option records (request knobs, ``causalkv.json`` keys). A `CacheFactory`
 describes a cache: its class, capabilities and settings record. The host builds the command
-line, the config parsing and the validation from those records (`causalkv.options`).
+line, the config parsing and the validation from those records (`causalkv.options`). A
+`HostRegistration` names a class of another host (a stage of sglang, a pipeline of vLLM-Omni)
+that causalkv's bridge for that host serves.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from causalkv.errors import ImportPathError, InvalidTypeError
 from causalkv.options import CacheOptions, Options, StageOptions
 
 __all__ = [
-    "CacheFactory", "CacheKind", "CodecRegistration", "Preset", "Stage", "StageRegistration",
-    "import_object",
+    "CacheFactory", "CacheKind", "CodecRegistration", "HostRegistration", "Preset", "Stage",
+    "StageRegistration", "import_object",
 ]
 
 
@@ -118,6 +121,19 @@ def _check_name(owner: str, name: object) -> None:
         raise InvalidTypeError(f"{owner}.name must be a non-empty string, got {name!r}")
 
 
+def _check_path(owner: str, what: str, path: object) -> None:
+    if not isinstance(path, str) or ":" not in path:
+        raise InvalidTypeError(f"{owner}: {what} must be a 'module:Class' string, got {path!r}")
+
+
+def _names(owner: str, names: object) -> tuple[str, ...]:
+    """``names`` (one string, or an iterable of them) as a non-empty tuple of non-empty strings."""
+    out = (names,) if isinstance(names, str) else tuple(names)  # type: ignore[call-overload]
+    if not out or not all(isinstance(m, str) and m for m in out):
+        raise InvalidTypeError(f"{owner}: models must be non-empty strings, got {names!r}")
+    return out
+
+
 def _check_priority(owner: str, priority: object) -> None:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise InvalidTypeError(f"{owner}: priority must be an int, got {priority!r}")
@@ -194,9 +210,7 @@ class StageRegistration:
         owner = f"StageRegistration {self.name!r}"
         if not isinstance(self.stage, (str, type)):
             raise InvalidTypeError(f"{owner}: stage must be a class or a 'module:Class' string, got {self.stage!r}")
-        models = (self.models,) if isinstance(self.models, str) else tuple(self.models)
-        if not models or not all(isinstance(m, str) and m for m in models):
-            raise InvalidTypeError(f"{owner}: models must be non-empty strings, got {self.models!r}")
+        models = _names(owner, self.models)
         presets = tuple(self.presets)
         if not all(isinstance(p, Preset) for p in presets):
             raise InvalidTypeError(f"{owner}: presets must be Preset records, got {self.presets!r}")
@@ -242,11 +256,50 @@ class CodecRegistration:
 
     def __post_init__(self) -> None:
         _check_name("CodecRegistration", self.name)
-        if not isinstance(self.codec, str) or ":" not in self.codec:
-            raise InvalidTypeError(
-                f"CodecRegistration {self.name!r}: codec must be a 'module:Class' string, got "
-                f"{self.codec!r}"
-            )
+        _check_path(f"CodecRegistration {self.name!r}", "codec", self.codec)
+
+
+@dataclass(frozen=True)
+class HostRegistration:
+    """A class of another host that causalkv serves there: a stage of sglang's diffusion
+    runtime, a pipeline of vLLM-Omni. That host's bridge reads the registrations naming it,
+    once per process before any weights load, and serves exactly the classes they name
+    (docs/plugins.md, "Serving a host's class"); causalkv's built-in plugin registers its own
+    this way.
+
+    Attributes:
+        host: the host's name: ``"sglang"`` or ``"vllm-omni"`` (another host's bridge, or
+            causalkv's own runtime, ignores the registration).
+        target: ``"module:Class"`` of the class, imported only by that host's bridge.
+        models: the host's pipeline names it serves (sglang: the pipelines whose denoising runs
+            in the stage; vLLM-Omni: the ``model_class_name`` values it is registered under).
+            A single string is stored as a 1-tuple.
+        codec: the codec setting it packs with while the host's settings turn QVG on and name
+            no codec (None: the host's default); a codec causalkv or a plugin registers.
+        priority: among one host's registrations serving one model, the highest wins; two at
+            the same priority are a conflict.
+    """
+
+    host: str
+    target: str
+    models: tuple[str, ...]
+    codec: str | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        owner = f"HostRegistration {self.target!r}"
+        _check_path("HostRegistration", "target", self.target)
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidTypeError(f"{owner}: host must be a host's name such as 'sglang', got {self.host!r}")
+        if self.codec is not None and not (isinstance(self.codec, str) and self.codec):
+            raise InvalidTypeError(f"{owner}: codec must be a codec setting's name or None, got {self.codec!r}")
+        object.__setattr__(self, "models", _names(owner, self.models))
+        _check_priority(owner, self.priority)
+
+    @property
+    def name(self) -> str:
+        """``"<host> <target>"``: what messages call the registration."""
+        return f"{self.host} {self.target}"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Implement any of these in a module or class, mark each with ``@causalkv.hooks.ho
 and expose the module under the ``causalkv`` entry-point group (docs/plugins.md). Every
 argument is optional in an implementation: pluggy passes only the ones you name.
 
-Load time (before any weights load): ``causalkv_register_stages`` and
-``causalkv_register_cache_factories`` fill the registries; ``resolve()`` then calls
+Load time (before any weights load): ``causalkv_register_stages``,
+``causalkv_register_cache_factories``, ``causalkv_register_codecs`` and
+``causalkv_register_host_classes`` fill the registries; ``resolve()`` then calls
 ``causalkv_select_cache_factory``. Run time: the host calls ``causalkv_configure_stage``
 once per built stage, before its caches are allocated, and ``causalkv_chunk_done`` after
 each generated chunk.
@@ -18,11 +19,18 @@ from typing import Any
 
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.hooks.markers import hookspec
-from causalkv.hooks.records import CacheFactory, CodecRegistration, Stage, StageRegistration
+from causalkv.hooks.records import (
+    CacheFactory,
+    CodecRegistration,
+    HostRegistration,
+    Stage,
+    StageRegistration,
+)
 
 __all__ = [
     "causalkv_chunk_done", "causalkv_configure_stage", "causalkv_register_cache_factories",
-    "causalkv_register_codecs", "causalkv_register_stages", "causalkv_select_cache_factory",
+    "causalkv_register_codecs", "causalkv_register_host_classes", "causalkv_register_stages",
+    "causalkv_select_cache_factory",
 ]
 
 
@@ -66,6 +74,23 @@ def causalkv_register_codecs() -> Iterable[CodecRegistration] | None:
         An iterable of `CodecRegistration` (or None). The codec class is imported only when
         a cache packs with it. A name taken by another codec setting sets the plugin aside
         (the message names both).
+    """
+
+
+@hookspec
+def causalkv_register_host_classes() -> Iterable[HostRegistration] | None:
+    """Register classes of other hosts that causalkv serves there (a stage of sglang, a
+    pipeline of vLLM-Omni).
+
+    Called: once each time the registries are collected; the bridge of each host collects
+    once per process, before any weights load, and serves exactly the classes registered for
+    it (the highest priority per model). Every implementation runs.
+
+    Returns:
+        An iterable of `HostRegistration` (or None). The class is imported only by its host's
+        bridge. Two registrations serving one model of one host at the same priority, or one
+        naming a codec no plugin registers, set the later plugin aside (the message names
+        both, or the codec).
     """
 
 

@@ -1,4 +1,5 @@
-"""The built-in plugin: causalkv's own stages and caches, registered through the public hooks.
+"""The built-in plugin: causalkv's own stages, caches and served host classes, registered
+through the public hooks.
 
 Nothing here is special-cased by the resolver: block it (``CAUSALKV_DISABLE_PLUGINS=
 causalkv.builtin``) and a third-party plugin can supply stages and caches under the same
@@ -7,15 +8,20 @@ records); each cache class declares its capabilities, which the factories read w
 is first resolved; the ``qvg`` factory declares the QVG settings record
 (`causalkv.caches.qvg.options.QVGKVQuantArgs`). Stages and caches are named as
 ``"module:Class"`` strings: registering them imports no torch (``causalkv --help``).
+
+`HOSTS` are the classes of other hosts the bridges serve (`HostRegistration`: names only,
+imported by that host's bridge alone): sglang's three causal stages (whose methods
+`causalkv.sglang.hooks` wraps) and, in vLLM-Omni, LingBot-World's pipeline replaced by
+causalkv's subclass.
 """
 
 from __future__ import annotations
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
 from causalkv.stages import families
 
-__all__ = ["BUILTIN_PLUGIN_NAME", "CACHES", "STAGES"]
+__all__ = ["BUILTIN_PLUGIN_NAME", "CACHES", "HOSTS", "STAGES"]
 
 #: the name this module is registered under in every causalkv plugin manager
 BUILTIN_PLUGIN_NAME = "causalkv.builtin"
@@ -29,6 +35,17 @@ CACHES: tuple[CacheFactory, ...] = (
                  options=QVGKVQuantArgs),
 )
 
+_SGLANG = "sglang.multimodal_gen.runtime.pipelines_core.stages"
+HOSTS: tuple[HostRegistration, ...] = (
+    HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.longlive2:LongLive2CausalDenoisingStage",
+                     "LongLive2Pipeline"),
+    HostRegistration("sglang", f"{_SGLANG}.causal_denoising:CausalDMDDenoisingStage", "WanCausalDMDPipeline"),
+    HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising:"
+                     "LingBotWorldCausalDMDDenoisingStage", "LingBotWorldCausalDMDPipeline"),
+    HostRegistration("vllm-omni", "causalkv.vllm_omni.pipeline:CausalKVLingBotWorldPipeline",
+                     "LingBotWorldCausalDMDPipeline"),
+)
+
 
 @hookimpl
 def causalkv_register_stages() -> tuple[StageRegistration, ...]:
@@ -38,3 +55,8 @@ def causalkv_register_stages() -> tuple[StageRegistration, ...]:
 @hookimpl
 def causalkv_register_cache_factories() -> tuple[CacheFactory, ...]:
     return CACHES
+
+
+@hookimpl
+def causalkv_register_host_classes() -> tuple[HostRegistration, ...]:
+    return HOSTS

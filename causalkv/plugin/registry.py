@@ -1,24 +1,35 @@
-"""Collect stage registrations, cache factories and codec settings from every plugin; set a
-faulty plugin aside.
+"""Collect stage registrations, cache factories, codec settings and host classes from every
+plugin; set a faulty plugin aside.
 
 A plugin whose registration hook raises or returns junk, or whose records claim a stage,
 cache or model (at one priority) another plugin holds, or a flag another record or the host
 holds, is set aside as a whole (`PluginLoadFailure`, one line naming it and the fix); the
 plugins before it, the built-in one first, keep everything they registered. This is the one
-conflict check of the registries. Codec settings join `causalkv.caches.codecs`'s registry
-(the one the options, the caches and the planner read), a name taken there sets the plugin
-aside too.
+conflict check of the registries, and causalkv's runtime and its bridges (sglang, vLLM-Omni)
+read the same `Registry`: a host class (`HostRegistration`) is served in its host when a
+plugin that is not set aside registers it (`Registry.host_classes`). Codec settings join
+`causalkv.caches.codecs`'s registry (the one the options, the caches and the planner read), a
+name taken there sets the plugin aside too, as does a host class naming a codec no plugin
+registers.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from causalkv.caches.codecs import register_codec
+from causalkv.caches.codecs import codec_names, register_codec
 from causalkv.errors import ConfigError, ImportPathError, InvalidTypeError, describe_exception
-from causalkv.hooks import NAME, CacheFactory, CodecRegistration, Preset, StageRegistration
+from causalkv.hooks import (
+    NAME,
+    CacheFactory,
+    CodecRegistration,
+    HostRegistration,
+    Preset,
+    StageRegistration,
+)
 from causalkv.plugin.calls import plugin_callers
 from causalkv.plugin.errors import (
     PluginConflictError,
@@ -31,7 +42,7 @@ from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, get_plugin
 if TYPE_CHECKING:
     from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["CacheEntry", "Registry", "StageEntry", "collect"]
+__all__ = ["CacheEntry", "Registry", "StageEntry", "collect", "collected"]
 
 
 #: the base every stage derives from, by name: a loaded stage class brought it in, so the
@@ -107,6 +118,8 @@ class Registry:
     #: (codec registration, plugin) of the plugins' codec settings (the built-ins are
     #: `causalkv.caches.codecs`'s own)
     codecs: tuple[tuple[CodecRegistration, str], ...] = ()
+    #: (host registration, plugin) of the classes of other hosts causalkv serves there
+    hosts: tuple[tuple[HostRegistration, str], ...] = ()
 
     def _named(self, kind: str, name: str, entries: tuple[Any, ...]) -> Any:
         found = next((e for e in entries if e.name == name), None)
@@ -133,6 +146,12 @@ class Registry:
     def served_models(self) -> list[str]:
         return sorted({m for e in self.stages for m in e.registration.served})
 
+    def host_classes(self, host: str) -> dict[str, tuple[HostRegistration, str]]:
+        """What ``host``'s bridge serves: each model (host pipeline name) -> the registration
+        of the highest priority serving it there, and its plugin."""
+        ranked = sorted((e for e in self.hosts if e[0].host == host), key=lambda e: e[0].priority)
+        return {m: e for e in ranked for m in e[0].models}
+
     def presets(self) -> dict[str, tuple[StageEntry, Preset]]:
         """Preset name -> (the stage entry registering it, the preset), in registration order."""
         return {p.name: (e, p) for e in self.stages for p in e.registration.presets}
@@ -152,11 +171,19 @@ def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
     return items
 
 
-def _claims(r: StageRegistration | CacheFactory | CodecRegistration) -> list[tuple[tuple[Any, ...], str, str]]:
+#: what each record is called in a set-aside message
+_KINDS = {StageRegistration: "stage", CacheFactory: "cache", CodecRegistration: "codec",
+          HostRegistration: "host class"}
+
+
+def _claims(r: StageRegistration | CacheFactory | CodecRegistration | HostRegistration) -> list[tuple[tuple[Any, ...], str, str]]:
     """``(key, what it is, the fix)`` of each thing a record claims: its name, the models it
-    serves at its priority (a stage), the flags of its options record."""
+    serves at its priority (a stage; a host class, in its host), the flags of its options record."""
     if isinstance(r, CodecRegistration):
         return [(("codec", r.name), f"codec setting {r.name!r}", "rename the codec setting")]
+    if isinstance(r, HostRegistration):
+        return [(("host", r.host, m, r.priority), f"{r.host} model {m!r} at priority {r.priority}",
+                 "give the registration another priority (the higher wins)") for m in r.models]
     if isinstance(r, StageRegistration):
         out = [(("stage", r.name), f"stage name {r.name!r}", "rename the stage")]
         out += [(("model", m, r.priority), f"model {m!r} at priority {r.priority}",
@@ -196,7 +223,7 @@ def collect(
         failed.setdefault(plugin, failure)
 
     hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory),
-             ("causalkv_register_codecs", CodecRegistration))
+             ("causalkv_register_host_classes", HostRegistration), ("causalkv_register_codecs", CodecRegistration))
     for hook, kind in hooks:
         for plugin, caller in plugin_callers(pm, hook):
             try:
@@ -209,7 +236,9 @@ def collect(
             except InvalidTypeError as exc:
                 set_aside(plugin, str(exc), None, InvalidTypeError)
     held = {("flag", f): (f"{NAME}'s own flags", None) for f in reserved_flags}
-    stages, caches, codecs = [], [], []
+    # every codec a host class may name: causalkv's, and those any plugin's records register
+    known = {*codec_names(), *(r.name for rs in found.values() for r in rs if isinstance(r, CodecRegistration))}
+    stages, caches, codecs, hosts = [], [], [], []
     for plugin, records in found.items():
         mine: dict[tuple[Any, ...], tuple[str, Any]] = {}
         clash = None
@@ -219,8 +248,10 @@ def collect(
                 options = getattr(r, "options", None)
                 if other is not None and not (key[0] == "flag" and other[1] is options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
-                kind = {StageRegistration: "stage", CacheFactory: "cache"}.get(type(r), "codec")
-                mine[key] = (f"{kind} {r.name!r} of plugin {plugin!r}", options)
+                mine[key] = (f"{_KINDS[type(r)]} {r.name!r} of plugin {plugin!r}", options)
+            if isinstance(r, HostRegistration) and r.codec is not None and r.codec not in known:
+                clash = clash or (f"its host class {r.target} names codec {r.codec!r}, which no plugin "
+                                  f"registers (codecs: {', '.join(sorted(known))})", "name a registered codec")
             if isinstance(r, CodecRegistration) and clash is None:
                 try:
                     register_codec(r.name, r.codec, help=r.help, source=plugin, **dict(r.params))
@@ -234,7 +265,22 @@ def collect(
         stages += [StageEntry(r, plugin) for r in records if isinstance(r, StageRegistration)]
         caches += [CacheEntry(r, plugin) for r in records if isinstance(r, CacheFactory)]
         codecs += [(r, plugin) for r in records if isinstance(r, CodecRegistration)]
+        hosts += [(r, plugin) for r in records if isinstance(r, HostRegistration)]
     for failure in failed.values():
         if report is not None:
             report(failure)
-    return Registry(tuple(stages), tuple(caches), tuple(failed.values()), tuple(codecs))
+    return Registry(tuple(stages), tuple(caches), tuple(failed.values()), tuple(codecs), tuple(hosts))
+
+
+#: the registry `collected` made for each plugin manager (one per process; tests rebuild it)
+_COLLECTED: weakref.WeakKeyDictionary[CausalKVPluginManager, Registry] = weakref.WeakKeyDictionary()
+
+
+def collected(pm: CausalKVPluginManager | None = None) -> Registry:
+    """`collect` once per plugin manager (default: the process-wide one), then the same
+    `Registry`: what a host's bridge reads all process long (its codec settings, the host
+    classes it serves), collected at its first need, before any weights load."""
+    pm = get_plugin_manager() if pm is None else pm
+    if pm not in _COLLECTED:
+        _COLLECTED[pm] = collect(pm)
+    return _COLLECTED[pm]

@@ -6,7 +6,8 @@
 Sub-packages, by job (each imports only those after it: `host` | `tools` > `files` |
 `memory` > `model_io` > `processes`, a layers contract in pyproject.toml):
 
-- `host`: the reference host's pipeline (`host.generate` runs the steps `plan_step`,
+- `host`: the reference host's pipeline (`host.resolve` picks the stage and the cache from the
+  plugin registry before any weights load; `host.generate` runs the steps `plan_step`,
   `load_step`, `run_step`, `compare_step`, `write_step`, with `request_checks`, `report`,
   `hook_calls` and the steps' records, `pipeline_records`);
 - `tools`: tools beside the host (`tools.sglang_checkpoints`);
@@ -33,6 +34,7 @@ __all__ = [
     "ModelInfo",
     "Plan",
     "PluginSet",
+    "Resolution",
     "build_stage",
     "compare_unquantized",
     "generate",
@@ -41,6 +43,7 @@ __all__ = [
     "materialize_preset",
     "plan_generation",
     "run_plan",
+    "resolve",
     "run_report",
     "write_outputs",
 ]
@@ -55,6 +58,8 @@ _HOMES = {
     "ModelInfo": "causalkv.runtime.model_io.model_config",
     "Plan": "causalkv.runtime.host.pipeline_records",
     "PluginSet": "causalkv.runtime.host.pipeline_records",
+    "Resolution": "causalkv.runtime.host.resolve",
+    "resolve": "causalkv.runtime.host.resolve",
     "build_stage": "causalkv.runtime.host.run_step",
     "compare_unquantized": "causalkv.runtime.host.compare_step",
     "generate": "causalkv.runtime.host.generate",

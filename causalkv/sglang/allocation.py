@@ -1,6 +1,8 @@
 """The cache allocation hook: causalkv's cache for a served stage's blocks when QVG is on.
 
-`allocate` wraps ``_allocate_causal_kv_cache`` (sglang's base stage and LingBot-World's own).
+`allocate` wraps ``_allocate_causal_kv_cache`` (sglang's base stage and LingBot-World's own;
+a served subclass runs one of those). Served: a class the plugin registry names
+(`causalkv.sglang.targets.served_stage`).
 Every allocation is logged once per stage and settings (stage, cache class, QVG settings,
 keep-recent, recency tier, sink handling, which codec, where the chunk being generated lives;
 `describe`) and noted for the request's summary line (`causalkv.sglang.summary`).
@@ -20,7 +22,7 @@ from causalkv.sglang import ENV_LINGBOT_QVG
 from causalkv.sglang.settings import lingbot_codec
 from causalkv.sglang.stages import request_args, stage_marker
 from causalkv.sglang.summary import track
-from causalkv.sglang.targets import LINGBOT, qualname, served
+from causalkv.sglang.targets import served_stage
 
 __all__ = ["allocate", "describe"]
 
@@ -59,10 +61,11 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     head_dim. Every allocation is logged once per stage and settings, and tracked for the
     request's summary line.
     """
-    if not served(self):
+    entry = served_stage(self)
+    if entry is None:
         return original(self, **kw)
     quant = getattr(self, "_kv_quant_args", None)
-    lingbot = qualname(self) == LINGBOT
+    lingbot = entry.lingbot
     if quant is None or not getattr(quant, "enabled", False):
         caches = original(self, **kw)
         return track(self, caches, describe(caches, None, self, "none"))

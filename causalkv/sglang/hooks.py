@@ -5,8 +5,11 @@ imports no sglang module, nor `causalkv.sglang.cache` / `.attention` (which do),
 time: those imports are made inside the hooks, when sglang calls them. Each hook receives
 sglang's original method first (sglang's AROUND convention). The hooks live by job:
 
-- `causalkv.sglang.targets`: the dotted names, the served stages (`SERVED`: exact classes:
-  LongLive 2.0, the Wan causal DMD / Self-Forcing base stage, LingBot-World).
+- `causalkv.sglang.targets`: the dotted names of the classes the hooks wrap (sglang's causal
+  DMD base stage, LongLive 2.0's, LingBot-World's), and the stages served: the exact classes
+  causalkv's plugin registry names for host ``sglang`` (`served_stages`; the built-in plugin
+  registers those three, a plugin may add a subclass: the hooks on a base's methods run for
+  it, since a subclass calls the wrapped methods).
 - `causalkv.sglang.settings`: sglang's QVG settings and causalkv's environment settings, the
   one conversion to causalkv's (`bridge_args`), the start-up checks (``ServerArgs`` and the
   pipeline's ``_load_config``).

@@ -15,9 +15,12 @@ naming the flag and the fix, settings causalkv's codec cannot pack for that mode
 block size x bits, head_dim), and environment settings the bridge does not know.
 
 The codec names are causalkv's codec registry's, read after this process has loaded causalkv's
-plugins (`load_plugins`: ``causalkv.plugin.collect``, once per process, under the allow and
-block switches of causalkv's runtime), so ``CAUSALKV_SGLANG_CODEC`` and
-``CAUSALKV_SGLANG_RECENT_TIER`` take a plugin's codec as they take a built-in one.
+plugins (`causalkv.plugin.collected`: ``causalkv.plugin.collect`` once per process, under the
+allow and block switches of causalkv's runtime), so ``CAUSALKV_SGLANG_CODEC`` and
+``CAUSALKV_SGLANG_RECENT_TIER`` take a plugin's codec as they take a built-in one. Which
+pipelines are checked is the registry's too (`causalkv.sglang.targets.served_stages`), and a
+served stage's registration may name the codec it packs with when ``CAUSALKV_SGLANG_CODEC`` is
+unset.
 
 This module imports no sglang at import time (sglang imports the hooks while it loads its
 plugins): sglang's and the bridge cache's modules are imported inside the functions.
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -38,8 +40,9 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.caches.qvg.options import recent_tiers
 from causalkv.env import choice, flag
 from causalkv.errors import ConfigError
+from causalkv.plugin import collected
 from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_RECENT_TIER
-from causalkv.sglang.targets import LINGBOT, SERVED_PIPELINES
+from causalkv.sglang.targets import served_stages
 
 __all__ = [
     "EnvSettings",
@@ -48,7 +51,6 @@ __all__ = [
     "fused_attention",
     "lingbot_codec",
     "load_config",
-    "load_plugins",
     "normalize",
     "post_init",
     "read_env",
@@ -72,33 +74,15 @@ class EnvSettings:
     codec: str | None = None
 
 
-def load_plugins() -> None:
-    """Load causalkv's plugins in this process (`causalkv.plugin.collect` on the process-wide
-    manager: ``CAUSALKV_PLUGINS``, ``CAUSALKV_DISABLE_PLUGINS`` and
-    ``CAUSALKV_DISABLE_PLUGIN_AUTOLOAD`` as in causalkv's runtime; a plugin set aside is one
-    warning line on stderr): their codec settings join the registry the settings read. Once
-    per manager, so a request reads its settings without collecting again."""
-    # lazy: the plugin system is needed once a setting is read, not when sglang loads the hooks
-    from causalkv.plugin import collect, get_plugin_manager
-
-    pm = get_plugin_manager()
-    if pm not in _COLLECTED:
-        collect(pm)
-        _COLLECTED.add(pm)
-
-
-#: the plugin managers whose plugins `load_plugins` collected in this process
-_COLLECTED: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     """``CAUSALKV_SGLANG_RECENT_TIER`` and ``CAUSALKV_SGLANG_CODEC``, each read once
-    (`causalkv.env.choice`), each taking every registered codec setting (`load_plugins` first).
+    (`causalkv.env.choice`), each taking every registered codec setting (causalkv's plugins
+    loaded first: `causalkv.plugin.collected`).
 
     Raises:
         ConfigError: a value the bridge does not know, naming the variable and the choices.
     """
-    load_plugins()
+    collected()
     tier = choice(
         ENV_RECENT_TIER, recent_tiers(), default="bf16", environ=environ,
         meaning="a codec: the bridge packs the keep-recent chunks, and bf16 sink chunks, with it "
@@ -164,7 +148,7 @@ def sglang_quant_args(value: Any) -> Any:
         kw = dict(value)
         bits = kw.get("bits")
         if isinstance(bits, str):
-            load_plugins()  # a plugin's codec name is pointed at CAUSALKV_SGLANG_CODEC below
+            collected()  # a plugin's codec name is pointed at CAUSALKV_SGLANG_CODEC below
             kw["bits"] = CausalKVQuantArgs.from_codec_name(bits).bits
             if kw["bits"] is None and bits.lower() not in ("off", "none"):
                 raise ConfigError(
@@ -185,10 +169,12 @@ def normalize(server_args: Any) -> Any:
     return args
 
 
-def bridge_args(quant: Any, env: EnvSettings | None = None) -> CausalKVQuantArgs:
+def bridge_args(quant: Any, env: EnvSettings | None = None, *,
+                codec: str | None = None) -> CausalKVQuantArgs:
     """causalkv's settings for sglang's ``quant`` (its ``QVGKVQuantArgs``) and causalkv's
     environment settings (``env``; default: `read_env`, so each variable is read once here):
-    sglang's shared fields, the recency tier, and the codec (``env.codec``, else sglang's bits).
+    sglang's shared fields, the recency tier, and the codec (``env.codec``, else ``codec``, the
+    served stage's registered codec, else sglang's bits).
 
     The bridge's one conversion: once per request (`causalkv.sglang.stages.request_args`
     carries the result to the allocations) and once per start-up check (`check_settings`).
@@ -201,8 +187,9 @@ def bridge_args(quant: Any, env: EnvSettings | None = None) -> CausalKVQuantArgs
     from causalkv.sglang.cache import causalkv_quant_args
 
     args = causalkv_quant_args(quant, env.recent_tier)
-    if env.codec is not None and args.enabled and env.codec != args.codec:
-        args = replace(args, codec=env.codec).validate()
+    codec = env.codec or codec
+    if codec is not None and args.enabled and codec != args.codec:
+        args = replace(args, codec=codec).validate()
     return args
 
 
@@ -212,20 +199,21 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None,
     """Refuse QVG settings the bridge's codec cannot pack for this pipeline (ConfigError).
 
     ``quant`` is sglang's ``QVGKVQuantArgs``, ``env`` causalkv's settings (default: read from
-    the environment); pipelines the bridge does not serve, quant off, and LingBot-World with
-    ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` are not checked (sglang's own code decides there). A
-    ``head_dim`` the block size does not divide is refused except for LingBot-World, where
-    sglang's own QVG cache takes over (said in the log).
+    the environment). Resolves what the bridge serves first (`served_stages`: once per
+    process, logged); pipelines it does not serve, quant off, and LingBot-World (or a served
+    subclass of its stage) with ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` are not checked
+    (sglang's own code decides there). A ``head_dim`` the block size does not divide is refused
+    except for LingBot-World, where sglang's own QVG cache takes over (said in the log).
     """
-    if pipeline_name not in SERVED_PIPELINES or quant is None or not quant.enabled:
+    stage = served_stages().get(pipeline_name or "")
+    if stage is None or quant is None or not quant.enabled:
         return
-    lingbot = SERVED_PIPELINES[pipeline_name] == LINGBOT
-    if lingbot and lingbot_codec() == "sglang":
+    if stage.lingbot and lingbot_codec() == "sglang":
         return
     try:
-        args = bridge_args(quant, env)
+        args = bridge_args(quant, env, codec=stage.registration.codec)
         args.check_used()
-        if head_dim is not None and not lingbot:
+        if head_dim is not None and not stage.lingbot:
             args.check_layout(head_dim)
     except ConfigError as exc:
         raise ConfigError(f"causalkv sglang bridge, {pipeline_name}: {exc}") from None

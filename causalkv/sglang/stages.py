@@ -5,8 +5,11 @@
   it carries sglang's settings as ``_kv_quant_args`` (sglang's LingBot convention) and starts
   the request, so `request_args` converts them to causalkv's once (`bridge_args`) at the
   request's first allocation and every later allocation of the request (the CFG set, a
-  realtime session's) reuses them. A stage that is not served keeps sglang's behaviour, and
-  one warning says so when ``--kv-cache-quant`` is on and sglang's stage does not support QVG.
+  realtime session's) reuses them, packing with the codec the stage's registration names
+  when ``CAUSALKV_SGLANG_CODEC`` is unset. Which stages are served is the plugin registry's
+  answer (`causalkv.sglang.targets.served`); a stage that is not served keeps sglang's
+  behaviour, and one warning says so when ``--kv-cache-quant`` is on and sglang's stage does
+  not support QVG.
 - Probe and commit: with quantization on, the blocks of a served stage share one
   `causalkv.caches.passes.PassMarker` (`stage_marker`; its CFG sets too). The denoising
   passes (``_denoise_causal_dmd_chunk``, LongLive 2.0's CFG variant, the realtime chunk) run
@@ -33,7 +36,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_SWITCH
 from causalkv.sglang.settings import bridge_args, normalize, sglang_quant_args
-from causalkv.sglang.targets import SERVED, log_once, qualname, served
+from causalkv.sglang.targets import log_once, qualname, served, served_stage, served_stages
 
 __all__ = [
     "apply_overrides",
@@ -59,11 +62,14 @@ _SCENE_CUT = "_causalkv_scene_cut"
 def request_args(stage: Any, quant: Any) -> CausalKVQuantArgs:
     """causalkv's settings for the stage's request: `bridge_args` of sglang's ``quant`` at the
     request's first need, then the same object for the rest of the request (sglang's
-    ``quant`` unchanged). An allocation outside a request converts once for itself."""
+    ``quant`` unchanged), with the codec the stage's registration names (`served_stage`) when
+    ``CAUSALKV_SGLANG_CODEC`` is unset. An allocation outside a request converts once for
+    itself."""
     held = stage.__dict__.get(_ARGS)
     if held is not None and held[0] is quant:
         return held[1]
-    args = bridge_args(quant)
+    entry = served_stage(stage)
+    args = bridge_args(quant, codec=entry.registration.codec if entry is not None else None)
     stage.__dict__[_ARGS] = (quant, args)
     return args
 
@@ -101,11 +107,12 @@ def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any,
     if served(self):
         _start_request(self, server_args)
     else:
+        stages = served_stages()
         _warn_unserved(
-            self, server_args, "the bridge serves only " + ", ".join(
-                sorted(n.rsplit(".", 1)[1] for n in SERVED)),
-            "use one of those pipelines (LongLive2Pipeline, WanCausalDMDPipeline, "
-            "LingBotWorldCausalDMDPipeline) for a QVG cache",
+            self, server_args, "the bridge serves only the stages causalkv's plugins register: "
+            + (", ".join(sorted({s.cls.__name__ for s in stages.values()})) or "none"),
+            f"use one of those pipelines ({', '.join(stages)}) for a QVG cache, or register the "
+            "stage (docs/plugins.md, \"Serving a host's class\")",
         )
     return original(self, batch, server_args)
 

@@ -1,22 +1,40 @@
-"""What the bridge hooks in sglang: the dotted names of sglang's classes, and which stages it serves.
+"""What the bridge hooks in sglang (the dotted names of sglang's classes), and which stages it
+serves: the classes causalkv's plugin registry names for host ``sglang``.
 
-Names only: this module imports no sglang (sglang imports the hooks while it loads its plugins).
+Names only at import: this module imports no sglang (sglang imports the hooks while it loads
+its plugins).
 
-- `SERVED`: the exact stage classes whose caches the bridge serves (LongLive 2.0, the Wan
-  causal DMD / Self-Forcing base stage, LingBot-World); any other subclass keeps sglang's
-  behaviour. `served` asks it of a stage object.
-- `SERVED_PIPELINES`: sglang's pipeline name -> the served stage its denoising runs in (the
-  start-up checks know the pipeline, not the stage).
+- The hooks wrap methods of `BASE` (sglang's causal DMD stage), `LONGLIVE2` and `LINGBOT`
+  (`causalkv.sglang.hooks`); a subclass of them that does not override a wrapped method
+  (or calls the wrapped one through ``super()``) runs the wrapped one.
+- Which stage classes the hooks serve is the registry's answer (`served_stages`): every
+  ``HostRegistration`` of host ``sglang`` that a plugin not set aside registers, causalkv's
+  built-in plugin included (its three: `causalkv.plugin.builtin.HOSTS`), under
+  ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime. Resolved once
+  per process, at the first start-up check or hooked call (the pipeline's ``_load_config``,
+  before any weights load), and logged in one line. Any other class, a subclass of a served
+  one included, keeps sglang's behaviour: `served` asks it of a stage object.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SERVED", "SERVED_PIPELINES", "log_once", "qualname", "served"]
+from causalkv.errors import describe_exception
+from causalkv.hooks import HostRegistration, import_object
+from causalkv.plugin import collected, get_plugin_manager
+from causalkv.plugin.manager import ENV_BLOCK
 
+__all__ = ["HOST", "ServedStage", "log_once", "qualname", "served", "served_stage", "served_stages"]
+
+logger = logging.getLogger(__name__)
+
+#: the host name of the registrations this bridge serves (`HostRegistration.host`)
+HOST = "sglang"
 STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
 #: sglang's causal DMD stage (Wan causal DMD / Self-Forcing); the others subclass it
 BASE = f"{STAGES}.causal_denoising.CausalDMDDenoisingStage"
@@ -34,27 +52,16 @@ WAN_ATTN = f"{ATTN_DITS}.causal_wanvideo.CausalWanSelfAttention"
 LINGBOT_ATTN = f"{ATTN_DITS}.lingbot_world.LingBotWorldCausalSelfAttention"
 LOCAL_ATTN = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention"
 
-#: fully qualified names of the stage classes the bridge serves
-SERVED = frozenset({BASE, LONGLIVE2, LINGBOT})
-#: sglang pipeline name -> the served stage its denoising runs in
-SERVED_PIPELINES: Mapping[str, str] = {
-    "LongLive2Pipeline": LONGLIVE2,
-    "WanCausalDMDPipeline": BASE,
-    "LingBotWorldCausalDMDPipeline": LINGBOT,
-}
-
 _logged: set[tuple[str, ...]] = set()
 
 
-def qualname(obj: object) -> str:
-    """``module.QualName`` of the object's class (what `SERVED` holds)."""
-    cls = type(obj)
+def _dotted(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def served(stage: object) -> bool:
-    """True when the bridge serves this stage object (its class exactly in `SERVED`)."""
-    return qualname(stage) in SERVED
+def qualname(obj: object) -> str:
+    """``module.QualName`` of the object's class."""
+    return _dotted(type(obj))
 
 
 def log_once(logger: logging.Logger, key: tuple[str, ...], level: int, msg: str,
@@ -63,3 +70,78 @@ def log_once(logger: logging.Logger, key: tuple[str, ...], level: int, msg: str,
     if key not in _logged:
         _logged.add(key)
         logger.log(level, msg, *args)
+
+
+@dataclass(frozen=True)
+class ServedStage:
+    """A stage class the bridge serves, and the registration that names it.
+
+    Attributes:
+        cls: the stage class (a subclass of sglang's ``CausalDMDDenoisingStage``).
+        registration: its ``HostRegistration`` (the pipelines it serves, its codec).
+        plugin: the plugin that registered it.
+    """
+
+    cls: type
+    registration: HostRegistration
+    plugin: str
+
+    @property
+    def lingbot(self) -> bool:
+        """LingBot-World's stage or a subclass: sglang's own QVG cache can serve it instead."""
+        return any(_dotted(c) == LINGBOT for c in self.cls.__mro__)
+
+    def describe(self) -> str:
+        codec = f", codec {self.registration.codec}" if self.registration.codec else ""
+        return f"{self.cls.__name__} (plugin {self.plugin}{codec})"
+
+
+#: what each plugin manager (one per process; tests rebuild it) has the bridge serve
+_SERVED: weakref.WeakKeyDictionary[Any, dict[str, ServedStage]] = weakref.WeakKeyDictionary()
+
+
+def _stage_class(reg: HostRegistration) -> type:
+    """The registered class, checked to be one the bridge's hooks reach (raises what its
+    import raises, or TypeError)."""
+    cls = import_object(reg.target)
+    if not (isinstance(cls, type) and any(_dotted(c) == BASE for c in cls.__mro__)):
+        raise TypeError(f"{cls!r} is not a subclass of sglang's CausalDMDDenoisingStage, whose "
+                        "methods the bridge's hooks wrap")
+    return cls
+
+
+def served_stages() -> Mapping[str, ServedStage]:
+    """sglang pipeline name -> the stage class the bridge serves for it, from causalkv's plugin
+    registry (`causalkv.plugin.collected`: collected once per process under the switches of
+    causalkv's runtime; a plugin set aside is one warning line on stderr): the
+    highest-priority ``HostRegistration`` of host ``sglang`` per pipeline.
+    Resolved once per process; the first call logs one line naming every served stage, and one
+    warning per registration it cannot serve (its class does not import, or is not a subclass
+    of sglang's causal DMD stage), which then keeps sglang's behaviour."""
+    pm = get_plugin_manager()
+    found = _SERVED.get(pm)
+    if found is not None:
+        return found
+    found = {}
+    for pipeline, (reg, plugin) in collected(pm).host_classes(HOST).items():
+        try:
+            found[pipeline] = ServedStage(_stage_class(reg), reg, plugin)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take sglang down
+            logger.warning("causalkv sglang bridge: %s is not served: %s (plugin %s): %s; fix the "
+                           "plugin, or turn it off with %s=%s", pipeline, reg.target, plugin,
+                           describe_exception(exc), ENV_BLOCK, plugin)
+    _SERVED[pm] = found
+    logger.info("causalkv sglang bridge serves %s", "; ".join(
+        f"{p}: {s.describe()}" for p, s in found.items()) or "nothing (no plugin registers an sglang stage)")
+    return found
+
+
+def served_stage(stage: object) -> ServedStage | None:
+    """The served class of this stage object (its class exactly), or None: sglang's behaviour."""
+    name = qualname(stage)
+    return next((s for s in served_stages().values() if _dotted(s.cls) == name), None)
+
+
+def served(stage: object) -> bool:
+    """True when the bridge serves this stage object (`served_stage`)."""
+    return served_stage(stage) is not None

@@ -120,7 +120,7 @@ class StagePlanning:
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
         """Refuse values of the family's own request knobs that cannot serve ``num_chunks``
         chunks (`ConfigError`). Nothing here. (Another family's knobs are refused by the
-        resolution, `causalkv.plugin.resolve`, the one refusal of foreign records.)"""
+        resolution, `causalkv.runtime.resolve`, the one refusal of foreign records.)"""
 
     @classmethod
     def plan_chunks(

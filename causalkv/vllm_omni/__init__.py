@@ -3,10 +3,15 @@
 vLLM-Omni discovers it through the entry point ``causalkv`` in the group
 ``vllm_omni.general_plugins`` and calls `register` in every process (the main process, the
 engine, each diffusion worker) before any model is built (``load_omni_general_plugins``).
-`register` calls vLLM-Omni's ``register_diffusion_model`` to replace the built-in
-``LingBotWorldCausalDMDPipeline`` with `causalkv.vllm_omni.pipeline.CausalKVLingBotWorldPipeline`
-(imported by vLLM-Omni when it builds the pipeline). Importing causalkv, or this package, never
-imports vLLM or vLLM-Omni.
+Which pipelines the bridge serves is causalkv's plugin registry's answer (`served_pipelines`:
+the ``HostRegistration`` records of host ``vllm-omni``, collected once per process under
+``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime): `register`
+passes each to vLLM-Omni's ``register_diffusion_model`` (with LingBot-World's pre/post-process
+functions, which the served class's module exposes) and logs one line naming them. The built-in
+plugin's one replaces ``LingBotWorldCausalDMDPipeline`` with
+`causalkv.vllm_omni.pipeline.CausalKVLingBotWorldPipeline` (imported by vLLM-Omni when it builds
+the pipeline); a plugin may register a subclass of it under a name of its own. Importing
+causalkv, or this package, never imports vLLM or vLLM-Omni.
 
 The setting is the stage's ``model_config.causalkv_kv_cache`` (`causalkv.vllm_omni.settings`);
 without it the replaced pipeline is the stock one. ``CAUSALKV_VLLM_OMNI=0`` turns the bridge off
@@ -19,8 +24,10 @@ from __future__ import annotations
 import logging
 
 from causalkv import env
+from causalkv.hooks import HostRegistration
+from causalkv.plugin import collected
 
-__all__ = ["ENTRY_POINT_NAME", "ENV_SWITCH", "PIPELINE", "enabled", "register"]
+__all__ = ["ENTRY_POINT_NAME", "ENV_SWITCH", "HOST", "enabled", "register", "served_pipelines"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +36,11 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "CAUSALKV_VLLM_OMNI"
 #: the entry point's name in ``vllm_omni.general_plugins`` (what ``VLLM_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
-#: the vLLM-Omni pipeline the bridge replaces, and the module/class it registers for it
-PIPELINE = "LingBotWorldCausalDMDPipeline"
-_MODULE, _CLASS = "causalkv.vllm_omni.pipeline", "CausalKVLingBotWorldPipeline"
+#: the host name of the registrations this bridge serves (`HostRegistration.host`)
+HOST = "vllm-omni"
 _REGISTRY = "vllm_omni.diffusion.registry"
+#: LingBot-World's pre/post-process functions, by the name a served class's module exposes them
+_PRE, _POST = "get_lingbot_world_pre_process_func", "get_lingbot_world_post_process_func"
 
 
 def enabled() -> bool:
@@ -51,13 +59,27 @@ def _log_through_vllm() -> None:
         logger.propagate = True
 
 
+def served_pipelines() -> dict[str, tuple[HostRegistration, str]]:
+    """vLLM-Omni ``model_class_name`` -> (the ``HostRegistration`` the bridge serves it with,
+    its plugin): the highest priority of host ``vllm-omni`` per name, from the registry
+    collected once per process (`causalkv.plugin.collected`; a plugin set aside is one warning
+    line on stderr and serves nothing). A served class is
+    `causalkv.vllm_omni.pipeline.CausalKVLingBotWorldPipeline` or a subclass (the pipeline that
+    reads the setting and puts causalkv's store on the DiT), in a module that exposes
+    LingBot-World's pre/post-process functions (importing them from that module does)."""
+    return collected().host_classes(HOST)
+
+
 def register() -> bool:
-    """vLLM-Omni's general-plugin callable: replace LingBot-World's pipeline; True when it did.
+    """vLLM-Omni's general-plugin callable: register every served pipeline (`served_pipelines`)
+    with vLLM-Omni's ``register_diffusion_model``; True when it registered one. Logs one line
+    naming them, with their plugins.
 
     Returns False quietly (one INFO line) when switched off or when vLLM-Omni is not installed
     or has no ``register_diffusion_model``. Safe to call more than once (vLLM-Omni calls it in
-    every process). Never raises: a plugin that raises would stop vLLM-Omni's start-up for a
-    reason that is not the user's setting (settings are checked when the pipeline is built).
+    every process). Never raises for a setting: a plugin that raises would stop vLLM-Omni's
+    start-up for a reason that is not the user's setting (settings are checked when the
+    pipeline is built); a plugin whose registration fails is set aside by the registry.
     """
     _log_through_vllm()
     if not enabled():
@@ -69,8 +91,12 @@ def register() -> bool:
     except ImportError as exc:
         logger.info("causalkv vllm-omni bridge not registered: cannot import %s (%s)", _REGISTRY, exc)
         return False
-    register_diffusion_model(PIPELINE, _MODULE, _CLASS,
-                             pre_process_func_name="get_lingbot_world_pre_process_func",
-                             post_process_func_name="get_lingbot_world_post_process_func")
-    logger.info("causalkv vllm-omni bridge registered: %s -> %s.%s", PIPELINE, _MODULE, _CLASS)
-    return True
+    done = []
+    for name, (reg, plugin) in served_pipelines().items():
+        module, _, cls = reg.target.partition(":")
+        register_diffusion_model(name, module, cls, pre_process_func_name=_PRE, post_process_func_name=_POST)
+        codec = f", codec {reg.codec}" if reg.codec else ""
+        done.append(f"{name} -> {module}.{cls} (plugin {plugin}{codec})")
+    logger.info("causalkv vllm-omni bridge registered: %s",
+                "; ".join(done) or f"nothing (no plugin registers a {HOST} pipeline)")
+    return bool(done)

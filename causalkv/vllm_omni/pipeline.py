@@ -4,12 +4,14 @@ Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
 `CausalKVLingBotWorldPipeline` under ``LingBotWorldCausalDMDPipeline`` with
 ``register_diffusion_model``, and vLLM-Omni imports this module when it builds that pipeline.
 
-- `CausalKVLingBotWorldPipeline` reads the setting (``model_config.causalkv_kv_cache``,
-  `causalkv.vllm_omni.settings`) before anything loads, refuses a bad one (on the paged
-  AR-diffusion engine also what `causalkv.vllm_omni.paged_pipeline.check_paged` refuses), then
-  builds the stock pipeline and gives its transformer and self-attention layers the subclasses
-  below; on the paged engine `causalkv.vllm_omni.paged_pipeline.install_paged` puts causalkv's
-  pages under its realtime sessions. No setting: nothing changes.
+- `CausalKVLingBotWorldPipeline` (and a plugin's subclass registered under a name of its own,
+  `causalkv.vllm_omni.served_pipelines`) reads the setting (``model_config.causalkv_kv_cache``,
+  `causalkv.vllm_omni.settings`, with the codec the served name's registration gives) before
+  anything loads, refuses a bad one (on the paged AR-diffusion engine also what
+  `causalkv.vllm_omni.paged_pipeline.check_paged` refuses), then builds the stock pipeline and
+  gives its transformer and self-attention layers the subclasses below; on the paged engine
+  `causalkv.vllm_omni.paged_pipeline.install_paged` puts causalkv's pages under its realtime
+  sessions. No setting: nothing changes.
 - `CausalKVLingBotTransformer.allocate_cache` (the direct path's per-request cache) returns
   vLLM-Omni's ``LingBotTransformerCache`` whose self-attention entries are
   `causalkv.vllm_omni.lingbot_cache.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
@@ -42,6 +44,7 @@ from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.errors import ConfigError
+from causalkv.vllm_omni import served_pipelines
 from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_layers
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
 
@@ -173,19 +176,30 @@ def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) ->
 class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
     """vLLM-Omni's ``LingBotWorldCausalDMDPipeline`` with causalkv's self-attention cache.
 
-    Registered under ``LingBotWorldCausalDMDPipeline``. Without ``model_config.causalkv_kv_cache``
-    it is the stock pipeline. With it: the setting is checked first (a bad value, or QVG on
-    the paged engine path, raises before any component or weight loads), then the stock
-    pipeline is built and `install` puts causalkv's store on its transformer.
+    Registered under ``LingBotWorldCausalDMDPipeline`` by the built-in plugin (a plugin's
+    subclass under its own name). Without ``model_config.causalkv_kv_cache`` it is the stock
+    pipeline. With it: the setting is checked first (a bad value, or on the paged engine what
+    `causalkv.vllm_omni.paged_pipeline.check_paged` refuses, raises before any component or
+    weight loads; the codec the served name's registration gives fills a ``kv_cache_quant``
+    left out), then the stock pipeline is built, `install` puts causalkv's store on its
+    transformer and, on the paged engine, `install_paged` causalkv's pages under its sessions.
+
+    Attributes:
+        causalkv_name: the ``model_class_name`` it was built as (the summary's ``pipeline=``).
+        causalkv_quant: the QVG settings, or None (vLLM-Omni's own cache).
     """
 
     def __init__(self, *, od_config: Any, prefix: str = "") -> None:
-        quant = read_settings(getattr(od_config, "model_config", None) or {})
+        name = getattr(od_config, "model_class_name", None) or LingBotWorldCausalDMDPipeline.__name__
+        served = served_pipelines().get(name)
+        quant = read_settings(getattr(od_config, "model_config", None) or {},
+                              codec=served[0].codec if served else None)
         paged = False
         if quant is not None:
             quant.check_layout(_HEAD_DIM)
             paged = check_engine_mode(od_config, quant)
         super().__init__(od_config=od_config, prefix=prefix)
+        self.causalkv_name = name
         self.causalkv_quant = quant
         if quant is None:
             logger.info("causalkv: LingBotWorldCausalDMDPipeline keeps vLLM-Omni's KV cache "
@@ -196,12 +210,13 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
             from causalkv.vllm_omni.paged_pipeline import install_paged
 
             install_paged(self, quant)
-        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s",
-                    QVGPackedCausalKVCache.__name__, quant.describe())
+        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s%s",
+                    QVGPackedCausalKVCache.__name__, quant.describe(),
+                    f" (served as {name}, plugin {served[1]})" if served else "")
 
     def forward(self, req: Any) -> Any:
         out = super().forward(req)
         ledger = getattr(self.transformer, "causalkv_ledger", None)
         if self.causalkv_quant is not None and ledger is not None:
-            logger.info("%s", summary_line(LingBotWorldCausalDMDPipeline.__name__, self.causalkv_quant, ledger))
+            logger.info("%s", summary_line(self.causalkv_name, self.causalkv_quant, ledger))
         return out

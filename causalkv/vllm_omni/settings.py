@@ -14,9 +14,10 @@ Absent key: vLLM-Omni's own cache, nothing changed. Present: causalkv's
 `QVGPackedCausalKVCache` holds LingBot-World's self-attention K/V (``kv_cache_quant: off`` keeps
 every chunk dense, bit for bit vLLM-Omni's output). The codec names are causalkv's codec
 registry's once the process has loaded causalkv's plugins (`read_settings` loads them first,
-``causalkv.plugin.collect``, under the allow and block switches of causalkv's runtime), so
-``kv_cache_quant`` and ``kv_cache_quant_recent_tier`` take a plugin's codec as they take a
-built-in one. Torch-free: importing this loads no torch.
+``causalkv.plugin.collected``: once per process, under the allow and block switches of
+causalkv's runtime), so ``kv_cache_quant`` and ``kv_cache_quant_recent_tier`` take a plugin's
+codec as they take a built-in one; a served pipeline's registration may name the codec used
+when ``kv_cache_quant`` is left out. Torch-free: importing this loads no torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.errors import ConfigError
-from causalkv.plugin import collect
+from causalkv.plugin import collected
 
 __all__ = ["CONFIG_KEY", "KNOWN_KEYS", "read_settings"]
 
@@ -42,12 +43,14 @@ def _known_keys() -> tuple[str, ...]:
 KNOWN_KEYS: tuple[str, ...] = _known_keys()
 
 
-def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | None:
+def read_settings(model_config: Mapping[str, Any] | None, *,
+                  codec: str | None = None) -> QVGKVQuantArgs | None:
     """The QVG settings asked for in a stage's ``model_config``, or None when it asks none.
 
     The codec names are the registry's after causalkv's plugins are loaded
-    (`causalkv.plugin.collect` on the process-wide manager; only when the key asks for
-    something).
+    (`causalkv.plugin.collected` on the process-wide manager; only when the key asks for
+    something). ``codec``: the served pipeline's registered codec, the ``kv_cache_quant`` of a
+    setting that gives none (None: ``kv_cache_quant`` is required).
 
     Raises `ConfigError` (a ValueError, the error vLLM-Omni's pipelines raise for a bad
     ``model_config`` value) naming the key, the value and the fix, for: a `CONFIG_KEY` that is
@@ -60,7 +63,7 @@ def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | No
     raw = model_config[CONFIG_KEY]
     if raw is None:
         return None
-    collect()  # the plugins' codec settings join the registry the keys are read against
+    collected()  # the plugins' codec settings join the registry the keys are read against
     if not isinstance(raw, Mapping):
         raise ConfigError(
             f"model_config.{CONFIG_KEY} must be a mapping such as {{kv_cache_quant: int2}}, "
@@ -72,10 +75,12 @@ def read_settings(model_config: Mapping[str, Any] | None) -> QVGKVQuantArgs | No
             f"model_config.{CONFIG_KEY} has unknown key(s) {unknown}; the keys are {list(KNOWN_KEYS)}"
         )
     if "kv_cache_quant" not in raw:
-        raise ConfigError(
-            f"model_config.{CONFIG_KEY} must set kv_cache_quant (one of {list(quant_choices())}), "
-            f"got {dict(raw)!r}"
-        )
+        if codec is None:
+            raise ConfigError(
+                f"model_config.{CONFIG_KEY} must set kv_cache_quant (one of {list(quant_choices())}), "
+                f"got {dict(raw)!r}"
+            )
+        raw = {"kv_cache_quant": codec, **raw}
     try:
         args = QVGKVQuantArgs.from_dict(raw)
         args.check_used()

@@ -18,7 +18,7 @@ from sglang.multimodal_gen.runtime.platforms import plugins as sgl_plugins
 
 import causalkv.sglang as bridge
 from causalkv.sglang.hooks import HOOKS, OFF_HOOKS
-from causalkv.sglang.targets import SERVED
+from causalkv.sglang.targets import BASE, LINGBOT, LONGLIVE2, served_stages
 
 
 def _causalkv_hooks() -> dict[str, list]:
@@ -61,12 +61,16 @@ def test_entry_point_found_and_every_hook_applied():
     assert wrapped.__wrapped__.__qualname__ == "CausalDMDDenoisingStage._allocate_causal_kv_cache"
 
 
-def test_served_names_resolve_to_sglangs_classes():
-    import importlib
-
-    for name in SERVED:
-        module, cls = name.rsplit(".", 1)
-        assert getattr(importlib.import_module(module), cls).__name__ == cls
+def test_the_builtin_plugin_serves_the_three_stages_the_hooks_wrap():
+    """The built-in plugin's ``HostRegistration`` records for host ``sglang`` resolve to
+    sglang's own classes: exactly the three whose methods the hooks wrap, per pipeline."""
+    stages = served_stages()
+    assert {p: f"{s.cls.__module__}.{s.cls.__qualname__}" for p, s in stages.items()} == {
+        "LongLive2Pipeline": LONGLIVE2, "WanCausalDMDPipeline": BASE,
+        "LingBotWorldCausalDMDPipeline": LINGBOT,
+    }
+    assert {s.plugin for s in stages.values()} == {"causalkv.builtin"}
+    assert [p for p, s in stages.items() if s.lingbot] == ["LingBotWorldCausalDMDPipeline"]
 
 
 @pytest.mark.parametrize(

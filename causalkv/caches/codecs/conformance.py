@@ -335,7 +335,7 @@ def check_codec(
         view = record.select_heads(1, H).select_tokens(a, b)
         vshape = tuple(int(v) for v in view.shape)
         if vshape != (B, H - 1, b - a, D):
-            raise ValueError(f"the view claims shape {vshape}, not {(B, H - 1, b - a, D)}")
+            raise CodecError(f"the view claims shape {vshape}, not {(B, H - 1, b - a, D)}")
         part = torch.full(vshape, float("nan"), dtype=torch.float32, device=x.device)
         kind.decode_into(view, part)
     except Exception as exc:  # noqa: BLE001

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from causalkv.options import CacheOptions
-from causalkv.plugin import resolve
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
+from causalkv.runtime.host.resolve import resolve
 from causalkv.runtime.host.run_step import run_plan
 from causalkv.runtime.memory.records import format_bytes
 

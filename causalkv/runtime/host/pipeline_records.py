@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import pluggy
     import torch
 
-    from causalkv.plugin import Resolution
+    from causalkv.runtime.host.resolve import Resolution
     from causalkv.runtime.model_io.components import Components
     from causalkv.runtime.model_io.model_config import ModelInfo
     from causalkv.stages.base import CausalDenoisingStage

@@ -20,13 +20,13 @@ from dataclasses import replace
 from typing import Any
 
 from causalkv.config import check_prompts
-from causalkv.plugin import resolve
 from causalkv.runtime.host.pipeline_records import GenerateOptions, Plan, PluginSet
 from causalkv.runtime.host.request_checks import (
     check_before_load,
     check_request_effect,
     check_sizes,
 )
+from causalkv.runtime.host.resolve import resolve
 from causalkv.runtime.model_io.model_config import load_model_info
 from causalkv.runtime.processes.distributed import check_parallel_request
 

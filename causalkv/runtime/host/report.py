@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from causalkv.hooks import CacheFactory
-from causalkv.plugin import Resolution
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
+from causalkv.runtime.host.resolve import Resolution
 from causalkv.runtime.processes.distributed import current, gather_ints
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.settings import StreamSettings

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.plugin import Resolution
 from causalkv.runtime.host.hook_calls import ObserverHook, configure_stage
 from causalkv.runtime.host.load_step import load_for_plan
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
 from causalkv.runtime.host.report import describe_stream
+from causalkv.runtime.host.resolve import Resolution
 from causalkv.runtime.model_io.components import Components
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.records import ChunkStats, ForwardRecord

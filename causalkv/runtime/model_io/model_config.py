@@ -508,7 +508,7 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
 
 
 def model_ref(model: str | Path) -> ModelRef:
-    """What `causalkv.plugin.resolve` matches for a model name or a diffusers-format folder
+    """What `causalkv.runtime.resolve` matches for a model name or a diffusers-format folder
     (or its ``model_index.json``): reads at most that file, no weights.
 
     Raises:

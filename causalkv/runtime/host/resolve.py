@@ -1,4 +1,8 @@
-"""Load-time resolution: the stage for a model and a cache that serves what it needs.
+"""Load-time resolution of causalkv's own host: the stage for a model and a cache that serves it.
+
+The plugin registry (`causalkv.plugin`) collects what every plugin registers; this host picks
+from it (the sglang and vLLM-Omni bridges pick their host classes with
+`causalkv.plugin.Registry.host_classes`).
 
 Runs before any weights load and reads no file (a model folder is read by the runtime,
 `causalkv.runtime.model_io.model_config.model_ref`); it imports the chosen stage's module (never a

@@ -1,0 +1,1 @@
+"""Host classes causalkv does not ship, served through causalkv's plugin registry."""
