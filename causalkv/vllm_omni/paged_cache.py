@@ -141,7 +141,10 @@ class _Session:
 
     Attributes:
         frames: the logical frame of each page of the adapter's compact block table, in order.
-        groups: the held positions, ascending (`PagedGroup`: pool pages or packed records).
+        groups: the held positions, ascending (`PagedGroup`: pool pages or packed records; a
+            packed span is kept whole while any of it is held).
+        held: the positions the next forward reads besides its own (the cursor's, after the
+            last tick): what a view shows of ``groups``.
         cursor: the stream cursor (`StreamState`), advanced one tick at a time.
         books: per layer, the codebook the next packed span may join.
         book: the tier policy's view of it.
@@ -153,6 +156,7 @@ class _Session:
     groups: list[PagedGroup]
     cursor: StreamState
     books: list[Codebook | None]
+    held: tuple[tuple[int, int], ...] = ()
     book: BookState | None = None
     packed_reads: int = 0
     packs: int = 0
@@ -462,6 +466,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             segs = out
         keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
         rec.groups = segs
+        rec.held = tuple(ctx.held)
         self._release(adapter, rec, keep)
 
     def _cut(self, seg: PagedGroup, a: int, b: int) -> PagedGroup:
@@ -589,7 +594,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         history: list[tuple[int, Any]] = []  # (logical frame, page id | (group, offset))
         for g in rec.groups:
             for f in range(g.start // bs, g.end // bs):
-                history.append((f, (g, f * bs - g.start) if g.packed else where[f]))
+                if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
+                    history.append((f, (g, f * bs - g.start) if g.packed else where[f]))
         settled = {f for f, _ in history}
         history += [(f, where[f]) for f in hist_pages if f not in settled]
         history.sort(key=lambda e: e[0])

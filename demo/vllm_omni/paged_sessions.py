@@ -28,6 +28,14 @@ SIZE = 64
 #: video frames of one tick (3 latent frames: the Wan VAE's 4x temporal compression)
 TICK_FRAMES = 9
 PROMPT = "a fox trots through fresh snow"
+#: named settings beyond a bare ``kv_cache_quant`` value (the engine tests' wider cases)
+NAMED: dict[str, dict[str, Any]] = {
+    # no keep-recent, ticks packed two at a time: a span outlives its older tick
+    "int2-span2": {"kv_cache_quant": "int2", "kv_cache_quant_keep_recent": 0,
+                   "kv_cache_quant_span_chunks": 2},
+    # the newest tick packed at fp8 (the recency tier), re-packed at int2 once older
+    "int2-fp8": {"kv_cache_quant": "int2", "kv_cache_quant_recent_tier": "fp8"},
+}
 SEED = 7
 
 
@@ -43,7 +51,7 @@ def image() -> Any:
 def engine(folder: Path, work: Path, setting: str, *, free_memory: int = 1 << 30,
            fraction: float = 1.0) -> Any:
     """One ``Omni`` on ``engine_backend: ARDiffusionEngine`` for ``setting`` (``stock``: no
-    ``causalkv_kv_cache``; else its ``kv_cache_quant``), shut down on exit. ``free_memory``:
+    ``causalkv_kv_cache``; a `NAMED` setting; else its ``kv_cache_quant``), shut down on exit. ``free_memory``:
     what the CPU platform reports to the runner's admission (``CAUSALKV_CPU_FREE_MEMORY``);
     ``fraction``: ``ar_diffusion_kv_config.gpu_memory_fraction``."""
     import tiny_pipeline
@@ -60,7 +68,7 @@ def engine(folder: Path, work: Path, setting: str, *, free_memory: int = 1 << 30
         "ar_diffusion_kv_config": {"gpu_memory_fraction": fraction},
     }
     if setting != "stock":
-        model_config["causalkv_kv_cache"] = {"kv_cache_quant": setting}
+        model_config["causalkv_kv_cache"] = dict(NAMED.get(setting, {"kv_cache_quant": setting}))
     old = os.environ.get("CAUSALKV_CPU_FREE_MEMORY")
     os.environ["CAUSALKV_CPU_FREE_MEMORY"] = str(free_memory)
     try:

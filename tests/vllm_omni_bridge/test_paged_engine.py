@@ -26,7 +26,10 @@ SESSIONS = ("a", "b")
 #: kept, the one between them is unread and dropped) and a wider one (sink 6 + window 9: every
 #: tick leaving the newest is packed, read by the next one, then dropped)
 GEOMETRIES = {"tiny": ((3, 9), ("stock", "off", "int4", "int2")),
-              "wide": ((6, 15), ("stock", "off", "int2"))}
+              "wide": ((6, 15), ("stock", "off", "int2", "int2-span2", "int2-fp8"))}
+#: the settings whose packs are checked (paged_sessions.NAMED: no keep-recent with 2-tick
+#: spans; the newest tick at fp8, the recency tier)
+PACKED = ("int4", "int2", "int2-span2", "int2-fp8")
 
 
 def _folder(tmp_path_factory, name: str):
@@ -60,21 +63,34 @@ def runs(request, tmp_path_factory):
     built, work = _folder(tmp_path_factory, request.param)
     SETTINGS = GEOMETRIES[request.param][1]
     packed: dict[str, list] = {}
-    encode = CausalKVPagedKVCache._encode
+    frames_read: dict[str, list[int]] = {}
+    now = {"setting": ""}
+    encode, view = CausalKVPagedKVCache._encode, CausalKVPagedKVCache._forward_view
 
     def spy(self, step, pieces, book):
         seg, after = encode(self, step, pieces, book)
         k = torch.cat([p.storage.k for p in pieces], dim=1)
         v = torch.cat([p.storage.v for p in pieces], dim=1)
-        packed.setdefault(self.quant.codec, []).append((k.clone(), v.clone(), seg))
+        packed.setdefault(now["setting"], []).append((k.clone(), v.clone(), seg))
         return seg, after
+
+    def spy_view(self, inputs):
+        fresh = self._view is None or self._view[0] is not inputs.block_table
+        runs = view(self, inputs)
+        if fresh:  # once per forward: the frames it reads
+            bs = self.block_size
+            frames_read.setdefault(now["setting"], []).append(
+                sum(len(r[1]) if r[0] == "page" else (r[3] - r[2]) // bs for r in runs))
+        return runs
 
     out = {}
     src = ps.image()
     mp = pytest.MonkeyPatch()
     mp.setattr(CausalKVPagedKVCache, "_encode", spy)
+    mp.setattr(CausalKVPagedKVCache, "_forward_view", spy_view)
     try:
         for setting in SETTINGS:
+            now["setting"] = setting
             with ps.engine(built, work, setting) as omni:
                 latents = ps.interleave(omni, src, SESSIONS, TICKS)
                 cache = ps.newest_cache(stock=setting == "stock")
@@ -89,12 +105,13 @@ def runs(request, tmp_path_factory):
     finally:
         mp.undo()
     out["packed"] = packed
+    out["frames_read"] = frames_read
     out["geometry"] = request.param
     return out
 
 
 def _settings(runs):
-    return [s for s in ("stock", "off", "int4", "int2") if s in runs]
+    return [s for s in ("stock", "off", *PACKED) if s in runs]
 
 
 def test_the_runner_built_causalkvs_cache_for_causalkvs_pipeline_only(runs):
@@ -120,7 +137,24 @@ def test_the_two_sessions_stay_equal(runs):
 
 
 def _codecs(runs):
-    return [c for c in ("int4", "int2") if c in runs]
+    return [c for c in PACKED if c in runs]
+
+
+def _first_read(runs, setting) -> int:
+    """The first tick that reads a packed group: the one after the first tick the planner packs
+    something at (its per-tick tiers)."""
+    tiers = runs[setting]["layout"].tiers
+    return 1 + next(i for i, t in enumerate(tiers) if any(v != "bf16" for v in t.values()))
+
+
+def test_every_forward_reads_what_the_stock_engine_reads(runs):
+    """The frames each forward reads (sink, the newest held ticks, its own) are the same count
+    for every setting as for off (bit-identical to stock): a packed span kept whole while its
+    newer tick is held is not shown past what the cursor holds."""
+    off = runs["frames_read"]["off"]
+    assert len(off) == TICKS * len(SESSIONS) * 5
+    for setting in _codecs(runs):
+        assert runs["frames_read"][setting] == off, setting
 
 
 def test_packed_groups_are_within_the_codecs_bound_at_the_store(runs):
@@ -143,42 +177,46 @@ def _within_bound(records):
 
 def test_drift_at_the_output_is_bounded_and_starts_when_packed_groups_are_read(runs):
     for codec in _codecs(runs):
-        _bounded_drift(runs["off"]["latents"], runs[codec]["latents"], codec)
+        _bounded_drift(runs["off"]["latents"], runs[codec]["latents"], codec, _first_read(runs, codec))
 
 
-def _bounded_drift(off, lat, codec):
+def _bounded_drift(off, lat, codec, first):
     for i in range(TICKS):
         for s in SESSIONS:
             drift = float((lat[(s, i)] - off[(s, i)]).abs().max())
             scale = float(off[(s, i)].abs().max())
-            if i < 2:  # nothing packed is read before tick 2 (the sink tick packs at tick 1's commit)
+            if i < first:  # nothing packed is read yet
                 assert drift == 0.0, (codec, s, i)
             else:
                 assert 0.0 < drift <= 1e-2 * scale, (codec, s, i, drift, scale)
 
 
 def test_packed_groups_are_read_and_rolled_out(runs):
-    """The sink ticks are packed and kept; with a wider window every tick leaving the newest is
-    packed, read by the next tick and dropped when it leaves the window. From tick 2 on every
-    forward (four probes and a commit, two layers) reads a packed group."""
-    sink_ticks = {"tiny": 1, "wide": 2}[runs["geometry"]]
+    """The packed records each session holds after the last tick are the ticks the planner
+    packs there (the sink ticks and, with a wider window, the newer ticks it holds packed);
+    every forward from the first one after a pack on reads a packed group."""
     for codec in _codecs(runs):
+        last = runs[codec]["layout"].tiers[TICKS - 1]
+        want = {f for g, t in last.items() if t != "bf16" for f in range(3 * g, 3 * g + 3)}
         for s in SESSIONS:
             rep = runs[codec]["reports"][s]
-            if runs["geometry"] == "tiny":
-                assert rep.packed_groups == ((0, 3),) and rep.packs == 1
-            else:  # sink ticks 0 and 1, and tick 4 (tick 5 is the newest)
-                assert rep.packed_groups == ((0, 3), (3, 6), (12, 15))
-                assert rep.packs == TICKS - 1  # ticks 0..4, ticks 2 and 3 dropped since
-            assert len(rep.packed_groups) >= sink_ticks
-            assert rep.packed_reads == (TICKS - 2) * 5 * 2
+            assert {f for a, b in rep.packed_groups for f in range(a, b)} == want, (codec, rep)
+            assert rep.packed_reads == (TICKS - _first_read(runs, codec)) * 5 * 2, (codec, rep)
+        if (runs["geometry"], codec) == ("tiny", "int2"):
+            assert runs[codec]["reports"]["a"].packed_groups == ((0, 3),)  # the sink tick
+        if (runs["geometry"], codec) == ("wide", "int2"):  # sink ticks 0 and 1, and tick 4
+            assert runs[codec]["reports"]["a"].packed_groups == ((0, 3), (3, 6), (12, 15))
+            assert runs[codec]["reports"]["a"].packs == TICKS - 1  # ticks 2, 3 dropped since
+        if codec == "int2-span2":  # ticks 4 and 5 as one span
+            assert (12, 18) in runs[codec]["reports"]["a"].packed_groups
     assert runs["off"]["reports"]["a"].packed_reads == 0
 
 
 def test_bytes_per_session_measured_from_the_pool_are_the_planners(runs):
     """Stock holds sink + window frames per session; off the frames the next tick reads (one
     tick fewer); int2 the newest tick in the pool and the rest packed: at most 0.5 of stock's,
-    and, byte for byte, what the admission formula counts (`causalkv_layout`)."""
+    and, byte for byte, what the planner counts after the same tick (`causalkv_layout`), at
+    most what admission counts."""
     page = runs["stock"]["page_bytes"]
     sink, total = GEOMETRIES[runs["geometry"]][0]
     assert runs["stock"]["pages"] == dict.fromkeys(SESSIONS, total)
@@ -188,12 +226,16 @@ def test_bytes_per_session_measured_from_the_pool_are_the_planners(runs):
         layout = runs[setting]["layout"]
         for s in SESSIONS:
             rep = runs[setting]["reports"][s]
-            assert rep.pages == runs[setting]["pages"][s] == layout.bf16_frames
-            assert rep.pool_bytes == layout.bf16_frames * page
-            assert rep.packed_bytes == layout.packed_bytes  # the planner's bytes, at steady state
+            frames, packed = layout.per_tick[TICKS - 1]  # the planner's, after the last tick
+            assert rep.pages == runs[setting]["pages"][s] == frames
+            assert rep.pool_bytes == frames * page
+            assert rep.packed_bytes == packed
+            assert frames <= layout.bf16_frames and packed <= layout.packed_bytes  # what is admitted
             if setting != "off":
-                assert rep.pages == 3
                 assert rep.nbytes <= 0.5 * stock, (setting, rep, stock)
+    assert runs["int2"]["reports"]["a"].pages == 3  # the newest tick
+    if "int2-fp8" in runs:  # the newest tick packed at the recency tier: no page held
+        assert runs["int2-fp8"]["reports"]["a"].pages == 0
 
 
 def test_closing_eviction_and_failure_drop_records(folder):

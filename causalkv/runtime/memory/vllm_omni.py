@@ -313,12 +313,15 @@ class SessionLayout:
         packed_bytes: bytes of its packed groups (causalkv's store), at most.
         tiers: per tick, the tier of every group held after its commit (group -> ``"bf16"``
             or the codec's name), as the planner decided it (empty for the stock engine).
+        per_tick: per tick, ``(bf16 frames, packed bytes)`` held after its commit (the most of
+            each is ``bf16_frames`` and ``packed_bytes``; empty for the stock engine).
     """
 
     setting: str
     bf16_frames: int
     packed_bytes: int
     tiers: tuple[Mapping[int, str], ...] = ()
+    per_tick: tuple[tuple[int, int], ...] = ()
 
 
 def stock_layout(eng: EngineGeometry) -> SessionLayout:
@@ -366,14 +369,13 @@ def causalkv_layout(eng: EngineGeometry, quant: QVGKVQuantArgs, setting: str = "
     geom, lay = engine_stream(eng)
     p = plan_setting(geom, lay, Setting(setting or "paged", quant.codec), cache=ENGINE_CACHE,
                      dtype=eng.dtype, quant=quant, record=True)
-    per_layer_chunk = p.chunk_bytes
-    bf16_frames = packed = 0
+    per_tick = []
     for resident, tiers in zip(p.resident_per_chunk, p.tiers_per_chunk):
         dense = sum(1 for t in tiers.values() if t == "bf16")
-        bf16_frames = max(bf16_frames, dense * eng.frames_per_block)
-        packed = max(packed, resident - dense * per_layer_chunk)
-    return SessionLayout(setting or (quant.codec or "off"), bf16_frames, packed * eng.num_layers,
-                         p.tiers_per_chunk)
+        per_tick.append((dense * eng.frames_per_block,
+                         (resident - dense * p.chunk_bytes) * eng.num_layers))
+    return SessionLayout(setting or (quant.codec or "off"), max(f for f, _ in per_tick),
+                         max(b for _, b in per_tick), p.tiers_per_chunk, tuple(per_tick))
 
 
 @dataclass(frozen=True)
