@@ -97,9 +97,9 @@ def _uncapped(cache) -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--settings", default="int2",
+    parser.add_argument("--settings", default="off,int2",
                         help=f"comma-separated kv_cache_quant values beside stock, from {', '.join(CHOICES)} "
-                             "(default int2)")
+                             "(default off,int2)")
     parser.add_argument("--ticks", type=int, default=6, help="ticks per session (default 6)")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
