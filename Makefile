@@ -54,13 +54,17 @@ run-sglang: venv-sglang
 
 # causalkv inside vLLM-Omni 0.30.0 on a CPU, through vLLM-Omni's own offline entry point:
 # `Omni(model=DIR).generate` on the tiny `causalkv vllm-omni-checkpoint` folder (random weights),
-# one Omni instance per setting (off, int4, int2) in one process; the last lines are the table
-# (cache class, KV bytes against vLLM-Omni's dense cache, video PSNR vs off as drift).
+# one Omni instance per setting (off, int4, int2) in one process; its table (cache class, KV bytes
+# against vLLM-Omni's dense cache, video PSNR vs off as drift); then realtime sessions on the
+# paged AR-diffusion engine (two sessions interleaved, vLLM-Omni's pool against causalkv's int2
+# pages: sessions admitted, pool bytes per session, drift), the last lines.
 # PYTHONPATH brings the CPU stand-ins (demo/vllm_omni/cpu_stand_ins, docs/vllm_omni.md); never
 # on a GPU machine.
 run-vllm-omni: venv-vllm-omni
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/vllm_omni/cpu_stand_ins \
 	  $(VO_BIN)/python demo/vllm_omni/run_offline.py
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/demo/vllm_omni/cpu_stand_ins \
+	  $(VO_BIN)/python demo/vllm_omni/run_paged.py
 
 # everything CI runs (.ci/run): each environment, ruff, the layer check and each suite, with the
 # wall time of each phase and each suite's 20 slowest tests (tools/test.sh)

@@ -189,7 +189,7 @@ def test_help_explains_every_column(capsys) -> None:
         (["longlive2", "--kv-cache-quant", "int3"],
          ["kv-cache-quant must be one of ['off', 'int4', 'int2', 'fp8', 'nvfp4'], got 'int3'"]),
         (["lingbot", "--host", "vllm-omni", "--kv-cache-quant", "int2"],
-         ["--kv-cache-quant picks rows of --host sglang or causalkv", "(off, int4, int2): drop --kv-cache-quant"]),
+         ["--kv-cache-quant picks rows of --host sglang or causalkv", "(stock, off, int4, int2): drop --kv-cache-quant"]),
         (["lingbot", "--host", "vllm-omni", "--setting", "int2-default"], ["drop --setting"]),
     ],
 )

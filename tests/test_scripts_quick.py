@@ -18,9 +18,11 @@ environment (tests/sglang_bridge/test_bench_sglang_bridge.py, test_memory_planne
 and gpu_attention.py's bridge part in test_bench_gpu_attention_bridge.py; its refusal here is
 checked below); ``demo/sglang/run_int2_vs_off.py`` (``make run-sglang``) in the sglang
 environment (tests/sglang_bridge/test_e2e_cli.py); ``demo/vllm_omni/run_offline.py``
-(``make run-vllm-omni``) in the vLLM-Omni environment (tests/vllm_omni_bridge/test_offline.py);
+and ``run_paged.py`` (``make run-vllm-omni``) in the vLLM-Omni environment
+(tests/vllm_omni_bridge/test_offline.py, test_paged_demo.py);
 ``benchmarks/soak.py``'s loop at CI size in tests/test_soak.py. The demos' helpers
-(``demo/sglang/longlive2_request.py``, ``demo/vllm_omni/tiny_lingbot.py``, ``tiny_pipeline.py``)
+(``demo/sglang/longlive2_request.py``, ``demo/vllm_omni/tiny_lingbot.py``, ``tiny_pipeline.py``,
+``paged_sessions.py``)
 are modules those tests import.
 """
 

@@ -182,9 +182,16 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
 
 
 def _vllm_omni(args: argparse.Namespace) -> int:
-    """``--host vllm-omni``: vLLM-Omni's LingBot-World layout, bytes and sessions per setting."""
+    """``--host vllm-omni``: the realtime sessions vLLM-Omni's AR-diffusion engine admits for
+    LingBot-World, its own pool against causalkv's pages per setting (one formula with the
+    engine's admission, `causalkv.runtime.memory.vllm_omni`)."""
     # lazy: only this host's rows need the module
-    from causalkv.runtime.memory.vllm_omni import ROWS, format_sessions, plan_sessions
+    from causalkv.runtime.memory.vllm_omni import (
+        ROWS,
+        format_admission,
+        lingbot_engine,
+        plan_admission,
+    )
 
     try:
         if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
@@ -193,16 +200,17 @@ def _vllm_omni(args: argparse.Namespace) -> int:
         for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
             if given:  # refused, never ignored
                 raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
-                                    f"plans its own rows ({', '.join(ROWS)}): drop {flag}")
+                                    f"plans its own rows (stock, {', '.join(ROWS)}): drop {flag}")
         budget = None if args.budget is None else parse_bytes(args.budget)
-        plans = plan_sessions(budget, height=args.height, width=args.width)
+        eng = lingbot_engine(args.height, args.width)
+        plans = plan_admission(budget, eng=eng)
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([p.as_json() for p in plans], indent=2), flush=True)
     else:
-        print(format_sessions(plans, budget), flush=True)
+        print(format_admission(eng, plans, budget), flush=True)
     return 0
 
 
@@ -275,9 +283,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="whose cache: sglang (the bridge: sglang's packing rule and slot "
                         "arithmetic, the centroids as given; the default), causalkv (causalkv "
                         "generate's QVGPackedCausalKVCache: causalkv's rule, 32+ tokens per centroid) "
-                        "or vllm-omni (lingbot only: vLLM-Omni's LingBot-World layout, sink 9 / "
-                        "window 18 frames, bytes per realtime session off/int4/int2 and, with "
-                        "--budget, the sessions that fit; docs/vllm_omni.md)")
+                        "or vllm-omni (lingbot only: realtime sessions on vLLM-Omni's paged "
+                        "AR-diffusion engine, its own pool against causalkv's pages off/int4/int2, "
+                        "bytes per session and, with --budget (the engine's free memory x "
+                        "gpu_memory_fraction), the sessions it admits; docs/vllm_omni.md)")
     parser.add_argument("--attention", choices=ATTENTION, default=None,
                         help="how a call reads its window, for peak_bytes: gathered (one dense "
                         "buffer: sglang's attention; the default with --host sglang) or streamed "

@@ -7,10 +7,11 @@ Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
 - `CausalKVLingBotWorldPipeline` (and a plugin's subclass registered under a name of its own,
   `causalkv.vllm_omni.served_pipelines`) reads the setting (``model_config.causalkv_kv_cache``,
   `causalkv.vllm_omni.settings`, with the codec the served name's registration gives) before
-  anything loads, refuses a bad one and refuses QVG on
-  the paged AR-diffusion engine path (realtime ticks: vLLM's block pool holds that K/V; the
-  request (direct) mode supports QVG), then builds the stock pipeline and gives its
-  transformer and self-attention layers the subclasses below. No setting: nothing changes.
+  anything loads, refuses a bad one (on the paged AR-diffusion engine also what
+  `causalkv.vllm_omni.paged_pipeline.check_paged` refuses), then builds the stock pipeline and
+  gives its transformer and self-attention layers the subclasses below; on the paged engine
+  `causalkv.vllm_omni.paged_pipeline.install_paged` puts causalkv's pages under its realtime
+  sessions. No setting: nothing changes.
 - `CausalKVLingBotTransformer.allocate_cache` (the direct path's per-request cache) returns
   vLLM-Omni's ``LingBotTransformerCache`` whose self-attention entries are
   `causalkv.vllm_omni.lingbot_cache.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
@@ -60,8 +61,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: the engine backend whose paged block-pool K/V causalkv does not hold (yet)
-_PAGED_ENGINE = "ARDiffusionEngine"
 #: LingBot-World v2's head dim: ``CausalLingBotWorldTransformer3DModel.from_config`` refuses any
 #: other (its checkpoint contract), so a block layout can be checked before the folder is read
 _HEAD_DIM = 128
@@ -143,26 +142,16 @@ def install(transformer: CausalLingBotWorldTransformer3DModel, quant: QVGKVQuant
     return transformer  # type: ignore[return-value]
 
 
-def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> None:
-    """Refuse QVG where vLLM-Omni keeps LingBot's K/V in its paged block pool (ConfigError).
+def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> bool:
+    """True when the stage runs on vLLM-Omni's paged AR-diffusion engine (realtime ticks), where
+    causalkv's pages hold the sessions (`causalkv.vllm_omni.paged_pipeline`: its seams and mode
+    are checked here, a ConfigError before anything loads); False in request (direct) mode."""
+    from causalkv.vllm_omni.paged_pipeline import check_paged, is_paged
 
-    The AR-diffusion engine (``engine_backend: ...ARDiffusionEngine``, realtime sessions) and
-    step execution keep self-attention K/V in ``ARDiffusionKVCache`` blocks over vLLM's
-    ``BlockPool``; causalkv does not pack those blocks (docs/vllm_omni.md, "The paged engine
-    path"). Quantization off there is refused too: it would be silently vLLM-Omni's own cache.
-    """
-    backend = getattr(od_config, "engine_backend", "default")
-    name = backend if isinstance(backend, str) else getattr(backend, "__name__", str(backend))
-    paged = _PAGED_ENGINE in name or bool(getattr(od_config, "step_execution", False))
-    if paged:
-        raise ConfigError(
-            f"model_config.{CONFIG_KEY} ({quant.describe()}) is not supported on vLLM-Omni's "
-            f"paged AR-diffusion engine path (engine_backend={name!r}, step_execution="
-            f"{getattr(od_config, 'step_execution', False)}): its K/V lives in "
-            "ARDiffusionKVCache blocks over vLLM's BlockPool, which causalkv does not pack. "
-            "Use request (direct) mode for QVG: engine_backend 'default' with step_execution "
-            f"false, or drop model_config.{CONFIG_KEY}"
-        )
+    if not is_paged(od_config):
+        return False
+    check_paged(od_config, quant)
+    return True
 
 
 def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) -> str:
@@ -189,10 +178,11 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
 
     Registered under ``LingBotWorldCausalDMDPipeline`` by the built-in plugin (a plugin's
     subclass under its own name). Without ``model_config.causalkv_kv_cache`` it is the stock
-    pipeline. With it: the setting is checked first (a bad value, or QVG on the paged engine
-    path, raises before any component or weight loads; the codec the served name's
-    registration gives fills a ``kv_cache_quant`` left out), then the stock pipeline is built
-    and `install` puts causalkv's store on its transformer.
+    pipeline. With it: the setting is checked first (a bad value, or on the paged engine what
+    `causalkv.vllm_omni.paged_pipeline.check_paged` refuses, raises before any component or
+    weight loads; the codec the served name's registration gives fills a ``kv_cache_quant``
+    left out), then the stock pipeline is built, `install` puts causalkv's store on its
+    transformer and, on the paged engine, `install_paged` causalkv's pages under its sessions.
 
     Attributes:
         causalkv_name: the ``model_class_name`` it was built as (the summary's ``pipeline=``).
@@ -204,9 +194,10 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
         served = served_pipelines().get(name)
         quant = read_settings(getattr(od_config, "model_config", None) or {},
                               codec=served[0].codec if served else None)
+        paged = False
         if quant is not None:
             quant.check_layout(_HEAD_DIM)
-            check_engine_mode(od_config, quant)
+            paged = check_engine_mode(od_config, quant)
         super().__init__(od_config=od_config, prefix=prefix)
         self.causalkv_name = name
         self.causalkv_quant = quant
@@ -215,6 +206,10 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
                         "(no model_config.%s)", CONFIG_KEY)
             return
         install(self.transformer, quant)
+        if paged:  # the AR-diffusion engine's sessions: causalkv's pages (paged_pipeline)
+            from causalkv.vllm_omni.paged_pipeline import install_paged
+
+            install_paged(self, quant)
         logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s%s",
                     QVGPackedCausalKVCache.__name__, quant.describe(),
                     f" (served as {name}, plugin {served[1]})" if served else "")

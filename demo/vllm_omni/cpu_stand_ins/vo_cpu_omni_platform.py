@@ -6,10 +6,14 @@ to ``UnspecifiedOmniPlatform``, which has no attention backend and no device. Th
 for the offline entry point's diffusion runner also no torch.compile (``supports_torch_inductor``
 is abstract in the base) and no-op allocator statistics (``reset_peak_memory_stats``,
 ``empty_cache``, ``max_memory_reserved``/``_allocated``: the base forwards them to ``torch.cpu``,
-which has none, and the runner calls the None it gets). Not part of the causalkv distribution.
+which has none, and the runner calls the None it gets); for the AR-diffusion engine's runner the
+free memory its admission sizes the session pool by (``get_free_memory``: the base raises).
+Not part of the causalkv distribution.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from vllm_omni.platforms.interface import OmniPlatformEnum, UnspecifiedOmniPlatform
@@ -67,3 +71,13 @@ class CPUOmniPlatform(UnspecifiedOmniPlatform):
     @classmethod
     def max_memory_allocated(cls, device: torch.device | None = None) -> int:
         return 0
+
+    # the AR-diffusion engine's admission (ARDiffusionModelRunner._available_memory_bytes)
+    @classmethod
+    def get_free_memory(cls, device: torch.device | None = None) -> int:
+        """``CAUSALKV_CPU_FREE_MEMORY`` bytes when set (the tests and the demo pin it, so the
+        sessions admitted do not depend on the machine), else the RAM available now."""
+        pinned = os.environ.get("CAUSALKV_CPU_FREE_MEMORY")
+        if pinned:
+            return int(pinned)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

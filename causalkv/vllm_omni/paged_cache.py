@@ -1,0 +1,715 @@
+"""causalkv's pages on vLLM-Omni's paged AR-diffusion engine (realtime sessions): packed groups
+beside the engine's bf16 pool, admission in compressed bytes.
+
+vLLM-Omni's ``ARDiffusionModelRunner`` keeps each realtime session's self-attention K/V in an
+``ARDiffusionKVCache``: one pool page per latent frame (all heads of one layer, per layer),
+vLLM's ``KVCacheManager`` / ``BlockPool`` handing out pages, a compact block table per session
+(its pages in logical order), and ``sink + window`` frames held between ticks. causalkv's
+`CausalKVPagedKVCache` is that class with three changes, for a pipeline whose spec asks for it
+(its KV branch is a `CausalKVBranchSpec` carrying the QVG settings):
+
+- **Admission** counts a session as it is held: the groups (ticks of ``frames_per_block``
+  frames) the next forward reads and no other, bf16 groups as pool pages and packed groups at
+  their codec's bytes (`causalkv.runtime.memory.vllm_omni.admit` on
+  `~causalkv.runtime.memory.vllm_omni.causalkv_layout`: the formula ``causalkv memory lingbot
+  --host vllm-omni`` prints). The engine's own constructor runs first (its validation, spec,
+  scratch, cross-attention and staging arithmetic, built without tensors); the figures it
+  reports are checked against the formula's, then the pool and manager are built at causalkv's
+  block count.
+- **Commits.** When a tick's last frame is committed (``commit_chunk``), the session's stream
+  cursor (`causalkv.caches.stream.StreamState`, as the planner runs it) says which positions
+  the next forward reads; the groups outside them are dropped (the oldest window group the
+  stock pool keeps unread among them); the packing policy and the store's tier policy decide,
+  as for `causalkv.caches.qvg.store.SegmentStore`, which held groups are packed, and
+  `causalkv.caches.qvg.store_pack.Packer` packs them from their pool rows, layer by layer, into
+  records keyed by the session's logical positions. Every page no group keeps in bf16 goes back
+  to the pool through vLLM's own release, and the session's block table is compacted, so the
+  table is the logical-to-physical map of its bf16 frames.
+- **Attention.** LingBot's self-attention calls the module global ``paged_write_attn``;
+  `paged_write_attn` (installed by `install_engine_seams`) serves this cache's pools and
+  passes any other call to vLLM-Omni's. It writes the forward's K/V into the pool slots as the
+  engine does, then reads the visible frames in the engine's order (sink first, the newest
+  last): with no packed group visible, straight from the pool pages through vLLM-Omni's
+  ``ar_diffusion_paged_attention`` (its einsum reference off CUDA, its paged FlashAttention on
+  CUDA); with packed groups visible, one layer's visible K/V gathered into one transient
+  buffer (bf16 pages copied, packed groups decoded in place) and the same kernel over it.
+
+Closing, evicting or failing a session ends its adapters (``end_request``): its pages and its
+packed records go. The seams used here are listed in `causalkv.vllm_omni.paged_seams`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm_omni.diffusion.models.lingbot_world import transformer as _lingbot_transformer
+from vllm_omni.experimental.ar_diffusion import runner as _runner
+from vllm_omni.experimental.ar_diffusion.capability import ARDiffusionKVBranchSpec
+from vllm_omni.experimental.ar_diffusion.kv_cache.manager import (
+    ARDiffusionKVCache,
+    build_kv_manager,
+)
+from vllm_omni.experimental.ar_diffusion.kv_cache.paged import allocate_kv_pool_with_views
+from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
+    ar_diffusion_paged_attention,
+)
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.qvg.store import Codebook, DenseKV, KVWrite, Segment
+from causalkv.caches.qvg.store_pack import Packer
+from causalkv.caches.qvg.tiering import BookState, Kept, chunk_infos, keep_held, tier_policy
+from causalkv.caches.stream import StreamState
+from causalkv.errors import ConfigError
+from causalkv.runtime.memory.vllm_omni import (
+    ENGINE_CACHE,
+    Admission,
+    EngineGeometry,
+    SessionLayout,
+    admit,
+    causalkv_layout,
+    required_bytes,
+    stock_layout,
+)
+
+__all__ = [
+    "CausalKVBranchSpec",
+    "CausalKVPagedKVCache",
+    "PagedGroup",
+    "SessionReport",
+    "declared_capacity",
+    "engine_geometry",
+    "install_engine_seams",
+    "live_caches",
+    "paged_write_attn",
+    "session_cache",
+]
+
+#: the k-means seed of causalkv's stores (`SegmentStore`'s default): packing is reproducible
+SEED = 1234
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_NO_WRITE = KVWrite(0, 0, (0, 0))
+_SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
+
+
+@dataclass(frozen=True)
+class CausalKVBranchSpec(ARDiffusionKVBranchSpec):
+    """An ``ARDiffusionKVBranchSpec`` whose pages causalkv holds: the QVG settings (``quant``;
+    ``kv_cache_quant: off`` keeps every group bf16) and the global index of this rank's first
+    head (``head_offset``: the codec seeds each head by it, as the request-mode store does)."""
+
+    quant: QVGKVQuantArgs = field(default_factory=QVGKVQuantArgs)
+    head_offset: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class PagedGroup:
+    """A run ``[start, end)`` of one session's held positions (tokens): bf16 pool pages
+    (``layers`` None) or packed, one store `Segment` per layer. What the tier policy reads of a
+    segment (`causalkv.caches.qvg.tiering.TierSegment`)."""
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    layers: tuple[Segment, ...] | None = None
+    recent: bool = False
+    rewritten: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return self.layers is not None
+
+    @property
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
+    @property
+    def run(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.end),)
+
+
+@dataclass
+class _Session:
+    """causalkv's record of one session branch (one engine adapter).
+
+    Attributes:
+        frames: the logical frame of each page of the adapter's compact block table, in order.
+        groups: the held positions, ascending (`PagedGroup`: pool pages or packed records; a
+            packed span is kept whole while any of it is held).
+        held: the positions the next forward reads besides its own (the cursor's, after the
+            last tick): what a view shows of ``groups``.
+        cursor: the stream cursor (`StreamState`), advanced one tick at a time.
+        books: per layer, the codebook the next packed span may join.
+        book: the tier policy's view of it.
+        packed_reads: layer calls that decoded a packed group.
+        packs: groups packed so far.
+    """
+
+    frames: list[int]
+    groups: list[PagedGroup]
+    cursor: StreamState
+    books: list[Codebook | None]
+    held: tuple[tuple[int, int], ...] = ()
+    book: BookState | None = None
+    packed_reads: int = 0
+    packs: int = 0
+
+
+@dataclass(frozen=True)
+class SessionReport:
+    """What one session branch holds now (`CausalKVPagedKVCache.report`).
+
+    Attributes:
+        pages: pool pages (latent frames) it holds.
+        pool_bytes: those pages in every layer (``pages x page bytes``).
+        packed_bytes: its packed records in every layer (a shared codebook counted once).
+        packed_groups: its packed groups, by logical frame ``[first, last)``.
+        packed_reads: layer calls that decoded one of its packed groups.
+        packs: groups packed so far.
+    """
+
+    pages: int
+    pool_bytes: int
+    packed_bytes: int
+    packed_groups: tuple[tuple[int, int], ...]
+    packed_reads: int
+    packs: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool_bytes + self.packed_bytes
+
+
+def _scratch_blocks_per_branch(frames_per_block: int, max_scratch_tokens: int, block_size: int) -> int:
+    """The engine's scratch rule (``ARDiffusionKVCache.__init__``)."""
+    declared = (max_scratch_tokens + block_size - 1) // block_size
+    override = int(os.environ.get(_SCRATCH_ENV, "0") or 0)
+    return max(frames_per_block + declared, override)
+
+
+def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_size: int,
+                    dtype: torch.dtype, block_size: int, kv_branches: Sequence[Any],
+                    cross_attention_lengths: dict[str, int] | None = None,
+                    cross_attention_kv_heads: dict[str, int] | None = None, frames_per_block: int = 1,
+                    max_scratch_tokens_per_branch: int = 0,
+                    model_owned_state_bytes_per_session: int = 0) -> EngineGeometry:
+    """The `EngineGeometry` of ``ARDiffusionKVCache``'s constructor arguments (the runner's
+    ``ARDiffusionKVConfig`` and the pipeline's spec). `ConfigError` for a pool dtype causalkv
+    does not count (not bf16, fp16 or fp32) or history staging (``reuse_history_staging``, not
+    modelled)."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"causalkv's paged cache holds bfloat16, float16 or float32 pages, got {dtype}")
+    if getattr(config, "reset_at_boundary", False):
+        raise ConfigError(
+            "ar_diffusion_kv_config.reset_at_boundary is not supported with "
+            "model_config.causalkv_kv_cache: causalkv's pages keep the sink and the newest ticks "
+            "(LingBot-World's sliding window); drop reset_at_boundary")
+    if getattr(config, "reuse_history_staging", False):
+        raise ConfigError(
+            "ar_diffusion_kv_config.reuse_history_staging is not supported with "
+            "model_config.causalkv_kv_cache: causalkv's attention reads packed groups that a "
+            "staged window would not hold; drop reuse_history_staging")
+    heads = dict(cross_attention_kv_heads or {})
+    cross = tuple((int(n), int(heads.get(name, num_kv_heads)))
+                  for name, n in (cross_attention_lengths or {}).items())
+    local = max(b.local_index for b in kv_branches) + 1
+    return EngineGeometry(
+        "AR-diffusion engine", num_layers, num_kv_heads, head_size, _DTYPES[dtype], block_size,
+        frames_per_block, int(config.sink_chunks), int(config.window_chunks),
+        kv_branches=len(kv_branches), local_kv_branches=local, cross_attention=cross,
+        model_state_bytes=int(model_owned_state_bytes_per_session),
+        scratch_blocks_per_branch=_scratch_blocks_per_branch(
+            frames_per_block, max_scratch_tokens_per_branch, block_size),
+    )
+
+
+def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_bytes: int,
+                      quant: QVGKVQuantArgs) -> int:
+    """The sessions causalkv's pages hold for the pipeline's ``spec`` at ``available_bytes`` of
+    free memory: the runner's config resolution (``ARDiffusionModelRunner._preallocate_kv_cache``:
+    the spec fills what the stage config leaves unset), then `admit` with no cap. What causalkv's
+    pipeline declares as ``session_capacity`` instead of LingBot's 2."""
+    config = dataclasses.replace(
+        kv_config, chunk_size=spec.tokens_per_frame,
+        window_chunks=kv_config.window_chunks or spec.window_frames,
+        sink_chunks=kv_config.sink_chunks or spec.sink_frames,
+        reset_at_boundary=kv_config.reset_at_boundary or spec.reset_at_boundary)
+    eng = engine_geometry(
+        config, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        dtype=dtype, block_size=spec.tokens_per_frame, kv_branches=spec.kv_branches,
+        cross_attention_lengths=spec.cross_attention_lengths,
+        cross_attention_kv_heads=spec.cross_attention_kv_heads,
+        frames_per_block=spec.frames_per_block,
+        max_scratch_tokens_per_branch=spec.max_scratch_tokens_per_branch,
+        model_owned_state_bytes_per_session=spec.model_owned_state_bytes_per_session)
+    return admit(eng, causalkv_layout(eng, quant), available_bytes=available_bytes,
+                 gpu_memory_fraction=config.gpu_memory_fraction).capacity
+
+
+_LIVE: weakref.WeakSet[CausalKVPagedKVCache] = weakref.WeakSet()
+#: vLLM-Omni's own caches `session_cache` built (for a measurement of the stock pool)
+_LIVE_STOCK: weakref.WeakSet[ARDiffusionKVCache] = weakref.WeakSet()
+#: id of a pool tensor -> (its cache, layer): the pools `paged_write_attn` serves
+_POOLS: dict[int, tuple[weakref.ref[CausalKVPagedKVCache], int]] = {}
+
+
+def live_caches(*, stock: bool = False) -> list[Any]:
+    """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
+    process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
+    return sorted(_LIVE_STOCK if stock else _LIVE, key=lambda c: c._causalkv_serial)
+
+
+_SERIAL = iter(range(1 << 62))
+
+
+class CausalKVPagedKVCache(ARDiffusionKVCache):
+    """vLLM-Omni's ``ARDiffusionKVCache`` holding causalkv's pages (the module docstring).
+
+    Args:
+        config, num_layers, ...: ``ARDiffusionKVCache``'s arguments, as the runner passes them.
+        quant: the QVG settings (``bits=None``: every group bf16).
+        head_offset: global index of this rank's first head (the codec's seeds).
+
+    Attributes:
+        quant: the settings.
+        geometry: the `EngineGeometry` admitted on.
+        layout: what one session holds at most (`SessionLayout`: bf16 frames, packed bytes).
+        admission: the `Admission` (capacity, pool blocks, budget).
+
+    Raises:
+        ConfigError: more than one KV branch (LingBot-World has one), a sink or window that is
+            not a whole number of ticks, settings the codec cannot pack at ``head_size``, a
+            pool dtype or option causalkv does not model, or one session not fitting the free
+            memory; the engine's own errors for the rest.
+    """
+
+    def __init__(self, config: Any, *, quant: QVGKVQuantArgs, head_offset: int = 0,
+                 num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                 block_size: int, max_model_len: int, available_bytes: int,
+                 kv_branches: tuple[ARDiffusionKVBranchSpec, ...], session_capacity: int,
+                 cross_attention_lengths: dict[str, int] | None = None,
+                 cross_attention_kv_heads: dict[str, int] | None = None,
+                 device: torch.device | None = None, frames_per_block: int = 1,
+                 max_scratch_tokens_per_branch: int = 0,
+                 model_owned_state_bytes_per_session: int = 0) -> None:
+        if len(kv_branches) != 1:
+            raise ConfigError(
+                f"causalkv's paged cache holds one KV branch (LingBot-World's), the spec declares "
+                f"{[b.name for b in kv_branches]}")
+        eng = engine_geometry(
+            config, num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size,
+            dtype=dtype, block_size=block_size, kv_branches=kv_branches,
+            cross_attention_lengths=cross_attention_lengths,
+            cross_attention_kv_heads=cross_attention_kv_heads, frames_per_block=frames_per_block,
+            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        layout = causalkv_layout(eng, quant)
+        adm = admit(eng, layout, available_bytes=available_bytes,
+                    gpu_memory_fraction=config.gpu_memory_fraction,
+                    requested_capacity=session_capacity)
+        # vLLM-Omni's constructor: its checks, the ChunkWindowSpec, the scratch, cross-attention
+        # and staging arithmetic; built without tensors at one stock session (a pool of
+        # sink + window + frames_per_block + 2 blocks), replaced below at causalkv's admission
+        super().__init__(
+            dataclasses.replace(config, gpu_memory_fraction=1.0), num_layers=num_layers,
+            num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype, block_size=block_size,
+            max_model_len=max_model_len, available_bytes=required_bytes(eng, stock_layout(eng), 1),
+            kv_branches=kv_branches, session_capacity=1,
+            cross_attention_lengths=cross_attention_lengths,
+            cross_attention_kv_heads=cross_attention_kv_heads, device=None,
+            frames_per_block=frames_per_block,
+            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
+            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        ours = {"page bytes": eng.page_bytes, "scratch bytes": eng.scratch_bytes,
+                "cross-attention bytes per session": eng.cross_bytes,
+                "history staging bytes": eng.history_staging_bytes}
+        engine = {"page bytes": self.spec.page_size_bytes * num_layers,
+                  "scratch bytes": self.scratch_reserved_bytes,
+                  "cross-attention bytes per session": self.cross_attention_bytes_per_session,
+                  "history staging bytes": self.history_staging_reserved_bytes}
+        drift = {k: (ours[k], engine[k]) for k in ours if ours[k] != engine[k]}
+        if drift:
+            raise ConfigError(
+                f"vLLM-Omni's ARDiffusionKVCache counts {drift} (causalkv, engine) differently from "
+                "the admission formula read from vLLM-Omni 0.30.0 (causalkv.vllm_omni.paged_seams); "
+                "install vllm-omni==0.30.0")
+        self.config = config
+        self.quant = quant.validate()
+        self.head_offset = int(head_offset)
+        self.geometry = eng
+        self.layout: SessionLayout = layout
+        self.admission: Admission = adm
+        self.requested_session_capacity = session_capacity
+        self.available_memory_bytes = available_bytes
+        self.configured_memory_budget_bytes = adm.configured_budget_bytes
+        self.memory_budget_bytes = adm.memory_budget_bytes
+        self.session_capacity = adm.capacity
+        self.cross_attention_reserved_bytes = eng.cross_bytes * adm.capacity
+        self.model_owned_state_reserved_bytes = eng.model_state_bytes * adm.capacity
+        self.packed_reserved_bytes = layout.packed_bytes * eng.local_kv_branches * adm.capacity
+        layer_names = [f"ar_diffusion.layer.{i}" for i in range(num_layers)]
+        self.manager = build_kv_manager(self.spec, layer_names, adm.pool_blocks, max_model_len)
+        self.managed_num_blocks = self.num_blocks = adm.pool_blocks
+        self.num_blocks_total = self.managed_num_blocks + self.scratch_num_blocks
+        self.null_block_id = self.manager.block_pool.null_block.block_id
+        self.device = device or torch.device("cpu")
+        self._allocate_tensors = device is not None
+        if device is not None:
+            self._kv_pools, self._k_pools, self._v_pools = allocate_kv_pool_with_views(
+                self.num_blocks_total, block_size, num_layers, num_kv_heads, head_size, dtype, device)
+        ref = weakref.ref(self)
+        for layer, pool in enumerate(self._k_pools):
+            _POOLS[id(pool)] = (ref, layer)
+        weakref.finalize(self, _forget_pools, [id(p) for p in self._k_pools])
+        self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, num_kv_heads,
+                                   head_size, torch.empty((), dtype=dtype).element_size())
+        self.packer = Packer(self.tiering, self.device, dtype, SEED, self.head_offset, False)
+        self._records: dict[str, _Session] = {}
+        self._bound: Any = None
+        self._view: tuple[torch.Tensor, Any] | None = None
+        self._causalkv_serial = next(_SERIAL)
+        _LIVE.add(self)
+
+    # -- sessions ------------------------------------------------------------------------------
+    @property
+    def group_tokens(self) -> int:
+        """Tokens of one tick (``frames_per_block`` frames)."""
+        return self.frames_per_block * self.block_size
+
+    def begin_request(self, request_id: str, *, prefill_prefix_tokens: int = 0) -> Any:
+        if prefill_prefix_tokens:
+            raise ConfigError("causalkv's paged cache takes no prefill prefix (LingBot-World has none)")
+        adapter = super().begin_request(request_id, prefill_prefix_tokens=prefill_prefix_tokens)
+        tpf, eng = self.block_size, self.geometry
+        self._records[request_id] = _Session(
+            frames=[], groups=[],
+            cursor=StreamState.opened(sink_tokens=eng.sink_frames * tpf,
+                                      global_sink_tokens=eng.sink_frames * tpf,
+                                      cache_tokens=(eng.sink_frames + eng.window_frames) * tpf),
+            books=[None] * self.num_layers)
+        return adapter
+
+    def end_request(self, adapter: Any) -> None:
+        """vLLM-Omni's release (every page back to the pool) and the session's packed records
+        dropped: a session closed, evicted or failed holds nothing afterwards."""
+        try:
+            super().end_request(adapter)
+        finally:
+            self._records.pop(adapter.request_id, None)
+            self._view = None
+
+    def sessions(self) -> tuple[str, ...]:
+        """The adapters (session branches) with causalkv records."""
+        return tuple(self._records)
+
+    def _record(self, adapter: Any) -> _Session:
+        try:
+            return self._records[adapter.request_id]
+        except KeyError:
+            raise RuntimeError(
+                f"causalkv's paged cache has no record of {adapter.request_id!r}: the session was "
+                "closed, evicted or failed") from None
+
+    def allocate_token_slots(self, adapter: Any, num_tokens: int) -> list[int]:
+        """vLLM-Omni's allocation for the committing forward; the new pages' logical frames are
+        noted (the session's logical-to-physical map: page ``i`` of the compact table at or past
+        the storage position holds logical frame ``absolute + (i - storage)``)."""
+        rec = self._record(adapter)
+        tpf = self.block_size
+        absolute = adapter.absolute_num_computed_tokens // tpf
+        storage = adapter.num_computed_tokens // tpf
+        table = super().allocate_token_slots(adapter, num_tokens)
+        rec.frames.extend(absolute + (i - storage) for i in range(len(rec.frames), len(table)))
+        return table
+
+    def commit_chunk(self, adapter: Any) -> None:
+        """A frame committed (the engine's per-frame call). At a tick's end causalkv settles
+        the session: what the next forward does not read is dropped, cold groups are packed,
+        their pages go back to the pool, the table is compacted. Nothing of vLLM-Omni's
+        sliding-window eviction runs: the settled table never reaches it."""
+        rec = self._record(adapter)
+        adapter.on_chunk_committed()
+        if adapter.completed_chunks % self.frames_per_block:
+            return
+        self._settle(adapter, rec, adapter.completed_chunks // self.frames_per_block - 1)
+
+    def _settle(self, adapter: Any, rec: _Session, g: int) -> None:
+        n, tpf = self.group_tokens, self.block_size
+        rec.cursor = rec.cursor.advanced(n, f"causalkv paged session {adapter.request_id}")
+        ctx = rec.cursor.after_context(False)
+        segs = keep_held([*rec.groups, PagedGroup(g * n, (g + 1) * n, g, g)], ctx.held, self._cut)
+        book = rec.books[0]
+        if book is not None and not any(s.packed and book.used_by(s.layers[0]) for s in segs):
+            rec.book, rec.books = None, [None] * self.num_layers  # every group using it rolled out
+        if self.quant.enabled:
+            ahead = g + 1
+            decision = ENGINE_CACHE.policy.decide(
+                self.quant, chunk_infos(segs, ahead, ctx.sink_end, ctx.pinned), ahead,
+                sink_open=ctx.sink_end > ahead * n, chunk_tokens=n)
+            tiering = self.tiering.decide(segs, decision, ahead, rec.book,
+                                          finite=lambda pieces: self._finite(adapter, rec, pieces))
+            out: list[PagedGroup] = []
+            for step in tiering.steps:
+                if isinstance(step, Kept):
+                    out.append(step.seg)
+                    continue
+                out.append(self._pack(adapter, rec, step))
+                if not step.tier:
+                    rec.book = step.book_after
+            segs = out
+        keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
+        rec.groups = segs
+        rec.held = tuple(ctx.held)
+        self._release(adapter, rec, keep)
+
+    def _cut(self, seg: PagedGroup, a: int, b: int) -> PagedGroup:
+        if a % self.block_size or b % self.block_size:
+            raise RuntimeError(f"causalkv's paged cache cuts whole frames, got [{a}, {b})")
+        n = self.group_tokens
+        return PagedGroup(a, b, a // n, (b - 1) // n)
+
+    def _rows(self, adapter: Any, rec: _Session, seg: PagedGroup, layer: int) -> Segment:
+        """``seg``'s K/V of one layer as a dense store `Segment` ``[1, len, H, D]``: pool rows
+        (a copy) or the packed record decoded (a recency-tier group re-packed)."""
+        if seg.packed:
+            dense = seg.layers[layer].storage.decoded(self.device, self.dtype)
+        else:
+            where = {f: i for i, f in enumerate(rec.frames)}
+            table = self.block_table(adapter)
+            ids = torch.tensor([table[where[f]] for f in range(seg.start // self.block_size,
+                                                                seg.end // self.block_size)],
+                               dtype=torch.long, device=self.device)
+            k = self.key_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
+            v = self.value_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
+            dense = DenseKV(k, v)
+        return Segment(seg.start, seg.end, seg.first_chunk, seg.last_chunk, dense)
+
+    def _finite(self, adapter: Any, rec: _Session, pieces: Sequence[PagedGroup]) -> bool:
+        """Whether the pieces' K/V are finite in every layer (checked on a CPU, as the store
+        does; a group is packed in all layers or none: its pages serve all of them)."""
+        if self.device.type != "cpu":
+            return True
+        for p in pieces:
+            for layer in range(self.num_layers):
+                st = self._rows(adapter, rec, p, layer).storage
+                if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
+                    return False
+        return True
+
+    def _pack(self, adapter: Any, rec: _Session, step: Any) -> PagedGroup:
+        """One tier step packed in every layer (`Packer.encode` on the pieces' rows)."""
+        layers = []
+        for layer in range(self.num_layers):
+            pieces = [self._rows(adapter, rec, p, layer) for p in step.pieces]
+            seg, rec.books[layer] = self._encode(step, pieces, rec.books[layer])
+            layers.append(seg)
+        rec.packs += 1
+        first, last = step.pieces[0], step.pieces[-1]
+        return PagedGroup(first.start, last.end, first.first_chunk, last.last_chunk,
+                          layers=tuple(layers), recent=step.recent)
+
+    def _encode(self, step: Any, pieces: list[Segment], book: Codebook | None
+                ) -> tuple[Segment, Codebook | None]:
+        return self.packer.encode(step, pieces, _NO_WRITE, book)
+
+    def _release(self, adapter: Any, rec: _Session, keep: set[int]) -> None:
+        """Every page whose frame is not in ``keep`` back to the pool (vLLM's release), then the
+        table compacted (the adapter's storage position moved by what was removed)."""
+        mgr = self.manager.coordinator.single_type_managers[0]
+        rid = adapter.request_id
+        for i, f in enumerate(rec.frames):
+            if f not in keep:
+                mgr._remove_blocks_in_range(rid, i, i + 1)
+        blocks = mgr.req_to_blocks.get(rid, [])
+        kept = [(b, f) for b, f in zip(blocks, rec.frames) if f in keep]
+        removed = len(blocks) - len(kept)
+        blocks[:] = [b for b, _ in kept]
+        rec.frames = [f for _, f in kept]
+        adapter.compacted_tokens += removed * self.block_size
+
+    # -- what a session holds ----------------------------------------------------------------
+    def report(self, request_id: str) -> SessionReport:
+        """What the session branch ``request_id`` (an adapter's id) holds now."""
+        rec = self._records[request_id]
+        packed, seen = 0, set()
+        groups = []
+        for g in rec.groups:
+            if not g.packed:
+                continue
+            groups.append((g.start // self.block_size, g.end // self.block_size))
+            for seg in g.layers:
+                packed += seg.nbytes
+                for t in seg.storage.shared_tensors():
+                    key = (t.device, t.data_ptr())
+                    if key in seen:
+                        packed -= t.nbytes
+                    seen.add(key)
+        pages = len(rec.frames)
+        return SessionReport(pages, pages * self.geometry.page_bytes, packed, tuple(groups),
+                             rec.packed_reads, rec.packs)
+
+    # -- attention -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def binding(self, state: Any) -> Iterator[None]:
+        """The session ``state`` (the runner's ``ARDiffusionKVState``) is the one this cache's
+        attention serves until the context exits (the pipeline binds it per invocation)."""
+        if self._bound is not None:
+            raise RuntimeError("causalkv's paged cache is already bound to a session")
+        self._bound = state
+        try:
+            yield
+        finally:
+            self._bound = None
+            self._view = None
+
+    def _forward_view(self, inputs: Any) -> list[tuple[str, Any, int, int]]:
+        """The frames one forward reads, in the engine's order, as runs: ``("page", ids, 0, 0)``
+        for pool pages, ``("packed", group, lo, hi)`` for tokens ``[lo, hi)`` of a packed group
+        (relative to its start). Built once per forward (its block table)."""
+        if self._view is not None and self._view[0] is inputs.block_table:
+            return self._view[1]
+        state = self._bound
+        if state is None:
+            raise RuntimeError("causalkv's paged attention ran with no session bound "
+                               "(the pipeline binds one per invocation)")
+        (adapter,) = state.adapters.values()
+        rec = self._record(adapter)
+        bs = self.block_size
+        table = self.block_table(adapter)
+        current = [int(s) // bs for s in inputs.video_slots[::bs].tolist()]
+        commit = bool(current) and table[-len(current):] == current and all(
+            b < self.managed_num_blocks for b in current)
+        if not commit and not all(b >= self.managed_num_blocks for b in current):
+            raise RuntimeError("causalkv's paged attention: the forward's current pages are neither "
+                               "the session's newest pages nor scratch")
+        hist_pages = rec.frames[:-len(current)] if commit else list(rec.frames)
+        where = dict(zip(rec.frames, table))
+        history: list[tuple[int, Any]] = []  # (logical frame, page id | (group, offset))
+        for g in rec.groups:
+            for f in range(g.start // bs, g.end // bs):
+                if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
+                    history.append((f, (g, f * bs - g.start) if g.packed else where[f]))
+        settled = {f for f, _ in history}
+        history += [(f, where[f]) for f in hist_pages if f not in settled]
+        history.sort(key=lambda e: e[0])
+        entries: list[Any] = [x for _, x in history] + (
+            [None] * len(current))  # the current frames: pages named by the slots
+        max_blocks = self.spec.sliding_window // bs + self.spec.sink_chunks
+        sink = self.spec.sink_chunks
+        order = list(range(len(entries)))
+        if len(order) > max_blocks:  # the engine's rule: the sink, then the newest
+            order = order[:sink] + order[-(max_blocks - sink):]
+        runs: list[tuple[str, Any, int, int]] = []
+        for i in order:
+            e = entries[i]
+            if e is None:
+                e = current[i - len(history)]
+            if isinstance(e, tuple):
+                g, off = e
+                if runs and runs[-1][0] == "packed" and runs[-1][1] is g and runs[-1][3] == off:
+                    runs[-1] = ("packed", g, runs[-1][2], off + bs)
+                else:
+                    runs.append(("packed", g, off, off + bs))
+            elif runs and runs[-1][0] == "page":
+                runs[-1][1].append(int(e))
+            else:
+                runs.append(("page", [int(e)], 0, 0))
+        self._view = (inputs.block_table, runs)
+        return runs
+
+    def attend(self, layer: int, inputs: Any, query: torch.Tensor, k_curr: torch.Tensor,
+               v_curr: torch.Tensor, k_act: torch.Tensor | None, v_act: torch.Tensor | None,
+               softmax_scale: float) -> torch.Tensor:
+        """One layer's paged self-attention over this cache (``paged_write_attn``'s contract):
+        the forward's K/V written to its slots, then attention over the visible frames."""
+        if k_act is not None and k_act.shape[0] > 0:
+            raise ConfigError("causalkv's paged cache does not hold action tokens (LingBot-World has none)")
+        key_pool, value_pool = inputs.key_pool, inputs.value_pool
+        key_pool[inputs.video_slots] = k_curr.to(key_pool.dtype)
+        value_pool[inputs.video_slots] = v_curr.to(value_pool.dtype)
+        bs = int(inputs.block_size)
+        key_cache = key_pool.unflatten(0, (-1, bs))
+        value_cache = value_pool.unflatten(0, (-1, bs))
+        runs = self._forward_view(inputs)
+        frames = sum(len(r[1]) if r[0] == "page" else (r[3] - r[2]) // bs for r in runs)
+        width = max(int(inputs.block_table.shape[1]), frames)
+        if all(r[0] == "page" for r in runs):  # the pool pages as they are
+            ids = [i for r in runs for i in r[1]]
+            kc, vc = key_cache, value_cache
+        else:  # one transient buffer: pages copied, packed groups decoded in place
+            H, D = self.num_kv_heads, self.head_size
+            kc = torch.empty((frames, bs, H, D), dtype=key_pool.dtype, device=key_pool.device)
+            vc = torch.empty_like(kc)
+            at = 0
+            for kind, what, lo, hi in runs:
+                if kind == "page":
+                    idx = torch.tensor(what, dtype=torch.long, device=key_pool.device)
+                    torch.index_select(key_cache, 0, idx, out=kc[at:at + len(what)])
+                    torch.index_select(value_cache, 0, idx, out=vc[at:at + len(what)])
+                    at += len(what)
+                    continue
+                m = (hi - lo) // bs
+                what.layers[layer].storage.read_into(
+                    lo, hi, 0, H, kc[at:at + m].view(1, hi - lo, H, D),
+                    vc[at:at + m].view(1, hi - lo, H, D), key_pool.device)
+                at += m
+            (adapter,) = self._bound.adapters.values()
+            self._record(adapter).packed_reads += 1
+            ids = list(range(frames))
+        table = torch.tensor([ids + [0] * (width - len(ids))], dtype=torch.int32,
+                             device=inputs.block_table.device)
+        seq_lens = torch.tensor([frames * bs], dtype=torch.int32, device=inputs.seq_lens.device)
+        return ar_diffusion_paged_attention(
+            query, kc, vc, block_table=table, query_start_loc=inputs.query_start_loc,
+            seq_lens=seq_lens, max_query_len=int(inputs.max_query_len),
+            max_seq_len=max(int(inputs.max_seq_len), frames * bs), softmax_scale=softmax_scale)
+
+
+def _forget_pools(ids: list[int]) -> None:
+    for i in ids:
+        _POOLS.pop(i, None)
+
+
+# -- the engine's seams: the session cache the runner builds, the attention LingBot calls -------
+_STOCK_CACHE = _runner.ARDiffusionKVCache
+_STOCK_ATTN = _lingbot_transformer.paged_write_attn
+
+
+def session_cache(config: Any, **kwargs: Any) -> ARDiffusionKVCache:
+    """What ``ARDiffusionModelRunner._preallocate_kv_cache`` builds in place of
+    ``ARDiffusionKVCache`` once `install_engine_seams` ran: `CausalKVPagedKVCache` when the
+    pipeline's spec carries a `CausalKVBranchSpec`, vLLM-Omni's own cache otherwise."""
+    ours = [b for b in kwargs.get("kv_branches", ()) if isinstance(b, CausalKVBranchSpec)]
+    if not ours:
+        cache = _STOCK_CACHE(config, **kwargs)
+        cache._causalkv_serial = next(_SERIAL)
+        _LIVE_STOCK.add(cache)
+        return cache
+    return CausalKVPagedKVCache(config, quant=ours[0].quant, head_offset=ours[0].head_offset, **kwargs)
+
+
+def paged_write_attn(inputs: Any, query: torch.Tensor, k_curr: torch.Tensor, v_curr: torch.Tensor,
+                     k_act: torch.Tensor | None, v_act: torch.Tensor | None,
+                     softmax_scale: float) -> torch.Tensor:
+    """LingBot's ``paged_write_attn``: a layer of a `CausalKVPagedKVCache` pool is served by
+    `CausalKVPagedKVCache.attend`; any other by vLLM-Omni's own."""
+    owner = _POOLS.get(id(inputs.key_pool))
+    cache = owner[0]() if owner is not None else None
+    if cache is None or cache._k_pools[owner[1]] is not inputs.key_pool:
+        return _STOCK_ATTN(inputs, query, k_curr, v_curr, k_act, v_act, softmax_scale)
+    return cache.attend(owner[1], inputs, query, k_curr, v_curr, k_act, v_act, softmax_scale)
+
+
+def install_engine_seams() -> None:
+    """Point the two engine seams at causalkv (idempotent; this process): the runner builds
+    `session_cache`, LingBot's self-attention calls `paged_write_attn`. Both behave as
+    vLLM-Omni's own for every pipeline that does not ask for causalkv's pages."""
+    _runner.ARDiffusionKVCache = session_cache
+    _lingbot_transformer.paged_write_attn = paged_write_attn

@@ -1,0 +1,228 @@
+"""causalkv's LingBot-World pipeline on vLLM-Omni's paged AR-diffusion engine (realtime ticks).
+
+With ``model_config.causalkv_kv_cache`` set and ``engine_backend`` naming vLLM-Omni's
+``ARDiffusionEngine`` (request mode: one typed tick per request), causalkv's pipeline
+(`causalkv.vllm_omni.pipeline.CausalKVLingBotWorldPipeline`) calls `check_paged` before anything
+loads (the seams of `causalkv.vllm_omni.paged_seams` and the mode) and `install_paged` once it
+is built:
+
+- the engine's two seams point at causalkv (`causalkv.vllm_omni.paged_cache.install_engine_seams`:
+  the runner builds `CausalKVPagedKVCache` for this pipeline's spec, LingBot's attention reads
+  causalkv's pages);
+- the pipeline's class becomes a subclass adding `PagedLingBotMixin`: its
+  ``ar_diffusion_kv_cache_spec`` carries the QVG settings in its KV branch
+  (`CausalKVBranchSpec`) and declares the sessions causalkv's pages hold at the device's free
+  memory (not LingBot's cap of 2); ``bind_ar_diffusion_state`` binds the session to the cache's
+  attention; a session the engine evicted (least recently used, to admit another when its
+  sessions are full) is told so by name on its next tick, not through LingBot's
+  ``chunk_index must be contiguous`` error.
+
+When the engine's sessions are full, a tick for a new session makes vLLM-Omni's runner release
+the least recently used one (its pages, its packed records, its model state); that session's
+next tick that does not start over (``chunk_index`` 0 or ``reset``) is refused with
+`evicted_message`. Its K/V cannot be rebuilt: the client starts it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from vllm_omni.experimental.ar_diffusion.runner import resolve_ar_diffusion_kv_config
+from vllm_omni.experimental.ar_diffusion.tick_protocol import ARDiffusionTickRequest
+
+from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.errors import ConfigError
+from causalkv.vllm_omni.paged_cache import (
+    CausalKVBranchSpec,
+    CausalKVPagedKVCache,
+    declared_capacity,
+    install_engine_seams,
+)
+from causalkv.vllm_omni.paged_seams import check_seams
+
+__all__ = ["PAGED_ENGINE", "PagedLingBotMixin", "check_paged", "evicted_message", "install_paged",
+           "is_paged"]
+
+#: the engine whose paged sessions causalkv holds
+PAGED_ENGINE = "ARDiffusionEngine"
+#: sessions whose eviction is remembered (for the notice on their next tick)
+_REMEMBERED = 4096
+
+
+def is_paged(od_config: Any) -> bool:
+    """True when the stage runs on vLLM-Omni's AR-diffusion engine (``engine_backend`` names
+    ``ARDiffusionEngine`` or a subclass of it, by class or import path) or with step
+    execution: where LingBot's K/V live in the engine's paged pool."""
+    backend = getattr(od_config, "engine_backend", "default")
+    if isinstance(backend, type):
+        names = [c.__name__ for c in backend.__mro__]
+    else:
+        names = [str(backend)]
+    return any(PAGED_ENGINE in n for n in names) or bool(getattr(od_config, "step_execution", False))
+
+
+def check_paged(od_config: Any, quant: QVGKVQuantArgs) -> None:
+    """Refuse what causalkv's pages do not serve on the paged path, before anything loads
+    (`ConfigError`): a vLLM-Omni lacking a seam (`check_seams`, one line naming it), step
+    execution (only request-mode ticks are served and tested), history staging."""
+    check_seams()
+    if getattr(od_config, "step_execution", False):
+        raise ConfigError(
+            f"model_config.causalkv_kv_cache ({quant.describe()}) on vLLM-Omni's paged "
+            "AR-diffusion engine serves request-mode ticks (one ar_diffusion_tick per request); "
+            "step_execution=True is not supported: set step_execution false")
+    kv = resolve_ar_diffusion_kv_config(od_config)
+    if kv.reuse_history_staging:
+        raise ConfigError(
+            "ar_diffusion_kv_config.reuse_history_staging is not supported with "
+            "model_config.causalkv_kv_cache (a staged window would not hold packed groups); "
+            "drop reuse_history_staging")
+
+
+def evicted_message(session_id: str, chunk_index: int, by: str | None, capacity: int | None,
+                    quant: QVGKVQuantArgs) -> str:
+    """The refusal of an evicted session's next tick."""
+    who = f"to admit session {by!r}" if by else "to admit another session"
+    held = f"the engine holds {capacity} session(s) at this memory" if capacity else "its sessions were full"
+    return (
+        f"LingBot session {session_id!r} was evicted from vLLM-Omni's AR-diffusion engine (least "
+        f"recently used) {who}: {held} (model_config.causalkv_kv_cache {quant.describe()}); its "
+        f"K/V and model state are gone, so chunk_index {chunk_index} cannot continue it. Start it "
+        "again at chunk_index 0 (or with reset), or give the engine more memory "
+        "(ar_diffusion_kv_config.gpu_memory_fraction)")
+
+
+class PagedLingBotMixin:
+    """The AR-diffusion capability of causalkv's LingBot-World pipeline on the paged engine
+    (placed before the pipeline's class by `install_paged`; the module docstring)."""
+
+    causalkv_quant: QVGKVQuantArgs
+    _causalkv_cache: CausalKVPagedKVCache | None
+    _causalkv_released: OrderedDict[str, str]
+    _causalkv_evicted_by: dict[str, str | None]
+    _causalkv_pending: list[str]
+    _causalkv_closing: set[str]
+    _causalkv_failed: set[str]
+
+    def _causalkv_head_offset(self) -> int:
+        offset = getattr(self.transformer, "head_offset", None)  # type: ignore[attr-defined]
+        return int(offset()) if callable(offset) else 0
+
+    def ar_diffusion_kv_cache_spec(self) -> Any:
+        """LingBot's spec with causalkv's branch (the settings) and the capacity causalkv's
+        pages hold at the device's free memory x the engine's ``gpu_memory_fraction``."""
+        spec = super().ar_diffusion_kv_cache_spec()  # type: ignore[misc]
+        branches = tuple(CausalKVBranchSpec(b.name, b.local_index, quant=self.causalkv_quant,
+                                            head_offset=self._causalkv_head_offset())
+                         for b in spec.kv_branches)
+        spec = dataclasses.replace(spec, kv_branches=branches)
+        od_config = self.od_config  # type: ignore[attr-defined]
+        from vllm_omni.platforms import current_omni_platform
+
+        free = current_omni_platform.get_free_memory(torch.device(self.device))  # type: ignore[attr-defined]
+        capacity = declared_capacity(spec, resolve_ar_diffusion_kv_config(od_config),
+                                     od_config.dtype, free, self.causalkv_quant)
+        return dataclasses.replace(spec, session_capacity=capacity)
+
+    @contextlib.contextmanager
+    def bind_ar_diffusion_state(self, session_id: str, state: Any) -> Iterator[None]:
+        cache = state.kv_cache
+        if not isinstance(cache, CausalKVPagedKVCache):
+            raise RuntimeError(
+                f"model_config.causalkv_kv_cache is set but vLLM-Omni's runner built "
+                f"{type(cache).__name__}, not causalkv's paged cache: the runner did not use "
+                "causalkv's seam (causalkv.vllm_omni.paged_seams); run QVG in request mode")
+        self._causalkv_cache = cache
+        for evicted in self._causalkv_pending:
+            self._causalkv_evicted_by[evicted] = session_id
+        self._causalkv_pending.clear()
+        with super().bind_ar_diffusion_state(session_id, state), cache.binding(state):  # type: ignore[misc]
+            yield
+
+    def _causalkv_forget(self, session_id: str) -> None:
+        self._causalkv_released.pop(session_id, None)
+        self._causalkv_evicted_by.pop(session_id, None)
+        self._causalkv_closing.discard(session_id)
+        self._causalkv_failed.discard(session_id)
+
+    def close_ar_diffusion_session(self, session_id: str) -> None:
+        """vLLM-Omni's release (close, eviction or a failed forward) and why: a close the tick
+        asked for, a forward that raised, else an eviction (remembered for the notice)."""
+        super().close_ar_diffusion_session(session_id)  # type: ignore[misc]
+        if session_id in self._causalkv_closing:
+            reason = "closed"
+        elif session_id in self._causalkv_failed:
+            reason = "failed"
+        else:
+            reason = "evicted"
+            self._causalkv_pending.append(session_id)
+        self._causalkv_forget(session_id)
+        self._causalkv_released[session_id] = reason
+        while len(self._causalkv_released) > _REMEMBERED:
+            old, _ = self._causalkv_released.popitem(last=False)
+            self._causalkv_evicted_by.pop(old, None)
+
+    def reset_ar_diffusion_session(self, session_id: str) -> None:
+        super().reset_ar_diffusion_session(session_id)  # type: ignore[misc]
+        self._causalkv_forget(session_id)
+
+    def causalkv_release_reason(self, session_id: str) -> str | None:
+        """Why ``session_id`` was last released (``closed``, ``failed``, ``evicted``), or None."""
+        return self._causalkv_released.get(session_id)
+
+    def forward(self, req: Any) -> Any:
+        tick = ARDiffusionTickRequest.from_extra_args(getattr(req.sampling_params, "extra_args", None))
+        if tick is None:
+            return super().forward(req)  # type: ignore[misc]
+        sid = tick.session_id
+        if self._causalkv_released.get(sid) == "evicted":
+            if tick.chunk_index != 0 and not tick.reset:
+                cache = self._causalkv_cache
+                raise ValueError(evicted_message(
+                    sid, tick.chunk_index, self._causalkv_evicted_by.get(sid),
+                    cache.session_capacity if cache is not None else None, self.causalkv_quant))
+            self._causalkv_released.pop(sid, None)
+        try:
+            out = super().forward(req)  # type: ignore[misc]
+        except Exception:
+            self._causalkv_failed.add(sid)
+            raise
+        if tick.close_session:
+            self._causalkv_closing.add(sid)
+        return out
+
+
+_PAGED_CLASSES: dict[type, type] = {}
+
+
+def install_paged(pipeline: Any, quant: QVGKVQuantArgs) -> Any:
+    """Put causalkv's pages under a built LingBot-World pipeline on the paged engine, in place:
+    the engine seams (`install_engine_seams`), then the pipeline's class swapped to a subclass
+    with `PagedLingBotMixin` first (no parameter or buffer changes). Returns the pipeline."""
+    from vllm_omni.diffusion.models.lingbot_world.pipeline import LingBotWorldCausalDMDPipeline
+
+    if not isinstance(pipeline, LingBotWorldCausalDMDPipeline):
+        raise ConfigError(f"install_paged takes vLLM-Omni's LingBotWorldCausalDMDPipeline, got "
+                          f"{type(pipeline).__name__}")
+    install_engine_seams()
+    base = type(pipeline)
+    if not issubclass(base, PagedLingBotMixin):
+        cls = _PAGED_CLASSES.get(base)
+        if cls is None:
+            cls = type(f"Paged{base.__name__}", (PagedLingBotMixin, base),
+                       {"__module__": base.__module__, "__doc__": base.__doc__})
+            _PAGED_CLASSES[base] = cls
+        pipeline.__class__ = cls
+    pipeline.causalkv_quant = quant
+    pipeline._causalkv_cache = None
+    pipeline._causalkv_released = OrderedDict()
+    pipeline._causalkv_evicted_by = {}
+    pipeline._causalkv_pending = []
+    pipeline._causalkv_closing = set()
+    pipeline._causalkv_failed = set()
+    return pipeline
