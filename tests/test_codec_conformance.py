@@ -13,7 +13,7 @@ import pytest
 import torch
 import toy_codec_plugin
 from fault_helpers import ChunkCounter, assert_refused_up_front
-from toy_codec_plugin import Int8Codec, Int8Record
+from toy_codec_plugin import Int8Codec, Int8Record, WritesZeros
 
 import causalkv.plugin.manager as plugin_manager
 from causalkv.caches import codecs
@@ -134,12 +134,6 @@ class WritesNothing(Int8Codec):
         self.check_out(record, out)
 
 
-class WritesZeros(Int8Codec):
-    def decode_into(self, record, out):
-        self.check_out(record, out)
-        out.zero_()
-
-
 class ContiguousOnly(Int8Codec):
     """Decodes through ``out.view``: fails on the strided views the cache passes."""
 
@@ -194,7 +188,7 @@ def test_each_broken_variant_fails_naming_the_codec_and_the_check(cls, check, pr
     assert exc.check == check and check in CHECKS
     line = str(exc)
     assert "\n" not in line
-    assert line.startswith(f"KV codec 'int8' ({HERE}:{cls.__name__}) failed the conformance check '{check}': ")
+    assert line.startswith(f"KV codec 'int8' ({cls.__module__}:{cls.__name__}) failed the conformance check '{check}': ")
     assert problem in exc.problem, exc.problem
     assert exc.fix and line.endswith(exc.fix)
     assert isinstance(exc, ValueError)

@@ -51,6 +51,15 @@ class Int8Codec(KVCodec):
         return x.double().abs().amax(-1, keepdim=True).expand(x.shape) * (0.5 + 2**-16) / 127
 
 
+class WritesZeros(Int8Codec):
+    """A broken variant (registered by no hook: the tests name it ``toy_codec_plugin:WritesZeros``):
+    it decodes zeros, which the conformance check's error bound refuses."""
+
+    def decode_into(self, record, out) -> None:
+        self.check_out(record, out)
+        out.zero_()
+
+
 @hookimpl
 def causalkv_register_codecs():
     return [CodecRegistration("int8", "toy_codec_plugin:Int8Codec",

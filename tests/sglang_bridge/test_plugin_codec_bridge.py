@@ -94,25 +94,12 @@ def test_the_plugin_switches_of_causalkvs_runtime_hold_in_the_bridge(installed, 
     check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2), HEAD_DIM)
 
 
-def _zeros_codec_class():
-    """The toy int8 codec (tests/toy_codec_plugin.py), decoding zeros."""
-    from toy_codec_plugin import Int8Codec
-
-    class WritesZeros(Int8Codec):
-        def decode_into(self, record, out):
-            self.check_out(record, out)
-            out.zero_()
-
-    return WritesZeros
-
-
 def test_a_broken_plugin_codec_is_refused_at_sglang_start_up(monkeypatch):
     """``CAUSALKV_SGLANG_CODEC`` naming a codec that decodes zeros: sglang's start-up check
     (`check_settings`, before any weights load) stops with one line naming the setting and the
     conformance check it failed; no cache is built."""
     monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
-    monkeypatch.setattr(sys.modules[__name__], "WritesZeros", _zeros_codec_class(), raising=False)
-    codecs.register_codec("i8zeros", f"{__name__}:WritesZeros")
+    codecs.register_codec("i8zeros", "toy_codec_plugin:WritesZeros")  # decodes zeros
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "i8zeros")
     with pytest.raises(ConfigError) as e:
         check_settings("LongLive2Pipeline", QVGKVQuantArgs(bits=2), HEAD_DIM)

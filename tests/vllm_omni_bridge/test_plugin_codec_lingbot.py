@@ -86,25 +86,12 @@ def test_the_plugin_switches_of_causalkvs_runtime_hold_in_the_bridge(installed, 
     assert read_settings({CONFIG_KEY: {"kv_cache_quant": "int8"}}).codec == "int8"
 
 
-def _zeros_codec_class():
-    """The toy int8 codec (tests/toy_codec_plugin.py), decoding zeros."""
-    from toy_codec_plugin import Int8Codec
-
-    class WritesZeros(Int8Codec):
-        def decode_into(self, record, out):
-            self.check_out(record, out)
-            out.zero_()
-
-    return WritesZeros
-
-
 def test_a_broken_plugin_codec_is_refused_at_the_pipelines_start_up(monkeypatch):
     """``kv_cache_quant`` naming a codec that decodes zeros: the pipeline's start-up check (the
     codec's layout at the model's head_dim, before any weights load) stops with one line
     naming the setting and the conformance check it failed."""
     monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
-    monkeypatch.setattr(sys.modules[__name__], "WritesZeros", _zeros_codec_class(), raising=False)
-    codecs.register_codec("i8zeros", f"{__name__}:WritesZeros")
+    codecs.register_codec("i8zeros", "toy_codec_plugin:WritesZeros")  # decodes zeros
     quant = read_settings({CONFIG_KEY: {"kv_cache_quant": "i8zeros"}})
     with pytest.raises(ConfigError) as e:
         quant.check_layout(64)
