@@ -52,9 +52,12 @@ else:
             "logs": logs,
         }
 
-    @pytest.fixture(scope="session")
+    @pytest.fixture(scope="module")
     def runtime():
-        """vLLM's and vLLM-Omni's process groups (gloo, one process) for the session."""
+        """vLLM's and vLLM-Omni's process groups (gloo, one process) for a test module: torn
+        down when the module ends, so a module that starts vLLM-Omni's own engine in this
+        process (tests/vllm_omni_bridge/test_paged_engine.py: ``Omni`` makes its own groups)
+        finds none left over."""
         import tiny_lingbot
 
         with tiny_lingbot.parallel_runtime():
