@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from causalkv.errors import ConfigError
 from causalkv.runtime.files.file_checks import check_creatable_folder, fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
-from causalkv.runtime.model_io import preset_configs
+from causalkv.runtime.model_io import preset_configs, presets
 from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
 if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not for --help
@@ -331,32 +331,22 @@ def _spec(name: str, host: str) -> Checkpoint:
 
 def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
     """True when ``folder`` holds a complete checkpoint of this format (of ``name`` if given)."""
-    try:
-        meta = json.loads((Path(folder) / _MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(meta, dict) and meta.get("format") == CHECKPOINT_FORMAT
-            and meta.get("name") in CHECKPOINTS and (name is None or meta.get("name") == name))
+    meta = presets.json_object(Path(folder) / _MARKER)
+    return (meta.get("format") == CHECKPOINT_FORMAT and meta.get("name") in CHECKPOINTS
+            and (name is None or meta.get("name") == name))
 
 
 def describe_folder(folder: str | Path) -> str:
     """What an existing folder holds, for a refusal: a causalkv checkpoint (its name and
     host), a causalkv preset, a diffusers model folder, or how many entries."""
-    from causalkv.runtime.model_io import presets
-
     folder = Path(folder)
     if is_complete_checkpoint(folder):
-        spec = CHECKPOINTS[json.loads((folder / _MARKER).read_text())["name"]]
+        spec = CHECKPOINTS[presets.json_object(folder / _MARKER)["name"]]
         return f"a complete tiny {spec.name} {HOSTS[spec.host]} checkpoint"
-    for path in (folder / presets._MARKER, folder / "model_index.json"):
-        try:
-            meta = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and path.name == presets._MARKER:
-            return f"the causalkv preset {meta.get('name', '?')!r}"
-        if isinstance(meta, dict):
-            return f"a model folder ({meta.get('_class_name', 'model_index.json')})"
+    if preset := presets.json_object(folder / presets._MARKER):
+        return f"the causalkv preset {preset.get('name', '?')!r}"
+    if index := presets.json_object(folder / "model_index.json"):
+        return f"a model folder ({index.get('_class_name', 'model_index.json')})"
     try:
         n = sum(1 for _ in folder.iterdir())
     except OSError:
@@ -396,8 +386,6 @@ def build_checkpoint(name: str, folder: str | Path, *, host: str = "sglang", for
         )
     check_creatable_folder(folder.parent if not folder.exists() else folder, where,
                            "choose a folder where files can be created")
-    from causalkv.runtime.model_io import presets
-
     try:
         return presets.build_atomically(
             folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
@@ -465,8 +453,6 @@ def _write(spec: Checkpoint, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
-
-    from causalkv.runtime.model_io import presets
 
     hf_logging.disable_progress_bar()
     config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}
