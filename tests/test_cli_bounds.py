@@ -51,7 +51,7 @@ from causalkv.runtime.host import request_checks
 from causalkv.runtime.host.generate import plan_generation, unused_cache_settings
 from causalkv.runtime.model_io import presets
 from causalkv.runtime.model_io.prompt_encoding import PromptEncoder, build_byte_tokenizer
-from causalkv.runtime.tools import sglang_checkpoints
+from causalkv.runtime.tools import checkpoints
 
 GIB = 2**30
 
@@ -180,11 +180,11 @@ def _quick_checkpoints(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def quick(spec: Any, out: Path) -> None:
         written.append(spec.name)
         (out / "model_index.json").write_text(json.dumps({"_class_name": spec.pipeline_class}))
-        (out / sglang_checkpoints._MARKER).write_text(
-            json.dumps({"format": sglang_checkpoints.CHECKPOINT_FORMAT, "name": spec.name})
+        (out / checkpoints._MARKER).write_text(
+            json.dumps({"format": checkpoints.CHECKPOINT_FORMAT, "name": spec.name})
         )
 
-    monkeypatch.setattr(sglang_checkpoints, "_write", quick)
+    monkeypatch.setattr(checkpoints, "_write", quick)
     return written
 
 
@@ -206,7 +206,7 @@ def test_a_complete_checkpoint_of_another_pipeline_is_kept_unless_forced(
     )
     assert (folder / "model_index.json").read_text() == before and written == ["lingbot"]
     assert run_cli(["sglang-checkpoint", "longlive2", str(folder), "--force"]) == 0
-    assert sglang_checkpoints.is_complete_checkpoint(folder, "longlive2") and written == ["lingbot", "longlive2"]
+    assert checkpoints.is_complete_checkpoint(folder, "longlive2") and written == ["lingbot", "longlive2"]
     assert {p.name for p in tmp_path.iterdir()} == {"ckpt"}  # no build, no lock file left behind
 
 
@@ -247,7 +247,7 @@ def test_a_checkpoint_build_that_cannot_write_is_one_line_exit_1(
     def full_disk(spec: Any, out: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sglang_checkpoints, "_write", full_disk)
+    monkeypatch.setattr(checkpoints, "_write", full_disk)
     rc = run_cli(["sglang-checkpoint", "longlive2", str(tmp_path / "ckpt")])
     line = one_line(capsys.readouterr().err)
     assert rc == 1

@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from causalkv.errors import ConfigError
-from causalkv.runtime.tools.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
+from causalkv.runtime.tools.checkpoints import CHECKPOINTS, build_checkpoint
 
 
 def test_builds_without_sglang_and_prints_the_command_last(tmp_path):
@@ -40,14 +40,14 @@ def test_builds_without_sglang_and_prints_the_command_last(tmp_path):
 
 
 def test_a_complete_folder_is_kept_and_an_unrelated_one_refused(tmp_path):
-    folder = build_sglang_checkpoint("wan-causal", tmp_path / "wan")
+    folder = build_checkpoint("wan-causal", tmp_path / "wan")
     stamp = (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns
-    assert build_sglang_checkpoint("wan-causal", folder) == folder
+    assert build_checkpoint("wan-causal", folder) == folder
     assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == stamp
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="is not a causalkv sglang checkpoint"):
-        build_sglang_checkpoint("longlive2", tmp_path / "mine")
+        build_checkpoint("longlive2", tmp_path / "mine")
     with pytest.raises(ConfigError, match="choose one of: longlive2, wan-causal, lingbot"):
-        build_sglang_checkpoint("nope", tmp_path / "x")
+        build_checkpoint("nope", tmp_path / "x")
     assert CHECKPOINTS["wan-causal"].known_failure.startswith("sglang 0.5.23 cannot run")

@@ -2,7 +2,7 @@
 
 Subcommands: ``generate`` (`causalkv.cli.generate`), ``plugins`` and ``resolve``
 (`causalkv.cli.plugins`), ``demo`` (`causalkv.cli.demo`), ``sglang-checkpoint``
-(`causalkv.cli.sglang_checkpoint`), ``vllm-omni-checkpoint`` (`causalkv.cli.vllm_omni_checkpoint`),
+and ``vllm-omni-checkpoint`` (`causalkv.cli.checkpoints`),
 ``memory`` (`causalkv.cli.memory`); the parser is
 `causalkv.cli.commands`. Every error causalkv raises on purpose
 (`causalkv.errors.CausalKVError`) ends the command with one line on stderr and exit status 2;

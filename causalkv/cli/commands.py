@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from causalkv import __version__, sglang
-from causalkv.cli import demo, generate, memory, plugins, sglang_checkpoint, vllm_omni_checkpoint
+from causalkv.cli import checkpoints, demo, generate, memory, plugins
 from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
 from causalkv.env import check_switches
 from causalkv.errors import CausalKVError
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     found = generate.collect_plugins()  # once: the flags of `generate` and `resolve`, and the run
     generate.register(sub, plugins=found)
     plugins.register(sub, plugins=found)
-    for module in (demo, sglang_checkpoint, vllm_omni_checkpoint, memory):
+    for module in (demo, checkpoints, memory):
         module.register(sub)
     return parser
 

@@ -10,7 +10,8 @@ Sub-packages, by job (each imports only those after it: `host` | `tools` > `file
   plugin registry before any weights load; `host.generate` runs the steps `plan_step`,
   `load_step`, `run_step`, `compare_step`, `write_step`, with `request_checks`, `report`,
   `hook_calls` and the steps' records, `pipeline_records`);
-- `tools`: tools beside the host (`tools.sglang_checkpoints`);
+- `tools`: tools beside the host (`tools.checkpoints`: tiny checkpoints in sglang's and
+  vLLM-Omni's own formats);
 - `files`: the files a run reads and writes (`outputs`, `video`, `file_checks`);
 - `memory`: the KV memory planner behind ``causalkv memory``;
 - `model_io`: the model's config, presets and components (`model_config`, `preset_configs`,

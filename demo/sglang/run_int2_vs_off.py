@@ -30,7 +30,7 @@ from pathlib import Path
 from longlive2_request import GEOMETRY, SHOTS, cli_args, psnr, read_video, run_cli, summaries
 
 from causalkv.runtime.host.compare_step import bytes_ratio
-from causalkv.runtime.tools.sglang_checkpoints import CHECKPOINTS, build_sglang_checkpoint
+from causalkv.runtime.tools.checkpoints import CHECKPOINTS, build_checkpoint
 
 #: the two settings, as ``sglang generate --kv-cache-quant`` values
 SETTINGS = ("off", "int2")
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="out/sglang", help="output folder (default out/sglang)")
     out = Path(parser.parse_args(argv).out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = build_sglang_checkpoint("longlive2", out / "tiny-longlive2")
+    ckpt = build_checkpoint("longlive2", out / "tiny-longlive2")
     chunks = (GEOMETRY["num_frames"] - 1) // 4 + 1
     chunks //= CHECKPOINTS["longlive2"].native["num_frames_per_block"]
     runs = {}

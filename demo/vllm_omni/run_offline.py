@@ -202,11 +202,11 @@ def _rows(runs: list[dict]) -> list[tuple[str, ...]]:
 
 
 def _run(args: argparse.Namespace, settings: list[str], work: Path) -> int:
-    from causalkv.cli.vllm_omni_checkpoint import build
+    from causalkv.runtime.tools.checkpoints import build_checkpoint
 
     num_frames = (args.blocks * _BLOCK - 1) * _TEMPORAL + 1
     _actions(work / "actions", num_frames)  # vLLM-Omni wants a pose per video frame at least
-    folder, _ = build(args.dir or work / "lingbot")
+    folder = build_checkpoint("lingbot-world", args.dir or work / "lingbot", host="vllm-omni")
     lines = _Lines()
     logging.getLogger("causalkv.vllm_omni.pipeline").addHandler(lines)
 

@@ -108,11 +108,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--settings: distinct names from {', '.join(CHOICES)}, got {args.settings!r}")
     if args.ticks < 1:
         parser.error(f"--ticks must be 1 or more, got {args.ticks}")
-    from causalkv.cli.vllm_omni_checkpoint import build
+    from causalkv.runtime.tools.checkpoints import build_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="causalkv-vo-paged-"))
     try:
-        folder, _ = build(work / "lingbot")
+        folder = build_checkpoint("lingbot-world", work / "lingbot", host="vllm-omni")
         runs = []
         for setting in ("stock", *settings):
             run = _run(folder, work, setting, args.ticks)

@@ -28,9 +28,9 @@ if "PYTEST_XDIST_TESTRUNUID" in os.environ:
 
 
 def _build(name: str, tmp_path_factory):
-    from causalkv.runtime.tools.sglang_checkpoints import build_sglang_checkpoint
+    from causalkv.runtime.tools.checkpoints import build_checkpoint
 
-    return build_sglang_checkpoint(name, tmp_path_factory.mktemp("sglang-checkpoints") / name)
+    return build_checkpoint(name, tmp_path_factory.mktemp("sglang-checkpoints") / name)
 
 
 if importlib.util.find_spec("sglang") is not None:

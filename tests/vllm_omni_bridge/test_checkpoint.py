@@ -13,7 +13,10 @@ import tiny_lingbot as tl
 import torch
 from torch import nn
 
-from causalkv.vllm_omni import checkpoint as ck
+from causalkv.runtime.tools.checkpoints import CHECKPOINTS, is_complete_checkpoint
+
+#: the checkpoint's ``transformer/config.json`` (without ``_class_name``)
+TRANSFORMER = CHECKPOINTS["lingbot-world"].dit_config
 
 #: vLLM-Omni's error for the tiny geometry (``from_config``'s first contract key that differs)
 REFUSAL = "LingBot checkpoint config num_attention_heads must be 40, got 2."
@@ -26,7 +29,7 @@ def folder(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("vo-ckpt") / "lingbot"
     assert main(["vllm-omni-checkpoint", str(out)]) == 0
-    assert ck.is_complete_checkpoint(out)
+    assert is_complete_checkpoint(out, "lingbot-world")
     return out
 
 
@@ -54,17 +57,17 @@ def test_vllm_omni_reads_the_folders_pipeline_and_configs(folder, capsys):
     assert config.model_class_name == "LingBotWorldCausalDMDPipeline"
     tf = lp.load_transformer_config(str(folder), "transformer", True)
     assert tf["_class_name"] == "CausalLingBotWorldTransformer3DModel"
-    assert {k: v for k, v in tf.items() if not k.startswith("_")} == ck.TRANSFORMER
+    assert {k: v for k, v in tf.items() if not k.startswith("_")} == TRANSFORMER
     lp._validate_scheduler_config(lp._load_json(str(folder), "scheduler/scheduler_config.json", True))
     # the demo's and the tests' tiny DiT is this geometry
-    assert {k: (tuple(v) if k == "patch_size" else v) for k, v in ck.TRANSFORMER.items()
+    assert {k: (tuple(v) if k == "patch_size" else v) for k, v in TRANSFORMER.items()
             if k in tl.TINY} == tl.TINY
 
     from causalkv.cli.commands import main
 
     capsys.readouterr()
     assert main(["vllm-omni-checkpoint", str(folder)]) == 0
-    assert capsys.readouterr().out.startswith("found complete tiny LingBot-World checkpoint")
+    assert capsys.readouterr().out.startswith("found complete tiny lingbot-world checkpoint")
 
 
 def test_the_dit_loads_the_written_weights_through_vllm_omnis_loader(folder, runtime):
@@ -73,8 +76,9 @@ def test_the_dit_loads_the_written_weights_through_vllm_omnis_loader(folder, run
     ``transformer.``) into the pipeline's own ``load_weights`` (``AutoWeightsLoader`` -> the
     DiT's, which fuses q/k/v), on ``CausalLingBotWorldTransformer3DModel`` built at the
     checkpoint's tiny geometry. Its outputs over LingBot's DMD schedule (probes and commits,
-    past the window) equal those of the same class given `transformer_weights` in memory,
+    past the window) equal those of the same class given the file's tensors (read by safetensors itself),
     parameter by parameter (q/k/v concatenated), bit for bit."""
+    from safetensors.torch import load_file
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
     from vllm_omni.diffusion.models.lingbot_world import pipeline as lp
@@ -101,7 +105,7 @@ def test_the_dit_loads_the_written_weights_through_vllm_omnis_loader(folder, run
     disk = holder.transformer
 
     memory = CausalLingBotWorldTransformer3DModel(**kwargs)
-    weights = ck.transformer_weights(ck.TRANSFORMER, seed=0)
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
     used = set()
     with torch.no_grad():
         for name, param in memory.named_parameters():
@@ -163,10 +167,10 @@ def test_the_pipeline_loads_the_other_components_then_refuses_the_tiny_dit(folde
         ids = pipe.tokenizer("a fox in the snow", padding="max_length", max_length=512,
                              truncation=True, return_tensors="pt", return_attention_mask=True)
         text = pipe.text_encoder(ids.input_ids, ids.attention_mask).last_hidden_state
-        assert text.shape == (1, 512, ck.TRANSFORMER["text_dim"])
+        assert text.shape == (1, 512, TRANSFORMER["text_dim"])
         frame = torch.rand(1, 3, 1, 64, 64) * 2 - 1
         latent = pipe.vae.encode(frame).latent_dist.mode()
-        assert latent.shape == (1, ck.TRANSFORMER["out_channels"], 1, 8, 8)
+        assert latent.shape == (1, TRANSFORMER["out_channels"], 1, 8, 8)
         assert torch.isfinite(text).all() and torch.isfinite(latent).all()
 
 
@@ -181,7 +185,7 @@ def test_the_command_refuses_a_folder_that_holds_something_else(tmp_path, capsys
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for where, want in (
-        (busy, f"vllm-omni-checkpoint DIR '{busy}' exists, holds 1 entry and is not a complete "
+        (busy, f"vllm-omni-checkpoint DIR '{busy}' exists, holds 1 entry and is not a "
                "causalkv vLLM-Omni checkpoint; choose a new or empty folder (it is never overwritten)"),
         (a_file, f"vllm-omni-checkpoint DIR '{a_file}' is a file, not a folder; choose a new or "
                  "empty folder"),

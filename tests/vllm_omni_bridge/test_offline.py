@@ -15,7 +15,7 @@ from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "vllm_omni" / "run_offline.py"
 
-# The oracle, from the checkpoint's geometry (causalkv.vllm_omni.checkpoint's tiny DiT) and the
+# The oracle, from the checkpoint's geometry (causalkv.runtime.tools.checkpoints' lingbot-world) and the
 # request (64x64 video), not from causalkv's ledger: vLLM-Omni's dense cache is K and V of
 # [B, max_tokens, H, D] per layer, allocated whole, max_tokens = window frames x tokens per frame.
 LAYERS, HEADS, HEAD_DIM, FLOAT32 = 2, 2, 64, 4

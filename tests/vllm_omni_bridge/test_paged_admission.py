@@ -223,7 +223,9 @@ TINY_DIT = dict(num_attention_heads=2, attention_head_dim=64, in_channels=36, ou
 def test_tiny_geometry_admission_with_no_tensors(runtime, budget, row, _free_memory):
     """The tiny DiT (2 x 2 x 64, 16 tokens per frame, sink 3 + window 6) and the tiny
     checkpoint's VAE, float32 as the CPU runs it: the runner's admission equals the formula's."""
-    from causalkv.vllm_omni.checkpoint import VAE
+    from causalkv.runtime.tools.checkpoints import CHECKPOINTS
+
+    VAE = CHECKPOINTS["lingbot-world"].vae
 
     quant = None if row == "stock" else SETTINGS["int2-default"].quant_args()
     pipe = _meta_pipeline(height=64, width=64, dtype=torch.float32, dit=TINY_DIT, vae=VAE, quant=quant)

@@ -33,10 +33,10 @@ PACKED = ("int4", "int2", "int2-span2", "int2-fp8")
 
 
 def _folder(tmp_path_factory, name: str):
-    from causalkv.cli.vllm_omni_checkpoint import build
+    from causalkv.runtime.tools.checkpoints import build_checkpoint
 
     work = tmp_path_factory.mktemp(f"paged-{name}")
-    built, _ = build(work / "lingbot")
+    built = build_checkpoint("lingbot-world", work / "lingbot", host="vllm-omni")
     sink, window = GEOMETRIES[name][0]
     path = built / "transformer" / "config.json"
     config = json.loads(path.read_text())

@@ -21,6 +21,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from causalkv.env import text as env_text
 from causalkv.errors import ConfigError, first_line
@@ -211,17 +212,9 @@ def describe_file(path: str | Path) -> str | None:
         return "an MP4 video"
     if head[:6] in (b"GIF87a", b"GIF89a"):
         return "a GIF image"
-    if len(head) >= 9 and head[8:9] == b"{":
-        n = int.from_bytes(head[:8], "little")
-        if 0 < n <= size - 8:
-            with open(p, "rb") as f:
-                f.seek(8)
-                try:
-                    header = json.loads(f.read(n))
-                except (ValueError, UnicodeDecodeError):
-                    header = None
-            if isinstance(header, dict):
-                return "saved latents (safetensors)" if "latents" in header else "a safetensors file"
+    header = _safetensors_header(p, size)[1] if head[8:9] == b"{" else None
+    if isinstance(header, dict):
+        return "saved latents (safetensors)" if "latents" in header else "a safetensors file"
     if size <= 1 << 24:
         try:
             obj = json.loads(p.read_text(encoding="utf-8"))
@@ -326,17 +319,24 @@ def _check_json(path: Path, fix: str) -> None:
         raise ModelFolderError(f"{path} is not valid JSON ({exc}); {fix}") from None
 
 
+def _safetensors_header(path: Path, size: int) -> tuple[int, Any]:
+    """``(n, header)`` of a safetensors file of ``size`` bytes: its JSON header's length and
+    the header parsed (None when it is not JSON or does not fit the file). OSError as raised."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            return n, json.loads(f.read(n)) if 0 <= n <= size - 8 else None
+        except (ValueError, UnicodeDecodeError):
+            return n, None
+
+
 def _check_safetensors(path: Path, fix: str) -> None:
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            header = json.loads(f.read(n)) if 0 <= n <= size - 8 else None
+        n, header = _safetensors_header(path, size)
     except OSError as exc:
         raise ModelFolderError(f"cannot read {path} ({first_line(exc)}); {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        header = None
     if not isinstance(header, dict):
         raise ModelFolderError(f"{path} is not a safetensors file (its header is unreadable); {fix}")
     try:

@@ -26,6 +26,7 @@ output back to ``[B, S/N, H, D]``. Cross-attention runs on the rank's tokens unc
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -166,14 +167,11 @@ def _heads(attn: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
     return t.unflatten(2, (attn.heads, -1))
 
 
-class CausalWanSelfAttnProcessor:
-    """Self-attention of one Wan block over the layer's causal KV cache.
+class _WanProcessor(ABC):
+    """A processor of one Wan block's attention (diffusers' processor call), run only inside
+    `CausalWanTransformer.__call__`, which fills the shared `CausalCallState`."""
 
-    q/k/v are projected and RMS-normed as in diffusers' ``WanAttnProcessor``, rotated at the
-    chunk's frame offset, the chunk's K/V ``[B, n, H, D]`` are written at ``token_start``
-    (advance or rewrite) and the query attends over the returned view (never reading
-    ``view.k``/``view.v`` directly, so a packed view streams segment by segment).
-    """
+    what = "Wan attention"
 
     def __init__(self, layer_index: int, state: CausalCallState) -> None:
         self.layer_index = layer_index
@@ -187,12 +185,34 @@ class CausalWanSelfAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        st = self.state
-        if not st.active:
+        if not self.state.active:
             raise UsageError(
-                "causal Wan self-attention called outside CausalWanTransformer.__call__; "
+                f"{self.what} called outside CausalWanTransformer.__call__; "
                 "call the wrapper with the layer caches, not the diffusers model directly"
             )
+        out = self.attend(attn, hidden_states, encoder_hidden_states).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    @abstractmethod
+    def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+               encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """The attention output ``[B, S, H, D]`` before the output projection."""
+
+
+class CausalWanSelfAttnProcessor(_WanProcessor):
+    """Self-attention of one Wan block over the layer's causal KV cache.
+
+    q/k/v are projected and RMS-normed as in diffusers' ``WanAttnProcessor``, rotated at the
+    chunk's frame offset, the chunk's K/V ``[B, n, H, D]`` are written at ``token_start``
+    (advance or rewrite) and the query attends over the returned view (never reading
+    ``view.k``/``view.v`` directly, so a packed view streams segment by segment).
+    """
+
+    what = "causal Wan self-attention"
+
+    def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+               encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
+        st = self.state
         query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
         key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
         value = _heads(attn, attn.to_v(hidden_states))
@@ -223,12 +243,10 @@ class CausalWanSelfAttnProcessor:
         report_attend(stats)
         if par is not None:  # [B, S, H/N, D] -> [B, S/N, H, D]
             out = heads_to_seq(out, par)
-        out = out.flatten(2, 3)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
+        return out
 
 
-class CachedWanCrossAttnProcessor:
+class CachedWanCrossAttnProcessor(_WanProcessor):
     """Cross-attention of one Wan block with the text K/V cached per prompt.
 
     On the first call after a reset the text K/V ``[B, L, H, D]`` are projected from
@@ -236,22 +254,11 @@ class CachedWanCrossAttnProcessor:
     reuse them.
     """
 
-    def __init__(self, layer_index: int, state: CausalCallState) -> None:
-        self.layer_index = layer_index
-        self.state = state
+    what = "cached Wan cross-attention"
 
-    def __call__(
-        self,
-        attn: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        st = self.state
-        if not st.active:
-            raise UsageError("cached Wan cross-attention called outside CausalWanTransformer.__call__")
-        cache = st.cross_caches[self.layer_index]
+    def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+               encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
+        cache = self.state.cross_caches[self.layer_index]
         if not cache.is_initialized:
             assert encoder_hidden_states is not None
             k = _heads(attn, attn.norm_k(attn.to_k(encoder_hidden_states)))
@@ -262,9 +269,7 @@ class CachedWanCrossAttnProcessor:
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         ).transpose(1, 2)
-        out = out.flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
+        return out.type_as(query)
 
 
 def install_causal_processors(transformer: torch.nn.Module) -> CausalCallState:

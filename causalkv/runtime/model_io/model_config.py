@@ -342,19 +342,12 @@ def model_info_from_dicts(
             what = "positive" if key == SGLANG_KEYS_POSITIVE else "non-negative"
             raise ModelFolderError(f"{where}: {key} must be {what}, got {value!r}")
         s[target] = value
-    try:
-        patch = tuple(int(p) for p in transformer.get("patch_size", (1, 2, 2)))
-        num_layers = int(transformer["num_layers"])
-        num_heads = int(transformer["num_attention_heads"])
-        head_dim = int(transformer["attention_head_dim"])
-        in_channels = int(transformer.get("in_channels", 16))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFolderError(f"{where}: transformer/config.json lacks a field: {exc}") from None
+    patch = tuple(transformer.get("patch_size", (1, 2, 2)))  # each checked by _check_model_json
     dim_mult = vae.get("dim_mult", [1, 2, 4, 4])
     temporal = vae.get("temperal_downsample", [False, True, True])
     spatial_scale = int(vae.get("scale_factor_spatial") or 2 ** (len(dim_mult) - 1))
     temporal_scale = int(vae.get("scale_factor_temporal") or 2 ** sum(bool(t) for t in temporal))
-    height, width = int(s["height"]), int(s["width"])
+    height, width = s["height"], s["width"]
     for label, px, p in (("height", height, patch[1]), ("width", width, patch[2])):
         if px <= 0 or px % (spatial_scale * p):
             raise ModelFolderError(
@@ -365,18 +358,13 @@ def model_info_from_dicts(
     config = ModelConfig(
         name=name,
         model_class=model_class,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        head_dim=head_dim,
+        num_layers=transformer["num_layers"],
+        num_heads=transformer["num_attention_heads"],
+        head_dim=transformer["attention_head_dim"],
         tokens_per_frame=tpf,
-        frames_per_chunk=int(s["frames_per_chunk"]),
-        sink_frames=int(s["sink_frames"]),
-        global_sink_frames=None if s["global_sink_frames"] is None else int(s["global_sink_frames"]),
-        window_frames=int(s["window_frames"]),
-        cache_frames=None if s["cache_frames"] is None else int(s["cache_frames"]),
-        recent_window_frames=None
-        if s["recent_window_frames"] is None
-        else int(s["recent_window_frames"]),
+        # the stream values are ints (or None) by now: check_stream_values refused anything else
+        **{k: s[k] for k in ("frames_per_chunk", "sink_frames", "global_sink_frames", "window_frames",
+                             "cache_frames", "recent_window_frames")},
         timesteps=tuple(float(t) for t in s["timesteps"]),
         shift=float(s["shift"]),
         context_noise=float(s["context_noise"]),
@@ -389,12 +377,12 @@ def model_info_from_dicts(
         preset=preset,
         height=height,
         width=width,
-        latent_channels=in_channels,
+        latent_channels=transformer.get("in_channels", 16),
         vae_scale_spatial=spatial_scale,
         vae_scale_temporal=temporal_scale,
-        text_max_length=int(s["text_max_length"]),
-        default_frames=int(s["default_frames"]),
-        fps=int(s["fps"]),
+        text_max_length=s["text_max_length"],
+        default_frames=s["default_frames"],
+        fps=s["fps"],
         guidance_scale=float(s["guidance_scale"]),
         negative_prompt=str(s["negative_prompt"]),
     )

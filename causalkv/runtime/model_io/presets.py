@@ -78,24 +78,25 @@ def _model_index(model_class: str) -> dict[str, Any]:
     }
 
 
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a completion marker, a ``model_index.json``); ``{}`` when
+    the file is absent, unreadable or holds no object."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
 def is_complete_preset(folder: Path) -> bool:
     """True when ``folder`` holds a preset written completely by this preset format."""
-    marker = folder / _MARKER
-    if not marker.exists():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("format") == PRESET_FORMAT
-    except (OSError, json.JSONDecodeError):
-        return False
+    return json_object(folder / _MARKER).get("format") == PRESET_FORMAT
 
 
 def preset_name(folder: Path) -> str | None:
     """The name a preset folder's completion marker records, or None (no marker, or one
     written before markers held names)."""
-    try:
-        name = json.loads((folder / _MARKER).read_text()).get("name")
-    except (OSError, ValueError, AttributeError):
-        return None
+    name = json_object(folder / _MARKER).get("name")
     return name if isinstance(name, str) else None
 
 

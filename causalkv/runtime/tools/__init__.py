@@ -1,3 +1,3 @@
-"""Tools beside the host: tiny checkpoints in sglang's own format (`sglang_checkpoints`,
-``causalkv sglang-checkpoint``). They use the model I/O and the files, never the host.
+"""Tools beside the host: tiny checkpoints in sglang's and vLLM-Omni's own formats
+(`checkpoints`, ``causalkv sglang-checkpoint`` and ``vllm-omni-checkpoint``). They use the model I/O and the files, never the host.
 """

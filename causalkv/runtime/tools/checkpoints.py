@@ -1,19 +1,29 @@
-"""Tiny checkpoints in sglang's own format: seeded random weights that sglang loads natively.
+"""Tiny checkpoints in a host's own format: seeded random weights the host loads natively.
 
-`build_sglang_checkpoint(name, folder)` writes a folder that sglang 0.5.23's diffusion runtime
-resolves to its native pipeline and DiT (``model_index.json``'s ``_class_name`` names sglang's
-pipeline class, ``transformer/config.json``'s names sglang's DiT class, the transformer's
-safetensors keys are the ones that DiT's ``param_names_mapping`` maps), with every component a
-pipeline needs (text encoder, tokenizer, VAE, transformer, scheduler). Nothing is downloaded
-and sglang is not imported: the weights come from the same seeded tiny diffusers/transformers
-components as causalkv's presets (`causalkv.runtime.model_io.presets`), the transformer's keys renamed to
-the checkpoint's layout. Builds are atomic and cached like the presets
-(`causalkv.runtime.model_io.presets.build_atomically`): a complete folder is returned as it is.
+`build_checkpoint(name, folder)` writes a folder that a host's own loader resolves to its
+native pipeline and DiT: ``model_index.json``'s ``_class_name`` names the host's pipeline
+class, ``transformer/config.json``'s its DiT class, the transformer's safetensors keys are
+the names that DiT loads, and every component the pipeline reads is there (text encoder,
+tokenizer, VAE, transformer, scheduler). The checkpoints (`CHECKPOINTS`):
 
-`generate_command(name, folder)` is the ``sglang generate`` line that runs the folder;
-``causalkv sglang-checkpoint {longlive2,wan-causal,lingbot} DIR`` builds and prints it.
+- sglang 0.5.23's diffusion runtime: ``longlive2``, ``wan-causal``, ``lingbot``
+  (``causalkv sglang-checkpoint NAME DIR``; `generate_command` is the ``sglang generate``
+  line that runs one);
+- vLLM-Omni 0.30.0: ``lingbot-world`` (``causalkv vllm-omni-checkpoint DIR``), the folder
+  ``LingBotWorldCausalDMDPipeline`` and vLLM-Omni's config discovery read (the UniPC
+  scheduler config ``_validate_scheduler_config`` requires, self-attention ``q``/``k``/``v``
+  separate, which ``CausalLingBotWorldTransformer3DModel.load_weights`` fuses). Its pipeline
+  refuses the tiny geometry (``from_config`` takes LingBot-World v2's 40 x 40 x 128 only) after
+  loading the tokenizer, text encoder and VAE; the DiT's own class loads ``transformer/``
+  (``tests/vllm_omni_bridge/test_checkpoint.py``; docs/vllm_omni.md).
 
-The weights are RANDOM: the videos are noise-like. The folders exercise sglang's loading,
+Nothing is downloaded and no host is imported: the weights come from the same seeded tiny
+diffusers/transformers components as causalkv's presets (`causalkv.runtime.model_io.presets`),
+the transformer's keys renamed to the checkpoint's layout. Builds are atomic and cached like
+the presets (`causalkv.runtime.model_io.presets.build_atomically`): a complete folder is
+returned as it is.
+
+The weights are RANDOM: the videos are noise-like. The folders exercise a host's loading,
 pipeline and KV-cache paths (and causalkv's bridge inside them), not image quality.
 """
 
@@ -30,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from causalkv.errors import ConfigError
 from causalkv.runtime.files.file_checks import check_creatable_folder, fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
-from causalkv.runtime.model_io import preset_configs
+from causalkv.runtime.model_io import preset_configs, presets
 from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
 if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not for --help
@@ -38,16 +48,20 @@ if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not 
 
 __all__ = [
     "CHECKPOINTS",
-    "SGLangCheckpoint",
-    "build_sglang_checkpoint",
+    "HOSTS",
+    "Checkpoint",
+    "build_checkpoint",
     "describe_folder",
     "generate_command",
     "is_complete_checkpoint",
 ]
 
 #: bump when a checkpoint definition changes: old folders are rebuilt
-CHECKPOINT_FORMAT = 2
-_MARKER = ".causalkv-sglang-checkpoint.json"
+CHECKPOINT_FORMAT = 3
+_MARKER = ".causalkv-checkpoint.json"
+
+#: each host's name in the messages
+HOSTS = {"sglang": "sglang", "vllm-omni": "vLLM-Omni"}
 
 #: diffusers' Wan transformer names -> LongLive's original names (what sglang's
 #: ``LongLive2ArchConfig.param_names_mapping`` maps from)
@@ -106,21 +120,46 @@ _VAE_22: dict[str, Any] = {
 
 _PROMPT = "A red fox trots through fresh snow in a pine forest at dawn"
 
+#: ``scheduler/scheduler_config.json`` of vLLM-Omni's LingBot-World: every key its
+#: ``_validate_scheduler_config`` checks, the UniPC keys the pipeline passes on, and the flow
+#: shift it reads (``flow_shift``)
+_UNIPC_SCHEDULER: dict[str, Any] = {
+    "_class_name": "UniPCMultistepScheduler",
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "predict_x0": True,
+    "use_flow_sigmas": True,
+    "use_dynamic_shifting": False,
+    "use_beta_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+    "final_sigmas_type": "zero",
+    "timestep_spacing": "linspace",
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "lower_order_final": True,
+    "disable_corrector": [],
+    "thresholding": False,
+    "steps_offset": 0,
+    "flow_shift": 5.0,
+}
+
 
 @dataclass(frozen=True)
-class SGLangCheckpoint:
-    """One tiny sglang-native checkpoint: what sglang resolves and what it loads.
+class Checkpoint:
+    """One tiny host-native checkpoint: what the host resolves and what it loads.
 
     Attributes:
-        name: the ``causalkv sglang-checkpoint`` choice.
-        pipeline_class: sglang's pipeline class (``model_index.json`` ``_class_name``).
-        dit_class: sglang's DiT class (``transformer/config.json`` ``_class_name``).
-        model_id: the registered model whose configs sglang uses (``--model-id``): sglang
-            resolves a local folder's pipeline config only by a registered name or detector.
+        name: the checkpoint's name (``causalkv sglang-checkpoint``'s choice).
+        host: the host whose format it is (a key of `HOSTS`).
+        pipeline_class: the host's pipeline class (``model_index.json`` ``_class_name``).
+        dit_class: the host's DiT class (``transformer/config.json`` ``_class_name``).
         description: one line for the folder's README.
+        model_id: sglang's registered model whose configs it uses (``--model-id``): sglang
+            resolves a local folder's pipeline config only by a registered name or detector.
         transformer: overrides of the presets' tiny ``WanTransformer3DModel`` config.
         vae: the tiny ``AutoencoderKLWan`` config (``None``: the presets' Wan 2.1-like one).
-        native: sglang-only fields of ``transformer/config.json`` (causal geometry).
+        native: host-only fields of ``transformer/config.json`` (causal geometry).
         keys: ``(regex, replacement)`` renames of diffusers' transformer keys into the
             checkpoint's layout; every key must match one.
         request: the tiny request the printed command runs (``sglang generate`` flags;
@@ -129,15 +168,19 @@ class SGLangCheckpoint:
             camera MLP and each block's camera injector, scale and shift layers).
         null_components: components the pipeline lists that the checkpoint ships as ``null``
             (diffusers' JSON for an absent optional component).
-        known_failure: why sglang 0.5.23 cannot run the pipeline, or "" when it can.
+        scheduler: ``scheduler/scheduler_config.json`` as the host requires it (``None``:
+            diffusers' ``FlowMatchEulerDiscreteScheduler(shift=5.0)``).
+        text_max_length: the tokenizer's sequence length (the pipeline pads prompts to it).
+        known_failure: what the host cannot do with the folder, or "" when it runs it.
         seed: weight seed.
     """
 
     name: str
+    host: str
     pipeline_class: str
     dit_class: str
-    model_id: str
     description: str
+    model_id: str = ""
     transformer: Mapping[str, Any] = field(default_factory=dict)
     vae: Mapping[str, Any] | None = None
     native: Mapping[str, Any] = field(default_factory=dict)
@@ -145,18 +188,26 @@ class SGLangCheckpoint:
     request: tuple[str, ...] = ()
     camera: bool = False
     null_components: tuple[str, ...] = ()
+    scheduler: Mapping[str, Any] | None = None
+    text_max_length: int = preset_configs.TINY_COMMON["text_max_length"]
     known_failure: str = ""
     seed: int = 0
+
+    @property
+    def dit_config(self) -> dict[str, Any]:
+        """``transformer/config.json`` without ``_class_name`` and ``_diffusers_version``."""
+        return {**preset_configs.TINY_TRANSFORMER, **self.transformer, **self.native}
 
 
 _TINY_REQUEST = ("--height", "256", "--width", "256", "--num-frames", "29", "--seed", "0")
 
-#: the checkpoints by ``causalkv sglang-checkpoint`` name
-CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
+#: the checkpoints by name
+CHECKPOINTS: Mapping[str, Checkpoint] = {
     c.name: c
     for c in (
-        SGLangCheckpoint(
+        Checkpoint(
             name="longlive2",
+            host="sglang",
             pipeline_class="LongLive2Pipeline",
             dit_class="LongLive2Transformer3DModel",
             model_id="LongLive-2.0-5B",
@@ -176,8 +227,9 @@ CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
             request=(*_TINY_REQUEST, "--prompt", _PROMPT, "--kv-cache-quant", "int2"),
             seed=1,
         ),
-        SGLangCheckpoint(
+        Checkpoint(
             name="wan-causal",
+            host="sglang",
             pipeline_class="WanCausalDMDPipeline",
             dit_class="CausalWanTransformer3DModel",
             model_id="Wan2.1-T2V-1.3B-Diffusers",
@@ -205,8 +257,9 @@ CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
             ),
             seed=2,
         ),
-        SGLangCheckpoint(
+        Checkpoint(
             name="lingbot",
+            host="sglang",
             pipeline_class="LingBotWorldCausalDMDPipeline",
             dit_class="CausalLingBotWorldTransformer3DModel",
             model_id="lingbot-world-fast-diffusers",
@@ -232,49 +285,67 @@ CHECKPOINTS: Mapping[str, SGLangCheckpoint] = {
                      "--config", "{dir}/camera_actions.json", "--kv-cache-quant", "int2"),
             seed=3,
         ),
+        Checkpoint(
+            name="lingbot-world",
+            host="vllm-omni",
+            pipeline_class="LingBotWorldCausalDMDPipeline",
+            dit_class="CausalLingBotWorldTransformer3DModel",
+            description="LingBot-World (vLLM-Omni 0.30.0's LingBotWorldCausalDMDPipeline): the keys "
+            "of CausalLingBotWorldTransformer3DModel.from_config's contract at 2 layers x 2 heads "
+            "x 64 (4x4 tokens per latent frame at 64x64 pixels), 3-frame blocks, sink 3 / window 9 "
+            "frames; 16 noisy latent + 4 mask + 16 first-frame latent channels in, and a tiny Wan "
+            "VAE with 16 latent channels",
+            transformer={"in_channels": 36, "out_channels": 16, "rope_max_seq_len": 256,
+                         "image_dim": None, "added_kv_proj_dim": None, "pos_embed_seq_len": None},
+            vae={**preset_configs.TINY_VAE, "z_dim": 16, "latents_mean": [0.0] * 16,
+                 "latents_std": [1.0] * 16},
+            native={
+                "sink_size": 3,
+                "num_frames_per_block": 3,
+                "sliding_window_num_frames": 9,
+                "local_attn_size": -1,
+            },
+            keys=_WAN_ORIGINAL_KEYS,
+            camera=True,
+            scheduler=_UNIPC_SCHEDULER,
+            text_max_length=512,
+            known_failure=(
+                "vLLM-Omni's LingBotWorldCausalDMDPipeline loads this folder's tokenizer, text "
+                "encoder and VAE, then refuses the tiny DiT (CausalLingBotWorldTransformer3DModel."
+                "from_config takes LingBot-World v2's 40 layers x 40 heads x 128 only); the DiT class "
+                "built at this geometry loads transformer/ through vLLM-Omni's DiffusersPipelineLoader "
+                "(docs/vllm_omni.md)"
+            ),
+        ),
     )
 }
 
 
-def _spec(name: str) -> SGLangCheckpoint:
-    if name not in CHECKPOINTS:
-        raise ConfigError(
-            f"unknown sglang checkpoint {name!r}; choose one of: {', '.join(CHECKPOINTS)}"
-        )
-    return CHECKPOINTS[name]
+def _spec(name: str, host: str) -> Checkpoint:
+    spec = CHECKPOINTS.get(name)
+    if spec is None or spec.host != host:
+        names = [n for n, c in CHECKPOINTS.items() if c.host == host]
+        raise ConfigError(f"unknown {HOSTS[host]} checkpoint {name!r}; choose one of: {', '.join(names)}")
+    return spec
 
 
 def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
     """True when ``folder`` holds a complete checkpoint of this format (of ``name`` if given)."""
-    marker = Path(folder) / _MARKER
-    if not marker.exists():
-        return False
-    try:
-        meta = json.loads(marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return meta.get("format") == CHECKPOINT_FORMAT and (name is None or meta.get("name") == name)
+    meta = presets.json_object(Path(folder) / _MARKER)
+    return (meta.get("format") == CHECKPOINT_FORMAT and meta.get("name") in CHECKPOINTS
+            and (name is None or meta.get("name") == name))
 
 
 def describe_folder(folder: str | Path) -> str:
-    """What an existing folder holds, for a refusal: a causalkv sglang checkpoint (its name),
-    a causalkv preset, a diffusers model folder, or how many entries."""
-    from causalkv.runtime.model_io import presets
-
+    """What an existing folder holds, for a refusal: a causalkv checkpoint (its name and
+    host), a causalkv preset, a diffusers model folder, or how many entries."""
     folder = Path(folder)
-    for marker, what in ((_MARKER, "a complete tiny {name} sglang checkpoint"),
-                         (presets._MARKER, "the causalkv preset {name!r}")):
-        try:
-            meta = json.loads((folder / marker).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict):
-            return what.format(name=meta.get("name", "?"))
-    try:
-        index = json.loads((folder / "model_index.json").read_text())
-    except (OSError, ValueError):
-        index = None
-    if isinstance(index, dict):
+    if is_complete_checkpoint(folder):
+        spec = CHECKPOINTS[presets.json_object(folder / _MARKER)["name"]]
+        return f"a complete tiny {spec.name} {HOSTS[spec.host]} checkpoint"
+    if preset := presets.json_object(folder / presets._MARKER):
+        return f"the causalkv preset {preset.get('name', '?')!r}"
+    if index := presets.json_object(folder / "model_index.json"):
         return f"a model folder ({index.get('_class_name', 'model_index.json')})"
     try:
         n = sum(1 for _ in folder.iterdir())
@@ -283,41 +354,38 @@ def describe_folder(folder: str | Path) -> str:
     return f"{n} entr{'y' if n == 1 else 'ies'}"
 
 
-def build_sglang_checkpoint(name: str, folder: str | Path, *, force: bool = False) -> Path:
-    """Build checkpoint ``name`` into ``folder`` (atomically; a complete one is kept).
+def build_checkpoint(name: str, folder: str | Path, *, host: str = "sglang", force: bool = False) -> Path:
+    """Build ``host``'s checkpoint ``name`` into ``folder`` (atomically; a complete one is kept).
 
     ``force``: replace a complete checkpoint of another name (or format), atomically.
 
     Raises:
         ConfigError: for an unknown ``name``; a ``folder`` that holds a complete checkpoint
             of another name (without ``force``); one that exists, is not empty and holds no
-            causalkv sglang checkpoint (never overwritten, ``force`` or not); a place where
-            no folder can be created (a file, a read-only or unwritable file system), each
+            causalkv checkpoint (never overwritten, ``force`` or not); a place where no
+            folder can be created (a file, a read-only or unwritable file system), each
             naming the path, what it holds and the fix.
         OutputWriteError: the build failed to write (a full disk): the folder is as it was.
     """
-    spec = _spec(name)
+    spec = _spec(name, host)
     folder = Path(folder).expanduser().absolute()
-    where = f"sglang-checkpoint DIR {str(folder)!r}"
+    where = f"{host}-checkpoint DIR {str(folder)!r}"
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{where} is a file, not a folder; choose a new or empty folder")
     if folder.exists() and not (folder / _MARKER).exists():
         if any(folder.iterdir()):
             raise ConfigError(
-                f"{where} exists, holds {describe_folder(folder)} and is not a causalkv sglang "
-                "checkpoint; choose a new or empty folder (it is never overwritten)"
+                f"{where} exists, holds {describe_folder(folder)} and is not a causalkv "
+                f"{HOSTS[host]} checkpoint; choose a new or empty folder (it is never overwritten)"
             )
         folder.rmdir()
-    elif folder.exists() and not is_complete_checkpoint(folder, name) and is_complete_checkpoint(folder):
-        if not force:
-            raise ConfigError(
-                f"{where} holds {describe_folder(folder)}, not {name}; choose another folder, or "
-                "pass --force to replace it (atomically)"
-            )
+    elif is_complete_checkpoint(folder) and not is_complete_checkpoint(folder, name) and not force:
+        raise ConfigError(
+            f"{where} holds {describe_folder(folder)}, not {name}; choose another folder, or "
+            "pass --force to replace it (atomically)"
+        )
     check_creatable_folder(folder.parent if not folder.exists() else folder, where,
                            "choose a folder where files can be created")
-    from causalkv.runtime.model_io import presets
-
     try:
         return presets.build_atomically(
             folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
@@ -330,8 +398,8 @@ def build_sglang_checkpoint(name: str, folder: str | Path, *, force: bool = Fals
 
 
 def generate_command(name: str, folder: str | Path, *extra: str) -> str:
-    """The ``sglang generate`` line that runs checkpoint ``name`` in ``folder``."""
-    spec = _spec(name)
+    """The ``sglang generate`` line that runs sglang's checkpoint ``name`` in ``folder``."""
+    spec = _spec(name, "sglang")
     request = [a.replace("{dir}", str(folder)) for a in spec.request]
     args = ["sglang", "generate", "--model-path", str(folder), "--model-id", spec.model_id,
             "--num-gpus", "1", *request, *extra]
@@ -372,7 +440,12 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
     return weights
 
 
-def _write(spec: SGLangCheckpoint, out: Path) -> None:
+def _json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _write(spec: Checkpoint, out: Path) -> None:
     # torch, diffusers and transformers load to build, not for `causalkv plugins` / `--help`
     import torch
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
@@ -380,8 +453,6 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import UMT5Config, UMT5EncoderModel
     from transformers.utils import logging as hf_logging
-
-    from causalkv.runtime.model_io import presets
 
     hf_logging.disable_progress_bar()
     config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}
@@ -396,36 +467,37 @@ def _write(spec: SGLangCheckpoint, out: Path) -> None:
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     version = presets._diffusers_version()
-    dit_config = {"_class_name": spec.dit_class, "_diffusers_version": version, **config,
-                  **spec.native}
-    (out / "transformer" / "config.json").write_text(json.dumps(dit_config, indent=2) + "\n")
+    _json(out / "transformer" / "config.json",
+          {"_class_name": spec.dit_class, "_diffusers_version": version, **spec.dit_config})
     vae.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")
-    build_byte_tokenizer(preset_configs.TINY_COMMON["text_max_length"]).save_pretrained(out / "tokenizer")
-    FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
-    index = {
+    build_byte_tokenizer(spec.text_max_length).save_pretrained(out / "tokenizer")
+    if spec.scheduler is None:
+        FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
+    else:
+        _json(out / "scheduler" / "scheduler_config.json", {"_diffusers_version": version, **spec.scheduler})
+    scheduler = spec.scheduler["_class_name"] if spec.scheduler else "FlowMatchEulerDiscreteScheduler"
+    _json(out / "model_index.json", {
         "_class_name": spec.pipeline_class,
         "_diffusers_version": version,
         "transformer": ["diffusers", spec.dit_class],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "scheduler": ["diffusers", scheduler],
         **{name: [None, None] for name in spec.null_components},
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    if spec.camera:  # the request's inputs: a 128x128 first frame, WASD/IJKL camera actions
+    })
+    if spec.camera and spec.request:  # the request's inputs: a 128x128 first frame, WASD/IJKL camera actions
         g = torch.Generator().manual_seed(spec.seed)
         pixels = (torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()
         Image.fromarray(pixels).save(out / "first_frame.png")
         actions = {"actions": [["w"], ["w", "j"], ["w"], ["l"], ["w"]]}
         (out / "camera_actions.json").write_text(json.dumps(actions) + "\n")
-    failure = f"\n\nKnown limit: {spec.known_failure}.\n" if spec.known_failure else "\n"
+    run = (f" Run (DIR: this folder):\n\n    {generate_command(spec.name, 'DIR')}\n"
+           if spec.request else "\n")
+    failure = f"\nKnown limit: {spec.known_failure}.\n" if spec.known_failure else ""
     (out / "README.md").write_text(
-        f"# tiny {spec.name} (causalkv sglang checkpoint)\n\n{spec.description}.\n\n"
-        f"The weights are RANDOM (seed {spec.seed}); the videos are not meaningful. Run (DIR: "
-        f"this folder):\n\n    {generate_command(spec.name, 'DIR')}\n{failure}"
+        f"# tiny {spec.name} (causalkv {HOSTS[spec.host]} checkpoint)\n\n{spec.description}.\n\n"
+        f"The weights are RANDOM (seed {spec.seed}); the videos are not meaningful.{run}{failure}"
     )
-    (out / _MARKER).write_text(
-        json.dumps({"format": CHECKPOINT_FORMAT, "name": spec.name}) + "\n"
-    )
+    _json(out / _MARKER, {"format": CHECKPOINT_FORMAT, "name": spec.name})
