@@ -6,7 +6,7 @@ importlib.metadata as for any installed plugin. ``causalkv generate --kv-cache-q
 runs on the plugin's cache factory with the plugin's codec, says so in its header, and holds
 the bytes the planner counts from the codec's ``nbytes`` (the same request's ``causalkv memory``
 row). Its twins in the other hosts: tests/sglang_bridge/test_host_plugin_e2e.py (``sglang
-generate``), tests/vllm_omni_bridge/test_host_plugin_pipeline.py (vLLM-Omni's ``Omni``)."""
+generate``), tests/vllm_omni_bridge/test_host_plugin_omni.py (vLLM-Omni's ``Omni.generate``)."""
 
 from __future__ import annotations
 
