@@ -76,7 +76,7 @@ def one_run(fake: list[EntryPoint], n: int) -> dict[str, float]:
         resolve(f"BenchPipeline{n // 2}", ServerArgs(), pm=pm),
     ]
     t4 = time.perf_counter()
-    assert len(registry.stages) == 4 + n and len(registry.caches) == 2 + n
+    assert len(registry.stages) == 4 + n and len(registry.caches) == 3 + n  # dense, qvg, sglang
     assert [r.cache_factory.name for r in results] == ["qvg", "dense", "dense"]
     return {
         "scan_ms": (t1 - t0) * 1e3,

@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 
 from causalkv.cli import plugins as plugin_cli
-from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
 from causalkv.plugin import get_plugin_manager, reset_plugin_manager
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.stages.base import CausalDenoisingStage
@@ -122,6 +122,37 @@ def test_plugins_text_output(capsys):
     assert "  causalkv.builtin (causalkv " in out
 
 
+class Hosts:
+    @hookimpl
+    def causalkv_register_host_classes(self):
+        return [HostRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", "tiny-longlive2",
+                                 cache="qvg", codec="fp8"),
+                HostRegistration("causalkv", "pkg.gone:Stage", "GonePipeline", priority=2)]
+
+
+def test_plugins_lists_host_classes_and_marks_one_that_does_not_import(capsys):
+    """Each host registration: host, class, models, cache factory, codec and plugin; a class
+    that does not import is marked with the error, one whose host is not installed here is
+    marked unchecked (this environment has neither sglang nor vLLM-Omni)."""
+    with temporary_plugin(get_plugin_manager(), Hosts(), name="hosts"):
+        rc, out, _ = run(["plugins", "--json"], capsys)
+        assert rc == 0
+        hosts = json.loads(out)["hosts"]
+        _, text, _ = run(["plugins"], capsys)
+    builtin, mine, gone = hosts[0], hosts[-2], hosts[-1]
+    assert (builtin["host"], builtin["models"], builtin["cache"], builtin["plugin"]) == (
+        "sglang", ["LongLive2Pipeline"], "sglang", "causalkv.builtin")
+    assert builtin["unchecked"] == "host sglang is not installed here (no module 'sglang')"
+    assert mine == {"host": "causalkv", "target": "causalkv.stages.longlive2:LongLive2Stage",
+                    "models": ["tiny-longlive2"], "codec": "fp8", "cache": "qvg", "priority": 0, "plugin": "hosts"}
+    assert gone["error"] == ("pkg.gone:Stage (plugin hosts) cannot be imported: ModuleNotFoundError: "
+                             "No module named 'pkg'")
+    assert ("  causalkv pkg.gone:Stage (plugin hosts, priority 2)\n"
+            "      models: GonePipeline   cache: (the host default)   codec: (the host default)\n"
+            "      error: pkg.gone:Stage (plugin hosts) cannot be imported: ModuleNotFoundError: "
+            "No module named 'pkg'\n") in text
+
+
 def test_resolve_prints_stage_cache_and_reasons(capsys):
     rc, out, err = run(["resolve", "tiny-longlive2", "--multi-shot", "--kv-cache-quant", "int4"], capsys)
     assert rc == 0 and err == ""
@@ -153,7 +184,7 @@ def test_resolve_json_and_flags(capsys):
          "generation (a pinned shot sink per scene cut) (stage 'self-forcing-wan', plugin 'causalkv.builtin')"),
         (["resolve", "Nope"], "no registered stage serves model Nope. Served models: "),
         (["resolve", "tiny-wan", "--kv-cache-quant", "int2", "--cache", "dense"],
-         "cache 'dense' lacks quant:qvg"),
+         "cache 'dense' (forced by --cache) lacks quant:qvg"),
         (["resolve", "tiny-wan", "--kv-cache-quant", "int4", "--kv-cache-quant-centroids", "300"],
          "kv-cache-quant-centroids must be <= 256"),
         (["resolve", "tiny-wan", "--heads-sharded", "0"], "--heads-sharded must be a positive int, got 0"),

@@ -12,7 +12,7 @@ import pytest
 
 from causalkv.caches import codecs
 from causalkv.errors import InvalidTypeError
-from causalkv.hooks import CodecRegistration, HostRegistration, hookimpl
+from causalkv.hooks import CacheFactory, CodecRegistration, HostRegistration, hookimpl
 from causalkv.plugin import collect, collected, get_plugin_manager, reset_plugin_manager
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME
 from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
@@ -43,12 +43,14 @@ def codec_registry(monkeypatch):
 
 def test_host_registration_normalizes_and_refuses_bad_values_naming_them():
     reg = HostRegistration("sglang", "pkg.stage:MyStage", "MyPipeline")
-    assert (reg.models, reg.codec, reg.priority, reg.name) == (("MyPipeline",), None, 0, "sglang pkg.stage:MyStage")
+    assert (reg.models, reg.codec, reg.priority, reg.cache, reg.name) == (
+        ("MyPipeline",), None, 0, None, "sglang pkg.stage:MyStage")
     for kwargs, match in [
         ({"target": "pkg.stage.MyStage"}, r"HostRegistration: target must be a 'module:Class' string, got 'pkg.stage.MyStage'"),
         ({"host": ""}, r"host must be a host's name such as 'sglang', got ''"),
         ({"models": ()}, r"models must be non-empty strings, got \(\)"),
         ({"codec": 8}, r"codec must be a codec setting's name or None, got 8"),
+        ({"cache": ""}, r"cache must be a cache factory's name or None, got ''"),
         ({"priority": "1"}, r"priority must be an int, got '1'"),
     ]:
         args = {"host": "sglang", "target": "pkg.stage:MyStage", "models": "MyPipeline", **kwargs}
@@ -119,6 +121,38 @@ def test_causalkv_register_host_classes_naming_an_unknown_codec_sets_the_plugin_
         "plugin off with CAUSALKV_DISABLE_PLUGINS=bad")
     assert registry.host_classes("sglang")["GoodPipeline"][0].codec == "int8"
     assert "BadPipeline" not in registry.host_classes("vllm-omni")
+
+
+def test_the_builtin_host_classes_name_their_cache_factories(pm):
+    """causalkv's own registrations name their cache factory as a plugin's do: sglang's stages
+    ``sglang`` (built with sglang's arguments: ``host:sglang``), vLLM-Omni's pipeline ``qvg``."""
+    registry = collect(pm, report=None)
+    assert {r.cache for r, _ in registry.host_classes("sglang").values()} == {"sglang"}
+    assert registry.host_classes("vllm-omni")["LingBotWorldCausalDMDPipeline"][0].cache == "qvg"
+    assert registry.cache("sglang").factory.host == "sglang"
+    assert registry.cache("qvg").factory.host is None
+
+
+def test_causalkv_register_host_classes_naming_an_unknown_cache_sets_the_plugin_aside(pm):
+    """A registration's cache factory is one causalkv or any plugin registers (a plugin's own
+    counts); another name sets the plugin aside naming it, its plugin and the caches there are."""
+    ring = CacheFactory("ring", "pkg.ring:Ring", capabilities=["growth"])
+
+    class Good(_Hosts):
+        @hookimpl
+        def causalkv_register_cache_factories(self):
+            return [ring]
+
+    good = Good(HostRegistration("vllm-omni", "pkg.pipe:Good", "GoodPipeline", cache="ring"))
+    bad = _Hosts(HostRegistration("sglang", "pkg.stage:Bad", "BadPipeline", cache="rnig"))
+    with temporary_plugin(pm, good, name="good"), temporary_plugin(pm, bad, name="bad"):
+        registry = collect(pm, report=None)
+    assert str(registry.failures[0]) == (
+        "plugin 'bad' is set aside: its host class pkg.stage:Bad names cache 'rnig', which no plugin "
+        "registers (caches: dense, qvg, ring, sglang); name a registered cache, or turn the plugin off "
+        "with CAUSALKV_DISABLE_PLUGINS=bad")
+    assert registry.host_classes("vllm-omni")["GoodPipeline"][0].cache == "ring"
+    assert "BadPipeline" not in registry.host_classes("sglang")
 
 
 def test_causalkv_register_host_classes_raising_sets_the_plugin_aside(pm):

@@ -32,7 +32,7 @@ from causalkv.runtime import resolve
 from causalkv.runtime.host.hook_calls import configure_stage
 from causalkv.stages.longlive import LongLiveStage
 
-BUILTIN_CACHES = ("dense", "qvg")
+BUILTIN_CACHES = ("dense", "qvg", "sglang")
 
 
 StagesPlugin = RecordsPlugin

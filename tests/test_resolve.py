@@ -12,7 +12,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.plugins import resolution_dict
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import InvalidTypeError
-from causalkv.hooks import CacheFactory, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
 from causalkv.plugin import ResolutionError
 from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
@@ -310,10 +310,58 @@ def test_forced_cache(pm):
     res = resolve("tiny-wan", _args(cache="qvg"), pm=pm)
     assert res.cache_factory.name == "qvg"
     assert "forced by --cache" in res.reasons[3]
-    with pytest.raises(ResolutionError, match="cache 'dense' lacks quant:qvg.*Caches that qualify: qvg"):
+    with pytest.raises(ResolutionError, match=r"cache 'dense' \(forced by --cache\) lacks quant:qvg.*Caches that qualify: qvg"):
         resolve("tiny-wan", _args("int2", cache="dense"), pm=pm)
     with pytest.raises(ResolutionError, match="no cache named 'ring'. Choose one of: dense, qvg"):
         resolve("tiny-wan", _args(cache="ring"), pm=pm)
+
+
+class _HostCache(RecordsPlugin):
+    """A plugin registering caches and host classes of causalkv's runtime (``host="causalkv"``)."""
+
+    def __init__(self, caches=(), hosts=()) -> None:
+        super().__init__(caches=caches)
+        self.hosts = list(hosts)
+
+    @hookimpl
+    def causalkv_register_host_classes(self):
+        return self.hosts
+
+
+TALLY = CacheFactory("tally", "causalkv.caches.qvg.packed:QVGPackedCausalKVCache", priority=-1)
+LL2 = "causalkv.stages.longlive2:LongLive2Stage"
+
+
+def test_a_host_registration_of_causalkv_names_the_stages_cache(pm):
+    """``HostRegistration("causalkv", <the stage's class>, models, cache=...)``: the named
+    factory serves the model (over priority, said in the reasons), ``--cache`` wins over it, a
+    registration naming another stage class or model leaves the choice as it was, and a named
+    factory lacking a requirement is refused naming the registration's plugin."""
+    hosts = [HostRegistration("causalkv", LL2, "tiny-longlive2", cache="tally"),
+             HostRegistration("causalkv", "causalkv.stages.wan:WanCausalDMDStage", "tiny-longlive", cache="tally")]
+    with temporary_plugin(pm, _HostCache([TALLY], hosts), name="hosts"):
+        res = resolve("tiny-longlive2", _args("int2", multi_shot=True), pm=pm)
+        assert (res.cache_factory.name, res.cache_plugin) == ("tally", "hosts")
+        assert res.reasons[-1] == ("cache tally (plugin hosts, priority -1): named by plugin hosts's host "
+                                   "registration; covers pinned_sink, quant:qvg")
+        assert resolve("tiny-longlive2", _args("int2", cache="qvg"), pm=pm).cache_factory.name == "qvg"
+        assert resolve("tiny-longlive", _args("int2"), pm=pm).cache_factory.name == "qvg"  # another class
+        assert resolve("tiny-longlive2-1k", _args("int2"), pm=pm).cache_factory.name == "qvg"  # another model
+    dense = [HostRegistration("causalkv", LL2, "tiny-longlive2", cache="dense")]
+    with temporary_plugin(pm, _HostCache(hosts=dense), name="hosts"):
+        with pytest.raises(ResolutionError, match=r"cache 'dense' \(named by plugin hosts's host registration\) "
+                                                  r"lacks quant:qvg, which stage longlive2 needs"):
+            resolve("tiny-longlive2", _args("int2"), pm=pm)
+
+
+def test_a_cache_built_with_another_hosts_arguments_is_never_the_runtimes(pm):
+    """The built-in ``sglang`` factory (``host:sglang``) is listed among the caches but never
+    qualifies in causalkv's runtime (nor in its reasons), and forcing it names the host."""
+    res = resolve("tiny-wan", _args(), pm=pm)
+    assert res.cache_factory.name == "dense" and "sglang" not in res.reasons[-1]
+    with pytest.raises(ResolutionError, match=r"cache 'sglang' \(forced by --cache\) builds sglang's caches, "
+                                              r"not causalkv's runtime's. Caches that qualify: dense, qvg"):
+        resolve("tiny-wan", _args(cache="sglang"), pm=pm)
 
 
 def test_causalkv_select_cache_factory_first_result_overrides_priority(pm):

@@ -6,6 +6,7 @@ Neither command loads model weights; ``resolve`` reads at most a ``model_index.j
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
@@ -22,7 +23,7 @@ from causalkv.cli.generate import (
 )
 from causalkv.config import ServerArgs
 from causalkv.errors import CausalKVError, describe_exception
-from causalkv.hooks import NAME
+from causalkv.hooks import NAME, HostRegistration, import_object
 from causalkv.plugin import builtin as builtin_plugin
 from causalkv.plugin import collect, get_plugin_manager
 from causalkv.runtime.host.resolve import Resolution, resolve
@@ -38,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
         "plugins",
         help="list loaded plugins, stages and caches",
         description="List the loaded plugins (name, version, distribution, hooks), the "
-        "registered stages (models, QVG support, cache features needed) and the registered "
-        "caches (capabilities), plus plugins that failed to load.",
+        "registered stages (models, QVG support, cache features needed), the registered "
+        "caches (capabilities), codecs and host classes (host, class, models, cache, codec; "
+        "one that does not import is marked), plus plugins that failed to load.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--all", action="store_true", help="include the built-in plugin")
@@ -122,6 +124,23 @@ def _codec_row(setting: CodecSetting) -> dict[str, Any]:
     return row
 
 
+def _host_row(reg: HostRegistration, plugin: str) -> dict[str, Any]:
+    """A host registration as ``causalkv plugins`` lists it: with ``error`` when its target
+    does not import, or ``unchecked`` when its host is not installed in this environment (then
+    no host class imports: nothing to judge)."""
+    row: dict[str, Any] = {"host": reg.host, "target": reg.target, "models": list(reg.models), "codec": reg.codec,
+                           "cache": reg.cache, "priority": reg.priority, "plugin": plugin}
+    package = reg.host.replace("-", "_")
+    if importlib.util.find_spec(package) is None:
+        row["unchecked"] = f"host {reg.host} is not installed here (no module {package!r})"
+        return row
+    try:
+        import_object(reg.target)
+    except Exception as exc:  # noqa: BLE001 - a broken plugin class must not take the listing down
+        row["error"] = f"{reg.target} (plugin {plugin}) cannot be imported: {describe_exception(exc)}"
+    return row
+
+
 def plugin_rows(pm: Any) -> list[dict[str, Any]]:
     """The registered plugins as ``causalkv plugins`` lists them: the built-in one first, then
     by name; each with its name, version and distribution (None for a plugin registered
@@ -186,6 +205,7 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
             for e in registry.caches
         ],
         "codecs": [_codec_row(codec_setting(name)) for name in codec_names()],
+        "hosts": [_host_row(reg, plugin) for reg, plugin in registry.hosts],
         "failures": [
             {"name": f.name, "distribution": f.distribution, "error": f.error, "line": str(f)}
             for f in (*pm.load_failures, *registry.failures)
@@ -226,6 +246,14 @@ def _print_plugins(report: dict[str, Any]) -> None:
         print(f"  {c['name']} ({c['target']}{params}, plugin {c['plugin']}): {c['help']}")
         if "error" in c:
             print(f"      error: {c['error']}")
+    print("Host classes (causalkv serves them in their host, built by the cache factory named):")
+    for h in report["hosts"]:
+        print(f"  {h['host']} {h['target']} (plugin {h['plugin']}, priority {h['priority']})")
+        print(f"      models: {', '.join(h['models'])}   cache: {h['cache'] or '(the host default)'}"
+              f"   codec: {h['codec'] or '(the host default)'}")
+        for key in ("error", "unchecked"):
+            if key in h:
+                print(f"      {key}: {h[key]}")
     if report["failures"]:
         print("Set aside (every other plugin and model works; --strict-plugins makes it fatal):")
         for f in report["failures"]:

@@ -7,8 +7,9 @@ class, the model names it serves, the model-config defaults of those models, tin
 the family's own option records (request knobs, ``causalkv.json`` keys). A `CacheFactory`
 describes a cache: its class, capabilities and settings record. The host builds the command
 line, the config parsing and the validation from those records (`causalkv.options`). A
-`HostRegistration` names a class of another host (a stage of sglang, a pipeline of vLLM-Omni)
-that causalkv's bridge for that host serves.
+`HostRegistration` names a class of a host (a stage of sglang, a pipeline of vLLM-Omni, a
+stage of causalkv's own runtime) that causalkv serves there, and the cache factory and codec
+it is served with.
 """
 
 from __future__ import annotations
@@ -278,6 +279,9 @@ class HostRegistration:
             no codec (None: the host's default); a codec causalkv or a plugin registers.
         priority: among one host's registrations serving one model, the highest wins; two at
             the same priority are a conflict.
+        cache: the name of the `CacheFactory` whose kind builds each layer's cache there (None:
+            the host's default); a cache causalkv or a plugin registers. What the kind is
+            called with is the host's (docs/plugins.md, "Serving a host's class").
     """
 
     host: str
@@ -285,14 +289,16 @@ class HostRegistration:
     models: tuple[str, ...]
     codec: str | None = None
     priority: int = 0
+    cache: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"HostRegistration {self.target!r}"
         _check_path("HostRegistration", "target", self.target)
         if not isinstance(self.host, str) or not self.host:
             raise InvalidTypeError(f"{owner}: host must be a host's name such as 'sglang', got {self.host!r}")
-        if self.codec is not None and not (isinstance(self.codec, str) and self.codec):
-            raise InvalidTypeError(f"{owner}: codec must be a codec setting's name or None, got {self.codec!r}")
+        for what, value, kind in (("codec", self.codec, "codec setting"), ("cache", self.cache, "cache factory")):
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidTypeError(f"{owner}: {what} must be a {kind}'s name or None, got {value!r}")
         object.__setattr__(self, "models", _names(owner, self.models))
         _check_priority(owner, self.priority)
 
@@ -312,7 +318,8 @@ class CacheFactory:
             callable ``(spec: CausalCacheSpec, options) -> cache``; ``options`` is the request's
             record of the ``options`` class (its defaults when the request gives none), or
             None when the factory declares no options record.
-        capabilities: what it supports. None (the default) reads the cache class's own
+        capabilities: what it supports (``host:<name>``: a kind built with another host's
+            arguments, `host`). None (the default) reads the cache class's own
             ``capabilities`` attribute (at once for a class, on first `features()` call for a
             ``"module:Class"`` string), so a cache declares them in one place; a
             `CacheCapabilities` or an iterable of feature strings overrides that.
@@ -362,6 +369,13 @@ class CacheFactory:
     def target(self) -> str:
         """``"module:Class"`` (or a repr of the callable), without importing it."""
         return _target(self.cache)
+
+    @property
+    def host(self) -> str | None:
+        """The host whose caches the kind builds, with that host's arguments: ``"sglang"`` for a
+        ``host:sglang`` capability; None (no ``host:`` capability): causalkv's cache contract,
+        ``kind(spec, options)``, which causalkv's runtime and vLLM-Omni's bridge build."""
+        return next((f.partition(":")[2] for f in self.features() if f.startswith("host:")), None)
 
     def load(self) -> Callable[..., Any]:
         """The cache class or callable (imports a ``"module:Class"`` string on demand)."""

@@ -79,8 +79,8 @@ def causalkv_register_codecs() -> Iterable[CodecRegistration] | None:
 
 @hookspec
 def causalkv_register_host_classes() -> Iterable[HostRegistration] | None:
-    """Register classes of other hosts that causalkv serves there (a stage of sglang, a
-    pipeline of vLLM-Omni).
+    """Register the host classes causalkv serves (a stage of sglang, a pipeline of vLLM-Omni,
+    a stage of causalkv's own runtime) and the cache factory and codec each is served with.
 
     Called: once each time the registries are collected; the bridge of each host collects
     once per process, before any weights load, and serves exactly the classes registered for
@@ -89,8 +89,8 @@ def causalkv_register_host_classes() -> Iterable[HostRegistration] | None:
     Returns:
         An iterable of `HostRegistration` (or None). The class is imported only by its host's
         bridge. Two registrations serving one model of one host at the same priority, or one
-        naming a codec no plugin registers, set the later plugin aside (the message names
-        both, or the codec).
+        naming a codec or a cache factory no plugin registers, set the later plugin aside
+        (the message names both, or the codec or cache).
     """
 
 

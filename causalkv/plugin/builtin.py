@@ -10,9 +10,10 @@ is first resolved; the ``qvg`` factory declares the QVG settings record
 ``"module:Class"`` strings: registering them imports no torch (``causalkv --help``).
 
 `HOSTS` are the classes of other hosts the bridges serve (`HostRegistration`: names only,
-imported by that host's bridge alone): sglang's three causal stages (whose methods
-`causalkv.sglang.hooks` wraps) and, in vLLM-Omni, LingBot-World's pipeline replaced by
-causalkv's subclass.
+imported by that host's bridge alone), each with the cache factory that builds its caches:
+sglang's three causal stages (whose methods `causalkv.sglang.hooks` wraps) with ``sglang``
+(`causalkv.sglang.cache.SGLangQVGKVCache`), and, in vLLM-Omni, LingBot-World's pipeline replaced
+by causalkv's subclass, with ``qvg``.
 """
 
 from __future__ import annotations
@@ -28,22 +29,27 @@ BUILTIN_PLUGIN_NAME = "causalkv.builtin"
 
 STAGES: tuple[StageRegistration, ...] = families.STAGES
 
-#: quant off -> dense (priority 10); QVG only where the dense cache does not qualify
+#: quant off -> dense (priority 10); QVG only where the dense cache does not qualify. ``sglang``
+#: builds sglang's blocks (``host:sglang``: never causalkv's runtime's; its capabilities are
+#: given, so listing it imports no sglang)
 CACHES: tuple[CacheFactory, ...] = (
     CacheFactory("dense", "causalkv.caches.dense:DenseCausalKVCache", priority=10),
     CacheFactory("qvg", "causalkv.caches.qvg.packed:QVGPackedCausalKVCache", priority=0,
                  options=QVGKVQuantArgs),
+    CacheFactory("sglang", "causalkv.sglang.cache:SGLangQVGKVCache",
+                 capabilities=("host:sglang", "quant:qvg", "pinned_sink", "growth", "probe_commit")),
 )
 
 _SGLANG = "sglang.multimodal_gen.runtime.pipelines_core.stages"
 HOSTS: tuple[HostRegistration, ...] = (
     HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.longlive2:LongLive2CausalDenoisingStage",
-                     "LongLive2Pipeline"),
-    HostRegistration("sglang", f"{_SGLANG}.causal_denoising:CausalDMDDenoisingStage", "WanCausalDMDPipeline"),
+                     "LongLive2Pipeline", cache="sglang"),
+    HostRegistration("sglang", f"{_SGLANG}.causal_denoising:CausalDMDDenoisingStage", "WanCausalDMDPipeline",
+                     cache="sglang"),
     HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising:"
-                     "LingBotWorldCausalDMDDenoisingStage", "LingBotWorldCausalDMDPipeline"),
+                     "LingBotWorldCausalDMDDenoisingStage", "LingBotWorldCausalDMDPipeline", cache="sglang"),
     HostRegistration("vllm-omni", "causalkv.vllm_omni.pipeline:CausalKVLingBotWorldPipeline",
-                     "LingBotWorldCausalDMDPipeline"),
+                     "LingBotWorldCausalDMDPipeline", cache="qvg"),
 )
 
 

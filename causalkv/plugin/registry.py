@@ -9,8 +9,8 @@ conflict check of the registries, and causalkv's runtime and its bridges (sglang
 read the same `Registry`: a host class (`HostRegistration`) is served in its host when a
 plugin that is not set aside registers it (`Registry.host_classes`). Codec settings join
 `causalkv.caches.codecs`'s registry (the one the options, the caches and the planner read), a
-name taken there sets the plugin aside too, as does a host class naming a codec no plugin
-registers.
+name taken there sets the plugin aside too, as does a host class naming a codec or a cache factory
+no plugin registers.
 """
 
 from __future__ import annotations
@@ -236,8 +236,9 @@ def collect(
             except InvalidTypeError as exc:
                 set_aside(plugin, str(exc), None, InvalidTypeError)
     held = {("flag", f): (f"{NAME}'s own flags", None) for f in reserved_flags}
-    # every codec a host class may name: causalkv's, and those any plugin's records register
-    known = {*codec_names(), *(r.name for rs in found.values() for r in rs if isinstance(r, CodecRegistration))}
+    # every codec and cache a host class may name: causalkv's, and those any plugin's records register
+    known = {"codec": {*codec_names(), *(r.name for rs in found.values() for r in rs if isinstance(r, CodecRegistration))},
+             "cache": {r.name for rs in found.values() for r in rs if isinstance(r, CacheFactory)}}
     stages, caches, codecs, hosts = [], [], [], []
     for plugin, records in found.items():
         mine: dict[tuple[Any, ...], tuple[str, Any]] = {}
@@ -249,9 +250,10 @@ def collect(
                 if other is not None and not (key[0] == "flag" and other[1] is options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
                 mine[key] = (f"{_KINDS[type(r)]} {r.name!r} of plugin {plugin!r}", options)
-            if isinstance(r, HostRegistration) and r.codec is not None and r.codec not in known:
-                clash = clash or (f"its host class {r.target} names codec {r.codec!r}, which no plugin "
-                                  f"registers (codecs: {', '.join(sorted(known))})", "name a registered codec")
+            for what in ("codec", "cache") if isinstance(r, HostRegistration) else ():
+                if (name := getattr(r, what)) is not None and name not in known[what]:
+                    clash = clash or (f"its host class {r.target} names {what} {name!r}, which no plugin registers "
+                                      f"({what}s: {', '.join(sorted(known[what]))})", f"name a registered {what}")
             if isinstance(r, CodecRegistration) and clash is None:
                 try:
                     register_codec(r.name, r.codec, help=r.help, source=plugin, **dict(r.params))

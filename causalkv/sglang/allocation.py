@@ -54,7 +54,8 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     """``_allocate_causal_kv_cache``: causalkv's cache when quantization is on.
 
     Quantization off: sglang's own dense cache (the bridge's cache would be equal to it bit
-    for bit, so sglang's stays). On: one `SGLangQVGKVCache` per block, global sinks, pins and
+    for bit, so sglang's stays). On: one cache per block built by the stage's registered cache
+    factory (`causalkv.sglang.targets.ServedStage.cache`: `SGLangQVGKVCache` or a subclass), global sinks, pins and
     growth included, with the request's causalkv settings (`request_args`: converted once per
     request, shared by its allocations); LingBot-World keeps sglang's own QVG cache when
     ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when the block size does not divide its
@@ -70,7 +71,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         caches = original(self, **kw)
         return track(self, caches, describe(caches, None, self, "none"))
     # lazy: cache imports sglang (module docstring)
-    from causalkv.sglang.cache import SGLangQVGKVCache, can_serve
+    from causalkv.sglang.cache import can_serve
 
     if lingbot and lingbot_codec() == "sglang":
         caches = original(self, **kw)
@@ -92,7 +93,7 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     device = kw["device"]
     marker = stage_marker(self)
     caches = [
-        SGLangQVGKVCache(
+        entry.cache(  # the registration's cache factory: SGLangQVGKVCache or a subclass
             batch_size=kw["batch_size"], cache_size=kw["kv_cache_size"],
             num_heads=kw["num_attention_heads"], head_dim=kw["attention_head_dim"],
             dtype=kw["dtype"], device=device,

@@ -7,9 +7,10 @@ its plugins).
 - The hooks wrap methods of `BASE` (sglang's causal DMD stage), `LONGLIVE2` and `LINGBOT`
   (`causalkv.sglang.hooks`); a subclass of them that does not override a wrapped method
   (or calls the wrapped one through ``super()``) runs the wrapped one.
-- Which stage classes the hooks serve is the registry's answer (`served_stages`): every
-  ``HostRegistration`` of host ``sglang`` that a plugin not set aside registers, causalkv's
-  built-in plugin included (its three: `causalkv.plugin.builtin.HOSTS`), under
+- Which stage classes the hooks serve, and the cache factory building their blocks, is the
+  registry's answer (`served_stages`): every ``HostRegistration`` of host ``sglang`` that a
+  plugin not set aside registers, causalkv's built-in plugin included (its three:
+  `causalkv.plugin.builtin.HOSTS`, with its cache factory ``sglang``), under
   ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime. Resolved once
   per process, at the first start-up check or hooked call (the pipeline's ``_load_config``,
   before any weights load), and logged in one line. Any other class, a subclass of a served
@@ -26,7 +27,7 @@ from typing import Any
 
 from causalkv.errors import describe_exception
 from causalkv.hooks import HostRegistration, import_object
-from causalkv.plugin import collected, get_plugin_manager
+from causalkv.plugin import Registry, collected, get_plugin_manager
 from causalkv.plugin.manager import ENV_BLOCK
 
 __all__ = ["HOST", "ServedStage", "log_once", "qualname", "served", "served_stage", "served_stages"]
@@ -51,6 +52,10 @@ ATTN_DITS = "sglang.multimodal_gen.runtime.models.dits"
 WAN_ATTN = f"{ATTN_DITS}.causal_wanvideo.CausalWanSelfAttention"
 LINGBOT_ATTN = f"{ATTN_DITS}.lingbot_world.LingBotWorldCausalSelfAttention"
 LOCAL_ATTN = "sglang.multimodal_gen.runtime.layers.attention.layer.LocalAttention"
+#: the bridge's cache: every kind of a cache factory the bridge builds derives from it
+CACHE_BASE = "causalkv.sglang.cache.SGLangQVGKVCache"
+#: the cache factory of a registration that names none (the built-in plugin registers it)
+DEFAULT_CACHE = "sglang"
 
 _logged: set[tuple[str, ...]] = set()
 
@@ -80,11 +85,17 @@ class ServedStage:
         cls: the stage class (a subclass of sglang's ``CausalDMDDenoisingStage``).
         registration: its ``HostRegistration`` (the pipelines it serves, its codec).
         plugin: the plugin that registered it.
+        cache: the kind that builds each block's cache with QVG on: the loaded kind of the
+            registration's cache factory (`DEFAULT_CACHE` when it names none), a subclass of
+            `causalkv.sglang.cache.SGLangQVGKVCache` built with the same keywords.
+        cache_name: that factory's name.
     """
 
     cls: type
     registration: HostRegistration
     plugin: str
+    cache: type
+    cache_name: str
 
     @property
     def lingbot(self) -> bool:
@@ -93,21 +104,27 @@ class ServedStage:
 
     def describe(self) -> str:
         codec = f", codec {self.registration.codec}" if self.registration.codec else ""
-        return f"{self.cls.__name__} (plugin {self.plugin}{codec})"
+        return f"{self.cls.__name__} (plugin {self.plugin}, cache {self.cache_name}{codec})"
 
 
 #: what each plugin manager (one per process; tests rebuild it) has the bridge serve
 _SERVED: weakref.WeakKeyDictionary[Any, dict[str, ServedStage]] = weakref.WeakKeyDictionary()
 
 
-def _stage_class(reg: HostRegistration) -> type:
-    """The registered class, checked to be one the bridge's hooks reach (raises what its
-    import raises, or TypeError)."""
+def _served(registry: Registry, reg: HostRegistration, plugin: str) -> ServedStage:
+    """The registered class, checked to be one the bridge's hooks reach, and the kind of its
+    cache factory, checked to be built with sglang's arguments (raises what an import raises,
+    ResolutionError for an unknown cache, or TypeError)."""
     cls = import_object(reg.target)
     if not (isinstance(cls, type) and any(_dotted(c) == BASE for c in cls.__mro__)):
         raise TypeError(f"{cls!r} is not a subclass of sglang's CausalDMDDenoisingStage, whose "
                         "methods the bridge's hooks wrap")
-    return cls
+    factory = registry.cache(reg.cache or DEFAULT_CACHE).factory
+    kind = factory.load() if factory.host == HOST else None
+    if not (isinstance(kind, type) and any(_dotted(c) == CACHE_BASE for c in kind.__mro__)):
+        raise TypeError(f"cache {factory.name!r} ({factory.target}) is not a subclass of {CACHE_BASE} declaring "
+                        f"capability host:{HOST}, which the bridge builds with sglang's allocation keywords")
+    return ServedStage(cls, reg, plugin, kind, factory.name)
 
 
 def served_stages() -> Mapping[str, ServedStage]:
@@ -117,15 +134,16 @@ def served_stages() -> Mapping[str, ServedStage]:
     highest-priority ``HostRegistration`` of host ``sglang`` per pipeline.
     Resolved once per process; the first call logs one line naming every served stage, and one
     warning per registration it cannot serve (its class does not import, or is not a subclass
-    of sglang's causal DMD stage), which then keeps sglang's behaviour."""
+    of sglang's causal DMD stage, or its cache factory is unknown or not sglang's), which then
+    keeps sglang's behaviour."""
     pm = get_plugin_manager()
     found = _SERVED.get(pm)
     if found is not None:
         return found
-    found = {}
-    for pipeline, (reg, plugin) in collected(pm).host_classes(HOST).items():
+    found, registry = {}, collected(pm)
+    for pipeline, (reg, plugin) in registry.host_classes(HOST).items():
         try:
-            found[pipeline] = ServedStage(_stage_class(reg), reg, plugin)
+            found[pipeline] = _served(registry, reg, plugin)
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not take sglang down
             logger.warning("causalkv sglang bridge: %s is not served: %s (plugin %s): %s; fix the "
                            "plugin, or turn it off with %s=%s", pipeline, reg.target, plugin,

@@ -3,7 +3,8 @@
 vLLM-Omni discovers it through the entry point ``causalkv`` in the group
 ``vllm_omni.general_plugins`` and calls `register` in every process (the main process, the
 engine, each diffusion worker) before any model is built (``load_omni_general_plugins``).
-Which pipelines the bridge serves is causalkv's plugin registry's answer (`served_pipelines`:
+Which pipelines the bridge serves, and the cache factory building their self-attention caches
+(`cache_factory`), is causalkv's plugin registry's answer (`served_pipelines`:
 the ``HostRegistration`` records of host ``vllm-omni``, collected once per process under
 ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime): `register`
 passes each to vLLM-Omni's ``register_diffusion_model`` (with LingBot-World's pre/post-process
@@ -24,10 +25,14 @@ from __future__ import annotations
 import logging
 
 from causalkv import env
-from causalkv.hooks import HostRegistration
-from causalkv.plugin import collected
+from causalkv.errors import ConfigError
+from causalkv.hooks import CacheFactory, HostRegistration
+from causalkv.plugin import ResolutionError, collected
 
-__all__ = ["ENTRY_POINT_NAME", "ENV_SWITCH", "HOST", "enabled", "register", "served_pipelines"]
+__all__ = [
+    "DEFAULT_CACHE", "ENTRY_POINT_NAME", "ENV_SWITCH", "HOST", "cache_factory", "enabled", "register",
+    "served_pipelines",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ ENV_SWITCH = "CAUSALKV_VLLM_OMNI"
 ENTRY_POINT_NAME = "causalkv"
 #: the host name of the registrations this bridge serves (`HostRegistration.host`)
 HOST = "vllm-omni"
+#: the cache factory of a registration that names none (the built-in plugin registers it)
+DEFAULT_CACHE = "qvg"
 _REGISTRY = "vllm_omni.diffusion.registry"
 #: LingBot-World's pre/post-process functions, by the name a served class's module exposes them
 _PRE, _POST = "get_lingbot_world_pre_process_func", "get_lingbot_world_post_process_func"
@@ -70,6 +77,27 @@ def served_pipelines() -> dict[str, tuple[HostRegistration, str]]:
     return collected().host_classes(HOST)
 
 
+def cache_factory(name: str | None) -> tuple[CacheFactory, str]:
+    """The cache factory building the self-attention caches of the pipeline served as ``name``
+    (`served_pipelines`: its registration's ``cache``, else `DEFAULT_CACHE`), and its plugin.
+
+    Raises:
+        ConfigError: the factory is not registered, or builds another host's caches (its
+            ``host:`` capability; the bridge builds causalkv's contract, ``kind(spec, options)``).
+    """
+    served = served_pipelines().get(name or "")
+    cache = served[0].cache if served is not None and served[0].cache else DEFAULT_CACHE
+    registry = collected()
+    try:
+        entry = registry.cache(cache)
+    except ResolutionError as exc:
+        raise ConfigError(f"causalkv vllm-omni bridge, {name}: {exc}") from None
+    if entry.factory.host is not None:
+        raise ConfigError(f"causalkv vllm-omni bridge, {name}: cache {cache!r} (plugin {entry.plugin}) builds "
+                          f"{entry.factory.host}'s caches; name a cache built as kind(spec, options)")
+    return entry.factory, entry.plugin
+
+
 def register() -> bool:
     """vLLM-Omni's general-plugin callable: register every served pipeline (`served_pipelines`)
     with vLLM-Omni's ``register_diffusion_model``; True when it registered one. Logs one line
@@ -96,7 +124,7 @@ def register() -> bool:
         module, _, cls = reg.target.partition(":")
         register_diffusion_model(name, module, cls, pre_process_func_name=_PRE, post_process_func_name=_POST)
         codec = f", codec {reg.codec}" if reg.codec else ""
-        done.append(f"{name} -> {module}.{cls} (plugin {plugin}{codec})")
+        done.append(f"{name} -> {module}.{cls} (plugin {plugin}, cache {reg.cache or DEFAULT_CACHE}{codec})")
     logger.info("causalkv vllm-omni bridge registered: %s",
                 "; ".join(done) or f"nothing (no plugin registers a {HOST} pipeline)")
     return bool(done)

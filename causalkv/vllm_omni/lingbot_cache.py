@@ -2,9 +2,9 @@
 
 vLLM-Omni keeps one ``LingBotAttentionCache`` per layer (``[B, max_tokens, H, D]`` buffers and
 the cursors ``end``, ``absolute_end``, ``last_start``, ``sink_end``) and updates it in
-``LingBotSelfAttention._update_cache``. `LingBotLayerKV` is the same contract over a
-`QVGPackedCausalKVCache` (spec: ``cache_size = max_tokens``, ``sink_tokens`` = sink frames x
-tokens per frame), so the pipeline's calls keep their meaning:
+``LingBotSelfAttention._update_cache``. `LingBotLayerKV` is the same contract over a causalkv
+cache, `QVGPackedCausalKVCache` or what the served pipeline's cache factory builds (spec:
+``cache_size = max_tokens``, ``sink_tokens`` = sink frames x tokens per frame), so the pipeline's calls keep their meaning:
 
 - a chunk at a new ``current_start`` (contiguous) advances: the sink, the newest local tokens
   that fit beside the chunk, and the chunk are visible; older chunks roll out and, with QVG on,
@@ -25,6 +25,9 @@ the same request. Imports torch and causalkv's caches only; never vLLM or vLLM-O
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,18 +81,21 @@ class LingBotLayerKV:
             rank holds, for Ulysses/TP shards).
         quant: QVG settings (``bits=None``: every chunk dense, bit for bit vLLM-Omni's cache).
         ledger, layer: the request's `KVLedger` and this layer's index in it.
+        build: what builds the cache, ``build(spec, quant)`` (the served pipeline's cache
+            factory's ``build``: a cache honouring causalkv's contract, probes included).
 
     Attributes:
-        cache: the `QVGPackedCausalKVCache` holding the K/V.
+        cache: the cache holding the K/V (a `QVGPackedCausalKVCache` unless ``build`` says).
         end, absolute_end, last_start, sink_end: vLLM-Omni's ``LingBotAttentionCache`` cursors
             (tokens held, next global position, start of the current chunk, sink tokens held).
     """
 
     def __init__(
-        self, spec: CausalCacheSpec, quant: QVGKVQuantArgs, *, ledger: KVLedger, layer: int
+        self, spec: CausalCacheSpec, quant: QVGKVQuantArgs, *, ledger: KVLedger, layer: int,
+        build: Callable[[CausalCacheSpec, QVGKVQuantArgs], Any] = QVGPackedCausalKVCache,
     ) -> None:
         self.spec = spec
-        self.cache = QVGPackedCausalKVCache(spec, quant)
+        self.cache = build(spec, quant)
         self.ledger = ledger
         self.layer = layer
         self.end = 0
@@ -190,8 +196,10 @@ def allocate_layers(
     dtype: torch.dtype,
     device: torch.device | str,
     quant: QVGKVQuantArgs,
+    build: Callable[[CausalCacheSpec, QVGKVQuantArgs], Any] = QVGPackedCausalKVCache,
 ) -> tuple[list[LingBotLayerKV], KVLedger]:
-    """One request's self-attention stores (one per layer) and their shared `KVLedger`.
+    """One request's self-attention stores (one per layer, each cache ``build(spec, quant)``)
+    and their shared `KVLedger`.
 
     The geometry is vLLM-Omni's ``allocate_lingbot_cache``'s: ``[B, max_tokens, H, D]`` per
     layer, ``H`` the heads this rank holds, starting at global head ``head_offset``.
@@ -202,5 +210,5 @@ def allocate_layers(
         head_offset=head_offset,
     )
     ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), num_layers=num_layers)
-    layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i) for i in range(num_layers)]
+    layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i, build=build) for i in range(num_layers)]
     return layers, ledger

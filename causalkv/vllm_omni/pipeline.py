@@ -14,7 +14,8 @@ Loaded only by vLLM-Omni itself: `causalkv.vllm_omni.register` registers
   sessions. No setting: nothing changes.
 - `CausalKVLingBotTransformer.allocate_cache` (the direct path's per-request cache) returns
   vLLM-Omni's ``LingBotTransformerCache`` whose self-attention entries are
-  `causalkv.vllm_omni.lingbot_cache.LingBotLayerKV` (a `QVGPackedCausalKVCache` each); cross-attention
+  `causalkv.vllm_omni.lingbot_cache.LingBotLayerKV` (each a cache the served name's cache factory
+  builds, `causalkv.vllm_omni.cache_factory`: ``qvg``'s `QVGPackedCausalKVCache` by default); cross-attention
   stays vLLM-Omni's. A new cache per request, so requests never share K/V.
 - `CausalKVLingBotSelfAttention._update_cache` sends those entries to the store and anything
   else (vLLM-Omni's own ``LingBotAttentionCache``) to the stock code.
@@ -42,9 +43,10 @@ from vllm_omni.diffusion.models.lingbot_world.transformer import (
 
 from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.capabilities import QUANT_QVG
 from causalkv.errors import ConfigError
-from causalkv.vllm_omni import served_pipelines
+from causalkv.hooks import CacheFactory
+from causalkv.vllm_omni import DEFAULT_CACHE, cache_factory, served_pipelines
 from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_layers
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
 
@@ -83,10 +85,12 @@ class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
 
     Attributes (set by `install`):
         causalkv_quant: the QVG settings of the stores it allocates.
+        causalkv_cache: the cache factory building each layer's cache.
         causalkv_ledger: the `KVLedger` of the last cache it allocated (the request's bytes).
     """
 
     causalkv_quant: QVGKVQuantArgs
+    causalkv_cache: CacheFactory
     causalkv_ledger: KVLedger | None = None
 
     def head_offset(self) -> int:
@@ -115,29 +119,38 @@ class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
             num_heads=heads, head_dim=head_dim,
             sink_tokens=self.config.sink_size * tokens_per_frame,
             head_offset=self.head_offset(), dtype=dtype, device=device, quant=self.causalkv_quant,
+            build=self.causalkv_cache.build,
         )
         self.causalkv_ledger = ledger
         return LingBotTransformerCache(self_attention=list(layers),
                                        cross_attention=[None] * self.config.num_layers)
 
 
-def install(transformer: CausalLingBotWorldTransformer3DModel, quant: QVGKVQuantArgs) -> CausalKVLingBotTransformer:
+def install(transformer: CausalLingBotWorldTransformer3DModel, quant: QVGKVQuantArgs,
+            cache: CacheFactory | None = None) -> CausalKVLingBotTransformer:
     """Give a built LingBot-World transformer causalkv's self-attention cache, in place.
 
     Swaps the instance's class to `CausalKVLingBotTransformer` and each block's self-attention
     to `CausalKVLingBotSelfAttention` (subclasses adding no state: parameters, buffers and
-    forward stay vLLM-Omni's). Returns the same object.
+    forward stay vLLM-Omni's). ``cache``: the factory building each layer's cache (default:
+    the registry's `causalkv.vllm_omni.DEFAULT_CACHE`); it must cover ``quant:qvg`` when
+    ``quant`` packs, and its kind's ``check_request`` runs here. Returns the same object.
     """
     if not isinstance(transformer, CausalLingBotWorldTransformer3DModel):
         raise ConfigError(f"install takes vLLM-Omni's CausalLingBotWorldTransformer3DModel, got {type(transformer).__name__}")
-    QVGPackedCausalKVCache.check_request(quant, head_dim=int(transformer.config.attention_head_dim),
-                                         device=str(next(transformer.parameters()).device))
+    cache = cache if cache is not None else cache_factory(None)[0]
+    if lacks := sorted(cache.features().missing({QUANT_QVG} if quant.enabled else ())):
+        raise ConfigError(f"causalkv vllm-omni bridge: cache {cache.name!r} lacks {', '.join(lacks)}, which "
+                          f"kv_cache_quant {quant.codec} needs; name a cache that covers it, or turn quantization off")
+    cache.check_request(quant, head_dim=int(transformer.config.attention_head_dim),
+                        device=str(next(transformer.parameters()).device))
     for block in transformer.blocks:
         if type(block.self_attn) is LingBotSelfAttention:
             block.self_attn.__class__ = CausalKVLingBotSelfAttention
     if type(transformer) is CausalLingBotWorldTransformer3DModel:
         transformer.__class__ = CausalKVLingBotTransformer
     transformer.causalkv_quant = quant
+    transformer.causalkv_cache = cache
     transformer.causalkv_ledger = None
     return transformer  # type: ignore[return-value]
 
@@ -154,19 +167,20 @@ def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> bool:
     return True
 
 
-def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger) -> str:
+def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger, cache: str) -> str:
     """The request's ``causalkv kv-cache summary:`` line (all layers).
 
     ``peak_bytes``: the most the request's stores held at once plus the largest visible K/V
     one call built; ``resident_bytes``: what they hold at the end; ``dense_bytes``: vLLM-Omni's
     dense cache for the same request (its preallocated buffers); ``dense_peak_bytes``: that plus
-    the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak.
+    the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak;
+    ``cache``: the class of the layers' caches (``cache``, its name).
     """
     peak = peak_nbytes([ledger], ledger.resident_nbytes)
     ratio = f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a"
     codec = quant.codec if quant.enabled else "off"
     return (
-        f"causalkv kv-cache summary: pipeline={pipeline_name} cache={QVGPackedCausalKVCache.__name__} "
+        f"causalkv kv-cache summary: pipeline={pipeline_name} cache={cache} "
         f"codec={codec} layers={ledger.num_layers} peak_bytes={peak} "
         f"resident_bytes={ledger.resident_nbytes} dense_bytes={ledger.dense_bytes} "
         f"dense_peak_bytes={ledger.dense_peak_bytes} ratio={ratio}"
@@ -187,6 +201,8 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
     Attributes:
         causalkv_name: the ``model_class_name`` it was built as (the summary's ``pipeline=``).
         causalkv_quant: the QVG settings, or None (vLLM-Omni's own cache).
+        causalkv_cache_class: the class name of the layers' caches (the summary's ``cache=``),
+            or None.
     """
 
     def __init__(self, *, od_config: Any, prefix: str = "") -> None:
@@ -194,29 +210,34 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
         served = served_pipelines().get(name)
         quant = read_settings(getattr(od_config, "model_config", None) or {},
                               codec=served[0].codec if served else None)
-        paged = False
+        paged, cache = False, None
         if quant is not None:
             quant.check_layout(_HEAD_DIM)
+            cache, plugin = cache_factory(name)
             paged = check_engine_mode(od_config, quant)
+            if paged and cache.name != DEFAULT_CACHE:  # the engine's sessions live in causalkv's pages
+                raise ConfigError(f"causalkv vllm-omni bridge, {name}: cache {cache.name!r} serves request "
+                                  f"mode only; on the paged AR-diffusion engine the sessions hold causalkv's pages")
         super().__init__(od_config=od_config, prefix=prefix)
         self.causalkv_name = name
         self.causalkv_quant = quant
+        self.causalkv_cache_class = getattr(cache.load(), "__name__", cache.name) if cache else None
         if quant is None:
             logger.info("causalkv: LingBotWorldCausalDMDPipeline keeps vLLM-Omni's KV cache "
                         "(no model_config.%s)", CONFIG_KEY)
             return
-        install(self.transformer, quant)
+        install(self.transformer, quant, cache)
         if paged:  # the AR-diffusion engine's sessions: causalkv's pages (paged_pipeline)
             from causalkv.vllm_omni.paged_pipeline import install_paged
 
             install_paged(self, quant)
-        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s%s",
-                    QVGPackedCausalKVCache.__name__, quant.describe(),
+        logger.info("causalkv: LingBotWorldCausalDMDPipeline self-attention cache %s %s (cache %s, plugin %s)%s",
+                    self.causalkv_cache_class, quant.describe(), cache.name, plugin,
                     f" (served as {name}, plugin {served[1]})" if served else "")
 
     def forward(self, req: Any) -> Any:
         out = super().forward(req)
         ledger = getattr(self.transformer, "causalkv_ledger", None)
         if self.causalkv_quant is not None and ledger is not None:
-            logger.info("%s", summary_line(self.causalkv_name, self.causalkv_quant, ledger))
+            logger.info("%s", summary_line(self.causalkv_name, self.causalkv_quant, ledger, self.causalkv_cache_class))
         return out

@@ -82,8 +82,12 @@ def test_a_plugins_subclass_is_served_with_its_codec_and_logged(installed, caplo
     assert set(served) == BUILTIN | {"ToyLongLive2Pipeline"}
     assert targets.served_stages() is served  # once per process
     (line,) = _messages(caplog, "causalkv sglang bridge serves")
-    assert "LongLive2Pipeline: LongLive2CausalDenoisingStage (plugin causalkv.builtin)" in line
-    assert line.endswith("ToyLongLive2Pipeline: ToyLongLive2Stage (plugin toy-host, codec int8)")
+    assert "LongLive2Pipeline: LongLive2CausalDenoisingStage (plugin causalkv.builtin, cache sglang)" in line
+    assert line.endswith("ToyLongLive2Pipeline: ToyLongLive2Stage (plugin toy-host, cache toy-sglang, codec int8)")
+    from causalkv_host_plugin.sglang_cache import ToySGLangCache
+
+    assert served["ToyLongLive2Pipeline"].cache is ToySGLangCache  # the registration's cache factory
+    assert served["LongLive2Pipeline"].cache is SGLangQVGKVCache  # the built-in one, "sglang"
 
     stage = _stage(cls)
     assert stage._supports_qvg_kv_cache_quantization() is True  # sglang's guard: served
@@ -92,10 +96,10 @@ def test_a_plugins_subclass_is_served_with_its_codec_and_logged(installed, caplo
         check_settings("ToyLongLive2Pipeline", TOO_MANY_CENTROIDS, HEAD_DIM)
     stage._kv_quant_args = QVGKVQuantArgs(bits=2)  # sglang's --kv-cache-quant int2 turns QVG on
     blocks = _allocate(stage)
-    assert all(type(c) is SGLangQVGKVCache for c in blocks)
+    assert all(type(c) is ToySGLangCache for c in blocks)  # built by the registration's factory
     assert {c.quant.codec for c in blocks} == {"int8"}  # the registration's codec
     (alloc,) = _messages(caplog, "causalkv sglang bridge: ToyLongLive2Stage KV cache")
-    assert "causalkv.sglang.cache.SGLangQVGKVCache x 2 blocks, codec causalkv, qvg(int8" in alloc
+    assert "causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, codec causalkv, qvg(int8" in alloc
     cache, gen = blocks[0], torch.Generator().manual_seed(0)
     for chunk in range(7):
         for _ in range(3):  # denoise steps, then the context update
@@ -104,7 +108,7 @@ def test_a_plugins_subclass_is_served_with_its_codec_and_logged(installed, caplo
     packed = [s.storage for s in cache.store.segments if isinstance(s.storage, PackedKV)]
     assert packed and {s.codec.name for s in packed} == {"int8"}
     assert all(s.nbytes == 2 * s.codec.nbytes(s.k.shape) for s in packed)  # K and V, as it predicts
-    assert "stage=ToyLongLive2Stage cache=SGLangQVGKVCache codec=int8" in summary_line(stage, [blocks])
+    assert "stage=ToyLongLive2Stage cache=ToySGLangCache codec=int8" in summary_line(stage, [blocks])
 
 
 def test_causalkv_sglang_codec_still_overrides_the_registrations_codec(installed, monkeypatch):
@@ -140,18 +144,24 @@ def test_a_raising_registration_sets_its_plugin_aside_and_the_others_are_served(
 
 
 class _Unreachable:
-    """A registration the hooks cannot reach (not a causal DMD stage) and one that does not import."""
+    """A registration the hooks cannot reach (not a causal DMD stage), one that does not import,
+    and one whose cache factory builds causalkv's contract, not sglang's blocks."""
 
     @hookimpl
     def causalkv_register_host_classes(self):
+        stage = f"{targets.STAGES}.causal_denoising:CausalDMDDenoisingStage"
         return [HostRegistration("sglang", "causalkv.sglang.cache:SGLangQVGKVCache", "OddPipeline"),
-                HostRegistration("sglang", "causalkv_host_plugin.missing:Stage", "GonePipeline")]
+                HostRegistration("sglang", "causalkv_host_plugin.missing:Stage", "GonePipeline"),
+                HostRegistration("sglang", stage, "PackedPipeline", cache="toy-packed")]
 
 
 def test_a_class_the_hooks_cannot_reach_is_one_warning_and_not_served(installed, caplog):
     get_plugin_manager().register_plugin(_Unreachable(), "unreachable")
     assert set(targets.served_stages()) == BUILTIN | {"ToyLongLive2Pipeline"}
-    odd, gone = _messages(caplog, "is not served")
+    odd, gone, packed = _messages(caplog, "is not served")
+    assert packed.startswith("causalkv sglang bridge: PackedPipeline is not served: ")
+    assert ("TypeError: cache 'toy-packed' (causalkv_host_plugin.caches:ToyPackedCache) is not a subclass of "
+            "causalkv.sglang.cache.SGLangQVGKVCache declaring capability host:sglang") in packed
     assert odd.startswith("causalkv sglang bridge: OddPipeline is not served: causalkv.sglang.cache:"
                           "SGLangQVGKVCache (plugin unreachable): TypeError: ")
     assert "is not a subclass of sglang's CausalDMDDenoisingStage" in odd

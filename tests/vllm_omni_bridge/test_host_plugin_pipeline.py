@@ -4,7 +4,8 @@ subclass of causalkv's LingBot-World pipeline) under ``ToyLingBotWorldPipeline``
 ``toy-codec``'s int8. The bridge's ``register`` (vLLM-Omni's general-plugin callable) registers
 every pipeline the registry names with vLLM-Omni's ``register_diffusion_model`` and logs one line
 naming them; vLLM-Omni's own model registry then resolves the name to the plugin's class, whose
-transformer gets causalkv's store packing with the registration's codec. The plugin switches
+transformer gets the caches its registration's cache factory (``toy-packed``) builds, packing
+with the registration's codec. The plugin switches
 of causalkv's runtime hold: a blocked plugin's pipeline is not registered; a plugin whose
 registration raises (``raising-host``) is set aside with one line, every other one served.
 
@@ -40,9 +41,9 @@ from plugin_dists import found_in_process, install  # noqa: E402
 
 TOY = "ToyLingBotWorldPipeline"
 BUILTIN_LINE = ("LingBotWorldCausalDMDPipeline -> causalkv.vllm_omni.pipeline.CausalKVLingBotWorldPipeline "
-                "(plugin causalkv.builtin)")
+                "(plugin causalkv.builtin, cache qvg)")
 TOY_LINE = (f"{TOY} -> causalkv_host_plugin.vllm_omni_pipeline.ToyLingBotWorldPipeline "
-            "(plugin toy-host, codec int8)")
+            "(plugin toy-host, cache toy-packed, codec int8)")
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +102,16 @@ def test_a_plugins_pipeline_is_registered_served_with_its_codec_and_logged(insta
     pipe = cls(od_config=od_config)
     assert (pipe.causalkv_name, pipe.causalkv_quant.codec) == (TOY, "int8")  # the registration's codec
     (line,) = _lines(caplog, "self-attention cache")
-    assert line.startswith("causalkv: LingBotWorldCausalDMDPipeline self-attention cache QVGPackedCausalKVCache")
-    assert line.endswith(f"(served as {TOY}, plugin toy-host)") and "int8" in line
+    assert line.startswith("causalkv: LingBotWorldCausalDMDPipeline self-attention cache ToyPackedCache qvg(int8,")
+    assert line.endswith(f"(cache toy-packed, plugin toy-host) (served as {TOY}, plugin toy-host)")
     h, w = tl.LATENT_HW
     cache = pipe.transformer.allocate_cache(batch_size=1, latent_height=h, latent_width=w,
                                             device=torch.device("cpu"), dtype=torch.float32)
     assert all(type(layer) is LingBotLayerKV for layer in cache.self_attention)
+    from causalkv_host_plugin.caches import ToyPackedCache
+
+    # built by the registration's cache factory, toy-packed
+    assert all(type(layer.cache) is ToyPackedCache for layer in cache.self_attention)
     tl.run_blocks(pipe.transformer, cache, 4)
     store = cache.self_attention[0].cache.store
     packed = [s.storage for s in store.segments if isinstance(s.storage, PackedKV)]

@@ -2,7 +2,9 @@
 
 The plugin registry (`causalkv.plugin`) collects what every plugin registers; this host picks
 from it (the sglang and vLLM-Omni bridges pick their host classes with
-`causalkv.plugin.Registry.host_classes`).
+`causalkv.plugin.Registry.host_classes`). A ``HostRegistration`` of host ``causalkv`` naming the
+chosen stage's class for the model names its cache factory (``cache``), as ``--cache`` does
+(which wins over it); a factory built with another host's arguments is never chosen here.
 
 Runs before any weights load and reads no file (a model folder is read by the runtime,
 `causalkv.runtime.model_io.model_config.model_ref`); it imports the chosen stage's module (never a
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import ModelConfig, ModelRef, ServerArgs
-from causalkv.hooks import CacheFactory, StageRegistration
+from causalkv.hooks import NAME, CacheFactory, HostRegistration, StageRegistration
 from causalkv.options import (
     CacheOptions,
     StageOptions,
@@ -160,26 +162,35 @@ def _check_stage(entry: StageEntry, serving: list[StageEntry], registry: Registr
 
 
 def _pick_cache(
-    pm: pluggy.PluginManager, registry: Registry, stage: StageEntry, requirements: frozenset[str], args: ServerArgs
+    pm: pluggy.PluginManager, registry: Registry, stage: StageEntry, requirements: frozenset[str], args: ServerArgs,
+    hosted: tuple[HostRegistration, str] | None = None,
 ) -> tuple[CacheEntry, str]:
-    """The cache for ``stage`` (forced by ``--cache``, chosen by the hook, or the highest
-    priority among those covering ``requirements``) and the reason line."""
+    """The cache for ``stage`` (forced by ``--cache``, named by the stage's host registration
+    ``hosted``, chosen by the hook, or the highest priority among those covering
+    ``requirements``) and the reason line. A cache built with another host's arguments
+    (`CacheFactory.host`) is never this host's."""
     req = ", ".join(sorted(requirements)) or "none"
     covers = req if requirements else "the requirements (none)"
-    missing = {e.name: ", ".join(sorted(e.factory.features().missing(requirements))) for e in registry.caches}
-    qualifying = sorted((e for e in registry.caches if not missing[e.name]), key=lambda e: -e.factory.priority)
+    caches = [e for e in registry.caches if e.factory.host is None]
+    missing = {e.name: ", ".join(sorted(e.factory.features().missing(requirements))) for e in caches}
+    qualifying = sorted((e for e in caches if not missing[e.name]), key=lambda e: -e.factory.priority)
     lack = "; ".join(f"{name} lacks {m}" for name, m in missing.items() if m)
     names, tail = ", ".join(f"{e.name} ({e.factory.priority})" for e in qualifying), f"; {lack}" if lack else ""
     label = lambda e: f"cache {e.name} (plugin {e.plugin}, priority {e.factory.priority})"  # noqa: E731
-    if args.cache is not None:
-        entry = registry.cache(args.cache)
+    named, how = (args.cache, "forced by --cache") if args.cache is not None else (
+        (hosted[0].cache, f"named by plugin {hosted[1]}'s host registration") if hosted is not None else (None, ""))
+    if named is not None:
+        entry = registry.cache(named)
+        ok = ", ".join(e.name for e in qualifying) or "(none)"
+        if entry.factory.host is not None:
+            raise ResolutionError(f"cache {named!r} ({how}) builds {entry.factory.host}'s caches, not causalkv's "
+                                  f"runtime's. Caches that qualify: {ok}")
         if missing[entry.name]:
-            ok = ", ".join(e.name for e in qualifying) or "(none)"
             raise ResolutionError(
-                f"cache {args.cache!r} lacks {missing[entry.name]}, which stage {stage.name} needs "
+                f"cache {named!r} ({how}) lacks {missing[entry.name]}, which stage {stage.name} needs "
                 f"(requirements: {req}). Caches that qualify: {ok}"
             )
-        return entry, f"{label(entry)}: forced by --cache; covers {covers}"
+        return entry, f"{label(entry)}: {how}; covers {covers}"
     if not qualifying:
         raise ResolutionError(
             f"no registered cache covers the requirements of stage {stage.name} ({req}): "
@@ -257,7 +268,9 @@ def resolve(
     why = args.requirement_reasons(ref.config)
     described = [f"{f} ({why.get(f) or f'declared by stage {reg.name}'})" for f in sorted(requirements)]
     reasons.append(f"requirements: {', '.join(described) or 'none'}")
-    cache_entry, why = _pick_cache(pm, registry, entry, requirements, args)
+    hosts = registry.host_classes(NAME)  # a registration naming this stage's class for the model
+    hosted = next((h for k in ref.keys if (h := hosts.get(k)) is not None and h[0].target == reg.target), None)
+    cache_entry, why = _pick_cache(pm, registry, entry, requirements, args, hosted)
     reasons.append(why)
     _refuse_foreign_records(registry, entry, cache_entry, cls, args)
     return Resolution(
