@@ -126,7 +126,7 @@ class Hosts:
     @hookimpl
     def causalkv_register_host_classes(self):
         return [HostRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", "tiny-longlive2",
-                                 cache="qvg", codec="fp8"),
+                                 cache="qvg"),
                 HostRegistration("causalkv", "pkg.gone:Stage", "GonePipeline", priority=2)]
 
 
@@ -144,7 +144,7 @@ def test_plugins_lists_host_classes_and_marks_one_that_does_not_import(capsys):
         "sglang", ["LongLive2Pipeline"], "sglang", "causalkv.builtin")
     assert builtin["unchecked"] == "host sglang is not installed here (no module 'sglang')"
     assert mine == {"host": "causalkv", "target": "causalkv.stages.longlive2:LongLive2Stage",
-                    "models": ["tiny-longlive2"], "codec": "fp8", "cache": "qvg", "priority": 0, "plugin": "hosts"}
+                    "models": ["tiny-longlive2"], "codec": None, "cache": "qvg", "priority": 0, "plugin": "hosts"}
     assert gone["error"] == ("pkg.gone:Stage (plugin hosts) cannot be imported: ModuleNotFoundError: "
                              "No module named 'pkg'")
     assert ("  causalkv pkg.gone:Stage (plugin hosts, priority 2)\n"

@@ -52,6 +52,7 @@ def test_host_registration_normalizes_and_refuses_bad_values_naming_them():
         ({"codec": 8}, r"codec must be a codec setting's name or None, got 8"),
         ({"cache": ""}, r"cache must be a cache factory's name or None, got ''"),
         ({"priority": "1"}, r"priority must be an int, got '1'"),
+        ({"host": "causalkv", "codec": "int8"}, r"causalkv's runtime takes the codec from --kv-cache-quant.*got codec='int8'"),
     ]:
         args = {"host": "sglang", "target": "pkg.stage:MyStage", "models": "MyPipeline", **kwargs}
         with pytest.raises(InvalidTypeError, match=match):

@@ -277,6 +277,8 @@ class HostRegistration:
             A single string is stored as a 1-tuple.
         codec: the codec setting it packs with while the host's settings turn QVG on and name
             no codec (None: the host's default); a codec causalkv or a plugin registers.
+            A registration of host ``"causalkv"`` names none: the runtime takes the codec from
+            ``--kv-cache-quant``.
         priority: among one host's registrations serving one model, the highest wins; two at
             the same priority are a conflict.
         cache: the name of the `CacheFactory` whose kind builds each layer's cache there (None:
@@ -299,6 +301,10 @@ class HostRegistration:
         for what, value, kind in (("codec", self.codec, "codec setting"), ("cache", self.cache, "cache factory")):
             if value is not None and not (isinstance(value, str) and value):
                 raise InvalidTypeError(f"{owner}: {what} must be a {kind}'s name or None, got {value!r}")
+        if self.host == "causalkv" and self.codec is not None:
+            raise InvalidTypeError(f"{owner}: causalkv's runtime takes the codec from --kv-cache-quant, so a "
+                                   f"registration of host 'causalkv' cannot name one (got codec={self.codec!r}); "
+                                   "leave codec None")
         object.__setattr__(self, "models", _names(owner, self.models))
         _check_priority(owner, self.priority)
 
