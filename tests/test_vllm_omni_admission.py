@@ -1,4 +1,4 @@
-"""The admission formula of vLLM-Omni's paged AR-diffusion engine (`causalkv.runtime.memory.vllm_omni`,
+"""The admission formula of vLLM-Omni's paged AR-diffusion engine (`causalkv.vllm_omni.admission`,
 no vLLM needed), against hand counts at LingBot-World's geometry, and ``causalkv memory lingbot
 --host vllm-omni``. The bridge suite checks the same formula against the engine's own code
 (tests/vllm_omni_bridge/test_paged_admission.py)."""
@@ -13,8 +13,8 @@ import pytest
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
-from causalkv.runtime.memory.records import SETTINGS
-from causalkv.runtime.memory.vllm_omni import (
+from causalkv.memory.records import SETTINGS
+from causalkv.vllm_omni.admission import (
     EngineGeometry,
     admit,
     causalkv_layout,

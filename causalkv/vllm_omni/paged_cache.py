@@ -10,8 +10,8 @@ vLLM's ``KVCacheManager`` / ``BlockPool`` handing out pages, a compact block tab
 
 - **Admission** counts a session as it is held: the groups (ticks of ``frames_per_block``
   frames) the next forward reads and no other, bf16 groups as pool pages and packed groups at
-  their codec's bytes (`causalkv.runtime.memory.vllm_omni.admit` on
-  `~causalkv.runtime.memory.vllm_omni.causalkv_layout`: the formula ``causalkv memory lingbot
+  their codec's bytes (`causalkv.vllm_omni.admission.admit` on
+  `~causalkv.vllm_omni.admission.causalkv_layout`: the formula ``causalkv memory lingbot
   --host vllm-omni`` prints). The engine's own constructor runs first (its validation, spec,
   scratch, cross-attention and staging arithmetic, built without tensors); the figures it
   reports are checked against the formula's, then the pool and manager are built at causalkv's
@@ -67,7 +67,7 @@ from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Kept, chunk_infos, keep_held, tier_policy
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
-from causalkv.runtime.memory.vllm_omni import (
+from causalkv.vllm_omni.admission import (
     ENGINE_CACHE,
     Admission,
     EngineGeometry,

@@ -78,8 +78,8 @@ def _run(folder: Path, work: Path, setting: str, ticks: int) -> dict:
 
 def _uncapped(cache) -> int:
     """The sessions the cache's bytes alone admit (no declared cap): the engine's formula on its
-    own geometry (`causalkv.runtime.memory.vllm_omni.admit`)."""
-    from causalkv.runtime.memory.vllm_omni import admit, stock_layout
+    own geometry (`causalkv.vllm_omni.admission.admit`)."""
+    from causalkv.vllm_omni.admission import admit, stock_layout
     from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache, engine_geometry
 
     if isinstance(cache, CausalKVPagedKVCache):

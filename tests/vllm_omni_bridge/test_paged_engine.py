@@ -245,8 +245,8 @@ def test_closing_eviction_and_failure_drop_records(folder):
     the refused tick comes last."""
     import paged_sessions as ps
 
-    from causalkv.runtime.memory.records import SETTINGS as ROWS
-    from causalkv.runtime.memory.vllm_omni import admit, causalkv_layout
+    from causalkv.memory.records import SETTINGS as ROWS
+    from causalkv.vllm_omni.admission import admit, causalkv_layout
 
     built, work = folder
     src = ps.image()

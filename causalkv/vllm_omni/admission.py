@@ -1,4 +1,6 @@
-"""The planner for vLLM-Omni's LingBot-World: request-mode bytes, and realtime sessions admitted.
+"""vLLM-Omni's LingBot-World in the memory planner: request-mode bytes, and realtime sessions
+admitted. Counted with causalkv's planner (`causalkv.memory`, below the bridges); imports no vLLM
+or vLLM-Omni, so ``causalkv memory lingbot --host vllm-omni`` runs without them.
 
 Two hosts of LingBot-World's self-attention K/V in vLLM-Omni 0.30.0:
 
@@ -38,11 +40,11 @@ from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.memory.cache_models import STREAM_CACHE
-from causalkv.runtime.memory.geometry import ModelGeometry
-from causalkv.runtime.memory.layout import stream_layout
-from causalkv.runtime.memory.plan import plan_setting
-from causalkv.runtime.memory.records import (
+from causalkv.memory.cache_models import STREAM_CACHE
+from causalkv.memory.geometry import ModelGeometry
+from causalkv.memory.layout import stream_layout
+from causalkv.memory.plan import plan_setting
+from causalkv.memory.records import (
     DTYPE_BYTES,
     SETTINGS,
     MemoryRequest,
