@@ -100,14 +100,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from causalkv.caches.codecs import make_codec  # noqa: E402
 from causalkv.caches.codecs.prq import bits_per_element, dequantize, quantize  # noqa: E402
 from causalkv.caches.qvg import QVGKVQuantArgs  # noqa: E402
-from causalkv.runtime.memory import (  # noqa: E402
+from causalkv.memory import (  # noqa: E402
     BUILTIN_MODELS,
     ROLLING_SLOT_CACHE,
     MemoryRequest,
     plan_setting,
     stream_layout,
 )
-from causalkv.runtime.memory.records import Setting  # noqa: E402
+from causalkv.memory.records import Setting  # noqa: E402
 
 #: the codec settings compared side by side
 CODECS = ("int4", "int2", "fp8", "nvfp4")

@@ -298,7 +298,7 @@ def test_usage_md_shows_what_causalkv_memory_prints() -> None:
 
 
 def test_usage_md_names_the_rows_causalkv_memory_prints() -> None:
-    from causalkv.runtime.memory.records import SETTINGS
+    from causalkv.memory.records import SETTINGS
 
     text = " ".join(USAGE.read_text().split())
     listed = re.search(r"The rows are (.*?) \(the names", text)

@@ -42,7 +42,7 @@ JUSTIFIED = {
     ("caches/base.py", "_read_pieces", "NotImplementedError"):
         "the storage hook of the probe path: a cache that answers no probe needs none",
     ("lazy.py", "__getattr__", "AttributeError"):
-        "the lazy exports of causalkv.runtime, causalkv.runtime.memory, causalkv.stages, "
+        "the lazy exports of causalkv.runtime, causalkv.memory, causalkv.stages, "
         "causalkv.caches, causalkv.caches.qvg and causalkv.cli (PEP 562, no torch for --help): "
         "a missing name must raise AttributeError",
     ("stages/records.py", "__getitem__", "KeyError"):

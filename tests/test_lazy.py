@@ -14,7 +14,7 @@ from causalkv.lazy import lazy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the packages whose names are imported on first use
-LAZY = ("causalkv.runtime", "causalkv.runtime.memory", "causalkv.stages", "causalkv.caches",
+LAZY = ("causalkv.runtime", "causalkv.memory", "causalkv.stages", "causalkv.caches",
         "causalkv.caches.qvg", "causalkv.caches.codecs.prq", "causalkv.cli")
 
 

@@ -1,4 +1,4 @@
-"""`causalkv memory` and its planner (`causalkv.runtime.memory`): the command line, the JSON,
+"""`causalkv memory` and its planner (`causalkv.memory`): the command line, the JSON,
 the budget answer, the validation, and the planner's bytes against the real caches'."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.caches.spec import CausalCacheSpec
 from causalkv.cli import main
 from causalkv.errors import ConfigError
-from causalkv.runtime.memory import (
+from causalkv.memory import (
     BUILTIN_MODELS,
     ROLLING_SLOT_CACHE,
     SETTINGS,
@@ -26,10 +26,10 @@ from causalkv.runtime.memory import (
     plan_memory,
     plan_setting,
     positions,
-    read_model_geometry,
     stream_layout,
 )
-from causalkv.runtime.memory.plan import _peak_at
+from causalkv.memory.plan import _peak_at
+from causalkv.runtime.model_io.geometry import read_model_geometry
 
 LL2 = BUILTIN_MODELS["longlive2"]
 NAMES = ["off", "int4-default", "int4-recent0", "int2-default", "int2-recent0", "int2-recent-int4",

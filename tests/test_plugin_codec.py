@@ -18,16 +18,16 @@ from causalkv.caches.qvg.segments import PackedKV
 from causalkv.cli import main
 from causalkv.cli.plugins import plugins_report
 from causalkv.hooks import CodecRegistration, hookimpl
-from causalkv.plugin import collect
-from causalkv.plugin.testing import temporary_plugin
-from causalkv.runtime.memory import (
+from causalkv.memory import (
     SETTINGS,
     STREAM_CACHE,
     MemoryRequest,
     plan_setting,
     stream_layout,
 )
-from causalkv.runtime.memory.records import Setting
+from causalkv.memory.records import Setting
+from causalkv.plugin import collect
+from causalkv.plugin.testing import temporary_plugin
 
 
 @pytest.fixture

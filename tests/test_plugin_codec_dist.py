@@ -64,8 +64,8 @@ from causalkv.config import ServerArgs
 from causalkv.errors import ConfigError
 from causalkv.plugin import collect
 from causalkv.runtime import GenerateOptions, generate
-from causalkv.runtime.memory import (STREAM_CACHE, MemoryRequest, Setting, plan_setting,
-                                     resolve_model, stream_layout)
+from causalkv.memory import STREAM_CACHE, MemoryRequest, Setting, plan_setting, stream_layout
+from causalkv.runtime.model_io.geometry import resolve_model
 
 before = "int8" in codec_names()
 collect()  # the one call: the installed plugins loaded, their codecs registered

@@ -99,7 +99,7 @@ def test_slot_map_positions_and_merged_runs() -> None:
 
 def test_the_planner_imports_no_host_adapter() -> None:
     """The memory planner takes a cache model; it imports no host adapter to get one."""
-    code = ("import sys, causalkv.runtime.memory.plan, causalkv.runtime.memory.cache_models\n"
+    code = ("import sys, causalkv.memory.plan, causalkv.memory.cache_models\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('causalkv.sglang', "
             "'causalkv.vllm_omni')))\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -82,9 +82,9 @@ def test_planner_session_bytes_equal_the_stores_own_peak_resident(row):
     vLLM-Omni's dense ``[B, max_tokens, H, D]`` K and V."""
     import torch
 
-    from causalkv.runtime.memory.geometry import ModelGeometry
-    from causalkv.runtime.memory.records import SETTINGS
-    from causalkv.runtime.memory.vllm_omni import ROWS, plan_sessions
+    from causalkv.memory.geometry import ModelGeometry
+    from causalkv.memory.records import SETTINGS
+    from causalkv.vllm_omni.admission import ROWS, plan_sessions
     from causalkv.vllm_omni.lingbot_cache import allocate_layers
 
     geom = ModelGeometry("tiny", 2, 2, 64, vae_scale_spatial=8, vae_scale_temporal=4,

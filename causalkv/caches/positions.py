@@ -10,7 +10,7 @@ rule that turns a cursor into positions is written once, by the cursor model's c
   on eviction, a slot's position tracked by a slot map (a cache that must reproduce such a
   buffer's views slot for slot).
 
-The caches, the host adapters and the memory planner (`causalkv.runtime.memory`) ask the
+The caches, the host adapters and the memory planner (`causalkv.memory`) ask the
 cursor; none re-derives a rule. Positions are sorted, disjoint, half-open runs
 (`causalkv.caches.intervals.Intervals`).
 """

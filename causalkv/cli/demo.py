@@ -15,8 +15,8 @@ import sys
 from causalkv.caches.demo import DemoConfig, format_report, run_demo
 from causalkv.cli.faults import Stdout, Steps, run_guarded
 from causalkv.errors import ConfigError
+from causalkv.memory.records import format_bytes
 from causalkv.runtime.host.request_checks import host_memory_bytes
-from causalkv.runtime.memory.records import format_bytes
 
 __all__ = ["MAX_CHUNKS", "check_demo_sizes", "demo_memory_floor", "register"]
 

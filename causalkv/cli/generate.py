@@ -17,11 +17,11 @@ from typing import Any
 from causalkv.cli.faults import Progress, Stdout, run_guarded
 from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
+from causalkv.memory.records import format_bytes
 from causalkv.options import Options
 from causalkv.plugin import Registry
 from causalkv.runtime.files.video import video_formats
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, GenerateOptions, PluginSet
-from causalkv.runtime.memory.records import format_bytes
 from causalkv.runtime.processes.launch import register_rank
 
 # The parser (``--help``) imports no torch: the modules that run a generation (torch,

@@ -1,6 +1,6 @@
 """``causalkv memory MODEL``: the KV bytes of a request's caches per QVG setting, and a budget.
 
-A front end of the planner `causalkv.runtime.memory` (pure arithmetic: no weights, no tensors).
+A front end of the planner `causalkv.memory` (pure arithmetic: no weights, no tensors).
 Prints one row per setting (``--json``: a list of objects), and with ``--budget`` whether each
 fits and the longest window (or video) that does. Every bad input ends the command with one
 line on stderr naming the value and the fix, exit status 2.
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.errors import CausalKVError, ConfigError
-from causalkv.runtime.memory.geometry import BUILTIN_MODELS, resolve_model
-from causalkv.runtime.memory.records import (
+from causalkv.memory.geometry import BUILTIN_MODELS
+from causalkv.memory.records import (
     ATTENTION,
     SETTINGS,
     MemoryRequest,
@@ -25,18 +25,19 @@ from causalkv.runtime.memory.records import (
     format_bytes,
     parse_bytes,
 )
+from causalkv.runtime.model_io.geometry import resolve_model
 
 if TYPE_CHECKING:
-    from causalkv.runtime.memory.plan import MemoryPlan
-    from causalkv.runtime.memory.records import CacheModel
+    from causalkv.memory.plan import MemoryPlan
+    from causalkv.memory.records import CacheModel
 
 __all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "register"]
 
 #: the one place a ``--host`` name maps to the cache the planner counts (a name in
-#: `causalkv.runtime.memory.cache_models`: its cursor model, packing policy and centroid rule):
+#: `causalkv.memory.cache_models`: its cursor model, packing policy and centroid rule):
 #: sglang's stages get the bridge's cache (sglang's slot arithmetic, keep-recent over non-sink
 #: chunks, the centroids as given), causalkv generate its own ``QVGPackedCausalKVCache``
-#: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.runtime.memory.vllm_omni`)
+#: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.vllm_omni.admission`)
 HOST_CACHES = {"sglang": "ROLLING_SLOT_CACHE", "causalkv": "STREAM_CACHE"}
 
 
@@ -45,7 +46,7 @@ def host_cache(host: str) -> CacheModel:
     if host not in HOST_CACHES:
         raise ConfigError(f"--host must be one of {[*HOST_CACHES, 'vllm-omni']}, got {host!r}")
     # lazy: the cache models import the caches' position arithmetic (and torch); --help does not
-    from causalkv.runtime.memory import cache_models
+    from causalkv.memory import cache_models
 
     return getattr(cache_models, HOST_CACHES[host])
 
@@ -184,9 +185,9 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
 def _vllm_omni(args: argparse.Namespace) -> int:
     """``--host vllm-omni``: the realtime sessions vLLM-Omni's AR-diffusion engine admits for
     LingBot-World, its own pool against causalkv's pages per setting (one formula with the
-    engine's admission, `causalkv.runtime.memory.vllm_omni`)."""
+    engine's admission, `causalkv.vllm_omni.admission`)."""
     # lazy: only this host's rows need the module
-    from causalkv.runtime.memory.vllm_omni import (
+    from causalkv.vllm_omni.admission import (
         ROWS,
         format_admission,
         lingbot_engine,
@@ -217,7 +218,7 @@ def _vllm_omni(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     if args.host == "vllm-omni":
         return _vllm_omni(args)
-    from causalkv.runtime.memory.plan import plan_memory  # the caches' position arithmetic
+    from causalkv.memory.plan import plan_memory  # the caches' position arithmetic
 
     try:
         geom = resolve_model(args.model)

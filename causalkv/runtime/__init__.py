@@ -3,8 +3,8 @@
     from causalkv.runtime import GenerateOptions, generate
     metrics, run = generate(GenerateOptions(model="tiny-longlive2", prompts=["a", "b"]))
 
-Sub-packages, by job (each imports only those after it: `host` | `tools` > `files` |
-`memory` > `model_io` > `processes`, a layers contract in pyproject.toml):
+Sub-packages, by job (each imports only those after it: `host` | `tools` > `files` >
+`model_io` > `processes`, a layers contract in pyproject.toml):
 
 - `host`: the reference host's pipeline (`host.resolve` picks the stage and the cache from the
   plugin registry before any weights load; `host.generate` runs the steps `plan_step`,
@@ -13,8 +13,8 @@ Sub-packages, by job (each imports only those after it: `host` | `tools` > `file
 - `tools`: tools beside the host (`tools.checkpoints`: tiny checkpoints in sglang's and
   vLLM-Omni's own formats);
 - `files`: the files a run reads and writes (`outputs`, `video`, `file_checks`);
-- `memory`: the KV memory planner behind ``causalkv memory``;
 - `model_io`: the model's config, presets and components (`model_config`, `preset_configs`,
+  `geometry`: a model's geometry for the planner `causalkv.memory`,
   `presets`, `components`, `causal_wan`: causal processors for diffusers' Wan transformer,
   `prompt_encoding`: the UMT5 prompt encoder);
 - `processes`: sequence parallelism over torch.distributed (`distributed`) and the torchrun

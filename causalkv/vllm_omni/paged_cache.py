@@ -10,8 +10,8 @@ vLLM's ``KVCacheManager`` / ``BlockPool`` handing out pages, a compact block tab
 
 - **Admission** counts a session as it is held: the groups (ticks of ``frames_per_block``
   frames) the next forward reads and no other, bf16 groups as pool pages and packed groups at
-  their codec's bytes (`causalkv.runtime.memory.vllm_omni.admit` on
-  `~causalkv.runtime.memory.vllm_omni.causalkv_layout`: the formula ``causalkv memory lingbot
+  their codec's bytes (`causalkv.vllm_omni.admission.admit` on
+  `~causalkv.vllm_omni.admission.causalkv_layout`: the formula ``causalkv memory lingbot
   --host vllm-omni`` prints). The engine's own constructor runs first (its validation, spec,
   scratch, cross-attention and staging arithmetic, built without tensors); the figures it
   reports are checked against the formula's, then the pool and manager are built at causalkv's
@@ -67,7 +67,7 @@ from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Kept, chunk_infos, keep_held, tier_policy
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
-from causalkv.runtime.memory.vllm_omni import (
+from causalkv.vllm_omni.admission import (
     ENGINE_CACHE,
     Admission,
     EngineGeometry,
@@ -303,13 +303,14 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             raise ConfigError(
                 f"causalkv's paged cache holds one KV branch (LingBot-World's), the spec declares "
                 f"{[b.name for b in kv_branches]}")
-        eng = engine_geometry(
-            config, num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size,
-            dtype=dtype, block_size=block_size, kv_branches=kv_branches,
+        shape = dict(  # what the geometry is read from: the engine's arguments but the budget's
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            block_size=block_size, kv_branches=kv_branches,
             cross_attention_lengths=cross_attention_lengths,
             cross_attention_kv_heads=cross_attention_kv_heads, frames_per_block=frames_per_block,
             max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
             model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+        eng = engine_geometry(config, **shape)
         layout = causalkv_layout(eng, quant)
         adm = admit(eng, layout, available_bytes=available_bytes,
                     gpu_memory_fraction=config.gpu_memory_fraction,
@@ -318,15 +319,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         # and staging arithmetic; built without tensors at one stock session (a pool of
         # sink + window + frames_per_block + 2 blocks), replaced below at causalkv's admission
         super().__init__(
-            dataclasses.replace(config, gpu_memory_fraction=1.0), num_layers=num_layers,
-            num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype, block_size=block_size,
-            max_model_len=max_model_len, available_bytes=required_bytes(eng, stock_layout(eng), 1),
-            kv_branches=kv_branches, session_capacity=1,
-            cross_attention_lengths=cross_attention_lengths,
-            cross_attention_kv_heads=cross_attention_kv_heads, device=None,
-            frames_per_block=frames_per_block,
-            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
-            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+            dataclasses.replace(config, gpu_memory_fraction=1.0), max_model_len=max_model_len,
+            available_bytes=required_bytes(eng, stock_layout(eng), 1), session_capacity=1,
+            device=None, **shape)
         ours = {"page bytes": eng.page_bytes, "scratch bytes": eng.scratch_bytes,
                 "cross-attention bytes per session": eng.cross_bytes,
                 "history staging bytes": eng.history_staging_bytes}

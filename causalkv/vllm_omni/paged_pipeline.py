@@ -171,10 +171,6 @@ class PagedLingBotMixin:
         super().reset_ar_diffusion_session(session_id)  # type: ignore[misc]
         self._causalkv_forget(session_id)
 
-    def causalkv_release_reason(self, session_id: str) -> str | None:
-        """Why ``session_id`` was last released (``closed``, ``failed``, ``evicted``), or None."""
-        return self._causalkv_released.get(session_id)
-
     def forward(self, req: Any) -> Any:
         tick = ARDiffusionTickRequest.from_extra_args(getattr(req.sampling_params, "extra_args", None))
         if tick is None:

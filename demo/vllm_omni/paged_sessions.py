@@ -137,6 +137,54 @@ def pool_pages(cache: Any, session: str) -> int:
     raise KeyError(session)
 
 
+def held(cache: Any, session: str) -> dict[str, int]:
+    """What ``session``'s branch holds in ``cache`` now, read from the pool (any engine cache):
+    its pages, their bytes in every layer, and (causalkv's cache) its packed records' bytes,
+    packed groups and the layer calls that decoded one."""
+    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache
+
+    pages = pool_pages(cache, session)
+    out = {"pages": pages, "pool_bytes": pages * cache.spec.page_size_bytes * cache.num_layers,
+           "packed_bytes": 0, "packed_groups": 0, "packed_reads": 0}
+    if isinstance(cache, CausalKVPagedKVCache):
+        rep = cache.report(f"ar::{session}::main")
+        out.update(packed_bytes=rep.packed_bytes, packed_groups=len(rep.packed_groups),
+                   packed_reads=rep.packed_reads)
+    return out
+
+
+def wanted() -> tuple[int, int]:
+    """``(stock, int2)``: the sessions vLLM-Omni's engine admits at LingBot-World's geometry at
+    80 GiB (`causalkv.vllm_omni.admission.plan_admission`, the formula ``causalkv memory lingbot
+    --host vllm-omni --budget 80GiB`` prints and the engine admits by)."""
+    from causalkv.vllm_omni.admission import plan_admission
+
+    stock, int2 = plan_admission(80 << 30, rows=("stock", "int2"))
+    return stock.capacity, int2.capacity
+
+
+def admission(cache: Any) -> Any:
+    """What ``cache``'s own bytes admit, no declared cap (`causalkv.vllm_omni.admission.admit`
+    on the geometry it was built with): causalkv's cache's own `Admission` (its pipeline
+    declares what fits), or for vLLM-Omni's cache the formula on its constructor arguments
+    (`causalkv.vllm_omni.paged_cache.engine_geometry`), which is its own admission without
+    LingBot's cap (tests/vllm_omni_bridge/test_paged_admission.py)."""
+    from causalkv.vllm_omni.admission import admit, stock_layout
+    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache, engine_geometry
+
+    if isinstance(cache, CausalKVPagedKVCache):
+        return cache.admission
+    eng = engine_geometry(
+        cache.config, num_layers=cache.num_layers, num_kv_heads=cache.num_kv_heads,
+        head_size=cache.head_size, dtype=cache.dtype, block_size=cache.block_size,
+        kv_branches=cache.kv_branches, cross_attention_lengths=cache.cross_attention_lengths,
+        cross_attention_kv_heads=cache.cross_attention_kv_heads,
+        frames_per_block=cache.frames_per_block,
+        model_owned_state_bytes_per_session=cache.model_owned_state_bytes_per_session)
+    return admit(eng, stock_layout(eng), available_bytes=cache.available_memory_bytes,
+                 gpu_memory_fraction=cache.config.gpu_memory_fraction)
+
+
 def _undecorate() -> None:
     """Takes back the ``(DiffusionWorker pid=...)`` prefix vLLM put on this process's streams."""
     import sys

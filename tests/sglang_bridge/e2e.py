@@ -20,12 +20,8 @@ import numpy as np
 from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields, free_ports, port_flags
 from longlive2_request import summaries as request_summaries
 
-from causalkv.runtime.memory import (
-    ROLLING_SLOT_CACHE,
-    MemoryRequest,
-    plan_memory,
-    read_model_geometry,
-)
+from causalkv.memory import ROLLING_SLOT_CACHE, MemoryRequest, plan_memory
+from causalkv.runtime.model_io.geometry import read_model_geometry
 
 #: what `realtime_probe` prints (its lines quote a summary line, which `summaries` skips)
 PROBE_PREFIX = "causalkv test probe: "

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from causalkv.caches import intervals as iv
-from causalkv.runtime.memory import (
+from causalkv.memory import (
     ROLLING_SLOT_CACHE,
     SETTINGS,
     MemoryRequest,

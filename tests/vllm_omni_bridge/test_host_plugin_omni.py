@@ -38,7 +38,7 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 import causalkv_host_plugin.caches as toy
 from causalkv.caches.qvg.segments import PackedKV
-from causalkv.cli.vllm_omni_checkpoint import build
+from causalkv.runtime.tools.checkpoints import build_checkpoint
 
 lt.CausalLingBotWorldTransformer3DModel.from_config = staticmethod(tiny_pipeline._tiny_from_config)
 built = []  # every cache the plugin's factory builds (one per layer per request)
@@ -47,7 +47,7 @@ toy.ToyPackedCache.__init__ = lambda self, *a, **k: (init(self, *a, **k), built.
 work = Path(sys.argv[2])
 frames = (4 * 3 - 1) * 4 + 1  # four blocks of 3 latent frames
 run_offline._actions(work / "actions", frames)
-folder, _ = build(work / "lingbot")
+folder = build_checkpoint("lingbot-world", work / "lingbot", host="vllm-omni")
 lines = run_offline._Lines()
 logging.getLogger("causalkv.vllm_omni").addHandler(lines)
 omni = Omni(model=str(folder), model_class_name="ToyLingBotWorldPipeline", dtype="float32", enforce_eager=True,

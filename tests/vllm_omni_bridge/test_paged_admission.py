@@ -1,7 +1,7 @@
 """Admission on vLLM-Omni's paged AR-diffusion engine, with no tensors: the engine's own code
 (``ARDiffusionModelRunner._preallocate_kv_cache`` on LingBot's own ``ar_diffusion_kv_cache_spec``,
 the DiT and the VAE built on the meta device, the cache with ``device=None``) against the
-planner's formula (`causalkv.runtime.memory.vllm_omni`, what ``causalkv memory lingbot --host
+planner's formula (`causalkv.vllm_omni.admission`, what ``causalkv memory lingbot --host
 vllm-omni`` prints), byte for byte, at LingBot-World's real geometry and at the tiny one.
 
 The oracles: vLLM-Omni's ``ARDiffusionKVCache`` for its own pool (stock); for causalkv's pages
@@ -20,8 +20,8 @@ import torch
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError
-from causalkv.runtime.memory.records import SETTINGS
-from causalkv.runtime.memory.vllm_omni import (
+from causalkv.memory.records import SETTINGS
+from causalkv.vllm_omni.admission import (
     LINGBOT_STOCK_CAPACITY,
     ROWS,
     EngineGeometry,

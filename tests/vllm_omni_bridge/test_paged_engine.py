@@ -180,9 +180,9 @@ def test_drift_at_the_output_is_bounded_and_starts_when_packed_groups_are_read(r
         _bounded_drift(runs["off"]["latents"], runs[codec]["latents"], codec, _first_read(runs, codec))
 
 
-def _bounded_drift(off, lat, codec, first):
+def _bounded_drift(off, lat, codec, first, sessions=SESSIONS):
     for i in range(TICKS):
-        for s in SESSIONS:
+        for s in sessions:
             drift = float((lat[(s, i)] - off[(s, i)]).abs().max())
             scale = float(off[(s, i)].abs().max())
             if i < first:  # nothing packed is read yet
@@ -245,8 +245,8 @@ def test_closing_eviction_and_failure_drop_records(folder):
     the refused tick comes last."""
     import paged_sessions as ps
 
-    from causalkv.runtime.memory.records import SETTINGS as ROWS
-    from causalkv.runtime.memory.vllm_omni import admit, causalkv_layout
+    from causalkv.memory.records import SETTINGS as ROWS
+    from causalkv.vllm_omni.admission import admit, causalkv_layout
 
     built, work = folder
     src = ps.image()

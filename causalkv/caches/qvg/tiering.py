@@ -21,7 +21,7 @@ formula, says for every segment what becomes of it (`Tiering`, one step per segm
   (``REWRITTEN``: its rows carry the codec's error already).
 
 The segment store (`causalkv.caches.qvg.store_pack.Packer`) executes the steps on its
-tensors (one encode per `Packed`); the memory planner (`causalkv.runtime.memory.plan`) counts
+tensors (one encode per `Packed`); the memory planner (`causalkv.memory.plan`) counts
 their bytes without tensors. The only input the decision cannot know without tensors is
 whether a span's K/V are finite: the store passes ``finite`` (a span that is not stays dense,
 ``NON_FINITE``), the planner passes nothing (every span is).

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from causalkv.memory.records import format_bytes
 from causalkv.options import CacheOptions
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
 from causalkv.runtime.host.resolve import resolve
 from causalkv.runtime.host.run_step import run_plan
-from causalkv.runtime.memory.records import format_bytes
 
 __all__ = ["REFERENCE_DTYPE", "TIMING_REPEATS", "compare_table", "compare_unquantized", "latent_psnr_db"]
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from causalkv.memory.records import format_bytes
 from causalkv.runtime.host.compare_step import compare_unquantized
 from causalkv.runtime.host.load_step import load_for_plan
 from causalkv.runtime.host.pipeline_records import GenerateOptions, GenerationRun, Plan, PluginSet
@@ -45,7 +46,6 @@ from causalkv.runtime.host.report import (
 )
 from causalkv.runtime.host.run_step import run_plan
 from causalkv.runtime.host.write_step import write_files
-from causalkv.runtime.memory.records import format_bytes
 from causalkv.runtime.model_io.prompt_encoding import warn_line
 from causalkv.runtime.processes.distributed import is_main_rank
 from causalkv.stages.records import ChunkStats

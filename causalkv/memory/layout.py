@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.memory.geometry import ModelGeometry
-from causalkv.runtime.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
+from causalkv.memory.geometry import ModelGeometry
+from causalkv.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
 
 

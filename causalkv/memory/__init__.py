@@ -1,7 +1,8 @@
 """The KV memory planner behind ``causalkv memory``: exact bytes of a request's caches, no tensors.
 
-For a model's geometry (`ModelGeometry`: a built-in one, `BUILTIN_MODELS`, or a local
-diffusers / sglang folder read by its config, `read_model_geometry`) and a request
+For a model's geometry (`ModelGeometry`: a built-in one, `BUILTIN_MODELS`; a causalkv preset
+or a local diffusers / sglang folder is read by the runtime,
+`causalkv.runtime.model_io.geometry.resolve_model`) and a request
 (`MemoryRequest`: video size, frames, CFG, shots), `plan_memory` gives per QVG setting
 (`SETTINGS`: ``off``, then per registered codec setting, a plugin's too, ``<codec>-default``
 and ``<codec>-recent0``, and the benchmark's ``int2-recent-int4``, ``int2-recent-fp8``,
@@ -47,11 +48,15 @@ Out of scope: sequence-parallel and head-sliced caches (each rank would hold its
 share), the text cross-attention cache, weights and activations.
 
 The modules: `records` (the settings, the request, the cache model record, the stream layout,
-byte units), `cache_models` (the caches planned), `geometry` (the built-in models and a
-folder's config), `layout` (the request's stream and a cursor model's positions per chunk),
+byte units), `cache_models` (the caches planned), `geometry` (the planner's view of a model,
+the built-in models), `layout` (the request's stream and a cursor model's positions per chunk),
 `plan` (bytes per setting: the store's segments modelled as bytes
 under the tier policy's decisions; the plan, the budget search). Import the names from this
 package.
+
+Below the runtime and the host bridges, above the plugin system (a layers contract in
+pyproject.toml): the command line plans with it, and vLLM-Omni's paged engine admits sessions
+by it (`causalkv.vllm_omni.admission`).
 """
 
 from __future__ import annotations
@@ -79,39 +84,33 @@ __all__ = [
     "plan_memory",
     "plan_setting",
     "positions",
-    "preset_geometry",
-    "read_model_geometry",
-    "resolve_model",
     "stream_layout",
 ]
 
 #: each name's module, imported on first use: ``causalkv memory --help`` reads `records` and
 #: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
 _HOMES = {
-    "ATTENTION": "causalkv.runtime.memory.records",
-    "BUILTIN_MODELS": "causalkv.runtime.memory.geometry",
-    "CacheModel": "causalkv.runtime.memory.records",
-    "ChunkState": "causalkv.runtime.memory.layout",
-    "DTYPE_BYTES": "causalkv.runtime.memory.records",
-    "ROLLING_SLOT_CACHE": "causalkv.runtime.memory.cache_models",
-    "MemoryPlan": "causalkv.runtime.memory.plan",
-    "MemoryRequest": "causalkv.runtime.memory.records",
-    "ModelGeometry": "causalkv.runtime.memory.geometry",
-    "SETTINGS": "causalkv.runtime.memory.records",
-    "STREAM_CACHE": "causalkv.runtime.memory.cache_models",
-    "Setting": "causalkv.runtime.memory.records",
-    "SettingPlan": "causalkv.runtime.memory.plan",
-    "StreamLayout": "causalkv.runtime.memory.records",
-    "attention_of": "causalkv.runtime.memory.records",
-    "format_bytes": "causalkv.runtime.memory.records",
-    "parse_bytes": "causalkv.runtime.memory.records",
-    "plan_memory": "causalkv.runtime.memory.plan",
-    "plan_setting": "causalkv.runtime.memory.plan",
-    "positions": "causalkv.runtime.memory.layout",
-    "preset_geometry": "causalkv.runtime.memory.geometry",
-    "read_model_geometry": "causalkv.runtime.memory.geometry",
-    "resolve_model": "causalkv.runtime.memory.geometry",
-    "stream_layout": "causalkv.runtime.memory.layout",
+    "ATTENTION": "causalkv.memory.records",
+    "BUILTIN_MODELS": "causalkv.memory.geometry",
+    "CacheModel": "causalkv.memory.records",
+    "ChunkState": "causalkv.memory.layout",
+    "DTYPE_BYTES": "causalkv.memory.records",
+    "ROLLING_SLOT_CACHE": "causalkv.memory.cache_models",
+    "MemoryPlan": "causalkv.memory.plan",
+    "MemoryRequest": "causalkv.memory.records",
+    "ModelGeometry": "causalkv.memory.geometry",
+    "SETTINGS": "causalkv.memory.records",
+    "STREAM_CACHE": "causalkv.memory.cache_models",
+    "Setting": "causalkv.memory.records",
+    "SettingPlan": "causalkv.memory.plan",
+    "StreamLayout": "causalkv.memory.records",
+    "attention_of": "causalkv.memory.records",
+    "format_bytes": "causalkv.memory.records",
+    "parse_bytes": "causalkv.memory.records",
+    "plan_memory": "causalkv.memory.plan",
+    "plan_setting": "causalkv.memory.plan",
+    "positions": "causalkv.memory.layout",
+    "stream_layout": "causalkv.memory.layout",
 }
 
 

@@ -1,7 +1,7 @@
 """Bytes per setting (`plan_setting`) and the whole plan with the budget search (`plan_memory`).
 
 `plan_setting` models one layer's segment store as bytes (`_Seg`): per chunk the positions the
-cache's cursor model holds (`causalkv.runtime.memory.layout.positions`), the cache's
+cache's cursor model holds (`causalkv.memory.layout.positions`), the cache's
 `PackingPolicy` (a `CacheModel` gives both, and its centroid rule), then the store's own tier
 policy (`causalkv.caches.qvg.tiering.TierPolicy`) deciding what is packed by
 which codec in which spans; the bytes of a packed span are the codec's ``nbytes`` formula, a
@@ -25,8 +25,8 @@ from causalkv.caches.qvg.tiering import (
     keep_held,
 )
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.memory.geometry import ModelGeometry
-from causalkv.runtime.memory.layout import (
+from causalkv.memory.geometry import ModelGeometry
+from causalkv.memory.layout import (
     MAX_CHUNKS,
     MAX_WORK,
     ChunkState,
@@ -35,7 +35,7 @@ from causalkv.runtime.memory.layout import (
     request_latent_frames,
     stream_layout,
 )
-from causalkv.runtime.memory.records import (
+from causalkv.memory.records import (
     DTYPE_BYTES,
     SETTINGS,
     CacheModel,
@@ -406,7 +406,7 @@ def plan_memory(
     geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, *,
     settings: Iterable[str] | None = None, budget: int | None = None,
 ) -> MemoryPlan:
-    """Every setting's figures for ``req`` held by ``cache`` (`causalkv.runtime.memory.cache_models`;
+    """Every setting's figures for ``req`` held by ``cache`` (`causalkv.memory.cache_models`;
     and, with ``budget`` in bytes, whether it fits and the longest window, or video for a
     window-is-video model, that fits)."""
     names = list(SETTINGS) if settings is None else list(settings)

@@ -27,7 +27,7 @@ ATTENTION = ("gathered", "streamed")
 
 @dataclass(frozen=True)
 class CacheModel:
-    """The cache a plan counts (`causalkv.runtime.memory.cache_models` has the planned ones).
+    """The cache a plan counts (`causalkv.memory.cache_models` has the planned ones).
 
     Attributes:
         positions: the cursor model deciding which positions a layer holds and shows

@@ -8,7 +8,7 @@ from __future__ import annotations
 from causalkv.caches.qvg.policy import MIN_TOKENS_PER_CENTROID, RECENT_CHUNKS, RECENT_NON_SINK
 from causalkv.caches.rolling_slots import RollingSlots
 from causalkv.caches.stream import StreamState
-from causalkv.runtime.memory.records import CacheModel
+from causalkv.memory.records import CacheModel
 
 __all__ = ["ROLLING_SLOT_CACHE", "STREAM_CACHE"]
 

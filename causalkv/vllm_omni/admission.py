@@ -1,4 +1,6 @@
-"""The planner for vLLM-Omni's LingBot-World: request-mode bytes, and realtime sessions admitted.
+"""vLLM-Omni's LingBot-World in the memory planner: request-mode bytes, and realtime sessions
+admitted. Counted with causalkv's planner (`causalkv.memory`, below the bridges); imports no vLLM
+or vLLM-Omni, so ``causalkv memory lingbot --host vllm-omni`` runs without them.
 
 Two hosts of LingBot-World's self-attention K/V in vLLM-Omni 0.30.0:
 
@@ -38,11 +40,11 @@ from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.errors import ConfigError, check_int
-from causalkv.runtime.memory.cache_models import STREAM_CACHE
-from causalkv.runtime.memory.geometry import ModelGeometry
-from causalkv.runtime.memory.layout import stream_layout
-from causalkv.runtime.memory.plan import plan_setting
-from causalkv.runtime.memory.records import (
+from causalkv.memory.cache_models import STREAM_CACHE
+from causalkv.memory.geometry import ModelGeometry
+from causalkv.memory.layout import stream_layout
+from causalkv.memory.plan import plan_setting
+from causalkv.memory.records import (
     DTYPE_BYTES,
     SETTINGS,
     MemoryRequest,
@@ -66,7 +68,6 @@ __all__ = [
     "causalkv_layout",
     "engine_stream",
     "format_admission",
-    "format_sessions",
     "lingbot_engine",
     "lingbot_model_state_bytes",
     "plan_admission",
@@ -90,30 +91,17 @@ _EXTRA_CHUNKS = 4
 
 @dataclass(frozen=True)
 class SessionPlan:
-    """One row: a realtime session's self-attention bytes at one setting (all layers)."""
+    """One row: a request-mode session's self-attention bytes at one setting (all layers):
+    causalkv's stores at most (``session_bytes``) and vLLM-Omni's dense cache (``dense_bytes``)."""
 
     setting: str
     session_bytes: int
-    transient_bytes: int
     dense_bytes: int
-    sessions: int | None
-    dense_sessions: int | None
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_bytes / self.session_bytes
-
-    def as_json(self) -> dict[str, Any]:
-        return {"setting": self.setting, "session_bytes": self.session_bytes,
-                "transient_bytes": self.transient_bytes, "dense_bytes": self.dense_bytes,
-                "dense_over_session": round(self.ratio, 4), "sessions": self.sessions,
-                "dense_sessions": self.dense_sessions}
 
 
-def plan_sessions(budget: int | None = None, *, geom: ModelGeometry = VLLM_OMNI_LINGBOT,
-                  rows: tuple[str, ...] = tuple(ROWS), height: int | None = None,
-                  width: int | None = None) -> list[SessionPlan]:
-    """Bytes per session for each of ``rows`` (`ROWS`) and, with ``budget``, sessions that fit."""
+def plan_sessions(*, geom: ModelGeometry = VLLM_OMNI_LINGBOT, rows: tuple[str, ...] = tuple(ROWS),
+                  height: int | None = None, width: int | None = None) -> list[SessionPlan]:
+    """Bytes per request-mode session for each of ``rows`` (`ROWS`)."""
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise ConfigError(f"vllm-omni rows must be among {list(ROWS)}, got {unknown}")
@@ -123,40 +111,8 @@ def plan_sessions(budget: int | None = None, *, geom: ModelGeometry = VLLM_OMNI_
     for row in rows:
         p = plan_setting(geom, lay, SETTINGS[ROWS[row]], cache=STREAM_CACHE,
                          attention="gathered", record=False)
-        session = p.kv_bytes + geom.num_layers * p.chunk_bytes
-        sessions = dense_sessions = None
-        if budget is not None:
-            sessions = max(0, (budget - p.transient_bytes) // session)
-            dense_sessions = max(0, (budget - p.transient_bytes) // p.dense_bytes)
-        out.append(SessionPlan(row, session, p.transient_bytes, p.dense_bytes, sessions, dense_sessions))
+        out.append(SessionPlan(row, p.kv_bytes + geom.num_layers * p.chunk_bytes, p.dense_bytes))
     return out
-
-
-def format_sessions(plans: list[SessionPlan], budget: int | None,
-                    geom: ModelGeometry = VLLM_OMNI_LINGBOT) -> str:
-    """The table ``causalkv memory lingbot --host vllm-omni`` prints."""
-    tpf = (geom.height // geom.vae_scale_spatial // geom.patch[0]) * (
-        geom.width // geom.vae_scale_spatial // geom.patch[1])
-    lines = [
-        f"{geom.describe()}, host vllm-omni: {geom.height}x{geom.width} = {tpf:,} tokens per "
-        f"latent frame, {geom.frames_per_chunk}-frame blocks, sink {geom.sink_frames}, window "
-        f"{geom.window_frames} frames (max_tokens {geom.window_frames * tpf:,}); per realtime "
-        "session, all layers, bf16",
-        f"{'setting':8s} {'session_bytes':>16s} {'dense_bytes':>16s} {'dense/session':>13s}"
-        + (f" {'sessions':>9s}" if budget is not None else ""),
-    ]
-    for p in plans:
-        lines.append(
-            f"{p.setting:8s} {format_bytes(p.session_bytes):>16s} {format_bytes(p.dense_bytes):>16s} "
-            f"{p.ratio:>13.2f}" + (f" {p.sessions:>9d}" if budget is not None else ""))
-    if budget is not None and plans:
-        lines.append(
-            f"budget {format_bytes(budget)}: sessions = (budget - one layer's visible K/V, "
-            f"{format_bytes(plans[0].transient_bytes)}) // session_bytes; vLLM-Omni's dense "
-            f"cache fits {plans[0].dense_sessions}")
-    lines.append("session_bytes: the most one session's causalkv stores hold (40 layers); "
-                 "dense_bytes: vLLM-Omni's [B, max_tokens, H, D] K and V per layer")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,10 +227,6 @@ class EngineGeometry:
         return sum(2 * self.kv_branches * tokens * heads * self.head_size * self.itemsize * self.num_layers
                    for tokens, heads in self.cross_attention)
 
-    @property
-    def window_tokens(self) -> int:
-        """Tokens one forward reads at most, its own chunk included (``sink + window`` frames)."""
-        return (self.sink_frames + self.window_frames) * self.tokens_per_frame
 
 
 def lingbot_engine(height: int | None = None, width: int | None = None, *,
@@ -350,14 +302,7 @@ def engine_stream(eng: EngineGeometry) -> tuple[ModelGeometry, StreamLayout]:
                          global_sink_frames=eng.sink_frames, window_frames=total,
                          height=eng.tokens_per_frame, width=1)
     chunks = total // fpb + _EXTRA_CHUNKS
-    lay = StreamLayout(
-        tokens_per_frame=eng.tokens_per_frame, frames_per_chunk=fpb, num_chunks=chunks,
-        latent_frames=chunks * fpb, video_frames=geom.video_frames(chunks * fpb),
-        sink_tokens=eng.sink_frames * eng.tokens_per_frame,
-        global_sink_tokens=eng.sink_frames * eng.tokens_per_frame,
-        cache_tokens=total * eng.tokens_per_frame, window_frames=total, pins=frozenset(),
-        sets=1, height=eng.tokens_per_frame, width=1,
-    )
+    lay = stream_layout(geom, MemoryRequest(latent_frames=chunks * fpb, dtype=eng.dtype))
     return geom, lay
 
 
