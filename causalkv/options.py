@@ -74,28 +74,20 @@ class OptionSpec:
     action: str | None = None
     minimum: int | None = None
 
+    def read(self, raw: Any) -> Any:
+        """A flag's or config value as the field's value: `parse` applied (None stays None)."""
+        return self.parse(raw) if self.parse is not None and raw is not None else raw
+
     def choice_values(self) -> tuple[Any, ...] | None:
         """`choices`, called when it is a callable."""
         return self.choices() if callable(self.choices) else self.choices
 
 
-def option(
-    default: Any = MISSING,
-    *,
-    help: str,
-    flag: str | None = None,
-    key: str | None = None,
-    type: Callable[[str], Any] | None = None,
-    parse: Callable[[Any], Any] | None = None,
-    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
-    metavar: str | None = None,
-    action: str | None = None,
-    minimum: int | None = None,
-    default_factory: Any = MISSING,
-) -> Any:
-    """A dataclass field of an `Options` record, with its `OptionSpec`."""
-    spec = OptionSpec(help, flag, key, type, parse, choices, metavar, action, minimum)
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={_META: spec})
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, **spec: Any) -> Any:
+    """A dataclass field of an `Options` record, with its `OptionSpec` (``spec``: its fields,
+    ``help`` required)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={_META: OptionSpec(**spec)})
 
 
 @dataclass(frozen=True)
@@ -235,8 +227,7 @@ class Options:
         for name, spec in cls.specs().items():
             dest = cls._dest(name)
             if dest in values:
-                raw = values[dest]
-                out[name] = spec.parse(raw) if spec.parse is not None else raw
+                out[name] = spec.read(values[dest])
         return out
 
     # ---- config files and dicts ----------------------------------------------------------
@@ -254,12 +245,7 @@ class Options:
                 f"choose among: {', '.join(keys)}"
             )
         specs = cls.specs()
-        out = {}
-        for key, raw in values.items():
-            name = keys[key]
-            parse = specs[name].parse
-            out[name] = parse(raw) if parse is not None and raw is not None else raw
-        return out
+        return {keys[key]: specs[keys[key]].read(raw) for key, raw in values.items()}
 
     @classmethod
     def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:

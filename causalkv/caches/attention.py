@@ -171,6 +171,10 @@ def _step_kind(device: torch.device, head_dim: int) -> str:
     return "fallback"
 
 
+#: queries per block of the decode path's step, by `_step_kind`
+_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "cuda": GPU_QUERY_BLOCK, "fallback": FALLBACK_QUERY_BLOCK}
+
+
 def _merge_dense(
     acc: torch.Tensor,
     lse_run: torch.Tensor,
@@ -214,14 +218,8 @@ def _merge_dense(
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused path's kernel (triton is optional: imported on first use)
+# The fused path (triton is optional: a record type's kernel module is imported on first use)
 # ---------------------------------------------------------------------------------------------
-def _kernel_module(name: str) -> ModuleType:
-    """A record type's attention kernel module, imported on first use (PRQ's imports triton,
-    an optional dependency the decode path never needs)."""
-    return importlib.import_module(name)
-
-
 #: `AttendStats.decode_reasons` when the default path on CUDA cannot take the fused path
 NO_TRITON = ("triton does not import: packed segments are decoded before attention (install "
              "causalkv[triton] for the fused packed-attention kernel)")
@@ -308,8 +306,7 @@ def _attend_segments(
         _attend_fused(query, q, view, acc, lse_run, scale, st, required=fused is True)
     else:
         kind = _step_kind(query.device, d)
-        block = CPU_QUERY_BLOCK if kind == "cpu" else (
-            GPU_QUERY_BLOCK if kind == "cuda" else FALLBACK_QUERY_BLOCK)
+        block = _DECODE_BLOCK[kind]
         for k_seg, v_seg in view.iter_segments():
             seg_bytes = k_seg.nbytes + v_seg.nbytes
             st.segments += 1
@@ -345,7 +342,7 @@ def _attend_fused(
             why: str | None = "the codec has no attention kernel"
             kernel: ModuleType | None = None
             if record.attention_module is not None:
-                kernel = _kernel_module(record.attention_module)
+                kernel = importlib.import_module(record.attention_module)
                 why = kernel.supports(query, k_seg, v_seg)
             if kernel is not None and why is None:
                 kernel.packed_attention(query, k_seg, v_seg, scale=scale,

@@ -228,6 +228,18 @@ class KVCodec(ABC):
             self.decode_into(record, out)
         return out
 
+    def check_encode(self, x: torch.Tensor) -> None:
+        """Refuse an ``x`` `encode` cannot pack (`CodecError` naming the codec): what
+        `check_segment` refuses, a head_dim `layout_problem` names, and (on the CPU) NaN/inf."""
+        check_segment(self.name, x)
+        problem = self.layout_problem(x.shape[-1])
+        if problem is not None:
+            raise CodecError(f"{self.name} encode: {problem}")
+        if x.device.type == "cpu":
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                raise CodecError(f"{self.name} encode: {bad} NaN/inf value(s) in x; refusing to pack")
+
     def check_out(self, record: PackedRecord, out: torch.Tensor) -> None:
         """Refuse an ``out`` `decode_into` cannot write (`CodecError` naming the codec): a
         shape other than ``record.shape``, a device other than ``record.device``, or a dtype
