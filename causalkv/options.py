@@ -232,11 +232,9 @@ class Options:
 
     # ---- config files and dicts ----------------------------------------------------------
     @classmethod
-    def parse_mapping(cls, values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-        """Field name -> value for the config ``values`` (keys are the records' keys).
-
-        Raises `ConfigError` naming ``source`` for a key this record does not declare.
-        """
+    def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
+        """A validated record from config ``values`` (the records' keys; defaults for keys left
+        out). Raises `ConfigError` naming ``source`` for a key this record does not declare."""
         keys = cls.keys()
         unknown = sorted(set(values) - set(keys))
         if unknown:
@@ -245,12 +243,7 @@ class Options:
                 f"choose among: {', '.join(keys)}"
             )
         specs = cls.specs()
-        return {keys[key]: specs[keys[key]].read(raw) for key, raw in values.items()}
-
-    @classmethod
-    def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
-        """A validated record from config ``values`` (defaults for keys left out)."""
-        return cls(**cls.parse_mapping(values, source=source))
+        return cls(**{keys[key]: specs[keys[key]].read(raw) for key, raw in values.items()})
 
     def to_mapping(self) -> dict[str, Any]:
         """Config key -> value of every declared field."""
