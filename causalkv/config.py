@@ -39,14 +39,7 @@ def _by_class(records: Sequence[Any], owner: str) -> tuple[Options, ...]:
 
 
 def _option(records: Sequence[Options], cls: type[R]) -> R:
-    for r in records:
-        if isinstance(r, cls):
-            return r
-    return cls()
-
-
-def _merged(records: Sequence[Options], record: Options) -> tuple[Options, ...]:
-    return (*(r for r in records if type(r) is not type(record)), record)
+    return next((r for r in records if isinstance(r, cls)), None) or cls()
 
 
 @dataclass(frozen=True)
@@ -126,8 +119,8 @@ class ModelConfig:
         records = self.options
         for r in records:
             mine = {k: v for k, v in overrides.items() if k in type(r).specs() and k not in own}
-            if mine:
-                records = _merged(records, replace(r, **mine))
+            if mine:  # the record replaced by its changed copy
+                records = (*(o for o in records if o is not r), replace(r, **mine))
         return replace(self, **own, options=records)
 
 
@@ -251,13 +244,6 @@ class ServerArgs:
     def option(self, cls: type[R]) -> R:
         """The request's ``cls`` record, else ``cls()`` (its defaults)."""
         return _option(self.options, cls)
-
-    def with_options(self, *records: Options) -> ServerArgs:
-        """A validated copy holding ``records`` (each replaces the one of its class)."""
-        out = self.options
-        for r in records:
-            out = _merged(out, r)
-        return replace(self, options=out)
 
     def without_options(self, kind: type[Options]) -> ServerArgs:
         """A validated copy without the records of type ``kind`` (e.g. every cache's)."""

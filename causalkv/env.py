@@ -86,10 +86,8 @@ def flag(
     if raw is None:
         return default
     value = raw.strip().lower()
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
+    if value in FLAG_VALUES:
+        return value in ON
     if not strict:
         return default
     raise _refuse(name, raw, FLAG_VALUES, meaning)

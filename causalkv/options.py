@@ -74,28 +74,20 @@ class OptionSpec:
     action: str | None = None
     minimum: int | None = None
 
+    def read(self, raw: Any) -> Any:
+        """A flag's or config value as the field's value: `parse` applied (None stays None)."""
+        return self.parse(raw) if self.parse is not None and raw is not None else raw
+
     def choice_values(self) -> tuple[Any, ...] | None:
         """`choices`, called when it is a callable."""
         return self.choices() if callable(self.choices) else self.choices
 
 
-def option(
-    default: Any = MISSING,
-    *,
-    help: str,
-    flag: str | None = None,
-    key: str | None = None,
-    type: Callable[[str], Any] | None = None,
-    parse: Callable[[Any], Any] | None = None,
-    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] | None = None,
-    metavar: str | None = None,
-    action: str | None = None,
-    minimum: int | None = None,
-    default_factory: Any = MISSING,
-) -> Any:
-    """A dataclass field of an `Options` record, with its `OptionSpec`."""
-    spec = OptionSpec(help, flag, key, type, parse, choices, metavar, action, minimum)
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={_META: spec})
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, **spec: Any) -> Any:
+    """A dataclass field of an `Options` record, with its `OptionSpec` (``spec``: its fields,
+    ``help`` required)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={_META: OptionSpec(**spec)})
 
 
 @dataclass(frozen=True)
@@ -235,17 +227,14 @@ class Options:
         for name, spec in cls.specs().items():
             dest = cls._dest(name)
             if dest in values:
-                raw = values[dest]
-                out[name] = spec.parse(raw) if spec.parse is not None else raw
+                out[name] = spec.read(values[dest])
         return out
 
     # ---- config files and dicts ----------------------------------------------------------
     @classmethod
-    def parse_mapping(cls, values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-        """Field name -> value for the config ``values`` (keys are the records' keys).
-
-        Raises `ConfigError` naming ``source`` for a key this record does not declare.
-        """
+    def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
+        """A validated record from config ``values`` (the records' keys; defaults for keys left
+        out). Raises `ConfigError` naming ``source`` for a key this record does not declare."""
         keys = cls.keys()
         unknown = sorted(set(values) - set(keys))
         if unknown:
@@ -254,17 +243,7 @@ class Options:
                 f"choose among: {', '.join(keys)}"
             )
         specs = cls.specs()
-        out = {}
-        for key, raw in values.items():
-            name = keys[key]
-            parse = specs[name].parse
-            out[name] = parse(raw) if parse is not None and raw is not None else raw
-        return out
-
-    @classmethod
-    def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
-        """A validated record from config ``values`` (defaults for keys left out)."""
-        return cls(**cls.parse_mapping(values, source=source))
+        return cls(**{keys[key]: specs[keys[key]].read(raw) for key, raw in values.items()})
 
     def to_mapping(self) -> dict[str, Any]:
         """Config key -> value of every declared field."""

@@ -171,6 +171,10 @@ def _step_kind(device: torch.device, head_dim: int) -> str:
     return "fallback"
 
 
+#: queries per block of the decode path's step, by `_step_kind`
+_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "cuda": GPU_QUERY_BLOCK, "fallback": FALLBACK_QUERY_BLOCK}
+
+
 def _merge_dense(
     acc: torch.Tensor,
     lse_run: torch.Tensor,
@@ -214,14 +218,8 @@ def _merge_dense(
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused path's kernel (triton is optional: imported on first use)
+# The fused path (triton is optional: a record type's kernel module is imported on first use)
 # ---------------------------------------------------------------------------------------------
-def _kernel_module(name: str) -> ModuleType:
-    """A record type's attention kernel module, imported on first use (PRQ's imports triton,
-    an optional dependency the decode path never needs)."""
-    return importlib.import_module(name)
-
-
 #: `AttendStats.decode_reasons` when the default path on CUDA cannot take the fused path
 NO_TRITON = ("triton does not import: packed segments are decoded before attention (install "
              "causalkv[triton] for the fused packed-attention kernel)")
@@ -295,7 +293,12 @@ def _attend_segments(
     fused: bool | None,
 ) -> torch.Tensor:
     """`attend` over a view whose K/V are not materialized: segment by segment, merged with the
-    log-sum-exp recurrence (the decode or the fused path). Runs outside torch.compile's graphs."""
+    log-sum-exp recurrence. Runs outside torch.compile's graphs.
+
+    The decode path reads `iter_segments` (packed segments dequantized by the view) with
+    `_DECODE_BLOCK` queries per step. The fused path reads `iter_stored_segments`: packed
+    records through their kernel (merged in place), records without one decoded here, and
+    dense pieces (views of the cache) attended over `GPU_QUERY_BLOCK` queries."""
     b, n, h, d = query.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     st = stats if stats is not None else AttendStats()
@@ -304,48 +307,16 @@ def _attend_segments(
     acc = torch.zeros((b, h, n, d), dtype=torch.float32, device=query.device)
     lse_run = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=query.device)
     st.accumulator_nbytes = acc.nbytes + lse_run.nbytes
-    if use_fused:
-        _attend_fused(query, q, view, acc, lse_run, scale, st, required=fused is True)
-    else:
-        kind = _step_kind(query.device, d)
-        block = CPU_QUERY_BLOCK if kind == "cpu" else (
-            GPU_QUERY_BLOCK if kind == "cuda" else FALLBACK_QUERY_BLOCK)
-        for k_seg, v_seg in view.iter_segments():
-            seg_bytes = k_seg.nbytes + v_seg.nbytes
-            st.segments += 1
-            st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg_bytes)
-            k, v = k_seg.transpose(1, 2).to(q.dtype), v_seg.transpose(1, 2).to(q.dtype)
-            _merge_dense(acc, lse_run, q, k, v, scale, block=block, kind=kind,
-                         extra=seg_bytes, st=st)
-            del k, v, k_seg, v_seg
-    if st.segments == 0:
-        raise AttendError("attend: the view has no visible tokens; write a chunk first")
-    return acc.transpose(1, 2).to(query.dtype)
-
-
-def _attend_fused(
-    query: torch.Tensor,
-    q: torch.Tensor,
-    view: CausalAttentionKVView,
-    acc: torch.Tensor,
-    lse_run: torch.Tensor,
-    scale: float,
-    st: AttendStats,
-    *,
-    required: bool,
-) -> None:
-    """The fused path of `attend`: packed records through their kernel (merged in place),
-    dense pieces (and records without a kernel, decoded) through `_merge_dense` over
-    `GPU_QUERY_BLOCK` queries."""
-    kind = _step_kind(query.device, query.shape[-1])
-    for k_seg, v_seg in view.iter_stored_segments():
+    kind = _step_kind(query.device, d)
+    block = GPU_QUERY_BLOCK if use_fused else _DECODE_BLOCK[kind]
+    for k_seg, v_seg in view.iter_stored_segments() if use_fused else view.iter_segments():
         st.segments += 1
-        record = record_kind(k_seg)
+        record = record_kind(k_seg)  # a packed record: the fused path's stored pieces only
         if record is not None:
             why: str | None = "the codec has no attention kernel"
             kernel: ModuleType | None = None
             if record.attention_module is not None:
-                kernel = _kernel_module(record.attention_module)
+                kernel = importlib.import_module(record.attention_module)
                 why = kernel.supports(query, k_seg, v_seg)
             if kernel is not None and why is None:
                 kernel.packed_attention(query, k_seg, v_seg, scale=scale,
@@ -355,20 +326,29 @@ def _attend_fused(
                 st.peak_transient_nbytes = max(st.peak_transient_nbytes,
                                                kernel.workspace_nbytes(k_seg, v_seg))
                 continue
-            if required and kernel is not None:
+            if fused is True and kernel is not None:
                 raise kernel.PackedAttentionError(f"attend(fused=True): {why}")
             st.note(f"packed segment decoded before attention ({why})")
             st.decoded_segments += 1
             k = decode_record(k_seg, query.dtype)  # [B, h, s, D]
             v = decode_record(v_seg, query.dtype)
-            extra = k.nbytes + v.nbytes
+            extra = seg = k.nbytes + v.nbytes
         else:
-            k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # views of the cache
-            extra = 0
-            if k.dtype != query.dtype:
-                k, v = k.to(query.dtype), v.to(query.dtype)
-                extra = k.nbytes + v.nbytes
-        st.peak_segment_nbytes = max(st.peak_segment_nbytes, k.nbytes + v.nbytes)
-        _merge_dense(acc, lse_run, q, k, v, scale, block=GPU_QUERY_BLOCK, kind=kind,
-                     extra=extra, st=st, in_place=True)
+            k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # views of the segment
+            # the decode path's segments are this call's (dequantized by the view); the fused
+            # path's are the cache's own, so only a cast of them is this call's
+            extra = seg = k.nbytes + v.nbytes
+            if use_fused:
+                extra = 0
+                if k.dtype != q.dtype:
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                    extra = seg = k.nbytes + v.nbytes
+            else:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+        st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg)
+        _merge_dense(acc, lse_run, q, k, v, scale, block=block, kind=kind, extra=extra, st=st,
+                     in_place=use_fused)
         del k, v, k_seg, v_seg
+    if st.segments == 0:
+        raise AttendError("attend: the view has no visible tokens; write a chunk first")
+    return acc.transpose(1, 2).to(query.dtype)

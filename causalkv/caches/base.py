@@ -103,17 +103,29 @@ class StreamCache(ABC):
         then, once every head is written, only what the next advance keeps stays
         (`StreamState.committed`). Unmarked calls follow the `marker`'s pass.
         """
-        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
+        heads = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
         probe, commit = self._marks(probe, commit)
         if probe:
-            return self.probe_view(key, value, current_chunk_start, (h0, h1),
-                                   recent_window_tokens, debug_name)
+            return self.probe_view(key, value, current_chunk_start, heads, recent_window_tokens,
+                                   debug_name)
+        return self._write(key, value, current_chunk_start, heads, recent_window_tokens,
+                           debug_name, commit)
+
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
+        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
+        commit: Commit | None,
+    ) -> CausalAttentionKVView:
+        """Store the write (checked: heads ``heads``, not a probe) and return its view: the
+        hooks below (`_advance`, `_write_current`, `_commit`). A cache that plans the whole
+        write before committing it (the QVG packed cache) overrides this instead."""
+        h0, h1 = heads
         n = key.shape[1]
         if self.state.classify(current_chunk_start, n, debug_name) == "advance":
-            self._advance(self.state.advanced(n, debug_name), (h0, h1))
+            self._advance(self.state.advanced(n, debug_name), heads)
         self._write_current(key, value, h0, h1)
-        self._pass, done = self._commit_pass(current_chunk_start, (h0, h1), commit)
+        self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
         if not done:
             return self._view(h0, h1, recent_window_tokens)
         assert commit is not None
@@ -216,8 +228,8 @@ class StreamCache(ABC):
         )
 
     # ---- storage hooks --------------------------------------------------------------
-    # the hooks of the default `update_and_get_attention_kv` (a cache that overrides it, such
-    # as the QVG packed cache, which plans the whole write before committing it, needs neither)
+    # the hooks of the default `_write` (a cache that overrides it, such as the QVG packed
+    # cache, which plans the whole write before committing it, needs neither)
     def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
         """Move storage to ``new`` (evict, make room for its current chunk) and commit it.
 

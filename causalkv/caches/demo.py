@@ -116,33 +116,23 @@ def _frame_map(r: ChunkReport, config: DemoConfig, total_frames: int) -> str:
     """One character per frame after the chunk's context pass: G global sink, P pinned shot
     sink (the chunk itself when it is a scene cut, pinned after its context pass), C current
     chunk, # other visible, r retained but not visible, . evicted, blank not yet written."""
-    tpf = config.tokens_per_frame
-    sink_end = config.sink_frames * tpf
+    sink_end = config.sink_frames * config.tokens_per_frame
+    shot = [r.written] * r.pinned_here + ([r.shot_sink_seen] if r.shot_sink_seen is not None else [])
 
-    def inside(p: int, runs: Sequence[tuple[int, int]]) -> bool:
-        return any(a <= p < b for a, b in runs)
-
-    chars = []
-    for f in range(total_frames):
-        p = f * tpf
+    def char(p: int) -> str:
         if p >= r.written[1]:
-            chars.append(" ")
-        elif inside(p, r.visible):
-            if p < sink_end:
-                chars.append("G")
-            elif r.pinned_here and inside(p, [r.written]):
-                chars.append("P")
-            elif r.shot_sink_seen is not None and inside(p, [r.shot_sink_seen]):
-                chars.append("P")
-            elif inside(p, [r.written]):
-                chars.append("C")
-            else:
-                chars.append("#")
-        elif inside(p, r.retained):
-            chars.append("r")
-        else:
-            chars.append(".")
-    return "".join(chars)
+            return " "
+        if not _inside(p, r.visible):
+            return "r" if _inside(p, r.retained) else "."
+        if p < sink_end:
+            return "G"
+        return "P" if _inside(p, shot) else "C" if _inside(p, [r.written]) else "#"
+
+    return "".join(char(f * config.tokens_per_frame) for f in range(total_frames))
+
+
+def _inside(p: int, runs: Sequence[tuple[int, int]]) -> bool:
+    return any(a <= p < b for a, b in runs)
 
 
 def format_report(config: DemoConfig, reports: Sequence[ChunkReport], size: SizeFormat) -> str:

@@ -55,11 +55,9 @@ class DenseCausalKVCache(StreamCache):
     # ---- storage ------------------------------------------------------------------
     def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
         self._relayout(new, fresh_heads=heads)
-        self.state = new
 
     def _commit(self, new: StreamState) -> None:
         self._relayout(new, fresh_heads=(0, self.spec.num_heads))
-        self.state = new
 
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
         st = self.state
@@ -71,7 +69,8 @@ class DenseCausalKVCache(StreamCache):
             self.v_cache[:, slot : slot + b - a, h0:h1].copy_(value[:, a - start : b - start])
 
     def _relayout(self, new: StreamState, fresh_heads: tuple[int, int]) -> None:
-        """Move the survivors of ``self.state.retained`` into their slots under ``new``."""
+        """Move the survivors of ``self.state.retained`` into their slots under ``new``, and
+        commit ``new``."""
         old_retained = self.state.retained
         if new.capacity > self.k_cache.shape[1]:
             self._grow(new.capacity)
@@ -87,6 +86,7 @@ class DenseCausalKVCache(StreamCache):
             slot = iv.rank(new.retained, new.cur_start)
             self.k_cache[:, slot : slot + new.cur_n].zero_()
             self.v_cache[:, slot : slot + new.cur_n].zero_()
+        self.state = new
 
     def _grow(self, capacity: int) -> None:
         b, old, h, d = self.k_cache.shape

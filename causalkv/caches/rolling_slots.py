@@ -81,10 +81,12 @@ class SlotMap:
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Slots ``[dst, dst + n)`` take what ``[src, src + n)`` held (the roll)."""
-        moved = [(dst + off, dst + off + ln, p) for off, (ln, p) in _offsets(self.read(src, src + n))]
-        runs = self._cut(dst, dst + n)
-        runs.extend(r for r in moved if r[2] is not None)
-        self.runs = sorted(runs)  # type: ignore[arg-type]
+        runs, at = self._cut(dst, dst + n), dst
+        for ln, p in self.read(src, src + n):
+            if p is not None:
+                runs.append((at, at + ln, p))
+            at += ln
+        self.runs = sorted(runs)
 
     def slots_of(self, p0: int, p1: int) -> list[tuple[int, int]]:
         """Slot ranges currently holding any position in ``[p0, p1)``."""
@@ -109,13 +111,6 @@ class SlotMap:
             else:
                 out.append((s0, s1, p0))
         return SlotMap(out)
-
-
-def _offsets(pieces: list[tuple[int, int | None]]):
-    at = 0
-    for ln, p in pieces:
-        yield at, (ln, p)
-        at += ln
 
 
 @dataclass(frozen=True)
@@ -229,20 +224,16 @@ def visible_slots(
 
 
 def _pinned_view(st: SlotState, attn_start: int, ule: int) -> list[tuple[int, int]]:
+    """The window ``[attn_start, ule)``, with the sink and the pinned range prepended when it
+    no longer covers them (the window's slots then shrink by theirs)."""
     es = effective_sink(st)
-    prepend_sink = es > 0 and attn_start > 0
-    prepend_pinned = st.has_pinned_sink() and es <= st.pinned_start < attn_start
-    pinned = (st.pinned_start, st.pinned_start + st.pinned_len)
-    if prepend_sink and prepend_pinned:
-        local = max(0, st.attention_window_size - (es + st.pinned_len))
-        return [(0, es), pinned, (max(es, ule - local), ule)]
-    if prepend_sink:
-        local = max(0, st.attention_window_size - es)
-        return [(0, es), (max(es, ule - local), ule)]
-    if prepend_pinned:
-        local = max(0, st.attention_window_size - st.pinned_len)
-        return [pinned, (max(0, ule - local), ule)]
-    return [(attn_start, ule)]
+    before = [(0, es)] if es > 0 and attn_start > 0 else []
+    if st.has_pinned_sink() and es <= st.pinned_start < attn_start:
+        before.append((st.pinned_start, st.pinned_start + st.pinned_len))
+    if not before:
+        return [(attn_start, ule)]
+    local = max(0, st.attention_window_size - sum(b - a for a, b in before))
+    return [*before, (max(es if before[0][0] == 0 else 0, ule - local), ule)]
 
 
 # ---------------------------------------------------------------------------------------------

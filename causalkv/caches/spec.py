@@ -27,10 +27,6 @@ __all__ = [
     "CausalCacheSpec",
 ]
 
-def _dtype_nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class CacheWriteError(CausalKVError, ValueError):
     """A write (or pin) that breaks the cache contract. The cache is left exactly as it was."""
 
@@ -121,7 +117,7 @@ class CausalCacheSpec:
 
     @property
     def element_size(self) -> int:
-        return _dtype_nbytes(self.dtype)
+        return self.dtype.itemsize
 
     def dense_nbytes(self, tokens: int | None = None) -> int:
         """Bytes of K and V for ``tokens`` tokens (default ``cache_size``) in ``dtype``."""
@@ -256,13 +252,7 @@ class CausalAttentionKVView:
         window densely.
         """
         if self._k is None and self._segments is not None:
-            rows = 0
-            for k, v in self._segments():
-                rows += k.shape[1]
-                if rows > self.num_rows:
-                    self._check_rows(rows, "segments")
-                yield k, v
-            self._check_rows(rows, "segments")
+            yield from self._counted(self._segments(), "segments")
         else:
             yield self.k, self.v
 
@@ -276,15 +266,20 @@ class CausalAttentionKVView:
         their record type's attention kernel where it has one. A view without packed storage yields what `iter_segments` yields.
         """
         if self._k is None and self._stored is not None:
-            rows = 0
-            for k, v in self._stored():
-                rows += k.shape[1] if isinstance(k, torch.Tensor) else k.shape[2]
-                if rows > self.num_rows:
-                    self._check_rows(rows, "stored segments")
-                yield k, v
-            self._check_rows(rows, "stored segments")
+            yield from self._counted(self._stored(), "stored segments")
         else:
             yield from self.iter_segments()
+
+    def _counted(self, pieces: Iterator[StoredSegment], what: str) -> Iterator[StoredSegment]:
+        """``pieces`` as they come, refused (`_check_rows`) as soon as they hold more rows than
+        the view reports, or at the end fewer."""
+        rows = 0
+        for k, v in pieces:
+            rows += k.shape[1] if isinstance(k, torch.Tensor) else k.shape[2]
+            if rows > self.num_rows:
+                self._check_rows(rows, what)
+            yield k, v
+        self._check_rows(rows, what)
 
     def __repr__(self) -> str:
         return (

@@ -177,13 +177,15 @@ class CausalDenoisingStage(StagePlanning):
         self.timesteps, self.sigmas = self.schedule(model)
 
     def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:
-        """``(timesteps, sigmas)`` of one chunk's denoising (``len(sigmas)`` may be one more).
-
-        The DMD schedule: the model's timesteps as sigmas ``t / 1000``, shifted by the
-        scheduler.
-        """
-        self.scheduler.set_timesteps(sigmas=[float(t) / 1000.0 for t in model.timesteps])
+        """``(timesteps, sigmas)`` of one chunk's denoising (``len(sigmas)`` may be one more):
+        `sampler_sigmas` as the scheduler sets them (shifted)."""
+        self.scheduler.set_timesteps(sigmas=self.sampler_sigmas(model))
         return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
+
+    def sampler_sigmas(self, model: ModelConfig) -> Any:
+        """The unshifted sigmas of one chunk's denoising: the DMD schedule, the model's
+        timesteps as ``t / 1000``."""
+        return [float(t) / 1000.0 for t in model.timesteps]
 
     def apply_overrides(self, overrides: Mapping[str, Any]) -> None:
         """Apply `ModelConfig` overrides (``causalkv_configure_stage``) to this stage: field
@@ -290,10 +292,6 @@ class CausalDenoisingStage(StagePlanning):
         marker = self.marker
         return peak_nbytes([] if marker is None else [marker.ledger], self.kv_resident_nbytes())
 
-    @property
-    def cache_name(self) -> str:
-        return getattr(self.cache_factory, "name", type(self.cache_factory).__name__)
-
     # ---- per-chunk policy (subclasses override) ------------------------------------------
     def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
         """Frames added to the RoPE position of the chunk's frames (0 here; may be fractional)."""
@@ -370,20 +368,26 @@ class CausalDenoisingStage(StagePlanning):
         generator: torch.Generator,
         on_forward: Callable[[ForwardRecord], None] | None = None,
     ) -> torch.Tensor:
-        """Denoise one chunk's noise ``x`` ``[B, C, F, h, w]``; its clean latents (float32).
-
-        The DMD sampler: each step predicts ``x0 = x - sigma * pred`` and re-noises it to the
-        next sigma with ``generator``. Stages with another sampler override this.
-        """
-        x0 = x
-        steps = len(self.timesteps)
-        for j in range(steps):
-            t, sigma = self.timesteps[j], self.sigmas[j]
+        """Denoise one chunk's noise ``x`` ``[B, C, F, h, w]``; its clean latents (float32):
+        per timestep one `predict`, then one `sampler_step`."""
+        for j, t in enumerate(self.timesteps):
             pred = self.predict(prompt, x, t, token_start, rope_frame_start)
-            x0 = x - sigma * pred
             if on_forward is not None:
                 on_forward(ForwardRecord(chunk_index, j, t, x, pred, token_start, rope_frame_start))
-            if j + 1 < steps:
-                s_next = self.sigmas[j + 1]
-                x = (1.0 - s_next) * x0 + s_next * noise_like(x0, generator)
-        return x0
+            x = self.sampler_step(j, x, pred, generator)
+        return x
+
+    def sampler_step(
+        self, j: int, x: torch.Tensor, pred: torch.Tensor, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The latents after step ``j`` of the sampler, from ``x`` and its prediction.
+
+        The DMD sampler: ``x0 = x - sigma * pred``, re-noised to the next sigma with
+        ``generator`` (``x0`` itself after the last step). Stages with another sampler
+        override this.
+        """
+        x0 = x - self.sigmas[j] * pred
+        if j + 1 == len(self.timesteps):
+            return x0
+        s_next = self.sigmas[j + 1]
+        return (1.0 - s_next) * x0 + s_next * noise_like(x0, generator)

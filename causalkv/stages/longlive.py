@@ -57,33 +57,26 @@ class LongLiveStage(CausalDenoisingStage):
 
     @torch.no_grad()
     def recache(self, prompt: str, latents: torch.Tensor) -> None:
-        """Re-write the visible frames' K/V with ``prompt`` (``latents``: clean ``[B, C, F, h, w]``)."""
+        """Re-write the visible frames' K/V with ``prompt`` (``latents``: clean ``[B, C, F, h, w]``).
+
+        Every re-cache write is context: each group of frames (one per original chunk)
+        commits, told the next group's size (the next chunk's after the last)."""
         frames = self.recache_frames()
         for cs in self.cache_sets():
             cs.reset()
         self.loop.restart()
-        self._recache_groups(prompt, latents, frames, self.settings.frames_per_chunk)
-
-    def _recache_groups(self, prompt, latents, frames, fpc: int) -> None:
-        """Every re-cache write is context: each group commits, told the next group's size
-        (the next chunk's after the last)."""
+        fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
         groups = [list(g) for _, g in groupby(frames, key=lambda fr: fr[0] // fpc)]
-        tpf = self.settings.tokens_per_frame
         for i, piece in enumerate(groups):
+            idx = [f for f, _ in piece]
+            x = latents[:, :, idx[0] : idx[-1] + 1]
+            if x.shape[2] != len(idx):
+                raise UsageError(f"re-cache piece {idx} is not contiguous")
+            if self.context_noise > 0:
+                s = self.context_noise / 1000.0
+                gen = torch.Generator(device="cpu").manual_seed(self.server_args.seed + idx[0])
+                x = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
             nxt = len(groups[i + 1]) if i + 1 < len(groups) else fpc
             with self.context_scope(next_tokens=nxt * tpf):
-                self._recache_group(prompt, latents, piece)
-
-    def _recache_group(self, prompt, latents, piece) -> None:
-        idx = [f for f, _ in piece]
-        x = latents[:, :, idx[0] : idx[-1] + 1]
-        if x.shape[2] != len(idx):
-            raise UsageError(f"re-cache piece {idx} is not contiguous")
-        rope0 = piece[0][1]
-        x_ctx = x
-        if self.context_noise > 0:
-            s = self.context_noise / 1000.0
-            gen = torch.Generator(device="cpu").manual_seed(self.server_args.seed + idx[0])
-            x_ctx = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
-        self._forward(self.caches, prompt, x_ctx, self.context_noise, self.loop.token_end, rope0)
-        self.loop.extend(piece)
+                self._forward(self.caches, prompt, x, self.context_noise, self.loop.token_end, piece[0][1])
+            self.loop.extend(piece)

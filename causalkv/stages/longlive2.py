@@ -45,7 +45,7 @@ The request model is the seed runtime's (sglang 0.5.23 ``multimodal_gen``, LongL
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,6 @@ from causalkv.errors import ConfigError, check_int
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
-from causalkv.stages.records import ForwardRecord
 from causalkv.stages.scheduler import SchedulerSpec
 
 __all__ = [
@@ -269,33 +268,21 @@ class LongLive2Stage(CausalDenoisingStage):
         return ShotPlan(layout)
 
     # ---- schedule --------------------------------------------------------------------------
-    def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:
-        """UniPC: ``len(model.timesteps)`` steps over `unipc_sigmas`, shifted by ``model.shift``."""
-        self.scheduler.set_timesteps(sigmas=unipc_sigmas(len(model.timesteps)))
-        return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
+    def sampler_sigmas(self, model: ModelConfig) -> Any:
+        """UniPC: ``len(model.timesteps)`` steps over `unipc_sigmas` (the scheduler shifts them
+        by ``model.shift``)."""
+        return unipc_sigmas(len(model.timesteps))
 
-    def denoise_chunk(
-        self,
-        chunk_index: int,
-        prompt: str,
-        x: torch.Tensor,
-        token_start: int,
-        rope_frame_start: float,
-        *,
-        generator: torch.Generator,
-        on_forward: Callable[[ForwardRecord], None] | None = None,
+    def sampler_step(
+        self, j: int, x: torch.Tensor, pred: torch.Tensor, generator: torch.Generator
     ) -> torch.Tensor:
-        """One chunk with the UniPC multistep sampler (its history reset per chunk, as the
-        seed runtime does); ``generator`` is unused (the sampler draws no noise)."""
+        """One step of the UniPC multistep sampler, its history reset at each chunk's first
+        step (as the seed runtime does); ``generator`` is unused (the sampler draws no noise)."""
         sched = self.scheduler
-        sched.set_timesteps(sigmas=unipc_sigmas(len(self.model.timesteps)))
-        sched.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
-        for j, t in enumerate(sched.timesteps):
-            pred = self.predict(prompt, x, float(t), token_start, rope_frame_start)
-            if on_forward is not None:
-                on_forward(ForwardRecord(chunk_index, j, float(t), x, pred, token_start, rope_frame_start))
-            x = sched.step(pred, t, x, return_dict=False)[0]
-        return x
+        if j == 0:
+            sched.set_timesteps(sigmas=self.sampler_sigmas(self.model))
+            sched.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
+        return sched.step(pred, sched.timesteps[j], x, return_dict=False)[0]
 
     # ---- CFG ---------------------------------------------------------------------------------
     @property
@@ -371,6 +358,7 @@ class LongLive2Stage(CausalDenoisingStage):
         return int(offset) if float(offset).is_integer() else offset
 
     def pins_after_context(self) -> bool:
+        """True when the chunk being generated is a scene cut whose chunk is pinned."""
         i = self._chunk_index
         return bool(self.pins_shot_sinks and self.layout is not None and i is not None
                     and self.layout.scene_cuts[i])

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from causalkv.errors import ConfigError, NonFiniteLatentsError
 from causalkv.stages.records import ChunkStats, ForwardRecord, GenerationResult
 
-__all__ = ["ChunkLoop", "LoopStage", "noise_like"]
+if TYPE_CHECKING:
+    from causalkv.stages.base import CausalDenoisingStage
+
+__all__ = ["ChunkLoop", "noise_like"]
 
 
 def noise_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -33,38 +35,10 @@ def noise_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return noise.to(x.device)
 
 
-class LoopStage(Protocol):
-    """What the loop calls on its stage (`causalkv.stages.base.CausalDenoisingStage` is one):
-    named here so the loop imports no stage module, not even for an annotation."""
-
-    settings: Any
-    server_args: Any
-    model: Any
-    denoiser: Any
-    batch_size: int
-    context_noise: float
-
-    @property
-    def caches(self) -> Any: ...
-    def num_branches(self) -> int: ...
-    def check_request(self, model: Any, server_args: Any, num_frames: int, chunk_prompts: list[str]) -> None: ...
-    def reset(self) -> None: ...
-    def begin_request(self, chunk_prompts: Sequence[str]) -> None: ...
-    def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None: ...
-    def rope_frame_offset(self, chunk_index: int, prompt: str) -> float: ...
-    def denoise_chunk(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
-    def probe_scope(self) -> AbstractContextManager[Any]: ...
-    def context_pass(self, prompt: str, latents: torch.Tensor, token_start: int,
-                     rope_frame_start: float) -> torch.Tensor: ...
-    def end_chunk(self, chunk_index: int, prompt: str) -> None: ...
-    def recent_window_tokens(self) -> int | None: ...
-    def kv_resident_nbytes(self) -> int: ...
-
-
 class ChunkLoop:
     """The chunk loop over one stage's hooks, and the stream state it alone writes."""
 
-    def __init__(self, stage: LoopStage) -> None:
+    def __init__(self, stage: CausalDenoisingStage) -> None:
         self.stage = stage
         self.restart()
 

@@ -8,13 +8,10 @@ any weights load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from causalkv.caches.spec import CausalCacheSpec
 from causalkv.errors import ConfigError, check_int
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["StreamSettings", "even_split"]
 
@@ -89,30 +86,18 @@ class StreamSettings:
             return None
         return self.recent_window_frames * self.tokens_per_frame
 
-    def kv_spec(
-        self,
-        *,
-        batch_size: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
-        head_offset: int = 0,
-    ) -> CausalCacheSpec:
-        """One layer's `CausalCacheSpec` (all counts in tokens: frames x ``tokens_per_frame``);
-        ``num_heads`` heads starting at global head ``head_offset`` (a head-sharded rank)."""
+    def kv_spec(self, **layer: Any) -> CausalCacheSpec:
+        """One layer's `CausalCacheSpec`: these settings in tokens (frames x
+        ``tokens_per_frame``) plus ``layer``, the layer's other spec fields (``batch_size``,
+        ``num_heads`` starting at global head ``head_offset``, ``head_dim``, ``dtype``,
+        ``device``)."""
         tpf = self.tokens_per_frame
         return CausalCacheSpec(
-            batch_size=batch_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
             cache_size=self.cache_frames * tpf,
             sink_tokens=self.sink_frames * tpf,
             global_sink_tokens=self.global_sink_frames * tpf,
             attention_window_size=self.window_frames * tpf,
-            dtype=dtype,
-            device=device,
-            head_offset=head_offset,
+            **layer,
         )
 
 

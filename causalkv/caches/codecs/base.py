@@ -25,6 +25,7 @@ __all__ = [
     "PackedRecord",
     "RecordKind",
     "TensorRecord",
+    "check_out",
     "check_segment",
     "decode_record",
     "record_kind",
@@ -228,21 +229,38 @@ class KVCodec(ABC):
             self.decode_into(record, out)
         return out
 
+    def check_encode(self, x: torch.Tensor) -> None:
+        """Refuse an ``x`` `encode` cannot pack (`CodecError` naming the codec): what
+        `check_segment` refuses, a head_dim `layout_problem` names, and (on the CPU) NaN/inf."""
+        check_segment(self.name, x)
+        problem = self.layout_problem(x.shape[-1])
+        if problem is not None:
+            raise CodecError(f"{self.name} encode: {problem}")
+        if x.device.type == "cpu":
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                raise CodecError(f"{self.name} encode: {bad} NaN/inf value(s) in x; refusing to pack")
+
     def check_out(self, record: PackedRecord, out: torch.Tensor) -> None:
-        """Refuse an ``out`` `decode_into` cannot write (`CodecError` naming the codec): a
-        shape other than ``record.shape``, a device other than ``record.device``, or a dtype
-        that is not floating point. Strides and the float dtype are not checked (any is
-        fine); nothing is written."""
-        shape = tuple(record.shape)
-        if tuple(out.shape) != shape:
-            raise CodecError(f"{self.name} decode: out has shape {tuple(out.shape)}, the record is {shape}")
-        if out.device != record.device:
-            raise CodecError(
-                f"{self.name} decode: out is on {out.device}, the record on {record.device}; "
-                "move the record with record.to(device) first"
-            )
-        if not out.is_floating_point():
-            raise CodecError(f"{self.name} decode: out must be a float tensor, got {out.dtype}")
+        """Refuse an ``out`` `decode_into` cannot write (`check_out`, naming the codec)."""
+        check_out(f"{self.name} decode", record, out)
+
+
+def check_out(label: str, record: PackedRecord, out: torch.Tensor) -> None:
+    """Refuse an ``out`` a decode of ``record`` cannot write (`CodecError`, starting with
+    ``label``): a shape other than ``record.shape``, a device other than ``record.device``, or
+    a dtype that is not floating point. Strides and the float dtype are not checked (any is
+    fine); nothing is written."""
+    shape = tuple(record.shape)
+    if tuple(out.shape) != shape:
+        raise CodecError(f"{label}: out has shape {tuple(out.shape)}, the record is {shape}")
+    if out.device != record.device:
+        raise CodecError(
+            f"{label}: out is on {out.device}, the record on {record.device}; "
+            "move the record with record.to(device) first"
+        )
+    if not out.is_floating_point():
+        raise CodecError(f"{label}: out must be a float tensor, got {out.dtype}")
 
 
 @dataclass(frozen=True)

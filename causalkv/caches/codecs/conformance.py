@@ -155,11 +155,8 @@ def _tensors(value: Any, found: dict[tuple[Hashable, ...], torch.Tensor], depth:
     if isinstance(value, torch.Tensor):
         key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(), value.device)
         found.setdefault(key, value)
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for item in value:
-            _tensors(item, found, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
+    elif depth < 4 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
             _tensors(item, found, depth + 1)
 
 
@@ -384,23 +381,19 @@ def check_first_use(
     """
     key = _setting_key(codec, setting, settings)
     with _lock:
-        if head_dim is None:
+        if head_dim is None:  # an earlier check of the setting counts, else a default head_dim
             seen = [o for (k, _), o in _outcomes.items() if k[:3] == key[:3]]
-            if seen:
-                failed = next((o for o in seen if o is not None), None)
-                if failed is not None:
-                    raise CodecConformanceError(*failed)
-                return
-            head_dim = next((d for d in DEFAULT_HEAD_DIMS if codec.layout_problem(d) is None), None)
-            if head_dim is None:
-                return
-        if (key, head_dim) not in _outcomes:
+            failed = next((o for o in seen if o is not None), None)
+            if not seen:
+                head_dim = next((d for d in DEFAULT_HEAD_DIMS if codec.layout_problem(d) is None), None)
+        if head_dim is not None and (key, head_dim) not in _outcomes:
             label = f"setting {setting.name!r} ({setting.target})"
             try:
                 check_codec(codec, head_dim=head_dim, name=label)
                 _outcomes[key, head_dim] = None
             except CodecConformanceError as exc:
                 _outcomes[key, head_dim] = (exc.codec, exc.check, exc.problem, exc.fix)
-        failed = _outcomes[key, head_dim]
+        if head_dim is not None:
+            failed = _outcomes[key, head_dim]
     if failed is not None:
         raise CodecConformanceError(*failed)

@@ -19,7 +19,6 @@ runtime's) derive from them. Torch-free: importing this module loads no torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -80,6 +79,12 @@ def _switch(value: Any) -> bool:
     return bool(int(value)) if isinstance(value, (str, int)) else bool(value)
 
 
+def _q(default: Any, flag: str, **spec: Any) -> Any:
+    """A QVG field: `option` with ``flag`` and the reference runtime's dict key, the flag in
+    snake case (``--kv-cache-quant-centroids``: ``kv_cache_quant_centroids``)."""
+    return option(default, flag=flag, key=flag.lstrip("-").replace("-", "_"), **spec)
+
+
 class _ReferenceMessages:
     """The reference runtime's message style: ``kv-cache-quant-centroids must be > 0``."""
 
@@ -112,34 +117,23 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
 
     title = "QVG codec"
 
-    codec: str | None = option(
-        None, flag="--kv-cache-quant", key="kv_cache_quant", choices=quant_choices,
-        parse=_codec_name,
+    codec: str | None = _q(
+        None, "--kv-cache-quant", choices=quant_choices, parse=_codec_name,
         help="pack cold KV-cache chunks with this codec: int4/int2 (QVG/PRQ), fp8, nvfp4 "
         "(default: off)",
     )
-    centroids: int = option(
-        128, flag="--kv-cache-quant-centroids", key="kv_cache_quant_centroids", type=int, minimum=1,
-        help="k-means centroids per head per stage, <= 256",
-    )
-    block_size: int = option(
-        64, flag="--kv-cache-quant-block-size", key="kv_cache_quant_block_size", type=int, minimum=1,
-        help="channels per residual scale block",
-    )
-    stages: int = option(
-        1, flag="--kv-cache-quant-stages", key="kv_cache_quant_stages", type=int, minimum=1,
-        help="residual k-means stages",
-    )
-    kmeans_iters: int = option(
-        2, flag="--kv-cache-quant-iters", key="kv_cache_quant_iters", type=int, minimum=1,
-        help="k-means iterations per stage",
-    )
-    asymmetric: bool = option(
-        False, flag="--kv-cache-quant-asymmetric", key="kv_cache_quant_asymmetric",
-        action="store_true", parse=_switch, help="store a zero point per residual block",
-    )
-    grid: str = option(
-        "reference", flag="--kv-cache-quant-grid", key="kv_cache_quant_grid", choices=_GRIDS,
+    centroids: int = _q(128, "--kv-cache-quant-centroids", type=int, minimum=1,
+                        help="k-means centroids per head per stage, <= 256")
+    block_size: int = _q(64, "--kv-cache-quant-block-size", type=int, minimum=1,
+                         help="channels per residual scale block")
+    stages: int = _q(1, "--kv-cache-quant-stages", type=int, minimum=1,
+                     help="residual k-means stages")
+    kmeans_iters: int = _q(2, "--kv-cache-quant-iters", type=int, minimum=1,
+                           help="k-means iterations per stage")
+    asymmetric: bool = _q(False, "--kv-cache-quant-asymmetric", action="store_true", parse=_switch,
+                          help="store a zero point per residual block")
+    grid: str = _q(
+        "reference", "--kv-cache-quant-grid", choices=_GRIDS,
         help="residual grid at either bit width: mse4 uses all 2**bits levels with a least-squares "
         "scale (int2: 4 levels, int4: 16), reference the symmetric absmax grid (beyond the reference)",
     )
@@ -191,16 +185,15 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
         ``--kv-cache-quant-centroids`` with fp8, say), or None: refused, never ignored."""
         used = [self.codec] + ([self.recent_tier] if self.recent_tier != "bf16" else [])
         reads = frozenset().union(*(_reads_of(name) for name in used))
-        for f in dataclasses.fields(QVGCodecOptions):
-            if f.name == "codec" or f.name in reads or getattr(self, f.name) == f.default:
+        for name, value in self.changed().items():
+            if name == "codec" or name in reads or name not in QVGCodecOptions.specs():
                 continue
-            spec = QVGCodecOptions.specs()[f.name]
-            readers = [n for n in codec_names() if f.name in _reads_of(n)]
+            readers = [n for n in codec_names() if name in _reads_of(n)]
             using = f"--kv-cache-quant {self.codec}" + (
                 f" with --kv-cache-quant-recent-tier {self.recent_tier}"
                 if self.recent_tier != "bf16" else "")
             return (
-                f"{spec.flag} {getattr(self, f.name)!r}: {using} does not read it (read by "
+                f"{self.specs()[name].flag} {value!r}: {using} does not read it (read by "
                 f"{', '.join(readers) or 'no registered codec'}); drop the flag, or choose a "
                 "codec that reads it"
             )
@@ -250,34 +243,25 @@ class QVGPackingOptions(_ReferenceMessages, CacheOptions):
 
     title = "QVG packing"
 
-    keep_recent_chunks: int = option(
-        1, flag="--kv-cache-quant-keep-recent", key="kv_cache_quant_keep_recent", type=int,
-        minimum=0, help="completed chunks kept in bf16",
+    keep_recent_chunks: int = _q(1, "--kv-cache-quant-keep-recent", type=int, minimum=0,
+                                 help="completed chunks kept in bf16")
+    sink: bool = _q(
+        True, "--kv-cache-quant-sink", type=int, choices=(0, 1), parse=_switch,
+        help="1: quantize the attention sink too; 0: keep sink chunks in bf16 (default: 1)",
     )
-    sink: bool = option(
-        True, flag="--kv-cache-quant-sink", key="kv_cache_quant_sink", type=int, choices=(0, 1),
-        parse=_switch, help="1: quantize the attention sink too; 0: keep sink chunks in bf16 (default: 1)",
+    sink_span: str = _q("chunk", "--kv-cache-quant-sink-span", choices=_SINK_SPANS,
+                        help="pack the sink per chunk (chunk) or as one span (full)")
+    sink_keep_chunks: int = _q(0, "--kv-cache-quant-sink-keep", type=int, minimum=0,
+                               help="leading sink chunks kept in bf16 forever")
+    span_chunks: int = _q(1, "--kv-cache-quant-span-chunks", type=int, minimum=1,
+                          help="cold chunks packed as one segment sharing a codebook")
+    codebook_chunks: int = _q(
+        1, "--kv-cache-quant-codebook-chunks", type=int, minimum=1,
+        help="consecutive cold chunks sharing one k-means codebook, each packed when cold "
+        "(beyond the reference)",
     )
-    sink_span: str = option(
-        "chunk", flag="--kv-cache-quant-sink-span", key="kv_cache_quant_sink_span",
-        choices=_SINK_SPANS, help="pack the sink per chunk (chunk) or as one span (full)",
-    )
-    sink_keep_chunks: int = option(
-        0, flag="--kv-cache-quant-sink-keep", key="kv_cache_quant_sink_keep", type=int, minimum=0,
-        help="leading sink chunks kept in bf16 forever",
-    )
-    span_chunks: int = option(
-        1, flag="--kv-cache-quant-span-chunks", key="kv_cache_quant_span_chunks", type=int,
-        minimum=1, help="cold chunks packed as one segment sharing a codebook",
-    )
-    codebook_chunks: int = option(
-        1, flag="--kv-cache-quant-codebook-chunks", key="kv_cache_quant_codebook_chunks", type=int,
-        minimum=1, help="consecutive cold chunks sharing one k-means codebook, each packed "
-        "when cold (beyond the reference)",
-    )
-    recent_tier: str = option(
-        "bf16", flag="--kv-cache-quant-recent-tier", key="kv_cache_quant_recent_tier",
-        choices=recent_tiers, parse=_tier_name,
+    recent_tier: str = _q(
+        "bf16", "--kv-cache-quant-recent-tier", choices=recent_tiers, parse=_tier_name,
         help="how the keep-recent chunks (and, with --kv-cache-quant-sink 0, the sink chunks) "
         "are held: bf16, or a codec setting (e.g. int4, fp8: packed with it, re-packed with the "
         "cache's codec when they leave recency; beyond the reference)",
@@ -370,14 +354,8 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         """Read the reference runtime's keys (``kv_cache_quant``, ``kv_cache_quant_<field>``)
         and field names; other keys and None values are ignored."""
         keys, specs = cls.keys(), cls.specs()
-        kw: dict[str, Any] = {}
-        for key, value in d.items():
-            name = keys.get(key, key if key in specs else None)
-            if name is None or value is None:
-                continue
-            parse = specs[name].parse
-            kw[name] = parse(value) if parse is not None else value
-        return cls(**kw)
+        names = {keys.get(key, key): value for key, value in d.items() if value is not None}
+        return cls(**{n: specs[n].read(v) for n, v in names.items() if n in specs})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
