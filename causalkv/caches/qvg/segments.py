@@ -23,7 +23,6 @@ from causalkv.errors import InvalidTypeError
 
 __all__ = [
     "BorrowedKV",
-    "CallerKV",
     "Codebook",
     "DecodedKV",
     "DenseKV",
@@ -42,30 +41,40 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class DenseKV:
-    """Dense K and V ``[B, len, H, D]`` in the store's dtype."""
+    """Dense K and V ``[B, len, h, D]`` in the store's dtype, of the heads from ``h0`` on (the
+    store's own hold every head: ``h0 = 0``; a probe's K/V hold the heads it wrote)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    h0: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slice(self, lo: int, hi: int) -> DenseKV:
-        """Tokens ``[lo, hi)`` as a copy (so the rest can be freed)."""
-        return DenseKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+    def copy(self, lo: int = 0, hi: int | None = None) -> DenseKV:
+        """Tokens ``[lo, hi)`` (default: all) as a copy the store owns (so the rest can be
+        freed; borrowed K/V get their own), decoded rows still marked `DecodedKV`."""
+        kind = DecodedKV if isinstance(self, DecodedKV) else DenseKV
+        return kind(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+
+    def select_tokens(self, lo: int, hi: int) -> DenseKV:
+        """Tokens ``[lo, hi)`` as views, of the same kind."""
+        return replace(self, k=self.k[:, lo:hi], v=self.v[:, lo:hi])
 
     def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
         """Views of tokens ``[lo, hi)``, heads ``[h0, h1)``: ``[B, hi - lo, h1 - h0, D]``."""
-        return self.k[:, lo:hi, h0:h1], self.v[:, lo:hi, h0:h1]
+        a, b = h0 - self.h0, h1 - self.h0
+        return self.k[:, lo:hi, a:b], self.v[:, lo:hi, a:b]
 
     def read_into(
         self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
         device: torch.device,
     ) -> None:
         """Tokens ``[lo, hi)``, heads ``[h0, h1)`` copied into ``k``/``v`` ``[B, hi - lo, h1 - h0, D]``."""
-        k.copy_(self.k[:, lo:hi, h0:h1])
-        v.copy_(self.v[:, lo:hi, h0:h1])
+        kk, vv = self.heads(lo, hi, h0, h1)
+        k.copy_(kk)
+        v.copy_(vv)
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,34 +83,12 @@ class DecodedKV(DenseKV):
     rows not rewritten carry the codec's error once, so the store never packs them again (a
     second packing would add a second error past the codec's bound); they stay dense."""
 
-    def slice(self, lo: int, hi: int) -> DecodedKV:
-        return DecodedKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
-
 
 @dataclass(frozen=True, eq=False)
 class BorrowedKV(DenseKV):
-    """Views of K/V the store does not own ``[B, len, H, D]`` (the write's tensors): a plan
-    packs straight from them, and `SegmentStore.commit` gives what stays dense its own copy;
-    never held as is."""
-
-
-@dataclass(frozen=True, eq=False)
-class CallerKV(BorrowedKV):
-    """A probe's own K/V ``[B, len, h, D]`` of heads ``[h0, h0 + h)`` (the caller's tensors,
-    views): read as the store's segments are, by global head (a probe view's chunk rows)."""
-
-    h0: int = 0
-
-    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
-        return self.k[:, lo:hi, h0 - self.h0 : h1 - self.h0], self.v[:, lo:hi, h0 - self.h0 : h1 - self.h0]
-
-    def read_into(
-        self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
-        device: torch.device,
-    ) -> None:
-        kk, vv = self.heads(lo, hi, h0, h1)
-        k.copy_(kk)
-        v.copy_(vv)
+    """Views of K/V the store does not own ``[B, len, h, D]`` (a write's tensors, or a probe's
+    own heads from ``h0``): a plan packs straight from them, and `SegmentStore.commit` gives
+    what stays dense its own copy; never held as is."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,7 +209,7 @@ class Segment:
 
     def dense_slice(self, a: int, b: int) -> Segment:
         """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
-        return replace(self, start=a, end=b, storage=dense_storage(self).slice(a - self.start, b - self.start))
+        return replace(self, start=a, end=b, storage=dense_storage(self).copy(a - self.start, b - self.start))
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,6 +296,12 @@ class KVWrite:
     heads: tuple[int, int]
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
+
+    def borrowed(self, a: int, b: int) -> BorrowedKV:
+        """Views of its K/V of positions ``[a, b)``."""
+        assert self.key is not None and self.value is not None
+        return BorrowedKV(self.key[:, a - self.start : b - self.start],
+                          self.value[:, a - self.start : b - self.start])
 
 
 @dataclass(frozen=True)

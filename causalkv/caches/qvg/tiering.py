@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.codecs import make_codec
+from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
@@ -50,7 +51,6 @@ from causalkv.caches.qvg.policy import (
     WAITING,
     ChunkInfo,
     PackingDecision,
-    centroids_for,
 )
 from causalkv.errors import ConfigError
 
@@ -198,7 +198,7 @@ class TierPolicy:
     Attributes:
         quant: the cache's QVG settings (``codec``, ``recent_tier``, ``span_chunks``,
             ``codebook_chunks``, centroids).
-        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
+        min_tokens_per_centroid: PRQ's centroid rule's ``m`` (`centroids_for`); None packs with
             ``quant.centroids`` as given.
         batch_size, num_heads, head_dim: the K/V's ``[B, ., H, D]``.
         item_bytes: bytes of one dense element (the store's dtype).
