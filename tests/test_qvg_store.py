@@ -119,10 +119,10 @@ def test_decode_of_one_segment_and_head_slices():
     store = _store()
     written = _stream(store, 3)
     seg = store.segments[1]
-    k, v = store.decode(seg, N + 3, N + 20, 1, 2)
+    k, v = store.gather([(N + 3, 17)], 1, 2, [seg])
     full = _roundtrip(written[1][1], Q)[:, :, 1:2]
     assert torch.equal(v, full[:, 3:20])
-    dk, _ = store.decode(store.segments[2], 2 * N, 3 * N, 0, H)  # dense: views, no copy
+    dk, _ = store.gather([(2 * N, N)], 0, H, [store.segments[2]])  # dense: views, no copy
     assert dk.data_ptr() == store.segments[2].storage.k.data_ptr()
 
 

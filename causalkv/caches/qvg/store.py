@@ -425,7 +425,7 @@ class SegmentStore:
         record sliced to the heads and tokens: nothing decoded), ``k``/``v`` are `gather`'s one
         buffer. They are built at once when that costs nothing (the view is one run of one
         dense segment: views of it) and, with ``dense_now``, whenever nothing is packed.
-        ``position_ranges``: the pieces' positions in view order, adjacent runs merged.
+        ``position_ranges``: the pieces' positions in view order.
 
         Raises:
             CacheReadError (a RuntimeError): a position ``layout`` does not hold.
@@ -436,7 +436,7 @@ class SegmentStore:
 
         def segments() -> Iterator[KVSegment]:
             for seg, a, b in located:
-                yield self.zeros(b - a, h0, h1) if seg is None else self.decode(seg, a, b, h0, h1)
+                yield self.zeros(b - a, h0, h1) if seg is None else self.gather([(a, b - a)], h0, h1, [seg])
 
         def stored() -> Iterator[StoredSegment]:
             for seg, a, b in located:
@@ -452,22 +452,17 @@ class SegmentStore:
         def materialize() -> KVSegment:
             return self.gather(pieces, h0, h1, layout)
 
-        ranges: list[tuple[int, int]] = []
-        for seg, a, b in located:
-            if seg is not None and ranges and ranges[-1][1] == a:
-                ranges[-1] = (ranges[-1][0], b)
-            elif seg is not None:
-                ranges.append((a, b))
         one = len(located) == 1 and located[0][0] is not None
         k, v = materialize() if not packed and (one or dense_now) else (None, None)
-        return make(tuple(ranges), k=k, v=v, segments=segments, materialize=materialize,
-                    stored=stored, device=self.device)
+        return make(tuple((p, p + n) for p, n in pieces if p is not None), k=k, v=v,
+                    segments=segments, materialize=materialize, stored=stored, device=self.device)
 
     def gather(
         self, pieces: Sequence[Piece], h0: int, h1: int, layout: Sequence[Segment] | None = None,
     ) -> KVSegment:
         """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order (`Piece`), read from ``layout``
-        (default: the store's segments now).
+        (default: the store's segments now); one run of one segment is what a lazy view's
+        ``iter_segments`` yields per piece.
 
         One buffer is allocated and filled in place (packed ranges decoded into it); a single
         piece held by one dense segment is returned as views of it, as a dense cache would.
@@ -479,7 +474,9 @@ class SegmentStore:
         if len(located) == 1 and located[0][0] is not None and not located[0][0].packed:
             seg, a, b = located[0]
             return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
-        k, v = self._buffers(sum(n for _, n in pieces), h0, h1)
+        shape = (self.batch_size, sum(n for _, n in pieces), h1 - h0, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.dtype, device=self.device)
         at = 0
         for seg, a, b in located:
             if seg is None:
@@ -489,17 +486,10 @@ class SegmentStore:
                 seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k[:, at : at + b - a],
                                       v[:, at : at + b - a], self.device)
             at += b - a
-        self._transient(k, v, any(seg is not None and seg.packed for seg, _, _ in located))
-        return k, v
-
-    def decode(self, seg: Segment, a: int, b: int, h0: int, h1: int) -> KVSegment:
-        """K/V ``[B, b - a, h1 - h0, D]`` of positions ``[a, b)`` of ``seg`` (views of a dense
-        one; a packed one decoded into one buffer): attention visits one run at a time."""
-        if not seg.packed:
-            return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
-        k, v = self._buffers(b - a, h0, h1)
-        seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
-        self._transient(k, v, True)
+        if any(seg is not None and seg.packed for seg, _, _ in located):  # filled from packed data
+            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
+        if self.ledger is not None:
+            self.ledger.transient(k.nbytes + v.nbytes)
         return k, v
 
     def zeros(self, n: int, h0: int, h1: int) -> KVSegment:
@@ -508,18 +498,6 @@ class SegmentStore:
         z = torch.zeros((self.batch_size, n, h1 - h0, self.head_dim), dtype=self.dtype,
                         device=self.device)
         return z, z
-
-    def _buffers(self, n: int, h0: int, h1: int) -> KVSegment:
-        shape = (self.batch_size, n, h1 - h0, self.head_dim)
-        return (torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device))
-
-    def _transient(self, k: torch.Tensor, v: torch.Tensor, decoded: bool) -> None:
-        """Report a one-call buffer: to the ledger, and as the peak when packed data filled it."""
-        if decoded:
-            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
-        if self.ledger is not None:
-            self.ledger.transient(k.nbytes + v.nbytes)
 
     def _locate(self, pieces: Sequence[Piece], segs: Sequence[Segment], strict: bool = True) -> list[_Run]:
         """``pieces`` as the stored runs of ``segs`` they read, in order (a piece repeated or
