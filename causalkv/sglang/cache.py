@@ -347,15 +347,12 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         if now.held == store.held() and store.covers_dense(start, start + n):
             stored = store.plan_write(write)  # the layout stays: one in-place copy
         else:
-            stored = store.plan(held=now.held, write=write, advance=advanced,
-                                sink_end=now.sink_end, pinned=now.pinned)
+            stored = store.plan(write, now, advance=advanced)
         if commit is not None:
             # the context pass: the chunk moves to its tier, planned with the write; the store
             # keeps what sglang's buffer keeps after the next advance the commit names (the
             # pin included). A next chunk that needs more is refused by `check_view`.
-            ctx = after.after_context(commit.pin, commit.next_tokens)
-            stored = store.plan_commit(stored, held=ctx.held, sink_end=ctx.sink_end,
-                                       pinned=ctx.pinned)
+            stored = store.plan_commit(stored, after.after_context(commit.pin, commit.next_tokens))
         # the view, checked before anything changes: every position it shows is held
         layout = stored.view_segments or stored.segments  # what this call's view reads
         store.check_view(layout, shown, debug_name)

@@ -209,9 +209,7 @@ class QVGPackedCausalKVCache(StreamCache):
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         if advance:  # evict, pack cold chunks and add the new chunk
-            now = new.holding()
-            plan = self.store.plan(held=now.held, write=write, advance=True,
-                                   sink_end=now.sink_end, pinned=now.pinned)
+            plan = self.store.plan(write, new.holding(), advance=True)
         else:
             plan = self._plan_rewrite(write)
         passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
@@ -220,8 +218,7 @@ class QVGPackedCausalKVCache(StreamCache):
             self.state, self._pass = new, passed
             return self._view(h0, h1, recent_window_tokens)
         assert commit is not None
-        ctx = new.after_context(commit.pin, commit.next_tokens)
-        plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end, pinned=ctx.pinned)
+        plan = self.store.plan_commit(plan, new.after_context(commit.pin, commit.next_tokens))
         # the view reads the layout before the commit drops what the next advance drops
         assert plan.view_segments is not None
         view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
@@ -235,11 +232,7 @@ class QVGPackedCausalKVCache(StreamCache):
         store = self.store
         if store.covers_dense(write.start, write.end):
             return store.plan_write(write)
-        st = self.state
-        return store.plan(
-            held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
-            pinned=(st.pinned,) if st.pinned else (),
-        )
+        return store.plan(write, replace(self.state.holding(), held=store.held()), advance=False)
 
     # ---- the store's figures -----------------------------------------------------------
     @property

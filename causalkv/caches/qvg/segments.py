@@ -18,6 +18,7 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg.tiering import BookState
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
@@ -213,17 +214,16 @@ class Segment:
 
 
 @dataclass(frozen=True, eq=False)
-class Codebook:
-    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``).
+class Codebook(BookState):
+    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``): the
+    tier policy's `BookState` (chunks packed with it so far, its centroids) and its tensors.
 
     Attributes:
         k, v: per stage ``[B, H, K, D]`` bf16, the very tensors the packed segments reference.
-        chunks: chunks packed with it so far.
     """
 
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    chunks: int
+    k: tuple[torch.Tensor, ...] = ()
+    v: tuple[torch.Tensor, ...] = ()
 
     def used_by(self, seg: Segment) -> bool:
         if not isinstance(seg.storage, PackedKV):

@@ -35,6 +35,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.ledger import ByteLedger
+from causalkv.caches.positions import HeldPositions
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import POLICY, QUANT_OFF, RECENT_CHUNKS, PackingPolicy
 from causalkv.caches.qvg.segments import (
@@ -180,44 +181,35 @@ class SegmentStore:
             self._next_chunk, w, reasons=dict(self._reasons),
         )
 
-    def plan(
-        self,
-        *,
-        held: Intervals,
-        write: KVWrite,
-        advance: bool,
-        sink_end: int = 0,
-        pinned: Intervals = (),
-    ) -> StorePlan:
-        """The store after ``write``, keeping only the positions in ``held`` (``self`` untouched).
+    def plan(self, write: KVWrite, keep: HeldPositions, *, advance: bool) -> StorePlan:
+        """The store after ``write``, keeping only the positions ``keep.held`` (``self``
+        untouched).
 
         Positions of ``write`` no segment holds become new dense chunks; with ``advance`` the
         one at the write's end is the new current chunk, and the policy's cold chunks are
-        packed (``sink_end``: positions below it are stream-start sink; ``pinned``: the
-        pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
+        packed (``keep.sink_end``: positions below it are stream-start sink; ``keep.pinned``:
+        the pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
-        kept, book = self._held_only(segs, held, self.codebook)
+        kept, book = self._held_only(segs, keep.held, self.codebook)
         plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, _NO_WRITE)
         if advance and current is not None:
-            return self._pack(plan, current, sink_end, pinned,
-                              any(s.start < sink_end for s in kept if current in s.chunks))
+            return self._pack(plan, current, keep,
+                              any(s.start < keep.sink_end for s in kept if current in s.chunks))
         completed = {c for s in kept for c in s.chunks if c != current}
         why = (lambda c: QUANT_OFF) if not self.quant.enabled else (lambda c: self._reasons.get(c, POLICY))
         return replace(plan, reasons={c: why(c) for c in completed})
 
-    def plan_commit(
-        self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = (),
-    ) -> StorePlan:
+    def plan_commit(self, base: StorePlan, keep: HeldPositions) -> StorePlan:
         """The store once the chunk ``base`` writes is committed (the context pass writes it).
 
         ``base`` is this call's write planned on this very state (`plan` or `plan_write`),
         not yet committed: the two are committed as one (`commit` of the result), so a
         refusal here changes nothing. The chunk goes to its tier at once: packed straight
         from the write's K/V when the policy does not keep it, else its own dense copy (or
-        its recency-tier packing). Only the positions in ``held`` stay: the host passes
-        what its next advance will keep. ``sink_end``/``pinned`` as in `plan`, for the
+        its recency-tier packing). Only the positions ``keep.held`` stay: the host passes
+        what its next advance will keep; ``keep.sink_end``/``pinned`` as in `plan`, for the
         stream after this chunk (a pin announced for this chunk included).
 
         The returned plan's ``view_segments`` is what this call's view reads: the layout
@@ -225,22 +217,20 @@ class SegmentStore:
         """
         w = base.write  # a rewrite in place (`plan_write`): applied here to copies
         written = [self._written(seg, w) if _overlaps(seg, w) else seg for seg in base.segments]
-        kept, book = self._held_only(written, held, base.codebook)
+        kept, book = self._held_only(written, keep.held, base.codebook)
         ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
         plan = StorePlan(kept, book, None, base.chunk_tokens, ahead, _NO_WRITE,
                          packs=list(base.packs), view_segments=written)
-        return self._pack(plan, ahead, sink_end, pinned, bool(kept) and sink_end > kept[-1].end)
+        return self._pack(plan, ahead, keep, bool(kept) and keep.sink_end > kept[-1].end)
 
-    def _pack(
-        self, plan: StorePlan, current: int, sink_end: int, pinned: Intervals, sink_open: bool,
-    ) -> StorePlan:
+    def _pack(self, plan: StorePlan, current: int, keep: HeldPositions, sink_open: bool) -> StorePlan:
         """``plan`` with its cold chunks packed as the policy and the tier policy decide
         (``current``: the chunk being written, or the one after a committed chunk)."""
         if not self.quant.enabled:
             return replace(plan, reasons={c: QUANT_OFF for s in plan.segments for c in s.chunks
                                           if c != current})
         decision = self.policy.decide(
-            self.quant, chunk_infos(plan.segments, current, sink_end, pinned), current,
+            self.quant, chunk_infos(plan.segments, current, keep.sink_end, keep.pinned), current,
             sink_open=sink_open, chunk_tokens=plan.chunk_tokens,
         )
         return self.packer.pack_cold(plan, decision, current)

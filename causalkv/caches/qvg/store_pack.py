@@ -10,6 +10,7 @@ decoded first, and the one check only tensors can answer (a span holding NaN or 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -17,7 +18,7 @@ import torch
 
 from causalkv.caches.qvg.policy import PackingDecision
 from causalkv.caches.qvg.segments import Codebook, PackedKV, Segment, StorePlan, dense_storage
-from causalkv.caches.qvg.tiering import BookState, Kept, Packed, TierPolicy, codec_for
+from causalkv.caches.qvg.tiering import Kept, Packed, TierPolicy, codec_for
 
 __all__ = ["Packer"]
 
@@ -45,20 +46,14 @@ class Packer:
         """``plan`` with the cold segments of ``plan.segments`` packed as the tier policy decides
         under ``decision`` (a new plan; ``current``: the chunk being generated, or the one
         after a committed chunk)."""
-        book = None if plan.codebook is None else BookState(
-            plan.codebook.chunks, int(plan.codebook.k[0].shape[2]))
-        dense: dict[int, Segment] = {}  # id of a recency-tier segment -> it decoded
-
+        @functools.cache  # a recency-tier segment re-packed is decoded once
         def as_dense(seg: Segment) -> Segment:
-            if not seg.packed:
+            if not isinstance(seg.storage, PackedKV):
                 return seg
-            if id(seg) not in dense:
-                assert isinstance(seg.storage, PackedKV)
-                dense[id(seg)] = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
-            return dense[id(seg)]
+            return replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
 
         tiering = self.tiering.decide(
-            plan.segments, decision, current, book,
+            plan.segments, decision, current, plan.codebook,
             finite=lambda pieces: self._finite([as_dense(p) for p in pieces]),
         )
         segments, packs, reasons, codebook = [], list(plan.packs), dict(plan.reasons), plan.codebook
@@ -86,11 +81,10 @@ class Packer:
                       codebooks=list(book.k) if book else None)
         pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.v) if book else None)
-        if not step.tier:
-            codebook = Codebook(
-                pk.shared_tensors(), pv.shared_tensors(),
-                (book.chunks if book else 0) + step.num_chunks,
-            ) if step.book_after is not None else None
+        after = step.book_after
+        if not step.tier:  # the codebook after it (the tier policy's count), its tensors
+            codebook = None if after is None else Codebook(
+                after.chunks, after.centroids, pk.shared_tensors(), pv.shared_tensors())
         storage = PackedKV(pk, pv, c, recent=step.recent)
         if self.offload:
             storage = storage.offloaded()
