@@ -272,15 +272,11 @@ class PackingReport:
     @classmethod
     def merge(cls, reports: Iterable[PackingReport]) -> PackingReport:
         """The sum of several caches' reports (e.g. every layer of a run)."""
-        packed, calls = 0, 0
-        dense: Counter[str] = Counter()
-        books: Counter[int] = Counter()
-        for r in reports:
-            packed += r.chunks_packed
-            calls += r.quantize_calls
-            dense.update(r.chunks_dense)
-            books.update(r.centroids)
-        return cls(packed, dict(sorted(dense.items())), dict(sorted(books.items())), calls)
+        reports = list(reports)
+        dense: Counter[str] = sum((Counter(r.chunks_dense) for r in reports), Counter())
+        books: Counter[int] = sum((Counter(r.centroids) for r in reports), Counter())
+        return cls(sum(r.chunks_packed for r in reports), dict(sorted(dense.items())),
+                   dict(sorted(books.items())), sum(r.quantize_calls for r in reports))
 
 
 @dataclass(frozen=True, eq=False)

@@ -312,7 +312,7 @@ class SegmentStore:
             storage = w.borrowed(a, b) if self._borrows(w) else self._zeros(b - a)
             return self._written(Segment(a, b, nxt - 1, nxt - 1, storage), w, fresh=True)
 
-        for seg in _rewritten(self.segments, w, self.num_heads):
+        for seg in self.segments:
             if not _overlaps(seg, w):
                 out.append(seg)
                 continue
@@ -330,26 +330,25 @@ class SegmentStore:
         return out, nxt, current, chunk_tokens
 
     def _written(self, seg: Segment, w: KVWrite, fresh: bool = False) -> Segment:
-        """``seg`` with ``w`` written into it, what the store holds left untouched: views of
-        ``w`` when it covers ``seg`` whole and may be borrowed (`BorrowedKV`), else ``seg``'s
-        K/V copied (``fresh``: the plan's own new buffer already) with ``w`` copied in; a
-        packed one decoded first (zeros when ``w`` rewrites every position and head;
-        `DecodedKV` otherwise: the rows ``w`` leaves carry the codec's error, never packed
-        again)."""
+        """``seg`` with ``w`` written into it, what the store holds left untouched. ``w``
+        rewriting every position and head of it: views of ``w`` where they may be borrowed,
+        else zeros ``w`` is copied into (plain `DenseKV`: no row keeps a codec error). Else
+        ``seg``'s own K/V (``fresh``: the plan's own new buffer already), a copy of them, or a
+        packed one decoded (`DecodedKV`: the rows ``w`` leaves carry the codec's error, never
+        packed again), with ``w`` copied in."""
         if w.key is None or w.value is None:
             return seg
-        lo, hi = max(w.start, seg.start), min(w.end, seg.end)
-        if (lo, hi) == (seg.start, seg.end) and self._borrows(w):
-            return replace(seg, storage=w.borrowed(lo, hi))
-        if isinstance(seg.storage, PackedKV):
-            if (lo, hi) == (seg.start, seg.end) and w.heads == (0, self.num_heads):
-                storage = self._zeros(seg.end - seg.start)
-            else:
-                decoded = seg.storage.decoded(self.device, self.dtype)
-                storage = DecodedKV(decoded.k, decoded.v)
-            seg, fresh = replace(seg, storage=storage), True
-        if not fresh:
-            seg = replace(seg, storage=dense_storage(seg).copy())
+        whole = w.start <= seg.start and seg.end <= w.end and w.heads == (0, self.num_heads)
+        if whole and self._borrows(w):
+            return replace(seg, storage=w.borrowed(seg.start, seg.end))
+        if whole and not fresh:
+            storage = self._zeros(seg.end - seg.start)
+        elif isinstance(seg.storage, PackedKV):
+            decoded = seg.storage.decoded(self.device, self.dtype)
+            storage = DecodedKV(decoded.k, decoded.v)
+        else:
+            storage = seg.storage if fresh else dense_storage(seg).copy()
+        seg = replace(seg, storage=storage)
         copy_write([seg], w)
         return seg
 

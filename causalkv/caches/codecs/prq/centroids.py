@@ -16,7 +16,9 @@ MIN_TOKENS_PER_CENTROID = 32
 """Default of the centroid rule: at least this many tokens per k-means centroid."""
 
 
-def centroids_for(tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID) -> int:
+def centroids_for(
+    tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID
+) -> int:
     """K-means centroids for a span of ``tokens``: ``min(centroids, 2**floor(log2(tokens // m)))``.
 
     ``m = min_tokens_per_centroid``; at least 1. With ``m = 32`` the bf16 centroids cost at
