@@ -21,7 +21,7 @@ change gradually), token noise, and a handful of outlier channels with 8x the sc
 channel outliers known from LLM and video K caches). Keys and values use independent draws.
 
 ``--centroid-sweep`` instead measures the centroid rule of the packed cache
-(`causalkv.caches.qvg.packed.centroids_for`): for chunks of a few dozen to 7,040 tokens of
+(`causalkv.caches.codecs.prq.centroids.centroids_for`): for chunks of a few dozen to 7,040 tokens of
 `benchmarks/codec.py`'s structured K/V (2 heads x 128), the relative error and bits per
 element of int2 and int4 with the rule's centroid count, half and twice it, and the
 reference's fixed 128 (capped at the token count, as the codec does).
@@ -45,8 +45,9 @@ import torch
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches.attention import AttendStats, attend, attend_dense
 from causalkv.caches.codecs.prq import bits_per_element, dequantize, quantize
+from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import QVGPackedCausalKVCache, centroids_for
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 
 
 @dataclass(frozen=True)

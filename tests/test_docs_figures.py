@@ -136,7 +136,7 @@ def test_packed_cache_quotes_the_centroid_rule() -> None:
     """"Chunks of 4,096 tokens and more keep the reference's 128 (LingBot-World's 4,680,
     LongLive 2.0's 7,040); 880 tokens get 16, the tiny presets' 32-48 tokens get 1", and the
     reference's 128 centroids cost 0.44 bit on 4,680-token chunks."""
-    from causalkv.caches.qvg.packed import centroids_for
+    from causalkv.caches.codecs.prq.centroids import centroids_for
 
     text = " ".join(doc("packed_cache.md").split())
     assert ("Chunks of 4,096 tokens and more keep the reference's 128 (LingBot-World's 4,680, "

@@ -18,13 +18,10 @@ from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
 from causalkv.caches import attention as attn
 from causalkv.caches.codecs.prq import format as prq_format
 from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.packed import (
-    PackedKV,
-    PackingReport,
-    QVGPackedCausalKVCache,
-    centroids_for,
-)
+from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
+from causalkv.caches.qvg.segments import PackedKV, PackingReport
 
 N = 16  # tokens per chunk
 D = 32

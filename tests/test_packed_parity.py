@@ -54,8 +54,8 @@ class _RecordingPacked(QVGPackedCausalKVCache):
         self.packed_runs: list[tuple[int, int]] = []
         encode = self.store.packer.encode
 
-        def recording(step, pieces, write, codebook):
-            seg, book = encode(step, pieces, write, codebook)
+        def recording(step, pieces, codebook):
+            seg, book = encode(step, pieces, codebook)
             if not step.tier:  # at the cache's codec (a recency-tier pack is re-packed once)
                 for a, b in self.packed_runs:
                     assert seg.end <= a or seg.start >= b, f"[{seg.start},{seg.end}) packed twice"

@@ -13,7 +13,7 @@ import torch
 from causalkv.caches import CausalCacheSpec
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.qvg.policy import RECENT_CHUNKS, RECENT_NON_SINK, recent_non_sink_dense
+from causalkv.caches.qvg.policy import RECENT_CHUNKS, RECENT_NON_SINK, ChunkInfo
 
 CHUNK = 8
 SPEC = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=32, cache_size=8 * CHUNK,
@@ -36,7 +36,12 @@ def test_unknown_policy_names_the_choices():
     ],
 )
 def test_rule_counts_only_non_sink_chunks_as_recent(completed, keep_recent, pack_sink, dense):
-    assert recent_non_sink_dense(completed, keep_recent, pack_sink) == dense
+    """``completed``: (chunk, holds sink, among the leading ``sink_keep_chunks``) per chunk."""
+    q = QVGKVQuantArgs(codec="int2", keep_recent_chunks=keep_recent, sink=pack_sink,
+                       sink_keep_chunks=int(any(kept for *_, kept in completed)))
+    chunks = tuple(ChunkInfo(c, c * CHUNK, (c + 1) * CHUNK, sink=s) for c, s, _ in completed)
+    got = RECENT_NON_SINK.decide(q, chunks, len(chunks), sink_open=False, chunk_tokens=CHUNK)
+    assert set(got.dense) == dense
 
 
 def _packed_flags(policy, chunks: int) -> list[list[bool]]:

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from causalkv.caches import CausalCacheSpec, Commit, DenseCausalKVCache, PassMarker
+from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.codecs.prq.format import packed_nbytes_formula
 from causalkv.caches.qvg import QVGKVQuantArgs
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.qvg.policy import centroids_for
 from causalkv.errors import UsageError
 
 H, D, N, SLOTS, LAYERS, PASSES, PIN_AFTER = 2, 32, 64, 4, 3, 3, 3

@@ -15,6 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from causalkv.caches import CausalCacheSpec
 from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.codecs.prq.centroids import centroids_for
+from causalkv.caches.positions import HeldPositions
 from causalkv.caches.qvg import (
     RECENT_CHUNKS,
     RECENT_NON_SINK,
@@ -26,10 +28,14 @@ from causalkv.caches.qvg import (
     SegmentStore,
 )
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-from causalkv.caches.qvg.policy import centroids_for, resolve_policy
+from causalkv.caches.qvg.policy import resolve_policy
 from causalkv.errors import ConfigError
 
 H, D, N = 2, 64, 256
+
+
+def _held(held) -> HeldPositions:
+    return HeldPositions(held, 0, ())
 Q = QVGKVQuantArgs(codec="int2", centroids=8, block_size=16, keep_recent_chunks=0)
 
 
@@ -47,8 +53,8 @@ def _stream(store: SegmentStore, chunks: int) -> list[tuple[torch.Tensor, torch.
     written = []
     for c in range(chunks):
         k, v = _kv(c)
-        plan = store.plan(held=((0, (c + 1) * N),), advance=True,
-                          write=KVWrite(c * N, (c + 1) * N, (0, H), k, v))
+        plan = store.plan(KVWrite(c * N, (c + 1) * N, (0, H), k, v), _held(((0, (c + 1) * N),)),
+                          advance=True)
         store.commit(plan)
         written.append((k, v))
     return written
@@ -118,10 +124,10 @@ def test_decode_of_one_segment_and_head_slices():
     store = _store()
     written = _stream(store, 3)
     seg = store.segments[1]
-    k, v = store.decode(seg, ((N + 3, N + 20), (N + 40, 2 * N)), 1, 2)
+    k, v = store.gather([(N + 3, 17)], 1, 2, [seg])
     full = _roundtrip(written[1][1], Q)[:, :, 1:2]
-    assert torch.equal(v, torch.cat([full[:, 3:20], full[:, 40:]], dim=1))
-    dk, _ = store.decode(store.segments[2], ((2 * N, 3 * N),), 0, H)  # dense: views, no copy
+    assert torch.equal(v, full[:, 3:20])
+    dk, _ = store.gather([(2 * N, N)], 0, H, [store.segments[2]])  # dense: views, no copy
     assert dk.data_ptr() == store.segments[2].storage.k.data_ptr()
 
 
@@ -134,8 +140,8 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     assert store.segments[1].packed
     k, v = _kv(9, 10)
     # a rewrite inside packed chunk 1 (sglang's dense cache accepts in-window rewrites)
-    plan = store.plan(held=((0, 3 * N),), advance=False,
-                      write=KVWrite(N + 5, N + 15, (0, H), k, v))
+    plan = store.plan(KVWrite(N + 5, N + 15, (0, H), k, v), _held(((0, 3 * N),)),
+                      advance=False)
     store.commit(plan)
     seg = store.segments[1]
     assert not seg.packed and store.quantize_calls == 2
@@ -145,8 +151,8 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     # an advance overlapping chunk 2's tail: chunk 2 goes cold with the write applied, and
     # is packed from exactly those values (keep_recent=0); chunk 1 stays dense as it is
     k2, v2 = _kv(10, N)
-    plan = store.plan(held=((0, 3 * N + N // 2),), advance=True,
-                      write=KVWrite(3 * N - N // 2, 3 * N + N // 2, (0, H), k2, v2))
+    plan = store.plan(KVWrite(3 * N - N // 2, 3 * N + N // 2, (0, H), k2, v2), _held(((0, 3 * N + N // 2),)),
+                      advance=True)
     before = [s.storage for s in store.segments]
     store.commit(plan)
     patched = written[2][0].clone()
@@ -164,11 +170,11 @@ def test_a_write_into_a_packed_chunk_unpacks_it_and_a_patched_chunk_packs_as_wri
     assert store.packing_report().chunks_dense == {"rewritten in part": 1}
     # chunk 1 written whole (every position and head): nothing decoded, packed as written
     k3, v3 = _kv(11, N)
-    store.commit(store.plan(held=((0, 3 * N + N // 2),), advance=False,
-                            write=KVWrite(N, 2 * N, (0, H), k3, v3)))
+    store.commit(store.plan(KVWrite(N, 2 * N, (0, H), k3, v3), _held(((0, 3 * N + N // 2),)),
+                            advance=False))
     k4, v4 = _kv(12, N // 2)
-    store.commit(store.plan(held=((0, 4 * N),), advance=True,
-                            write=KVWrite(3 * N + N // 2, 4 * N, (0, H), k4, v4)))
+    store.commit(store.plan(KVWrite(3 * N + N // 2, 4 * N, (0, H), k4, v4), _held(((0, 4 * N),)),
+                            advance=True))
     chunk1 = next(s for s in store.segments if s.start == N)
     assert chunk1.packed
     got = quantizer.dequantize(chunk1.storage.k).permute(0, 2, 1, 3)
@@ -183,13 +189,13 @@ def test_a_non_finite_chunk_stays_dense_as_written_and_the_stream_goes_on():
     _stream(store, 2)
     k, v = _kv(5)
     k[0, 3, 1, 7] = float("nan")
-    store.commit(store.plan(held=((0, 3 * N),), advance=True,
-                            write=KVWrite(2 * N, 3 * N, (0, H), k, v)))
+    store.commit(store.plan(KVWrite(2 * N, 3 * N, (0, H), k, v), _held(((0, 3 * N),)),
+                            advance=True))
     snapshot = (list(store.segments), store.current, store.quantize_calls, store.packing_report())
     for c in (3, 4):
         k2, v2 = _kv(c + 3)
-        plan = store.plan(held=((0, (c + 1) * N),), advance=True,
-                          write=KVWrite(c * N, (c + 1) * N, (0, H), k2, v2))
+        plan = store.plan(KVWrite(c * N, (c + 1) * N, (0, H), k2, v2), _held(((0, (c + 1) * N),)),
+                          advance=True)
         if c == 3:  # planning changed nothing
             assert (list(store.segments), store.current, store.quantize_calls,
                     store.packing_report()) == snapshot
@@ -290,8 +296,8 @@ def test_a_recency_tier_chunk_the_cache_codec_would_not_shrink_stays_at_its_tier
     assert not store.tiering.pays(n, 1, None) and store.tiering.pays(n, 1, None, store.tiering.tier_quant(n))
     for c in range(4):
         k, v = _kv(c, n)
-        store.commit(store.plan(held=((0, (c + 1) * n),), advance=True,
-                                write=KVWrite(c * n, (c + 1) * n, (0, H), k, v)))
+        store.commit(store.plan(KVWrite(c * n, (c + 1) * n, (0, H), k, v), _held(((0, (c + 1) * n),)),
+                                advance=True))
     tiers = [seg.storage.codec.name if seg.packed else "bf16" for seg in store.segments]
     assert tiers == ["fp8", "fp8", "fp8", "bf16"]  # two left recency, the recent one, current
     assert store.quantize_calls == 3  # chunks 0 to 2 once each, at the tier, never again

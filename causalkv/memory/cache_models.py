@@ -5,7 +5,8 @@ runs which is the caller's table (``causalkv memory --host``: `causalkv.cli.memo
 
 from __future__ import annotations
 
-from causalkv.caches.qvg.policy import MIN_TOKENS_PER_CENTROID, RECENT_CHUNKS, RECENT_NON_SINK
+from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
+from causalkv.caches.qvg.policy import RECENT_CHUNKS, RECENT_NON_SINK
 from causalkv.caches.rolling_slots import RollingSlots
 from causalkv.caches.stream import StreamState
 from causalkv.memory.records import CacheModel

@@ -21,7 +21,6 @@ This module imports sglang; only the bridge's hooks import it, at hook-applicati
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
 from causalkv.caches.qvg.store import KVWrite, Segment, SegmentStore
 from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState, WritePlan
-from causalkv.caches.spec import CacheWriteError, KVSegment, StoredSegment
+from causalkv.caches.spec import CacheWriteError
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 
 __all__ = ["SGLangQVGKVCache", "SegmentView", "causalkv_quant_args", "can_serve"]
@@ -255,7 +254,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         """
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
-        k, v = self._read(w)
+        k, v = self.store.gather(w.pieces, *w.heads, w.layout)
         return CausalAttentionKVView(
             k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
             visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
@@ -274,15 +273,16 @@ class SGLangQVGKVCache(_SGLangQVGCache):
     ) -> SegmentView:
         """The write of `update_and_get_attention_kv` (same arguments, errors and effects on the
         cache), returning the same visible tokens as a lazy causalkv view for
-        `causalkv.caches.attend`, never the window as one buffer.
+        `causalkv.caches.attend`, never the window as one buffer: the store's view
+        (`SegmentStore.view`, the one view builder causalkv's packed cache uses too).
 
         The view's pieces are exactly the rows sglang's view shows, in its order: per visible
         slot range, the runs of global positions the slots hold (a run crossing stored
         segments is split there), and zeros ``[B, s, h, D]`` for slots sglang's buffer shows
-        but nothing was written to; heads are the write's head slice. ``iter_segments()``
-        yields them dense (a packed run decoded, one at a time); ``iter_stored_segments()``
-        yields dense runs as views of the store and packed runs as the codec's
-        `PackedSegment` head/token slices (views, nothing decoded). ``view.k``/``view.v``
+        but nothing was written to; heads are the write's head slice; a probe's chunk rows are
+        its own K/V. ``iter_segments()`` yields them dense (a packed run decoded, one at a
+        time); ``iter_stored_segments()`` yields dense runs as views and packed runs as the
+        codec's `PackedSegment` head/token slices (views, nothing decoded). ``view.k``/``view.v``
         would build the window buffer (`update_and_get_attention_kv`'s); they are built
         already only when that costs nothing (the view is one run of one dense chunk: views
         of it). ``position_ranges`` lists the pieces' position runs in view order (zero pieces
@@ -290,44 +290,11 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         """
         w = self._update(key, value, current_chunk_start, cache_head_start,
                          recent_window_tokens, debug_name)
-        if w.own is not None:  # a probe: the history read and the chunk's rows, one buffer
-            k, v = self._read(w)
-            return SegmentView(
-                rows=k.shape[1],
-                position_ranges=tuple((p, p + ln) for p, ln in w.pieces if p is not None),
-                local_start_index=w.local_start, local_end_index=w.local_end,
-                visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
-                k=k, v=v, segments=lambda: iter([(k, v)]), materialize=lambda: (k, v),
-                stored=lambda: iter([(k, v)]), device=self.store.device,
-            )
-        store, (h0, h1), pieces = self.store, w.heads, w.pieces
-        layout = w.layout  # a commit replaces this list, never mutates it
-        located = store.locate_pieces(pieces, layout)
-
-        def segments() -> Iterator[KVSegment]:
-            for seg, a, b in located:
-                if seg is None:
-                    yield store.zeros(b - a, h0, h1)
-                else:
-                    yield store.decode(seg, ((a, b),), h0, h1)
-
-        def stored() -> Iterator[StoredSegment]:
-            return store.stored_segments([(seg, ((a, b),)) for seg, a, b in located], h0, h1)
-
-        def materialize() -> KVSegment:
-            return store.gather(pieces, h0, h1, layout)
-
-        k = v = None
-        if len(located) == 1 and located[0][0] is not None and not located[0][0].packed:
-            k, v = materialize()  # views of the one dense chunk: free
-        return SegmentView(
-            rows=sum(n for _, n in pieces),
-            position_ranges=tuple((a, b) for seg, a, b in located if seg is not None),
-            local_start_index=w.local_start, local_end_index=w.local_end,
-            visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
-            k=k, v=v, segments=segments, materialize=materialize, stored=stored,
-            device=store.device,
-        )
+        rows = sum(n for _, n in w.pieces)
+        return self.store.view(w.pieces, *w.heads, w.layout, make=lambda ranges, **kw: SegmentView(
+            rows=rows, position_ranges=ranges, local_start_index=w.local_start,
+            local_end_index=w.local_end, visible_local_end=w.visible_local_end,
+            visible_global_end=w.visible_global_end, **kw))
 
     def _update(
         self,
@@ -368,34 +335,26 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         after = cur.written(plan, start)
         pieces = after.pieces(recent_window_tokens)
         store = self.store
-        if probe:  # the view the write would return, nothing stored
-            chunk = ((start, start + n),)
-            shown = iv.normalize((p, p + ln) for p, ln in pieces if p is not None)
-            store.check_view(store.segments, iv.subtract(shown, chunk), debug_name)
-            return _Written(
-                pieces=pieces, heads=heads, local_start=plan.local_start,
-                local_end=plan.local_end, visible_local_end=plan.updated_local_end,
-                visible_global_end=plan.updated_global_end, layout=store.segments,
-                own=(start, key, value),
-            )
+        shown = iv.normalize((p, p + ln) for p, ln in pieces if p is not None)
+        if probe:  # the view the write would return, nothing stored: the chunk's own K/V
+            layout = store.with_own(start, key, value, heads[0])
+            store.check_view(layout, shown, debug_name)
+            return _Written(pieces, heads, plan.local_start, plan.local_end,
+                            plan.updated_local_end, plan.updated_global_end, layout)
         write = KVWrite(start, start + n, heads, key, value)
         now = after.holding()
         advanced = start + n > global_end
         if now.held == store.held() and store.covers_dense(start, start + n):
             stored = store.plan_write(write)  # the layout stays: one in-place copy
         else:
-            stored = store.plan(held=now.held, write=write, advance=advanced,
-                                sink_end=now.sink_end, pinned=now.pinned)
+            stored = store.plan(write, now, advance=advanced)
         if commit is not None:
             # the context pass: the chunk moves to its tier, planned with the write; the store
             # keeps what sglang's buffer keeps after the next advance the commit names (the
             # pin included). A next chunk that needs more is refused by `check_view`.
-            ctx = after.after_context(commit.pin, commit.next_tokens)
-            stored = store.plan_commit(stored, held=ctx.held, sink_end=ctx.sink_end,
-                                       pinned=ctx.pinned)
+            stored = store.plan_commit(stored, after.after_context(commit.pin, commit.next_tokens))
         # the view, checked before anything changes: every position it shows is held
         layout = stored.view_segments or stored.segments  # what this call's view reads
-        shown = iv.normalize((p, p + ln) for p, ln in pieces if p is not None)
         store.check_view(layout, shown, debug_name)
 
         # the commit (nothing above changed anything, nothing below can fail)
@@ -408,40 +367,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self._heads = heads
         self._slots = after.slots
         self._write_indices(global_end_index=after.global_end, local_end_index=after.local_end)
-        return _Written(
-            pieces=pieces, heads=heads, local_start=plan.local_start,
-            local_end=plan.local_end, visible_local_end=plan.updated_local_end,
-            visible_global_end=plan.updated_global_end, layout=layout,
-        )
-
-    def _read(self, w: _Written) -> KVSegment:
-        """The view's K/V ``[B, rows, h, D]``: the store's positions, and for a probe the
-        chunk's rows from its own K/V (one buffer)."""
-        if w.own is None:
-            return self.store.gather(w.pieces, *w.heads, w.layout)
-        start, key, value = w.own
-        end = start + key.shape[1]
-        if w.pieces == [(start, key.shape[1])]:  # the chunk alone: its own K/V, as views
-            return key, value
-        pieces: list[tuple[int | None, int]] = []
-        own: list[tuple[int, int, int]] = []  # (row, offset in the chunk, rows)
-        at = 0
-        for p, ln in w.pieces:
-            if p is None:
-                pieces.append((None, ln))
-                at += ln
-                continue
-            cuts = sorted({p, p + ln, min(max(start, p), p + ln), min(max(end, p), p + ln)})
-            for a, b in zip(cuts, cuts[1:]):
-                if start <= a < end:
-                    own.append((at, a - start, b - a))
-                pieces.append((None, b - a) if start <= a < end else (a, b - a))
-                at += b - a
-        k, v = self.store.gather(pieces, *w.heads, w.layout)
-        for row, off, ln in own:
-            k[:, row : row + ln].copy_(key[:, off : off + ln])
-            v[:, row : row + ln].copy_(value[:, off : off + ln])
-        return k, v
+        return _Written(pieces, heads, plan.local_start, plan.local_end, plan.updated_local_end,
+                        plan.updated_global_end, layout)
 
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
@@ -485,6 +412,4 @@ class _Written:
     local_end: int
     visible_local_end: int
     visible_global_end: int
-    layout: list[Segment]  # the store's segments this view reads
-    #: a probe's chunk: (start, key, value) ``[B, n, h, D]``, its rows in the view (None: a write)
-    own: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    layout: list[Segment]  # the store's segments this view reads (a probe's: its own K/V too)

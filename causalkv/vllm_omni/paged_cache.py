@@ -62,7 +62,7 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
 )
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.store import Codebook, DenseKV, KVWrite, Segment
+from causalkv.caches.qvg.store import Codebook, DenseKV, Segment
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Kept, chunk_infos, keep_held, tier_policy
 from causalkv.caches.stream import StreamState
@@ -94,7 +94,6 @@ __all__ = [
 #: the k-means seed of causalkv's stores (`SegmentStore`'s default): packing is reproducible
 SEED = 1234
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_NO_WRITE = KVWrite(0, 0, (0, 0))
 _SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 
@@ -512,7 +511,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
 
     def _encode(self, step: Any, pieces: list[Segment], book: Codebook | None
                 ) -> tuple[Segment, Codebook | None]:
-        return self.packer.encode(step, pieces, _NO_WRITE, book)
+        return self.packer.encode(step, pieces, book)
 
     def _release(self, adapter: Any, rec: _Session, keep: set[int]) -> None:
         """Every page whose frame is not in ``keep`` back to the pool (vLLM's release), then the

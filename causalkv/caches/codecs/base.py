@@ -199,6 +199,15 @@ class KVCodec(ABC):
         """Why this codec cannot pack ``head_dim`` channels (None when it can)."""
         return None
 
+    def device_problem(self, device: torch.device) -> str | None:
+        """Why this codec cannot run on ``device`` (None when it can): checked at start-up."""
+        return None
+
+    def request_lines(self, span_tokens: int, whole_sink_tokens: int = 0) -> list[str]:
+        """The run header's lines for this codec's own parameters, given the tokens of a packed
+        span (and of a sink packed whole, 0 when it is not): none by default."""
+        return []
+
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """The error this codec promises: for ``x [B, H, S, D]`` (what `encode` is given), the
         largest ``|decoded - x|`` it allows at each element, a float64 ``[B, H, S, D]`` on

@@ -19,10 +19,11 @@ packing policy object (`causalkv.caches.qvg.policy`; `RECENT_CHUNKS` by default)
   (one codebook per span; 1 = the reference behaviour);
 - never worse than bf16: a span is packed only if its packed bytes (`packed_nbytes_formula`,
   decided before any quantize) are smaller than its dense bytes; otherwise it stays dense;
-- the k-means centroids adapt to the span's tokens: `centroids_for` gives
-  ``min(quant.centroids, largest power of two <= tokens / 32)`` (at least 1), so the bf16
-  centroids cost at most half a bit per element, as the reference's 128 do on its
-  4,680-token chunks (docs/packed_cache.md has the measurements behind the rule);
+- PRQ's k-means centroids adapt to the span's tokens (PRQ's centroid rule,
+  `causalkv.caches.codecs.prq.centroids.centroids_for`): ``min(quant.centroids, largest power
+  of two <= tokens / 32)`` (at least 1), so the bf16 centroids cost at most half a bit per
+  element, as the reference's 128 do on its 4,680-token chunks (docs/packed_cache.md has the
+  measurements behind the rule);
 - a segment whose positions all rolled out is freed; a dense segment that lost some is
   trimmed; a packed one is kept whole until all of it rolled out.
 
@@ -30,45 +31,30 @@ An advance is planned as values and committed at the end, so a failure (e.g. non
 in a cold chunk) leaves the cache as it was. `packing_report()` tells what was decided for
 every chunk written so far, and why.
 
-Views are lazy: ``view.k``/``view.v`` fill one window buffer on first access (packed ranges
-decoded straight into it), while `causalkv.caches.attend` walks ``view.iter_segments()`` and
-so holds one decoded segment at a time, or, on its fused path,
-``view.iter_stored_segments()`` (packed head/token slices that are never decoded).
+Views are the store's lazy views (`SegmentStore.view`, the one view builder every host's cache
+uses): ``view.k``/``view.v`` fill one window buffer on first access (packed ranges decoded
+straight into it), while `causalkv.caches.attend` walks ``view.iter_segments()`` and so holds
+one decoded segment at a time, or, on its fused path, ``view.iter_stored_segments()``
+(packed head/token slices that are never decoded).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from dataclasses import replace
 
 import torch
 
 from causalkv.caches.base import StreamCache
-from causalkv.caches.codecs.prq.quantizer import BACKEND_ENV, resolve_backend
+from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
 from causalkv.caches.passes import Commit, PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import (
-    DENSE_REASONS,
-    MIN_TOKENS_PER_CENTROID,
-    PackingPolicy,
-    centroids_for,
-    resolve_policy,
-)
-from causalkv.caches.qvg.segments import CallerKV
-from causalkv.caches.qvg.store import (
-    Codebook,
-    DenseKV,
-    KVWrite,
-    PackedKV,
-    PackingReport,
-    Segment,
-    SegmentStore,
-)
+from causalkv.caches.qvg.policy import PackingPolicy, resolve_policy
+from causalkv.caches.qvg.store import KVWrite, PackingReport, Segment, SegmentStore, StorePlan
 from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
     CausalAttentionKVView,
     CausalCacheSpec,
-    KVSegment,
-    StoredSegment,
     check_recent_window,
     check_write,
 )
@@ -83,20 +69,9 @@ from causalkv.capabilities import (
     RECENT_WINDOW,
     CacheCapabilities,
 )
-from causalkv.env import text as env_text
 from causalkv.errors import ConfigError
 
-__all__ = [
-    "DENSE_REASONS",
-    "MIN_TOKENS_PER_CENTROID",
-    "Codebook",
-    "DenseKV",
-    "PackedKV",
-    "PackingReport",
-    "QVGPackedCausalKVCache",
-    "Segment",
-    "centroids_for",
-]
+__all__ = ["QVGPackedCausalKVCache"]
 
 
 class QVGPackedCausalKVCache(StreamCache):
@@ -112,8 +87,10 @@ class QVGPackedCausalKVCache(StreamCache):
         head_offset: global index of the first head (default ``spec.head_offset``): each
             head's k-means draws are keyed by it, so a rank holding heads ``[a, b)`` packs
             them exactly as one process packs the same heads of the whole tensor.
-        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`, default 32);
-            1 allows up to one centroid per token (never more than ``quant.centroids``).
+        min_tokens_per_centroid: PRQ's centroid rule's ``m``
+            (`causalkv.caches.codecs.prq.centroids.centroids_for`, default 32); 1 allows up to
+            one centroid per token (never more than ``quant.centroids``); None packs with
+            ``quant.centroids`` as given.
         policy: which completed chunks stay dense, a `PackingPolicy` object:
             `causalkv.caches.qvg.policy.RECENT_CHUNKS` (the rule above, the default) or
             ``RECENT_NON_SINK`` (the newest ``keep_recent_chunks`` non-sink chunks; sink chunks
@@ -141,8 +118,9 @@ class QVGPackedCausalKVCache(StreamCache):
     @classmethod
     def check_request(cls, options: QVGKVQuantArgs | None, *, head_dim: int, device: str) -> None:
         """Refuse settings that cannot run (`ConfigError`): a block layout that does not fit
-        ``head_dim`` (`QVGKVQuantArgs.check_layout`), a codec backend
-        (``CAUSALKV_QVG_BACKEND``) that does not exist or does not run on ``device``."""
+        ``head_dim`` (`QVGKVQuantArgs.check_layout`), a codec (or recency tier) that does not
+        run on ``device`` (the codec's own check, `KVCodec.device_problem`: PRQ's backend,
+        ``CAUSALKV_QVG_BACKEND``)."""
         if options is None or not options.enabled:
             return
         options.check_layout(head_dim)
@@ -150,35 +128,23 @@ class QVGPackedCausalKVCache(StreamCache):
             dev = torch.device(device)
         except (RuntimeError, ValueError, TypeError):
             return  # the host names a bad device
-        try:
-            resolve_backend(None, dev)
-        except ValueError as exc:
-            raise ConfigError(
-                f"{BACKEND_ENV}={env_text(BACKEND_ENV)!r}: {exc}; set {BACKEND_ENV} to auto "
-                "(or unset it) to let causalkv pick the backend that runs here"
-            ) from None
+        tiers = [] if options.recent_tier == "bf16" else [replace(options, codec=options.recent_tier)]
+        for q in (options, *tiers):
+            problem = codec_for(q).device_problem(dev)
+            if problem is not None:
+                raise ConfigError(problem)
 
     @classmethod
     def describe_request(
         cls, options: QVGKVQuantArgs | None, *, tokens_per_chunk: int, sink_tokens: int
     ) -> list[str]:
-        """The run header's lines for these settings: the codec's own parameters only (the
-        centroids a packed span gets, for a codec that clusters; none for fp8, nvfp4 or a
-        plugin codec without codebooks)."""
-        if options is None or not options.enabled or not codec_for(options).shares_codebooks:
+        """The run header's lines for these settings: the codec's own (`KVCodec.request_lines`:
+        PRQ's centroids per packed span; none for fp8, nvfp4 or a plugin codec), given the
+        tokens of a packed span and of a sink packed whole."""
+        if options is None or not options.enabled:
             return []
-        span = tokens_per_chunk * options.span_chunks
-        whole_sink = (
-            f"; the whole sink ({sink_tokens:,} tokens) {centroids_for(sink_tokens, options.centroids)}"
-            if options.sink and options.sink_span == "full" and sink_tokens else ""
-        )
-        return [
-            f"centroids: {centroids_for(span, options.centroids)} per packed span of {span:,} "
-            f"tokens{whole_sink} (at most {options.centroids}; a span of S tokens gets min("
-            f"{options.centroids}, 2**floor(log2(S / {MIN_TOKENS_PER_CENTROID}))), so centroids cost "
-            "at most half a bit per element; metrics kv_packing.centroids counts the chunks by "
-            "centroids used)"
-        ]
+        whole_sink = sink_tokens if options.sink and options.sink_span == "full" else 0
+        return codec_for(options).request_lines(tokens_per_chunk * options.span_chunks, whole_sink)
 
     def __init__(
         self,
@@ -187,27 +153,21 @@ class QVGPackedCausalKVCache(StreamCache):
         *,
         offload: bool = False,
         seed: int = 1234,
-        min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID,
+        min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
         head_offset: int | None = None,
         policy: PackingPolicy | str = "recent-chunks",
         marker: PassMarker | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)
-        quant = (quant or QVGKVQuantArgs()).validate()
-        m = min_tokens_per_centroid
-        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            raise ConfigError(f"min_tokens_per_centroid must be a positive int, got {m!r}")
+        self.quant = (quant or QVGKVQuantArgs()).validate()
         self.spec = spec
-        self.quant = quant
-        self.offload = offload
-        self.seed = seed
         #: global index of the first head: the codec keys each head's k-means draws by it
         self.head_offset = spec.head_offset if head_offset is None else head_offset
-        self.min_tokens_per_centroid = m
         self.store = SegmentStore(
             batch_size=spec.batch_size, num_heads=spec.num_heads, head_dim=spec.head_dim,
-            dtype=spec.dtype, device=spec.torch_device, quant=quant, policy=self.policy,
-            seed=seed, head_offset=self.head_offset, offload=offload, min_tokens_per_centroid=m,
+            dtype=spec.dtype, device=spec.torch_device, quant=self.quant, policy=self.policy,
+            seed=seed, head_offset=self.head_offset, offload=offload,
+            min_tokens_per_centroid=min_tokens_per_centroid,
         )
         self.state = StreamState.from_spec(spec)
         self.use_marker(marker)
@@ -249,9 +209,7 @@ class QVGPackedCausalKVCache(StreamCache):
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         if advance:  # evict, pack cold chunks and add the new chunk
-            now = new.holding()
-            plan = self.store.plan(held=now.held, write=write, advance=True,
-                                   sink_end=now.sink_end, pinned=now.pinned)
+            plan = self.store.plan(write, new.holding(), advance=True)
         else:
             plan = self._plan_rewrite(write)
         passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
@@ -260,8 +218,7 @@ class QVGPackedCausalKVCache(StreamCache):
             self.state, self._pass = new, passed
             return self._view(h0, h1, recent_window_tokens)
         assert commit is not None
-        ctx = new.after_context(commit.pin, commit.next_tokens)
-        plan = self.store.plan_commit(plan, held=ctx.held, sink_end=ctx.sink_end, pinned=ctx.pinned)
+        plan = self.store.plan_commit(plan, new.after_context(commit.pin, commit.next_tokens))
         # the view reads the layout before the commit drops what the next advance drops
         assert plan.view_segments is not None
         view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
@@ -269,17 +226,13 @@ class QVGPackedCausalKVCache(StreamCache):
         self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed
         return view
 
-    def _plan_rewrite(self, write: KVWrite):
+    def _plan_rewrite(self, write: KVWrite) -> StorePlan:
         """The store after a rewrite of the current chunk: in place while dense segments hold
         it, else (a chunk a commit already moved to its tier) decoded back to dense."""
         store = self.store
         if store.covers_dense(write.start, write.end):
             return store.plan_write(write)
-        st = self.state
-        return store.plan(
-            held=store.held(), write=write, advance=False, sink_end=st.sink_prefix_end(),
-            pinned=(st.pinned,) if st.pinned else (),
-        )
+        return store.plan(write, replace(self.state.holding(), held=store.held()), advance=False)
 
     # ---- the store's figures -----------------------------------------------------------
     @property
@@ -313,55 +266,22 @@ class QVGPackedCausalKVCache(StreamCache):
     def probe_view(self, key, value, start, heads, recent_window_tokens, debug_name):
         """`StreamCache.probe_view` as a lazy view: the store's segments for the history (packed
         ones decoded only when read, one at a time when streamed) and the caller's own K/V
-        for the chunk's rows; nothing stored, nothing changed."""
+        for the chunk's rows (`SegmentStore.with_own`); nothing stored, nothing changed."""
         n, st = key.shape[1], self.state
         new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
-        end = start + n
-        own = Segment(start, end, -1, -1, CallerKV(key, value, h0=heads[0]))
-        kept = [s for s in self.store.segments if s.end <= start or s.start >= end]
-        if any(s.start < end and start < s.end for s in self.store.segments
-               if not (start <= s.start and s.end <= end)):  # a segment across the chunk's edge
-            return super().probe_view(key, value, start, heads, recent_window_tokens, debug_name)
-        layout = sorted([*kept, own], key=lambda s: s.start)
-        return self._view(*heads, recent_window_tokens, layout, new)
-
-    def _read_pieces(self, pieces, h0, h1):
-        """`StreamCache._read_pieces` from the store (`SegmentStore.gather`, packed decoded)."""
-        if len(pieces) == 1 and pieces[0][0] is not None:  # gather gives views of the store: copy
-            k, v = self.store.gather(pieces, h0, h1)
-            return k.clone(), v.clone()
-        return self.store.gather(pieces, h0, h1)
+        return self._view(*heads, recent_window_tokens, self.store.with_own(start, key, value, heads[0]), new)
 
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,
         layout: list[Segment] | None = None, state: StreamState | None = None,
     ) -> CausalAttentionKVView:
-        """The view of ``visible`` read from ``layout`` (default: the store's segments; a
-        commit replaces that list, never mutates it)."""
+        """The store's view (`SegmentStore.view`) of the visible positions of ``state``
+        (default: now), read from ``layout`` (default: the store's segments); ``k``/``v``
+        built at once when nothing visible is packed, as the dense cache's are."""
         st = self.state if state is None else state
-        visible = st.visible(recent_window_tokens)
-        store = self.store
-        layout = store.segments if layout is None else layout
-        located = store.locate(visible, layout)
-
-        def segments() -> Iterator[KVSegment]:
-            for seg, runs in located:
-                yield store.decode(seg, runs, h0, h1)
-
-        def materialize() -> KVSegment:
-            return store.gather([(a, b - a) for a, b in visible], h0, h1, layout)
-
-        def stored() -> Iterator[StoredSegment]:
-            # one piece per visible run: dense views, or packed head/token slices (no decode)
-            return store.stored_segments(located, h0, h1)
-
-        k = v = None
-        if not any(seg.packed for seg, _ in located):  # nothing to decode: build k/v now
-            k, v = materialize()
-        return self._make_view(
-            visible, state=st, k=k, v=v, segments=segments, materialize=materialize,
-            stored=stored, device=self.spec.torch_device,
-        )
+        pieces = [(a, b - a) for a, b in st.visible(recent_window_tokens)]
+        return self.store.view(pieces, h0, h1, layout, dense_now=True,
+                               make=functools.partial(self._make_view, state=st))
 
     # ---- control ----------------------------------------------------------------------
     def reset_indices(self) -> None:
@@ -372,4 +292,3 @@ class QVGPackedCausalKVCache(StreamCache):
         self.state = StreamState.from_spec(self.spec)
         self._pass = (-1, frozenset())
         self.store.reset()
-

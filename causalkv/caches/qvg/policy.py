@@ -25,7 +25,7 @@ Policies are named by the rule they decide, never by a host: a cache takes a pol
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
@@ -36,20 +36,14 @@ __all__ = [
     "DENSE_REASONS",
     "NON_FINITE",
     "REWRITTEN",
-    "MIN_TOKENS_PER_CENTROID",
     "RECENT_NON_SINK",
     "RecentChunksPolicy",
     "ChunkInfo",
     "PackingDecision",
     "PackingPolicy",
     "RecentNonSinkPolicy",
-    "centroids_for",
     "resolve_policy",
-    "recent_non_sink_dense",
 ]
-
-MIN_TOKENS_PER_CENTROID = 32
-"""Default of the centroid rule: at least this many tokens per k-means centroid."""
 
 # Why a completed chunk is held dense (the keys of `PackingReport.chunks_dense`).
 RECENT = "recent"  # one of the newest keep_recent_chunks
@@ -63,17 +57,6 @@ NON_FINITE = "non-finite"  # its K/V hold NaN or inf: kept as the dense cache ke
 REWRITTEN = "rewritten in part"  # a write into part of it once packed: never packed twice
 DENSE_REASONS = (RECENT, SINK_KEEP, SINK, WAITING, NOT_SMALLER, QUANT_OFF, POLICY, NON_FINITE,
                  REWRITTEN)
-
-
-def centroids_for(tokens: int, centroids: int, min_tokens_per_centroid: int = MIN_TOKENS_PER_CENTROID) -> int:
-    """K-means centroids for a span of ``tokens``: ``min(centroids, 2**floor(log2(tokens // m)))``.
-
-    ``m = min_tokens_per_centroid``; at least 1. With ``m = 32`` the bf16 centroids cost at
-    most ``16 * K / tokens = 0.5`` bits per element; a 4,680-token chunk keeps the reference's
-    128 (146 tokens/32 rounds down to 128), 880 tokens get 16 and 48 tokens 1.
-    """
-    cap = max(1, tokens // min_tokens_per_centroid)
-    return min(centroids, 1 << (cap.bit_length() - 1))
 
 
 @dataclass(frozen=True)
@@ -152,26 +135,6 @@ class RecentChunksPolicy(PackingPolicy):
         return PackingDecision(dense, groups)
 
 
-def recent_non_sink_dense(
-    completed: Iterable[tuple[int, bool, bool]], keep_recent: int, pack_sink: bool
-) -> set[int]:
-    """Ids of the completed chunks that stay dense under keep-recent over non-sink chunks.
-
-    Args:
-        completed: ``(chunk_id, is_sink, protected)`` for every completed chunk still held,
-            oldest first; ``protected`` marks a sink chunk among the leading kept ones.
-        keep_recent: ``keep_recent_chunks``.
-        pack_sink: the quant args' ``sink`` flag.
-    """
-    completed = list(completed)
-    nonsink = [c for c, is_sink, _ in completed if not is_sink]
-    keep = set(nonsink[len(nonsink) - keep_recent:]) if keep_recent > 0 else set()
-    for c, is_sink, protected in completed:
-        if is_sink and (not pack_sink or protected):
-            keep.add(c)
-    return keep
-
-
 @dataclass(frozen=True)
 class RecentNonSinkPolicy(PackingPolicy):
     """Keep-recent over non-sink chunks (the module docstring); `RECENT_NON_SINK` is the instance."""
@@ -180,13 +143,18 @@ class RecentNonSinkPolicy(PackingPolicy):
 
     def decide(self, quant, chunks, current, *, sink_open, chunk_tokens):
         q = quant
-        protect = q.sink_keep_chunks * max(1, chunk_tokens)
-        rows = [(c.index, c.sink or c.pinned, c.sink and c.start < protect) for c in chunks]
-        keep = recent_non_sink_dense(rows, q.keep_recent_chunks, q.sink)
+        protect = q.sink_keep_chunks * max(1, chunk_tokens)  # sink chunks starting below stay
+        nonsink = [c.index for c in chunks if not (c.sink or c.pinned)]
+        recent = set(nonsink[len(nonsink) - q.keep_recent_chunks:]) if q.keep_recent_chunks > 0 else set()
         dense = {}
-        for index, is_sink, _ in rows:
-            if index in keep:
-                dense[index] = (RECENT if not is_sink else SINK if not q.sink else SINK_KEEP)
+        for c in chunks:
+            if not (c.sink or c.pinned):
+                if c.index in recent:
+                    dense[c.index] = RECENT
+            elif not q.sink:
+                dense[c.index] = SINK
+            elif c.sink and c.start < protect:
+                dense[c.index] = SINK_KEEP
         return PackingDecision(dense)
 
 

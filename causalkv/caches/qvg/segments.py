@@ -18,12 +18,12 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.intervals import Intervals
+from causalkv.caches.qvg.tiering import BookState
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
 __all__ = [
     "BorrowedKV",
-    "CallerKV",
     "Codebook",
     "DecodedKV",
     "DenseKV",
@@ -42,30 +42,40 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class DenseKV:
-    """Dense K and V ``[B, len, H, D]`` in the store's dtype."""
+    """Dense K and V ``[B, len, h, D]`` in the store's dtype, of the heads from ``h0`` on (the
+    store's own hold every head: ``h0 = 0``; a probe's K/V hold the heads it wrote)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    h0: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def slice(self, lo: int, hi: int) -> DenseKV:
-        """Tokens ``[lo, hi)`` as a copy (so the rest can be freed)."""
-        return DenseKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+    def copy(self, lo: int = 0, hi: int | None = None) -> DenseKV:
+        """Tokens ``[lo, hi)`` (default: all) as a copy the store owns (so the rest can be
+        freed; borrowed K/V get their own), decoded rows still marked `DecodedKV`."""
+        kind = DecodedKV if isinstance(self, DecodedKV) else DenseKV
+        return kind(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
+
+    def select_tokens(self, lo: int, hi: int) -> DenseKV:
+        """Tokens ``[lo, hi)`` as views, of the same kind."""
+        return replace(self, k=self.k[:, lo:hi], v=self.v[:, lo:hi])
 
     def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
         """Views of tokens ``[lo, hi)``, heads ``[h0, h1)``: ``[B, hi - lo, h1 - h0, D]``."""
-        return self.k[:, lo:hi, h0:h1], self.v[:, lo:hi, h0:h1]
+        a, b = h0 - self.h0, h1 - self.h0
+        return self.k[:, lo:hi, a:b], self.v[:, lo:hi, a:b]
 
     def read_into(
         self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
         device: torch.device,
     ) -> None:
         """Tokens ``[lo, hi)``, heads ``[h0, h1)`` copied into ``k``/``v`` ``[B, hi - lo, h1 - h0, D]``."""
-        k.copy_(self.k[:, lo:hi, h0:h1])
-        v.copy_(self.v[:, lo:hi, h0:h1])
+        kk, vv = self.heads(lo, hi, h0, h1)
+        k.copy_(kk)
+        v.copy_(vv)
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,34 +84,12 @@ class DecodedKV(DenseKV):
     rows not rewritten carry the codec's error once, so the store never packs them again (a
     second packing would add a second error past the codec's bound); they stay dense."""
 
-    def slice(self, lo: int, hi: int) -> DecodedKV:
-        return DecodedKV(self.k[:, lo:hi].clone(), self.v[:, lo:hi].clone())
-
 
 @dataclass(frozen=True, eq=False)
 class BorrowedKV(DenseKV):
-    """Views of K/V the store does not own ``[B, len, H, D]`` (the write's tensors): a plan
-    packs straight from them, and `SegmentStore.commit` gives what stays dense its own copy;
-    never held as is."""
-
-
-@dataclass(frozen=True, eq=False)
-class CallerKV(BorrowedKV):
-    """A probe's own K/V ``[B, len, h, D]`` of heads ``[h0, h0 + h)`` (the caller's tensors,
-    views): read as the store's segments are, by global head (a probe view's chunk rows)."""
-
-    h0: int = 0
-
-    def heads(self, lo: int, hi: int, h0: int, h1: int) -> KVSegment:
-        return self.k[:, lo:hi, h0 - self.h0 : h1 - self.h0], self.v[:, lo:hi, h0 - self.h0 : h1 - self.h0]
-
-    def read_into(
-        self, lo: int, hi: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor,
-        device: torch.device,
-    ) -> None:
-        kk, vv = self.heads(lo, hi, h0, h1)
-        k.copy_(kk)
-        v.copy_(vv)
+    """Views of K/V the store does not own ``[B, len, h, D]`` (a write's tensors, or a probe's
+    own heads from ``h0``): a plan packs straight from them, and `SegmentStore.commit` gives
+    what stays dense its own copy; never held as is."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,21 +210,20 @@ class Segment:
 
     def dense_slice(self, a: int, b: int) -> Segment:
         """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
-        return replace(self, start=a, end=b, storage=dense_storage(self).slice(a - self.start, b - self.start))
+        return replace(self, start=a, end=b, storage=dense_storage(self).copy(a - self.start, b - self.start))
 
 
 @dataclass(frozen=True, eq=False)
-class Codebook:
-    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``).
+class Codebook(BookState):
+    """The k-means centroids that consecutive cold chunks share (``codebook_chunks > 1``): the
+    tier policy's `BookState` (chunks packed with it so far, its centroids) and its tensors.
 
     Attributes:
         k, v: per stage ``[B, H, K, D]`` bf16, the very tensors the packed segments reference.
-        chunks: chunks packed with it so far.
     """
 
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    chunks: int
+    k: tuple[torch.Tensor, ...] = ()
+    v: tuple[torch.Tensor, ...] = ()
 
     def used_by(self, seg: Segment) -> bool:
         if not isinstance(seg.storage, PackedKV):
@@ -285,15 +272,11 @@ class PackingReport:
     @classmethod
     def merge(cls, reports: Iterable[PackingReport]) -> PackingReport:
         """The sum of several caches' reports (e.g. every layer of a run)."""
-        packed, calls = 0, 0
-        dense: Counter[str] = Counter()
-        books: Counter[int] = Counter()
-        for r in reports:
-            packed += r.chunks_packed
-            calls += r.quantize_calls
-            dense.update(r.chunks_dense)
-            books.update(r.centroids)
-        return cls(packed, dict(sorted(dense.items())), dict(sorted(books.items())), calls)
+        reports = list(reports)
+        dense: Counter[str] = sum((Counter(r.chunks_dense) for r in reports), Counter())
+        books: Counter[int] = sum((Counter(r.centroids) for r in reports), Counter())
+        return cls(sum(r.chunks_packed for r in reports), dict(sorted(dense.items())),
+                   dict(sorted(books.items())), sum(r.quantize_calls for r in reports))
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,6 +292,12 @@ class KVWrite:
     heads: tuple[int, int]
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
+
+    def borrowed(self, a: int, b: int) -> BorrowedKV:
+        """Views of its K/V of positions ``[a, b)``."""
+        assert self.key is not None and self.value is not None
+        return BorrowedKV(self.key[:, a - self.start : b - self.start],
+                          self.value[:, a - self.start : b - self.start])
 
 
 @dataclass(frozen=True)

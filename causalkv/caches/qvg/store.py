@@ -1,44 +1,43 @@
 """`SegmentStore`: K/V by global position in chunk segments, cold ones packed by a codec.
 
-The one storage both QVG hosts use: causalkv's `QVGPackedCausalKVCache` (positions by
+The one storage every QVG host uses: causalkv's `QVGPackedCausalKVCache` (positions by
 `StreamState`) and the host adapters' caches (by their own cursor arithmetic). A
 host tells the store *which* positions it holds and *what* to write; the store keeps the
 values: ``segments``, `Segment` s in ascending position, each a run of one chunk (or a packed
 span) whose ``storage`` is `DenseKV` ``[B, len, H, D]`` or `PackedKV` (a codec record each
 for K and V). A write that changes the layout is planned (`plan`: new chunks where none were
-held, a packed segment the write touches decoded, what the host no longer holds freed, a
-packed one kept whole until all of it is gone, cold chunks packed on an advance), then
-committed (`commit`, which cannot fail: a write that raises leaves the store as it was); a
-rewrite of the current chunk is one in-place copy (`write`). Which chunks stay dense is the
-`PackingPolicy` object's; what is packed by which codec in which spans is the tier policy's
-(`causalkv.caches.qvg.tiering`, counted by the memory planner too), encoded by `store_pack`.
-Reads go straight into one preallocated buffer: `gather` fills ``[B, n, h, D]`` for a list of
-position runs (dense rows copied, packed token ranges decoded in place: no dequantized
-temporary, no concatenation); `decode` does the same for one segment (streaming attention
-holds one segment at a time); `locate_pieces` gives `gather`'s pieces as the stored runs they
-read, and `stored_segments` yields those runs as stored (dense views, packed slices: nothing
-decoded). Every buffer a read fills is reported to the store's ledger, if it has one.
+held, the write applied to copies of what it touches, a packed segment it touches decoded,
+what the host no longer holds freed, a packed one kept whole until all of it is gone, cold
+chunks packed on an advance), then committed (`commit`, which cannot fail: a write that
+raises leaves the store as it was); a rewrite of the current chunk is one in-place copy
+(`plan_write`). Which chunks stay dense is the `PackingPolicy` object's; what is packed by
+which codec in which spans is the tier policy's (`causalkv.caches.qvg.tiering`, counted by
+the memory planner too), encoded by `store_pack`.
+
+Reads: `view` is the one view builder every host's cache uses: a lazy view of
+``(position or None, length)`` pieces whose ``iter_segments`` decodes one stored run at a
+time, ``iter_stored_segments`` yields the runs as stored (dense views, packed slices: nothing
+decoded) and ``k``/``v`` fill one buffer (`gather`: dense rows copied, packed token ranges
+decoded in place: no dequantized temporary, no concatenation). `with_own` is the layout a
+probe reads: the store's, with the chunk's positions read from the caller's own K/V. Every
+buffer a read fills is reported to the store's ledger, if it has one.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.ledger import ByteLedger
+from causalkv.caches.positions import HeldPositions
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.policy import (
-    MIN_TOKENS_PER_CENTROID,
-    POLICY,
-    QUANT_OFF,
-    RECENT_CHUNKS,
-    PackingPolicy,
-)
+from causalkv.caches.qvg.policy import POLICY, QUANT_OFF, RECENT_CHUNKS, PackingPolicy
 from causalkv.caches.qvg.segments import (
     BorrowedKV,
     Codebook,
@@ -54,7 +53,13 @@ from causalkv.caches.qvg.segments import (
 )
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import chunk_infos, keep_held, tier_policy
-from causalkv.caches.spec import CacheProtocolError, CacheReadError, KVSegment, StoredSegment
+from causalkv.caches.spec import (
+    CacheProtocolError,
+    CacheReadError,
+    CausalAttentionKVView,
+    KVSegment,
+    StoredSegment,
+)
 from causalkv.errors import ConfigError
 
 __all__ = [
@@ -63,38 +68,41 @@ __all__ = [
     "KVWrite",
     "PackedKV",
     "PackingReport",
+    "Piece",
     "Segment",
     "SegmentStore",
     "StorePlan",
 ]
 
 _PACKED = "packed"
+#: a piece of a read: ``(position, length)`` reads ``[position, position + length)``,
+#: ``(None, length)`` gives zero rows
+Piece = tuple[int | None, int]
+#: where one piece's rows are stored: ``(segment, a, b)`` for positions ``[a, b)`` of it,
+#: ``(None, 0, n)`` for ``n`` zero rows
+_Run = tuple[Segment | None, int, int]
 
 
-# ---------------------------------------------------------------------------------------------
-# The store
-# ---------------------------------------------------------------------------------------------
 class SegmentStore:
     """K/V of one layer by global position, cold chunks packed by a codec (see the module docstring).
 
     Args:
         batch_size, num_heads, head_dim, dtype, device: the K/V it stores, ``[B, ., H, D]``.
-        quant: QVG settings; ``bits=None`` keeps every segment dense.
+        quant: QVG settings; ``codec=None`` keeps every segment dense.
         policy: which completed chunks stay dense (a `PackingPolicy` object).
         seed: k-means seed (the reference runtime's 1234): packing is reproducible.
         head_offset: global index of the first head (the codec keys each head's draws by it).
         offload: keep packed segments in CPU memory (pinned when on a GPU), moved back to
             ``device`` when read.
-        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
-            ``quant.centroids`` as given.
+        min_tokens_per_centroid: PRQ's centroid rule's ``m``
+            (`causalkv.caches.codecs.prq.centroids`); None packs with ``quant.centroids`` as given.
         ledger: the `ByteLedger` the store reports to (what it holds after each commit,
             every buffer a read fills), shared by the caches of a request; None: no report.
 
     Raises:
         ConfigError: settings whose codec (or recency tier) cannot pack ``head_dim``
-            channels (the codec's own rule, `QVGKVQuantArgs.layout_problem`: PRQ's block
-            size, fp8's block), a non-float dtype with quantization on, or a bad
-            ``min_tokens_per_centroid``.
+            channels (the codec's own rule, `QVGKVQuantArgs.layout_problem`), a non-float
+            dtype with quantization on, or a bad ``min_tokens_per_centroid``.
     """
 
     def __init__(
@@ -125,21 +133,17 @@ class SegmentStore:
             raise ConfigError(f"QVG packs floating-point K/V, the cache dtype is {dtype}")
         if not isinstance(policy, PackingPolicy):
             raise ConfigError(f"SegmentStore policy must be a PackingPolicy, got {policy!r}")
+        if ledger is not None and not isinstance(ledger, ByteLedger):
+            raise ConfigError(f"SegmentStore ledger must be a ByteLedger or None, got {ledger!r}")
         self.batch_size, self.num_heads, self.head_dim = batch_size, num_heads, head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.quant = quant
         self.policy = policy
-        self.seed = seed
-        self.head_offset = head_offset
-        self.offload = offload
-        self.min_tokens_per_centroid = m
         #: what is packed by which codec, in which spans (`causalkv.caches.qvg.tiering`)
         self.tiering = tiering
         #: packs the cold segments as ``tiering`` decides (`causalkv.caches.qvg.store_pack`)
         self.packer = Packer(tiering, self.device, dtype, seed, head_offset, offload)
-        if ledger is not None and not isinstance(ledger, ByteLedger):
-            raise ConfigError(f"SegmentStore ledger must be a ByteLedger or None, got {ledger!r}")
         self.ledger = ledger
         self.segments: list[Segment] = []
         self.codebook: Codebook | None = None
@@ -169,86 +173,67 @@ class SegmentStore:
         )
 
     # ---- writes ---------------------------------------------------------------------------
-    def write(self, w: KVWrite) -> None:
-        """Copy ``w`` in place into the dense segments holding its positions (`covers_dense`)."""
-        self.commit(self.plan_write(w))
-
     def plan_write(self, w: KVWrite) -> StorePlan:
         """The store after ``w``, a rewrite of positions dense segments hold (`covers_dense`):
-        the layout stays, ``w`` is copied in by `commit` (``self`` untouched)."""
+        the layout stays, ``w`` is copied in place by `commit` (``self`` untouched)."""
         return StorePlan(
             _rewritten(self.segments, w, self.num_heads), self.codebook, self.current, self.chunk_tokens,
             self._next_chunk, w, reasons=dict(self._reasons),
         )
 
-    def plan(
-        self,
-        *,
-        held: Intervals,
-        write: KVWrite,
-        advance: bool,
-        sink_end: int = 0,
-        pinned: Intervals = (),
-    ) -> StorePlan:
-        """The store after ``write``, keeping only the positions in ``held`` (``self`` untouched).
+    def plan(self, write: KVWrite, keep: HeldPositions, *, advance: bool) -> StorePlan:
+        """The store after ``write``, keeping only the positions ``keep.held`` (``self``
+        untouched).
 
         Positions of ``write`` no segment holds become new dense chunks; with ``advance`` the
         one at the write's end is the new current chunk, and the policy's cold chunks are
-        packed (``sink_end``: positions below it are stream-start sink; ``pinned``: the
-        pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
+        packed (``keep.sink_end``: positions below it are stream-start sink; ``keep.pinned``:
+        the pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
-        kept, book = self._held_only(segs, held, self.codebook)
-        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, write)
-        completed = {c for s in kept for c in s.chunks if c != current}
-        if not self.quant.enabled:
-            return replace(plan, reasons=dict.fromkeys(completed, QUANT_OFF))
+        kept, book = self._held_only(segs, keep.held, self.codebook)
+        plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, _NO_WRITE)
         if advance and current is not None:
-            decision = self.policy.decide(
-                self.quant, chunk_infos(kept, current, sink_end, pinned), current,
-                sink_open=any(s.start < sink_end for s in kept if current in s.chunks),
-                chunk_tokens=chunk_tokens,
-            )
-            return self.packer.pack_cold(plan, decision, current)
-        return replace(plan, reasons={c: self._reasons.get(c, POLICY) for c in completed})
+            return self._pack(plan, current, keep,
+                              any(s.start < keep.sink_end for s in kept if current in s.chunks))
+        completed = {c for s in kept for c in s.chunks if c != current}
+        why = (lambda c: QUANT_OFF) if not self.quant.enabled else (lambda c: self._reasons.get(c, POLICY))
+        return replace(plan, reasons={c: why(c) for c in completed})
 
-    def plan_commit(
-        self, base: StorePlan, *, held: Intervals, sink_end: int = 0, pinned: Intervals = (),
-    ) -> StorePlan:
+    def plan_commit(self, base: StorePlan, keep: HeldPositions) -> StorePlan:
         """The store once the chunk ``base`` writes is committed (the context pass writes it).
 
         ``base`` is this call's write planned on this very state (`plan` or `plan_write`),
         not yet committed: the two are committed as one (`commit` of the result), so a
         refusal here changes nothing. The chunk goes to its tier at once: packed straight
         from the write's K/V when the policy does not keep it, else its own dense copy (or
-        its recency-tier packing). Only the positions in ``held`` stay: the host passes
-        what its next advance will keep. ``sink_end``/``pinned`` as in `plan`, for the
+        its recency-tier packing). Only the positions ``keep.held`` stay: the host passes
+        what its next advance will keep; ``keep.sink_end``/``pinned`` as in `plan`, for the
         stream after this chunk (a pin announced for this chunk included).
 
         The returned plan's ``view_segments`` is what this call's view reads: the layout
         before the drop, the chunk as written (views of the write's K/V or its copy).
         """
-        w = base.write
-        assert w.key is not None and w.value is not None and w.end > w.start
-        written = [
-            replace(seg, storage=self._as_written(seg, w))
-            if seg.start < w.end and w.start < seg.end and not seg.packed else seg
-            for seg in base.segments
-        ]
-        kept, book = self._held_only(written, held, base.codebook)
+        w = base.write  # a rewrite in place (`plan_write`): applied here to copies
+        written = [self._written(seg, w) if _overlaps(seg, w) else seg for seg in base.segments]
+        kept, book = self._held_only(written, keep.held, base.codebook)
         ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
         plan = StorePlan(kept, book, None, base.chunk_tokens, ahead, _NO_WRITE,
                          packs=list(base.packs), view_segments=written)
+        return self._pack(plan, ahead, keep, bool(kept) and keep.sink_end > kept[-1].end)
+
+    def _pack(self, plan: StorePlan, current: int, keep: HeldPositions, sink_open: bool) -> StorePlan:
+        """``plan`` with its cold chunks packed as the policy and the tier policy decide
+        (``current``: the chunk being written, or the one after a committed chunk)."""
         if not self.quant.enabled:
-            plan = replace(plan, reasons={c: QUANT_OFF for s in kept for c in s.chunks})
-        else:
-            decision = self.policy.decide(
-                self.quant, chunk_infos(kept, ahead, sink_end, pinned), ahead,
-                sink_open=bool(kept) and sink_end > kept[-1].end, chunk_tokens=base.chunk_tokens,
-            )
-            plan = self.packer.pack_cold(plan, decision, ahead)
-        return plan
+            return replace(plan, reasons={c: QUANT_OFF for s in plan.segments for c in s.chunks
+                                          if c != current})
+        decision = self.policy.decide(
+            self.quant, chunk_infos(plan.segments, current, keep.sink_end, keep.pinned), current,
+            sink_open=sink_open, chunk_tokens=plan.chunk_tokens,
+        )
+        return self.packer.pack_cold(plan, decision, current)
 
     def _held_only(
         self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
@@ -260,20 +245,6 @@ class SegmentStore:
             book = None  # every segment using it rolled out: start a fresh one
         return kept, book
 
-    def _as_written(self, seg: Segment, w: KVWrite) -> DenseKV:
-        """``seg``'s dense K/V once ``w`` is written: views of ``w`` when it covers the segment
-        whole (`BorrowedKV`), else a copy with ``w`` copied in (a chunk decoded from packed
-        stays marked so: never packed twice)."""
-        lo, hi = max(w.start, seg.start), min(w.end, seg.end)
-        assert w.key is not None and w.value is not None
-        if (lo, hi) == (seg.start, seg.end) and self._borrows(w):
-            return BorrowedKV(w.key[:, lo - w.start : hi - w.start], w.value[:, lo - w.start : hi - w.start])
-        st = dense_storage(seg)
-        own = (DecodedKV if isinstance(st, DecodedKV) else DenseKV)(st.k.clone(), st.v.clone())
-        patched = replace(seg, storage=own)
-        copy_write([patched], w)
-        return own
-
     def _borrows(self, w: KVWrite) -> bool:
         """True when the store may hold views of ``w``'s K/V until its commit copies them: every
         head, in the store's dtype and on its device."""
@@ -284,7 +255,8 @@ class SegmentStore:
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
         nothing here can fail. K/V the plan borrowed from a write get their own copy."""
-        segments = [_owned(seg) for seg in plan.segments]
+        segments = [replace(seg, storage=seg.storage.copy()) if isinstance(seg.storage, BorrowedKV)
+                    else seg for seg in plan.segments]
         copy_write(segments, plan.write)
         live = {
             c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
@@ -305,16 +277,7 @@ class SegmentStore:
 
     def reset(self) -> None:
         """Free every segment (a new stream); the packing report keeps counting."""
-        self.segments = []
-        self.codebook = None
-        self.current = None
-        self.chunk_tokens = 0
-        self._next_chunk = 0
-        self._reasons = {}
-        self._settled.update(self._live.values())
-        self._live = {}
-        if self.ledger is not None:
-            self.ledger.hold(self, 0)
+        self.commit(StorePlan([], None, None, 0, 0, _NO_WRITE))
 
     def check_view(self, layout: Sequence[Segment], positions: Intervals, what: str) -> None:
         """Refuse a view of ``positions`` that ``layout`` (the segments the view reads) does
@@ -335,39 +298,27 @@ class SegmentStore:
                 "pass unmarked"
             )
 
-    # ---- internals: writes ----------------------------------------------------------------
     def _covered(self, w: KVWrite, advance: bool) -> tuple[list[Segment], int, int | None, int]:
-        """The segments once ``w``'s positions are all held: new zero chunks where none held
-        them, packed ones it touches decoded to dense. Returns (segments, next chunk index,
-        current chunk, chunk_tokens)."""
+        """The segments once ``w`` is written: new chunks where no segment held its positions,
+        the ones it touches written (copies; a packed one decoded first). Returns (segments,
+        next chunk index, current chunk, chunk_tokens)."""
         out: list[Segment] = []
         nxt, current, chunk_tokens = self._next_chunk, self.current, self.chunk_tokens
         at = w.start
 
         def new_chunk(a: int, b: int) -> Segment:
             nonlocal nxt
-            storage: DenseKV
-            if self._borrows(w):
-                # every row comes from the write: borrow it (`commit` copies, a commit packs it)
-                storage = BorrowedKV(w.key[:, a - w.start : b - w.start],
-                                     w.value[:, a - w.start : b - w.start])
-            else:
-                shape = (self.batch_size, b - a, self.num_heads, self.head_dim)
-                storage = DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                  torch.zeros(shape, dtype=self.dtype, device=self.device))
             nxt += 1
-            return Segment(a, b, nxt - 1, nxt - 1, storage)
+            storage = w.borrowed(a, b) if self._borrows(w) else self._zeros(b - a)
+            return self._written(Segment(a, b, nxt - 1, nxt - 1, storage), w, fresh=True)
 
-        segments = _rewritten(self.segments, w, self.num_heads)
-        for seg in segments:
-            if seg.end <= w.start or seg.start >= w.end:
+        for seg in self.segments:
+            if not _overlaps(seg, w):
                 out.append(seg)
                 continue
             if seg.start > at:
                 out.append(new_chunk(at, seg.start))
-            if isinstance(seg.storage, PackedKV):  # a write into it: back to dense
-                seg = replace(seg, storage=self._unpacked(seg, w))
-            out.append(seg)
+            out.append(self._written(seg, w))
             at = max(at, min(seg.end, w.end))
         if at < w.end:
             tail = new_chunk(at, w.end)
@@ -378,17 +329,33 @@ class SegmentStore:
         out.sort(key=lambda s: s.start)
         return out, nxt, current, chunk_tokens
 
-    def _unpacked(self, seg: Segment, w: KVWrite) -> DenseKV:
-        """Dense storage for packed ``seg`` that ``w`` writes into: zeros when ``w`` rewrites
-        all of it (every position and head: nothing to decode), else its decoded K/V as
-        `DecodedKV` (the rows ``w`` leaves carry the codec's error: never packed again)."""
-        assert isinstance(seg.storage, PackedKV)
-        if w.start <= seg.start and seg.end <= w.end and w.heads == (0, self.num_heads):
-            shape = (self.batch_size, seg.end - seg.start, self.num_heads, self.head_dim)
-            return DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-        st = seg.storage.decoded(self.device, self.dtype)
-        return DecodedKV(st.k, st.v)
+    def _written(self, seg: Segment, w: KVWrite, fresh: bool = False) -> Segment:
+        """``seg`` with ``w`` written into it, what the store holds left untouched. ``w``
+        rewriting every position and head of it: views of ``w`` where they may be borrowed,
+        else zeros ``w`` is copied into (plain `DenseKV`: no row keeps a codec error). Else
+        ``seg``'s own K/V (``fresh``: the plan's own new buffer already), a copy of them, or a
+        packed one decoded (`DecodedKV`: the rows ``w`` leaves carry the codec's error, never
+        packed again), with ``w`` copied in."""
+        if w.key is None or w.value is None:
+            return seg
+        whole = w.start <= seg.start and seg.end <= w.end and w.heads == (0, self.num_heads)
+        if whole and self._borrows(w):
+            return replace(seg, storage=w.borrowed(seg.start, seg.end))
+        if whole and not fresh:
+            storage = self._zeros(seg.end - seg.start)
+        elif isinstance(seg.storage, PackedKV):
+            decoded = seg.storage.decoded(self.device, self.dtype)
+            storage = DecodedKV(decoded.k, decoded.v)
+        else:
+            storage = seg.storage if fresh else dense_storage(seg).copy()
+        seg = replace(seg, storage=storage)
+        copy_write([seg], w)
+        return seg
+
+    def _zeros(self, n: int) -> DenseKV:
+        shape = (self.batch_size, n, self.num_heads, self.head_dim)
+        return DenseKV(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     # ---- what it holds --------------------------------------------------------------------
     def held(self) -> Intervals:
@@ -417,58 +384,74 @@ class SegmentStore:
 
     def covers_dense(self, start: int, end: int) -> bool:
         """True when dense segments hold every position of ``[start, end)``."""
-        at = start
-        for seg in self.segments:
-            if seg.end <= at or seg.start >= end:
-                continue
-            if seg.start > at or seg.packed:
-                return False
-            at = seg.end
-            if at >= end:
-                return True
-        return at >= end
+        runs = self._locate([(start, end - start)], self.segments, strict=False)
+        return sum(b - a for seg, a, b in runs if seg is not None and not seg.packed) == end - start
 
     # ---- reads ----------------------------------------------------------------------------
-    def locate(
-        self, positions: Intervals, segments: Sequence[Segment] | None = None
-    ) -> list[tuple[Segment, Intervals]]:
-        """The segments (of ``segments``, default the store's) holding any of ``positions``,
-        each with the runs of them it holds."""
-        out = []
-        for seg in self.segments if segments is None else segments:
-            runs = iv.intersect(seg.run, positions)
-            if runs:
-                out.append((seg, runs))
-        return out
+    def with_own(self, start: int, key: torch.Tensor, value: torch.Tensor, h0: int) -> list[Segment]:
+        """The layout a probe's view reads: the store's segments, with positions ``[start,
+        start + n)`` read from the caller's own ``key``/``value`` ``[B, n, h, D]`` (heads from
+        ``h0``) instead; views throughout, nothing stored or copied."""
+        end = start + key.shape[1]
+        out = [Segment(start, end, -1, -1, BorrowedKV(key, value, h0))]
+        for seg in self.segments:
+            for a, b in iv.subtract(seg.run, ((start, end),)):
+                out.append(seg if (a, b) == (seg.start, seg.end) else replace(
+                    seg, start=a, end=b, storage=seg.storage.select_tokens(a - seg.start, b - seg.start)))
+        return sorted(out, key=lambda s: s.start)
 
-    def locate_pieces(
-        self, pieces: Sequence[tuple[int | None, int]], segments: Sequence[Segment] | None = None,
-    ) -> list[tuple[Segment | None, int, int]]:
-        """``pieces`` (as `gather` takes them) as stored runs, in order: ``(segment, a, b)`` for
-        positions ``[a, b)`` held by ``segment``, ``(None, 0, n)`` for ``n`` zero rows. A piece
-        repeated or out of position order stays so: this is a reader's order, not a set.
-        ``segments``: the layout to read (default: the store's now).
+    def view(
+        self, pieces: Sequence[Piece], h0: int, h1: int, layout: Sequence[Segment] | None = None,
+        *, make: Callable[..., CausalAttentionKVView], dense_now: bool = False,
+    ) -> CausalAttentionKVView:
+        """The lazy view of heads ``[h0, h1)`` of ``pieces`` (`Piece`: held positions, or zero
+        rows), read from ``layout`` (default: the store's segments now; a commit replaces that
+        list, never mutates it): ``make(position_ranges, k=, v=, segments=, materialize=,
+        stored=, device=)`` builds it (the host's view type and cursors).
+
+        ``iter_segments()`` yields each stored run of a piece dense (a packed run decoded, one
+        at a time), ``iter_stored_segments()`` as stored (dense views; a packed run the codec's
+        record sliced to the heads and tokens: nothing decoded), ``k``/``v`` are `gather`'s one
+        buffer. They are built at once when that costs nothing (the view is one run of one
+        dense segment: views of it) and, with ``dense_now``, whenever nothing is packed.
+        ``position_ranges``: the pieces' positions in view order.
 
         Raises:
-            CacheReadError (a RuntimeError): a position the store does not hold.
+            CacheReadError (a RuntimeError): a position ``layout`` does not hold.
         """
-        segs = self.segments if segments is None else segments
-        out: list[tuple[Segment | None, int, int]] = []
-        for p, n in pieces:
-            if p is None:
-                out.append((None, 0, n))
-            else:
-                out.extend(self._walk(segs, p, p + n))
-        return out
+        layout = self.segments if layout is None else layout
+        located = self._locate(pieces, layout)
+        packed = any(seg is not None and seg.packed for seg, _, _ in located)
+
+        def segments() -> Iterator[KVSegment]:
+            for seg, a, b in located:
+                yield self.zeros(b - a, h0, h1) if seg is None else self.gather([(a, b - a)], h0, h1, [seg])
+
+        def stored() -> Iterator[StoredSegment]:
+            for seg, a, b in located:
+                if seg is None:
+                    yield self.zeros(b - a, h0, h1)
+                elif isinstance(seg.storage, PackedKV):
+                    part = seg.storage.onloaded(self.device).select_heads(h0, h1)
+                    part = part.select_tokens(a - seg.start, b - seg.start)
+                    yield part.k, part.v
+                else:
+                    yield seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
+
+        def materialize() -> KVSegment:
+            return self.gather(pieces, h0, h1, layout)
+
+        one = len(located) == 1 and located[0][0] is not None
+        k, v = materialize() if not packed and (one or dense_now) else (None, None)
+        return make(tuple((p, p + n) for p, n in pieces if p is not None), k=k, v=v,
+                    segments=segments, materialize=materialize, stored=stored, device=self.device)
 
     def gather(
-        self, pieces: Sequence[tuple[int | None, int]], h0: int, h1: int,
-        segments: Sequence[Segment] | None = None,
+        self, pieces: Sequence[Piece], h0: int, h1: int, layout: Sequence[Segment] | None = None,
     ) -> KVSegment:
-        """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order: ``(position, length)`` reads the
-        positions ``[position, position + length)``, ``(None, length)`` gives zeros.
-        ``segments``: the layout to read (default: the store's now; a lazy view passes the
-        one it was made from, which a later commit replaces but never mutates).
+        """K/V ``[B, n, h1 - h0, D]`` of ``pieces`` in order (`Piece`), read from ``layout``
+        (default: the store's segments now); one run of one segment is what a lazy view's
+        ``iter_segments`` yields per piece.
 
         One buffer is allocated and filled in place (packed ranges decoded into it); a single
         piece held by one dense segment is returned as views of it, as a dense cache would.
@@ -476,44 +459,23 @@ class SegmentStore:
         Raises:
             CacheReadError (a RuntimeError): a position the store does not hold.
         """
-        segs = self.segments if segments is None else segments
-        total = sum(n for _, n in pieces)
-        shape = (self.batch_size, total, h1 - h0, self.head_dim)
-        if len(pieces) == 1 and pieces[0][0] is not None:
-            p, n = pieces[0]
-            for seg in segs:
-                if seg.start <= p and p + n <= seg.end and isinstance(seg.storage, DenseKV):
-                    return seg.storage.heads(p - seg.start, p + n - seg.start, h0, h1)
-        k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        at, decoded = 0, False
-        for p, n in pieces:
-            if p is None:
-                k[:, at : at + n].zero_()
-                v[:, at : at + n].zero_()
-            else:
-                decoded |= self._fill(segs, p, p + n, h0, h1, k[:, at : at + n], v[:, at : at + n])
-            at += n
-        if decoded:
-            self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
-        if self.ledger is not None:
-            self.ledger.transient(k.nbytes + v.nbytes)
-        return k, v
-
-    def decode(self, seg: Segment, runs: Intervals, h0: int, h1: int) -> KVSegment:
-        """K/V ``[B, count(runs), h1 - h0, D]`` of the runs ``seg`` holds, in one buffer (views
-        of a dense segment when one run); for attention that visits one segment at a time."""
-        if isinstance(seg.storage, DenseKV) and len(runs) == 1:
-            (a, b), = runs
+        located = self._locate(pieces, self.segments if layout is None else layout)
+        if len(located) == 1 and located[0][0] is not None and not located[0][0].packed:
+            seg, a, b = located[0]
             return seg.storage.heads(a - seg.start, b - seg.start, h0, h1)
-        shape = (self.batch_size, iv.count(runs), h1 - h0, self.head_dim)
+        shape = (self.batch_size, sum(n for _, n in pieces), h1 - h0, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.dtype, device=self.device)
         at = 0
-        for a, b in runs:
-            self._copy_into(seg, a, b, h0, h1, k[:, at : at + b - a], v[:, at : at + b - a])
+        for seg, a, b in located:
+            if seg is None:
+                k[:, at : at + b - a].zero_()
+                v[:, at : at + b - a].zero_()
+            else:
+                seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k[:, at : at + b - a],
+                                      v[:, at : at + b - a], self.device)
             at += b - a
-        if seg.packed:
+        if any(seg is not None and seg.packed for seg, _, _ in located):  # filled from packed data
             self.peak_transient_nbytes = max(self.peak_transient_nbytes, k.nbytes + v.nbytes)
         if self.ledger is not None:
             self.ledger.transient(k.nbytes + v.nbytes)
@@ -526,73 +488,36 @@ class SegmentStore:
                         device=self.device)
         return z, z
 
-    def stored_segments(
-        self, located: Sequence[tuple[Segment | None, Intervals]], h0: int, h1: int,
-    ) -> Iterator[StoredSegment]:
-        """The position runs ``located`` names, as stored, in order (nothing decoded): per run
-        ``(a, b)`` of a dense segment views ``[B, b - a, h1 - h0, D]`` of it, of a packed one
-        the codec's `PackedSegment` head/token slices of K and V (the segment onloaded to
-        ``device`` once per entry), and for a None segment zeros ``[B, b - a, h, D]``. What a
-        view's ``iter_stored_segments`` yields (`causalkv.caches.attend`'s fused path).
-
-        ``located``: ``(segment, runs)`` pairs as `locate` gives them (a None segment: runs
-        of rows with no position)."""
-        for seg, runs in located:
-            if seg is None:
-                for a, b in runs:
-                    yield self.zeros(b - a, h0, h1)
+    def _locate(self, pieces: Sequence[Piece], segs: Sequence[Segment], strict: bool = True) -> list[_Run]:
+        """``pieces`` as the stored runs of ``segs`` they read, in order (a piece repeated or
+        out of position order stays so: a reader's order, not a set). ``strict``: raise
+        `CacheReadError` (a RuntimeError) for a position no segment holds (else stop there)."""
+        out: list[_Run] = []
+        for p, n in pieces:
+            if p is None:
+                out.append((None, 0, n))
                 continue
-            storage = seg.storage
-            if isinstance(storage, PackedKV):
-                storage = storage.onloaded(self.device).select_heads(h0, h1)
-            for a, b in runs:
-                lo, hi = a - seg.start, b - seg.start
-                if isinstance(storage, PackedKV):
-                    yield storage.k.select_tokens(lo, hi), storage.v.select_tokens(lo, hi)
-                else:
-                    yield storage.heads(lo, hi, h0, h1)
-
-    # ---- internals: reads -----------------------------------------------------------------
-    def _fill(
-        self, segs: Sequence[Segment], p0: int, p1: int, h0: int, h1: int,
-        k: torch.Tensor, v: torch.Tensor,
-    ) -> bool:
-        """Positions ``[p0, p1)`` of ``segs`` into ``k``/``v`` ``[B, p1 - p0, h, D]``; True if any
-        was packed."""
-        decoded = False
-        for seg, a, b in self._walk(segs, p0, p1):
-            self._copy_into(seg, a, b, h0, h1, k[:, a - p0 : b - p0], v[:, a - p0 : b - p0])
-            decoded |= seg.packed
-        return decoded
-
-    def _walk(self, segs: Sequence[Segment], p0: int, p1: int) -> list[tuple[Segment, int, int]]:
-        """``[(segment, a, b)]`` covering positions ``[p0, p1)`` of ``segs`` in order; raises
-        `CacheReadError` (a RuntimeError) for a position no segment holds."""
-        out: list[tuple[Segment, int, int]] = []
-        at = p0
-        for seg in segs:
-            if seg.end <= at or seg.start >= p1:
-                continue
-            if seg.start > at:
-                break
-            b = min(seg.end, p1)
-            out.append((seg, at, b))
-            at = b
-            if at >= p1:
-                return out
-        raise CacheReadError(
-            f"SegmentStore: positions [{at}, {p1}) are not held (held: "
-            f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"
-        )
-
-    def _copy_into(
-        self, seg: Segment, a: int, b: int, h0: int, h1: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Positions ``[a, b)`` of ``seg``, heads ``[h0, h1)``, into ``k``/``v`` (decoded in place)."""
-        seg.storage.read_into(a - seg.start, b - seg.start, h0, h1, k, v, self.device)
+            at, end = p, p + n
+            for seg in segs:
+                if seg.end <= at or seg.start >= end:
+                    continue
+                if seg.start > at:
+                    break
+                out.append((seg, at, min(seg.end, end)))
+                at = min(seg.end, end)
+            if at < end and strict:
+                raise CacheReadError(
+                    f"SegmentStore: positions [{at}, {end}) are not held (held: "
+                    f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"
+                )
+        return out
 
 
 _NO_WRITE = KVWrite(0, 0, (0, 0))
+
+
+def _overlaps(seg: Segment, w: KVWrite) -> bool:
+    return w.key is not None and seg.start < w.end and w.start < seg.end
 
 
 def _rewritten(segs: Sequence[Segment], w: KVWrite, num_heads: int) -> list[Segment]:
@@ -606,10 +531,3 @@ def _rewritten(segs: Sequence[Segment], w: KVWrite, num_heads: int) -> list[Segm
         else seg
         for seg in segs
     ]
-
-
-def _owned(seg: Segment) -> Segment:
-    """``seg`` with storage of its own: K/V borrowed from a write are copied."""
-    if isinstance(seg.storage, BorrowedKV):
-        return replace(seg, storage=DenseKV(seg.storage.k.clone(), seg.storage.v.clone()))
-    return seg

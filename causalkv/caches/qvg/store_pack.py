@@ -3,30 +3,22 @@
 `causalkv.caches.qvg.tiering.TierPolicy` decides, without tensors, which cold segments are
 packed by which codec in which spans and which stay dense and why; the `Packer` a
 `causalkv.caches.qvg.store.SegmentStore` owns carries that decision out on a `StorePlan`: one
-encode per packed span (from the segments' K/V as they are after the plan's write), the
+encode per packed span (from the segments' K/V as the plan holds them, its write applied), the
 shared codebook threaded through, a recency-tier segment re-packed at the cache's codec
 decoded first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from causalkv.caches.qvg.policy import PackingDecision
-from causalkv.caches.qvg.segments import (
-    Codebook,
-    DenseKV,
-    KVWrite,
-    PackedKV,
-    Segment,
-    StorePlan,
-    copy_write,
-    dense_storage,
-)
-from causalkv.caches.qvg.tiering import BookState, Kept, Packed, TierPolicy, codec_for
+from causalkv.caches.qvg.segments import Codebook, PackedKV, Segment, StorePlan, dense_storage
+from causalkv.caches.qvg.tiering import Kept, Packed, TierPolicy, codec_for
 
 __all__ = ["Packer"]
 
@@ -54,21 +46,15 @@ class Packer:
         """``plan`` with the cold segments of ``plan.segments`` packed as the tier policy decides
         under ``decision`` (a new plan; ``current``: the chunk being generated, or the one
         after a committed chunk)."""
-        book = None if plan.codebook is None else BookState(
-            plan.codebook.chunks, int(plan.codebook.k[0].shape[2]))
-        dense: dict[int, Segment] = {}  # id of a recency-tier segment -> it decoded
-
+        @functools.cache  # a recency-tier segment re-packed is decoded once
         def as_dense(seg: Segment) -> Segment:
-            if not seg.packed:
+            if not isinstance(seg.storage, PackedKV):
                 return seg
-            if id(seg) not in dense:
-                assert isinstance(seg.storage, PackedKV)
-                dense[id(seg)] = replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
-            return dense[id(seg)]
+            return replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
 
         tiering = self.tiering.decide(
-            plan.segments, decision, current, book,
-            finite=lambda pieces: self._finite([as_dense(p) for p in pieces], plan.write),
+            plan.segments, decision, current, plan.codebook,
+            finite=lambda pieces: self._finite([as_dense(p) for p in pieces]),
         )
         segments, packs, reasons, codebook = [], list(plan.packs), dict(plan.reasons), plan.codebook
         for step in tiering.steps:
@@ -76,19 +62,17 @@ class Packer:
                 segments.append(step.seg)
                 reasons.update(tiering.reasons(step))
                 continue
-            packed, codebook = self.encode(step, [as_dense(p) for p in step.pieces], plan.write,
-                                            codebook)
+            packed, codebook = self.encode(step, [as_dense(p) for p in step.pieces], codebook)
             segments.append(packed)
             packs.append(packed)
         return replace(plan, segments=segments, packs=packs, reasons=reasons, codebook=codebook)
 
     def encode(
-        self, step: Packed[Segment], pieces: list[Segment], write: KVWrite,
-        codebook: Codebook | None,
+        self, step: Packed[Segment], pieces: list[Segment], codebook: Codebook | None,
     ) -> tuple[Segment, Codebook | None]:
-        """One packed segment of ``pieces`` (dense, adjacent; as they are after ``write``) as
-        ``step`` says, and the codebook after it (``codebook`` before)."""
-        stores = [self._with_write(p, write) for p in pieces]
+        """One packed segment of ``pieces`` (dense, adjacent) as ``step`` says, and the
+        codebook after it (``codebook`` before)."""
+        stores = [dense_storage(p) for p in pieces]
         k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
         v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
         c = codec_for(step.quant)
@@ -97,11 +81,10 @@ class Packer:
                       codebooks=list(book.k) if book else None)
         pv = c.encode(v.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,
                       codebooks=list(book.v) if book else None)
-        if not step.tier:
-            codebook = Codebook(
-                pk.shared_tensors(), pv.shared_tensors(),
-                (book.chunks if book else 0) + step.num_chunks,
-            ) if step.book_after is not None else None
+        after = step.book_after
+        if not step.tier:  # the codebook after it (the tier policy's count), its tensors
+            codebook = None if after is None else Codebook(
+                after.chunks, after.centroids, pk.shared_tensors(), pv.shared_tensors())
         storage = PackedKV(pk, pv, c, recent=step.recent)
         if self.offload:
             storage = storage.offloaded()
@@ -112,24 +95,12 @@ class Packer:
         )
         return seg, codebook
 
-    def _finite(self, pieces: Sequence[Segment], write: KVWrite) -> bool:
-        """False when ``pieces`` (dense, as after ``write``) hold NaN or inf, checked where the
-        codec would refuse them (the CPU, where the check costs no device sync); the chunk
-        then stays dense, as the dense cache keeps it. On other devices the codec stores a
-        non-finite head poisoned (it decodes to non-finite values) without a host sync."""
+    def _finite(self, pieces: Sequence[Segment]) -> bool:
+        """False when ``pieces`` (dense) hold NaN or inf, checked where the codec would refuse
+        them (the CPU, where the check costs no device sync); the chunk then stays dense, as
+        the dense cache keeps it. On other devices the codec stores a non-finite head
+        poisoned (it decodes to non-finite values) without a host sync."""
         if self.device.type != "cpu":
             return True
-        for p in pieces:
-            st = self._with_write(p, write)
-            if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
-                return False
-        return True
-
-    def _with_write(self, seg: Segment, w: KVWrite) -> DenseKV:
-        """``seg``'s dense K/V as they will be after ``w`` (a patched copy only if it overlaps)."""
-        store = dense_storage(seg)
-        if w.key is None or seg.end <= w.start or seg.start >= w.end:
-            return store
-        patched = replace(seg, storage=DenseKV(store.k.clone(), store.v.clone()))
-        copy_write([patched], w)
-        return dense_storage(patched)
+        return all(bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())
+                   for st in map(dense_storage, pieces))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.codecs import make_codec
+from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import (
@@ -50,7 +51,6 @@ from causalkv.caches.qvg.policy import (
     WAITING,
     ChunkInfo,
     PackingDecision,
-    centroids_for,
 )
 from causalkv.errors import ConfigError
 
@@ -198,7 +198,7 @@ class TierPolicy:
     Attributes:
         quant: the cache's QVG settings (``codec``, ``recent_tier``, ``span_chunks``,
             ``codebook_chunks``, centroids).
-        min_tokens_per_centroid: the centroid rule's ``m`` (`centroids_for`); None packs with
+        min_tokens_per_centroid: PRQ's centroid rule's ``m`` (`centroids_for`); None packs with
             ``quant.centroids`` as given.
         batch_size, num_heads, head_dim: the K/V's ``[B, ., H, D]``.
         item_bytes: bytes of one dense element (the store's dtype).
@@ -266,33 +266,23 @@ class TierPolicy:
             pending.clear()
 
         for seg in segs:
-            if seg.packed and not seg.recent:  # packed at the cache's codec: never again
-                if pending:
-                    flush_dense(WAITING)
-                steps.append(Kept(seg))
-                continue
-            chunks = set(seg.chunks)
-            if seg.rewritten and current not in chunks:  # a codec error already: dense
+            chunks, tokens = set(seg.chunks), seg.end - seg.start
+            rewritten = seg.rewritten and current not in chunks  # a codec error already: dense
+            # kept as it is: packed at the cache's codec (never again), rewritten, or kept by
+            # the policy (a recency-tier one that left it is re-packed with its span below)
+            if (seg.packed and not seg.recent) or rewritten or chunks & keep:
                 flush_dense(WAITING)
-                steps.append(Kept(seg, REWRITTEN))
-                continue
-            tokens = seg.end - seg.start
-            why = {decision.dense.get(c, POLICY) for c in chunks}
-            if (tiered and chunks & keep and current not in chunks and not seg.packed
-                    and why <= {RECENT, SINK}
-                    and self.pays(tokens, len(chunks), None, self.tier_quant(tokens))):
-                flush_dense(WAITING)
-                if finite is not None and not finite([seg]):
+                if rewritten:
+                    steps.append(Kept(seg, REWRITTEN))
+                elif not (tiered and not seg.packed and current not in chunks
+                          and {decision.dense.get(c, POLICY) for c in chunks} <= {RECENT, SINK}
+                          and self.pays(tokens, len(chunks), None, self.tier_quant(tokens))):
+                    steps.append(Kept(seg))
+                elif finite is not None and not finite([seg]):
                     steps.append(Kept(seg, NON_FINITE))
-                    continue
-                steps.append(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
-                                    recent=self.quant.codec != self.quant.recent_tier))
-                continue
-            if seg.packed and not chunks & keep and seg.recent:
-                pass  # left recency: re-packed at the cache's codec with its span
-            elif seg.packed or chunks & keep:
-                flush_dense(WAITING)
-                steps.append(Kept(seg))
+                else:  # kept for recency or as a bf16 sink: packed at the recency tier
+                    steps.append(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
+                                        recent=self.quant.codec != self.quant.recent_tier))
                 continue
             group = next((g for g in decision.groups if chunks & g), None)
             if pending and (group != pending_group or pending[-1].end != seg.start):
@@ -332,31 +322,21 @@ class TierPolicy:
                       book_after=BookState(book.chunks + chunks, book.centroids))
 
 
-@functools.lru_cache(maxsize=8192)
-def _info(index: int, start: int, end: int, sink: bool, pinned: bool) -> ChunkInfo:
-    return ChunkInfo(index, start, end, sink, pinned)  # one object per distinct chunk view
-
-
 def chunk_infos(
     segs: Sequence[TierSegment], current: int, sink_end: int, pinned: Intervals
 ) -> tuple[ChunkInfo, ...]:
     """The completed chunks ``segs`` hold (``current`` excluded), by index, as a `PackingPolicy`
-    reads them: what is held of each (a packed span: all of it), and whether that holds sink
-    (below ``sink_end``) or ``pinned`` positions."""
+    reads them: what is held of each (a packed span: all of it; a chunk held in several
+    segments: from the first to the last), and whether that holds sink (below ``sink_end``)
+    or ``pinned`` positions."""
     acc: dict[int, tuple[int, int, bool, bool]] = {}
     for seg in segs:
-        a, b = seg.start, seg.end
-        sink = a < sink_end
-        pin = bool(pinned) and any(p0 < b and a < p1 for p0, p1 in pinned)
-        for c in range(seg.first_chunk, seg.last_chunk + 1):
-            if c == current:
-                continue
-            if c in acc:  # a chunk held in several segments
-                a0, b0, sink0, pin0 = acc[c]
-                acc[c] = (min(a0, a), max(b0, b), sink0 or sink, pin0 or pin)
-            else:
-                acc[c] = (a, b, sink, pin)
-    return tuple(_info(c, *acc[c]) for c in sorted(acc))
+        pin = any(p0 < seg.end and seg.start < p1 for p0, p1 in pinned)
+        for c in seg.chunks:
+            if c != current:
+                a, b, sink, pin0 = acc.get(c, (seg.start, seg.end, False, False))
+                acc[c] = (min(a, seg.start), max(b, seg.end), sink or seg.start < sink_end, pin0 or pin)
+    return tuple(ChunkInfo(c, *acc[c]) for c in sorted(acc))
 
 
 def keep_held(segs: Sequence[S], held: Intervals, cut: Callable[[S, int, int], S]) -> list[S]:

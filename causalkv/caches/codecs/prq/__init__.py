@@ -7,7 +7,8 @@ and the backend choice, `resolve_backend` and its env var `BACKEND_ENV`). `PRQCo
 (`codec`) is PRQ behind the `causalkv.caches.codecs.base.KVCodec` interface, registered as
 the ``int4`` and ``int2`` codec settings. See docs/qvg.md.
 
-The modules: `format` (the packed record, its byte layout and formula: the leaf),
+The modules: `format` (the packed record, its byte layout and formula: the leaf), `centroids`
+(the centroid rule: how many centroids a packed span gets),
 `torch_impl` and `triton_impl` (the two backends' kernels), `workspace` (reused CPU
 temporaries) and `attention`.
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
+    from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
     from causalkv.caches.codecs.prq.codec import PRQCodec, PRQSettings
     from causalkv.caches.codecs.prq.format import (
         PackedSegment,
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
 #: exported name -> the module that defines it
 _EXPORTS = {
+    **dict.fromkeys(("MIN_TOKENS_PER_CENTROID", "centroids_for"), "causalkv.caches.codecs.prq.centroids"),
     **dict.fromkeys(
         ("BACKEND_ENV", "dequantize", "quantize", "resolve_backend"),
         "causalkv.caches.codecs.prq.quantizer",
@@ -54,10 +57,12 @@ _EXPORTS = {
 
 __all__ = [
     "BACKEND_ENV",
+    "MIN_TOKENS_PER_CENTROID",
     "PRQCodec",
     "PRQSettings",
     "PackedSegment",
     "bits_per_element",
+    "centroids_for",
     "dequantize",
     "packed_nbytes_formula",
     "quantize",

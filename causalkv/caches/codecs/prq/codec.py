@@ -15,7 +15,9 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.codecs.prq import quantizer
+from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
 from causalkv.caches.codecs.prq.format import PackedSegment, bits_per_element, packed_nbytes_formula
+from causalkv.env import text as env_text
 
 __all__ = ["PRQCodec", "PRQSettings"]
 
@@ -119,6 +121,31 @@ class PRQCodec(KVCodec):
         head = a.amax(dim=(2, 3, 4), keepdim=True)
         bound = f * a + 2.0**-14 * head + 2.0**-20 * a
         return bound.expand(B, H, S, nb, st.block_size).reshape(B, H, S, D) + 2.0**-20 * xd.abs()
+
+    def request_lines(self, span_tokens: int, whole_sink_tokens: int = 0) -> list[str]:
+        """The run header's line: the centroids a packed span of ``span_tokens`` gets (and a
+        sink of ``whole_sink_tokens`` packed whole), by the centroid rule
+        (`causalkv.caches.codecs.prq.centroids`)."""
+        c = self.settings.centroids
+        whole_sink = (f"; the whole sink ({whole_sink_tokens:,} tokens) "
+                      f"{centroids_for(whole_sink_tokens, c)}" if whole_sink_tokens else "")
+        return [
+            f"centroids: {centroids_for(span_tokens, c)} per packed span of {span_tokens:,} "
+            f"tokens{whole_sink} (at most {c}; a span of S tokens gets min({c}, 2**floor(log2(S / "
+            f"{MIN_TOKENS_PER_CENTROID}))), so centroids cost at most half a bit per element; "
+            "metrics kv_packing.centroids counts the chunks by centroids used)"
+        ]
+
+    def device_problem(self, device: torch.device) -> str | None:
+        """Why PRQ's backend (``CAUSALKV_QVG_BACKEND``) cannot run on ``device``: a name that
+        does not exist, or a backend that does not run there."""
+        try:
+            quantizer.resolve_backend(None, device)
+        except ValueError as exc:
+            env = quantizer.BACKEND_ENV
+            return (f"{env}={env_text(env)!r}: {exc}; set {env} to auto (or unset it) to let "
+                    "causalkv pick the backend that runs here")
+        return None
 
     def layout_problem(self, head_dim: int) -> str | None:
         s = self.settings
