@@ -55,8 +55,6 @@ from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
     CausalAttentionKVView,
     CausalCacheSpec,
-    check_recent_window,
-    check_write,
 )
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
@@ -179,30 +177,16 @@ class QVGPackedCausalKVCache(StreamCache):
         if marker is not None:
             marker.ledger.hold(self.store, self.store.resident_nbytes())
 
-    @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
-    def update_and_get_attention_kv(  # type: ignore[override]
-        self,
-        *,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        current_chunk_start: int,
-        cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-        debug_name: str = "kv_cache",
-        probe: bool = False,
-        commit: Commit | None = None,
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
+        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
+        commit: Commit | None,
     ) -> CausalAttentionKVView:
-        """`StreamCache.update_and_get_attention_kv`. A commit moves the chunk to its tier in
-        the same step (packed straight from the write's K/V when the policy does not keep
-        it). The write and the move are planned first and committed as one: a refused call
-        changes nothing. ``probe=True``: the view, nothing stored (`StreamCache.probe_view`;
-        packed history decoded into the view's buffer)."""
-        h0, h1 = check_write(self.spec, key, value, cache_head_start, debug_name)
-        check_recent_window(recent_window_tokens)
-        probe, commit = self._marks(probe, commit)
-        if probe:
-            return self.probe_view(key, value, current_chunk_start, (h0, h1),
-                                   recent_window_tokens, debug_name)
+        """`StreamCache._write`, planned whole. A commit moves the chunk to its tier in the
+        same step (packed straight from the write's K/V when the policy does not keep it).
+        The write and the move are planned first and committed as one: a refused call
+        changes nothing."""
+        h0, h1 = heads
         n, st = key.shape[1], self.state
         advance = st.classify(current_chunk_start, n, debug_name) == "advance"
         new = st.advanced(n, debug_name) if advance else st

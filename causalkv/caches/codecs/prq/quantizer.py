@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from causalkv.caches.codecs.base import CodecError, register_record
+from causalkv.caches.codecs.base import CodecError, check_out, register_record
 from causalkv.caches.codecs.prq import torch_impl, triton_impl
 from causalkv.caches.codecs.prq.format import (
     POISON_SCALE_EXP,
@@ -533,17 +533,7 @@ def dequantize(
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=packed.device)
     else:
-        if tuple(out.shape) != shape:
-            raise CodecError(
-                f"dequantize: out has shape {tuple(out.shape)}, the segment is {shape}"
-            )
-        if out.device != packed.device:
-            raise CodecError(
-                f"dequantize: out is on {out.device}, the segment on {packed.device}; "
-                "move the segment with packed.to(device) first"
-            )
-        if not out.is_floating_point():
-            raise CodecError(f"dequantize: out must be a float tensor, got {out.dtype}")
+        check_out("dequantize", packed, out)
     if out.numel() == 0:
         return out
     impl = _impl(resolve_backend(backend, packed.device))
