@@ -198,9 +198,7 @@ class SegmentStore:
         if advance and current is not None:
             return self._pack(plan, current, keep,
                               any(s.start < keep.sink_end for s in kept if current in s.chunks))
-        completed = {c for s in kept for c in s.chunks if c != current}
-        why = (lambda c: QUANT_OFF) if not self.quant.enabled else (lambda c: self._reasons.get(c, POLICY))
-        return replace(plan, reasons={c: why(c) for c in completed})
+        return replace(plan, reasons=dict(self._reasons))  # nothing packed: the reasons stay
 
     def plan_commit(self, base: StorePlan, keep: HeldPositions) -> StorePlan:
         """The store once the chunk ``base`` writes is committed (the context pass writes it).
@@ -230,8 +228,7 @@ class SegmentStore:
         one encode per packed span (`Packer.encode`), a recency-tier segment re-packed at the
         cache's codec decoded first, once."""
         if not self.quant.enabled:
-            return replace(plan, reasons={c: QUANT_OFF for s in plan.segments for c in s.chunks
-                                          if c != current})
+            return plan  # every chunk dense, QUANT_OFF (`commit`)
         as_dense = functools.cache(self.packer.dense)
         packs = list(plan.packs)
 
@@ -268,12 +265,15 @@ class SegmentStore:
 
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
-        nothing here can fail. K/V the plan borrowed from a write get their own copy."""
+        nothing here can fail. K/V the plan borrowed from a write get their own copy. A dense
+        chunk the plan gives no reason for is dense by the policy (`POLICY`), or because
+        quantization is off (`QUANT_OFF`)."""
         segments = [replace(seg, storage=seg.storage.copy()) if isinstance(seg.storage, BorrowedKV)
                     else seg for seg in plan.segments]
         copy_write(segments, plan.write)
+        dense = POLICY if self.quant.enabled else QUANT_OFF
         live = {
-            c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
+            c: _PACKED if seg.packed else plan.reasons.get(c, dense)
             for seg in segments for c in seg.chunks if c != plan.current
         }
         self._settled.update(s for c, s in self._live.items() if c not in live)
