@@ -243,7 +243,7 @@ class SegmentStore:
             chunk_tokens=plan.chunk_tokens,
             finite=lambda pieces: self.packer.finite([as_dense(p) for p in pieces]),
         )
-        return replace(plan, segments=segments, packs=packs, reasons={**plan.reasons, **reasons},
+        return replace(plan, segments=segments, packs=packs, reasons=reasons,
                        codebook=codebook)
 
     def _held_only(
