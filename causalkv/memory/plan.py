@@ -10,6 +10,7 @@ shared codebook counted once. No tiering rule lives here.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,9 +19,8 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.tiering import (
     BookState,
-    Kept,
+    Packed,
     TierPolicy,
-    chunk_infos,
     codec_for,
     keep_held,
 )
@@ -136,6 +136,15 @@ def _call_buffers(
     return cs.visible, cs.visible if attention == "gathered" else 0, True
 
 
+@dataclass(frozen=True)
+class _Book(BookState):
+    """The tier policy's codebook as bytes: its ``id`` (a `_Seg`'s ``book``) and the bytes of
+    its centroids, which the store counts once (``shared``)."""
+
+    id: int = -1
+    shared: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Seg:
     """A segment of one layer's store, as bytes (`causalkv.caches.qvg.tiering.TierSegment`):
@@ -212,10 +221,27 @@ def plan_setting(
     policy = cache.policy
     tiering = TierPolicy(q, cache.min_tokens_per_centroid, B, H, D, item)
     segs: list[_Seg] = []
-    book: BookState | None = None
-    book_id, books, book_shared = -1, 0, 0
+    book: _Book | None = None
+    books = itertools.count(1)
     resident: list[int] = []
     tiers: list[dict[int, str]] = []
+
+    def pack(step: Packed[_Seg], book: _Book | None) -> tuple[_Seg, _Book | None]:
+        """A packed step as bytes, and the codebook after it (its id and shared bytes)."""
+        sq, after = step.quant, step.book_after
+        seg = _Seg(step.pieces[0].start, step.pieces[-1].end, step.pieces[0].first_chunk,
+                   step.pieces[-1].last_chunk, sq.codec, step.recent, packed=True)
+        if step.tier:
+            after = book  # a recency-tier pack leaves the codebook as it is
+        elif step.joins_book and book is not None:  # assigned to the book's centroids
+            sq = replace(sq, centroids=book.centroids)
+            after = _Book(after.chunks, after.centroids, book.id, book.shared)
+            seg = replace(seg, book=book.id, shared=book.shared)
+        elif after is not None:  # a new codebook
+            shared = 2 * codec_for(sq).shared_nbytes((B, H, step.tokens, D))
+            after = _Book(after.chunks, after.centroids, next(books), shared)
+            seg = replace(seg, book=after.id, shared=shared)
+        return replace(seg, nbytes=tiering.packed_nbytes(sq, step.tokens)), after
 
     # per chunk, the tokens of the one-call buffer of its denoising passes and of its context
     # pass (both read chunk i-1's layout plus the chunk's own K/V), and whether the context
@@ -225,33 +251,13 @@ def plan_setting(
         window.append(_call_buffers(cs, segs, n, cache, attention))
         segs.append(_Seg(cs.index * n, (cs.index + 1) * n, cs.index, cs.index))
         segs = keep_held(segs, cs.held, _cut)
-        if book is not None and all(s.book != book_id for s in segs):
-            book, book_id = None, -1  # every segment using it rolled out: a fresh one next
+        if book is not None and all(s.book != book.id for s in segs):
+            book = None  # every segment using it rolled out: a fresh one next
         if q.enabled:
             ahead = cs.index + 1  # the chunk after this one: every chunk held is completed
-            decision = policy.decide(q, chunk_infos(segs, ahead, cs.sink_end, cs.pinned), ahead,
-                                     sink_open=cs.sink_end > ahead * n, chunk_tokens=n)
-            out: list[_Seg] = []
-            for step in tiering.decide(segs, decision, ahead, book).steps:
-                if isinstance(step, Kept):
-                    out.append(step.seg)
-                    continue
-                sq = step.quant
-                seg = _Seg(step.pieces[0].start, step.pieces[-1].end, step.pieces[0].first_chunk,
-                           step.pieces[-1].last_chunk, sq.codec, step.recent, packed=True)
-                if step.joins_book and book is not None:  # assigned to the book's centroids
-                    sq = replace(sq, centroids=book.centroids)
-                    seg = replace(seg, book=book_id, shared=book_shared)
-                elif not step.tier and step.book_after is not None:  # a new codebook
-                    books += 1
-                    book_id = books
-                    book_shared = 2 * codec_for(sq).shared_nbytes((B, H, step.tokens, D))
-                    seg = replace(seg, book=book_id, shared=book_shared)
-                out.append(replace(seg, nbytes=tiering.packed_nbytes(sq, step.tokens)))
-                if not step.tier:
-                    book = step.book_after
-                    book_id = book_id if book is not None else -1
-            segs = out
+            segs, book, _ = tiering.settle(policy, segs, ahead, book, pack, sink_end=cs.sink_end,
+                                           pinned=cs.pinned, sink_open=cs.sink_end > ahead * n,
+                                           chunk_tokens=n)
         resident.append(_resident(segs, per_token))
         if record:
             tiers.append({c: s.codec for s in segs for c in s.chunks})

@@ -64,7 +64,7 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.store import Codebook, DenseKV, Segment
 from causalkv.caches.qvg.store_pack import Packer
-from causalkv.caches.qvg.tiering import BookState, Kept, chunk_infos, keep_held, tier_policy
+from causalkv.caches.qvg.tiering import BookState, Packed, keep_held, tier_policy
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
 from causalkv.vllm_omni.admission import (
@@ -364,7 +364,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         weakref.finalize(self, _forget_pools, [id(p) for p in self._k_pools])
         self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, num_kv_heads,
                                    head_size, torch.empty((), dtype=dtype).element_size())
-        self.packer = Packer(self.tiering, self.device, dtype, SEED, self.head_offset, False)
+        self.packer = Packer(self.device, dtype, SEED, self.head_offset, False)
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
         self._view: tuple[torch.Tensor, Any] | None = None
@@ -444,20 +444,14 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             rec.book, rec.books = None, [None] * self.num_layers  # every group using it rolled out
         if self.quant.enabled:
             ahead = g + 1
-            decision = ENGINE_CACHE.policy.decide(
-                self.quant, chunk_infos(segs, ahead, ctx.sink_end, ctx.pinned), ahead,
-                sink_open=ctx.sink_end > ahead * n, chunk_tokens=n)
-            tiering = self.tiering.decide(segs, decision, ahead, rec.book,
-                                          finite=lambda pieces: self._finite(adapter, rec, pieces))
-            out: list[PagedGroup] = []
-            for step in tiering.steps:
-                if isinstance(step, Kept):
-                    out.append(step.seg)
-                    continue
-                out.append(self._pack(adapter, rec, step))
-                if not step.tier:
-                    rec.book = step.book_after
-            segs = out
+
+            def pack(step: Packed[PagedGroup], book: BookState | None) -> tuple[PagedGroup, BookState | None]:
+                return self._pack(adapter, rec, step), book if step.tier else step.book_after
+
+            segs, rec.book, _ = self.tiering.settle(
+                ENGINE_CACHE.policy, segs, ahead, rec.book, pack, sink_end=ctx.sink_end,
+                pinned=ctx.pinned, sink_open=ctx.sink_end > ahead * n, chunk_tokens=n,
+                finite=lambda pieces: self._finite(adapter, rec, pieces))
         keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
         rec.groups = segs
         rec.held = tuple(ctx.held)
@@ -486,18 +480,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         return Segment(seg.start, seg.end, seg.first_chunk, seg.last_chunk, dense)
 
     def _finite(self, adapter: Any, rec: _Session, pieces: Sequence[PagedGroup]) -> bool:
-        """Whether the pieces' K/V are finite in every layer (checked on a CPU, as the store
-        does; a group is packed in all layers or none: its pages serve all of them)."""
-        if self.device.type != "cpu":
-            return True
-        for p in pieces:
-            for layer in range(self.num_layers):
-                st = self._rows(adapter, rec, p, layer).storage
-                if not (bool(torch.isfinite(st.k).all()) and bool(torch.isfinite(st.v).all())):
-                    return False
-        return True
+        """Whether the pieces' K/V are finite in every layer (`Packer.finite`, as the store
+        checks; a group is packed in all layers or none: its pages serve all of them)."""
+        return all(self.packer.finite([self._rows(adapter, rec, p, layer) for p in pieces])
+                   for layer in range(self.num_layers))
 
-    def _pack(self, adapter: Any, rec: _Session, step: Any) -> PagedGroup:
+    def _pack(self, adapter: Any, rec: _Session, step: Packed[PagedGroup]) -> PagedGroup:
         """One tier step packed in every layer (`Packer.encode` on the pieces' rows)."""
         layers = []
         for layer in range(self.num_layers):

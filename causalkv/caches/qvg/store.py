@@ -25,6 +25,7 @@ buffer a read fills is reported to the store's ledger, if it has one.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -52,7 +53,7 @@ from causalkv.caches.qvg.segments import (
     dense_storage,
 )
 from causalkv.caches.qvg.store_pack import Packer
-from causalkv.caches.qvg.tiering import chunk_infos, keep_held, tier_policy
+from causalkv.caches.qvg.tiering import Packed, keep_held, tier_policy
 from causalkv.caches.spec import (
     CacheProtocolError,
     CacheReadError,
@@ -143,7 +144,7 @@ class SegmentStore:
         #: what is packed by which codec, in which spans (`causalkv.caches.qvg.tiering`)
         self.tiering = tiering
         #: packs the cold segments as ``tiering`` decides (`causalkv.caches.qvg.store_pack`)
-        self.packer = Packer(tiering, self.device, dtype, seed, head_offset, offload)
+        self.packer = Packer(self.device, dtype, seed, head_offset, offload)
         self.ledger = ledger
         self.segments: list[Segment] = []
         self.codebook: Codebook | None = None
@@ -197,9 +198,7 @@ class SegmentStore:
         if advance and current is not None:
             return self._pack(plan, current, keep,
                               any(s.start < keep.sink_end for s in kept if current in s.chunks))
-        completed = {c for s in kept for c in s.chunks if c != current}
-        why = (lambda c: QUANT_OFF) if not self.quant.enabled else (lambda c: self._reasons.get(c, POLICY))
-        return replace(plan, reasons={c: why(c) for c in completed})
+        return replace(plan, reasons=dict(self._reasons))  # nothing packed: the reasons stay
 
     def plan_commit(self, base: StorePlan, keep: HeldPositions) -> StorePlan:
         """The store once the chunk ``base`` writes is committed (the context pass writes it).
@@ -225,15 +224,27 @@ class SegmentStore:
 
     def _pack(self, plan: StorePlan, current: int, keep: HeldPositions, sink_open: bool) -> StorePlan:
         """``plan`` with its cold chunks packed as the policy and the tier policy decide
-        (``current``: the chunk being written, or the one after a committed chunk)."""
+        (``current``: the chunk being written, or the one after a committed chunk; a new plan):
+        one encode per packed span (`Packer.encode`), a recency-tier segment re-packed at the
+        cache's codec decoded first, once."""
         if not self.quant.enabled:
-            return replace(plan, reasons={c: QUANT_OFF for s in plan.segments for c in s.chunks
-                                          if c != current})
-        decision = self.policy.decide(
-            self.quant, chunk_infos(plan.segments, current, keep.sink_end, keep.pinned), current,
-            sink_open=sink_open, chunk_tokens=plan.chunk_tokens,
+            return plan  # every chunk dense, QUANT_OFF (`commit`)
+        as_dense = functools.cache(self.packer.dense)
+        packs = list(plan.packs)
+
+        def pack(step: Packed[Segment], book: Codebook | None) -> tuple[Segment, Codebook | None]:
+            seg, book = self.packer.encode(step, [as_dense(p) for p in step.pieces], book)
+            packs.append(seg)
+            return seg, book
+
+        segments, codebook, reasons = self.tiering.settle(
+            self.policy, plan.segments, current, plan.codebook, pack,
+            sink_end=keep.sink_end, pinned=keep.pinned, sink_open=sink_open,
+            chunk_tokens=plan.chunk_tokens,
+            finite=lambda pieces: self.packer.finite([as_dense(p) for p in pieces]),
         )
-        return self.packer.pack_cold(plan, decision, current)
+        return replace(plan, segments=segments, packs=packs, reasons=reasons,
+                       codebook=codebook)
 
     def _held_only(
         self, segs: Sequence[Segment], held: Intervals, book: Codebook | None
@@ -254,12 +265,15 @@ class SegmentStore:
 
     def commit(self, plan: StorePlan) -> None:
         """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
-        nothing here can fail. K/V the plan borrowed from a write get their own copy."""
+        nothing here can fail. K/V the plan borrowed from a write get their own copy. A dense
+        chunk the plan gives no reason for is dense by the policy (`POLICY`), or because
+        quantization is off (`QUANT_OFF`)."""
         segments = [replace(seg, storage=seg.storage.copy()) if isinstance(seg.storage, BorrowedKV)
                     else seg for seg in plan.segments]
         copy_write(segments, plan.write)
+        dense = POLICY if self.quant.enabled else QUANT_OFF
         live = {
-            c: _PACKED if seg.packed else plan.reasons.get(c, POLICY)
+            c: _PACKED if seg.packed else plan.reasons.get(c, dense)
             for seg in segments for c in seg.chunks if c != plan.current
         }
         self._settled.update(s for c, s in self._live.items() if c not in live)

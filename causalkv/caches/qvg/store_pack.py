@@ -1,24 +1,23 @@
-"""The segment store's packing: a `Packer` executes the tier policy's decision on tensors.
+"""The segment store's packing: a `Packer` executes the tier policy's steps on tensors.
 
 `causalkv.caches.qvg.tiering.TierPolicy` decides, without tensors, which cold segments are
-packed by which codec in which spans and which stay dense and why; the `Packer` a
-`causalkv.caches.qvg.store.SegmentStore` owns carries that decision out on a `StorePlan`: one
-encode per packed span (from the segments' K/V as the plan holds them, its write applied), the
-shared codebook threaded through, a recency-tier segment re-packed at the cache's codec
-decoded first, and the one check only tensors can answer (a span holding NaN or inf stays dense).
+packed by which codec in which spans and which stay dense and why (`TierPolicy.settle`, the
+one tier loop); the `Packer` a `causalkv.caches.qvg.store.SegmentStore` owns (and the paged
+engine cache, layer by layer) carries each packed step out: one encode per span (from the
+segments' K/V as the host holds them), the shared codebook threaded through, a recency-tier
+segment re-packed at the cache's codec decoded first (`Packer.dense`), and the one check only
+tensors can answer (`Packer.finite`: a span holding NaN or inf stays dense).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from causalkv.caches.qvg.policy import PackingDecision
-from causalkv.caches.qvg.segments import Codebook, PackedKV, Segment, StorePlan, dense_storage
-from causalkv.caches.qvg.tiering import Kept, Packed, TierPolicy, codec_for
+from causalkv.caches.qvg.segments import Codebook, PackedKV, Segment, dense_storage
+from causalkv.caches.qvg.tiering import Packed, codec_for
 
 __all__ = ["Packer"]
 
@@ -28,44 +27,23 @@ class Packer:
     """Packs a store's cold segments as its tier policy decides (see the module docstring).
 
     Attributes:
-        tiering: the store's `TierPolicy` (what is packed by which codec, in which spans).
         device, dtype: where the store's dense K/V live, and their dtype.
         seed: k-means seed (packing is reproducible).
         head_offset: global index of the first head (the codec keys each head's draws by it).
         offload: keep packed segments in CPU memory (pinned when on a GPU).
     """
 
-    tiering: TierPolicy
     device: torch.device
     dtype: torch.dtype
     seed: int
     head_offset: int
     offload: bool
 
-    def pack_cold(self, plan: StorePlan, decision: PackingDecision, current: int) -> StorePlan:
-        """``plan`` with the cold segments of ``plan.segments`` packed as the tier policy decides
-        under ``decision`` (a new plan; ``current``: the chunk being generated, or the one
-        after a committed chunk)."""
-        @functools.cache  # a recency-tier segment re-packed is decoded once
-        def as_dense(seg: Segment) -> Segment:
-            if not isinstance(seg.storage, PackedKV):
-                return seg
-            return replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
-
-        tiering = self.tiering.decide(
-            plan.segments, decision, current, plan.codebook,
-            finite=lambda pieces: self._finite([as_dense(p) for p in pieces]),
-        )
-        segments, packs, reasons, codebook = [], list(plan.packs), dict(plan.reasons), plan.codebook
-        for step in tiering.steps:
-            if isinstance(step, Kept):
-                segments.append(step.seg)
-                reasons.update(tiering.reasons(step))
-                continue
-            packed, codebook = self.encode(step, [as_dense(p) for p in step.pieces], codebook)
-            segments.append(packed)
-            packs.append(packed)
-        return replace(plan, segments=segments, packs=packs, reasons=reasons, codebook=codebook)
+    def dense(self, seg: Segment) -> Segment:
+        """``seg`` with dense K/V (a packed one decoded: a recency-tier segment re-packed)."""
+        if not isinstance(seg.storage, PackedKV):
+            return seg
+        return replace(seg, storage=seg.storage.decoded(self.device, self.dtype))
 
     def encode(
         self, step: Packed[Segment], pieces: list[Segment], codebook: Codebook | None,
@@ -95,7 +73,7 @@ class Packer:
         )
         return seg, codebook
 
-    def _finite(self, pieces: Sequence[Segment]) -> bool:
+    def finite(self, pieces: Sequence[Segment]) -> bool:
         """False when ``pieces`` (dense) hold NaN or inf, checked where the codec would refuse
         them (the CPU, where the check costs no device sync); the chunk then stays dense, as
         the dense cache keeps it. On other devices the codec stores a non-finite head

@@ -1,11 +1,11 @@
 """The tier policy: which cold chunks of a segment store are packed, by which codec, in which spans.
 
-One decision, two executors. `TierPolicy.decide` walks a store's segments (ascending
-position) once per advance and, from the `PackingPolicy`'s `PackingDecision` (which chunks
-stay dense, which sink chunks pack as one span), the settings and the codec's ``nbytes``
-formula, says for every segment what becomes of it (`Tiering`, one step per segment after):
+One tier loop, three hosts. `TierPolicy.settle` walks a host's segments (ascending position)
+once per advance and, from the `PackingPolicy`'s `PackingDecision` (which chunks stay dense,
+which sink chunks pack as one span), the settings and the codec's ``nbytes`` formula, decides
+for every segment what becomes of it:
 
-- `Kept`: the segment stays as it is (dense, packed at the cache's codec, or packed at the
+- kept: the segment stays as it is (dense, packed at the cache's codec, or packed at the
   recency tier) with the reason of each of its chunks
   (`causalkv.caches.qvg.policy.DENSE_REASONS`). A segment packed at the recency tier that the
   policy no longer keeps is re-packed at the cache's codec with its span, and only then
@@ -20,11 +20,12 @@ formula, says for every segment what becomes of it (`Tiering`, one step per segm
   the cache's codec is never packed again, nor is one decoded for a write into part of it
   (``REWRITTEN``: its rows carry the codec's error already).
 
-The segment store (`causalkv.caches.qvg.store_pack.Packer`) executes the steps on its
-tensors (one encode per `Packed`); the memory planner (`causalkv.memory.plan`) counts
-their bytes without tensors. The only input the decision cannot know without tensors is
-whether a span's K/V are finite: the store passes ``finite`` (a span that is not stays dense,
-``NON_FINITE``), the planner passes nothing (every span is).
+Each host carries out a `Packed` step with its own ``pack``: the segment store and the paged
+engine cache encode it on tensors (`causalkv.caches.qvg.store_pack.Packer`, one encode per
+step), the memory planner (`causalkv.memory.plan`) counts its bytes without tensors. The only
+input the decision cannot know without tensors is whether a span's K/V are finite: the tensor
+hosts pass ``finite`` (a span that is not stays dense, ``NON_FINITE``), the planner passes
+nothing (every span is).
 
 No torch here: the planner imports it without loading a model's worth of anything.
 """
@@ -50,7 +51,7 @@ from causalkv.caches.qvg.policy import (
     SINK,
     WAITING,
     ChunkInfo,
-    PackingDecision,
+    PackingPolicy,
 )
 from causalkv.errors import ConfigError
 
@@ -59,11 +60,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BookState",
-    "Kept",
     "Packed",
     "TierPolicy",
     "TierSegment",
-    "Tiering",
     "chunk_infos",
     "codec_for",
     "keep_held",
@@ -111,13 +110,7 @@ class BookState:
     centroids: int
 
 
-class Kept(NamedTuple, Generic[S]):
-    """``seg`` stays as it is; ``reason``: why its chunks are not packed now (None: each
-    chunk's reason is the `PackingDecision`'s, `Tiering.reasons`; recorded for a packed one
-    too)."""
-
-    seg: S
-    reason: str | None = None
+B = TypeVar("B", bound="BookState | None")
 
 
 class Packed(NamedTuple, Generic[S]):
@@ -144,27 +137,6 @@ class Packed(NamedTuple, Generic[S]):
     @property
     def tokens(self) -> int:
         return self.pieces[-1].end - self.pieces[0].start
-
-    @property
-    def num_chunks(self) -> int:
-        return self.pieces[-1].last_chunk - self.pieces[0].first_chunk + 1
-
-
-@dataclass(frozen=True)
-class Tiering(Generic[S]):
-    """`TierPolicy.decide`'s answer: one step per resulting segment, in position order, the
-    codebook after them, and the policy's decision they follow."""
-
-    steps: tuple[Kept[S] | Packed[S], ...]
-    book: BookState | None
-    decision: PackingDecision
-
-    def reasons(self, step: Kept[S]) -> dict[int, str]:
-        """Why each chunk of a kept segment is dense (`causalkv.caches.qvg.policy.DENSE_REASONS`)."""
-        if step.reason is not None:
-            return dict.fromkeys(step.seg.chunks, step.reason)
-        dense = self.decision.dense
-        return {c: dense.get(c, POLICY) for c in step.seg.chunks}
 
 
 @functools.lru_cache(maxsize=64)
@@ -244,25 +216,57 @@ class TierPolicy:
         shape = (self.batch_size, self.num_heads, tokens, self.head_dim)
         return codec_for(q).nbytes(shape) < self.dense_nbytes(tokens) // 2
 
-    def decide(
+    def settle(
         self,
+        policy: PackingPolicy,
         segs: Sequence[S],
-        decision: PackingDecision,
         current: int,
-        book: BookState | None,
+        book: B,
+        pack: Callable[[Packed[S], B], tuple[S, B]],
+        *,
+        sink_end: int,
+        pinned: Intervals,
+        sink_open: bool,
+        chunk_tokens: int,
         finite: Callable[[Sequence[S]], bool] | None = None,
-    ) -> Tiering[S]:
-        """What becomes of ``segs`` under ``decision`` (``current``: the chunk being generated,
-        or the one after a committed chunk; ``book``: the codebook a span may join;
-        ``finite``: whether a span's K/V are finite, None when every span is)."""
+    ) -> tuple[list[S], B, dict[int, str]]:
+        """``segs`` (ascending) with their cold chunks packed: the one tier loop of every host
+        (the store, the paged engine cache, the memory planner).
+
+        ``policy`` decides which chunks stay dense (`chunk_infos` of ``segs``, ``sink_end``
+        and ``pinned``; ``sink_open``: whether the sink is still being written), then each
+        segment is kept as it is or packed (see the module docstring): ``pack(step, book)``
+        carries out a `Packed` step and returns the host's packed segment and its codebook
+        after it (``book``: the host's codebook, read as a `BookState`, that the next span at
+        the cache's codec may join). ``current``: the chunk being generated, or the one after
+        a committed chunk; ``finite``: whether a span's K/V are finite, None when every span is.
+
+        Returns:
+            The segments after, the codebook after them, and why each chunk of a segment kept
+            as it is is not packed now (`causalkv.caches.qvg.policy.DENSE_REASONS`; recorded
+            for a packed one too).
+        """
+        decision = policy.decide(self.quant, chunk_infos(segs, current, sink_end, pinned), current,
+                                 sink_open=sink_open, chunk_tokens=chunk_tokens)
         keep = set(decision.dense) | {current}
         tiered = self.quant.recent_tier != "bf16"
-        steps: list[Kept[S] | Packed[S]] = []
+        out: list[S] = []
+        reasons: dict[int, str] = {}
         pending: list[S] = []  # adjacent packable segments of one group
         pending_group: frozenset[int] | None = None
 
+        def kept(seg: S, reason: str | None = None) -> None:
+            out.append(seg)
+            reasons.update({c: reason or decision.dense.get(c, POLICY) for c in seg.chunks})
+
+        def packed(step: Packed[S]) -> None:
+            nonlocal book
+            seg, book = pack(step, book)
+            out.append(seg)
+
         def flush_dense(reason: str) -> None:
-            steps.extend(Kept(p, reason) for p in pending)
+            for p in pending:
+                kept(p, reason)
             pending.clear()
 
         for seg in segs:
@@ -273,16 +277,16 @@ class TierPolicy:
             if (seg.packed and not seg.recent) or rewritten or chunks & keep:
                 flush_dense(WAITING)
                 if rewritten:
-                    steps.append(Kept(seg, REWRITTEN))
+                    kept(seg, REWRITTEN)
                 elif not (tiered and not seg.packed and current not in chunks
                           and {decision.dense.get(c, POLICY) for c in chunks} <= {RECENT, SINK}
                           and self.pays(tokens, len(chunks), None, self.tier_quant(tokens))):
-                    steps.append(Kept(seg))
+                    kept(seg)
                 elif finite is not None and not finite([seg]):
-                    steps.append(Kept(seg, NON_FINITE))
+                    kept(seg, NON_FINITE)
                 else:  # kept for recency or as a bf16 sink: packed at the recency tier
-                    steps.append(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
-                                        recent=self.quant.codec != self.quant.recent_tier))
+                    packed(Packed((seg,), self.tier_quant(tokens), tier=True, book_after=book,
+                                  recent=self.quant.codec != self.quant.recent_tier))
                 continue
             group = next((g for g in decision.groups if chunks & g), None)
             if pending and (group != pending_group or pending[-1].end != seg.start):
@@ -301,12 +305,10 @@ class TierPolicy:
                 if finite is not None and not finite(pending):
                     flush_dense(NON_FINITE)
                     continue
-                step = self._span(tuple(pending), span_tokens, span_chunks, book)
-                book = step.book_after
-                steps.append(step)
+                packed(self._span(tuple(pending), span_tokens, span_chunks, book))
                 pending.clear()
         flush_dense(WAITING)
-        return Tiering(tuple(steps), book, decision)
+        return out, book, reasons
 
     def _span(self, pieces: tuple[S, ...], tokens: int, chunks: int,
               book: BookState | None) -> Packed[S]:
