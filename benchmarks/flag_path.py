@@ -10,7 +10,8 @@ of the package whose function is passed the flag as an argument (``self`` aside:
 object that carries the flag does not move it): the parsed argparse namespace carrying
 it (the record's flags are stored there under ``"<module>.QVGKVQuantArgs.<field>"``), the QVG settings record built from it (`QVGKVQuantArgs`), or an object a
 few attributes away from that record (the request, the plan, the resolution). It stops at the
-first call of the cache's ``update_and_get_attention_kv``, and so does the run (a few seconds:
+first call of the packed cache's write (``QVGPackedCausalKVCache._write``, what the cache
+contract's ``update_and_get_attention_kv`` calls once it has checked the call), and so does the run (a few seconds:
 the default run is already the smallest, and the one the test runs).
 
 Printed: the modules entered, in order (consecutive calls in one module count once), how many
@@ -34,7 +35,7 @@ from types import FrameType
 from typing import Any
 
 RECORD = "QVGKVQuantArgs"  # the settings record the flag becomes
-STOP = "update_and_get_attention_kv"  # the cache write
+STOP = "QVGPackedCausalKVCache._write"  # the packed cache's write (behind the contract's checks)
 
 
 def holds(value: Any, depth: int = 3) -> bool:
@@ -83,12 +84,13 @@ def trace(argv: list[str]) -> tuple[list[str], list[str]]:
         code = frame.f_code
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
         passed = [frame.f_locals.get(n) for n in names if n not in ("self", "cls")]
-        if code.co_name != STOP and not any(holds(v) for v in passed):
+        stop = code.co_qualname == STOP
+        if not stop and not any(holds(v) for v in passed):
             return
         calls.append(f"{module}:{frame.f_code.co_qualname}")
         if not modules or modules[-1] != module:
             modules.append(module)
-        if code.co_name == STOP:
+        if stop:
             done = True
             raise _Reached  # the rest of the run is not measured: stop it (unsets the profile)
 
