@@ -37,6 +37,7 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
     LongLive2CausalDenoisingStage,
 )
 
+from causalkv.caches.qvg.segments import PackedKV
 from causalkv.sglang.cache import SGLangQVGKVCache
 
 STAGES = (CausalDMDDenoisingStage, LongLive2CausalDenoisingStage, LingBotWorldCausalDMDDenoisingStage)
@@ -63,6 +64,17 @@ def _allocate(stage, **kw):
                 sink_tokens=CHUNK)
     args.update(kw)
     return stage._allocate_causal_kv_cache(**args)
+
+
+def stored_after_seven_chunks(cache) -> list:
+    """Write seven chunks into ``cache`` (three unmarked writes each: denoise steps, then the
+    context update; seeded K/V) and return its packed segments' storage (`PackedKV`)."""
+    gen = torch.Generator().manual_seed(0)
+    for chunk in range(7):
+        for _ in range(3):
+            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
+    return [s.storage for s in cache.store.segments if isinstance(s.storage, PackedKV)]
 
 
 @pytest.mark.parametrize("cls", STAGES)
@@ -332,7 +344,6 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     sglang's ``--kv-cache-quant int2`` turns QVG on (sglang's choices unchanged): the caches a
     served stage allocates pack with it, the summary line names it, and a name the bridge does
     not know (or ``fp8`` as sglang's own ``bits``) is refused naming the variable."""
-    from causalkv.caches.qvg.segments import PackedKV
     from causalkv.errors import ConfigError
     from causalkv.sglang.settings import check_settings, sglang_quant_args
     from causalkv.sglang.summary import summary_line
@@ -343,12 +354,7 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     stage._kv_quant_args = QVGKVQuantArgs(bits=2)  # PRQ's knobs at their defaults: nvfp4 reads none
     blocks = _allocate(stage)
     assert {(c.quant.codec, c.quant.recent_tier) for c in blocks} == {("nvfp4", "fp8")}
-    cache, gen = blocks[0], torch.Generator().manual_seed(0)
-    for chunk in range(7):
-        for _ in range(3):  # denoise steps, then the context update
-            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
-    codecs = {s.storage.codec.name for s in cache.store.segments if isinstance(s.storage, PackedKV)}
+    codecs = {s.codec.name for s in stored_after_seven_chunks(blocks[0])}
     assert codecs == {"nvfp4", "fp8"}
     assert "codec=nvfp4 recent_tier=fp8" in summary_line(stage, [blocks])
     # sglang's PRQ knobs with a codec that reads none of them: refused at start-up, by flag

@@ -21,14 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
     CausalSelfAttentionKVCache,
 )
-from test_bridge_stages import CHUNK, HEAD_DIM, HEADS, _allocate, _stage
+from test_bridge_stages import HEAD_DIM, _allocate, _stage, stored_after_seven_chunks
 
-from causalkv.caches.qvg.segments import PackedKV
 from causalkv.errors import ConfigError
 from causalkv.hooks import HostRegistration, hookimpl
 from causalkv.plugin import get_plugin_manager
@@ -100,12 +98,7 @@ def test_a_plugins_subclass_is_served_with_its_codec_and_logged(installed, caplo
     assert {c.quant.codec for c in blocks} == {"int8"}  # the registration's codec
     (alloc,) = _messages(caplog, "causalkv sglang bridge: ToyLongLive2Stage KV cache")
     assert "causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, codec causalkv, qvg(int8" in alloc
-    cache, gen = blocks[0], torch.Generator().manual_seed(0)
-    for chunk in range(7):
-        for _ in range(3):  # denoise steps, then the context update
-            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
-    packed = [s.storage for s in cache.store.segments if isinstance(s.storage, PackedKV)]
+    packed = stored_after_seven_chunks(blocks[0])
     assert packed and {s.codec.name for s in packed} == {"int8"}
     assert all(s.nbytes == 2 * s.codec.nbytes(s.k.shape) for s in packed)  # K and V, as it predicts
     assert "stage=ToyLongLive2Stage cache=ToySGLangCache codec=int8" in summary_line(stage, [blocks])

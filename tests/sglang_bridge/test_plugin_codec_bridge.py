@@ -15,15 +15,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.longlive2 import (
     LongLive2CausalDenoisingStage,
 )
-from test_bridge_stages import CHUNK, HEAD_DIM, HEADS, INT2, _allocate, _stage
+from test_bridge_stages import (
+    HEAD_DIM,
+    INT2,
+    _allocate,
+    _stage,
+    stored_after_seven_chunks,
+)
 
 from causalkv.caches import codecs
-from causalkv.caches.qvg.segments import PackedKV
 from causalkv.errors import ConfigError
 from causalkv.plugin.manager import ENV_BLOCK, reset_plugin_manager
 from causalkv.sglang.settings import check_settings, read_env
@@ -67,12 +71,7 @@ def test_a_plugin_codec_is_a_codec_setting_of_the_bridge(installed, monkeypatch,
     stage._kv_quant_args = quant
     blocks = _allocate(stage)
     assert {(c.quant.codec, c.quant.recent_tier) for c in blocks} == {(codec or "int2", tier or "bf16")}
-    cache, gen = blocks[0], torch.Generator().manual_seed(0)
-    for chunk in range(7):
-        for _ in range(3):  # denoise steps, then the context update
-            kv = torch.randn(2, 1, CHUNK, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-            cache.update_and_get_attention_kv(key=kv[0], value=kv[1], current_chunk_start=chunk * CHUNK)
-    segments = [s.storage for s in cache.store.segments if isinstance(s.storage, PackedKV)]
+    segments = stored_after_seven_chunks(blocks[0])
     assert {s.codec.name for s in segments} == packed
     mine = [s for s in segments if s.codec.name == "int8"]
     assert type(mine[0].codec).__module__ == "toy_codec_plugin"
