@@ -20,19 +20,14 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from causalkv.hooks import Preset
 from causalkv.plugin.registry import Registry
-from causalkv.runtime.model_io.model_config import (
-    CAUSALKV_FILE,
-    preset_info,
-    preset_transformer_config,
-    resolve_preset,
-)
+from causalkv.runtime.model_io.model_config import CAUSALKV_FILE, preset_info, resolve_preset
 from causalkv.runtime.model_io.preset_configs import (
     TINY_TEXT_ENCODER,
     TINY_VAE,
@@ -42,8 +37,10 @@ from causalkv.runtime.model_io.preset_configs import (
 )
 from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
+if TYPE_CHECKING:  # torch loads to build a model, not for `causalkv plugins` / `--help`
+    import torch
+
 __all__ = [
-    "Preset",
     "build_atomically",
     "causalkv_home",
     "is_complete_preset",
@@ -51,8 +48,9 @@ __all__ = [
     "preset_dir",
     "preset_info",
     "preset_name",
-    "preset_transformer_config",
+    "write_json",
     "write_preset_folder",
+    "write_tiny_model",
 ]
 
 #: bump when the preset definitions change: old cache folders are rebuilt
@@ -67,15 +65,24 @@ def _diffusers_version() -> str:
     return diffusers.__version__
 
 
-def _model_index(model_class: str) -> dict[str, Any]:
+def _model_index(model_class: str, dit_class: str = "WanTransformer3DModel", **more: Any) -> dict[str, Any]:
+    """``model_index.json`` of a tiny model folder: ``model_class``'s components (``more``: others,
+    such as a scheduler)."""
     return {
         "_class_name": model_class,
         "_diffusers_version": _diffusers_version(),
-        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer": ["diffusers", dit_class],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        **more,
     }
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """``data`` as indented JSON in ``path`` (its folder created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def json_object(path: Path) -> dict[str, Any]:
@@ -237,7 +244,13 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
     return folder
 
 
-def _write_preset(r: PresetSpec, out: Path) -> None:
+def write_tiny_model(
+    out: Path, transformer: Mapping[str, Any], vae: Mapping[str, Any], *, seed: int, text_max_length: int
+) -> torch.nn.Module:
+    """Create the tiny components from ``seed`` (a ``WanTransformer3DModel`` of config
+    ``transformer``, an ``AutoencoderKLWan`` of config ``vae``, the tiny ``UMT5EncoderModel``),
+    save the VAE, the text encoder and the byte tokenizer (``text_max_length``) into ``out``, and
+    return the transformer for its caller to save in its own layout."""
     # torch, diffusers and transformers load with a model, not for `causalkv plugins` / `--help`
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -245,21 +258,27 @@ def _write_preset(r: PresetSpec, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    p = r.preset
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(p.seed)
-        transformer = WanTransformer3DModel(**r.transformer)
-        vae = AutoencoderKLWan(**TINY_VAE)
+        torch.manual_seed(seed)
+        model = WanTransformer3DModel(**transformer)
+        vae_model = AutoencoderKLWan(**vae)
         text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))
-    transformer.save_pretrained(out / "transformer")
-    vae.save_pretrained(out / "vae")
+    vae_model.save_pretrained(out / "vae")
     text_encoder.save_pretrained(out / "text_encoder")
-    build_byte_tokenizer(r.settings["text_max_length"]).save_pretrained(out / "tokenizer")
-    (out / "model_index.json").write_text(json.dumps(_model_index(r.model_class), indent=2) + "\n")
-    (out / CAUSALKV_FILE).write_text(json.dumps(r.settings, indent=2) + "\n")
+    build_byte_tokenizer(text_max_length).save_pretrained(out / "tokenizer")
+    return model
+
+
+def _write_preset(r: PresetSpec, out: Path) -> None:
+    p = r.preset
+    model = write_tiny_model(out, r.transformer, TINY_VAE, seed=p.seed,
+                             text_max_length=r.settings["text_max_length"])
+    model.save_pretrained(out / "transformer")
+    write_json(out / "model_index.json", _model_index(r.model_class))
+    write_json(out / CAUSALKV_FILE, r.settings)
     (out / "README.md").write_text(
         f"# {p.name} (causalkv preset)\n\n{p.description}.\n\n"
         f"The weights are RANDOM (seed {p.seed}): this folder exercises the loading path and "
         "the caches; its videos are not meaningful.\n"
     )
-    (out / _MARKER).write_text(json.dumps({"format": PRESET_FORMAT, "name": p.name}) + "\n")
+    write_json(out / _MARKER, {"format": PRESET_FORMAT, "name": p.name})

@@ -41,7 +41,6 @@ from causalkv.errors import ConfigError
 from causalkv.runtime.files.file_checks import check_creatable_folder, fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
 from causalkv.runtime.model_io import preset_configs, presets
-from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
 
 if TYPE_CHECKING:  # torch, PIL and safetensors load to build a checkpoint, not for --help
     import torch
@@ -73,18 +72,10 @@ _LONGLIVE_KEYS: tuple[tuple[str, str], ...] = (
     (r"^condition_embedder\.time_embedder\.linear_2\.", "model.time_embedding.2."),
     (r"^condition_embedder\.time_proj\.", "model.time_projection.1."),
     (r"^blocks\.(\d+)\.scale_shift_table$", r"model.blocks.\1.modulation"),
-    (r"^blocks\.(\d+)\.attn1\.to_q\.", r"model.blocks.\1.self_attn.q."),
-    (r"^blocks\.(\d+)\.attn1\.to_k\.", r"model.blocks.\1.self_attn.k."),
-    (r"^blocks\.(\d+)\.attn1\.to_v\.", r"model.blocks.\1.self_attn.v."),
+    (r"^blocks\.(\d+)\.attn1\.(?:to_)?([qkv]|norm_[qk])\.", r"model.blocks.\1.self_attn.\2."),
     (r"^blocks\.(\d+)\.attn1\.to_out\.0\.", r"model.blocks.\1.self_attn.o."),
-    (r"^blocks\.(\d+)\.attn1\.norm_q\.", r"model.blocks.\1.self_attn.norm_q."),
-    (r"^blocks\.(\d+)\.attn1\.norm_k\.", r"model.blocks.\1.self_attn.norm_k."),
-    (r"^blocks\.(\d+)\.attn2\.to_q\.", r"model.blocks.\1.cross_attn.q."),
-    (r"^blocks\.(\d+)\.attn2\.to_k\.", r"model.blocks.\1.cross_attn.k."),
-    (r"^blocks\.(\d+)\.attn2\.to_v\.", r"model.blocks.\1.cross_attn.v."),
+    (r"^blocks\.(\d+)\.attn2\.(?:to_)?([qkv]|norm_[qk])\.", r"model.blocks.\1.cross_attn.\2."),
     (r"^blocks\.(\d+)\.attn2\.to_out\.0\.", r"model.blocks.\1.cross_attn.o."),
-    (r"^blocks\.(\d+)\.attn2\.norm_q\.", r"model.blocks.\1.cross_attn.norm_q."),
-    (r"^blocks\.(\d+)\.attn2\.norm_k\.", r"model.blocks.\1.cross_attn.norm_k."),
     (r"^blocks\.(\d+)\.norm2\.", r"model.blocks.\1.norm3."),
     (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"model.blocks.\1.ffn.0."),
     (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"model.blocks.\1.ffn.2."),
@@ -101,21 +92,8 @@ _DIFFUSERS_KEYS: tuple[tuple[str, str], ...] = ((r"^(.*)$", r"\1"),)
 #: a tiny Wan 2.2 VAE (residual, 2x2 patchified, 16x spatial like Wan 2.2 TI2V's, which
 #: sglang's LongLive 2.0 config assumes)
 _VAE_22: dict[str, Any] = {
-    "base_dim": 16,
-    "decoder_base_dim": 16,
-    "z_dim": 4,
-    "dim_mult": [1, 2, 2, 2],
-    "num_res_blocks": 1,
-    "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "is_residual": True,
-    "in_channels": 12,
-    "out_channels": 12,
-    "patch_size": 2,
-    "scale_factor_spatial": 16,
-    "scale_factor_temporal": 4,
-    "latents_mean": [0.0] * 4,
-    "latents_std": [1.0] * 4,
+    **preset_configs.TINY_VAE, "base_dim": 16, "decoder_base_dim": 16, "is_residual": True,
+    "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
 }
 
 _PROMPT = "A red fox trots through fresh snow in a pine forest at dawn"
@@ -440,53 +418,34 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
     return weights
 
 
-def _json(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
 def _write(spec: Checkpoint, out: Path) -> None:
-    # torch, diffusers and transformers load to build, not for `causalkv plugins` / `--help`
+    # torch, diffusers and PIL load to build, not for `causalkv plugins` / `--help`
     import torch
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from PIL import Image
     from safetensors.torch import save_file
-    from transformers import UMT5Config, UMT5EncoderModel
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     config = {**preset_configs.TINY_TRANSFORMER, **spec.transformer}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        transformer = WanTransformer3DModel(**config)
-        vae = AutoencoderKLWan(**(spec.vae or preset_configs.TINY_VAE))
-        text_encoder = UMT5EncoderModel(UMT5Config(**preset_configs.TINY_TEXT_ENCODER))
+    transformer = presets.write_tiny_model(out, config, spec.vae or preset_configs.TINY_VAE,
+                                           seed=spec.seed, text_max_length=spec.text_max_length)
     weights = {_rename(k, spec.keys): v.contiguous() for k, v in transformer.state_dict().items()}
     if spec.camera:
         weights.update(_camera_weights(config, spec.seed))
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     version = presets._diffusers_version()
-    _json(out / "transformer" / "config.json",
-          {"_class_name": spec.dit_class, "_diffusers_version": version, **spec.dit_config})
-    vae.save_pretrained(out / "vae")
-    text_encoder.save_pretrained(out / "text_encoder")
-    build_byte_tokenizer(spec.text_max_length).save_pretrained(out / "tokenizer")
+    presets.write_json(out / "transformer" / "config.json",
+                       {"_class_name": spec.dit_class, "_diffusers_version": version, **spec.dit_config})
     if spec.scheduler is None:
         FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
     else:
-        _json(out / "scheduler" / "scheduler_config.json", {"_diffusers_version": version, **spec.scheduler})
+        presets.write_json(out / "scheduler" / "scheduler_config.json",
+                           {"_diffusers_version": version, **spec.scheduler})
     scheduler = spec.scheduler["_class_name"] if spec.scheduler else "FlowMatchEulerDiscreteScheduler"
-    _json(out / "model_index.json", {
-        "_class_name": spec.pipeline_class,
-        "_diffusers_version": version,
-        "transformer": ["diffusers", spec.dit_class],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "scheduler": ["diffusers", scheduler],
+    presets.write_json(out / "model_index.json", presets._model_index(
+        spec.pipeline_class, spec.dit_class, scheduler=["diffusers", scheduler],
         **{name: [None, None] for name in spec.null_components},
-    })
+    ))
     if spec.camera and spec.request:  # the request's inputs: a 128x128 first frame, WASD/IJKL camera actions
         g = torch.Generator().manual_seed(spec.seed)
         pixels = (torch.rand(128, 128, 3, generator=g) * 255).to(torch.uint8).numpy()
@@ -500,4 +459,4 @@ def _write(spec: Checkpoint, out: Path) -> None:
         f"# tiny {spec.name} (causalkv {HOSTS[spec.host]} checkpoint)\n\n{spec.description}.\n\n"
         f"The weights are RANDOM (seed {spec.seed}); the videos are not meaningful.{run}{failure}"
     )
-    _json(out / _MARKER, {"format": CHECKPOINT_FORMAT, "name": spec.name})
+    presets.write_json(out / _MARKER, {"format": CHECKPOINT_FORMAT, "name": spec.name})
