@@ -126,9 +126,9 @@ def test_sglang_override_keys_set_sink_and_window() -> None:
     )
     assert (info.config.sink_frames, info.config.window_frames) == (9, 18)
     assert info.config.recent_window_frames == 12  # the LingBot family's default
-    with pytest.raises(ModelFolderError, match="realtime_causal_kv_cache_num_frames must be positive"):
+    with pytest.raises(ModelFolderError, match="realtime_causal_kv_cache_num_frames must be a positive int or null, got 0"):
         model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
                               {"realtime_causal_kv_cache_num_frames": 0})
-    with pytest.raises(ModelFolderError, match="realtime_causal_sink_size must be non-negative"):
+    with pytest.raises(ModelFolderError, match="realtime_causal_sink_size must be an int >= 0 or null, got -1"):
         model_info_from_dicts("x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE,
                               {"realtime_causal_sink_size": -1})

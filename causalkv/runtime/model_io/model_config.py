@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ __all__ = [
     "STREAM_KEYS",
     "ModelFolderError",
     "ModelInfo",
-    "check_stream_values",
     "is_loadable_model",
     "load_model_info",
     "model_head_dim",
@@ -90,7 +89,6 @@ _STREAM_DEFAULTS: dict[str, Any] = {
 #: the host's causalkv.json keys
 STREAM_KEYS = tuple(_STREAM_DEFAULTS)
 
-SGLANG_KEYS_POSITIVE = "realtime_causal_kv_cache_num_frames"
 #: sglang override key -> the causalkv.json key it sets (the KV-cache frames are the window)
 SGLANG_KEYS = {
     "realtime_causal_sink_size": "sink_frames",
@@ -102,7 +100,8 @@ _INT_KEYS = {
     "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1,
     "height": 1, "width": 1, "text_max_length": 1, "default_frames": 1, "fps": 1,
 }
-_OPTIONAL_INT_KEYS = {"global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0}
+_OPTIONAL_INT_KEYS = {"global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0,
+                      "realtime_causal_sink_size": 0, "realtime_causal_kv_cache_num_frames": 1}
 #: number keys: (lowest, highest, lowest excluded)
 _NUMBER_KEYS = {
     "shift": (0.0, math.inf, True),
@@ -149,19 +148,6 @@ def _value_problem(key: str, v: Any) -> str | None:
     return None
 
 
-def check_stream_values(values: Mapping[str, Any], origin: Callable[[str], tuple[str, str]]) -> None:
-    """Refuse a stream setting of the wrong type or range (`ModelFolderError`).
-
-    ``origin(key)`` is ``(where the value came from, how to fix it)`` for the message:
-    e.g. ``("/m/causalkv.json", "fix it in /m/causalkv.json")``.
-    """
-    for key, value in values.items():
-        problem = _value_problem(key, value)
-        if problem is not None:
-            where, fix = origin(key)
-            raise ModelFolderError(f"{where}: {key} {problem}, got {value!r}; {fix}")
-
-
 def _check_model_json(where: str, transformer: Mapping[str, Any], vae: Mapping[str, Any]) -> None:
     """The transformer and VAE config fields causalkv reads, by type and range."""
     fix = "restore the file (re-download or re-convert the model)"
@@ -194,16 +180,6 @@ def preset_choices(presets: Iterable[str]) -> str:
         "no preset is registered: the plugins that declare presets are blocked or not "
         "installed (the built-in one is causalkv.builtin; causalkv plugins lists what loaded)"
     )
-
-
-def family_of(registry: Registry, model_class: str) -> tuple[Mapping[str, Any] | None, type[Options] | None]:
-    """``(defaults, config record)`` of the best stage serving ``model_class`` (None, None if
-    none serves it)."""
-    serving = registry.serving(model_class)
-    if not serving:
-        return None, None
-    reg = serving[0].registration
-    return reg.defaults, reg.config
 
 
 class ModelFolderError(CausalKVError, ValueError):
@@ -301,9 +277,10 @@ def model_info_from_dicts(
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
     if defaults is ... or config is ...:
-        found_defaults, found_config = family_of(_registry(None, registry), model_class)
-        defaults = found_defaults if defaults is ... else defaults
-        config = found_config if config is ... else config
+        serving = _registry(None, registry).serving(model_class)
+        reg = serving[0].registration if serving else None
+        defaults = (reg and reg.defaults) if defaults is ... else defaults
+        config = (reg and reg.config) if config is ... else config
     family: type[Options] | None = config  # type: ignore[assignment]
     family_keys = family.keys() if family is not None else {}
     user = dict(causalkv or {})
@@ -331,17 +308,23 @@ def model_info_from_dicts(
         return (f"the defaults of the stage serving {model_class!r}",
                 f"set {key} in {CAUSALKV_FILE}, or fix the plugin that declares the defaults")
 
-    check_stream_values(s, origin)
-    records = _family_records(family, s, origin, where)
+    for key, value in s.items():  # each value by its declaration: the host's or the family's
+        if key in family_keys:
+            problem = family.field_problem(family_keys[key], value)  # type: ignore[union-attr]
+        else:
+            problem = _value_problem(key, value)
+        if problem is not None:
+            at, fix = origin(key)
+            raise ModelFolderError(f"{at}: {key} {problem}, got {value!r}; {fix}")
+    try:
+        given = {name: s[key] for key, name in family_keys.items() if key in s}
+        records = (family(**given),) if family is not None else ()
+    except ConfigError as exc:
+        raise ModelFolderError(f"{where}: {exc}; fix {CAUSALKV_FILE}") from None
     _check_model_json(where, transformer, vae)
     for key, target in SGLANG_KEYS.items():
-        value = s[key]
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < (key == SGLANG_KEYS_POSITIVE):
-            what = "positive" if key == SGLANG_KEYS_POSITIVE else "non-negative"
-            raise ModelFolderError(f"{where}: {key} must be {what}, got {value!r}")
-        s[target] = value
+        if s[key] is not None:
+            s[target] = s[key]
     patch = tuple(transformer.get("patch_size", (1, 2, 2)))  # each checked by _check_model_json
     dim_mult = vae.get("dim_mult", [1, 2, 4, 4])
     temporal = vae.get("temperal_downsample", [False, True, True])
@@ -375,42 +358,13 @@ def model_info_from_dicts(
         config=config,
         path=path,
         preset=preset,
-        height=height,
-        width=width,
         latent_channels=transformer.get("in_channels", 16),
         vae_scale_spatial=spatial_scale,
         vae_scale_temporal=temporal_scale,
-        text_max_length=s["text_max_length"],
-        default_frames=s["default_frames"],
-        fps=s["fps"],
+        **{k: s[k] for k in ("height", "width", "text_max_length", "default_frames", "fps")},
         guidance_scale=float(s["guidance_scale"]),
         negative_prompt=str(s["negative_prompt"]),
     )
-
-
-def _family_records(
-    family: type[Options] | None,
-    values: Mapping[str, Any],
-    origin: Callable[[str], tuple[str, str]],
-    where: str,
-) -> tuple[Options, ...]:
-    """The family's config record from ``values`` (its keys there), each value checked by its
-    declaration (`ModelFolderError` naming where it came from and the fix)."""
-    if family is None:
-        return ()
-    given: dict[str, Any] = {}
-    for key, name in family.keys().items():
-        if key not in values:
-            continue
-        problem = family.field_problem(name, values[key])
-        if problem is not None:
-            at, fix = origin(key)
-            raise ModelFolderError(f"{at}: {key} {problem}, got {values[key]!r}; {fix}")
-        given[name] = values[key]
-    try:
-        return (family(**given),)
-    except ConfigError as exc:
-        raise ModelFolderError(f"{where}: {exc}; fix {CAUSALKV_FILE}") from None
 
 
 def _other_family(registry: Registry | None, keys: list[str], model_class: str) -> str:
@@ -478,20 +432,14 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
             f"tokenizer/) plus an optional {CAUSALKV_FILE} (see docs/usage.md)"
         )
     causalkv_path = folder / CAUSALKV_FILE
-    index = read_json(folder / "model_index.json")
-    model_class = index.get("_class_name") if isinstance(index, dict) else None
-    registry = _registry(pm, registry)
-    defaults, config = family_of(registry, model_class) if isinstance(model_class, str) else (None, None)
     return model_info_from_dicts(
         str(folder),
-        index,
+        read_json(folder / "model_index.json"),
         read_json(folder / "transformer" / "config.json"),
         read_json(folder / "vae" / "config.json"),
         read_json(causalkv_path) if causalkv_path.exists() else None,
         path=folder,
-        defaults=defaults,
-        config=config,
-        registry=registry,
+        registry=_registry(pm, registry),
     )
 
 
