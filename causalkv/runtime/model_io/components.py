@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import logging.handlers
+import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,22 +33,12 @@ from causalkv.stages.scheduler import flow_match
 __all__ = [
     "Components",
     "LoadMemoryError",
-    "cast_keeping_fp32_modules",
     "load_components",
-    "load_wan_transformer", "load_vae", "make_scheduler", "parse_dtype",
+    "load_wan_transformer", "load_vae", "parse_dtype",
     "captured_library_warnings", "reading_component"]
 
 #: the libraries whose log records a load captures (their own handlers print several lines)
 CAPTURED_LOGGERS = ("diffusers", "transformers")
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def _one_line(text: str) -> str:
@@ -64,7 +56,8 @@ def captured_library_warnings(what: str) -> Iterator[list[str]]:
     line); each becomes one ``causalkv: warning: <what>: <first line> (+N more lines)`` line
     when the block succeeds. When it raises, the error's one line says what went wrong and the
     captured texts are dropped (``--debug`` shows the traceback)."""
-    collect = _Collect()
+    collect = logging.handlers.BufferingHandler(sys.maxsize)  # keeps every record (flushed never)
+    collect.setLevel(logging.WARNING)
     saved = []
     for name in CAPTURED_LOGGERS:  # configured now, so no handler of theirs arrives later
         try:
@@ -83,7 +76,7 @@ def captured_library_warnings(what: str) -> Iterator[list[str]]:
     finally:
         for logger, handlers, propagate in saved:
             logger.handlers, logger.propagate = handlers, propagate
-    texts = [r.getMessage() for r in collect.records] + [str(w.message) for w in caught]
+    texts = [r.getMessage() for r in collect.buffer] + [str(w.message) for w in caught]
     for text in dict.fromkeys(t for t in (_one_line(t) for t in texts) if t):
         lines.append(text)
         warn_line(f"{what}: {text}")
@@ -110,33 +103,27 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
-def make_scheduler(shift: float) -> Any:
-    """diffusers' flow-matching Euler scheduler with ``shift`` (Wan: 5.0): the base stage's
-    declared sampler (`causalkv.stages.scheduler.flow_match`)."""
-    return flow_match(shift).build()
-
-
 def _has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def load_wan_transformer(
-    path: str | Path, dtype: torch.dtype = torch.float32, *, cls: Any = None
-) -> torch.nn.Module:
+def load_wan_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """``WanTransformer3DModel.from_pretrained(path)`` in ``dtype``, fp32 modules kept fp32.
 
     diffusers refuses to load a model that declares ``_keep_in_fp32_modules`` (Wan does)
     when ``accelerate`` is not installed. Without accelerate the declaration is lifted for
-    the duration of the call, the checkpoint loads in float32, and
-    `cast_keeping_fp32_modules` applies the same dtype policy afterwards.
+    the duration of the call, the checkpoint loads in float32, and the parameters are cast as
+    ``from_pretrained(torch_dtype=...)`` casts them: one stays float32 when a component of its
+    dotted name is declared (Wan: rope, time_embedder, scale_shift_table, norm1/2/3); buffers
+    (RoPE tables) are left as they are.
     """
-    if cls is None:
-        # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
-        from diffusers import WanTransformer3DModel as cls
+    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
+    from diffusers import WanTransformer3DModel as cls
+
     if _has_accelerate():
         return cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
     keep = cls.__dict__.get("_keep_in_fp32_modules", _MISSING)
-    declared = getattr(cls, "_keep_in_fp32_modules", None)
+    declared = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
     cls._keep_in_fp32_modules = None
     try:
         model = cls.from_pretrained(path, torch_dtype=torch.float32, low_cpu_mem_usage=False, local_files_only=True)
@@ -145,30 +132,14 @@ def load_wan_transformer(
             del cls._keep_in_fp32_modules
         else:
             cls._keep_in_fp32_modules = keep
-    return cast_keeping_fp32_modules(model, dtype, keep=declared)
+    if dtype != torch.float32:
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and not declared.intersection(name.split(".")):
+                param.data = param.data.to(dtype)
+    return model
 
 
 _MISSING = object()
-
-
-def cast_keeping_fp32_modules(
-    model: torch.nn.Module, dtype: torch.dtype, *, keep: Sequence[str] | None = None
-) -> torch.nn.Module:
-    """Cast ``model``'s parameters to ``dtype`` except those of ``_keep_in_fp32_modules``.
-
-    What diffusers' ``from_pretrained(torch_dtype=...)`` does, without needing
-    ``accelerate``: a parameter stays float32 when a component of its dotted name is listed
-    in the model's ``_keep_in_fp32_modules`` (Wan: rope, time_embedder, scale_shift_table,
-    norm1/2/3). Buffers (RoPE tables) are left as they are.
-    """
-    if dtype == torch.float32:
-        return model
-    names = keep if keep is not None else getattr(model, "_keep_in_fp32_modules", None)
-    kept = set(names or ())
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and not kept.intersection(name.split(".")):
-            param.data = param.data.to(dtype)
-    return model
 
 
 def _all_weights_loaded(model: torch.nn.Module) -> torch.nn.Module:
@@ -191,12 +162,6 @@ class LoadMemoryError(CausalKVError, MemoryError):
 _OOM_TEXT = ("can't allocate memory", "not enough memory", "out of memory", "cannot allocate memory")
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
-    )
-
-
 @contextmanager
 def reading_component(folder: Path, component: str, *, preset: str | None = None) -> Iterator[None]:
     """Turn a failure to read ``folder/component`` (corrupt config or weights, missing file,
@@ -210,7 +175,9 @@ def reading_component(folder: Path, component: str, *, preset: str | None = None
         raise
     except Exception as exc:  # noqa: BLE001 - what from_pretrained raises varies by library
         what = describe_exception(exc)
-        if _is_out_of_memory(exc):
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+        ):
             raise LoadMemoryError(
                 f"loading {component} from {str(folder / component)!r} ran out of memory ({what}); "
                 "free memory, load in a smaller --dtype, or use a smaller model"
@@ -266,7 +233,7 @@ def load_components(
         folder=folder,
         transformer=CausalWanTransformer(model),
         prompt_encoder=prompt_encoder,
-        scheduler=make_scheduler(info.config.shift),
+        scheduler=flow_match(info.config.shift).build(),  # the base stage's declared sampler
         dtype=torch_dtype,
         device=dev,
     )

@@ -31,7 +31,7 @@ from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
-from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir, preset_spec
+from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
 
 __all__ = [
     "CAUSALKV_FILE",
@@ -298,24 +298,22 @@ def model_info_from_dicts(
             "with frames_per_chunk, sink_frames and window_frames"
         )
     s = {**_STREAM_DEFAULTS, **(defaults or {}), **user}
-
-    def origin(key: str) -> tuple[str, str]:
-        if key in user and preset is not None:
-            return f"preset {preset!r}", "fix the preset's settings in the plugin that declares it"
-        if key in user:
-            f = f"{where}/{CAUSALKV_FILE}" if path is not None else CAUSALKV_FILE
-            return f, f"fix it in {f}"
-        return (f"the defaults of the stage serving {model_class!r}",
-                f"set {key} in {CAUSALKV_FILE}, or fix the plugin that declares the defaults")
-
     for key, value in s.items():  # each value by its declaration: the host's or the family's
         if key in family_keys:
             problem = family.field_problem(family_keys[key], value)  # type: ignore[union-attr]
         else:
             problem = _value_problem(key, value)
-        if problem is not None:
-            at, fix = origin(key)
-            raise ModelFolderError(f"{at}: {key} {problem}, got {value!r}; {fix}")
+        if problem is None:
+            continue
+        if key not in user:
+            at = f"the defaults of the stage serving {model_class!r}"
+            fix = f"set {key} in {CAUSALKV_FILE}, or fix the plugin that declares the defaults"
+        elif preset is not None:
+            at, fix = f"preset {preset!r}", "fix the preset's settings in the plugin that declares it"
+        else:
+            at = f"{where}/{CAUSALKV_FILE}" if path is not None else CAUSALKV_FILE
+            fix = f"fix it in {at}"
+        raise ModelFolderError(f"{at}: {key} {problem}, got {value!r}; {fix}")
     try:
         given = {name: s[key] for key, name in family_keys.items() if key in s}
         records = (family(**given),) if family is not None else ()
@@ -393,11 +391,12 @@ def _registry(pm: Any, registry: Registry | None = None) -> Registry:
 def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> PresetSpec:
     """The preset ``name`` of ``registry`` (default: collected from ``pm``) with its family;
     `ModelFolderError` naming the presets when no plugin declares it."""
-    reg = _registry(pm, registry)
-    spec = preset_spec(name, reg)
-    if spec is None:
-        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(reg.presets())}")
-    return spec
+    presets = _registry(pm, registry).presets()
+    if name not in presets:
+        raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
+    entry, preset = presets[name]
+    reg = entry.registration
+    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config)
 
 
 def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
@@ -462,9 +461,9 @@ def model_ref(model: str | Path) -> ModelRef:
                 f"model folder, or a served model name (causalkv plugins lists them)"
             )
         try:
-            class_name = json.loads(index.read_text()).get("_class_name")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ResolutionError(f"{index}: cannot read it as JSON ({exc})") from exc
+            class_name = read_json(index).get("_class_name")
+        except ModelFolderError as exc:
+            raise ResolutionError(str(exc)) from exc
         if not isinstance(class_name, str) or not class_name:
             raise ResolutionError(
                 f"{index} has no '_class_name': it is not a diffusers pipeline index"

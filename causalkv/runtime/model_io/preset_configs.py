@@ -1,5 +1,6 @@
 """The tiny presets as data: the base configs every preset of every family starts from, where
-preset folders live, and a preset with what building it needs (`PresetSpec`).
+preset folders live, and a preset with what building it needs (`PresetSpec`, found by
+`causalkv.runtime.model_io.model_config.resolve_preset`).
 
 Read by `causalkv.runtime.model_io.model_config` (a preset's `ModelInfo`, no files needed) and by
 `causalkv.runtime.model_io.presets` (which writes the folders), so neither imports the other.
@@ -14,7 +15,6 @@ from typing import Any
 
 from causalkv.env import text as env_text
 from causalkv.hooks import Preset
-from causalkv.plugin import Registry
 from causalkv.runtime.model_io.prompt_encoding import BYTE_TOKENIZER_VOCAB_SIZE
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "ENV_HOME",
     "causalkv_home",
     "preset_dir",
-    "preset_spec",
 ]
 
 #: the folder presets are built in (default ``~/.cache/causalkv``)
@@ -115,13 +114,3 @@ def causalkv_home() -> Path:
 
 def preset_dir(name: str) -> Path:
     return causalkv_home() / "presets" / name
-
-
-def preset_spec(name: str, registry: Registry) -> PresetSpec | None:
-    """The registry's preset ``name`` with its family (None when no plugin declares it)."""
-    presets = registry.presets()
-    if name not in presets:
-        return None
-    entry, preset = presets[name]
-    reg = entry.registration
-    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config)

@@ -98,24 +98,15 @@ class PromptEncoder:
         self.quiet_texts: frozenset[str] = frozenset()
         self._memo: dict[str, torch.Tensor] = {}
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens of ``text`` with the end mark, before any truncation."""
-        return len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
-                                  verbose=False)["input_ids"])
-
     def __call__(self, text: str) -> torch.Tensor:
         import torch  # the encoder runs with a model loaded (this module stays light)
-
-        with torch.no_grad():
-            return self._encode(text)
-
-    def _encode(self, text: str) -> torch.Tensor:
-        import torch
 
         hit = self._memo.get(text)
         if hit is not None:
             return hit
-        n = self.count_tokens(text)
+        # tokens of the text with the end mark, before any truncation
+        n = len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
+                               verbose=False)["input_ids"])
         if n > self.max_length and text not in self.quiet_texts:
             shown = text.strip()
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
@@ -135,7 +126,8 @@ class PromptEncoder:
         )
         ids, mask = enc["input_ids"], enc["attention_mask"]
         te_device = next(self.text_encoder.parameters()).device
-        hidden = self.text_encoder(ids.to(te_device), attention_mask=mask.to(te_device)).last_hidden_state
+        with torch.no_grad():
+            hidden = self.text_encoder(ids.to(te_device), attention_mask=mask.to(te_device)).last_hidden_state
         n = int(mask.sum())  # once per prompt, not on the chunk loop's hot path
         out = torch.zeros_like(hidden)
         out[:, :n] = hidden[:, :n]
