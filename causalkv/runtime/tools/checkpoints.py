@@ -98,29 +98,11 @@ _VAE_22: dict[str, Any] = {
 
 _PROMPT = "A red fox trots through fresh snow in a pine forest at dawn"
 
-#: ``scheduler/scheduler_config.json`` of vLLM-Omni's LingBot-World: every key its
-#: ``_validate_scheduler_config`` checks, the UniPC keys the pipeline passes on, and the flow
-#: shift it reads (``flow_shift``)
-_UNIPC_SCHEDULER: dict[str, Any] = {
-    "_class_name": "UniPCMultistepScheduler",
-    "num_train_timesteps": 1000,
-    "prediction_type": "flow_prediction",
-    "predict_x0": True,
-    "use_flow_sigmas": True,
-    "use_dynamic_shifting": False,
-    "use_beta_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-    "final_sigmas_type": "zero",
-    "timestep_spacing": "linspace",
-    "solver_order": 2,
-    "solver_type": "bh2",
-    "lower_order_final": True,
-    "disable_corrector": [],
-    "thresholding": False,
-    "steps_offset": 0,
-    "flow_shift": 5.0,
-}
+#: vLLM-Omni's LingBot-World scheduler, diffusers' UniPC over flow sigmas with the flow shift it
+#: reads (``flow_shift``); ``save_pretrained`` writes every key its ``_validate_scheduler_config``
+#: checks (those not given here at diffusers' defaults, which are the values it requires)
+_UNIPC_SCHEDULER = ("UniPCMultistepScheduler",
+                    {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 5.0})
 
 
 @dataclass(frozen=True)
@@ -146,8 +128,8 @@ class Checkpoint:
             camera MLP and each block's camera injector, scale and shift layers).
         null_components: components the pipeline lists that the checkpoint ships as ``null``
             (diffusers' JSON for an absent optional component).
-        scheduler: ``scheduler/scheduler_config.json`` as the host requires it (``None``:
-            diffusers' ``FlowMatchEulerDiscreteScheduler(shift=5.0)``).
+        scheduler: the diffusers scheduler class and its arguments, saved as ``scheduler/``
+            (default: ``FlowMatchEulerDiscreteScheduler(shift=5.0)``).
         text_max_length: the tokenizer's sequence length (the pipeline pads prompts to it).
         known_failure: what the host cannot do with the folder, or "" when it runs it.
         seed: weight seed.
@@ -166,7 +148,7 @@ class Checkpoint:
     request: tuple[str, ...] = ()
     camera: bool = False
     null_components: tuple[str, ...] = ()
-    scheduler: Mapping[str, Any] | None = None
+    scheduler: tuple[str, Mapping[str, Any]] = ("FlowMatchEulerDiscreteScheduler", {"shift": 5.0})
     text_max_length: int = preset_configs.TINY_COMMON["text_max_length"]
     known_failure: str = ""
     seed: int = 0
@@ -420,8 +402,8 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
 
 def _write(spec: Checkpoint, out: Path) -> None:
     # torch, diffusers and PIL load to build, not for `causalkv plugins` / `--help`
+    import diffusers
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from PIL import Image
     from safetensors.torch import save_file
 
@@ -433,15 +415,11 @@ def _write(spec: Checkpoint, out: Path) -> None:
         weights.update(_camera_weights(config, spec.seed))
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
-    version = presets._diffusers_version()
-    presets.write_json(out / "transformer" / "config.json",
-                       {"_class_name": spec.dit_class, "_diffusers_version": version, **spec.dit_config})
-    if spec.scheduler is None:
-        FlowMatchEulerDiscreteScheduler(shift=5.0).save_pretrained(out / "scheduler")
-    else:
-        presets.write_json(out / "scheduler" / "scheduler_config.json",
-                           {"_diffusers_version": version, **spec.scheduler})
-    scheduler = spec.scheduler["_class_name"] if spec.scheduler else "FlowMatchEulerDiscreteScheduler"
+    presets.write_json(out / "transformer" / "config.json", {
+        "_class_name": spec.dit_class, "_diffusers_version": presets._diffusers_version(), **spec.dit_config,
+    })
+    scheduler, arguments = spec.scheduler
+    getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
     presets.write_json(out / "model_index.json", presets._model_index(
         spec.pipeline_class, spec.dit_class, scheduler=["diffusers", scheduler],
         **{name: [None, None] for name in spec.null_components},
