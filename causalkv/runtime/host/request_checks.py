@@ -27,20 +27,16 @@ folder), one line naming the value and the fix.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
-from causalkv.runtime.model_io.model_config import (
-    preset_transformer_config,
-)
 
 if TYPE_CHECKING:
     import torch
@@ -251,14 +247,6 @@ def check_device(device: str, dtype: str) -> torch.device:
 
 
 # ---- frames ---------------------------------------------------------------------------------
-def _transformer_config(plan: Plan) -> dict[str, Any]:
-    info = plan.info
-    if info.preset is not None:
-        return preset_transformer_config(info.preset, registry=plan.plugin_set().registry)
-    assert info.path is not None
-    return json.loads((info.path / "transformer" / "config.json").read_text())
-
-
 def rope_frame_ends(plan: Plan) -> list[int]:
     """The end (exclusive, in latent frames, rounded up) of each chunk's RoPE frames, as the
     stage's chunk loop will place them (``plan.rope_frame_starts``, planned by the stage)."""
@@ -275,7 +263,7 @@ def _physical_memory_bytes() -> int | None:
 
 def _rope_limit(plan: Plan) -> tuple[int, int, str]:
     """``(rope_max_seq_len, temporal patch, where it is set)`` of the plan's transformer."""
-    cfg = _transformer_config(plan)
+    cfg = plan.info.transformer
     limit = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
     p_t = int(cfg.get("patch_size", (1, 2, 2))[0])
     return limit, p_t, f"{plan.info.config.name}'s transformer/config.json"
@@ -402,7 +390,7 @@ def memory_floor(plan: Plan) -> dict[str, int]:
         frames = s.cache_frames
     branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
     kv_tokens = frames * s.tokens_per_frame
-    cfg = _transformer_config(plan)
+    cfg = plan.info.transformer
     rope = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
     return {
         "latents": 2 * latents_nbytes(plan),

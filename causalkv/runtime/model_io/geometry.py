@@ -5,7 +5,6 @@ preset, or a local diffusers / sglang folder, the last two read by the runtime's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from causalkv.errors import ConfigError
 from causalkv.memory.geometry import BUILTIN_MODELS, ModelGeometry
@@ -16,7 +15,6 @@ from causalkv.runtime.model_io.model_config import (
     ModelInfo,
     model_info_from_dicts,
     preset_info,
-    preset_transformer_config,
     read_json,
 )
 
@@ -37,8 +35,7 @@ def _registry() -> Registry:
     return collect(get_plugin_manager())
 
 
-def _geometry(name: str, info: ModelInfo, patch: Any, registry: Registry, *,
-              local_window: bool = False) -> ModelGeometry:
+def _geometry(name: str, info: ModelInfo, registry: Registry, *, local_window: bool = False) -> ModelGeometry:
     """The planner's geometry of a model the runtime read (`causalkv.runtime.model_io.model_config`):
     the stream as ``causalkv generate`` runs it (the family's defaults under the model's own
     settings), ``shot_sinks`` when the registered stage serving it declares multi-shot
@@ -48,6 +45,7 @@ def _geometry(name: str, info: ModelInfo, patch: Any, registry: Registry, *,
     sink = cfg.sink_frames
     global_sink = sink if cfg.global_sink_frames is None else min(cfg.global_sink_frames, sink)
     serving = registry.serving(cfg.model_class)
+    patch = info.transformer.get("patch_size", (1, 2, 2))
     return ModelGeometry(
         name, cfg.num_layers, cfg.num_heads, cfg.head_dim,
         vae_scale_spatial=info.vae_scale_spatial, vae_scale_temporal=info.vae_scale_temporal,
@@ -100,8 +98,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
         )
     except ModelFolderError as exc:
         raise ConfigError(str(exc)) from None
-    return _geometry(str(folder), info, tcfg.get("patch_size", [1, 2, 2]), registry,
-                     local_window=local_window)
+    return _geometry(str(folder), info, registry, local_window=local_window)
 
 
 def preset_geometry(name: str) -> ModelGeometry | None:
@@ -112,8 +109,7 @@ def preset_geometry(name: str) -> ModelGeometry | None:
         info = preset_info(name, registry=registry)
     except ModelFolderError:
         return None
-    patch = preset_transformer_config(name, registry=registry).get("patch_size", [1, 2, 2])
-    return _geometry(f"preset {name}", info, patch, registry)
+    return _geometry(f"preset {name}", info, registry)
 
 
 def resolve_model(model: str) -> ModelGeometry:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ __all__ = [
     "preset_choices",
     "preset_info",
     "read_json",
-    "preset_transformer_config",
     "resolve_preset",
 ]
 
@@ -202,6 +201,7 @@ class ModelInfo:
         fps: frame rate of the written video.
         guidance_scale: default classifier-free guidance (LongLive 2.0; 1 = off).
         negative_prompt: text of the negative CFG branch.
+        transformer: the ``transformer/config.json`` it was read from (patch size, RoPE limit).
     """
 
     config: ModelConfig
@@ -217,6 +217,7 @@ class ModelInfo:
     fps: int
     guidance_scale: float
     negative_prompt: str
+    transformer: Mapping[str, Any] = field(compare=False, repr=False)
 
     @property
     def latent_height(self) -> int:
@@ -343,7 +344,7 @@ def model_info_from_dicts(
         num_heads=transformer["num_attention_heads"],
         head_dim=transformer["attention_head_dim"],
         tokens_per_frame=tpf,
-        # the stream values are ints (or None) by now: check_stream_values refused anything else
+        # the stream values are ints (or None) by now: the checks above refused anything else
         **{k: s[k] for k in ("frames_per_chunk", "sink_frames", "global_sink_frames", "window_frames",
                              "cache_frames", "recent_window_frames")},
         timesteps=tuple(float(t) for t in s["timesteps"]),
@@ -362,6 +363,7 @@ def model_info_from_dicts(
         **{k: s[k] for k in ("height", "width", "text_max_length", "default_frames", "fps")},
         guidance_scale=float(s["guidance_scale"]),
         negative_prompt=str(s["negative_prompt"]),
+        transformer=dict(transformer),
     )
 
 
@@ -406,11 +408,6 @@ def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) 
         name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
         path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
     )
-
-
-def preset_transformer_config(name: str, *, pm: Any = None, registry: Registry | None = None) -> dict[str, Any]:
-    """The ``transformer/config.json`` the preset is built with (no files needed)."""
-    return dict(resolve_preset(name, pm=pm, registry=registry).transformer)
 
 
 def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
@@ -483,7 +480,7 @@ def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | No
     name = str(model)
     registry = _registry(pm, registry)
     if name in registry.presets():
-        value = preset_transformer_config(name, registry=registry).get("attention_head_dim")
+        value = resolve_preset(name, registry=registry).transformer.get("attention_head_dim")
     else:
         folder = Path(name).expanduser()
         if folder.is_file() and folder.name == "model_index.json":
