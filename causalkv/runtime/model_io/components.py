@@ -50,7 +50,7 @@ def _one_line(text: str) -> str:
 
 
 @contextmanager
-def captured_library_warnings(what: str) -> Iterator[list[str]]:
+def captured_library_warnings(what: str) -> Iterator[None]:
     """Within the block, the warnings diffusers and transformers log and Python ``warnings``
     are captured instead of printed (their multi-line texts would precede causalkv's own
     line); each becomes one ``causalkv: warning: <what>: <first line> (+N more lines)`` line
@@ -69,16 +69,14 @@ def captured_library_warnings(what: str) -> Iterator[list[str]]:
         saved.append((logger, logger.handlers[:], logger.propagate))
         logger.handlers = [collect]
         logger.propagate = False
-    lines: list[str] = []
     try:
         with warnings.catch_warnings(record=True) as caught:  # the filters stay as they are
-            yield lines
+            yield
     finally:
         for logger, handlers, propagate in saved:
             logger.handlers, logger.propagate = handlers, propagate
     texts = [r.getMessage() for r in collect.buffer] + [str(w.message) for w in caught]
     for text in dict.fromkeys(t for t in (_one_line(t) for t in texts) if t):
-        lines.append(text)
         warn_line(f"{what}: {text}")
 
 _DTYPES = {

@@ -9,7 +9,7 @@ A model folder is a diffusers Wan pipeline folder plus one small causalkv file::
     tokenizer/                  the UMT5 tokenizer files
     causalkv.json               frames per chunk, sink, window, ... (optional for known classes)
 
-``causalkv.json`` holds the host's keys (`STREAM_KEYS`: chunking, sink, window, schedule, video
+``causalkv.json`` holds the host's keys (`_STREAM_DEFAULTS`: chunking, sink, window, schedule, video
 size, ...) and the serving family's own keys, declared by its registration's config record
 (``StageRegistration(config=...)``, e.g. LongLive 2.0's ``rope_offset_frames_per_shot``);
 each is validated by its declaration and lands in ``ModelConfig.options``.
@@ -36,7 +36,6 @@ from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, prese
 __all__ = [
     "CAUSALKV_FILE",
     "REQUIRED_FILES",
-    "STREAM_KEYS",
     "ModelFolderError",
     "ModelInfo",
     "is_loadable_model",
@@ -84,9 +83,6 @@ _STREAM_DEFAULTS: dict[str, Any] = {
     "realtime_causal_sink_size": None,
     "realtime_causal_kv_cache_num_frames": None,
 }
-
-#: the host's causalkv.json keys
-STREAM_KEYS = tuple(_STREAM_DEFAULTS)
 
 #: sglang override key -> the causalkv.json key it sets (the KV-cache frames are the window)
 SGLANG_KEYS = {

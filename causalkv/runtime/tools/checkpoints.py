@@ -159,6 +159,14 @@ class Checkpoint:
         return {**preset_configs.TINY_TRANSFORMER, **self.transformer, **self.native}
 
 
+def _causal(*, block: int, sink: int, window: int, local_attn: int = -1, **more: Any) -> dict[str, Any]:
+    """The host's causal geometry fields of ``transformer/config.json``, in latent frames:
+    ``block`` frames per chunk, a ``sink``, a ``window`` (``sliding_window_num_frames``) and
+    ``local_attn`` (``local_attn_size``; -1: attention over the whole window), plus ``more``."""
+    return {"num_frames_per_block": block, "sink_size": sink, "local_attn_size": local_attn,
+            "sliding_window_num_frames": window, **more}
+
+
 _TINY_REQUEST = ("--height", "256", "--width", "256", "--num-frames", "29", "--seed", "0")
 
 #: the checkpoints by name
@@ -176,13 +184,7 @@ CHECKPOINTS: Mapping[str, Checkpoint] = {
             "2-frame chunks, 2-frame sink, 8-frame window",
             transformer={"patch_size": [1, 1, 1]},
             vae=_VAE_22,
-            native={
-                "num_frames_per_block": 2,
-                "sink_size": 2,
-                "local_attn_size": 8,
-                "sliding_window_num_frames": 8,
-                "independent_first_frame": False,
-            },
+            native=_causal(block=2, sink=2, window=8, local_attn=8, independent_first_frame=False),
             keys=_LONGLIVE_KEYS,
             request=(*_TINY_REQUEST, "--prompt", _PROMPT, "--kv-cache-quant", "int2"),
             seed=1,
@@ -195,12 +197,7 @@ CHECKPOINTS: Mapping[str, Checkpoint] = {
             model_id="Wan2.1-T2V-1.3B-Diffusers",
             description="Wan causal DMD / Self-Forcing (sglang's WanCausalDMDPipeline): 2 blocks "
             "x 2 heads x 64, 2-frame chunks, global attention over an 8-frame cache",
-            native={
-                "num_frames_per_block": 2,
-                "sink_size": 0,
-                "local_attn_size": -1,
-                "sliding_window_num_frames": 8,
-            },
+            native=_causal(block=2, sink=0, window=8),
             request=(*_TINY_REQUEST, "--prompt", _PROMPT, "--kv-cache-quant", "int2"),
             known_failure=(
                 "sglang 0.5.23 cannot run WanCausalDMDPipeline: (1) no registered model or "
@@ -231,12 +228,7 @@ CHECKPOINTS: Mapping[str, Checkpoint] = {
             "rolls); the noise (4 channels) is concatenated with the image condition (4 mask + "
             "4 latent channels)",
             transformer={"in_channels": 12, "out_channels": 4, "patch_size": [1, 1, 1]},
-            native={
-                "num_frames_per_block": 3,
-                "sink_size": 3,
-                "local_attn_size": -1,
-                "sliding_window_num_frames": 12,
-            },
+            native=_causal(block=3, sink=3, window=12),
             keys=_WAN_ORIGINAL_KEYS,
             camera=True,
             null_components=("image_encoder", "image_processor"),
@@ -259,12 +251,7 @@ CHECKPOINTS: Mapping[str, Checkpoint] = {
                          "image_dim": None, "added_kv_proj_dim": None, "pos_embed_seq_len": None},
             vae={**preset_configs.TINY_VAE, "z_dim": 16, "latents_mean": [0.0] * 16,
                  "latents_std": [1.0] * 16},
-            native={
-                "sink_size": 3,
-                "num_frames_per_block": 3,
-                "sliding_window_num_frames": 9,
-                "local_attn_size": -1,
-            },
+            native=_causal(block=3, sink=3, window=9),
             keys=_WAN_ORIGINAL_KEYS,
             camera=True,
             scheduler=_UNIPC_SCHEDULER,
