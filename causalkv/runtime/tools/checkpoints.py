@@ -66,10 +66,8 @@ HOSTS = {"sglang": "sglang", "vllm-omni": "vLLM-Omni"}
 #: ``LongLive2ArchConfig.param_names_mapping`` maps from)
 _LONGLIVE_KEYS: tuple[tuple[str, str], ...] = (
     (r"^patch_embedding\.", "model.patch_embedding."),
-    (r"^condition_embedder\.text_embedder\.linear_1\.", "model.text_embedding.0."),
-    (r"^condition_embedder\.text_embedder\.linear_2\.", "model.text_embedding.2."),
-    (r"^condition_embedder\.time_embedder\.linear_1\.", "model.time_embedding.0."),
-    (r"^condition_embedder\.time_embedder\.linear_2\.", "model.time_embedding.2."),
+    (r"^condition_embedder\.(text|time)_embedder\.linear_1\.", r"model.\1_embedding.0."),
+    (r"^condition_embedder\.(text|time)_embedder\.linear_2\.", r"model.\1_embedding.2."),
     (r"^condition_embedder\.time_proj\.", "model.time_projection.1."),
     (r"^blocks\.(\d+)\.scale_shift_table$", r"model.blocks.\1.modulation"),
     (r"^blocks\.(\d+)\.attn1\.(?:to_)?([qkv]|norm_[qk])\.", r"model.blocks.\1.self_attn.\2."),
