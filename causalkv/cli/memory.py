@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.errors import CausalKVError
 from causalkv.memory.geometry import BUILTIN_MODELS
 from causalkv.memory.records import (
     ATTENTION,
@@ -29,9 +29,8 @@ from causalkv.runtime.model_io.geometry import resolve_model
 
 if TYPE_CHECKING:
     from causalkv.memory.plan import MemoryPlan
-    from causalkv.memory.records import CacheModel
 
-__all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "register"]
+__all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "register"]
 
 #: the one place a ``--host`` name maps to the cache the planner counts (a name in
 #: `causalkv.memory.cache_models`: its cursor model, packing policy and centroid rule):
@@ -40,15 +39,6 @@ __all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "regis
 #: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.vllm_omni.admission`)
 HOST_CACHES = {"sglang": "ROLLING_SLOT_CACHE", "causalkv": "STREAM_CACHE"}
 
-
-def host_cache(host: str) -> CacheModel:
-    """The cache ``--host host`` plans (`HOST_CACHES`; `ConfigError` for another name)."""
-    if host not in HOST_CACHES:
-        raise ConfigError(f"--host must be one of {[*HOST_CACHES, 'vllm-omni']}, got {host!r}")
-    # lazy: the cache models import the caches' position arithmetic (and torch); --help does not
-    from causalkv.memory import cache_models
-
-    return getattr(cache_models, HOST_CACHES[host])
 
 def _epilog() -> str:
     """The ``--help`` epilog: the columns, every row `SETTINGS` has now, the built-in models."""
@@ -182,60 +172,51 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
     return "\n".join(lines)
 
 
-def _vllm_omni(args: argparse.Namespace) -> int:
+def _vllm_omni(args: argparse.Namespace, budget: int | None) -> str:
     """``--host vllm-omni``: the realtime sessions vLLM-Omni's AR-diffusion engine admits for
     LingBot-World, its own pool against causalkv's pages per setting (one formula with the
     engine's admission, `causalkv.vllm_omni.admission`)."""
     # lazy: only this host's rows need the module
-    from causalkv.vllm_omni.admission import (
-        ROWS,
-        format_admission,
-        lingbot_engine,
-        plan_admission,
-    )
+    from causalkv.vllm_omni.admission import ROWS, format_admission, lingbot_engine, plan_admission
 
-    try:
-        if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
-            raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; "
-                                "pass lingbot")
-        for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
-            if given:  # refused, never ignored
-                raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
-                                    f"plans its own rows (stock, {', '.join(ROWS)}): drop {flag}")
-        budget = None if args.budget is None else parse_bytes(args.budget)
-        eng = lingbot_engine(args.height, args.width)
-        plans = plan_admission(budget, eng=eng)
-    except CausalKVError as exc:
-        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
-        return 2
+    if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
+        raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; pass lingbot")
+    for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
+        if given:  # refused, never ignored
+            raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
+                                f"plans its own rows (stock, {', '.join(ROWS)}): drop {flag}")
+    eng = lingbot_engine(args.height, args.width)
+    plans = plan_admission(budget, eng=eng)
     if args.json:
-        print(json.dumps([p.as_json() for p in plans], indent=2), flush=True)
-    else:
-        print(format_admission(eng, plans, budget), flush=True)
-    return 0
+        return json.dumps([p.as_json() for p in plans], indent=2)
+    return format_admission(eng, plans, budget)
+
+
+def _plan(args: argparse.Namespace, budget: int | None) -> str:
+    """``--host sglang`` or ``causalkv``: the rows of the cache `HOST_CACHES` names."""
+    # lazy: the planner and the cache models import the caches' position arithmetic (and torch)
+    from causalkv.memory import cache_models
+    from causalkv.memory.plan import plan_memory
+
+    req = MemoryRequest(
+        height=args.height, width=args.width, frames=args.frames,
+        latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
+        shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
+        window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
+        attention=args.attention,
+    )
+    plan = plan_memory(resolve_model(args.model), req, getattr(cache_models, HOST_CACHES[args.host]),
+                       budget=budget, settings=chosen_settings(args.setting, args.kv_cache_quant))
+    return json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.host == "vllm-omni":
-        return _vllm_omni(args)
-    from causalkv.memory.plan import plan_memory  # the caches' position arithmetic
-
     try:
-        geom = resolve_model(args.model)
         budget = None if args.budget is None else parse_bytes(args.budget)
-        req = MemoryRequest(
-            height=args.height, width=args.width, frames=args.frames,
-            latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
-            shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
-            window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
-            attention=args.attention,
-        )
-        plan = plan_memory(geom, req, host_cache(args.host), budget=budget,
-                           settings=chosen_settings(args.setting, args.kv_cache_quant))
+        text = (_vllm_omni if args.host == "vllm-omni" else _plan)(args, budget)
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
-    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
     print(text, flush=True)  # a reader that went away (`| head`): `causalkv.cli.main` ends quietly
     return 0
 

@@ -141,6 +141,12 @@ def _host_row(reg: HostRegistration, plugin: str) -> dict[str, Any]:
     return row
 
 
+def _cache_row(factory: Any, plugin: str) -> dict[str, Any]:
+    """A cache factory as ``causalkv plugins`` and ``causalkv resolve --json`` show it."""
+    return {"name": factory.name, "target": factory.target, "capabilities": list(factory.features()),
+            "priority": factory.priority, "plugin": plugin}
+
+
 def plugin_rows(pm: Any) -> list[dict[str, Any]]:
     """The registered plugins as ``causalkv plugins`` lists them: the built-in one first, then
     by name; each with its name, version and distribution (None for a plugin registered
@@ -173,13 +179,7 @@ def resolution_dict(res: Resolution) -> dict[str, Any]:
             "plugin": res.stage_plugin,
             "priority": reg.priority if reg else None,
         },
-        "cache": {
-            "name": res.cache_factory.name,
-            "target": res.cache_factory.target,
-            "capabilities": list(res.cache_factory.features()),
-            "priority": res.cache_factory.priority,
-            "plugin": res.cache_plugin,
-        },
+        "cache": _cache_row(res.cache_factory, res.cache_plugin),
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
     }
@@ -194,16 +194,7 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
         "plugins": [row for row in rows if include_builtin or not row["builtin"]],
         "hidden_builtin": 0 if include_builtin else sum(row["builtin"] for row in rows),
         "stages": [_stage_row(e) for e in registry.stages],
-        "caches": [
-            {
-                "name": e.name,
-                "target": e.factory.target,
-                "capabilities": list(e.factory.features()),
-                "priority": e.factory.priority,
-                "plugin": e.plugin,
-            }
-            for e in registry.caches
-        ],
+        "caches": [_cache_row(e.factory, e.plugin) for e in registry.caches],
         "codecs": [_codec_row(codec_setting(name)) for name in codec_names()],
         "hosts": [_host_row(reg, plugin) for reg, plugin in registry.hosts],
         "failures": [
