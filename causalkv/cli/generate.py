@@ -58,32 +58,23 @@ def collect_plugins() -> PluginSet | None:
         return None
 
 
-def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
-    """Each option record the registry's stages and caches declare -> its owners
-    (``"stage longlive2"``, ``"cache qvg"``), in registration order."""
-    out: dict[type[Options], list[str]] = {}
-    for e in registry.stages:
-        if e.registration.options is not None:
-            out.setdefault(e.registration.options, []).append(f"stage {e.name}")
-    for e in registry.caches:
-        if e.factory.options is not None:
-            out.setdefault(e.factory.options, []).append(f"cache {e.name}")
-    return out
-
-
 def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
     """Add the flags of every option record the registry's stages and caches declare, one
     group per record titled with the record and its owners (the registry holds no clashing
     flag: a plugin declaring one is set aside), and one group naming each plugin set aside,
     so ``--help`` drops none silently."""
-    owned = _owned_records(registry) if registry is not None else {}
+    owned: dict[type[Options], list[str]] = {}  # record -> its owners ("stage longlive2", "cache qvg")
+    if registry is not None:
+        declared = [(f"stage {e.name}", e.registration.options) for e in registry.stages]
+        for owner, record in declared + [(f"cache {e.name}", e.factory.options) for e in registry.caches]:
+            if record is not None:
+                owned.setdefault(record, []).append(owner)
     for record, owners in owned.items():
         record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
-    failures = registry.failures if registry is not None else ()
-    if failures:
+    if registry is not None and registry.failures:
         parser.add_argument_group(
             "plugins set aside (their stages, caches and flags are not here)",
-            description="\n".join(str(f) for f in failures),
+            description="\n".join(str(f) for f in registry.failures),
         )
     parser.set_defaults(**{_RECORDS: tuple(owned)})
     return parser
@@ -205,30 +196,21 @@ def options_from_args(args: argparse.Namespace) -> Any:
         **{name: getattr(args, name) for name in ("sink_frames", "window_frames", "recent_window_frames",
                                                   "cache", "seed", "dtype", "device", "kv_cache_dtype")},
     )
-    output = None
     if args.compare_dtype is not None and not args.compare_bf16:
         raise ConfigError(f"--compare-dtype {args.compare_dtype} names the reference of --compare-bf16; "
                           "add --compare-bf16 or drop --compare-dtype")
     if args.no_video and args.output is not None:
         raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
-    if not args.no_video:
-        output = args.output or str(Path("out") / f"{Path(str(args.model)).name}.mp4")
+    default_output = str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
-        model=args.model,
         prompts=prompts if prompts is not None else [DEFAULT_PROMPT],
-        frames=args.frames,
         server_args=server_args,
-        guidance_scale=args.guidance_scale,
-        negative_prompt=args.negative_prompt,
-        stage=args.stage,
-        compare_bf16=args.compare_bf16,
         compare_dtype=args.compare_dtype or "bfloat16",
-        output=output,
-        quiet=args.quiet,
-        metrics=args.metrics,
-        save_latents=args.save_latents,
-        strict_plugins=args.strict_plugins,
-        force=args.force,
+        output=None if args.no_video else args.output or default_output,
+        # the flags whose dest is the GenerateOptions field of the same name
+        **{name: getattr(args, name) for name in ("model", "frames", "guidance_scale", "negative_prompt", "stage",
+                                                  "compare_bf16", "quiet", "metrics", "save_latents",
+                                                  "strict_plugins", "force")},
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
+from causalkv.config import DTYPES
 from causalkv.errors import CausalKVError
 from causalkv.memory.geometry import BUILTIN_MODELS
 from causalkv.memory.records import (
@@ -23,6 +24,7 @@ from causalkv.memory.records import (
     MemoryRequest,
     attention_of,
     format_bytes,
+    format_columns,
     parse_bytes,
 )
 from causalkv.runtime.model_io.geometry import resolve_model
@@ -38,11 +40,6 @@ __all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "register"]
 #: chunks, the centroids as given), causalkv generate its own ``QVGPackedCausalKVCache``
 #: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.vllm_omni.admission`)
 HOST_CACHES = {"sglang": "ROLLING_SLOT_CACHE", "causalkv": "STREAM_CACHE"}
-
-
-def _epilog() -> str:
-    """The ``--help`` epilog: the columns, every row `SETTINGS` has now, the built-in models."""
-    return _COLUMNS + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + _MODELS
 
 
 _COLUMNS = """\
@@ -90,12 +87,6 @@ built-in models:
     f"{g.sink_frames}, window {g.window_frames} frames, {g.default_frames} frames by default"
     for k, g in BUILTIN_MODELS.items()
 )
-
-
-def _bool01(text: str) -> bool:
-    if text not in ("0", "1"):
-        raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
-    return text == "1"
 
 
 def chosen_settings(names: Sequence[str] | None, codecs: Sequence[str] | None) -> list[str] | None:
@@ -149,11 +140,7 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
             shown = "none fits" if best is None else f">= {best}" if r.at_search_limit else f"{best}"
             row += ["yes" if r.fits else "no", shown]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        lines.append("  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ).rstrip())
+    lines += format_columns(rows)
     if any(r.setting == "off" for r in plan.rows):
         lines.append(
             "note: off is the QVG cache with quantization off (probes store nothing, the "
@@ -202,7 +189,7 @@ def _plan(args: argparse.Namespace, budget: int | None) -> str:
         height=args.height, width=args.width, frames=args.frames,
         latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
         shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
-        window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
+        window_frames=args.window_frames, sink=args.kv_cache_quant_sink == 1,
         attention=args.attention,
     )
     plan = plan_memory(resolve_model(args.model), req, getattr(cache_models, HOST_CACHES[args.host]),
@@ -233,7 +220,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cache allocates for the same request. Exact arithmetic on the model's geometry (the "
         "codec's stored-bytes formula, the hosts' own position bookkeeping and packing "
         "policies): no weights, no tensors.",
-        epilog=_epilog(),
+        # the columns, every row `SETTINGS` has now (a plugin's codec settings too), the models
+        epilog=_COLUMNS + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + _MODELS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -274,11 +262,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "buffer: sglang's attention; the default with --host sglang) or streamed "
                         "(one packed segment decoded at a time: causalkv generate's; the default "
                         "with --host causalkv)")
-    parser.add_argument("--kv-cache-quant-sink", type=_bool01, default=True, metavar="{0,1}",
+    parser.add_argument("--kv-cache-quant-sink", type=int, choices=(0, 1), default=1, metavar="{0,1}",
                         help="1: pack the sink chunks (the default); 0: keep them bf16 (at int4 "
                         "in int2-recent-int4)")
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the caches (default 1)")
-    parser.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+    parser.add_argument("--kv-dtype", choices=DTYPES, default="bfloat16",
                         help="KV dtype (default bfloat16)")
     parser.add_argument("--setting", action="append", choices=list(SETTINGS), default=None,
                         help="only this setting (repeat for several; default: all)")

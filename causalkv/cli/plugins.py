@@ -21,7 +21,7 @@ from causalkv.cli.generate import (
     extension_records,
     host_flags,
 )
-from causalkv.config import ServerArgs
+from causalkv.config import MULTI_SHOT, ServerArgs
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import NAME, HostRegistration, import_object
 from causalkv.plugin import builtin as builtin_plugin
@@ -69,8 +69,7 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
-#: the triggers ``causalkv plugins`` lists whose flag differs between generate and resolve
-MULTI_SHOT = "several --prompt (resolve: --multi-shot)"
+#: a trigger ``causalkv plugins`` lists whose flag differs between generate and resolve
 SHARDED = "--nproc-per-node N > 1 (resolve: --heads-sharded N)"
 
 
