@@ -294,10 +294,10 @@ def run_resolve(args: argparse.Namespace) -> int:
             f"{args.model!r} is a served model name, not a preset or a model folder: causalkv "
             "generate needs a preset or a folder to load weights from"
         )
+    d = {**resolution_dict(res), "notes": notes}
     if args.json:
-        print(json.dumps({**resolution_dict(res), "notes": notes}, indent=2))
+        print(json.dumps(d, indent=2))
         return 0
-    d = resolution_dict(res)
     print(f"model: {res.model.name}" + (f" ({res.model.model_class})" if res.model.model_class else ""))
     print(f"stage: {d['stage']['name']} ({d['stage']['class']}, plugin {d['stage']['plugin']})")
     print(f"cache: {d['cache']['name']} ({d['cache']['target']}, plugin {d['cache']['plugin']})")
