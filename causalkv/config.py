@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from causalkv.errors import ConfigError, InvalidTypeError, check_int
 from causalkv.options import Options
 
-__all__ = ["DTYPES", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
+__all__ = ["DTYPES", "MULTI_SHOT", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
 
 R = TypeVar("R", bound=Options)
 
@@ -175,6 +175,8 @@ class ModelRef:
 
 #: dtypes a request may name
 DTYPES = ("bfloat16", "float16", "float32")
+#: what turns ``multi_shot`` on, as generate and resolve take it
+MULTI_SHOT = "several --prompt (resolve: --multi-shot)"
 
 
 @dataclass(frozen=True)
@@ -215,9 +217,6 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", _by_class(self.options, "ServerArgs"))
-        self._validate()
-
-    def _validate(self) -> None:
         for name, flag, minimum in (
             ("sink_frames", "--sink-frames", 0),
             ("window_frames", "--window-frames", 1),
@@ -255,7 +254,7 @@ class ServerArgs:
         model) and every record's `Options.requires`."""
         out: dict[str, str] = {}
         if self.multi_shot:  # generate: several prompts of a multi-shot stage; resolve: a flag
-            out["pinned_sink"] = "several --prompt (resolve: --multi-shot)"
+            out["pinned_sink"] = MULTI_SHOT
         if self.heads_sharded > 1:  # generate's flag, then resolve's
             n = self.heads_sharded
             out["head_slice"] = f"--nproc-per-node {n} (resolve: --heads-sharded {n})"
@@ -278,25 +277,18 @@ def check_text(text: str, flag: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        if _escaped(text):  # show the bytes as they were given
+        try:  # bytes the command line or a file gave (PEP 383): show them as they were given
             raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a lone surrogate character of the text itself
+            shown, where = repr(text), f"character {text[exc.start]!r} at position {exc.start}"
+        else:
             at = len(text[: exc.start].encode("utf-8", "surrogateescape"))
             shown, where = repr(raw), f"byte {raw[at:at + 1]!r} at byte {at}"
-        else:
-            shown, where = repr(text), f"character {text[exc.start]!r} at position {exc.start}"
         raise ConfigError(
             f"{flag} {shown} is not valid UTF-8 text ({where}); pass it as UTF-8 "
             "(e.g. through iconv -t UTF-8) or fix the file it comes from"
         ) from None
     return text
-
-
-def _escaped(text: str) -> bool:
-    try:
-        text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def check_prompts(prompts: str | Sequence[str], flag: str = "--prompt") -> list[str]:

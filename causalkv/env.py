@@ -57,11 +57,6 @@ def names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str]
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _refuse(name: str, raw: str, choices: Iterable[str], meaning: str) -> ConfigError:
-    what = f" ({meaning})" if meaning else ""
-    return ConfigError(f"{name}={raw!r}: choose one of {list(choices)}{what}, or unset it")
-
-
 def flag(
     name: str,
     *,
@@ -83,14 +78,9 @@ def flag(
             and the values it takes.
     """
     raw = text(name, environ)
-    if raw is None:
+    if raw is None or (not strict and raw.strip().lower() not in FLAG_VALUES):
         return default
-    value = raw.strip().lower()
-    if value in FLAG_VALUES:
-        return value in ON
-    if not strict:
-        return default
-    raise _refuse(name, raw, FLAG_VALUES, meaning)
+    return choice(name, FLAG_VALUES, default=None, meaning=meaning, environ=environ) in ON
 
 
 @overload
@@ -120,7 +110,8 @@ def choice(
     value = raw.strip().lower()
     names = tuple(choices)
     if value not in names:
-        raise _refuse(name, raw, names, meaning)
+        what = f" ({meaning})" if meaning else ""
+        raise ConfigError(f"{name}={raw!r}: choose one of {list(names)}{what}, or unset it")
     return value
 
 

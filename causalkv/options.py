@@ -223,12 +223,8 @@ class Options:
     def given_in(cls, namespace: argparse.Namespace) -> dict[str, Any]:
         """Field name -> value of this record's flags present in ``namespace`` (parsed)."""
         values = vars(namespace)
-        out: dict[str, Any] = {}
-        for name, spec in cls.specs().items():
-            dest = cls._dest(name)
-            if dest in values:
-                out[name] = spec.read(values[dest])
-        return out
+        return {name: spec.read(values[cls._dest(name)]) for name, spec in cls.specs().items()
+                if cls._dest(name) in values}
 
     # ---- config files and dicts ----------------------------------------------------------
     @classmethod

@@ -25,7 +25,7 @@ from causalkv.cli.reader_gone import flush_stdout, silence_stdout, stdout_reader
 from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.lazy import lazy_names
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "print_stderr"]
 
 #: the line of a signal that arrives before a command's own handling (imports, parsing)
 STARTING = "causalkv: {how} while starting (before any work); nothing written"
@@ -55,14 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         silence_stdout()
         return 0
     except KeyboardInterrupt:
-        _stderr(STARTING.format(how="interrupted"))
+        print_stderr(STARTING.format(how="interrupted"))
         return 128 + signal.SIGINT
     except Terminated:
-        _stderr(STARTING.format(how="terminated"))
+        print_stderr(STARTING.format(how="terminated"))
         return 128 + signal.SIGTERM
 
 
-def _stderr(line: str) -> None:
+def print_stderr(line: str) -> None:
+    """Print ``line`` on stderr; nothing when stderr is closed or gone."""
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError, AttributeError):  # stderr closed or gone

@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from causalkv.cli import print_stderr
 from causalkv.cli.reader_gone import silence_stdout
 from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.errors import CausalKVError, describe_exception
@@ -52,10 +53,8 @@ __all__ = [
     "Steps",
     "Stdout",
     "StdoutError",
-    "Terminated",
     "reserve_standard_fds",
     "run_guarded",
-    "sigterm_raises",
 ]
 
 EXIT_ERROR = 1
@@ -127,7 +126,7 @@ class Stdout:
                 f"cannot write to stdout ({describe_exception(exc)}); redirect it to a file, a pipe or "
                 "/dev/null"
             ) from None
-        _stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing stops, the run goes on")
+        print_stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing stops, the run goes on")
 
     def __call__(self, line: str) -> None:
         if self.broken or sys.stdout is None:
@@ -198,13 +197,6 @@ class Steps(Progress):
         return f"{how}; {self.what}"
 
 
-def _stderr(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone
-        pass
-
-
 def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, progress: Progress | None = None) -> int:
     """Run ``body`` and map what it raises to one stderr line and an exit status (module
     docstring). With ``debug`` the traceback is printed too. SIGTERM is handled like SIGINT
@@ -222,7 +214,7 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
             )
             if not debug:
                 return code
-        _stderr(f"{command}: {line}")
+        print_stderr(f"{command}: {line}")
         return code
 
     try:

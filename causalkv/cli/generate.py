@@ -19,7 +19,6 @@ from causalkv.config import DTYPES, ServerArgs
 from causalkv.errors import CausalKVError, ConfigError, check_int
 from causalkv.memory.records import format_bytes
 from causalkv.options import Options
-from causalkv.plugin import Registry
 from causalkv.runtime.files.video import video_formats
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, GenerateOptions, PluginSet
 from causalkv.runtime.processes.launch import register_rank
@@ -59,37 +58,23 @@ def collect_plugins() -> PluginSet | None:
         return None
 
 
-def _registry(plugins: PluginSet | None | Any = ...) -> Registry | None:
-    plugins = collect_plugins() if plugins is ... else plugins
-    return plugins.registry if plugins is not None else None
-
-
-def _owned_records(registry: Any) -> dict[type[Options], list[str]]:
-    """Each option record the registry's stages and caches declare -> its owners
-    (``"stage longlive2"``, ``"cache qvg"``), in registration order."""
-    out: dict[type[Options], list[str]] = {}
-    for e in registry.stages:
-        if e.registration.options is not None:
-            out.setdefault(e.registration.options, []).append(f"stage {e.name}")
-    for e in registry.caches:
-        if e.factory.options is not None:
-            out.setdefault(e.factory.options, []).append(f"cache {e.name}")
-    return out
-
-
 def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
     """Add the flags of every option record the registry's stages and caches declare, one
     group per record titled with the record and its owners (the registry holds no clashing
     flag: a plugin declaring one is set aside), and one group naming each plugin set aside,
     so ``--help`` drops none silently."""
-    owned = _owned_records(registry) if registry is not None else {}
+    owned: dict[type[Options], list[str]] = {}  # record -> its owners ("stage longlive2", "cache qvg")
+    if registry is not None:
+        declared = [(f"stage {e.name}", e.registration.options) for e in registry.stages]
+        for owner, record in declared + [(f"cache {e.name}", e.factory.options) for e in registry.caches]:
+            if record is not None:
+                owned.setdefault(record, []).append(owner)
     for record, owners in owned.items():
         record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
-    failures = registry.failures if registry is not None else ()
-    if failures:
+    if registry is not None and registry.failures:
         parser.add_argument_group(
             "plugins set aside (their stages, caches and flags are not here)",
-            description="\n".join(str(f) for f in failures),
+            description="\n".join(str(f) for f in registry.failures),
         )
     parser.set_defaults(**{_RECORDS: tuple(owned)})
     return parser
@@ -110,7 +95,8 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
     """The ``generate`` flags: the host's, then the extensions' (`add_extension_args`, from
     ``registry``; default: the process-wide plugin manager's)."""
     if registry is ...:
-        registry = _registry()
+        found = collect_plugins()
+        registry = found.registry if found is not None else None
     presets = ", ".join(registry.presets()) if registry is not None else "see causalkv plugins"
     parser.add_argument(
         "--model", default="tiny-wan",
@@ -181,15 +167,11 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
 
 def _video_formats() -> str:
     return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
-def _request_prompts(args: argparse.Namespace) -> list[str] | None:
-    if args.prompts is not None and args.shot_prompts is not None:
-        raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")
-    return args.shot_prompts if args.shot_prompts is not None else args.prompts
 
 
-def register(subparsers: Any, *, plugins: PluginSet | None | Any = ...) -> None:
-    """Add the ``generate`` subcommand, its flags from ``plugins`` (default: collected now);
-    the run uses the same ``plugins``."""
+def register(subparsers: Any, *, plugins: PluginSet | None) -> None:
+    """Add the ``generate`` subcommand, its flags from ``plugins`` (None: the host's flags
+    only; the run reports why they could not be collected); the run uses the same ``plugins``."""
     p = subparsers.add_parser(
         "generate",
         help="generate a video chunk by chunk (causal KV cache chosen by the plugin system)",
@@ -198,51 +180,37 @@ def register(subparsers: Any, *, plugins: PluginSet | None | Any = ...) -> None:
             "KV cache are resolved from the model and the flags before any weights load."
         ),
     )
-    plugins = collect_plugins() if plugins is ... else plugins
-    add_generate_args(p, registry=_registry(plugins))
+    add_generate_args(p, registry=plugins.registry if plugins is not None else None)
     p.set_defaults(func=run_generate, **{_PLUGINS: plugins})
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
     """`GenerateOptions` from parsed ``generate`` arguments (validates every option record)."""
-    prompts = _request_prompts(args)
+    if args.prompts is not None and args.shot_prompts is not None:
+        raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")
+    prompts = args.shot_prompts if args.shot_prompts is not None else args.prompts
     server_args = ServerArgs(
         options=extension_records(args),
-        sink_frames=args.sink_frames,
-        window_frames=args.window_frames,
-        recent_window_frames=args.recent_window_frames,
-        cache=args.cache,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
         heads_sharded=_world_size(args),
-        kv_cache_dtype=args.kv_cache_dtype,
+        # the host flags whose dest is the ServerArgs field of the same name
+        **{name: getattr(args, name) for name in ("sink_frames", "window_frames", "recent_window_frames",
+                                                  "cache", "seed", "dtype", "device", "kv_cache_dtype")},
     )
-    output = None
-    compare_dtype = getattr(args, "compare_dtype", None)
-    if compare_dtype is not None and not args.compare_bf16:
-        raise ConfigError(f"--compare-dtype {compare_dtype} names the reference of --compare-bf16; "
+    if args.compare_dtype is not None and not args.compare_bf16:
+        raise ConfigError(f"--compare-dtype {args.compare_dtype} names the reference of --compare-bf16; "
                           "add --compare-bf16 or drop --compare-dtype")
     if args.no_video and args.output is not None:
         raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
-    if not args.no_video:
-        output = args.output or str(Path("out") / f"{Path(str(args.model)).name}.mp4")
+    default_output = str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
-        model=args.model,
         prompts=prompts if prompts is not None else [DEFAULT_PROMPT],
-        frames=args.frames,
         server_args=server_args,
-        guidance_scale=args.guidance_scale,
-        negative_prompt=args.negative_prompt,
-        stage=args.stage,
-        compare_bf16=args.compare_bf16,
-        compare_dtype=compare_dtype or "bfloat16",
-        output=output,
-        quiet=args.quiet,
-        metrics=getattr(args, "metrics", None),
-        save_latents=getattr(args, "save_latents", None),
-        strict_plugins=bool(getattr(args, "strict_plugins", False)),
-        force=bool(getattr(args, "force", False)),
+        compare_dtype=args.compare_dtype or "bfloat16",
+        output=None if args.no_video else args.output or default_output,
+        # the flags whose dest is the GenerateOptions field of the same name
+        **{name: getattr(args, name) for name in ("model", "frames", "guidance_scale", "negative_prompt", "stage",
+                                                  "compare_bf16", "quiet", "metrics", "save_latents",
+                                                  "strict_plugins", "force")},
     )
 
 
@@ -250,7 +218,7 @@ def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
     from causalkv.runtime.processes.distributed import env_world, launched_by_torchrun
 
-    nproc = getattr(args, "nproc_per_node", None)
+    nproc = args.nproc_per_node
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)
     if not launched_by_torchrun():
@@ -273,7 +241,8 @@ def run_generate(args: argparse.Namespace) -> int:
     process group and rank 0 alone prints, writes the video and the metrics.
     """
     from causalkv.runtime.host.compare_step import compare_table
-    from causalkv.runtime.processes.distributed import init_parallel, launched_by_torchrun
+    from causalkv.runtime.host.generate import generate
+    from causalkv.runtime.processes.distributed import init_parallel, launched_by_torchrun, shutdown
 
     out, progress = Stdout(), Progress()
     plugins = getattr(args, _PLUGINS, None)
@@ -286,7 +255,13 @@ def run_generate(args: argparse.Namespace) -> int:
         main_rank = True
         if launched_by_torchrun():
             main_rank = init_parallel(options.server_args.device).is_main
-        metrics, run = _generate_and_leave(options, out, progress, plugins)
+        try:  # logging on rank 0; then leave the process group if one was joined
+            metrics, run = generate(
+                options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
+                on_chunk_done=progress.on_chunk_done, on_written=progress.on_written,
+            )
+        finally:
+            shutdown()
         if not main_rank:
             return 0
         out(done_line(run, metrics))
@@ -297,7 +272,7 @@ def run_generate(args: argparse.Namespace) -> int:
         out.flush()
         return 0
 
-    return run_guarded("causalkv generate", body, debug=bool(getattr(args, "debug", False)), progress=progress)
+    return run_guarded("causalkv generate", body, debug=args.debug, progress=progress)
 
 
 def done_line(run: Any, metrics: dict[str, Any]) -> str:
@@ -314,20 +289,6 @@ def done_line(run: Any, metrics: dict[str, Any]) -> str:
     )
 
 
-def _generate_and_leave(options: Any, out: Any, progress: Any, plugins: PluginSet | None) -> Any:
-    """`generate` (logging on rank 0), then leave the process group if one was joined."""
-    from causalkv.runtime.host.generate import generate
-    from causalkv.runtime.processes.distributed import shutdown
-
-    try:
-        return generate(
-            options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
-            on_chunk_done=progress.on_chunk_done, on_written=progress.on_written,
-        )
-    finally:
-        shutdown()
-
-
 def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet | None) -> int:
     """Plan on this process (errors before any rank starts), then run the same command
     under torchrun on ``--nproc-per-node`` local ranks, supervised
@@ -336,11 +297,9 @@ def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet
     from causalkv.runtime.processes.distributed import run_under_torchrun
 
     plan = plan_generation(options, plugins=plugins)
-    argv = getattr(args, "argv", None)
-    if argv is None:
-        argv = sys.argv[1:]
+    argv = getattr(args, "argv", None)  # set by `causalkv.cli.commands.main`
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
     return run_under_torchrun(
-        options.server_args.heads_sharded, argv, debug=bool(getattr(args, "debug", False)),
+        options.server_args.heads_sharded, sys.argv[1:] if argv is None else argv, debug=args.debug,
         quiet=bool(options.quiet), seen=getattr(plan.plugin_set().pm, "reported", ()),
     )

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.config import DTYPES
+from causalkv.errors import CausalKVError
 from causalkv.memory.geometry import BUILTIN_MODELS
 from causalkv.memory.records import (
     ATTENTION,
@@ -23,15 +24,15 @@ from causalkv.memory.records import (
     MemoryRequest,
     attention_of,
     format_bytes,
+    format_columns,
     parse_bytes,
 )
 from causalkv.runtime.model_io.geometry import resolve_model
 
 if TYPE_CHECKING:
     from causalkv.memory.plan import MemoryPlan
-    from causalkv.memory.records import CacheModel
 
-__all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "register"]
+__all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "register"]
 
 #: the one place a ``--host`` name maps to the cache the planner counts (a name in
 #: `causalkv.memory.cache_models`: its cursor model, packing policy and centroid rule):
@@ -39,20 +40,6 @@ __all__ = ["HOST_CACHES", "chosen_settings", "format_plan", "host_cache", "regis
 #: chunks, the centroids as given), causalkv generate its own ``QVGPackedCausalKVCache``
 #: (``--host vllm-omni`` plans vLLM-Omni's sessions apart, `causalkv.vllm_omni.admission`)
 HOST_CACHES = {"sglang": "ROLLING_SLOT_CACHE", "causalkv": "STREAM_CACHE"}
-
-
-def host_cache(host: str) -> CacheModel:
-    """The cache ``--host host`` plans (`HOST_CACHES`; `ConfigError` for another name)."""
-    if host not in HOST_CACHES:
-        raise ConfigError(f"--host must be one of {[*HOST_CACHES, 'vllm-omni']}, got {host!r}")
-    # lazy: the cache models import the caches' position arithmetic (and torch); --help does not
-    from causalkv.memory import cache_models
-
-    return getattr(cache_models, HOST_CACHES[host])
-
-def _epilog() -> str:
-    """The ``--help`` epilog: the columns, every row `SETTINGS` has now, the built-in models."""
-    return _COLUMNS + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + _MODELS
 
 
 _COLUMNS = """\
@@ -100,12 +87,6 @@ built-in models:
     f"{g.sink_frames}, window {g.window_frames} frames, {g.default_frames} frames by default"
     for k, g in BUILTIN_MODELS.items()
 )
-
-
-def _bool01(text: str) -> bool:
-    if text not in ("0", "1"):
-        raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
-    return text == "1"
 
 
 def chosen_settings(names: Sequence[str] | None, codecs: Sequence[str] | None) -> list[str] | None:
@@ -159,11 +140,7 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
             shown = "none fits" if best is None else f">= {best}" if r.at_search_limit else f"{best}"
             row += ["yes" if r.fits else "no", shown]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        lines.append("  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-        ).rstrip())
+    lines += format_columns(rows)
     if any(r.setting == "off" for r in plan.rows):
         lines.append(
             "note: off is the QVG cache with quantization off (probes store nothing, the "
@@ -182,60 +159,51 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
     return "\n".join(lines)
 
 
-def _vllm_omni(args: argparse.Namespace) -> int:
+def _vllm_omni(args: argparse.Namespace, budget: int | None) -> str:
     """``--host vllm-omni``: the realtime sessions vLLM-Omni's AR-diffusion engine admits for
     LingBot-World, its own pool against causalkv's pages per setting (one formula with the
     engine's admission, `causalkv.vllm_omni.admission`)."""
     # lazy: only this host's rows need the module
-    from causalkv.vllm_omni.admission import (
-        ROWS,
-        format_admission,
-        lingbot_engine,
-        plan_admission,
-    )
+    from causalkv.vllm_omni.admission import ROWS, format_admission, lingbot_engine, plan_admission
 
-    try:
-        if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
-            raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; "
-                                "pass lingbot")
-        for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
-            if given:  # refused, never ignored
-                raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
-                                    f"plans its own rows (stock, {', '.join(ROWS)}): drop {flag}")
-        budget = None if args.budget is None else parse_bytes(args.budget)
-        eng = lingbot_engine(args.height, args.width)
-        plans = plan_admission(budget, eng=eng)
-    except CausalKVError as exc:
-        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
-        return 2
+    if resolve_model(args.model).name != BUILTIN_MODELS["lingbot"].name:
+        raise CausalKVError(f"--host vllm-omni plans LingBot-World only, got {args.model!r}; pass lingbot")
+    for flag, given in (("--setting", args.setting), ("--kv-cache-quant", args.kv_cache_quant)):
+        if given:  # refused, never ignored
+            raise CausalKVError(f"{flag} picks rows of --host sglang or causalkv; --host vllm-omni "
+                                f"plans its own rows (stock, {', '.join(ROWS)}): drop {flag}")
+    eng = lingbot_engine(args.height, args.width)
+    plans = plan_admission(budget, eng=eng)
     if args.json:
-        print(json.dumps([p.as_json() for p in plans], indent=2), flush=True)
-    else:
-        print(format_admission(eng, plans, budget), flush=True)
-    return 0
+        return json.dumps([p.as_json() for p in plans], indent=2)
+    return format_admission(eng, plans, budget)
+
+
+def _plan(args: argparse.Namespace, budget: int | None) -> str:
+    """``--host sglang`` or ``causalkv``: the rows of the cache `HOST_CACHES` names."""
+    # lazy: the planner and the cache models import the caches' position arithmetic (and torch)
+    from causalkv.memory import cache_models
+    from causalkv.memory.plan import plan_memory
+
+    req = MemoryRequest(
+        height=args.height, width=args.width, frames=args.frames,
+        latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
+        shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
+        window_frames=args.window_frames, sink=args.kv_cache_quant_sink == 1,
+        attention=args.attention,
+    )
+    plan = plan_memory(resolve_model(args.model), req, getattr(cache_models, HOST_CACHES[args.host]),
+                       budget=budget, settings=chosen_settings(args.setting, args.kv_cache_quant))
+    return json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.host == "vllm-omni":
-        return _vllm_omni(args)
-    from causalkv.memory.plan import plan_memory  # the caches' position arithmetic
-
     try:
-        geom = resolve_model(args.model)
         budget = None if args.budget is None else parse_bytes(args.budget)
-        req = MemoryRequest(
-            height=args.height, width=args.width, frames=args.frames,
-            latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
-            shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
-            window_frames=args.window_frames, sink=args.kv_cache_quant_sink,
-            attention=args.attention,
-        )
-        plan = plan_memory(geom, req, host_cache(args.host), budget=budget,
-                           settings=chosen_settings(args.setting, args.kv_cache_quant))
+        text = (_vllm_omni if args.host == "vllm-omni" else _plan)(args, budget)
     except CausalKVError as exc:
         print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
         return 2
-    text = json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
     print(text, flush=True)  # a reader that went away (`| head`): `causalkv.cli.main` ends quietly
     return 0
 
@@ -252,7 +220,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cache allocates for the same request. Exact arithmetic on the model's geometry (the "
         "codec's stored-bytes formula, the hosts' own position bookkeeping and packing "
         "policies): no weights, no tensors.",
-        epilog=_epilog(),
+        # the columns, every row `SETTINGS` has now (a plugin's codec settings too), the models
+        epilog=_COLUMNS + "\n".join(f"  {name:18s}{s.help}" for name, s in SETTINGS.items()) + _MODELS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -293,11 +262,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "buffer: sglang's attention; the default with --host sglang) or streamed "
                         "(one packed segment decoded at a time: causalkv generate's; the default "
                         "with --host causalkv)")
-    parser.add_argument("--kv-cache-quant-sink", type=_bool01, default=True, metavar="{0,1}",
+    parser.add_argument("--kv-cache-quant-sink", type=int, choices=(0, 1), default=1, metavar="{0,1}",
                         help="1: pack the sink chunks (the default); 0: keep them bf16 (at int4 "
                         "in int2-recent-int4)")
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the caches (default 1)")
-    parser.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+    parser.add_argument("--kv-dtype", choices=DTYPES, default="bfloat16",
                         help="KV dtype (default bfloat16)")
     parser.add_argument("--setting", action="append", choices=list(SETTINGS), default=None,
                         help="only this setting (repeat for several; default: all)")

@@ -21,7 +21,7 @@ from causalkv.cli.generate import (
     extension_records,
     host_flags,
 )
-from causalkv.config import ServerArgs
+from causalkv.config import MULTI_SHOT, ServerArgs
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.hooks import NAME, HostRegistration, import_object
 from causalkv.plugin import builtin as builtin_plugin
@@ -69,8 +69,7 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
-#: the triggers ``causalkv plugins`` lists whose flag differs between generate and resolve
-MULTI_SHOT = "several --prompt (resolve: --multi-shot)"
+#: a trigger ``causalkv plugins`` lists whose flag differs between generate and resolve
 SHARDED = "--nproc-per-node N > 1 (resolve: --heads-sharded N)"
 
 
@@ -141,6 +140,12 @@ def _host_row(reg: HostRegistration, plugin: str) -> dict[str, Any]:
     return row
 
 
+def _cache_row(factory: Any, plugin: str) -> dict[str, Any]:
+    """A cache factory as ``causalkv plugins`` and ``causalkv resolve --json`` show it."""
+    return {"name": factory.name, "target": factory.target, "capabilities": list(factory.features()),
+            "priority": factory.priority, "plugin": plugin}
+
+
 def plugin_rows(pm: Any) -> list[dict[str, Any]]:
     """The registered plugins as ``causalkv plugins`` lists them: the built-in one first, then
     by name; each with its name, version and distribution (None for a plugin registered
@@ -173,13 +178,7 @@ def resolution_dict(res: Resolution) -> dict[str, Any]:
             "plugin": res.stage_plugin,
             "priority": reg.priority if reg else None,
         },
-        "cache": {
-            "name": res.cache_factory.name,
-            "target": res.cache_factory.target,
-            "capabilities": list(res.cache_factory.features()),
-            "priority": res.cache_factory.priority,
-            "plugin": res.cache_plugin,
-        },
+        "cache": _cache_row(res.cache_factory, res.cache_plugin),
         "requirements": sorted(res.requirements),
         "reasons": list(res.reasons),
     }
@@ -194,16 +193,7 @@ def plugins_report(pm: Any, *, include_builtin: bool) -> dict[str, Any]:
         "plugins": [row for row in rows if include_builtin or not row["builtin"]],
         "hidden_builtin": 0 if include_builtin else sum(row["builtin"] for row in rows),
         "stages": [_stage_row(e) for e in registry.stages],
-        "caches": [
-            {
-                "name": e.name,
-                "target": e.factory.target,
-                "capabilities": list(e.factory.features()),
-                "priority": e.factory.priority,
-                "plugin": e.plugin,
-            }
-            for e in registry.caches
-        ],
+        "caches": [_cache_row(e.factory, e.plugin) for e in registry.caches],
         "codecs": [_codec_row(codec_setting(name)) for name in codec_names()],
         "hosts": [_host_row(reg, plugin) for reg, plugin in registry.hosts],
         "failures": [
@@ -304,10 +294,10 @@ def run_resolve(args: argparse.Namespace) -> int:
             f"{args.model!r} is a served model name, not a preset or a model folder: causalkv "
             "generate needs a preset or a folder to load weights from"
         )
+    d = {**resolution_dict(res), "notes": notes}
     if args.json:
-        print(json.dumps({**resolution_dict(res), "notes": notes}, indent=2))
+        print(json.dumps(d, indent=2))
         return 0
-    d = resolution_dict(res)
     print(f"model: {res.model.name}" + (f" ({res.model.model_class})" if res.model.model_class else ""))
     print(f"stage: {d['stage']['name']} ({d['stage']['class']}, plugin {d['stage']['plugin']})")
     print(f"cache: {d['cache']['name']} ({d['cache']['target']}, plugin {d['cache']['plugin']})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -258,3 +258,11 @@ def format_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def format_columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """``rows`` as aligned lines: the first column left-aligned, the others right-aligned, two
+    spaces apart (``causalkv memory``'s table, ``causalkv generate --compare-bf16``'s)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from causalkv.memory.records import format_bytes
+from causalkv.memory.records import format_bytes, format_columns
 from causalkv.options import CacheOptions
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
 from causalkv.runtime.host.resolve import resolve
@@ -158,11 +158,7 @@ def compare_table(metrics: dict[str, Any]) -> str:
         if ref_runs and q_runs:
             rows.append((f"  spread of the {n} warm runs (least-most)", _spread(ref_runs),
                          _spread(q_runs), ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    table = "\n".join(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-        for r in rows
-    )
+    table = "\n".join(format_columns(rows))
     model = metrics.get("model", "the model")
     weights = "a preset: RANDOM weights" if metrics.get("random_weights") else "its own weights"
     note = (f"(*) the weights are random: the PSNR says how far the {quant} run's latents drift "
