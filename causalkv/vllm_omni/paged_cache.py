@@ -62,7 +62,7 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
 )
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.store import Codebook, DenseKV, Segment
+from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Packed, keep_held, tier_policy
 from causalkv.caches.stream import StreamState

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
         RecentChunksPolicy,
         RecentNonSinkPolicy,
     )
-    from causalkv.caches.qvg.store import KVWrite, SegmentStore
+    from causalkv.caches.qvg.segments import KVWrite
+    from causalkv.caches.qvg.store import SegmentStore
 
 #: exported name -> the module that defines it
 _EXPORTS = {
@@ -54,7 +55,8 @@ _EXPORTS = {
          "RecentNonSinkPolicy"),
         "causalkv.caches.qvg.policy",
     ),
-    **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
+    "KVWrite": "causalkv.caches.qvg.segments",
+    "SegmentStore": "causalkv.caches.qvg.store",
 }
 
 __all__ = [

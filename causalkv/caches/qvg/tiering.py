@@ -53,7 +53,6 @@ from causalkv.caches.qvg.policy import (
     ChunkInfo,
     PackingPolicy,
 )
-from causalkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.base import KVCodec
@@ -157,9 +156,7 @@ def tier_policy(
         ConfigError: the codec (or the recency tier's) cannot pack K/V of ``head_dim``
             channels (`QVGKVQuantArgs.layout_problem`).
     """
-    problem = quant.layout_problem(head_dim)
-    if problem is not None:
-        raise ConfigError(problem)
+    quant.check_layout(head_dim)
     return TierPolicy(quant, min_tokens_per_centroid, batch_size, num_heads, head_dim, item_bytes)
 
 
@@ -201,10 +198,6 @@ class TierPolicy:
         counted)."""
         return 2 * codec_for(q).nbytes((self.batch_size, self.num_heads, tokens, self.head_dim))
 
-    def dense_nbytes(self, tokens: int) -> int:
-        """K and V of ``tokens`` positions held dense."""
-        return 2 * self.batch_size * tokens * self.num_heads * self.head_dim * self.item_bytes
-
     def pays(self, tokens: int, chunks: int, book: BookState | None,
              q: QVGKVQuantArgs | None = None) -> bool:
         """True when packing a span of ``tokens`` (``chunks`` chunks) stores fewer bytes than
@@ -213,8 +206,8 @@ class TierPolicy:
         q = self.span_quant(tokens) if q is None else q
         if book is not None and book.chunks + chunks <= q.codebook_chunks:
             q = replace(q, centroids=book.centroids)  # it would assign to ``book``
-        shape = (self.batch_size, self.num_heads, tokens, self.head_dim)
-        return codec_for(q).nbytes(shape) < self.dense_nbytes(tokens) // 2
+        dense = 2 * self.batch_size * tokens * self.num_heads * self.head_dim * self.item_bytes
+        return self.packed_nbytes(q, tokens) < dense
 
     def settle(
         self,
