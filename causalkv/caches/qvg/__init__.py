@@ -26,8 +26,6 @@ if TYPE_CHECKING:
         QVGCodecOptions,
         QVGKVQuantArgs,
         QVGPackingOptions,
-        add_cli_args,
-        from_namespace,
         quant_choices,
         recent_tiers,
     )
@@ -46,8 +44,8 @@ if TYPE_CHECKING:
 #: exported name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions", "add_cli_args",
-         "from_namespace", "quant_choices", "recent_tiers"),
+        ("QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions", "quant_choices",
+         "recent_tiers"),
         "causalkv.caches.qvg.options",
     ),
     **dict.fromkeys(
@@ -72,8 +70,6 @@ __all__ = [
     "QVGPackingOptions",
     "RecentNonSinkPolicy",
     "SegmentStore",
-    "add_cli_args",
-    "from_namespace",
     "quant_choices",
     "recent_tiers",
 ]

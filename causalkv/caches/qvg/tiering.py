@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.codecs import make_codec
@@ -69,32 +69,35 @@ __all__ = [
 ]
 
 
-class TierSegment(Protocol):
-    """What the policy reads of a segment (the store's `Segment`, the planner's model of one)."""
+class TierSegment:
+    """What the policy reads of a segment: the base of the store's `Segment`, the paged engine
+    cache's group and the planner's model of one (each a dataclass with these fields, or
+    properties).
+
+    Attributes:
+        start, end: its positions ``[start, end)``.
+        first_chunk, last_chunk: the chunks it holds (a packed span covers several).
+        packed: stored packed.
+        recent: packed at the recency tier (re-packed at the cache's codec once no longer kept).
+        rewritten: decoded from packed for a write into part of it: its rows carry a codec
+            error already, so it stays dense (``REWRITTEN``) and is never packed twice.
+    """
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    packed: bool
+    recent: bool
+    rewritten: bool
 
     @property
-    def start(self) -> int: ...
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
     @property
-    def end(self) -> int: ...
-    @property
-    def first_chunk(self) -> int: ...
-    @property
-    def last_chunk(self) -> int: ...
-    @property
-    def packed(self) -> bool: ...
-    @property
-    def recent(self) -> bool:
-        """Packed at the recency tier (re-packed at the cache's codec once no longer kept)."""
-        ...
-    @property
-    def rewritten(self) -> bool:
-        """Decoded from packed for a write into part of it: its rows carry a codec error
-        already, so it stays dense (``REWRITTEN``) and is never packed twice."""
-        ...
-    @property
-    def chunks(self) -> range: ...
-    @property
-    def run(self) -> Intervals: ...
+    def run(self) -> Intervals:
+        return ((self.start, self.end),)
 
 
 S = TypeVar("S", bound=TierSegment)
