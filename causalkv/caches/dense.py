@@ -72,8 +72,13 @@ class DenseCausalKVCache(StreamCache):
         """Move the survivors of ``self.state.retained`` into their slots under ``new``, and
         commit ``new``."""
         old_retained = self.state.retained
-        if new.capacity > self.k_cache.shape[1]:
-            self._grow(new.capacity)
+        b, old, h, d = self.k_cache.shape
+        if new.capacity > old:  # grow: the buffers copied into larger zeroed ones
+            for name in ("k_cache", "v_cache"):
+                grown = torch.zeros((b, new.capacity, h, d), dtype=self.spec.dtype,
+                                    device=self.k_cache.device)
+                grown[:, :old] = getattr(self, name)
+                setattr(self, name, grown)
         survivors = iv.intersect(old_retained, new.retained)
         for a, b in survivors:
             src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
@@ -87,14 +92,6 @@ class DenseCausalKVCache(StreamCache):
             self.k_cache[:, slot : slot + new.cur_n].zero_()
             self.v_cache[:, slot : slot + new.cur_n].zero_()
         self.state = new
-
-    def _grow(self, capacity: int) -> None:
-        b, old, h, d = self.k_cache.shape
-        for name in ("k_cache", "v_cache"):
-            buf = getattr(self, name)
-            grown = torch.zeros((b, capacity, h, d), dtype=buf.dtype, device=buf.device)
-            grown[:, :old] = buf
-            setattr(self, name, grown)
 
     # ---- views ------------------------------------------------------------------------
     def _read_pieces(self, pieces, h0, h1):
