@@ -33,14 +33,6 @@ EXCLUDED_PACKAGES = {
 
 #: (module path, enclosing function, builtin type) -> why that raise stays a builtin
 JUSTIFIED = {
-    ("caches/base.py", "_advance", "NotImplementedError"):
-        "an optional hook of the default write path: a cache that overrides the write needs none",
-    ("caches/base.py", "_write_current", "NotImplementedError"):
-        "an optional hook of the default write path: a cache that overrides the write needs none",
-    ("caches/base.py", "_commit", "NotImplementedError"):
-        "an optional hook of the default write path: a cache that overrides the write needs none",
-    ("caches/base.py", "_read_pieces", "NotImplementedError"):
-        "the storage hook of the probe path: a cache that answers no probe needs none",
     ("lazy.py", "__getattr__", "AttributeError"):
         "the lazy exports of causalkv.runtime, causalkv.memory, causalkv.stages, "
         "causalkv.caches, causalkv.caches.qvg and causalkv.cli (PEP 562, no torch for --help): "

@@ -274,7 +274,7 @@ if not INTERPRETED:
         [B, h, m] log-sum-exp (the efficient kernel's 32-padded one sliced), and the bytes."""
         q = torch.empty(2, 3, 70, 64, device="meta", dtype=torch.bfloat16)
         k = torch.empty(2, 3, 50, 64, device="meta", dtype=torch.bfloat16)
-        out, lse, made = attn.sdpa_with_lse(q, k, k, 0.125, flash=flash)
+        out, lse, made = attn._step(q, k, k, 0.125, kind="flash" if flash else "efficient")
         assert out.shape == q.shape and tuple(lse.shape) == (2, 3, 70)
         assert lse.dtype == torch.float32
         padded = 70 if flash else 96

@@ -6,11 +6,17 @@ import argparse
 
 import pytest
 
-from causalkv.caches.qvg import QVGKVQuantArgs, add_cli_args, from_namespace
+from causalkv.caches.qvg import QVGKVQuantArgs
 
 
 def _parse(*argv: str) -> QVGKVQuantArgs:
-    return from_namespace(add_cli_args(argparse.ArgumentParser()).parse_args(list(argv)))
+    return QVGKVQuantArgs(**QVGKVQuantArgs.given_in(_parser().parse_args(list(argv))))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    QVGKVQuantArgs.add_arguments(parser)
+    return parser
 
 
 def test_reference_defaults():
@@ -55,9 +61,9 @@ def test_flags():
                                sink=False)
     assert _parse("--kv-cache-quant", "int4", "--kv-cache-quant-grid", "mse4").grid == "mse4"
     with pytest.raises(SystemExit):
-        add_cli_args(argparse.ArgumentParser()).parse_args(["--kv-cache-quant", "int8"])
+        _parser().parse_args(["--kv-cache-quant", "int8"])
     with pytest.raises(SystemExit):
-        add_cli_args(argparse.ArgumentParser()).parse_args(["--kv-cache-quant-sink", "2"])
+        _parser().parse_args(["--kv-cache-quant-sink", "2"])
 
 
 @pytest.mark.parametrize(

@@ -114,107 +114,44 @@ def cuda_flash_supported(dtype: torch.dtype, head_dim: int, capability: tuple[in
             and head_dim <= 256 and capability >= (8, 0))
 
 
-def sdpa_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, flash: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """PyTorch's CUDA attention with the log-sum-exp: ``q [B, h, m, D]``, ``k``/``v``
-    ``[B, h, s, D]`` (contiguous along D) -> ``(out [B, h, m, D], lse [B, h, m] fp32, bytes
-    allocated)``. ``flash``: the flash kernel (fp16/bf16), else the memory-efficient one
-    (any float dtype; its log-sum-exp is padded to a multiple of 32 queries, sliced here).
-    """
-    m = q.shape[2]
-    if flash:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
-    else:
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, False, scale=scale
-        )
-    out, lse = res[0], res[1]
-    return out, lse[:, :, :m], out.nbytes + lse.nbytes
-
-
-def _partial(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, fused: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, h, m, D], lse [B, h, m] fp32)`` of queries ``q [B, h, m, D]`` over ``k, v``.
-
-    ``fused``: PyTorch's CPU flash kernel; otherwise fp32 scores for the block (small blocks).
-    """
-    if fused:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
-        return out, lse
-    s = (q @ k.transpose(-1, -2)).float() * scale  # [B, h, m, s]
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype)
-    return p @ v, lse
-
-
 def _step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, kind: str
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(out [B, h, m, D], lse [B, h, m] fp32, bytes allocated)`` of one query block over
-    dense ``k, v``. ``kind``: ``"cpu"`` PyTorch's CPU flash kernel, ``"cuda"`` its CUDA flash /
-    memory-efficient kernel, ``"fallback"`` fp32 scores for the block (small blocks).
+    """``(out [B, h, m, D], lse [B, h, m] fp32, bytes allocated)`` of queries ``q [B, h, m, D]``
+    over dense ``k``/``v`` ``[B, h, s, D]`` (contiguous along D). ``kind`` (`_step_kind`):
+    ``"cpu"`` PyTorch's CPU flash kernel; ``"flash"`` its CUDA flash kernel (fp16/bf16);
+    ``"efficient"`` its CUDA memory-efficient kernel (any float dtype; its log-sum-exp is
+    padded to a multiple of 32 queries, sliced here, counted whole); ``"fallback"`` fp32
+    scores for the block (small blocks).
     """
-    if kind == "cuda":
-        cap = torch.cuda.get_device_capability(q.device)
-        return sdpa_with_lse(q, k, v, scale, flash=cuda_flash_supported(q.dtype, q.shape[-1], cap))
-    out, lse = _partial(q, k, v, scale, fused=kind == "cpu")
-    return out, lse, out.nbytes + lse.nbytes
+    if kind == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+    elif kind == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, False, False, scale=scale)[:2]
+    elif kind == "efficient":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=scale)[:2]
+    else:
+        s = (q @ k.transpose(-1, -2)).float() * scale  # [B, h, m, s]
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype) @ v
+    return out, lse[:, :, : q.shape[2]], out.nbytes + lse.nbytes
 
 
-def _step_kind(device: torch.device, head_dim: int) -> str:
-    if device.type == "cpu":
+def _step_kind(q: torch.Tensor) -> str:
+    """The `_step` kind for queries ``q`` (their device, dtype and head_dim)."""
+    if q.device.type == "cpu":
         return "cpu"
-    if device.type == "cuda" and head_dim % 8 == 0:
-        return "cuda"
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:
+        cap = torch.cuda.get_device_capability(q.device)
+        return "flash" if cuda_flash_supported(q.dtype, q.shape[-1], cap) else "efficient"
     return "fallback"
 
 
 #: queries per block of the decode path's step, by `_step_kind`
-_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "cuda": GPU_QUERY_BLOCK, "fallback": FALLBACK_QUERY_BLOCK}
-
-
-def _merge_dense(
-    acc: torch.Tensor,
-    lse_run: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    *,
-    block: int,
-    kind: str,
-    extra: int,
-    st: AttendStats,
-    in_place: bool = False,
-) -> None:
-    """Merge the attention of ``q [B, h, n, D]`` over dense ``k``/``v`` ``[B, h, s, D]`` into
-    ``acc [B, h, n, D]`` / ``lse_run [B, h, n]`` (float32), ``block`` queries at a time;
-    ``extra``: bytes of the K/V temporaries that are live meanwhile. ``in_place`` (the fused
-    path): the weighted output is added with one ``addcmul_`` (no fp32 copy of the block's
-    output); otherwise (the decode path, as it always was) through an fp32 product."""
-    n = q.shape[2]
-    for q0 in range(0, n, block):
-        q1 = min(n, q0 + block)
-        out, lse, made = _step(q[:, :, q0:q1], k, v, scale, kind=kind)
-        run = lse_run[:, :, q0:q1]
-        m = torch.maximum(run, lse)
-        w_old, w_new = torch.exp(run - m), torch.exp(lse - m)
-        total = w_old + w_new
-        a = acc[:, :, q0:q1]
-        a.mul_((w_old / total).unsqueeze(-1))
-        if in_place:
-            a.addcmul_(out, (w_new / total).unsqueeze(-1))
-        else:
-            a.add_(out.float() * (w_new / total).unsqueeze(-1))
-        run.copy_(m + torch.log(total))
-        # what the step allocated (its output and log-sum-exp), the output's fp32 weighted
-        # product (decode path), and the merge's four [B, h, m] temporaries
-        product = 0 if in_place else out.nbytes * (4 // out.element_size())
-        block_bytes = made + product + 4 * lse.nbytes
-        st.peak_transient_nbytes = max(st.peak_transient_nbytes, extra + block_bytes)
-        del out, lse, m, w_old, w_new, total
+_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "flash": GPU_QUERY_BLOCK, "efficient": GPU_QUERY_BLOCK,
+                 "fallback": FALLBACK_QUERY_BLOCK}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,8 +244,35 @@ def _attend_segments(
     acc = torch.zeros((b, h, n, d), dtype=torch.float32, device=query.device)
     lse_run = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=query.device)
     st.accumulator_nbytes = acc.nbytes + lse_run.nbytes
-    kind = _step_kind(query.device, d)
+    kind = _step_kind(query)
     block = GPU_QUERY_BLOCK if use_fused else _DECODE_BLOCK[kind]
+
+    def merge(k: torch.Tensor, v: torch.Tensor, extra: int) -> None:
+        """Merge the attention of ``q`` over dense ``k``/``v`` ``[B, h, s, D]`` into ``acc`` /
+        ``lse_run``, ``block`` queries at a time; ``extra``: bytes of the K/V temporaries that
+        are live meanwhile. The fused path adds the weighted output with one ``addcmul_`` (no
+        fp32 copy of the block's output); the decode path through an fp32 product."""
+        for q0 in range(0, n, block):
+            q1 = min(n, q0 + block)
+            out, lse, made = _step(q[:, :, q0:q1], k, v, scale, kind=kind)
+            run = lse_run[:, :, q0:q1]
+            m = torch.maximum(run, lse)
+            w_old, w_new = torch.exp(run - m), torch.exp(lse - m)
+            total = w_old + w_new
+            a = acc[:, :, q0:q1]
+            a.mul_((w_old / total).unsqueeze(-1))
+            if use_fused:
+                a.addcmul_(out, (w_new / total).unsqueeze(-1))
+            else:
+                a.add_(out.float() * (w_new / total).unsqueeze(-1))
+            run.copy_(m + torch.log(total))
+            # what the step allocated (its output and log-sum-exp), the output's fp32 weighted
+            # product (decode path), and the merge's four [B, h, m] temporaries
+            product = 0 if use_fused else out.nbytes * (4 // out.element_size())
+            block_bytes = made + product + 4 * lse.nbytes
+            st.peak_transient_nbytes = max(st.peak_transient_nbytes, extra + block_bytes)
+            del out, lse, m, w_old, w_new, total
+
     for k_seg, v_seg in view.iter_stored_segments() if use_fused else view.iter_segments():
         st.segments += 1
         record = record_kind(k_seg)  # a packed record: the fused path's stored pieces only
@@ -346,8 +310,7 @@ def _attend_segments(
             else:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg)
-        _merge_dense(acc, lse_run, q, k, v, scale, block=block, kind=kind, extra=extra, st=st,
-                     in_place=use_fused)
+        merge(k, v, extra)
         del k, v, k_seg, v_seg
     if st.segments == 0:
         raise AttendError("attend: the view has no visible tokens; write a chunk first")

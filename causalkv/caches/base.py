@@ -1,10 +1,9 @@
 """`StreamCache`: the contract plumbing every causal cache shares.
 
-Validation, write classification (rewrite / advance / error), probes, reads, pins and
-`can_direct_current_attention` live here once, over a `StreamState`. A cache implements only
-its storage: `_advance` (make room for a new chunk and commit the new state), `_write_current`
-(copy the chunk's K/V into the current chunk's storage), `_view` (build the view) and
-`_read_pieces` (held positions into one buffer, for a probe).
+Validation, the pass marks (probe / commit), reads, pins and `can_direct_current_attention`
+live here once, over a `StreamState`. A cache implements only its storage: `_write` (store a
+checked write: classify it with `StreamState.classify`, evict, copy, commit), `probe_view`
+(the view of a write, nothing stored) and `_view` (build the view).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.passes import Commit, PassMarker
 from causalkv.caches.spec import (
@@ -112,71 +110,27 @@ class StreamCache(ABC):
         return self._write(key, value, current_chunk_start, heads, recent_window_tokens,
                            debug_name, commit)
 
+    @abstractmethod
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
         heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
         commit: Commit | None,
     ) -> CausalAttentionKVView:
-        """Store the write (checked: heads ``heads``, not a probe) and return its view: the
-        hooks below (`_advance`, `_write_current`, `_commit`). A cache that plans the whole
-        write before committing it (the QVG packed cache) overrides this instead."""
-        h0, h1 = heads
-        n = key.shape[1]
-        if self.state.classify(current_chunk_start, n, debug_name) == "advance":
-            self._advance(self.state.advanced(n, debug_name), heads)
-        self._write_current(key, value, h0, h1)
-        self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
-        if not done:
-            return self._view(h0, h1, recent_window_tokens)
-        assert commit is not None
-        # the view reads the positions before the commit drops them: its own buffer
-        visible = self.state.visible(recent_window_tokens)
-        k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
-        view = self._make_view(visible, k=k, v=v, device=k.device)
-        self._commit(self.state.committed(commit.pin, commit.next_tokens))
-        return view
+        """Store the write (checked: heads ``heads``, not a probe) and return its view; a
+        refused write (CacheWriteError) leaves the cache unchanged. With ``commit``, once
+        `_commit_pass` says the chunk is complete, only ``state.committed(...)`` stays."""
 
-    def _commit(self, new: StreamState) -> None:
-        """Keep only ``new.retained`` (a subset of what is retained now) and commit ``new``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement _commit")
-
+    @abstractmethod
     def probe_view(
         self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],
         recent_window_tokens: int | None, debug_name: str,
     ) -> CausalAttentionKVView:
         """The view the write of ``key``/``value`` ``[B, n, h, D]`` at ``start`` (heads
         ``heads``, already checked) would return, with nothing stored: a probe (a denoising
-        pass of the chunk being generated, whose K/V no later call reads).
-
-        The history (the visible positions outside the chunk, as the write would leave them:
-        eviction applied) is read into one ``[B, visible, h, D]`` K and V buffer (packed
-        positions decoded into it) and the chunk's visible rows copied after it; the cache is
-        not changed, so a later call sees what it would have seen without the probe. Refused
-        as the write would be (CacheWriteError), the cache unchanged.
+        pass of the chunk being generated, whose K/V no later call reads). The cache is not
+        changed, so a later call sees what it would have seen without the probe. Refused as
+        the write would be (CacheWriteError), the cache unchanged.
         """
-        n = key.shape[1]
-        st = self.state
-        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
-        visible = new.visible(recent_window_tokens)
-        chunk = ((start, start + n),)
-        runs = [(a, b, False) for a, b in iv.subtract(visible, chunk)]
-        runs += [(a, b, True) for a, b in iv.intersect(visible, chunk)]
-        runs.sort()
-        k, v = self._read_pieces([(None if own else a, b - a) for a, b, own in runs], *heads)
-        at = 0
-        for a, b, own in runs:  # the chunk's visible rows: the caller's own K/V
-            if own:
-                k[:, at : at + b - a].copy_(key[:, a - start : b - start])
-                v[:, at : at + b - a].copy_(value[:, a - start : b - start])
-            at += b - a
-        return self._make_view(visible, state=new, k=k, v=v, device=k.device)
-
-    def _read_pieces(
-        self, pieces: list[tuple[int | None, int]], h0: int, h1: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V ``[B, sum(lengths), h1 - h0, D]`` of ``pieces`` in order, one new buffer each:
-        ``(position, length)`` reads held positions, ``(None, length)`` leaves rows to fill."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement _read_pieces")
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")
     def get_attention_kv(
@@ -226,21 +180,6 @@ class StreamCache(ABC):
             visible_global_end=vis_end,
             **storage,  # type: ignore[arg-type]
         )
-
-    # ---- storage hooks --------------------------------------------------------------
-    # the hooks of the default `_write` (a cache that overrides it, such as the QVG packed
-    # cache, which plans the whole write before committing it, needs neither)
-    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
-        """Move storage to ``new`` (evict, make room for its current chunk) and commit it.
-
-        Must leave the cache unchanged if it raises. The new chunk's heads outside
-        ``heads`` must read as zeros until written.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not implement _advance")
-
-    def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
-        """Copy the chunk's ``[B, n, h, D]`` K/V into heads ``[h0, h1)`` of the current chunk."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement _write_current")
 
     @abstractmethod
     def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:

@@ -6,6 +6,7 @@ import torch
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
+from causalkv.caches.passes import Commit
 from causalkv.caches.spec import CausalAttentionKVView, CausalCacheSpec, concat_segments
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
@@ -52,14 +53,57 @@ class DenseCausalKVCache(StreamCache):
         """Bytes of the K and V buffers (preallocated, so constant until growth)."""
         return self.k_cache.nbytes + self.v_cache.nbytes
 
-    # ---- storage ------------------------------------------------------------------
-    def _advance(self, new: StreamState, heads: tuple[int, int]) -> None:
-        self._relayout(new, fresh_heads=heads)
+    # ---- writes -------------------------------------------------------------------
+    def _write(
+        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
+        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
+        commit: Commit | None,
+    ) -> CausalAttentionKVView:
+        """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
+        is copied into its slots; a complete commit keeps only what the next advance keeps."""
+        h0, h1 = heads
+        n = key.shape[1]
+        if self.state.classify(current_chunk_start, n, debug_name) == "advance":
+            self._relayout(self.state.advanced(n, debug_name), fresh_heads=heads)
+        self._write_current(key, value, h0, h1)
+        self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
+        if not done:
+            return self._view(h0, h1, recent_window_tokens)
+        assert commit is not None
+        # the view reads the positions before the commit drops them: its own buffer
+        visible = self.state.visible(recent_window_tokens)
+        k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
+        view = self._make_view(visible, k=k, v=v, device=k.device)
+        self._relayout(self.state.committed(commit.pin, commit.next_tokens),
+                       fresh_heads=(0, self.spec.num_heads))
+        return view
 
-    def _commit(self, new: StreamState) -> None:
-        self._relayout(new, fresh_heads=(0, self.spec.num_heads))
+    def probe_view(
+        self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],
+        recent_window_tokens: int | None, debug_name: str,
+    ) -> CausalAttentionKVView:
+        """`StreamCache.probe_view`: the history (the visible positions outside the chunk, as
+        the write would leave them: eviction applied) read into one ``[B, visible, h, D]`` K
+        and V buffer, the chunk's visible rows copied from the caller's K/V after it."""
+        n = key.shape[1]
+        st = self.state
+        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
+        visible = new.visible(recent_window_tokens)
+        chunk = ((start, start + n),)
+        runs = [(a, b, False) for a, b in iv.subtract(visible, chunk)]
+        runs += [(a, b, True) for a, b in iv.intersect(visible, chunk)]
+        runs.sort()
+        k, v = self._read_pieces([(None if own else a, b - a) for a, b, own in runs], *heads)
+        at = 0
+        for a, b, own in runs:  # the chunk's visible rows: the caller's own K/V
+            if own:
+                k[:, at : at + b - a].copy_(key[:, a - start : b - start])
+                v[:, at : at + b - a].copy_(value[:, a - start : b - start])
+            at += b - a
+        return self._make_view(visible, state=new, k=k, v=v, device=k.device)
 
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
+        """Copy the chunk's ``[B, n, h, D]`` K/V into heads ``[h0, h1)`` of its retained slots."""
         st = self.state
         start = st.cur_start
         # the chunk's retained runs (a commit may have dropped some of them)
@@ -69,11 +113,17 @@ class DenseCausalKVCache(StreamCache):
             self.v_cache[:, slot : slot + b - a, h0:h1].copy_(value[:, a - start : b - start])
 
     def _relayout(self, new: StreamState, fresh_heads: tuple[int, int]) -> None:
-        """Move the survivors of ``self.state.retained`` into their slots under ``new``, and
-        commit ``new``."""
+        """Move the survivors of ``self.state.retained`` into their slots under ``new`` (an
+        advance, or a commit keeping a subset), and commit ``new``. Heads outside
+        ``fresh_heads`` of the new chunk read as zeros until written."""
         old_retained = self.state.retained
-        if new.capacity > self.k_cache.shape[1]:
-            self._grow(new.capacity)
+        b, old, h, d = self.k_cache.shape
+        if new.capacity > old:  # grow: the buffers copied into larger zeroed ones
+            for name in ("k_cache", "v_cache"):
+                grown = torch.zeros((b, new.capacity, h, d), dtype=self.spec.dtype,
+                                    device=self.k_cache.device)
+                grown[:, :old] = getattr(self, name)
+                setattr(self, name, grown)
         survivors = iv.intersect(old_retained, new.retained)
         for a, b in survivors:
             src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
@@ -88,17 +138,13 @@ class DenseCausalKVCache(StreamCache):
             self.v_cache[:, slot : slot + new.cur_n].zero_()
         self.state = new
 
-    def _grow(self, capacity: int) -> None:
-        b, old, h, d = self.k_cache.shape
-        for name in ("k_cache", "v_cache"):
-            buf = getattr(self, name)
-            grown = torch.zeros((b, capacity, h, d), dtype=buf.dtype, device=buf.device)
-            grown[:, :old] = buf
-            setattr(self, name, grown)
-
     # ---- views ------------------------------------------------------------------------
-    def _read_pieces(self, pieces, h0, h1):
-        """`StreamCache._read_pieces` from the buffer (a held run of positions is a run of slots)."""
+    def _read_pieces(
+        self, pieces: list[tuple[int | None, int]], h0: int, h1: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[B, sum(lengths), h1 - h0, D]`` of ``pieces`` in order, one new buffer each:
+        ``(position, length)`` copies held positions (a run of them is a run of slots),
+        ``(None, length)`` leaves rows to fill."""
         st = self.state
         total = sum(m for _, m in pieces)
         shape = (self.spec.batch_size, total, h1 - h0, self.spec.head_dim)

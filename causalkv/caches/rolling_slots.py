@@ -204,36 +204,32 @@ def visible_slots(
     """Slot ranges the view concatenates, in order: the last ``attention_window_size`` slots
     up to ``updated_local_end``, with the sink and the pinned range prepended when the window
     no longer covers them; with ``recent_window_tokens`` the sink, the pinned range and the
-    slots from ``local_start - recent_window_tokens`` on."""
-    attn_start = max(0, updated_local_end - st.attention_window_size)
+    slots from ``local_start - recent_window_tokens`` on. The window's slots shrink by those
+    of the sink and the pinned range prepended to it."""
+    ule = updated_local_end
+    attn_start = max(0, ule - st.attention_window_size)
     if recent_window_tokens is None:
-        if st.global_sink_tokens > 0 or st.has_pinned_sink():
-            return _pinned_view(st, attn_start, updated_local_end)
-        return [(attn_start, updated_local_end)]
-    sink_end = min(effective_sink(st), updated_local_end)
+        if st.global_sink_tokens == 0 and not st.has_pinned_sink():
+            return [(attn_start, ule)]
+        es = effective_sink(st)
+        before = [(0, es)] if es > 0 and attn_start > 0 else []
+        if st.has_pinned_sink() and es <= st.pinned_start < attn_start:
+            before.append((st.pinned_start, st.pinned_start + st.pinned_len))
+        if not before:
+            return [(attn_start, ule)]
+        local = max(0, st.attention_window_size - sum(b - a for a, b in before))
+        return [*before, (max(es if before[0][0] == 0 else 0, ule - local), ule)]
+    sink_end = min(effective_sink(st), ule)
     recent_start = max(sink_end, local_start - recent_window_tokens)
     if recent_start <= sink_end:
-        return [(0, updated_local_end)]
+        return [(0, ule)]
     out = []
     if sink_end > 0:
         out.append((0, sink_end))
     if st.has_pinned_sink() and sink_end <= st.pinned_start < recent_start:
         out.append((st.pinned_start, st.pinned_start + st.pinned_len))
-    out.append((recent_start, updated_local_end))
+    out.append((recent_start, ule))
     return out
-
-
-def _pinned_view(st: SlotState, attn_start: int, ule: int) -> list[tuple[int, int]]:
-    """The window ``[attn_start, ule)``, with the sink and the pinned range prepended when it
-    no longer covers them (the window's slots then shrink by theirs)."""
-    es = effective_sink(st)
-    before = [(0, es)] if es > 0 and attn_start > 0 else []
-    if st.has_pinned_sink() and es <= st.pinned_start < attn_start:
-        before.append((st.pinned_start, st.pinned_start + st.pinned_len))
-    if not before:
-        return [(attn_start, ule)]
-    local = max(0, st.attention_window_size - sum(b - a for a, b in before))
-    return [*before, (max(es if before[0][0] == 0 else 0, ule - local), ule)]
 
 
 # ---------------------------------------------------------------------------------------------

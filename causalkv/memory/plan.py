@@ -21,6 +21,7 @@ from causalkv.caches.qvg.tiering import (
     BookState,
     Packed,
     TierPolicy,
+    TierSegment,
     codec_for,
     keep_held,
 )
@@ -146,7 +147,7 @@ class _Book(BookState):
 
 
 @dataclass(frozen=True, slots=True)
-class _Seg:
+class _Seg(TierSegment):
     """A segment of one layer's store, as bytes (`causalkv.caches.qvg.tiering.TierSegment`):
     positions ``[start, end)`` of chunks ``first_chunk..last_chunk``, dense (``codec`` bf16)
     or packed (its stored bytes; ``book``: the shared codebook it references, whose
@@ -163,14 +164,6 @@ class _Seg:
     shared: int = 0
     packed: bool = False
     rewritten: bool = False  # a planned stream never writes into a packed chunk
-
-    @property
-    def chunks(self) -> range:
-        return range(self.first_chunk, self.last_chunk + 1)
-
-    @property
-    def run(self) -> iv.Intervals:
-        return ((self.start, self.end),)
 
 
 def _cut(seg: _Seg, a: int, b: int) -> _Seg:

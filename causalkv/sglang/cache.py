@@ -36,7 +36,8 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.passes import PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
-from causalkv.caches.qvg.store import KVWrite, Segment, SegmentStore
+from causalkv.caches.qvg.segments import KVWrite, Segment
+from causalkv.caches.qvg.store import SegmentStore
 from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState, WritePlan
 from causalkv.caches.spec import CacheWriteError
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
@@ -344,10 +345,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         write = KVWrite(start, start + n, heads, key, value)
         now = after.holding()
         advanced = start + n > global_end
-        if now.held == store.held() and store.covers_dense(start, start + n):
-            stored = store.plan_write(write)  # the layout stays: one in-place copy
-        else:
-            stored = store.plan(write, now, advance=advanced)
+        stored = store.plan(write, now, advance=advanced)  # a rewrite in place where it can
         if commit is not None:
             # the context pass: the chunk moves to its tier, planned with the write; the store
             # keeps what sglang's buffer keeps after the next advance the commit names (the

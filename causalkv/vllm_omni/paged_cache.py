@@ -62,9 +62,9 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
 )
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.store import Codebook, DenseKV, Segment
+from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment
 from causalkv.caches.qvg.store_pack import Packer
-from causalkv.caches.qvg.tiering import BookState, Packed, keep_held, tier_policy
+from causalkv.caches.qvg.tiering import BookState, Packed, TierSegment, keep_held, tier_policy
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
 from causalkv.vllm_omni.admission import (
@@ -108,7 +108,7 @@ class CausalKVBranchSpec(ARDiffusionKVBranchSpec):
 
 
 @dataclass(frozen=True, eq=False)
-class PagedGroup:
+class PagedGroup(TierSegment):
     """A run ``[start, end)`` of one session's held positions (tokens): bf16 pool pages
     (``layers`` None) or packed, one store `Segment` per layer. What the tier policy reads of a
     segment (`causalkv.caches.qvg.tiering.TierSegment`)."""
@@ -125,13 +125,6 @@ class PagedGroup:
     def packed(self) -> bool:
         return self.layers is not None
 
-    @property
-    def chunks(self) -> range:
-        return range(self.first_chunk, self.last_chunk + 1)
-
-    @property
-    def run(self) -> tuple[tuple[int, int], ...]:
-        return ((self.start, self.end),)
 
 
 @dataclass

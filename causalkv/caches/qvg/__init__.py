@@ -26,8 +26,6 @@ if TYPE_CHECKING:
         QVGCodecOptions,
         QVGKVQuantArgs,
         QVGPackingOptions,
-        add_cli_args,
-        from_namespace,
         quant_choices,
         recent_tiers,
     )
@@ -40,13 +38,14 @@ if TYPE_CHECKING:
         RecentChunksPolicy,
         RecentNonSinkPolicy,
     )
-    from causalkv.caches.qvg.store import KVWrite, SegmentStore
+    from causalkv.caches.qvg.segments import KVWrite
+    from causalkv.caches.qvg.store import SegmentStore
 
 #: exported name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(
-        ("QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions", "add_cli_args",
-         "from_namespace", "quant_choices", "recent_tiers"),
+        ("QVGCodecOptions", "QVGKVQuantArgs", "QVGPackingOptions", "quant_choices",
+         "recent_tiers"),
         "causalkv.caches.qvg.options",
     ),
     **dict.fromkeys(
@@ -54,7 +53,8 @@ _EXPORTS = {
          "RecentNonSinkPolicy"),
         "causalkv.caches.qvg.policy",
     ),
-    **dict.fromkeys(("KVWrite", "SegmentStore"), "causalkv.caches.qvg.store"),
+    "KVWrite": "causalkv.caches.qvg.segments",
+    "SegmentStore": "causalkv.caches.qvg.store",
 }
 
 __all__ = [
@@ -70,8 +70,6 @@ __all__ = [
     "QVGPackingOptions",
     "RecentNonSinkPolicy",
     "SegmentStore",
-    "add_cli_args",
-    "from_namespace",
     "quant_choices",
     "recent_tiers",
 ]

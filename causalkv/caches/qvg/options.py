@@ -18,7 +18,6 @@ runtime's) derive from them. Torch-free: importing this module loads no torch.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,8 +32,6 @@ __all__ = [
     "QVGCodecOptions",
     "QVGKVQuantArgs",
     "QVGPackingOptions",
-    "add_cli_args",
-    "from_namespace",
 ]
 
 _OFF = ("off", "none")
@@ -357,13 +354,3 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         names = {keys.get(key, key): value for key, value in d.items() if value is not None}
         return cls(**{n: specs[n].read(v) for n, v in names.items() if n in specs})
 
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the reference runtime's ``--kv-cache-quant*`` flags to ``parser`` (one group)."""
-    QVGKVQuantArgs.add_arguments(parser)
-    return parser
-
-
-def from_namespace(ns: argparse.Namespace) -> QVGKVQuantArgs:
-    """Validated args from a namespace parsed with `add_cli_args` (flags left out: defaults)."""
-    return QVGKVQuantArgs(**QVGKVQuantArgs.given_in(ns))

@@ -50,7 +50,8 @@ from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
 from causalkv.caches.passes import Commit, PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import PackingPolicy, resolve_policy
-from causalkv.caches.qvg.store import KVWrite, PackingReport, Segment, SegmentStore, StorePlan
+from causalkv.caches.qvg.segments import KVWrite, PackingReport, Segment
+from causalkv.caches.qvg.store import SegmentStore
 from causalkv.caches.qvg.tiering import codec_for
 from causalkv.caches.spec import (
     CausalAttentionKVView,
@@ -192,10 +193,11 @@ class QVGPackedCausalKVCache(StreamCache):
         new = st.advanced(n, debug_name) if advance else st
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
-        if advance:  # evict, pack cold chunks and add the new chunk
-            plan = self.store.plan(write, new.holding(), advance=True)
-        else:
-            plan = self._plan_rewrite(write)
+        # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
+        # while dense segments hold the chunk, else (a chunk a commit already moved to its
+        # tier) decoded back to dense
+        keep = new.holding() if advance else replace(st.holding(), held=self.store.held())
+        plan = self.store.plan(write, keep, advance=advance)
         passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
         if not done:
             self.store.commit(plan)  # nothing below can fail
@@ -209,14 +211,6 @@ class QVGPackedCausalKVCache(StreamCache):
         self.store.commit(plan)  # nothing below can fail
         self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed
         return view
-
-    def _plan_rewrite(self, write: KVWrite) -> StorePlan:
-        """The store after a rewrite of the current chunk: in place while dense segments hold
-        it, else (a chunk a commit already moved to its tier) decoded back to dense."""
-        store = self.store
-        if store.covers_dense(write.start, write.end):
-            return store.plan_write(write)
-        return store.plan(write, replace(self.state.holding(), held=store.held()), advance=False)
 
     # ---- the store's figures -----------------------------------------------------------
     @property

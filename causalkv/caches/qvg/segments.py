@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
-from causalkv.caches.intervals import Intervals
-from causalkv.caches.qvg.tiering import BookState
+from causalkv.caches.qvg.tiering import BookState, TierSegment
 from causalkv.caches.spec import KVSegment
 from causalkv.errors import InvalidTypeError
 
@@ -169,7 +168,7 @@ class PackedKV:
 
 
 @dataclass(frozen=True, eq=False)
-class Segment:
+class Segment(TierSegment):
     """A run ``[start, end)`` of global positions and its K/V ``storage``.
 
     ``first_chunk``/``last_chunk`` are the indices of the chunks it came from (a packed span
@@ -195,14 +194,6 @@ class Segment:
     def rewritten(self) -> bool:
         """Decoded from packed for a write into part of it (`DecodedKV`): never packed again."""
         return isinstance(self.storage, DecodedKV)
-
-    @property
-    def run(self) -> Intervals:
-        return ((self.start, self.end),)
-
-    @property
-    def chunks(self) -> range:
-        return range(self.first_chunk, self.last_chunk + 1)
 
     @property
     def nbytes(self) -> int:

@@ -9,9 +9,9 @@ for K and V). A write that changes the layout is planned (`plan`: new chunks whe
 held, the write applied to copies of what it touches, a packed segment it touches decoded,
 what the host no longer holds freed, a packed one kept whole until all of it is gone, cold
 chunks packed on an advance), then committed (`commit`, which cannot fail: a write that
-raises leaves the store as it was); a rewrite of the current chunk is one in-place copy
-(`plan_write`). Which chunks stay dense is the `PackingPolicy` object's; what is packed by
-which codec in which spans is the tier policy's (`causalkv.caches.qvg.tiering`, counted by
+raises leaves the store as it was); a rewrite of the current chunk is one in-place copy.
+Which chunks stay dense is the `PackingPolicy` object's; what is packed by which codec in
+which spans is the tier policy's (`causalkv.caches.qvg.tiering`, counted by
 the memory planner too), encoded by `store_pack`.
 
 Reads: `view` is the one view builder every host's cache uses: a lazy view of
@@ -63,17 +63,7 @@ from causalkv.caches.spec import (
 )
 from causalkv.errors import ConfigError
 
-__all__ = [
-    "Codebook",
-    "DenseKV",
-    "KVWrite",
-    "PackedKV",
-    "PackingReport",
-    "Piece",
-    "Segment",
-    "SegmentStore",
-    "StorePlan",
-]
+__all__ = ["Piece", "SegmentStore"]
 
 _PACKED = "packed"
 #: a piece of a read: ``(position, length)`` reads ``[position, position + length)``,
@@ -174,24 +164,23 @@ class SegmentStore:
         )
 
     # ---- writes ---------------------------------------------------------------------------
-    def plan_write(self, w: KVWrite) -> StorePlan:
-        """The store after ``w``, a rewrite of positions dense segments hold (`covers_dense`):
-        the layout stays, ``w`` is copied in place by `commit` (``self`` untouched)."""
-        return StorePlan(
-            _rewritten(self.segments, w, self.num_heads), self.codebook, self.current, self.chunk_tokens,
-            self._next_chunk, w, reasons=dict(self._reasons),
-        )
-
     def plan(self, write: KVWrite, keep: HeldPositions, *, advance: bool) -> StorePlan:
         """The store after ``write``, keeping only the positions ``keep.held`` (``self``
         untouched).
 
-        Positions of ``write`` no segment holds become new dense chunks; with ``advance`` the
+        A rewrite of positions dense segments hold, ``keep.held`` what the store holds now,
+        keeps the layout: ``write`` is copied in place by `commit`. Otherwise positions of
+        ``write`` no segment holds become new dense chunks; with ``advance`` the
         one at the write's end is the new current chunk, and the policy's cold chunks are
         packed (``keep.sink_end``: positions below it are stream-start sink; ``keep.pinned``:
         the pinned shot-sink positions, both by the host's bookkeeping). Raises what the codec
         raises for a chunk it cannot pack (e.g. NaN/inf K/V on the CPU).
         """
+        dense = iv.normalize((s.start, s.end) for s in self.segments if not s.packed)
+        if keep.held == self.held() and iv.contains(dense, ((write.start, write.end),)):
+            return StorePlan(_rewritten(self.segments, write, self.num_heads), self.codebook,
+                             self.current, self.chunk_tokens, self._next_chunk, write,
+                             reasons=dict(self._reasons))
         segs, next_chunk, current, chunk_tokens = self._covered(write, advance)
         kept, book = self._held_only(segs, keep.held, self.codebook)
         plan = StorePlan(kept, book, current, chunk_tokens, next_chunk, _NO_WRITE)
@@ -203,7 +192,7 @@ class SegmentStore:
     def plan_commit(self, base: StorePlan, keep: HeldPositions) -> StorePlan:
         """The store once the chunk ``base`` writes is committed (the context pass writes it).
 
-        ``base`` is this call's write planned on this very state (`plan` or `plan_write`),
+        ``base`` is this call's write planned on this very state (`plan`),
         not yet committed: the two are committed as one (`commit` of the result), so a
         refusal here changes nothing. The chunk goes to its tier at once: packed straight
         from the write's K/V when the policy does not keep it, else its own dense copy (or
@@ -214,7 +203,7 @@ class SegmentStore:
         The returned plan's ``view_segments`` is what this call's view reads: the layout
         before the drop, the chunk as written (views of the write's K/V or its copy).
         """
-        w = base.write  # a rewrite in place (`plan_write`): applied here to copies
+        w = base.write  # a rewrite in place (`plan`): applied here to copies
         written = [self._written(seg, w) if _overlaps(seg, w) else seg for seg in base.segments]
         kept, book = self._held_only(written, keep.held, base.codebook)
         ahead = base.next_chunk  # the chunk after this one: every chunk held is completed
@@ -264,7 +253,7 @@ class SegmentStore:
                 and w.key.device == w.value.device == self.device)
 
     def commit(self, plan: StorePlan) -> None:
-        """Apply ``plan`` (from `plan`, `plan_write` or `plan_commit` on this very state);
+        """Apply ``plan`` (from `plan` or `plan_commit` on this very state);
         nothing here can fail. K/V the plan borrowed from a write get their own copy. A dense
         chunk the plan gives no reason for is dense by the policy (`POLICY`), or because
         quantization is off (`QUANT_OFF`)."""
@@ -396,11 +385,6 @@ class SegmentStore:
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]
 
-    def covers_dense(self, start: int, end: int) -> bool:
-        """True when dense segments hold every position of ``[start, end)``."""
-        runs = self._locate([(start, end - start)], self.segments, strict=False)
-        return sum(b - a for seg, a, b in runs if seg is not None and not seg.packed) == end - start
-
     # ---- reads ----------------------------------------------------------------------------
     def with_own(self, start: int, key: torch.Tensor, value: torch.Tensor, h0: int) -> list[Segment]:
         """The layout a probe's view reads: the store's segments, with positions ``[start,
@@ -502,10 +486,10 @@ class SegmentStore:
                         device=self.device)
         return z, z
 
-    def _locate(self, pieces: Sequence[Piece], segs: Sequence[Segment], strict: bool = True) -> list[_Run]:
+    def _locate(self, pieces: Sequence[Piece], segs: Sequence[Segment]) -> list[_Run]:
         """``pieces`` as the stored runs of ``segs`` they read, in order (a piece repeated or
-        out of position order stays so: a reader's order, not a set). ``strict``: raise
-        `CacheReadError` (a RuntimeError) for a position no segment holds (else stop there)."""
+        out of position order stays so: a reader's order, not a set); `CacheReadError` (a
+        RuntimeError) for a position no segment holds."""
         out: list[_Run] = []
         for p, n in pieces:
             if p is None:
@@ -519,7 +503,7 @@ class SegmentStore:
                     break
                 out.append((seg, at, min(seg.end, end)))
                 at = min(seg.end, end)
-            if at < end and strict:
+            if at < end:
                 raise CacheReadError(
                     f"SegmentStore: positions [{at}, {end}) are not held (held: "
                     f"{iv.describe(iv.normalize((s.start, s.end) for s in segs))})"

@@ -18,6 +18,7 @@ import torch
 
 from causalkv.caches.qvg.segments import Codebook, PackedKV, Segment, dense_storage
 from causalkv.caches.qvg.tiering import Packed, codec_for
+from causalkv.caches.spec import concat_segments
 
 __all__ = ["Packer"]
 
@@ -50,9 +51,7 @@ class Packer:
     ) -> tuple[Segment, Codebook | None]:
         """One packed segment of ``pieces`` (dense, adjacent) as ``step`` says, and the
         codebook after it (``codebook`` before)."""
-        stores = [dense_storage(p) for p in pieces]
-        k = torch.cat([s.k for s in stores], dim=1) if len(stores) > 1 else stores[0].k
-        v = torch.cat([s.v for s in stores], dim=1) if len(stores) > 1 else stores[0].v
+        k, v = concat_segments([(s.k, s.v) for s in map(dense_storage, pieces)])
         c = codec_for(step.quant)
         book = codebook if step.joins_book else None
         pk = c.encode(k.permute(0, 2, 1, 3), seed=self.seed, head_offset=self.head_offset,

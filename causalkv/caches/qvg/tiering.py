@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.codecs import make_codec
@@ -53,7 +53,6 @@ from causalkv.caches.qvg.policy import (
     ChunkInfo,
     PackingPolicy,
 )
-from causalkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.base import KVCodec
@@ -70,32 +69,35 @@ __all__ = [
 ]
 
 
-class TierSegment(Protocol):
-    """What the policy reads of a segment (the store's `Segment`, the planner's model of one)."""
+class TierSegment:
+    """What the policy reads of a segment: the base of the store's `Segment`, the paged engine
+    cache's group and the planner's model of one (each a dataclass with these fields, or
+    properties).
+
+    Attributes:
+        start, end: its positions ``[start, end)``.
+        first_chunk, last_chunk: the chunks it holds (a packed span covers several).
+        packed: stored packed.
+        recent: packed at the recency tier (re-packed at the cache's codec once no longer kept).
+        rewritten: decoded from packed for a write into part of it: its rows carry a codec
+            error already, so it stays dense (``REWRITTEN``) and is never packed twice.
+    """
+
+    start: int
+    end: int
+    first_chunk: int
+    last_chunk: int
+    packed: bool
+    recent: bool
+    rewritten: bool
 
     @property
-    def start(self) -> int: ...
+    def chunks(self) -> range:
+        return range(self.first_chunk, self.last_chunk + 1)
+
     @property
-    def end(self) -> int: ...
-    @property
-    def first_chunk(self) -> int: ...
-    @property
-    def last_chunk(self) -> int: ...
-    @property
-    def packed(self) -> bool: ...
-    @property
-    def recent(self) -> bool:
-        """Packed at the recency tier (re-packed at the cache's codec once no longer kept)."""
-        ...
-    @property
-    def rewritten(self) -> bool:
-        """Decoded from packed for a write into part of it: its rows carry a codec error
-        already, so it stays dense (``REWRITTEN``) and is never packed twice."""
-        ...
-    @property
-    def chunks(self) -> range: ...
-    @property
-    def run(self) -> Intervals: ...
+    def run(self) -> Intervals:
+        return ((self.start, self.end),)
 
 
 S = TypeVar("S", bound=TierSegment)
@@ -157,9 +159,7 @@ def tier_policy(
         ConfigError: the codec (or the recency tier's) cannot pack K/V of ``head_dim``
             channels (`QVGKVQuantArgs.layout_problem`).
     """
-    problem = quant.layout_problem(head_dim)
-    if problem is not None:
-        raise ConfigError(problem)
+    quant.check_layout(head_dim)
     return TierPolicy(quant, min_tokens_per_centroid, batch_size, num_heads, head_dim, item_bytes)
 
 
@@ -201,10 +201,6 @@ class TierPolicy:
         counted)."""
         return 2 * codec_for(q).nbytes((self.batch_size, self.num_heads, tokens, self.head_dim))
 
-    def dense_nbytes(self, tokens: int) -> int:
-        """K and V of ``tokens`` positions held dense."""
-        return 2 * self.batch_size * tokens * self.num_heads * self.head_dim * self.item_bytes
-
     def pays(self, tokens: int, chunks: int, book: BookState | None,
              q: QVGKVQuantArgs | None = None) -> bool:
         """True when packing a span of ``tokens`` (``chunks`` chunks) stores fewer bytes than
@@ -213,8 +209,8 @@ class TierPolicy:
         q = self.span_quant(tokens) if q is None else q
         if book is not None and book.chunks + chunks <= q.codebook_chunks:
             q = replace(q, centroids=book.centroids)  # it would assign to ``book``
-        shape = (self.batch_size, self.num_heads, tokens, self.head_dim)
-        return codec_for(q).nbytes(shape) < self.dense_nbytes(tokens) // 2
+        dense = 2 * self.batch_size * tokens * self.num_heads * self.head_dim * self.item_bytes
+        return self.packed_nbytes(q, tokens) < dense
 
     def settle(
         self,
