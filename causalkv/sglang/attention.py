@@ -53,6 +53,7 @@ from causalkv.caches.attention import AttendStats, attend
 from causalkv.errors import CausalKVError
 from causalkv.sglang import ENV_FUSED_ATTENTION
 from causalkv.sglang.cache import SegmentView, SGLangQVGKVCache
+from causalkv.sglang.targets import log_once
 
 __all__ = [
     "ForcedRoute",
@@ -163,15 +164,6 @@ def forced_route(*, fused: bool | None = False, record: list | None = None) -> I
 
 
 # ---- the hooks ------------------------------------------------------------------------------
-_said: set[tuple[str, ...]] = set()
-
-
-def _once(key: tuple[str, ...], level: int, msg: str, *args: Any) -> None:
-    if key not in _said:
-        _said.add(key)
-        logger.log(level, msg, *args)
-
-
 def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
     for a in (*args, *kw.values()):
         if isinstance(a, SGLangQVGKVCache):
@@ -217,7 +209,7 @@ def _self_attention(
         return original(owner, *args, **kw)
     why = _declined(args, kw, lingbot=lingbot)
     if why is not None:
-        _once(("declined", type(owner).__name__, why), logging.INFO,
+        log_once(logger, ("declined", type(owner).__name__, why), logging.INFO,
               "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "
               "cache: %s", ENV_FUSED_ATTENTION, type(owner).__name__, why)
         return original(owner, *args, **kw)
@@ -231,7 +223,7 @@ def _routed_forward(
     proxy = _RoutedCache(cache)
     args = tuple(proxy if a is cache else a for a in args)
     kw = {k: (proxy if a is cache else a) for k, a in kw.items()}
-    _once(("engaged", type(owner).__name__), logging.INFO,
+    log_once(logger, ("engaged", type(owner).__name__), logging.INFO,
           "causalkv sglang bridge: %s attends the bridge cache through causalkv.caches.attend "
           "(%s=1): the window is never materialized", type(owner).__name__, ENV_FUSED_ATTENTION)
     return original(owner, *args, **kw)
@@ -270,7 +262,7 @@ def _attend_deferred(
     out = attend(q, view, scale=owner.softmax_scale, stats=stats,
                  fused=None if route is None else route.fused)
     for reason in stats.decode_reasons:  # the cache records them; the bridge says each once
-        _once(("attend", reason), logging.WARNING, "causalkv sglang bridge: attention: %s", reason)
+        log_once(logger, ("attend", reason), logging.WARNING, "causalkv sglang bridge: attention: %s", reason)
     if route is not None and route.record is not None:
         route.record.append((view, stats))
     return out
