@@ -126,8 +126,6 @@ class LingBotWorldStage(CausalDenoisingStage):
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         if not self.interactive:
             return
-        if chunk_index == 0:
-            self.kv_window_per_chunk = []
         m = self.model.option(LingBotConfig)
         motion = self.options.motion or ()
         # the rule is a prefix scan: the window of chunk i depends on motion[: i + 1] only

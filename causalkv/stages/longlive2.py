@@ -59,6 +59,7 @@ from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
 from causalkv.stages.scheduler import SchedulerSpec
+from causalkv.stages.settings import even_split
 
 __all__ = [
     "LongLive2Stage",
@@ -131,8 +132,7 @@ def expand_shots(
     elif chunks_per_shot > 0:
         wanted = [chunks_per_shot] * len(prompts)
     else:
-        base, extra = divmod(num_chunks, len(prompts))
-        wanted = [base + (1 if k < extra else 0) for k in range(len(prompts))]
+        wanted = even_split(num_chunks, len(prompts))
     shots: list[int] = []  # the shot of each chunk: shots in order, each clamped to what is left
     for k, d in enumerate(wanted):
         shots += [k] * min(int(d), num_chunks - len(shots))
