@@ -59,10 +59,9 @@ __all__ = [
     "ForcedRoute",
     "DeferredKV",
     "FusedAttentionError",
-    "lingbot_self_attention",
     "local_attention",
     "forced_route",
-    "wan_self_attention",
+    "self_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -187,31 +186,21 @@ def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
     return None
 
 
-def wan_self_attention(original: Callable[..., Any], owner: Any, *args: Any, **kw: Any) -> Any:
-    """AROUND ``CausalWanSelfAttention.forward``: sglang's forward with the bridge cache
-    proxied (deferred view) when the route serves the call; otherwise sglang's forward."""
-    return _self_attention(original, owner, args, kw, lingbot=False)
-
-
-def lingbot_self_attention(
-    original: Callable[..., Any], owner: Any, *args: Any, **kw: Any
+def self_attention(
+    original: Callable[..., Any], owner: Any, *args: Any, lingbot: bool = False, **kw: Any
 ) -> Any:
-    """AROUND ``LingBotWorldCausalSelfAttention.forward``: as `wan_self_attention`, and never
-    for a request that shards the sequence (its strategies read the view's K/V themselves)."""
-    return _self_attention(original, owner, args, kw, lingbot=True)
-
-
-def _self_attention(
-    original: Callable[..., Any], owner: Any, args: tuple, kw: dict, *, lingbot: bool
-) -> Any:
+    """AROUND ``CausalWanSelfAttention.forward`` and (``lingbot``)
+    ``LingBotWorldCausalSelfAttention.forward``: sglang's forward with the bridge cache proxied
+    (deferred view) when the route serves the call; otherwise sglang's forward (LingBot: always
+    for a request that shards the sequence, whose strategies read the view's K/V themselves)."""
     cache = _bridge_cache(args, kw)
     if cache is None:
         return original(owner, *args, **kw)
     why = _declined(args, kw, lingbot=lingbot)
     if why is not None:
         log_once(logger, ("declined", type(owner).__name__, why), logging.INFO,
-              "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "
-              "cache: %s", ENV_FUSED_ATTENTION, type(owner).__name__, why)
+                 "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "
+                 "cache: %s", ENV_FUSED_ATTENTION, type(owner).__name__, why)
         return original(owner, *args, **kw)
     return _routed_forward(original, owner, cache, args, kw)
 
@@ -224,8 +213,8 @@ def _routed_forward(
     args = tuple(proxy if a is cache else a for a in args)
     kw = {k: (proxy if a is cache else a) for k, a in kw.items()}
     log_once(logger, ("engaged", type(owner).__name__), logging.INFO,
-          "causalkv sglang bridge: %s attends the bridge cache through causalkv.caches.attend "
-          "(%s=1): the window is never materialized", type(owner).__name__, ENV_FUSED_ATTENTION)
+             "causalkv sglang bridge: %s attends the bridge cache through causalkv.caches.attend "
+             "(%s=1): the window is never materialized", type(owner).__name__, ENV_FUSED_ATTENTION)
     return original(owner, *args, **kw)
 
 

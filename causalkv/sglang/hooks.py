@@ -83,14 +83,15 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
 )
 
 
-def _route(name: str) -> Callable[..., Any]:
-    """The AROUND hook that calls `causalkv.sglang.attention`'s ``name``, imported at the
-    first call (the route imports sglang and torch: loaded only when the setting is on)."""
+def _route(name: str, **fixed: Any) -> Callable[..., Any]:
+    """The AROUND hook that calls `causalkv.sglang.attention`'s ``name`` (with the keywords
+    ``fixed``), imported at the first call (the route imports sglang and torch: loaded only
+    when the setting is on)."""
 
     def hook(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
         from causalkv.sglang import attention  # lazy: see the docstring
 
-        return getattr(attention, name)(original, self, *args, **kw)
+        return getattr(attention, name)(original, self, *args, **kw, **fixed)
 
     hook.__name__ = hook.__qualname__ = name
     return hook
@@ -100,8 +101,8 @@ def _route(name: str) -> Callable[..., Any]:
 #: sglang's causal self-attention over a bridge cache on CUDA goes through
 #: ``causalkv.caches.attend`` and never materializes the window (`causalkv.sglang.attention`)
 FUSED_ATTENTION_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
-    (f"{WAN_ATTN}.forward", _route("wan_self_attention")),
-    (f"{LINGBOT_ATTN}.forward", _route("lingbot_self_attention")),
+    (f"{WAN_ATTN}.forward", _route("self_attention")),
+    (f"{LINGBOT_ATTN}.forward", _route("self_attention", lingbot=True)),
     (f"{LOCAL_ATTN}.forward", _route("local_attention")),
 )
 
