@@ -164,10 +164,7 @@ def forced_route(*, fused: bool | None = False, record: list | None = None) -> I
 
 # ---- the hooks ------------------------------------------------------------------------------
 def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
-    for a in (*args, *kw.values()):
-        if isinstance(a, SGLangQVGKVCache):
-            return a
-    return None
+    return next((a for a in (*args, *kw.values()) if isinstance(a, SGLangQVGKVCache)), None)
 
 
 def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
