@@ -63,30 +63,6 @@ from __future__ import annotations
 
 from causalkv.lazy import lazy_names
 
-__all__ = [
-    "ATTENTION",
-    "BUILTIN_MODELS",
-    "DTYPE_BYTES",
-    "ROLLING_SLOT_CACHE",
-    "SETTINGS",
-    "STREAM_CACHE",
-    "CacheModel",
-    "ChunkState",
-    "MemoryPlan",
-    "MemoryRequest",
-    "ModelGeometry",
-    "Setting",
-    "SettingPlan",
-    "StreamLayout",
-    "attention_of",
-    "format_bytes",
-    "parse_bytes",
-    "plan_memory",
-    "plan_setting",
-    "positions",
-    "stream_layout",
-]
-
 #: each name's module, imported on first use: ``causalkv memory --help`` reads `records` and
 #: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
 _HOMES = {
@@ -114,4 +90,5 @@ _HOMES = {
 }
 
 
+__all__ = sorted(_HOMES)
 __getattr__ = lazy_names(__name__, _HOMES)

@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from causalkv.errors import ConfigError, check_int
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -58,11 +53,10 @@ class ModelGeometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "vae_scale_spatial",
                      "vae_scale_temporal", "frames_per_chunk", "window_frames", "height",
-                     "width", "fps", "default_frames"):
-            check_int(f"{self.name}: {name}", getattr(self, name), minimum=1, hint="fix the model's config")
-        for name in ("sink_frames", "global_sink_frames"):
-            check_int(f"{self.name}: {name}", getattr(self, name), minimum=0, hint="fix the model's config")
-        if len(self.patch) != 2 or any(not _is_int(p) or p < 1 for p in self.patch):
+                     "width", "fps", "default_frames", "sink_frames", "global_sink_frames"):
+            check_int(f"{self.name}: {name}", getattr(self, name), minimum=0 if "sink" in name else 1,
+                      hint="fix the model's config")
+        if len(self.patch) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch):
             raise ConfigError(f"{self.name}: patch must be 2 positive ints, got {self.patch!r}")
         if self.global_sink_frames > self.sink_frames:
             raise ConfigError(

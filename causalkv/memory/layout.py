@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
@@ -82,6 +83,12 @@ def _most_chunks(slots: int) -> int:
     return max(1, min(MAX_CHUNKS, MAX_WORK // slots))
 
 
+def min_window(geom: ModelGeometry, multi: bool) -> int:
+    """The fewest frames a window holds: the sink (``multi``: the global sink plus a pinned
+    shot sink) plus a chunk."""
+    return (geom.global_sink_frames + geom.sink_frames if multi else geom.sink_frames) + geom.frames_per_chunk
+
+
 def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
     """The request's stream in tokens (validates every field of ``req``: `ConfigError`)."""
     if req.dtype not in DTYPE_BYTES:
@@ -107,10 +114,9 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
             f"({latent} latent frames of {fpc}); pass more --frames or fewer --shots"
         )
     multi = shots > 1 and geom.sink_frames > 0
-    need = (geom.global_sink_frames + geom.sink_frames if multi else geom.sink_frames) + fpc
+    need = min_window(geom, multi)
     if window < need or window % fpc:
-        lo = max(need, -(-window // fpc) * fpc)
-        lo = -(-lo // fpc) * fpc
+        lo = -(-max(need, window) // fpc) * fpc
         what = "the global sink plus a pinned shot sink" if multi else "the sink"
         raise ConfigError(
             f"--window-frames {window} must be a multiple of {fpc} frames per chunk that holds "
@@ -126,17 +132,13 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
             f"changing once the window is full, so pass --latent-frames {most * fpc} (--frames "
             f"{geom.video_frames(most * fpc)}) or fewer"
         )
-    pins: set[int] = set()
-    if multi:
-        at = 0
-        for n in even_split(num_chunks, shots)[:-1]:
-            at += n
-            pins.add(at)  # a cut: the first chunk of every shot after the first
+    # a cut: the first chunk of every shot after the first
+    pins = frozenset(accumulate(even_split(num_chunks, shots)[:-1]) if multi else ())
     return StreamLayout(
         tokens_per_frame=tpf, frames_per_chunk=fpc, num_chunks=num_chunks, latent_frames=latent,
         video_frames=video, sink_tokens=geom.sink_frames * tpf,
         global_sink_tokens=geom.global_sink_frames * tpf, cache_tokens=window * tpf,
-        window_frames=window, pins=frozenset(pins), sets=2 if req.cfg else 1,
+        window_frames=window, pins=pins, sets=2 if req.cfg else 1,
         height=height, width=width,
     )
 

@@ -31,6 +31,7 @@ from causalkv.memory.layout import (
     MAX_CHUNKS,
     MAX_WORK,
     ChunkState,
+    min_window,
     plan_work,
     positions,
     request_latent_frames,
@@ -166,10 +167,6 @@ class _Seg(TierSegment):
     rewritten: bool = False  # a planned stream never writes into a packed chunk
 
 
-def _cut(seg: _Seg, a: int, b: int) -> _Seg:
-    return replace(seg, start=a, end=b)
-
-
 def _resident(segs: Sequence[_Seg], per_token: int) -> int:
     """One layer's bytes held, a shared codebook counted once (`SegmentStore.resident_nbytes`)."""
     total, books = 0, set()
@@ -243,7 +240,7 @@ def plan_setting(
     for cs in states:
         window.append(_call_buffers(cs, segs, n, cache, attention))
         segs.append(_Seg(cs.index * n, (cs.index + 1) * n, cs.index, cs.index))
-        segs = keep_held(segs, cs.held, _cut)
+        segs = keep_held(segs, cs.held, lambda seg, a, b: replace(seg, start=a, end=b))
         if book is not None and all(s.book != book.id for s in segs):
             book = None  # every segment using it rolled out: a fresh one next
         if q.enabled:
@@ -423,9 +420,7 @@ def plan_memory(
     states = positions(lay, cache.positions)
     rows = []
     fpc = geom.frames_per_chunk
-    multi = bool(lay.pins)
-    smallest = (geom.global_sink_frames + geom.sink_frames if multi else geom.sink_frames) + fpc
-    smallest = -(-smallest // fpc) * fpc
+    smallest = -(-min_window(geom, bool(lay.pins)) // fpc) * fpc
     memo: dict[int, Any] = {}
     for name in dict.fromkeys(names):
         row = plan_setting(geom, lay, SETTINGS[name], cache=cache, dtype=req.dtype,

@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
@@ -85,15 +85,11 @@ class Setting:
 
     def quant_args(self, *, sink: bool = True) -> QVGKVQuantArgs:
         """The cache's settings record (sglang's defaults for everything the row does not set:
-        128 centroids, block 64, 1 stage, symmetric; ``sink`` unless the row sets its own).
-        ``recent_tier`` is passed only where `QVGKVQuantArgs` declares it."""
+        128 centroids, block 64, 1 stage, symmetric; ``sink`` unless the row sets its own)."""
         if self.codec is None:
             return QVGKVQuantArgs()
-        kw: dict[str, Any] = {"codec": self.codec, "keep_recent_chunks": self.keep_recent_chunks,
-                              "sink": sink if self.sink is None else self.sink}
-        if "recent_tier" in QVGKVQuantArgs.specs():
-            kw["recent_tier"] = self.recent_tier
-        return QVGKVQuantArgs(**kw)
+        return QVGKVQuantArgs(codec=self.codec, keep_recent_chunks=self.keep_recent_chunks,
+                              sink=sink if self.sink is None else self.sink, recent_tier=self.recent_tier)
 
 
 #: the rows every registered codec setting gets, in table order: (name suffix, completed chunks

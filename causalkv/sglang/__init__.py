@@ -100,17 +100,14 @@ def register() -> bool:
         # lazy: sglang calls register() from its own plugin loading; importing causalkv.sglang loads no sglang
         from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
     except ImportError as exc:
-        if off:
-            return False
-        logger.info("causalkv sglang bridge not registered: cannot import %s (%s)", _PLUGIN_API, exc)
+        if not off:
+            logger.info("causalkv sglang bridge not registered: cannot import %s (%s)", _PLUGIN_API, exc)
         return False
     around = getattr(HookType, "AROUND", None)
     if around is None or not callable(plugin_hook):
-        if off:
-            return False
-        logger.info(
-            "causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND", _PLUGIN_API
-        )
+        if not off:
+            logger.info("causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND",
+                        _PLUGIN_API)
         return False
     # lazy: the hooks' modules are needed only once sglang's plugin API is known to be there
     from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS

@@ -22,7 +22,7 @@ from causalkv.sglang import ENV_LINGBOT_QVG
 from causalkv.sglang.settings import lingbot_codec
 from causalkv.sglang.stages import request_args, stage_marker
 from causalkv.sglang.summary import track
-from causalkv.sglang.targets import served_stage
+from causalkv.sglang.targets import qualname, served_stage
 
 __all__ = ["allocate", "describe"]
 
@@ -31,8 +31,7 @@ def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
              args: CausalKVQuantArgs | None = None) -> str:
     """The allocation's log line. ``quant``: sglang's settings; ``codec``: whose cache serves
     (``causalkv``, ``sglang`` or ``none``); ``args``: causalkv's settings when its cache serves."""
-    cls = type(caches[0]) if caches else None
-    name = f"{cls.__module__}.{cls.__qualname__}" if cls else "none"
+    name = qualname(caches[0]) if caches else "none"
     if quant is None or not quant.enabled:
         return (f"causalkv sglang bridge: {type(stage).__name__} keeps sglang's dense KV cache "
                 f"{name} x {len(caches)} blocks (kv-cache-quant off)")

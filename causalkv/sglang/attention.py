@@ -53,15 +53,15 @@ from causalkv.caches.attention import AttendStats, attend
 from causalkv.errors import CausalKVError
 from causalkv.sglang import ENV_FUSED_ATTENTION
 from causalkv.sglang.cache import SegmentView, SGLangQVGKVCache
+from causalkv.sglang.targets import log_once
 
 __all__ = [
     "ForcedRoute",
     "DeferredKV",
     "FusedAttentionError",
-    "lingbot_self_attention",
     "local_attention",
     "forced_route",
-    "wan_self_attention",
+    "self_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -163,20 +163,8 @@ def forced_route(*, fused: bool | None = False, record: list | None = None) -> I
 
 
 # ---- the hooks ------------------------------------------------------------------------------
-_said: set[tuple[str, ...]] = set()
-
-
-def _once(key: tuple[str, ...], level: int, msg: str, *args: Any) -> None:
-    if key not in _said:
-        _said.add(key)
-        logger.log(level, msg, *args)
-
-
 def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
-    for a in (*args, *kw.values()):
-        if isinstance(a, SGLangQVGKVCache):
-            return a
-    return None
+    return next((a for a in (*args, *kw.values()) if isinstance(a, SGLangQVGKVCache)), None)
 
 
 def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
@@ -195,31 +183,21 @@ def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
     return None
 
 
-def wan_self_attention(original: Callable[..., Any], owner: Any, *args: Any, **kw: Any) -> Any:
-    """AROUND ``CausalWanSelfAttention.forward``: sglang's forward with the bridge cache
-    proxied (deferred view) when the route serves the call; otherwise sglang's forward."""
-    return _self_attention(original, owner, args, kw, lingbot=False)
-
-
-def lingbot_self_attention(
-    original: Callable[..., Any], owner: Any, *args: Any, **kw: Any
+def self_attention(
+    original: Callable[..., Any], owner: Any, *args: Any, lingbot: bool = False, **kw: Any
 ) -> Any:
-    """AROUND ``LingBotWorldCausalSelfAttention.forward``: as `wan_self_attention`, and never
-    for a request that shards the sequence (its strategies read the view's K/V themselves)."""
-    return _self_attention(original, owner, args, kw, lingbot=True)
-
-
-def _self_attention(
-    original: Callable[..., Any], owner: Any, args: tuple, kw: dict, *, lingbot: bool
-) -> Any:
+    """AROUND ``CausalWanSelfAttention.forward`` and (``lingbot``)
+    ``LingBotWorldCausalSelfAttention.forward``: sglang's forward with the bridge cache proxied
+    (deferred view) when the route serves the call; otherwise sglang's forward (LingBot: always
+    for a request that shards the sequence, whose strategies read the view's K/V themselves)."""
     cache = _bridge_cache(args, kw)
     if cache is None:
         return original(owner, *args, **kw)
     why = _declined(args, kw, lingbot=lingbot)
     if why is not None:
-        _once(("declined", type(owner).__name__, why), logging.INFO,
-              "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "
-              "cache: %s", ENV_FUSED_ATTENTION, type(owner).__name__, why)
+        log_once(logger, ("declined", type(owner).__name__, why), logging.INFO,
+                 "causalkv sglang bridge: %s=1, but %s keeps sglang's attention over the bridge "
+                 "cache: %s", ENV_FUSED_ATTENTION, type(owner).__name__, why)
         return original(owner, *args, **kw)
     return _routed_forward(original, owner, cache, args, kw)
 
@@ -231,9 +209,9 @@ def _routed_forward(
     proxy = _RoutedCache(cache)
     args = tuple(proxy if a is cache else a for a in args)
     kw = {k: (proxy if a is cache else a) for k, a in kw.items()}
-    _once(("engaged", type(owner).__name__), logging.INFO,
-          "causalkv sglang bridge: %s attends the bridge cache through causalkv.caches.attend "
-          "(%s=1): the window is never materialized", type(owner).__name__, ENV_FUSED_ATTENTION)
+    log_once(logger, ("engaged", type(owner).__name__), logging.INFO,
+             "causalkv sglang bridge: %s attends the bridge cache through causalkv.caches.attend "
+             "(%s=1): the window is never materialized", type(owner).__name__, ENV_FUSED_ATTENTION)
     return original(owner, *args, **kw)
 
 
@@ -270,7 +248,7 @@ def _attend_deferred(
     out = attend(q, view, scale=owner.softmax_scale, stats=stats,
                  fused=None if route is None else route.fused)
     for reason in stats.decode_reasons:  # the cache records them; the bridge says each once
-        _once(("attend", reason), logging.WARNING, "causalkv sglang bridge: attention: %s", reason)
+        log_once(logger, ("attend", reason), logging.WARNING, "causalkv sglang bridge: attention: %s", reason)
     if route is not None and route.record is not None:
         route.record.append((view, stats))
     return out

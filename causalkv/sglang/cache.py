@@ -158,8 +158,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             self.global_end_index_int, self.local_end_index_int = g, loc
         return g, loc
 
-    def _write_indices(self, *, global_end_index: int, local_end_index: int) -> None:
-        if (self.global_end_index_int, self.local_end_index_int) == (global_end_index, local_end_index):
+    def _write_indices(self, *, global_end_index: int, local_end_index: int, force: bool = False) -> None:
+        if not force and (self.global_end_index_int, self.local_end_index_int) == (global_end_index, local_end_index):
             return
         if self.global_end_index_int is not None:
             self.global_end_index_int = global_end_index
@@ -170,12 +170,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
 
     def reset_indices(self) -> None:
         """Forget the stream (sglang's semantics) and free every stored chunk."""
-        self.global_end_index.zero_()
-        self.local_end_index.zero_()
-        if self.global_end_index_int is not None:
-            self.global_end_index_int = 0
-        if self.local_end_index_int is not None:
-            self.local_end_index_int = 0
+        self._write_indices(global_end_index=0, local_end_index=0, force=True)
         self.reset_pinned_sink()
         self._slots = SlotMap()
         self._heads = None
@@ -222,17 +217,11 @@ class SGLangQVGKVCache(_SGLangQVGCache):
 
     # ---- the write ----------------------------------------------------------------------
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
-    def update_and_get_attention_kv(
-        self,
-        *,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        current_chunk_start: int,
-        cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-        debug_name: str = "causal KV cache",
-    ) -> CausalAttentionKVView:
+    def update_and_get_attention_kv(self, **write: Any) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` and return sglang's view of the cache.
+
+        Keywords (sglang's): ``key``, ``value``, ``current_chunk_start``, ``cache_head_start``
+        (None), ``recent_window_tokens`` (None), ``debug_name`` (`_update`'s signature).
 
         Planned, then committed: raises (leaving the cache unchanged) ValueError as sglang
         for a missing ``cache_head_start`` or a negative ``recent_window_tokens``;
@@ -253,8 +242,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         Runs outside torch.compile's graphs (one graph break at sglang's call site): every
         decision here is integer bookkeeping that would only specialize and recompile.
         """
-        w = self._update(key, value, current_chunk_start, cache_head_start,
-                         recent_window_tokens, debug_name)
+        w = self._update(**write)
         k, v = self.store.gather(w.pieces, *w.heads, w.layout)
         return CausalAttentionKVView(
             k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
@@ -262,16 +250,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         )
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
-    def update_and_get_segment_view(
-        self,
-        *,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        current_chunk_start: int,
-        cache_head_start: int | None = None,
-        recent_window_tokens: int | None = None,
-        debug_name: str = "causal KV cache",
-    ) -> SegmentView:
+    def update_and_get_segment_view(self, **write: Any) -> SegmentView:
         """The write of `update_and_get_attention_kv` (same arguments, errors and effects on the
         cache), returning the same visible tokens as a lazy causalkv view for
         `causalkv.caches.attend`, never the window as one buffer: the store's view
@@ -289,8 +268,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         of it). ``position_ranges`` lists the pieces' position runs in view order (zero pieces
         have no position); ``rows`` counts every row, zeros included (sglang's ``k.shape[1]``).
         """
-        w = self._update(key, value, current_chunk_start, cache_head_start,
-                         recent_window_tokens, debug_name)
+        w = self._update(**write)
         rows = sum(n for _, n in w.pieces)
         return self.store.view(w.pieces, *w.heads, w.layout, make=lambda ranges, **kw: SegmentView(
             rows=rows, position_ranges=ranges, local_start_index=w.local_start,
@@ -299,12 +277,13 @@ class SGLangQVGKVCache(_SGLangQVGCache):
 
     def _update(
         self,
+        *,
         key: torch.Tensor,
         value: torch.Tensor,
         current_chunk_start: int,
-        cache_head_start: int | None,
-        recent_window_tokens: int | None,
-        debug_name: str,
+        cache_head_start: int | None = None,
+        recent_window_tokens: int | None = None,
+        debug_name: str = "causal KV cache",
     ) -> _Written:
         """Plan and commit one write (see `update_and_get_attention_kv`); what the view shows."""
         n, h_in = key.shape[1], key.shape[2]

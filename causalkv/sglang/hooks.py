@@ -18,8 +18,9 @@ sglang's original method first (sglang's AROUND convention). The hooks live by j
   pass as the commit.
 - `causalkv.sglang.allocation`: the cache allocation hook and its log line.
 - `causalkv.sglang.summary`: the per-request ``causalkv kv-cache summary:`` line.
-- `causalkv.sglang.attention_hooks`: the fused-attention route's hooks (registered only with
-  ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``).
+- `causalkv.sglang.attention`: the fused-attention route (registered only with
+  ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``; `FUSED_ATTENTION_HOOKS` import it at the first
+  hooked call, since it imports sglang and torch).
 
 `causalkv.sglang.register` registers `HOOKS` (plus `FUSED_ATTENTION_HOOKS` when the route is
 on), or only `OFF_HOOKS` when ``CAUSALKV_SGLANG_BRIDGE=0``: one observer that changes nothing
@@ -33,11 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 from causalkv.sglang.allocation import allocate
-from causalkv.sglang.attention_hooks import (
-    lingbot_self_attention,
-    local_attention,
-    wan_self_attention,
-)
 from causalkv.sglang.settings import load_config, post_init
 from causalkv.sglang.stages import (
     apply_overrides,
@@ -86,11 +82,28 @@ HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
     (f"{LINGBOT}._denoise_realtime_causal_chunk", denoise_chunk),
 )
 
-#: what `causalkv.sglang.register` adds to `HOOKS` with ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``
+
+def _route(name: str, **fixed: Any) -> Callable[..., Any]:
+    """The AROUND hook that calls `causalkv.sglang.attention`'s ``name`` (with the keywords
+    ``fixed``), imported at the first call (the route imports sglang and torch: loaded only
+    when the setting is on)."""
+
+    def hook(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
+        from causalkv.sglang import attention  # lazy: see the docstring
+
+        return getattr(attention, name)(original, self, *args, **kw, **fixed)
+
+    hook.__name__ = hook.__qualname__ = name
+    return hook
+
+
+#: what `causalkv.sglang.register` adds to `HOOKS` with ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``:
+#: sglang's causal self-attention over a bridge cache on CUDA goes through
+#: ``causalkv.caches.attend`` and never materializes the window (`causalkv.sglang.attention`)
 FUSED_ATTENTION_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
-    (f"{WAN_ATTN}.forward", wan_self_attention),
-    (f"{LINGBOT_ATTN}.forward", lingbot_self_attention),
-    (f"{LOCAL_ATTN}.forward", local_attention),
+    (f"{WAN_ATTN}.forward", _route("self_attention")),
+    (f"{LINGBOT_ATTN}.forward", _route("self_attention", lingbot=True)),
+    (f"{LOCAL_ATTN}.forward", _route("local_attention")),
 )
 
 #: what `causalkv.sglang.register` registers with the bridge off: a warning, no behaviour

@@ -176,8 +176,7 @@ def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
     """The stage's marker when the pass's caches (``kv_cache``, or a realtime ``cache_ctx``'s)
     use it, else None."""
     marker = stage.__dict__.get(_MARKER) if served(stage) else None
-    ctx = kw.get("cache_ctx")
-    caches = kw.get("kv_cache") or (getattr(ctx, "kv_cache", None) if ctx is not None else None)
+    caches = kw.get("kv_cache") or getattr(kw.get("cache_ctx"), "kv_cache", None)
     if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
         return None
     return marker

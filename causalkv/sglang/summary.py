@@ -43,11 +43,7 @@ def _nbytes(cache: Any) -> tuple[int | None, int]:
     v = getattr(cache, "v", None)
     if k is not None and v is not None and hasattr(k, "nbytes"):  # sglang's dense buffers
         return int(k.nbytes + v.nbytes), int(k.nbytes + v.nbytes)
-    # lazy: this module imports no torch until sglang calls a hook
-    import torch
-
-    itemsize = torch.empty((), dtype=cache.dtype).element_size()
-    dense = 2 * cache.batch_size * cache.cache_size * cache.num_heads * cache.head_dim * itemsize
+    dense = 2 * cache.batch_size * cache.cache_size * cache.num_heads * cache.head_dim * cache.dtype.itemsize
     resident = cache.resident_nbytes() if hasattr(cache, "resident_nbytes") else None
     return (int(resident) if resident is not None else None), int(dense)
 
@@ -66,20 +62,11 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     if not sets:
         return None
     cls = type(sets[0][0])
-    resident = dense = 0
-    known = True
-    markers: dict[int, Any] = {}
-    for caches in sets:
-        for cache in caches:
-            r, d = _nbytes(cache)
-            dense += d
-            if r is None:
-                known = False
-            else:
-                resident += r
-            marker = getattr(cache, "marker", None)
-            if marker is not None:
-                markers[id(marker)] = marker
+    caches = [c for blocks in sets for c in blocks]
+    sizes = [_nbytes(c) for c in caches]
+    known = all(r is not None for r, _ in sizes)
+    resident, dense = sum(r or 0 for r, _ in sizes), sum(d for _, d in sizes)
+    markers = {id(m): m for c in caches if (m := getattr(c, "marker", None)) is not None}
     # the ledger of the stage: every block that shares the marker reports to it
     peak = peak_nbytes([m.ledger for m in markers.values()], resident)
     first = sets[0][0]
@@ -106,14 +93,9 @@ def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: An
     begin_chunk_loop(self)
     try:
         out = original(self, batch, server_args)
-        sets: list[list] = []
-        seen: set[int] = set()
-        for caches in [*tracked, getattr(self, "causal_kv_cache", None),
-                       getattr(self, "causal_kv_cache_neg", None)]:
-            if caches and id(caches[0]) not in seen:
-                seen.add(id(caches[0]))
-                sets.append(list(caches))
-        line = summary_line(self, sets)
+        held = [*tracked, getattr(self, "causal_kv_cache", None), getattr(self, "causal_kv_cache_neg", None)]
+        sets = {id(caches[0]): list(caches) for caches in held if caches}  # each set once, in order
+        line = summary_line(self, sets.values())
         if line is not None:
             logger.info("%s", line)
         return out

@@ -10,14 +10,6 @@ from __future__ import annotations
 
 from causalkv.lazy import lazy_names
 
-__all__ = [
-    "CausalDenoisingStage",
-    "LingBotWorldStage",
-    "LongLive2Stage",
-    "LongLiveStage",
-    "WanCausalDMDStage",
-]
-
 _HOMES = {
     "CausalDenoisingStage": "causalkv.stages.base",
     "LingBotWorldStage": "causalkv.stages.lingbot",
@@ -27,4 +19,5 @@ _HOMES = {
 }
 
 
+__all__ = sorted(_HOMES)
 __getattr__ = lazy_names(__name__, _HOMES)

@@ -43,8 +43,8 @@ from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 from causalkv.capabilities import PROBE_COMMIT
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
-from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet, build_cache_set
-from causalkv.stages.loop import ChunkLoop, noise_like
+from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet
+from causalkv.stages.loop import ChunkLoop, renoise
 from causalkv.stages.planning import StagePlanning
 from causalkv.stages.records import ForwardRecord
 
@@ -174,13 +174,11 @@ class CausalDenoisingStage(StagePlanning):
         settings = self.stream_settings(model, self.server_args)
         self.model, self.settings = model, settings
         self.context_noise = float(model.context_noise)
-        self.timesteps, self.sigmas = self.schedule(model)
-
-    def schedule(self, model: ModelConfig) -> tuple[list[float], list[float]]:
-        """``(timesteps, sigmas)`` of one chunk's denoising (``len(sigmas)`` may be one more):
-        `sampler_sigmas` as the scheduler sets them (shifted)."""
+        # one chunk's denoising (``len(sigmas)`` may be one more): `sampler_sigmas` as the
+        # scheduler sets them (shifted)
         self.scheduler.set_timesteps(sigmas=self.sampler_sigmas(model))
-        return [float(t) for t in self.scheduler.timesteps], [float(s) for s in self.scheduler.sigmas]
+        self.timesteps = [float(t) for t in self.scheduler.timesteps]
+        self.sigmas = [float(s) for s in self.scheduler.sigmas]
 
     def sampler_sigmas(self, model: ModelConfig) -> Any:
         """The unshifted sigmas of one chunk's denoising: the DMD schedule, the model's
@@ -193,20 +191,16 @@ class CausalDenoisingStage(StagePlanning):
         if overrides:
             self.apply_model(self.model.with_overrides(overrides))
 
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV caches' dtype: ``server_args.kv_cache_dtype``, else the denoiser's."""
-        name = self.server_args.kv_cache_dtype
-        return self.denoiser.dtype if name is None else getattr(torch, name)
-
     def kv_spec(self) -> CausalCacheSpec:
         """One layer's `CausalCacheSpec` under the current settings, for the denoiser's heads
-        (a head-sharded rank's, starting at its ``head_offset``)."""
+        (a head-sharded rank's, starting at its ``head_offset``), in the KV dtype
+        (``server_args.kv_cache_dtype``, else the denoiser's)."""
+        name = self.server_args.kv_cache_dtype
         return self.settings.kv_spec(
             batch_size=self.batch_size,
             num_heads=self.denoiser.num_heads,
             head_dim=self.denoiser.head_dim,
-            dtype=self.kv_dtype,
+            dtype=self.denoiser.dtype if name is None else getattr(torch, name),
             device=self.denoiser.device,
             head_offset=getattr(self.denoiser, "head_offset", 0),
         )
@@ -219,8 +213,9 @@ class CausalDenoisingStage(StagePlanning):
         """Every cache set this stage owns (the positive branch first); allocated on first use."""
         if self._cache_sets is None:
             spec, layers = self.kv_spec(), self.denoiser.num_layers
-            self._cache_sets = [
-                build_cache_set(self.cache_factory, spec, self.cache_options, layers)
+            self._cache_sets = [  # per branch: a causal KV cache and a cross cache per layer
+                CacheSet([self.cache_factory.build(spec, self.cache_options) for _ in range(layers)],
+                         [CrossAttentionKVCache() for _ in range(layers)])
                 for _ in range(self.num_branches())
             ]
             caches = [c for cs in self._cache_sets for c in cs.kv]
@@ -244,18 +239,16 @@ class CausalDenoisingStage(StagePlanning):
         """The context of the denoising passes: their writes are probes (`PassMarker.probing`);
         nothing without a marker."""
         self.cache_sets()  # built on first use: the marker comes with them
-        marker = self.marker
-        return nullcontext() if marker is None else marker.probing()
+        return nullcontext() if self.marker is None else self.marker.probing()
 
     def context_scope(self, next_tokens: int | None = None) -> AbstractContextManager[Any]:
         """The context of a context-update pass: its writes commit the chunk
         (`PassMarker.committing`, with the pin the stage makes right after and the next
         chunk's size, default this one's); nothing without a marker."""
         self.cache_sets()
-        marker = self.marker
-        if marker is None or marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
+        if self.marker is None or self.marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
             return nullcontext()
-        return marker.committing(pin=self.pins_after_context(), next_tokens=next_tokens)
+        return self.marker.committing(pin=self.pins_after_context(), next_tokens=next_tokens)
 
     @property
     def caches(self) -> CacheSet:
@@ -389,5 +382,4 @@ class CausalDenoisingStage(StagePlanning):
         x0 = x - self.sigmas[j] * pred
         if j + 1 == len(self.timesteps):
             return x0
-        s_next = self.sigmas[j + 1]
-        return (1.0 - s_next) * x0 + s_next * noise_like(x0, generator)
+        return renoise(x0, self.sigmas[j + 1], generator)

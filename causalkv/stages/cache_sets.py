@@ -1,4 +1,4 @@
-"""`CacheSet`: one branch's caches, and their allocation (`build_cache_set`).
+"""`CacheSet`: one branch's caches.
 
 A stage allocates one set per CFG branch, once, on first use (after
 ``causalkv_configure_stage`` had its say): a causal KV cache per self-attention layer, built
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 
-__all__ = ["CacheFactoryLike", "CacheSet", "build_cache_set"]
+__all__ = ["CacheFactoryLike", "CacheSet"]
 
 
 class CacheFactoryLike(Protocol):
@@ -49,8 +49,3 @@ class CacheSet:
     def kv_resident_nbytes(self) -> int:
         return sum(cache.resident_nbytes() for cache in self.kv)
 
-
-def build_cache_set(factory: CacheFactoryLike, spec: CausalCacheSpec, options: Any, num_layers: int) -> CacheSet:
-    """``num_layers`` caches ``factory.build(spec, options)`` and as many cross caches."""
-    kv = [factory.build(spec, options) for _ in range(num_layers)]
-    return CacheSet(kv=kv, cross=[CrossAttentionKVCache() for _ in range(num_layers)])

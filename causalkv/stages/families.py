@@ -99,7 +99,7 @@ class ShotRequest(StageOptions):
         help="RoPE frames added per shot index (float >= 0; default: the model's)",
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> Any:
         if self.durations is not None:
             durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
             if not durations:
@@ -108,9 +108,6 @@ class ShotRequest(StageOptions):
                     "(--shot-durations 3,2,4)"
                 )
             object.__setattr__(self, "durations", durations)
-        super().__post_init__()
-
-    def validate(self) -> Any:
         for d in self.durations or ():
             if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
                 raise ConfigError(

@@ -53,13 +53,9 @@ def window_per_chunk(
     count, frames = 0, moving_frames
     out: list[dict[str, Any]] = []
     for m in motion:
-        if m == "m":
-            count, frames = 0, moving_frames
-        else:
-            count += 1
-            if still_frames is not None and count >= n:
-                frames = still_frames
-        still = m != "m" and still_frames is not None and count >= n and frames == still_frames
+        count = 0 if m == "m" else count + 1
+        still = m != "m" and still_frames is not None and count >= n
+        frames = moving_frames if m == "m" else still_frames if still else frames
         out.append({"mode": "still" if still else "moving", "frames": int(frames)})
     return out
 
@@ -130,8 +126,6 @@ class LingBotWorldStage(CausalDenoisingStage):
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         if not self.interactive:
             return
-        if chunk_index == 0:
-            self.kv_window_per_chunk = []
         m = self.model.option(LingBotConfig)
         motion = self.options.motion or ()
         # the rule is a prefix scan: the window of chunk i depends on motion[: i + 1] only

@@ -18,6 +18,7 @@ import torch
 
 from causalkv.errors import UsageError
 from causalkv.stages.base import CausalDenoisingStage
+from causalkv.stages.loop import renoise
 
 __all__ = ["LongLiveStage"]
 
@@ -73,9 +74,8 @@ class LongLiveStage(CausalDenoisingStage):
             if x.shape[2] != len(idx):
                 raise UsageError(f"re-cache piece {idx} is not contiguous")
             if self.context_noise > 0:
-                s = self.context_noise / 1000.0
                 gen = torch.Generator(device="cpu").manual_seed(self.server_args.seed + idx[0])
-                x = (1.0 - s) * x + s * torch.randn(x.shape, generator=gen).to(x.device)
+                x = renoise(x, self.context_noise / 1000.0, gen)
             nxt = len(groups[i + 1]) if i + 1 < len(groups) else fpc
             with self.context_scope(next_tokens=nxt * tpf):
                 self._forward(self.caches, prompt, x, self.context_noise, self.loop.token_end, piece[0][1])

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -58,13 +59,13 @@ from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
 from causalkv.stages.scheduler import SchedulerSpec
+from causalkv.stages.settings import even_split
 
 __all__ = [
     "LongLive2Stage",
     "ShotLayout",
     "ShotPlan",
     "expand_shots",
-    "is_scene_cut",
     "unipc_sigmas",
 ]
 
@@ -72,11 +73,6 @@ __all__ = [
 #: the seed runtime's UniPC training schedule: 1000 timesteps, shift 1; its top sigma
 NUM_TRAIN_TIMESTEPS = 1000
 UNIPC_SIGMA_MAX = float(np.float32(1.0 - 1.0 / NUM_TRAIN_TIMESTEPS))
-
-
-def is_scene_cut(prompt: str, prefix: str = SCENE_CUT_PREFIX) -> bool:
-    """True when ``prompt`` starts with a non-empty scene-cut ``prefix`` (plain chunk lists)."""
-    return bool(prefix) and prompt.startswith(prefix)
 
 
 @dataclass(frozen=True)
@@ -136,28 +132,14 @@ def expand_shots(
     elif chunks_per_shot > 0:
         wanted = [chunks_per_shot] * len(prompts)
     else:
-        base, extra = divmod(num_chunks, len(prompts))
-        wanted = [base + (1 if k < extra else 0) for k in range(len(prompts))]
-    taken: list[int] = []
-    left = num_chunks
-    for d in wanted:
-        if left <= 0:
-            break
-        take = min(int(d), left)
-        taken.append(take)
-        left -= take
-    if left > 0 and taken:
-        taken[-1] += left
-    chunk_prompts: list[str] = []
-    cuts: list[bool] = []
-    shots: list[int] = []
-    for k, (prompt, n) in enumerate(zip(prompts, taken)):
-        for c in range(n):
-            cut = k > 0 and c == 0
-            chunk_prompts.append(scene_cut_prefix + prompt if cut and scene_cut_prefix else prompt)
-            cuts.append(cut)
-            shots.append(k)
-    return ShotLayout(tuple(chunk_prompts[:num_chunks]), tuple(cuts[:num_chunks]), tuple(shots[:num_chunks]))
+        wanted = even_split(num_chunks, len(prompts))
+    shots: list[int] = []  # the shot of each chunk: shots in order, each clamped to what is left
+    for k, d in enumerate(wanted):
+        shots += [k] * min(int(d), num_chunks - len(shots))
+    shots += shots[-1:] * (num_chunks - len(shots))  # chunks left over: the last shot's
+    cuts = tuple(i > 0 and k != shots[i - 1] for i, k in enumerate(shots))
+    chunk_prompts = tuple(scene_cut_prefix + prompts[k] if cut else prompts[k] for k, cut in zip(shots, cuts))
+    return ShotLayout(chunk_prompts, cuts, tuple(shots))
 
 
 def layout_of(chunk_prompts: Sequence[str], server_args: ServerArgs) -> ShotLayout:
@@ -169,10 +151,9 @@ def layout_of(chunk_prompts: Sequence[str], server_args: ServerArgs) -> ShotLayo
     prompts = list(chunk_prompts)
     prefix = server_args.option(ShotRequest).scene_cut_prefix
     cuts = tuple(
-        i > 0 and (is_scene_cut(p, prefix) if prefix else p != prompts[i - 1]) for i, p in enumerate(prompts)
+        i > 0 and (p.startswith(prefix) if prefix else p != prompts[i - 1]) for i, p in enumerate(prompts)
     )
-    shots = tuple(int(n) for n in np.cumsum([int(c) for c in cuts])) if prompts else ()
-    return ShotLayout(tuple(prompts), cuts, shots)
+    return ShotLayout(tuple(prompts), cuts, tuple(accumulate(int(c) for c in cuts)))
 
 
 def unipc_sigmas(num_steps: int) -> np.ndarray:
@@ -299,19 +280,19 @@ class LongLive2Stage(CausalDenoisingStage):
         return sets[1] if len(sets) > 1 else None
 
     # ---- shots -------------------------------------------------------------------------------
-    @property
-    def rope_offset_per_shot(self) -> float:
-        """RoPE frames added per shot index: the request's, else the model's."""
-        off = self.options.multi_shot_rope_offset
-        return float(self.model.option(LongLive2Config).rope_offset_frames_per_shot if off is None else off)
+    @staticmethod
+    def rope_offset_per_shot(model: ModelConfig, shots: ShotRequest) -> float:
+        """RoPE frames added per shot index: the request's (``shots``), else the model's."""
+        off = shots.multi_shot_rope_offset
+        return float(model.option(LongLive2Config).rope_offset_frames_per_shot if off is None else off)
 
-    @property
-    def pins_shot_sinks(self) -> bool:
-        """Cut chunks are pinned: a multi-shot request with multi-shot sinks and a sink."""
-        return (
-            self.server_args.multi_shot
-            and self.options.multi_shot_sink
-            and self.settings.sink_frames > 0
+    def pins(self, chunk_index: int | None) -> bool:
+        """Chunk ``chunk_index`` is pinned as its shot's sink after its context pass: a scene
+        cut of a multi-shot request with multi-shot sinks and a sink."""
+        return bool(
+            chunk_index is not None and self.server_args.multi_shot and self.options.multi_shot_sink
+            and self.settings.sink_frames > 0 and self.layout is not None
+            and self.layout.scene_cuts[chunk_index]
         )
 
     def report(self) -> dict[str, Any]:
@@ -346,22 +327,19 @@ class LongLive2Stage(CausalDenoisingStage):
         chunk_prompts: Sequence[str],
     ) -> list[float]:
         """Chunk start plus shot index x the per-shot RoPE offset (as `rope_frame_offset`)."""
-        off = server_args.option(ShotRequest).multi_shot_rope_offset
-        per_shot = float(model.option(LongLive2Config).rope_offset_frames_per_shot if off is None else off)
+        per_shot = cls.rope_offset_per_shot(model, server_args.option(ShotRequest))
         shots = layout_of(chunk_prompts, server_args).shot_indices
         fpc = settings.frames_per_chunk
         return [i * fpc + shot * per_shot for i, shot in enumerate(shots)]
 
     def rope_frame_offset(self, chunk_index: int, prompt: str) -> float:
         shot = self.layout.shot_indices[chunk_index] if self.layout is not None else 0
-        offset = shot * self.rope_offset_per_shot
+        offset = shot * self.rope_offset_per_shot(self.model, self.options)
         return int(offset) if float(offset).is_integer() else offset
 
     def pins_after_context(self) -> bool:
         """True when the chunk being generated is a scene cut whose chunk is pinned."""
-        i = self._chunk_index
-        return bool(self.pins_shot_sinks and self.layout is not None and i is not None
-                    and self.layout.scene_cuts[i])
+        return self.pins(self._chunk_index)
 
     _chunk_index: int | None = None
 
@@ -371,7 +349,7 @@ class LongLive2Stage(CausalDenoisingStage):
         self.rope_frame_starts.append(f0 + self.rope_frame_offset(chunk_index, prompt))
 
     def end_chunk(self, chunk_index: int, prompt: str) -> None:
-        if not (self.pins_shot_sinks and self.layout is not None and self.layout.scene_cuts[chunk_index]):
+        if not self.pins(chunk_index):
             return
         n = self.settings.tokens_per_chunk
         for cs in self.cache_sets():

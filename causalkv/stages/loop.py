@@ -26,13 +26,14 @@ from causalkv.stages.records import ChunkStats, ForwardRecord, GenerationResult
 if TYPE_CHECKING:
     from causalkv.stages.base import CausalDenoisingStage
 
-__all__ = ["ChunkLoop", "noise_like"]
+__all__ = ["ChunkLoop", "renoise"]
 
 
-def noise_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Standard normal noise shaped like ``x`` (float32, drawn on the generator's device)."""
-    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=generator.device)
-    return noise.to(x.device)
+def renoise(x0: torch.Tensor, sigma: float, generator: torch.Generator) -> torch.Tensor:
+    """``x0`` noised to ``sigma``: ``(1 - sigma) * x0 + sigma * noise``, the standard normal
+    noise shaped like ``x0`` (float32, drawn on the generator's device)."""
+    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32, device=generator.device)
+    return (1.0 - sigma) * x0 + sigma * noise.to(x0.device)
 
 
 class ChunkLoop:
@@ -125,10 +126,8 @@ class ChunkLoop:
                                          on_forward=on_forward)
             self.check_finite(x0, i, len(chunk_prompts))
             out[:, :, f0 : f0 + fpc] = x0
-            ctx_in = x0
-            if stage.context_noise > 0:
-                s_ctx = stage.context_noise / 1000.0
-                ctx_in = (1.0 - s_ctx) * x0 + s_ctx * noise_like(x0, generator)
+            noised = stage.context_noise > 0
+            ctx_in = renoise(x0, stage.context_noise / 1000.0, generator) if noised else x0
             ctx_pred = stage.context_pass(prompt, ctx_in, token_start, rope_f0)
             if on_forward is not None:
                 on_forward(ForwardRecord(i, -1, stage.context_noise, ctx_in, ctx_pred, token_start, rope_f0))

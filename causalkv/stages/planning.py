@@ -134,6 +134,11 @@ class StagePlanning:
         """
         prompts = check_prompts(prompts)
         cls.check_request_fields(server_args, num_chunks)
+        if num_chunks < len(prompts):
+            raise ConfigError(
+                f"{len(prompts)} prompts need at least {len(prompts)} chunks, the request has "
+                f"{num_chunks}; pass more --frames or fewer --prompt"
+            )
         return [p for p, n in zip(prompts, even_split(num_chunks, len(prompts))) for _ in range(n)]
 
     @classmethod

@@ -75,7 +75,6 @@ class ForwardRecord:
     prediction: torch.Tensor
     token_start: int
     rope_frame_start: float
-    branch: str = "positive"
 
 
 @dataclass

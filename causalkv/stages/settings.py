@@ -103,11 +103,6 @@ class StreamSettings:
 
 def even_split(num_chunks: int, num_shots: int) -> list[int]:
     """Chunks per shot: ``num_chunks // num_shots`` each, the first shots one more while
-    chunks remain. `ConfigError` when there are fewer chunks than shots."""
-    if num_chunks < num_shots:
-        raise ConfigError(
-            f"{num_shots} prompts need at least {num_shots} chunks, the request has "
-            f"{num_chunks}; pass more --frames or fewer --prompt"
-        )
+    chunks remain (with fewer chunks than shots, the last shots get none)."""
     base, extra = divmod(num_chunks, num_shots)
     return [base + (k < extra) for k in range(num_shots)]

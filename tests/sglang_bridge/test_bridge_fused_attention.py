@@ -47,7 +47,7 @@ from causalkv.caches.codecs.prq.format import PackedSegment
 from causalkv.caches.spec import CacheWriteError
 from causalkv.errors import ConfigError
 from causalkv.sglang import attention as route
-from causalkv.sglang import hooks
+from causalkv.sglang import hooks, targets
 from causalkv.sglang import settings as bridge_settings
 from causalkv.sglang.cache import SGLangQVGKVCache
 
@@ -331,7 +331,7 @@ def test_the_bridge_reports_once_why_attend_decoded_packed_segments(monkeypatch,
     # CUDA without triton, on the CPU: attend's default decodes and records why
     monkeypatch.setattr(cache_attention, "_use_fused",
                         lambda fused, device, st: st.note(cache_attention.NO_TRITON) or False)
-    route._said.clear()
+    monkeypatch.setattr(targets, "_logged", set())  # each line said once again
     record = []
     with (_hooks_applied(monkeypatch), route.forced_route(fused=None, record=record),
           caplog.at_level(logging.DEBUG)):
@@ -350,7 +350,7 @@ def test_on_the_cpu_without_the_override_the_route_changes_nothing(
     qkv = _qkv(torch.bfloat16)
     off_cache, on_cache = _cache(torch.bfloat16), _cache(torch.bfloat16)
     off = _stream(attn, off_cache, qkv, lingbot=kind == "lingbot")
-    route._said.clear()
+    monkeypatch.setattr(targets, "_logged", set())  # each line said once again
     with _hooks_applied(monkeypatch), caplog.at_level(logging.INFO, logger=route.__name__):
         on = _stream(attn, on_cache, qkv, lingbot=kind == "lingbot")
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
@@ -366,7 +366,7 @@ def test_a_sequence_sharded_lingbot_request_keeps_sglangs_attention(
     qkv = _qkv(torch.bfloat16)
     batch = SimpleNamespace(enable_sequence_shard=True, realtime_causal_kv_sample_tokens=None)
     outs = {}
-    route._said.clear()
+    monkeypatch.setattr(targets, "_logged", set())  # each line said once again
     for name in ("off", "on"):
         cache = _cache(torch.bfloat16)
         record = []
