@@ -96,7 +96,9 @@ def _nearest_existing(path: Path) -> Path:
     return folder
 
 
-def _check_folder(path: Path, what: str, fix: str, *, file_fix: str | None = None, cannot: str | None = None) -> None:
+def _check_folder(
+    path: Path, what: str, fix: str, *, file_fix: str | None = None, cannot: str | None = None
+) -> None:
     """`ConfigError` naming ``what``, why and ``fix`` unless files can be created in the
     nearest existing folder of ``path`` (probed by creating and removing a temporary file
     there; nothing is left behind). ``file_fix``: the fix when that is a file (default
@@ -130,7 +132,8 @@ def _check_writable_file(path: str | Path, flag: str) -> Path:
         raise ConfigError(f"{flag} {text!r} is a folder; name a file in it")
     if p.exists() and not p.is_file():
         raise ConfigError(f"{flag} {text!r} exists and is not a regular file; name a regular file")
-    _check_folder(p.parent, f"{flag} {text!r}", f"choose a writable folder for {flag}", file_fix=f"choose another {flag}")
+    _check_folder(p.parent, f"{flag} {text!r}", f"choose a writable folder for {flag}",
+                  file_fix=f"choose another {flag}")
     return p
 
 
@@ -180,7 +183,9 @@ def describe_file(path: str | Path) -> str | None:
     if size <= 1 << 24:
         with contextlib.suppress(ValueError, UnicodeDecodeError, OSError):
             obj = json.loads(p.read_text(encoding="utf-8"))
-            return "causalkv metrics" if isinstance(obj, dict) and {"model", "stage", "chunks"} <= set(obj) else "a JSON file"
+            if isinstance(obj, dict) and {"model", "stage", "chunks"} <= set(obj):
+                return "causalkv metrics"
+            return "a JSON file"
     try:
         head.decode("utf-8")
     except UnicodeDecodeError:
@@ -240,7 +245,9 @@ def check_output_files(
         if path is None:
             continue
         if flag == "--save-latents" and Path(path).suffix.lower() != ".safetensors":
-            raise ConfigError(f"--save-latents {str(path)!r} must end in .safetensors (it is written as a safetensors file)")
+            raise ConfigError(
+                f"--save-latents {str(path)!r} must end in .safetensors (it is written as a safetensors file)"
+            )
         named.append((flag, _check_writable_file(path, flag)))
         if flag == "--output":
             check_video_suffix(path)

@@ -69,10 +69,8 @@ def compare_unquantized(
     ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.stage_name, registry=plugins.registry)
 
     def again(reference: bool) -> GenerationRun:
-        if reference:
-            return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args,
-                            resolution=ref_res)
-        return run_plan(plan, pm=plugins.pm, components=run.components)
+        return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args if reference else None,
+                        resolution=ref_res if reference else None)
 
     ref = again(True)
     timed: dict[bool, list[float]] = {False: [], True: []}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,8 +90,15 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
 def check_sizes(plan: Plan) -> None:
     """The sizes a request implies, checked before anything proportional to them is built
     (the per-chunk prompt list included): the frame count against the RoPE limit, then every
-    part of `memory_floor` against the device's memory. ``plan.chunk_prompts`` may be empty."""
-    _check_rope_limit(plan)
+    part of `memory_floor` against the device's memory. ``plan.chunk_prompts`` may be empty
+    (the frames alone, no per-shot offsets: `check_before_load` checks those)."""
+    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
+    limit, p_t, where = _rope_limit(plan)
+    if n // p_t > limit:
+        raise ConfigError(
+            f"--frames {n} exceeds the RoPE limit: rope_max_seq_len={limit} in {where}; "
+            f"pass --frames {(limit * p_t) // fpc * fpc} or fewer"
+        )
     _check_memory(plan)
 
 
@@ -121,7 +127,7 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
             "to turn guidance off"
         )
     given = [r for r in args.options if isinstance(r, CacheOptions) and r.changed()]
-    if getattr(options, "compare_bf16", False) and not given and args.cache is None:
+    if options.compare_bf16 and not given and args.cache is None:
         raise ConfigError(
             f"--compare-bf16 compares the run with the same run without the cache's settings, and "
             f"this request gives none (cache {res.cache_factory.name!r}, kv-cache-quant off): both "
@@ -135,16 +141,14 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
             f"holds besides the chunk; pass --recent-window-frames {s.window_frames - fpc} or "
             "fewer, or drop it"
         )
-    if s.sink_frames == 0:
-        for record in given:
-            sink = [label if label.startswith("-") else f"--{label}"
-                    for label in record.given_labels() if "sink" in label]
-            if sink:
-                raise ConfigError(
-                    f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
-                    f"(sink 0 frames on {plan.model.name}): it would do nothing; drop it or pass "
-                    "--sink-frames N"
-                )
+    sink = [label if label.startswith("-") else f"--{label}"
+            for record in given for label in record.given_labels() if "sink" in label]
+    if s.sink_frames == 0 and sink:
+        raise ConfigError(
+            f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
+            f"(sink 0 frames on {plan.model.name}): it would do nothing; drop it or pass "
+            "--sink-frames N"
+        )
     if args.window_frames is not None and args.window_frames > plan.num_frames:
         floor = memory_floor(plan)["kv_caches"]
         plan.warnings.append(
@@ -263,24 +267,12 @@ def _rope_limit(plan: Plan) -> tuple[int, int, str]:
     return limit, p_t, f"{plan.info.config.name}'s transformer/config.json"
 
 
-def _check_rope_limit(plan: Plan) -> None:
-    """The frames alone against the RoPE limit: no offsets and no chunk list needed."""
-    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
-    limit, p_t, where = _rope_limit(plan)
-    if n // p_t > limit:
-        raise ConfigError(
-            f"--frames {n} exceeds the RoPE limit: rope_max_seq_len={limit} in {where}; "
-            f"pass --frames {(limit * p_t) // fpc * fpc} or fewer"
-        )
-
-
 def _check_frames(plan: Plan) -> None:
     """Refuse a frame count whose chunks' RoPE frames (per-shot offsets included) go beyond
     the RoPE limit; the hint is the frame count, or the per-shot offset, that fits."""
     fpc, n = plan.settings.frames_per_chunk, plan.num_frames
     limit, p_t, where = _rope_limit(plan)
-    ends = rope_frame_ends(plan)
-    for i, end in enumerate(ends):
+    for i, end in enumerate(rope_frame_ends(plan)):
         start = end - fpc
         if start // p_t + fpc // p_t > limit:
             offset = start - i * fpc
@@ -288,14 +280,14 @@ def _check_frames(plan: Plan) -> None:
             if best >= fpc:
                 fix = f"pass --frames {best} or fewer"
             else:  # the offsets alone pass the limit: the hint is the per-shot offset that fits
-                fix = _offset_fix(plan, ends, limit * p_t)
+                fix = _offset_fix(plan, limit * p_t)
             raise ConfigError(
                 f"--frames {n}: chunk {i} would use RoPE frames up to {end} (its frames plus a "
                 f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; {fix}"
             )
 
 
-def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
+def _offset_fix(plan: Plan, frames_limit: int) -> str:
     """The hint when the per-shot RoPE offsets alone pass the limit: the largest per-shot
     offset the last chunk fits with (chunk ``L`` of shot ``K`` starts at ``L fpc + K off``)."""
     fpc = plan.settings.frames_per_chunk

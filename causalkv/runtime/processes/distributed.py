@@ -67,20 +67,15 @@ class ParallelContext:
     """This process's place in the job.
 
     Attributes:
-        rank, world_size: global rank and number of ranks.
-        local_rank, local_world_size: on this node (the CUDA device index is ``local_rank``).
+        rank, world_size: global rank and number of ranks (the default process group's).
+        local_rank: on this node (the CUDA device index).
         device: this rank's torch device (``cpu`` or ``cuda:<local_rank>``).
-        backend: ``"gloo"`` or ``"nccl"``.
-        group: the process group of the sequence-parallel exchange (None: the default group).
     """
 
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
     device: torch.device
-    backend: str
-    group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -189,7 +184,9 @@ def check_devices(device: str | torch.device, local_ranks: int) -> None:
     if torch.device(device).type != "cuda" or local_ranks <= 1:
         return
     if (reason := cuda_problem()) is not None:
-        raise ConfigError(f"--device {device}: {reason}; run the {local_ranks} processes on CPU with --device cpu (gloo)")
+        raise ConfigError(
+            f"--device {device}: {reason}; run the {local_ranks} processes on CPU with --device cpu (gloo)"
+        )
     if cuda_problem(local_ranks - 1) is not None:
         have = torch.cuda.device_count()
         raise ConfigError(
@@ -198,7 +195,9 @@ def check_devices(device: str | torch.device, local_ranks: int) -> None:
         )
 
 
-def check_parallel_request(world_size: int, *, num_heads: int, tokens_per_chunk: int, device: str | torch.device) -> None:
+def check_parallel_request(
+    world_size: int, *, num_heads: int, tokens_per_chunk: int, device: str | torch.device
+) -> None:
     """Refuse a sequence-parallel request that cannot run, before any weights load.
 
     Raises `ConfigError` when ``world_size`` does not divide the head count (each rank caches
@@ -242,14 +241,10 @@ def init_parallel(device: str | torch.device = "cpu", *, timeout_s: float = DEFA
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-        )
-    _CURRENT = ParallelContext(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-        local_world_size=local_world, device=dev, backend=backend,
-    )
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if backend == "nccl" else None)
+    _CURRENT = ParallelContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               local_rank=local_rank, device=dev)
     return _CURRENT
 
 
@@ -262,9 +257,15 @@ def shutdown() -> None:
 
 
 # ---- the Ulysses exchange ----------------------------------------------------------------------
-def _count(send: torch.Tensor, n: int) -> None:
+def _all_to_all(send: torch.Tensor, n: int) -> torch.Tensor:
+    """``send`` ``[N, ...]`` exchanged (row i goes to rank i, row i of the result came from it),
+    counted in `EXCHANGE`."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
     EXCHANGE.bytes_sent += send.numel() * send.element_size() * (n - 1) // n
     EXCHANGE.calls += 1
+    return recv
 
 
 def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -275,10 +276,7 @@ def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """
     n = ctx.world_size
     b, s, h, d = x.shape
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ctx.group)
-    _count(send, n)
+    recv = _all_to_all(x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4), n)
     # recv[i] = rank i's tokens of our heads
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
 
@@ -287,10 +285,7 @@ def heads_to_seq(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """The inverse of `seq_to_heads`: ``[B, S, H/N, D]`` -> ``[B, S/N, H, D]``."""
     n = ctx.world_size
     b, s_full, h, d = x.shape
-    send = x.reshape(b, n, s_full // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ctx.group)
-    _count(send, n)
+    recv = _all_to_all(x.reshape(b, n, s_full // n, h, d).permute(1, 0, 2, 3, 4), n)
     # recv[i] = our tokens of rank i's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s_full // n, n * h, d)
 
@@ -302,14 +297,14 @@ def local_main_first(fn: Callable[[], T]) -> T:
     if ctx is None or ctx.world_size <= 1:
         return fn()
     result = fn() if ctx.local_rank == 0 else None
-    dist.barrier(group=ctx.group)
+    dist.barrier()
     return fn() if ctx.local_rank != 0 else result  # type: ignore[return-value]
 
 
 def gather_ints(value: int, ctx: ParallelContext) -> list[int]:
     """Every rank's ``value``, in rank order (every rank must call it)."""
     out = [0] * ctx.world_size
-    dist.all_gather_object(out, int(value), group=ctx.group)
+    dist.all_gather_object(out, int(value))
     return out
 
 

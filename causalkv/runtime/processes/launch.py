@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -209,11 +209,8 @@ def choose_report(
         return next((r for r in reports if r.rank == 0), None)
     faults = [r for r in reports if r.code != 0]
     own = [r for r in faults if not r.consequence]
-    if own:
-        return own[0]
-    if silent:
-        return None
-    return faults[0] if faults else None
+    speaking = own or ([] if silent else faults)  # a consequence never speaks for a silent rank
+    return speaking[0] if speaking else None
 
 
 def _pid_is_ours(pid: int) -> bool:
@@ -246,18 +243,17 @@ def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding_signals(forward: Callable[[int], None]) -> Iterator[list[int]]:
-    """SIGINT (unless inherited as ignored) and SIGTERM call ``forward(signum)``; yields the
-    list of signals received."""
+def _forwarding_signals(proc: subprocess.Popen[bytes]) -> Iterator[list[int]]:
+    """SIGINT (unless inherited as ignored) and SIGTERM are sent on to ``proc`` (in the main
+    thread: only it can handle signals); yields the list of signals received."""
     got: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
 
     def handler(signum: int, frame: Any) -> None:
         got.append(signum)
-        forward(signum)
+        with contextlib.suppress(OSError):
+            proc.send_signal(signum)
 
     for s, old in previous.items():
         if old != signal.SIG_IGN:
@@ -269,7 +265,9 @@ def _forwarding_signals(forward: Callable[[int], None]) -> Iterator[list[int]]:
             signal.signal(s, old)
 
 
-def _pass_stderr(stream: IO[bytes], out: IO[str], *, debug: bool, seen: Iterable[str] = ()) -> tuple[threading.Thread, collections.deque[str]]:
+def _pass_stderr(
+    stream: IO[bytes], out: IO[str], *, debug: bool, seen: Iterable[str] = ()
+) -> tuple[threading.Thread, collections.deque[str]]:
     """Read the job's stderr line by line in a thread: pass all of it with ``debug``, else each
     distinct ``causalkv`` line once. Returns the thread and the tail it keeps for `_died`."""
     shown, tail = set(seen), collections.deque(maxlen=400)
@@ -353,12 +351,7 @@ def run_supervised(
         raise
     assert proc.stderr is not None
     reader, tail = _pass_stderr(proc.stderr, err, debug=debug, seen=seen)
-
-    def forward(signum: int) -> None:
-        with contextlib.suppress(OSError):
-            proc.send_signal(signum)
-
-    with _forwarding_signals(forward) as got:
+    with _forwarding_signals(proc) as got:
         try:
             deadline: float | None = None
             while (rc := proc.poll()) is None:
