@@ -69,8 +69,10 @@ def compare_unquantized(
     ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.stage_name, registry=plugins.registry)
 
     def again(reference: bool) -> GenerationRun:
-        return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args if reference else None,
-                        resolution=ref_res if reference else None)
+        if reference:
+            return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args,
+                            resolution=ref_res)
+        return run_plan(plan, pm=plugins.pm, components=run.components)
 
     ref = again(True)
     timed: dict[bool, list[float]] = {False: [], True: []}
