@@ -24,7 +24,8 @@ from causalkv.errors import ConfigError
 from causalkv.runtime.host.load_step import load_for_plan
 from causalkv.runtime.host.plan_step import plan_generation
 from causalkv.runtime.host.run_step import run_plan
-from causalkv.runtime.processes.distributed import check_parallel_request, torchrun_command
+from causalkv.runtime.processes.distributed import check_parallel_request
+from causalkv.runtime.processes.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -294,12 +294,12 @@ def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet
     under torchrun on ``--nproc-per-node`` local ranks, supervised
     (`causalkv.runtime.processes.launch`): the job's exit status, its one line printed here."""
     from causalkv.runtime.host.plan_step import plan_generation
-    from causalkv.runtime.processes.distributed import run_under_torchrun
+    from causalkv.runtime.processes.launch import run_supervised
 
     plan = plan_generation(options, plugins=plugins)
     argv = getattr(args, "argv", None)  # set by `causalkv.cli.commands.main`
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
-    return run_under_torchrun(
+    return run_supervised(
         options.server_args.heads_sharded, sys.argv[1:] if argv is None else argv, debug=args.debug,
         quiet=bool(options.quiet), seen=getattr(plan.plugin_set().pm, "reported", ()),
     )

@@ -27,28 +27,6 @@ from __future__ import annotations
 
 from causalkv.lazy import lazy_names
 
-__all__ = [
-    "DEFAULT_PROMPT",
-    "GenerateOptions",
-    "GenerationRun",
-    "ModelFolderError",
-    "ModelInfo",
-    "Plan",
-    "PluginSet",
-    "Resolution",
-    "build_stage",
-    "compare_unquantized",
-    "generate",
-    "latent_psnr_db",
-    "load_model_info",
-    "materialize_preset",
-    "plan_generation",
-    "run_plan",
-    "resolve",
-    "run_report",
-    "write_outputs",
-]
-
 #: each name's module: imported on first use, so ``causalkv.runtime.<light module>`` (the
 #: command line's parsers, ``causalkv memory``) imports no torch
 _HOMES = {
@@ -73,5 +51,7 @@ _HOMES = {
     "write_outputs": "causalkv.runtime.host.write_step",
 }
 
+
+__all__ = sorted(_HOMES)
 
 __getattr__ = lazy_names(__name__, _HOMES)

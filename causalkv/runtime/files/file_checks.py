@@ -15,6 +15,7 @@ Each failure raises `ConfigError` (bad request) or `ModelFolderError` (unreadabl
 folder), one line naming the value and the fix.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -36,20 +37,18 @@ from causalkv.runtime.model_io.preset_configs import ENV_HOME
 from causalkv.runtime.model_io.presets import causalkv_home, is_complete_preset, preset_name
 
 __all__ = [
-    "WEIGHT_SUFFIXES",
     "FILE_OVERHEAD_BYTES",
     "check_creatable_folder",
     "check_home",
     "check_model_files",
     "check_no_other_work",
     "check_output_files",
-    "check_writable_file",
     "describe_file",
     "fs_error_reason",
 ]
 
 #: files a component folder may keep its weights in
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 _WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder")
 
@@ -58,48 +57,14 @@ _WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder")
 def check_home(info: ModelInfo) -> None:
     """A preset that still has to be built needs a ``CAUSALKV_HOME`` where folders can be
     created; `ConfigError` naming it otherwise (a file, a read-only file system, no rights)."""
-    if info.preset is None or info.path is None:
+    if info.preset is None or info.path is None or is_complete_preset(info.path):
         return
-    if is_complete_preset(info.path):
-        return
-    home = causalkv_home()
-    shown = env_text(ENV_HOME) or str(home)
-    fix = "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)"
     folder = info.path.parent
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"CAUSALKV_HOME={shown!r}: {str(probe)!r} is a file, not a folder; {fix}")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _probe(folder)
-    except OSError as exc:
-        raise ConfigError(
-            f"CAUSALKV_HOME={shown!r}: cannot create the preset {info.preset!r} in {str(folder)!r} "
-            f"({fs_error_reason(exc, _nearest_existing(folder))}); {fix}"
-        ) from None
-    _remove_created(folder, probe)
-
-
-def _probe(folder: Path) -> None:
-    """Create and remove a temporary file in ``folder``: OSError when no file can be made."""
-    fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
-    os.close(fd)
-    os.unlink(name)
-
-
-def _remove_created(folder: Path, existing: Path) -> None:
-    """Remove the empty folders between ``existing`` and ``folder`` the probe created."""
-    while folder != existing and folder.is_dir():
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
-
-
-
+    _check_folder(
+        folder, f"CAUSALKV_HOME={env_text(ENV_HOME) or str(causalkv_home())!r}",
+        "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)",
+        cannot=f"cannot create the preset {info.preset!r} in {str(folder)!r}",
+    )
 
 
 # ---- output files ---------------------------------------------------------------------------
@@ -131,44 +96,44 @@ def _nearest_existing(path: Path) -> Path:
     return folder
 
 
+def _check_folder(
+    path: Path, what: str, fix: str, *, file_fix: str | None = None, cannot: str | None = None
+) -> None:
+    """`ConfigError` naming ``what``, why and ``fix`` unless files can be created in the
+    nearest existing folder of ``path`` (probed by creating and removing a temporary file
+    there; nothing is left behind). ``file_fix``: the fix when that is a file (default
+    ``fix``); ``cannot``: what could not be done (default: create files there)."""
+    folder = _nearest_existing(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{what}: {str(folder)!r} is a file, not a folder; {file_fix or fix}")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".causalkv-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        cannot = cannot or f"cannot create files in {str(folder)!r}"
+        raise ConfigError(f"{what}: {cannot} ({fs_error_reason(exc, folder)}); {fix}") from None
+
+
 def check_creatable_folder(path: str | Path, what: str, fix: str) -> Path:
     """``path`` (absolute) if a folder can be created there (or is one, writable); else
-    `ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why, and ``fix``.
-    Probed by creating and removing a temporary file in the nearest existing folder."""
+    `ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why, and ``fix``."""
     p = Path(os.path.abspath(Path(str(path)).expanduser()))
-    probe = _nearest_existing(p)
-    if not probe.is_dir():
-        raise ConfigError(f"{what}: {str(probe)!r} is a file, not a folder; {fix}")
-    try:
-        _probe(probe)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot create files in {str(probe)!r} ({fs_error_reason(exc, probe)}); {fix}") from None
+    _check_folder(p, what, fix)
     return p
 
 
-def check_writable_file(path: str | Path, flag: str) -> Path:
+def _check_writable_file(path: str | Path, flag: str) -> Path:
     """``path`` (absolute) if a file can be written there: not a folder or a special file,
-    its folder exists or can be created, and a file can be created in it. Else `ConfigError`.
-
-    Writability is probed by creating and removing a temporary file in the nearest existing
-    folder (nothing is left behind).
-    """
+    its folder exists or can be created, and a file can be created in it. Else `ConfigError`."""
     text = str(path)
     p = Path(os.path.abspath(Path(text).expanduser()))
     if text.endswith(("/", os.sep)) or p.is_dir():
         raise ConfigError(f"{flag} {text!r} is a folder; name a file in it")
     if p.exists() and not p.is_file():
         raise ConfigError(f"{flag} {text!r} exists and is not a regular file; name a regular file")
-    folder = _nearest_existing(p.parent)
-    if not folder.is_dir():
-        raise ConfigError(f"{flag} {text!r}: {str(folder)!r} is a file, not a folder; choose another {flag}")
-    try:
-        _probe(folder)
-    except OSError as exc:
-        raise ConfigError(
-            f"{flag} {text!r}: cannot create files in {str(folder)!r} ({fs_error_reason(exc, folder)}); "
-            f"choose a writable folder for {flag}"
-        ) from None
+    _check_folder(p.parent, f"{flag} {text!r}", f"choose a writable folder for {flag}",
+                  file_fix=f"choose another {flag}")
     return p
 
 
@@ -176,7 +141,7 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
 FILE_OVERHEAD_BYTES = 4096
 
 
-def _check_free_space(flag: str, path: Path, need: int, what: str = "the file") -> None:
+def _check_free_space(path: Path, flag: str, need: int, what: str) -> None:
     folder = _nearest_existing(path.parent)
     free = _free_bytes(folder)
     if free is not None and free < need:
@@ -216,11 +181,8 @@ def describe_file(path: str | Path) -> str | None:
     if isinstance(header, dict):
         return "saved latents (safetensors)" if "latents" in header else "a safetensors file"
     if size <= 1 << 24:
-        try:
+        with contextlib.suppress(ValueError, UnicodeDecodeError, OSError):
             obj = json.loads(p.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError, OSError):
-            obj = None
-        else:
             if isinstance(obj, dict) and {"model", "stage", "chunks"} <= set(obj):
                 return "causalkv metrics"
             return "a JSON file"
@@ -265,41 +227,39 @@ def check_output_files(
     force: bool = False,
 ) -> None:
     """Check the video (``--output``), metrics (``--metrics``) and ``--save-latents`` targets
-    (`check_writable_file`; the video's suffix must be one an installed encoder writes,
+    (`_check_writable_file`; the video's suffix must be one an installed encoder writes,
     saved latents end in ``.safetensors``), that no two name the same file, the file kept for
     the latents of a video that fails to encode included, that none would replace a file of
     another kind (`check_no_other_work`; ``force`` allows it), and that each file system has
     room for the file's floor (``video_nbytes``, ``metrics_nbytes``, ``latents_nbytes`` plus
     `FILE_OVERHEAD_BYTES`: a full disk is refused here, a disk that fills up during the run
     fails when the file is written)."""
+    kept = "the latents kept if the video fails to encode"
+    #: each file's flag -> (the flag its free space is asked of, its floor, what it is)
+    floors = {"--output": ("--output", video_nbytes, "the video"),
+              "--metrics": ("--metrics", metrics_nbytes, "the metrics file"),
+              "--save-latents": ("--save-latents", FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file"),
+              kept: ("--output", FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file")}
     named: list[tuple[str, Path]] = []
-    if output is not None:
-        named.append(("--output", check_writable_file(output, "--output")))
-        check_video_suffix(output)
-    if metrics is not None:
-        named.append(("--metrics", check_writable_file(metrics, "--metrics")))
-    if save_latents is not None:
-        if Path(save_latents).suffix.lower() != ".safetensors":
+    for flag, path in (("--output", output), ("--metrics", metrics), ("--save-latents", save_latents)):
+        if path is None:
+            continue
+        if flag == "--save-latents" and Path(path).suffix.lower() != ".safetensors":
             raise ConfigError(
-                f"--save-latents {str(save_latents)!r} must end in .safetensors (it is written as a "
-                "safetensors file)"
+                f"--save-latents {str(path)!r} must end in .safetensors (it is written as a safetensors file)"
             )
-        named.append(("--save-latents", check_writable_file(save_latents, "--save-latents")))
+        named.append((flag, _check_writable_file(path, flag)))
+        if flag == "--output":
+            check_video_suffix(path)
     if output is not None:
-        kept = Path(os.path.abspath(latents_path_for(Path(str(output)).expanduser())))
-        if save_latents is None or Path(os.path.abspath(Path(str(save_latents)).expanduser())) != kept:
-            named.append(("the latents kept if the video fails to encode", kept))
+        latents = Path(os.path.abspath(latents_path_for(Path(str(output)).expanduser())))
+        if ("--save-latents", latents) not in named:
+            named.append((kept, latents))
     _check_distinct(named)
     for flag, path in named:
         check_no_other_work(flag, path, force=force)
     for flag, path in named:
-        if flag == "--output":
-            _check_free_space(flag, path, video_nbytes, "the video")
-        elif flag == "--metrics":
-            _check_free_space(flag, path, metrics_nbytes, "the metrics file")
-        else:
-            _check_free_space("--output" if flag.startswith("the latents") else flag, path,
-                              FILE_OVERHEAD_BYTES + latents_nbytes, "the latents file")
+        _check_free_space(path, *floors[flag])
 
 
 def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
@@ -310,9 +270,10 @@ def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
 
 
 # ---- model files ----------------------------------------------------------------------------
-def _check_json(path: Path, fix: str) -> None:
+def _check_json(path: Path, fix: str) -> Any:
+    """The JSON ``path`` holds; `ModelFolderError` when it cannot be read or parsed."""
     try:
-        json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelFolderError(f"cannot read {path} ({first_line(exc)}); {fix}") from None
     except json.JSONDecodeError as exc:
@@ -378,8 +339,7 @@ def check_model_files(info: ModelInfo) -> None:
             )
     else:
         fix = "restore the file (re-download or re-convert the model)"
-    _check_json(folder / "model_index.json", fix)
-    index = json.loads((folder / "model_index.json").read_text())
+    index = _check_json(folder / "model_index.json", fix)
     if not isinstance(index, dict):
         raise ModelFolderError(f"{folder / 'model_index.json'} must hold a JSON object; {fix}")
     wanted = [*REQUIRED_FILES, *(k for k, v in index.items() if isinstance(v, list))]
@@ -402,7 +362,7 @@ def check_model_files(info: ModelInfo) -> None:
                     _check_shards(f, fix)
             elif f.suffix == ".safetensors":
                 _check_safetensors(f, fix)
-        if name in _WEIGHTED_COMPONENTS and not any(f.suffix in WEIGHT_SUFFIXES for f in files):
+        if name in _WEIGHTED_COMPONENTS and not any(f.suffix in _WEIGHT_SUFFIXES for f in files):
             raise ModelFolderError(
-                f"{sub} has no weights (no {', '.join('*' + s for s in WEIGHT_SUFFIXES)} file); {fix}"
+                f"{sub} has no weights (no {', '.join('*' + s for s in _WEIGHT_SUFFIXES)} file); {fix}"
             )

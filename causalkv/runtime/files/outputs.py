@@ -36,7 +36,6 @@ __all__ = [
     "load_latents",
     "save_latents",
     "write_json_atomic",
-    "write_text_atomic",
 ]
 
 #: the tensor name of the latents inside a ``.latents.safetensors`` file
@@ -86,14 +85,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """`atomic_write` of UTF-8 ``text``."""
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """`atomic_write` of ``obj`` as indented JSON (NaN/inf refused before anything is written)."""
-    return write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+    """`atomic_write` of ``obj`` as indented UTF-8 JSON (NaN/inf refused before anything is written)."""
+    text = json.dumps(obj, indent=2, allow_nan=False) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def latents_path_for(output: str | Path) -> Path:

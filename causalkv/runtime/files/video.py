@@ -11,15 +11,14 @@ not decode to every frame is never renamed into place (`EncoderError`).
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from causalkv.errors import ConfigError, EncoderError
 from causalkv.runtime.files.outputs import atomic_write
+from causalkv.runtime.processes.launch import describe_exit
 
 if TYPE_CHECKING:  # numpy and torch load with a run; `video_formats` (--help) needs neither
     import numpy as np
@@ -54,15 +53,7 @@ MP4_CRF = 25.5
 
 def _ffmpeg_error(stderr: str, rc: int | None = None) -> str:
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    if rc is not None and rc < 0:
-        try:
-            status = f"ffmpeg was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            status = f"ffmpeg was killed by signal {-rc}"
-    elif rc:
-        status = f"ffmpeg exited with status {rc}"
-    else:
-        status = "ffmpeg reported an error"
+    status = f"ffmpeg {describe_exit(rc)}" if rc else "ffmpeg reported an error"
     return f"{status}: {lines[-1]}" if lines else status
 
 
@@ -85,24 +76,11 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
         "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-crf", str(MP4_CRF),
         "-v", "error", "-xerror", "-f", "mp4", str(path),
     ]
-    with tempfile.TemporaryFile() as log:
-        # its own session: a Ctrl-C reaches this process, which stops ffmpeg itself
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
-                                start_new_session=True)
-        try:
-            assert proc.stdin is not None
-            try:
-                proc.stdin.write(np.ascontiguousarray(frames, dtype=np.uint8).tobytes())
-                proc.stdin.close()
-            except BrokenPipeError:  # ffmpeg died: its status and log say why
-                pass
-            rc = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        log.seek(0)
-        stderr = log.read().decode("utf-8", "replace")
+    # its own session: a Ctrl-C reaches this process, whose `subprocess.run` kills ffmpeg; a
+    # ffmpeg that dies while it reads (a broken pipe) is judged by its status and its log
+    proc = subprocess.run(cmd, input=np.ascontiguousarray(frames, dtype=np.uint8).tobytes(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    rc, stderr = proc.returncode, proc.stderr.decode("utf-8", "replace")
     if rc != 0 or stderr.strip():
         raise EncoderError(_ffmpeg_error(stderr, rc))
     try:
@@ -139,14 +117,12 @@ def _has(*modules: str) -> bool:
 def _ffmpeg_ready() -> bool:
     """True when imageio-ffmpeg finds an ffmpeg executable (bundled, ``IMAGEIO_FFMPEG_EXE`` or
     on ``PATH``)."""
-    if not _has("imageio_ffmpeg"):
-        return False
-    # lazy: present only when _has said so
-    import imageio_ffmpeg
-
     try:
+        # lazy: ffmpeg is looked up only when a video format is asked for
+        import imageio_ffmpeg
+
         imageio_ffmpeg.get_ffmpeg_exe()
-    except RuntimeError:
+    except (ImportError, RuntimeError):
         return False
     return True
 

@@ -95,7 +95,20 @@ def generate(
     load_seconds = time.perf_counter() - t0
     if on_loaded is not None:
         on_loaded()
-    run = _run(plan, options, components, on_chunk_done, log=say)
+    # the progress bar: off when quiet, on other ranks, or without a terminal
+    bar = tqdm(total=plan.num_chunks, unit="chunk", desc="chunks",
+               disable=options.quiet or not is_main_rank() or not sys.stderr.isatty())
+
+    def chunk_done(i: int, stats: ChunkStats) -> None:
+        bar.update(1)
+        if on_chunk_done is not None:
+            on_chunk_done(i, stats)
+
+    try:
+        run = run_plan(plan, components=components, on_chunk_done=chunk_done,
+                       strict_plugins=options.strict_plugins, log=say)
+    finally:
+        bar.close()
     run.load_seconds = load_seconds
     metrics = run_report(plan, run)
     unused = unused_cache_settings(plan, metrics)
@@ -137,26 +150,3 @@ def unused_cache_settings(plan: Plan, metrics: dict[str, Any]) -> str | None:
         f"kept dense: {why}), so the run used the memory of an unquantized cache; change the "
         "settings named by those reasons (a smaller keep-recent count, fewer stages) or more --frames"
     )
-
-
-def _run(
-    plan: Plan,
-    options: GenerateOptions,
-    components: Any,
-    on_chunk_done: Callable[[int, ChunkStats], None] | None,
-    log: Callable[[str], None] | None = None,
-) -> GenerationRun:
-    """`run_plan` behind a progress bar (off when quiet, on other ranks, or without a terminal)."""
-    bar = tqdm(total=plan.num_chunks, unit="chunk", desc="chunks",
-               disable=options.quiet or not is_main_rank() or not sys.stderr.isatty())
-
-    def chunk_done(i: int, stats: ChunkStats) -> None:
-        bar.update(1)
-        if on_chunk_done is not None:
-            on_chunk_done(i, stats)
-
-    try:
-        return run_plan(plan, components=components, on_chunk_done=chunk_done,
-                        strict_plugins=options.strict_plugins, log=log)
-    finally:
-        bar.close()

@@ -9,7 +9,7 @@ failure is pinned on a plugin.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pluggy
@@ -74,7 +74,7 @@ class ObserverHook:
 
     ``ObserverHook(pm, "causalkv_chunk_done")(stage=..., chunk_index=i, stats=...)`` calls
     every plugin's implementation in pluggy's order. An ``Exception`` from one is reported
-    once through ``report`` (one line naming the plugin) and that plugin is skipped from then
+    once on stderr (`warn_line`: one line naming the plugin) and that plugin is skipped from then
     on; with ``strict`` it raises `PluginHookError` instead. ``KeyboardInterrupt`` and other
     ``BaseException``s propagate.
 
@@ -82,16 +82,8 @@ class ObserverHook:
         disabled: plugin name -> the line reported when it was disabled.
     """
 
-    def __init__(
-        self,
-        pm: pluggy.PluginManager,
-        hook: str,
-        *,
-        strict: bool = False,
-        report: Callable[[str], None] | None = None,
-    ) -> None:
+    def __init__(self, pm: pluggy.PluginManager, hook: str, *, strict: bool = False) -> None:
         self.hook, self.strict = hook, strict
-        self.report = report if report is not None else warn_line
         self.disabled: dict[str, str] = {}
         self._callers = plugin_callers(pm, hook)[::-1]  # pluggy's call order
 
@@ -107,4 +99,4 @@ class ObserverHook:
                 if self.strict:
                     raise PluginHookError(message, plugin=name, hook=self.hook) from exc
                 self.disabled[name] = message
-                self.report(f"{message}; it is skipped for the rest of the run (--strict-plugins makes this fatal)")
+                warn_line(f"{message}; it is skipped for the rest of the run (--strict-plugins makes this fatal)")

@@ -2,7 +2,7 @@
 
 `load_for_plan` joins the ranks of a sequence-parallel request, materializes a preset on first
 use (once per node), loads the components with ``from_pretrained`` and makes the transformer
-one rank of the job (`make_parallel`). The stage is built over them by the next step
+one rank of the job. The stage is built over them by the next step
 (`causalkv.runtime.host.run_step.build_stage`).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from causalkv.config import ServerArgs
 from causalkv.runtime.files.file_checks import fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, Plan
@@ -20,7 +19,7 @@ from causalkv.runtime.model_io.model_config import ModelInfo
 from causalkv.runtime.model_io.presets import causalkv_home, materialize_preset
 from causalkv.runtime.processes.distributed import join_ranks, local_main_first
 
-__all__ = ["load_for_plan", "make_parallel", "model_folder"]
+__all__ = ["load_for_plan", "model_folder"]
 
 
 def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
@@ -39,24 +38,17 @@ def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Pa
     return info.path
 
 
-def make_parallel(components: Components, server_args: ServerArgs) -> None:
-    """Make ``components``' transformer one rank of the request's sequence-parallel job (a
-    no-op on one process, or when it is one already)."""
-    ctx = join_ranks(server_args.heads_sharded, server_args.device)
-    if ctx is not None and components.transformer.world_size == 1:
-        components.transformer.enable_sequence_parallel(ctx)
-
-
 def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     """Load the plan's model components (a preset folder is built on first use, by each
     node's first rank), as one rank of the job when the request is sequence parallel."""
     args = plan.server_args
     registry = plan.plugin_set(pm).registry
-    join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
+    ctx = join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
     folder = local_main_first(lambda: model_folder(plan.info, registry=registry))
     components = load_components(plan.info, folder, dtype=args.dtype, device=args.device)
     # the host's own default prompt is not the user's: its cut on a tiny preset is not reported
     components.prompt_encoder.quiet_texts = frozenset({DEFAULT_PROMPT})
-    make_parallel(components, args)
+    if ctx is not None:  # the transformer becomes one rank of the job
+        components.transformer.enable_sequence_parallel(ctx)
     return components
 

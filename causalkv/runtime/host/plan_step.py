@@ -59,9 +59,8 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
         args = replace(args, multi_shot=True)
         res = resolve(model, args, pm=pm, stage=options.stage, registry=registry)
     settings = res.stage.check_request(model, args, num_frames)
-    if args.heads_sharded > 1:
-        check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
-                               tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
+    check_parallel_request(args.heads_sharded, num_heads=model.num_heads,
+                           tokens_per_chunk=settings.tokens_per_chunk, device=args.device)
     negative = options.negative_prompt if options.negative_prompt is not None else info.negative_prompt
     plan = Plan(
         info=info,

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from causalkv.hooks import CacheFactory
 from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
 from causalkv.runtime.host.resolve import Resolution
 from causalkv.runtime.processes.distributed import current, gather_ints
-from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.settings import StreamSettings
 
 __all__ = [
     "cache_description",
-    "cache_label",
     "describe_plan",
     "describe_stream",
     "latents_metadata",
-    "packing_summary",
-    "rank_metrics",
     "run_report",
 ]
 
@@ -73,20 +68,15 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         "kv_resident_bytes_max": run.kv_resident_bytes_max,
         "kv_resident_bytes_final": run.kv_resident_bytes_final,
         "kv_peak_bytes": run.stage.kv_peak_nbytes(),
-        "kv_packing": packing_summary(res.cache_factory, run.stage),
-        **rank_metrics(run),
+        # what the caches did, all layers and branches merged (QVG: chunks packed, chunks kept
+        # dense by reason, centroids used); None when no cache reports (a dense cache)
+        "kv_packing": res.cache_factory.packing_report([c for cs in run.stage.cache_sets() for c in cs.kv]),
+        **_rank_metrics(run),
         **run.stage.report(),
     }
 
 
-def packing_summary(factory: CacheFactory, stage: CausalDenoisingStage) -> dict[str, Any] | None:
-    """What the stage's caches did, all layers and branches merged
-    (`causalkv.hooks.CacheFactory.packing_report`; QVG: chunks packed, chunks kept dense by
-    reason, centroids used). None when no cache reports (a dense cache)."""
-    return factory.packing_report([cache for cs in stage.cache_sets() for cache in cs.kv])
-
-
-def rank_metrics(run: GenerationRun) -> dict[str, Any]:
+def _rank_metrics(run: GenerationRun) -> dict[str, Any]:
     """``world_size`` and the KV bytes of every rank (``kv_resident_bytes_max`` is this
     rank's; one collective on a sequence-parallel run, so every rank must call it)."""
     ctx = current()
@@ -108,22 +98,15 @@ def cache_description(res: Resolution) -> str:
     return res.cache_options.describe() if res.cache_options is not None else "none"
 
 
-def cache_label(res: Resolution) -> str:
-    """``"<the record's title>: <its describe()>"`` (the header's label of the chosen cache's
-    settings), ``"no settings"`` for a cache without a record."""
-    if res.cache_options is None:
-        return "no settings"
-    return f"{type(res.cache_options).title}: {res.cache_options.describe()}"
-
-
 def describe_plan(plan: Plan) -> list[str]:
     """The first lines of a run's human-readable header, known before any weights load:
     model, stage, cache, reasons (the rest: `describe_stream`)."""
-    res = plan.resolution
+    res, record = plan.resolution, plan.resolution.cache_options
+    settings = "no settings" if record is None else f"{type(record).title}: {record.describe()}"
     return [
         f"model: {plan.model.name} ({plan.model.model_class})",
         f"stage: {res.stage_name} ({res.stage.__module__}:{res.stage.__qualname__})",
-        f"cache: {res.cache_factory.name} ({cache_label(res)})",
+        f"cache: {res.cache_factory.name} ({settings})",
         *(f"  - {line}" for line in res.reasons),
     ]
 
@@ -134,8 +117,7 @@ def describe_stream(plan: Plan, s: StreamSettings) -> list[str]:
     `causalkv.runtime.host.run_step.run_plan` logs them once the stage is built, for the
     settings it runs with (``stage.settings``: ``causalkv_configure_stage`` overrides included)."""
     res = plan.resolution
-    lines: list[str] = []
-    lines += [f"  - {line}" for line in res.cache_factory.describe_request(
+    lines = [f"  - {line}" for line in res.cache_factory.describe_request(
         res.cache_options, tokens_per_chunk=s.tokens_per_chunk,
         sink_tokens=s.sink_frames * s.tokens_per_frame,
     )]

@@ -12,9 +12,9 @@ a chunk runs:
   good by then); settings that would do nothing, and those of a stage or cache that was not
   chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
-  fit the transformer's ``rope_max_seq_len``;
+  fit the transformer's ``rope_max_seq_len`` (the frames alone: `check_sizes`);
 - memory: the latents, KV caches, one chunk's activations and the RoPE tables fit the
-  device's memory (`memory_floor`, a lower bound);
+  device's memory (`memory_floor`, a lower bound; `check_sizes`);
 - seed: within the range a torch generator takes;
 - device and dtype: the device exists in this torch build and on this machine, and a small
   matmul in the dtype runs on it;
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,26 +36,17 @@ from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
 from causalkv.options import CacheOptions
+from causalkv.runtime.files import file_checks
 
 if TYPE_CHECKING:
-    import torch
-
     from causalkv.runtime.host.pipeline_records import GenerateOptions, Plan
 
 __all__ = [
-    "MAX_SEED",
     "check_before_load",
-    "check_device",
     "check_request_effect",
     "check_sizes",
-    "check_frames",
-    "check_guidance",
-    "check_memory",
-    "check_cache",
     "host_memory_bytes",
-    "latents_nbytes",
     "memory_floor",
-    "metrics_nbytes_floor",
     "video_nbytes_floor",
     "rope_frame_ends",
 ]
@@ -71,37 +61,43 @@ DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN = 1024
 
 
 def check_before_load(plan: Plan, options: GenerateOptions) -> None:
-    """Every check of the module docstring, on a plan `plan_generation` has built (presets are
-    looked up in the plan's plugins)."""
-    from causalkv.runtime.files.file_checks import check_home, check_model_files, check_output_files
-
+    """Every check of the module docstring but `check_sizes`' (run on the plan before its chunk
+    list is built), on a plan `plan_generation` has built (presets are looked up in the plan's
+    plugins)."""
     args = plan.server_args
     if args.seed > MAX_SEED:
         raise ConfigError(f"--seed must be at most 2**64 - 1 = {MAX_SEED}, got {args.seed}; pass a smaller --seed")
-    check_guidance(plan, options)
-    check_device(args.device, args.dtype)
-    check_model_files(plan.info)
-    check_home(plan.info)
-    check_frames(plan)
-    check_memory(plan)
-    check_output_files(
+    _check_guidance(plan, options)
+    _check_device(args.device, args.dtype)
+    file_checks.check_model_files(plan.info)
+    file_checks.check_home(plan.info)
+    _check_frames(plan)
+    file_checks.check_output_files(
         output=options.output,
-        metrics=getattr(options, "metrics", None),
-        save_latents=getattr(options, "save_latents", None),
-        latents_nbytes=latents_nbytes(plan),
+        metrics=options.metrics,
+        save_latents=options.save_latents,
+        latents_nbytes=_latents_nbytes(plan),
         video_nbytes=video_nbytes_floor(plan),
-        metrics_nbytes=metrics_nbytes_floor(plan),
-        force=bool(getattr(options, "force", False)),
+        # the metrics JSON: its fixed keys, then 8 B at least a number of its five per-chunk lists
+        metrics_nbytes=file_checks.FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks,
+        force=options.force,
     )
-    check_cache(plan)  # last: the one check that runs the chosen cache's code on the device
+    _check_cache(plan)  # last: the one check that runs the chosen cache's code on the device
 
 
 def check_sizes(plan: Plan) -> None:
     """The sizes a request implies, checked before anything proportional to them is built
     (the per-chunk prompt list included): the frame count against the RoPE limit, then every
-    part of `memory_floor` against the device's memory. ``plan.chunk_prompts`` may be empty."""
-    _check_rope_limit(plan)
-    check_memory(plan)
+    part of `memory_floor` against the device's memory. ``plan.chunk_prompts`` may be empty
+    (the frames alone, no per-shot offsets: `check_before_load` checks those)."""
+    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
+    limit, p_t, where = _rope_limit(plan)
+    if n // p_t > limit:
+        raise ConfigError(
+            f"--frames {n} exceeds the RoPE limit: rope_max_seq_len={limit} in {where}; "
+            f"pass --frames {(limit * p_t) // fpc * fpc} or fewer"
+        )
+    _check_memory(plan)
 
 
 # ---- options that would change nothing -------------------------------------------------------
@@ -129,7 +125,7 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
             "to turn guidance off"
         )
     given = [r for r in args.options if isinstance(r, CacheOptions) and r.changed()]
-    if getattr(options, "compare_bf16", False) and not given and args.cache is None:
+    if options.compare_bf16 and not given and args.cache is None:
         raise ConfigError(
             f"--compare-bf16 compares the run with the same run without the cache's settings, and "
             f"this request gives none (cache {res.cache_factory.name!r}, kv-cache-quant off): both "
@@ -143,16 +139,14 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
             f"holds besides the chunk; pass --recent-window-frames {s.window_frames - fpc} or "
             "fewer, or drop it"
         )
-    if s.sink_frames == 0:
-        for record in given:
-            sink = [label if label.startswith("-") else f"--{label}"
-                    for label in record.given_labels() if "sink" in label]
-            if sink:
-                raise ConfigError(
-                    f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
-                    f"(sink 0 frames on {plan.model.name}): it would do nothing; drop it or pass "
-                    "--sink-frames N"
-                )
+    sink = [label if label.startswith("-") else f"--{label}"
+            for record in given for label in record.given_labels() if "sink" in label]
+    if s.sink_frames == 0 and sink:
+        raise ConfigError(
+            f"{sink[0]} sets how the cache keeps the sink, and this request has no sink "
+            f"(sink 0 frames on {plan.model.name}): it would do nothing; drop it or pass "
+            "--sink-frames N"
+        )
     if args.window_frames is not None and args.window_frames > plan.num_frames:
         floor = memory_floor(plan)["kv_caches"]
         plan.warnings.append(
@@ -164,7 +158,7 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
 
 
 # ---- options the stage cannot use --------------------------------------------------------------
-def check_guidance(plan: Plan, options: GenerateOptions) -> None:
+def _check_guidance(plan: Plan, options: GenerateOptions) -> None:
     """Classifier-free guidance settings the request or the model asks for, checked by the
     stage (`CausalDenoisingStage.check_guidance`): a stage without CFG refuses them, a CFG
     stage refuses a negative prompt while guidance is off."""
@@ -185,23 +179,28 @@ def check_guidance(plan: Plan, options: GenerateOptions) -> None:
 
 
 # ---- the chosen cache ---------------------------------------------------------------------------
-def check_cache(plan: Plan) -> None:
+def _cache_class(plan: Plan) -> type | None:
+    """The chosen cache's class, None when its module does not import (the build names it)."""
+    try:
+        return plan.resolution.cache_factory.load()
+    except ImportError:
+        return None
+
+
+def _check_cache(plan: Plan) -> None:
     """What the chosen cache kind checks before any weights load
     (`causalkv.hooks.CacheKind.check_request`; the QVG cache: its block layout and its codec
     backend). `check_before_load` runs it last, once the device, the files, the frames and the
     memory are known good: it is the one check that imports the chosen cache's code (its codec)
     and runs it on the device."""
     res = plan.resolution
-    try:
-        res.cache_factory.load()
-    except ImportError:  # the build names it
-        return
-    res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
+    if _cache_class(plan) is not None:
+        res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
 # ---- device ---------------------------------------------------------------------------------
-def check_device(device: str, dtype: str) -> torch.device:
-    """``device`` parsed, after checking it exists here and runs ``dtype``; else `ConfigError`.
+def _check_device(device: str, dtype: str) -> None:
+    """`ConfigError` unless ``device`` exists here and runs ``dtype``.
 
     The dtype probe is one 8x8 matmul on the device (it initializes CUDA on a GPU, which the
     run would do anyway).
@@ -209,29 +208,22 @@ def check_device(device: str, dtype: str) -> torch.device:
     import torch  # torch loads with a command that runs, not for its --help
 
     from causalkv.runtime.model_io.components import parse_dtype
+    from causalkv.runtime.processes.distributed import cuda_problem
 
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or mps") from None
-    reason = None
     if dev.type == "cuda":
-        if torch.version.cuda is None and torch.version.hip is None:
-            reason = f"this torch build ({torch.__version__}) has no CUDA support"
-        elif not torch.cuda.is_available():
-            reason = "no CUDA device is visible"
-        elif dev.index is not None and dev.index >= torch.cuda.device_count():
-            reason = f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+        reason = cuda_problem(dev.index or 0)
     elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            reason = "MPS is not available on this machine"
+        reason = None if torch.backends.mps.is_available() else "MPS is not available on this machine"
     elif dev.type == "xpu":
-        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-            reason = "no XPU device is visible"
+        reason = None if hasattr(torch, "xpu") and torch.xpu.is_available() else "no XPU device is visible"
     elif dev.type != "cpu":
         reason = f"causalkv generates on cpu, cuda, mps or xpu, not on {dev.type!r}"
-    elif dev.index not in (None, 0):  # torch accepts any index for the CPU and ignores it
-        reason = f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}"
+    else:  # torch accepts any index for the CPU and ignores it
+        reason = None if dev.index in (None, 0) else f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}"
     if reason is not None:
         raise ConfigError(f"--device {device!r} is not available: {reason}; use --device cpu")
     torch_dtype = parse_dtype(dtype)
@@ -243,7 +235,6 @@ def check_device(device: str, dtype: str) -> torch.device:
             f"--dtype {dtype} does not run on --device {device} ({first_line(exc)}); "
             "use --dtype float32"
         ) from None
-    return dev
 
 
 # ---- frames ---------------------------------------------------------------------------------
@@ -269,25 +260,12 @@ def _rope_limit(plan: Plan) -> tuple[int, int, str]:
     return limit, p_t, f"{plan.info.config.name}'s transformer/config.json"
 
 
-def _check_rope_limit(plan: Plan) -> None:
-    """The frames alone against the RoPE limit: no offsets and no chunk list needed."""
-    fpc, n = plan.settings.frames_per_chunk, plan.num_frames
-    limit, p_t, where = _rope_limit(plan)
-    if n // p_t > limit:
-        raise ConfigError(
-            f"--frames {n} exceeds the RoPE limit: rope_max_seq_len={limit} in {where}; "
-            f"pass --frames {(limit * p_t) // fpc * fpc} or fewer"
-        )
-
-
-def check_frames(plan: Plan) -> None:
+def _check_frames(plan: Plan) -> None:
     """Refuse a frame count whose chunks' RoPE frames (per-shot offsets included) go beyond
     the RoPE limit; the hint is the frame count, or the per-shot offset, that fits."""
     fpc, n = plan.settings.frames_per_chunk, plan.num_frames
-    _check_rope_limit(plan)
     limit, p_t, where = _rope_limit(plan)
-    ends = rope_frame_ends(plan)
-    for i, end in enumerate(ends):
+    for i, end in enumerate(rope_frame_ends(plan)):
         start = end - fpc
         if start // p_t + fpc // p_t > limit:
             offset = start - i * fpc
@@ -295,14 +273,14 @@ def check_frames(plan: Plan) -> None:
             if best >= fpc:
                 fix = f"pass --frames {best} or fewer"
             else:  # the offsets alone pass the limit: the hint is the per-shot offset that fits
-                fix = _offset_fix(plan, ends, limit * p_t)
+                fix = _offset_fix(plan, limit * p_t)
             raise ConfigError(
                 f"--frames {n}: chunk {i} would use RoPE frames up to {end} (its frames plus a "
                 f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; {fix}"
             )
 
 
-def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
+def _offset_fix(plan: Plan, frames_limit: int) -> str:
     """The hint when the per-shot RoPE offsets alone pass the limit: the largest per-shot
     offset the last chunk fits with (chunk ``L`` of shot ``K`` starts at ``L fpc + K off``)."""
     fpc = plan.settings.frames_per_chunk
@@ -320,7 +298,7 @@ def _offset_fix(plan: Plan, ends: Sequence[int], frames_limit: int) -> str:
 
 
 # ---- memory ---------------------------------------------------------------------------------
-def latents_nbytes(plan: Plan) -> int:
+def _latents_nbytes(plan: Plan) -> int:
     """Bytes of the run's float32 latents ``[1, C, F, h, w]``."""
     info = plan.info
     return 4 * plan.num_frames * info.latent_channels * info.latent_height * info.latent_width
@@ -386,26 +364,17 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     frames = min(plan.num_frames, s.cache_frames)
     if QUANT_QVG in plan.resolution.requirements:  # packed: only the chunk being written is dense
         frames = min(frames, s.frames_per_chunk)
-    elif _preallocates(plan):
+    elif getattr(_cache_class(plan), "preallocates", False):  # the dense cache: its whole buffer
         frames = s.cache_frames
     branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
     kv_tokens = frames * s.tokens_per_frame
-    cfg = plan.info.transformer
-    rope = int(cfg.get("rope_max_seq_len", DIFFUSERS_WAN_ROPE_MAX_SEQ_LEN))
+    rope = _rope_limit(plan)[0]
     return {
-        "latents": 2 * latents_nbytes(plan),
+        "latents": 2 * _latents_nbytes(plan),
         "kv_caches": branches * model.num_layers * 2 * kv_tokens * heads * model.head_dim * kv_item,
         "activations": 4 * s.tokens_per_chunk * model.num_heads * model.head_dim * item,
         "rope_tables": 2 * rope * model.head_dim * 4,
     }
-
-
-def _preallocates(plan: Plan) -> bool:
-    """Does the chosen cache allocate its whole ``cache_size`` up front?"""
-    try:
-        return bool(getattr(plan.resolution.cache_factory.load(), "preallocates", False))
-    except ImportError:
-        return False
 
 
 def _size(n: float) -> str:
@@ -416,7 +385,7 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_memory(plan: Plan) -> None:
+def _check_memory(plan: Plan) -> None:
     """Refuse a run whose `memory_floor` exceeds the device's memory (the host's RAM on CPU),
     naming the largest part and the setting that drives it."""
     floor = memory_floor(plan)
@@ -451,18 +420,6 @@ VIDEO_FLOOR_COMPRESSION = 200
 def video_nbytes_floor(plan: Plan) -> int:
     """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
     Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
-    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
-
     info = plan.info
     frames = 1 + 4 * (plan.num_frames - 1)
-    return FILE_OVERHEAD_BYTES + frames * info.height * info.width * 3 // VIDEO_FLOOR_COMPRESSION
-
-
-def metrics_nbytes_floor(plan: Plan) -> int:
-    """The least bytes the metrics JSON of ``plan`` takes: its fixed keys and one number per
-    chunk in each per-chunk list (at least 8 bytes each, five lists)."""
-    from causalkv.runtime.files.file_checks import FILE_OVERHEAD_BYTES
-
-    return FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks
-
-
+    return file_checks.FILE_OVERHEAD_BYTES + frames * info.height * info.width * 3 // VIDEO_FLOOR_COMPRESSION

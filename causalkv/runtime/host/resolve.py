@@ -41,16 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["Resolution", "resolve"]
 
 
-def _model_ref(model: str | ModelConfig | ModelRef) -> ModelRef:
-    """What `resolve` matches: `ModelRef.of`, refusing a path (it reads no folder)."""
-    if isinstance(model, str) and "/" in model:
-        raise ResolutionError(
-            f"model {model!r} is a path: resolve a model folder as "
-            f"resolve(causalkv.runtime.model_io.model_config.model_ref(path)), or pass a served model name"
-        )
-    return ModelRef.of(model)
-
-
 @dataclass(frozen=True)
 class Resolution:
     """The outcome of `resolve`: what to build, and why.
@@ -74,16 +64,16 @@ class Resolution:
     requirements: frozenset[str]
     reasons: tuple[str, ...]
     model: ModelRef
-    stage_registration: StageRegistration | None = None
-    stage_plugin: str | None = None
-    cache_plugin: str | None = None
+    stage_registration: StageRegistration
+    stage_plugin: str
+    cache_plugin: str
     stage_options: StageOptions | None = None
     cache_options: CacheOptions | None = None
 
     @property
     def stage_name(self) -> str:
         """The stage's registration name (its one name: header, metrics, ``--stage``)."""
-        return self.stage_registration.name if self.stage_registration else self.stage.__name__
+        return self.stage_registration.name
 
 
 def _refuse_foreign_records(registry: Registry, stage: StageEntry, cache: CacheEntry, cls: type, args: ServerArgs) -> None:
@@ -250,7 +240,12 @@ def resolve(
     args = server_args if server_args is not None else ServerArgs()
     for record in args.options:
         record.check_used()
-    ref = _model_ref(model)
+    if isinstance(model, str) and "/" in model:  # resolution reads no folder
+        raise ResolutionError(
+            f"model {model!r} is a path: resolve a model folder as "
+            f"resolve(causalkv.runtime.model_io.model_config.model_ref(path)), or pass a served model name"
+        )
+    ref = ModelRef.of(model)
     registry = registry if registry is not None else collect(pm)
     entry, serving = _pick_stage(registry, ref, stage)
     cls = entry.load()

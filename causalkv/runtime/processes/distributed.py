@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from causalkv.errors import ConfigError
-from causalkv.runtime.processes.launch import run_supervised
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -56,7 +54,6 @@ __all__ = [
     "local_main_first",
     "seq_to_heads",
     "shutdown",
-    "torchrun_command",
 ]
 
 T = TypeVar("T")
@@ -70,20 +67,15 @@ class ParallelContext:
     """This process's place in the job.
 
     Attributes:
-        rank, world_size: global rank and number of ranks.
-        local_rank, local_world_size: on this node (the CUDA device index is ``local_rank``).
+        rank, world_size: global rank and number of ranks (the default process group's).
+        local_rank: on this node (the CUDA device index).
         device: this rank's torch device (``cpu`` or ``cuda:<local_rank>``).
-        backend: ``"gloo"`` or ``"nccl"``.
-        group: the process group of the sequence-parallel exchange (None: the default group).
     """
 
     rank: int
     world_size: int
     local_rank: int
-    local_world_size: int
     device: torch.device
-    backend: str
-    group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -176,22 +168,27 @@ def backend_for(device: str | torch.device) -> str:
     )
 
 
+def cuda_problem(index: int = 0) -> str | None:
+    """Why CUDA device ``index`` cannot run here (no CUDA build, no device, too few), or None."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    if index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def check_devices(device: str | torch.device, local_ranks: int) -> None:
     """`ConfigError` when ``local_ranks`` processes on one node need more CUDA devices than it has."""
     if torch.device(device).type != "cuda" or local_ranks <= 1:
         return
-    if torch.version.cuda is None and torch.version.hip is None:
+    if (reason := cuda_problem()) is not None:
         raise ConfigError(
-            f"--device {device}: this torch build ({torch.__version__}) has no CUDA support; "
-            f"run the {local_ranks} processes on CPU with --device cpu (gloo)"
+            f"--device {device}: {reason}; run the {local_ranks} processes on CPU with --device cpu (gloo)"
         )
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have == 0:
-        raise ConfigError(
-            f"--device {device}: no CUDA device is visible on this machine; run the "
-            f"{local_ranks} processes on CPU with --device cpu (gloo)"
-        )
-    if local_ranks > have:
+    if cuda_problem(local_ranks - 1) is not None:
+        have = torch.cuda.device_count()
         raise ConfigError(
             f"--nproc-per-node {local_ranks} needs {local_ranks} CUDA devices, this machine has "
             f"{have}; pass --nproc-per-node {have} or fewer (or run on CPU with --device cpu)"
@@ -199,16 +196,15 @@ def check_devices(device: str | torch.device, local_ranks: int) -> None:
 
 
 def check_parallel_request(
-    world_size: int, *, num_heads: int, tokens_per_chunk: int, device: str | torch.device,
-    local_ranks: int | None = None,
+    world_size: int, *, num_heads: int, tokens_per_chunk: int, device: str | torch.device
 ) -> None:
     """Refuse a sequence-parallel request that cannot run, before any weights load.
 
     Raises `ConfigError` when ``world_size`` does not divide the head count (each rank caches
     ``H / N`` heads) or the chunk's tokens (each rank takes ``S / N`` of them; nothing is
-    padded), when the device has no backend, or when ``local_ranks`` processes need more CUDA
-    devices than there are (default: torchrun's ``LOCAL_WORLD_SIZE`` in a worker, else
-    ``world_size``: one node).
+    padded), when the device has no backend, or when the processes of this node (torchrun's
+    ``LOCAL_WORLD_SIZE`` in a worker, else ``world_size``: one node) need more CUDA devices
+    than there are.
     """
     if world_size <= 1:
         return
@@ -225,9 +221,7 @@ def check_parallel_request(
             f"{tokens_per_chunk}"
         )
     backend_for(device)
-    if local_ranks is None:  # a torchrun worker: the processes of its node; else one node
-        local_ranks = env_world()[3] if launched_by_torchrun() else world_size
-    check_devices(device, local_ranks)
+    check_devices(device, env_world()[3] if launched_by_torchrun() else world_size)
 
 
 def init_parallel(device: str | torch.device = "cpu", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
@@ -247,14 +241,10 @@ def init_parallel(device: str | torch.device = "cpu", *, timeout_s: float = DEFA
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-        )
-    _CURRENT = ParallelContext(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-        local_world_size=local_world, device=dev, backend=backend,
-    )
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if backend == "nccl" else None)
+    _CURRENT = ParallelContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                               local_rank=local_rank, device=dev)
     return _CURRENT
 
 
@@ -267,9 +257,15 @@ def shutdown() -> None:
 
 
 # ---- the Ulysses exchange ----------------------------------------------------------------------
-def _count(send: torch.Tensor, n: int) -> None:
+def _all_to_all(send: torch.Tensor, n: int) -> torch.Tensor:
+    """``send`` ``[N, ...]`` exchanged (row i goes to rank i, row i of the result came from it),
+    counted in `EXCHANGE`."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
     EXCHANGE.bytes_sent += send.numel() * send.element_size() * (n - 1) // n
     EXCHANGE.calls += 1
+    return recv
 
 
 def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
@@ -280,10 +276,7 @@ def seq_to_heads(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """
     n = ctx.world_size
     b, s, h, d = x.shape
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ctx.group)
-    _count(send, n)
+    recv = _all_to_all(x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4), n)
     # recv[i] = rank i's tokens of our heads
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
 
@@ -292,10 +285,7 @@ def heads_to_seq(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """The inverse of `seq_to_heads`: ``[B, S, H/N, D]`` -> ``[B, S/N, H, D]``."""
     n = ctx.world_size
     b, s_full, h, d = x.shape
-    send = x.reshape(b, n, s_full // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ctx.group)
-    _count(send, n)
+    recv = _all_to_all(x.reshape(b, n, s_full // n, h, d).permute(1, 0, 2, 3, 4), n)
     # recv[i] = our tokens of rank i's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s_full // n, n * h, d)
 
@@ -307,16 +297,15 @@ def local_main_first(fn: Callable[[], T]) -> T:
     if ctx is None or ctx.world_size <= 1:
         return fn()
     result = fn() if ctx.local_rank == 0 else None
-    dist.barrier(group=ctx.group)
+    dist.barrier()
     return fn() if ctx.local_rank != 0 else result  # type: ignore[return-value]
 
 
 def gather_ints(value: int, ctx: ParallelContext) -> list[int]:
-    """Every rank's ``value``, in rank order (one all-reduce; every rank must call it)."""
-    t = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
-    t[ctx.rank] = int(value)
-    dist.all_reduce(t, group=ctx.group)
-    return [int(v) for v in t.tolist()]
+    """Every rank's ``value``, in rank order (every rank must call it)."""
+    out = [0] * ctx.world_size
+    dist.all_gather_object(out, int(value))
+    return out
 
 
 def exchange_nbytes(tokens: int, num_heads: int, head_dim: int, element_size: int, world_size: int,
@@ -364,19 +353,3 @@ def enable_sequence_parallel(transformer: torch.nn.Module, ctx: ParallelContext)
     )
     config.setup(ctx.rank, ctx.world_size, ctx.device, mesh=mesh)
     apply_context_parallel(transformer, config, plan)
-
-
-# ---- launching -----------------------------------------------------------------------------------
-def torchrun_command(nproc_per_node: int, argv: Sequence[str], *, module: str = "causalkv") -> list[str]:
-    """The single-node torchrun command running ``python -m <module> <argv>`` on ``nproc_per_node`` ranks."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc_per_node}", "-m", module, *argv,
-    ]
-
-
-def run_under_torchrun(nproc_per_node: int, argv: Sequence[str], **supervise: Any) -> int:
-    """Run ``causalkv <argv>`` on ``nproc_per_node`` local ranks, supervised
-    (`causalkv.runtime.processes.launch.run_supervised`: one line for the job, no rank left behind);
-    the job's exit status. ``supervise``: `run_supervised`'s keyword arguments."""
-    return run_supervised(torchrun_command(nproc_per_node, argv), nproc=nproc_per_node, **supervise)

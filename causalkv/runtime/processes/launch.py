@@ -2,7 +2,7 @@
 
 ``causalkv generate --nproc-per-node N`` plans the request in the calling process, then
 `run_supervised` runs the same command under ``python -m torch.distributed.run --standalone
---nproc-per-node N`` and supervises it:
+--nproc-per-node N`` (`torchrun_command`) and supervises it:
 
 - torchrun runs in its own session, so a Ctrl-C in the terminal reaches only this process,
   which forwards SIGINT or SIGTERM to torchrun; torchrun stops every rank with that signal.
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import itertools
 import json
 import os
 import re
@@ -40,8 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,11 +50,13 @@ __all__ = [
     "ENV_REPORTS",
     "RankReport",
     "choose_report",
+    "describe_exit",
     "is_peer_failure",
     "register_rank",
     "report_end",
     "reports_to_launcher",
     "run_supervised",
+    "torchrun_command",
 ]
 
 #: the folder the ranks of a supervised job write their reports into
@@ -109,29 +112,12 @@ def is_peer_failure(exc: BaseException) -> bool:
         from torch.distributed import DistError
     except ImportError:  # pragma: no cover - torch without distributed
         DistError = ()  # type: ignore[assignment]  # noqa: N806
-    if DistError and isinstance(exc, DistError):
-        return True
     text = str(exc).lower()
-    return any(t in text for t in ("gloo", "nccl", "connection closed by peer", "connection reset by peer"))
+    return isinstance(exc, DistError) or any(
+        t in text for t in ("gloo", "nccl", "connection closed by peer", "connection reset by peer"))
 
 
-def report_end(
-    line: str, code: int, *, done: int = 0, total: int | None = None, peer_failure: bool = False,
-    written: Sequence[str] = (),
-) -> None:
-    """In a supervised rank: record how it ended for the launcher: its ``line`` (without a
-    newline; empty for a success), exit ``code``, chunks ``done`` of ``total``, whether the
-    fault is a `is_peer_failure`, the files it ``written``."""
-    with contextlib.suppress(OSError, KeyError):
-        _write_json(
-            Path(os.environ[ENV_REPORTS]) / f"end-rank{_rank()}.json",
-            {"rank": _rank(), "line": line, "code": int(code), "done": done, "total": total,
-             "time_ns": time.time_ns(), "pid": os.getpid(), "peer_failure": peer_failure,
-             "written": list(written)},
-        )
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RankReport:
     """How one rank ended: its line, exit status, chunks done, when (``time.time_ns``)."""
 
@@ -155,16 +141,24 @@ class RankReport:
         return self.by_signal or self.peer_failure
 
 
+def report_end(
+    line: str, code: int, *, done: int = 0, total: int | None = None, peer_failure: bool = False,
+    written: Sequence[str] = (),
+) -> None:
+    """In a supervised rank: record how it ended for the launcher (a `RankReport`): its ``line``
+    (without a newline; empty for a success), exit ``code``, chunks ``done`` of ``total``,
+    whether the fault is a `is_peer_failure`, the files it ``written``."""
+    report = RankReport(_rank(), line, int(code), time.time_ns(), done, total, peer_failure, tuple(written))
+    with contextlib.suppress(OSError, KeyError):
+        _write_json(Path(os.environ[ENV_REPORTS]) / f"end-rank{_rank()}.json", dataclasses.asdict(report))
+
+
 def _read_reports(folder: Path) -> list[RankReport]:
     out = []
     for f in sorted(folder.glob("end-rank*.json")):
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             d = json.loads(f.read_text())
-            out.append(RankReport(int(d["rank"]), str(d["line"]), int(d["code"]), int(d["time_ns"]),
-                                  int(d.get("done", 0)), d.get("total"), bool(d.get("peer_failure")),
-                                  tuple(str(w) for w in d.get("written", ()))))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+            out.append(RankReport(**{**d, "written": tuple(d["written"])}))
     return out
 
 
@@ -173,6 +167,17 @@ def _read_reports(folder: Path) -> list[RankReport]:
 _OWN_LINE = re.compile(r"^causalkv(?: [a-z-]+)?: ")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def describe_exit(code: int) -> str:
+    """How a child process ended, from its exit code: ``"exited with status N"``, or for a
+    negative code (a signal) ``"was killed by SIGKILL"``."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def _died(rank: int | None, torchrun_tail: Sequence[str], rc: int) -> str:
@@ -186,15 +191,7 @@ def _died(rank: int | None, torchrun_tail: Sequence[str], rc: int) -> str:
             code, rank = int(m.group(1)), current
             break
     who = f"rank {rank}" if rank is not None else "a rank"
-    if code is not None and code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    elif code is not None:
-        how = f"exited with status {code}"
-    else:
-        how = f"failed (torchrun exit status {rc})"
+    how = describe_exit(code) if code is not None else f"failed (torchrun exit status {rc})"
     return (
         f"error: {who} {how} before it could report a fault; the job is stopped and nothing "
         "was written; rerun with --debug for the ranks' output"
@@ -212,20 +209,15 @@ def choose_report(
         return next((r for r in reports if r.rank == 0), None)
     faults = [r for r in reports if r.code != 0]
     own = [r for r in faults if not r.consequence]
-    if own:
-        return own[0]
-    if silent:
-        return None
-    return faults[0] if faults else None
+    speaking = own or ([] if silent else faults)  # a consequence never speaks for a silent rank
+    return speaking[0] if speaking else None
 
 
 def _pid_is_ours(pid: int) -> bool:
     """True when ``pid`` runs and is a Python process of this job (guards against reuse)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except OSError:  # gone, or another user's (the pid was reused)
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -241,11 +233,9 @@ def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             pids.append(int(json.loads(f.read_text())["pid"]))
     alive = [p for p in pids if _pid_is_ours(p)]
-    for pid in alive:
+    for pid, kill in itertools.product(alive, (os.killpg, os.kill)):  # each rank leads its own session
         with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)  # torchrun starts each rank in its own session
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+            kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if _pid_is_ours(p)]
@@ -253,18 +243,17 @@ def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding_signals(forward: Callable[[int], None]) -> Iterator[list[int]]:
-    """SIGINT (unless inherited as ignored) and SIGTERM call ``forward(signum)``; yields the
-    list of signals received."""
+def _forwarding_signals(proc: subprocess.Popen[bytes]) -> Iterator[list[int]]:
+    """SIGINT (unless inherited as ignored) and SIGTERM are sent on to ``proc`` (in the main
+    thread: only it can handle signals); yields the list of signals received."""
     got: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield got
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
 
     def handler(signum: int, frame: Any) -> None:
         got.append(signum)
-        forward(signum)
+        with contextlib.suppress(OSError):
+            proc.send_signal(signum)
 
     for s, old in previous.items():
         if old != signal.SIG_IGN:
@@ -276,33 +265,29 @@ def _forwarding_signals(forward: Callable[[int], None]) -> Iterator[list[int]]:
             signal.signal(s, old)
 
 
-class _StderrFilter:
-    """Reads the job's stderr line by line: passes all of it with ``debug``, else each
-    distinct ``causalkv`` line once; keeps the tail for `_died`."""
+def _pass_stderr(
+    stream: IO[bytes], out: IO[str], *, debug: bool, seen: Iterable[str] = ()
+) -> tuple[threading.Thread, collections.deque[str]]:
+    """Read the job's stderr line by line in a thread: pass all of it with ``debug``, else each
+    distinct ``causalkv`` line once. Returns the thread and the tail it keeps for `_died`."""
+    shown, tail = set(seen), collections.deque(maxlen=400)
 
-    def __init__(self, stream: IO[bytes], out: IO[str], *, debug: bool, seen: Iterable[str] = ()) -> None:
-        self.stream, self.out, self.debug = stream, out, debug
-        self.seen = set(seen)
-        self.tail: collections.deque[str] = collections.deque(maxlen=400)
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _emit(self, text: str) -> None:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            self.out.write(text)
-            self.out.flush()
-
-    def _run(self) -> None:
-        for raw in iter(self.stream.readline, b""):
+    def run() -> None:
+        for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace")
-            self.tail.append(line.rstrip("\n"))
-            if self.debug:
-                self._emit(line)
-            elif _OWN_LINE.match(line) and line.rstrip("\n") not in self.seen:
-                self.seen.add(line.rstrip("\n"))
-                self._emit(line)
+            text = line.rstrip("\n")
+            tail.append(text)
+            if debug or (_OWN_LINE.match(line) and text not in shown):
+                shown.add(text)
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    out.write(line)
+                    out.flush()
         with contextlib.suppress(OSError):
-            self.stream.close()
+            stream.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, tail
 
 
 def _rank_env(nproc: int, reports: Path, *, quiet: bool, debug: bool) -> dict[str, str]:
@@ -330,18 +315,26 @@ def _signalled_line(prog: str, signum: int, rank0: RankReport | None) -> str:
     return f"{prog}: {how} after chunk {rank0.done} of {rank0.total}; nothing written"
 
 
+def torchrun_command(nproc_per_node: int, argv: Sequence[str]) -> list[str]:
+    """The single-node torchrun command running ``python -m causalkv <argv>`` on ``nproc_per_node`` ranks."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc_per_node}", "-m", "causalkv", *argv,
+    ]
+
+
 def run_supervised(
-    command: Sequence[str],
-    *,
     nproc: int,
+    argv: Sequence[str],
+    *,
     prog: str = "causalkv generate",
     debug: bool = False,
     quiet: bool = False,
     seen: Iterable[str] = (),
     stderr: IO[str] | None = None,
 ) -> int:
-    """Run the torchrun ``command`` (`causalkv.runtime.processes.distributed.torchrun_command`) of
-    ``nproc`` local ranks as described in the module docstring; the job's exit status.
+    """Run ``causalkv <argv>`` on ``nproc`` local ranks under torchrun (`torchrun_command`),
+    supervised as the module docstring says; the job's exit status.
 
     ``seen``: stderr lines this process already printed (plugin warnings the ranks repeat).
     """
@@ -349,7 +342,7 @@ def run_supervised(
     reports = Path(tempfile.mkdtemp(prefix="causalkv-ranks-"))
     try:
         proc = subprocess.Popen(
-            list(command), env=_rank_env(nproc, reports, quiet=quiet, debug=debug),
+            torchrun_command(nproc, argv), env=_rank_env(nproc, reports, quiet=quiet, debug=debug),
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -357,40 +350,30 @@ def run_supervised(
         shutil.rmtree(reports, ignore_errors=True)
         raise
     assert proc.stderr is not None
-    reader = _StderrFilter(proc.stderr, err, debug=debug, seen=seen)
-
-    def forward(signum: int) -> None:
-        with contextlib.suppress(OSError):
-            proc.send_signal(signum)
-
-    try:
-        with _forwarding_signals(forward) as got:
+    reader, tail = _pass_stderr(proc.stderr, err, debug=debug, seen=seen)
+    with _forwarding_signals(proc) as got:
+        try:
             deadline: float | None = None
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if got and deadline is None:
-                    deadline = time.monotonic() + SHUTDOWN_GRACE_S
-                if deadline is not None and time.monotonic() > deadline:
-                    with contextlib.suppress(OSError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+            while (rc := proc.poll()) is None:
+                time.sleep(0.05)
+                if got:  # torchrun gets SHUTDOWN_GRACE_S to stop its ranks, then it is killed
+                    deadline = deadline or time.monotonic() + SHUTDOWN_GRACE_S
+                    if time.monotonic() > deadline:
+                        with contextlib.suppress(OSError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
             _kill_leftovers(reports)
-            reader.thread.join(timeout=10)
-            signalled = got[0] if got else None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _kill_leftovers(reports)
-        shutil.rmtree(reports, ignore_errors=True)
-        raise
-    found = _read_reports(reports)
+            found = _read_reports(reports)
+            shutil.rmtree(reports, ignore_errors=True)
+        reader.join(timeout=10)
+    signalled = got[0] if got else None
     silent = sorted(set(range(nproc)) - {r.rank for r in found})
     chosen = choose_report(found, signalled=signalled, silent=silent)
-    shutil.rmtree(reports, ignore_errors=True)
     if signalled is not None:
         line, code = _signalled_line(prog, signalled, chosen), 128 + signalled
     elif rc == 0:
@@ -398,7 +381,7 @@ def run_supervised(
     elif chosen is not None:
         line, code = chosen.line, chosen.code
     else:
-        line, code = f"{prog}: {_died(silent[0] if silent else None, list(reader.tail), rc)}", 1
+        line, code = f"{prog}: {_died(silent[0] if silent else None, list(tail), rc)}", 1
     with contextlib.suppress(OSError, ValueError, AttributeError):
         print(line, file=err, flush=True)
     return code
