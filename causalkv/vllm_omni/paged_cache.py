@@ -565,16 +565,14 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                                "the session's newest pages nor scratch")
         hist_pages = rec.frames[:-len(current)] if commit else list(rec.frames)
         where = dict(zip(rec.frames, table))
-        history: list[tuple[int, Any]] = []  # (logical frame, page id | (group, offset))
+        # logical frame -> pool page id, or (packed group, offset in it)
+        history: dict[int, Any] = {f: where[f] for f in hist_pages}
         for g in rec.groups:
             for f in range(g.start // bs, g.end // bs):
                 if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
-                    history.append((f, (g, f * bs - g.start) if g.packed else where[f]))
-        settled = {f for f, _ in history}
-        history += [(f, where[f]) for f in hist_pages if f not in settled]
-        history.sort(key=lambda e: e[0])
+                    history[f] = (g, f * bs - g.start) if g.packed else where[f]
         # the current frames last: the pages the slots name
-        entries: list[Any] = [x for _, x in history] + current
+        entries: list[Any] = [history[f] for f in sorted(history)] + current
         max_blocks = self.spec.sliding_window // bs + self.spec.sink_chunks
         sink = self.spec.sink_chunks
         if len(entries) > max_blocks:  # the engine's rule: the sink, then the newest
