@@ -46,6 +46,22 @@ the setting may turn on when ``routed`` is no slower than ``sglang`` at every ge
 (``goal_routed_no_slower``). Under ``--interpret`` the route is forced on the CPU tensors
 (`causalkv.sglang.attention.forced_route`, the kernel in the interpreter for ``routed``).
 
+vLLM-Omni's paged engine (``vllm_omni_paged`` in the JSON; needs the vLLM-Omni environment,
+``.venv-vllm-omni/bin/python benchmarks/gpu_attention.py``, otherwise it says why it was not
+measured): one layer of causalkv's `CausalKVPagedKVCache` at LingBot-World's geometry (40 heads
+x 128, 1,560-token frames, 3-frame ticks, sink 9 + window 9 frames), one session filled through
+vLLM-Omni's own ``ARDiffusionKVState`` (committing ticks, packed groups beside the pool), then
+one probe forward of the next tick through LingBot's ``paged_write_attn`` seam, four ways:
+``bf16_pages`` (packing off: vLLM-Omni's paged attention over the pool pages),
+``buffer`` (packed groups decoded with the pages into one transient buffer, then vLLM-Omni's
+paged attention: the path off CUDA), ``routed`` (`causalkv.caches.attend` over the pages and
+packed groups: the path on CUDA, attend's default there) and ``routed_decode`` (attend's
+decode path); the paths are picked with `causalkv.vllm_omni.paged_cache.forced_route` (under
+``--interpret`` ``routed`` runs the kernel in the interpreter). Per path: median time, peak
+allocated memory above the start, attend's transient bytes, the routed outputs' max
+difference from ``buffer`` against the rounding bound (``ok``), and whether ``routed`` is no
+slower than ``buffer`` (``goal_routed_no_slower``, on CUDA only).
+
 ``--interpret`` runs a tiny geometry on the CPU under ``TRITON_INTERPRET=1`` (the kernel in
 Triton's interpreter): it exercises every path and the correctness check, its times mean
 nothing and it has no CUDA memory figures. Without CUDA and without ``--interpret`` the
@@ -73,6 +89,17 @@ JSON (``--json PATH``), schema ``causalkv.gpu-attention-bench/1``::
                                  "max_abs_err": {path: float}, "err_bound", "ok",
                                  "goal_routed_no_slower": bool | null} | {"geometry", "bits",
                                  "unavailable": str}]},
+     "vllm_omni_paged": {"measured": bool, "reason"?: str,
+                         "rows": [{"geometry", "bits", "queries", "visible_tokens", "heads",
+                                   "head_dim", "packed_groups", "pool_bytes", "packed_bytes",
+                                   "window_buffer_bytes", "ms": {path: float},
+                                   "time_vs_buffer": {path: float},
+                                   "peak_bytes": {path: int | null},
+                                   "peak_vs_buffer": {path: float | null},
+                                   "attend_transient_bytes": {path: int | null},
+                                   "fused_segments", "max_abs_err": {path: float}, "err_bound",
+                                   "ok", "goal_routed_no_slower": bool | null}
+                                  | {"geometry", "bits", "unavailable": str}]},
      "ok": bool}
 
 The exit status is 1 when a correctness check fails.
@@ -418,6 +445,159 @@ def print_bridge(section: dict) -> None:
               f"(bound {r['err_bound']:.2e}) {'ok' if r['ok'] else 'FAILED'}")
 
 
+# ---------------------------------------------------------------------------------------------
+# vLLM-Omni's paged engine: LingBot's self-attention over causalkv's pages, routed or not
+# ---------------------------------------------------------------------------------------------
+PAGED_PATHS = ("bf16_pages", "buffer", "routed", "routed_decode")
+
+
+@dataclass(frozen=True)
+class PagedGeometry:
+    name: str
+    frame: int  # tokens per latent frame (one pool page)
+    tick: int  # frames per tick (= the queries' frames)
+    sink: int  # sink frames
+    window: int  # window frames
+    heads: int
+    head_dim: int = 128
+    centroids: int = 128
+
+
+#: LingBot-World on vLLM-Omni (`causalkv memory lingbot --host vllm-omni`: 40 heads x 128,
+#: 1,560 tokens per frame, 3-frame ticks, sink 9 + window 9 frames), one layer
+PAGED_GEOMETRIES = (PagedGeometry("lingbot-world", frame=1560, tick=3, sink=9, window=9, heads=40),)
+PAGED_SMOKE = (PagedGeometry("smoke", frame=16, tick=3, sink=3, window=9, heads=2, head_dim=64,
+                             centroids=8),)
+
+
+def vllm_omni_paged(geos: tuple[PagedGeometry, ...], bits_list: list[int], device: torch.device,
+                    timer: Timer, interpret: bool) -> dict:
+    """The ``vllm_omni_paged`` section: rows, or ``measured: false`` with the reason."""
+    try:
+        from causalkv.vllm_omni import paged_cache  # noqa: F401 - imports vLLM-Omni
+    except ImportError as exc:
+        return {"measured": False, "reason": (
+            f"vLLM-Omni is not importable here ({exc}); run this script with the vLLM-Omni "
+            "environment's python (make venv-vllm-omni; .venv-vllm-omni/bin/python "
+            "benchmarks/gpu_attention.py)")}
+    rows = []
+    for geo in geos:
+        for bits in bits_list:
+            try:
+                rows.append(paged_row(geo, bits, device, timer, interpret))
+            except Exception as exc:  # noqa: BLE001 - a row that cannot run says why
+                rows.append({"geometry": geo.name, "bits": bits,
+                             "unavailable": f"{type(exc).__name__}: {exc}"[:300]})
+    return {"measured": device.type == "cuda", "rows": rows, **({} if device.type == "cuda" else {
+        "reason": "interpreter smoke run on the CPU: the times say nothing about a GPU"})}
+
+
+def paged_session(geo: PagedGeometry, quant: QVGKVQuantArgs, device: torch.device):
+    """(cache, the probe forward's layer inputs, query, K, V): one layer of causalkv's paged
+    cache at ``geo``, one session filled through the engine's own state (committing ticks until
+    the sink and window are full), then the inputs of the next tick's probe forward (the
+    current frames in scratch pages)."""
+    from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
+    from vllm_omni.experimental.ar_diffusion.kv_cache.state import ARDiffusionKVState
+
+    from causalkv.vllm_omni.admission import causalkv_layout, required_bytes
+    from causalkv.vllm_omni.paged_cache import (
+        CausalKVBranchSpec,
+        CausalKVPagedKVCache,
+        engine_geometry,
+    )
+
+    H, D, n = geo.heads, geo.head_dim, geo.frame * geo.tick
+    ticks = (geo.sink + geo.window) // geo.tick + 1
+    config = ARDiffusionKVConfig(enable=True, chunk_size=geo.frame, window_chunks=geo.window,
+                                 sink_chunks=geo.sink, gpu_memory_fraction=1.0)
+    shape = dict(num_layers=1, num_kv_heads=H, head_size=D, dtype=torch.bfloat16, block_size=geo.frame,
+                 kv_branches=(CausalKVBranchSpec("main", 0, quant=quant),), frames_per_block=geo.tick)
+    eng = engine_geometry(config, **shape)
+    cache = CausalKVPagedKVCache(
+        config, quant=quant, max_model_len=(ticks + 1) * n, session_capacity=1, device=device,
+        available_bytes=required_bytes(eng, causalkv_layout(eng, quant), 1), **shape)
+    state = ARDiffusionKVState(cache, "bench", {"main": cache.begin_request("bench")}, num_layers=1)
+
+    def inputs(commit: bool):
+        (ctx,) = state.get_kv_caches("main", n, commit_current=commit)
+        ctx.forward_ctx.prepare(device, 0, n)
+        return ctx.to_layer_inputs()
+
+    with cache.binding(state):
+        for t in range(ticks):
+            q, k, v = (kv_like(n, H, D, 3 * t + i, device)[0] for i in range(3))
+            cache.attend(0, inputs(True), q, k, v, None, None, D**-0.5)
+            state.commit_paged_context("main")
+    return cache, state, inputs(False), *(kv_like(n, H, D, 999 + i, device)[0] for i in range(3))
+
+
+def paged_row(geo: PagedGeometry, bits: int, device: torch.device, timer: Timer,
+              interpret: bool) -> dict:
+    from causalkv.vllm_omni.paged_cache import forced_route, paged_write_attn
+
+    quant = QVGKVQuantArgs(codec=f"int{bits}", centroids=geo.centroids).validate()
+    H, D = geo.heads, geo.head_dim
+    ms: dict[str, float] = {}
+    peak: dict[str, int | None] = {}
+    outs: dict[str, torch.Tensor] = {}
+    records: dict[str, list[AttendStats]] = {}
+    force = {"bf16_pages": {}, "buffer": {"routed": False},
+             "routed": {"fused": True if interpret else None}, "routed_decode": {"fused": False}}
+    for name in PAGED_PATHS:
+        cache, state, inputs, q, k, v = paged_session(
+            geo, QVGKVQuantArgs() if name == "bf16_pages" else quant, device)
+        records[name] = rec = []
+        with cache.binding(state), forced_route(**force[name], record=rec):
+            ms[name], peak[name], outs[name] = timer(
+                lambda i=inputs, q=q, k=k, v=v: paged_write_attn(i, q, k, v, None, None, D**-0.5))
+            if name == "buffer":
+                rep, vmax = cache.report("bench"), inputs.value_pool.abs().max().item()
+                visible = sum(len(r[1]) if r[0] == "page" else (r[3] - r[2]) // geo.frame
+                              for r in cache._forward_view(inputs)) * geo.frame
+    ref = outs["buffer"].double()
+    window = 2 * visible * H * D * 2
+    bound = 4 * BF16_U * (vmax + ref.abs().max().item())
+    err = {p: (outs[p].double() - ref).abs().max().item() for p in ("routed", "routed_decode")}
+    fused = sum(st.fused_segments for st in records["routed"])
+    return {
+        "geometry": geo.name, "bits": bits, "queries": geo.frame * geo.tick,
+        "visible_tokens": visible, "heads": H, "head_dim": D,
+        "packed_groups": len(rep.packed_groups), "pool_bytes": rep.pool_bytes,
+        "packed_bytes": rep.packed_bytes, "window_buffer_bytes": window,
+        "ms": ms, "time_vs_buffer": {p: t / ms["buffer"] for p, t in ms.items()},
+        "peak_bytes": peak,
+        "peak_vs_buffer": {p: (None if b is None or not peak["buffer"] else b / peak["buffer"])
+                           for p, b in peak.items()},
+        "attend_transient_bytes": {p: max((st.peak_transient_nbytes for st in records[p]), default=None)
+                                   for p in ("routed", "routed_decode")},
+        "fused_segments": fused, "max_abs_err": err, "err_bound": bound,
+        "ok": all(e <= bound for e in err.values()) and rep.packed_groups != ()
+        and (fused > 0 or not interpret) and records["buffer"] == [],
+        "goal_routed_no_slower": (ms["routed"] <= ms["buffer"]) if timer.cuda else None,
+    }
+
+
+def print_paged(section: dict) -> None:
+    if not section.get("rows"):
+        print(f"vLLM-Omni paged engine (LingBot self-attention over CausalKVPagedKVCache): not "
+              f"measured: {section['reason']}")
+        return
+    print("vLLM-Omni paged engine: one LingBot self-attention layer over CausalKVPagedKVCache, "
+          "a probe forward with packed groups visible; ms, and x buffer")
+    for r in section["rows"]:
+        if "unavailable" in r:
+            print(f"{r['geometry']:14} {r['bits']:>4} unavailable: {r['unavailable']}")
+            continue
+        cells = " ".join(f"{p} {r['ms'][p]:.2f} ({r['time_vs_buffer'][p]:.2f}x)" for p in PAGED_PATHS)
+        mem = " ".join("n/a" if r["peak_bytes"][p] is None else f"{p} {r['peak_bytes'][p]:,} B"
+                       for p in PAGED_PATHS)
+        print(f"{r['geometry']:14} {r['bits']:>4} {cells}; peak {mem}; window buffer "
+              f"{r['window_buffer_bytes']:,} B; attend transient {r['attend_transient_bytes']}; "
+              f"err {max(r['max_abs_err'].values()):.2e} (bound {r['err_bound']:.2e}) "
+              f"{'ok' if r['ok'] else 'FAILED'}")
+
+
 def print_table(rows: list[dict], mode: str) -> None:
     print(f"attention over one layer's window ({mode}); ms, and x the bf16 dense SDPA time")
     if mode == "interpret":
@@ -473,12 +653,16 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, mode)
     bridge = sglang_bridge(geos, args.bits, device, timer, args.interpret)
     print_bridge(bridge)
+    paged = vllm_omni_paged(PAGED_SMOKE if args.interpret else PAGED_GEOMETRIES, args.bits, device,
+                            timer, args.interpret)
+    print_paged(paged)
     result = {
         "schema": SCHEMA, "mode": mode,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
-        "sglang_bridge": bridge,
-        "ok": all(r["ok"] for r in rows) and all(r.get("ok", True) for r in bridge.get("rows", ())),
+        "sglang_bridge": bridge, "vllm_omni_paged": paged,
+        "ok": all(r["ok"] for r in rows) and all(
+            r.get("ok", True) for sec in (bridge, paged) for r in sec.get("rows", ())),
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -73,7 +73,6 @@ __all__ = [
     "plan_admission",
     "plan_sessions",
     "required_bytes",
-    "row_layout",
     "stock_layout",
 ]
 
@@ -369,15 +368,23 @@ class Admission:
                 "requested_capacity": self.requested_capacity, "pool_blocks": self.pool_blocks}
 
 
+def _bytes(eng: EngineGeometry, layout: SessionLayout) -> tuple[int, int, int]:
+    """``(fixed, beside the pool, session)`` bytes of the engine's rule for ``layout``: what does
+    not grow with sessions (scratch, history staging, the in-flight tick's blocks and two spare
+    blocks); per session what it holds outside the pool (cross-attention, model state, packed
+    groups); per session in all (that plus its bf16 frames' pool pages)."""
+    lb = eng.local_kv_branches
+    fixed = eng.scratch_bytes + eng.history_staging_bytes + (lb * eng.frames_per_block + 2) * eng.page_bytes
+    beside = eng.cross_bytes + eng.model_state_bytes + lb * layout.packed_bytes
+    return fixed, beside, beside + lb * layout.bf16_frames * eng.page_bytes
+
+
 def required_bytes(eng: EngineGeometry, layout: SessionLayout, sessions: int) -> int:
     """The engine's ``_required_bytes(sessions)`` for ``layout``: scratch + history staging +
     per session (cross-attention + model state + packed groups) + the managed blocks
     ``local_branches x (sessions x bf16_frames + frames_per_block) + 2``, each a page."""
-    lb = eng.local_kv_branches
-    blocks = lb * (sessions * layout.bf16_frames + eng.frames_per_block) + 2
-    return (eng.scratch_bytes + eng.history_staging_bytes
-            + sessions * (eng.cross_bytes + eng.model_state_bytes + lb * layout.packed_bytes)
-            + blocks * eng.page_bytes)
+    fixed, _, session = _bytes(eng, layout)
+    return fixed + sessions * session
 
 
 def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
@@ -400,12 +407,8 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
     if requested_capacity is not None:
         check_int("session_capacity", requested_capacity, minimum=1, hint="pass 1 or more")
-    lb = eng.local_kv_branches
-    fixed = eng.scratch_bytes + eng.history_staging_bytes + (lb * eng.frames_per_block + 2) * eng.page_bytes
-    session = (eng.cross_bytes + eng.model_state_bytes + lb * layout.packed_bytes
-               + lb * layout.bf16_frames * eng.page_bytes)
+    fixed, beside, session = _bytes(eng, layout)
     one = fixed + session
-    assert one == required_bytes(eng, layout, 1)
     if one > available_bytes:
         raise ConfigError(
             f"{eng.name} ({layout.setting}): one session needs {one:,} bytes ({format_bytes(one)}: "
@@ -418,8 +421,7 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
     capacity = (budget - fixed) // session
     if requested_capacity is not None:
         capacity = min(capacity, requested_capacity)
-    pool = (budget - eng.scratch_bytes - eng.history_staging_bytes
-            - capacity * (eng.cross_bytes + eng.model_state_bytes + lb * layout.packed_bytes)) // eng.page_bytes
+    pool = (budget - eng.scratch_bytes - eng.history_staging_bytes - capacity * beside) // eng.page_bytes
     return Admission(layout, available_bytes, float(gpu_memory_fraction), configured, budget, session,
                      fixed, capacity, pool, requested_capacity, eng.page_bytes)
 
@@ -428,15 +430,6 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
 LINGBOT_STOCK_CAPACITY = 2
 #: the rows of the admission table: vLLM-Omni's own pool, then causalkv's pages per setting
 ADMISSION_ROWS = ("stock", *ROWS)
-
-
-def row_layout(eng: EngineGeometry, row: str) -> SessionLayout:
-    """The `SessionLayout` of an `ADMISSION_ROWS` row on ``eng``."""
-    if row == "stock":
-        return stock_layout(eng)
-    if row not in ROWS:
-        raise ConfigError(f"vllm-omni rows must be among {list(ADMISSION_ROWS)}, got {row!r}")
-    return causalkv_layout(eng, SETTINGS[ROWS[row]].quant_args(), row)
 
 
 def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS,
@@ -452,7 +445,10 @@ def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS
     eng = lingbot_engine(height, width) if eng is None else eng
     out = []
     for row in rows:
-        layout = row_layout(eng, row)
+        if row != "stock" and row not in ROWS:
+            raise ConfigError(f"vllm-omni rows must be among {list(ADMISSION_ROWS)}, got {row!r}")
+        layout = stock_layout(eng) if row == "stock" else causalkv_layout(
+            eng, SETTINGS[ROWS[row]].quant_args(), row)
         cap = LINGBOT_STOCK_CAPACITY if row == "stock" else None
         available = required_bytes(eng, layout, 1) if budget is None else budget
         out.append(admit(eng, layout, available_bytes=available, gpu_memory_fraction=1.0,

@@ -66,11 +66,6 @@ class KVLedger(ByteLedger):
         """vLLM-Omni's dense cache at its peak: its buffers plus the largest visible K/V."""
         return self.dense_bytes + self.peak_transient_nbytes
 
-    def note(self, layer: int, resident: int, transient: int) -> None:
-        """Record that ``layer`` holds ``resident`` bytes and one call built ``transient``."""
-        self.hold(layer, resident)
-        self.transient(transient)
-
 
 class LingBotLayerKV:
     """One layer's self-attention K/V of one request: vLLM-Omni's cursors over a causalkv cache.
@@ -103,10 +98,6 @@ class LingBotLayerKV:
         self.last_start: int | None = None
         self.sink_end = 0
 
-    @property
-    def capacity(self) -> int:
-        return self.spec.cache_size
-
     def update(
         self,
         key: torch.Tensor,
@@ -123,7 +114,7 @@ class LingBotLayerKV:
         left as it was.
         """
         n = key.shape[1]
-        capacity = self.capacity
+        capacity = self.spec.cache_size
         if sink_tokens != self.spec.sink_tokens:
             raise ValueError(
                 f"sink_tokens={sink_tokens} differs from the cache's {self.spec.sink_tokens}; "
@@ -161,26 +152,22 @@ class LingBotLayerKV:
             new_local = n - incoming_sink
             if new_local > local_capacity:
                 raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
-        if update_cache:
+        if not update_cache and self.last_start is None:  # a probe of the first chunk sees the chunk only
+            k, v = key, value
+        else:  # a write, or a probe: the view the write would return, nothing stored (the core's probe)
             view = self.cache.update_and_get_attention_kv(
-                key=key, value=value, current_chunk_start=current_start,
+                key=key, value=value, current_chunk_start=current_start, probe=not update_cache,
                 debug_name=f"lingbot.self_attn[{self.layer}]",
             )
             k, v = view.k, view.v
+        if update_cache:
             self.end = k.shape[1]
             self.absolute_end = current_start + n
             self.last_start = current_start
             self.sink_end = next_sink_end
             self.ledger.writes += 1
-        elif self.last_start is None:  # a probe of the first chunk sees the chunk only
-            k, v = key, value
-        else:  # a probe: the view the write would return, nothing stored (the core's probe)
-            view = self.cache.update_and_get_attention_kv(
-                key=key, value=value, current_chunk_start=current_start, probe=True,
-                debug_name=f"lingbot.self_attn[{self.layer}]",
-            )
-            k, v = view.k, view.v
-        self.ledger.note(self.layer, self.cache.resident_nbytes(), k.nbytes + v.nbytes)
+        self.ledger.hold(self.layer, self.cache.resident_nbytes())
+        self.ledger.transient(k.nbytes + v.nbytes)
         return k, v
 
 

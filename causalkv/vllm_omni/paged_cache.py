@@ -31,8 +31,13 @@ vLLM's ``KVCacheManager`` / ``BlockPool`` handing out pages, a compact block tab
   engine does, then reads the visible frames in the engine's order (sink first, the newest
   last): with no packed group visible, straight from the pool pages through vLLM-Omni's
   ``ar_diffusion_paged_attention`` (its einsum reference off CUDA, its paged FlashAttention on
-  CUDA); with packed groups visible, one layer's visible K/V gathered into one transient
-  buffer (bf16 pages copied, packed groups decoded in place) and the same kernel over it.
+  CUDA). With packed groups visible, the visible frames are one lazy view (`_segment_view`):
+  on CUDA `causalkv.caches.attend` runs over it segment by segment (its fused path: packed
+  groups read in place by their codec's kernel, runs of pool pages attended as dense segments,
+  merged by log-sum-exp), so the window is never materialized; elsewhere (the reference path)
+  one layer's visible K/V are gathered into one transient buffer (pages copied, packed groups
+  decoded in place) and the same kernel runs over it. `forced_route` picks either on any
+  device (the tests and the benchmark).
 
 Closing, evicting or failing a session ends its adapters (``end_request``): its pages and its
 packed records go. The seams used here are listed in `causalkv.vllm_omni.paged_seams`.
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -61,10 +67,12 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
     ar_diffusion_paged_attention,
 )
 
+from causalkv.caches.attention import AttendStats, attend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Packed, TierSegment, keep_held, tier_policy
+from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.caches.stream import StreamState
 from causalkv.errors import ConfigError
 from causalkv.vllm_omni.admission import (
@@ -81,16 +89,19 @@ from causalkv.vllm_omni.admission import (
 __all__ = [
     "CausalKVBranchSpec",
     "CausalKVPagedKVCache",
+    "ForcedRoute",
     "PagedGroup",
     "SessionReport",
     "declared_capacity",
     "engine_geometry",
+    "forced_route",
     "install_engine_seams",
     "live_caches",
     "paged_write_attn",
     "session_cache",
 ]
 
+logger = logging.getLogger(__name__)
 #: the k-means seed of causalkv's stores (`SegmentStore`'s default): packing is reproducible
 SEED = 1234
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -179,13 +190,6 @@ class SessionReport:
         return self.pool_bytes + self.packed_bytes
 
 
-def _scratch_blocks_per_branch(frames_per_block: int, max_scratch_tokens: int, block_size: int) -> int:
-    """The engine's scratch rule (``ARDiffusionKVCache.__init__``)."""
-    declared = (max_scratch_tokens + block_size - 1) // block_size
-    override = int(os.environ.get(_SCRATCH_ENV, "0") or 0)
-    return max(frames_per_block + declared, override)
-
-
 def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype, block_size: int, kv_branches: Sequence[Any],
                     cross_attention_lengths: dict[str, int] | None = None,
@@ -217,8 +221,9 @@ def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_siz
         frames_per_block, int(config.sink_chunks), int(config.window_chunks),
         kv_branches=len(kv_branches), local_kv_branches=local, cross_attention=cross,
         model_state_bytes=int(model_owned_state_bytes_per_session),
-        scratch_blocks_per_branch=_scratch_blocks_per_branch(
-            frames_per_block, max_scratch_tokens_per_branch, block_size),
+        scratch_blocks_per_branch=max(  # the engine's scratch rule (ARDiffusionKVCache.__init__)
+            frames_per_block + (max_scratch_tokens_per_branch + block_size - 1) // block_size,
+            int(os.environ.get(_SCRATCH_ENV, "0") or 0)),
     )
 
 
@@ -265,7 +270,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     """vLLM-Omni's ``ARDiffusionKVCache`` holding causalkv's pages (the module docstring).
 
     Args:
-        config, num_layers, ...: ``ARDiffusionKVCache``'s arguments, as the runner passes them.
+        config, max_model_len, ...: ``ARDiffusionKVCache``'s arguments, as the runner passes
+            them (``num_layers``, ``dtype`` and the rest of the geometry as keywords).
         quant: the QVG settings (``bits=None``: every group bf16).
         head_offset: global index of this rank's first head (the codec's seeds).
 
@@ -283,25 +289,13 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     """
 
     def __init__(self, config: Any, *, quant: QVGKVQuantArgs, head_offset: int = 0,
-                 num_layers: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 block_size: int, max_model_len: int, available_bytes: int,
-                 kv_branches: tuple[ARDiffusionKVBranchSpec, ...], session_capacity: int,
-                 cross_attention_lengths: dict[str, int] | None = None,
-                 cross_attention_kv_heads: dict[str, int] | None = None,
-                 device: torch.device | None = None, frames_per_block: int = 1,
-                 max_scratch_tokens_per_branch: int = 0,
-                 model_owned_state_bytes_per_session: int = 0) -> None:
-        if len(kv_branches) != 1:
+                 max_model_len: int, available_bytes: int, session_capacity: int,
+                 device: torch.device | None = None, **shape: Any) -> None:
+        # ``shape``: the engine's other arguments (what the geometry is read from)
+        if len(shape["kv_branches"]) != 1:
             raise ConfigError(
                 f"causalkv's paged cache holds one KV branch (LingBot-World's), the spec declares "
-                f"{[b.name for b in kv_branches]}")
-        shape = dict(  # what the geometry is read from: the engine's arguments but the budget's
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
-            block_size=block_size, kv_branches=kv_branches,
-            cross_attention_lengths=cross_attention_lengths,
-            cross_attention_kv_heads=cross_attention_kv_heads, frames_per_block=frames_per_block,
-            max_scratch_tokens_per_branch=max_scratch_tokens_per_branch,
-            model_owned_state_bytes_per_session=model_owned_state_bytes_per_session)
+                f"{[b.name for b in shape['kv_branches']]}")
         eng = engine_geometry(config, **shape)
         layout = causalkv_layout(eng, quant)
         adm = admit(eng, layout, available_bytes=available_bytes,
@@ -317,7 +311,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         ours = {"page bytes": eng.page_bytes, "scratch bytes": eng.scratch_bytes,
                 "cross-attention bytes per session": eng.cross_bytes,
                 "history staging bytes": eng.history_staging_bytes}
-        engine = {"page bytes": self.spec.page_size_bytes * num_layers,
+        engine = {"page bytes": self.spec.page_size_bytes * self.num_layers,
                   "scratch bytes": self.scratch_reserved_bytes,
                   "cross-attention bytes per session": self.cross_attention_bytes_per_session,
                   "history staging bytes": self.history_staging_reserved_bytes}
@@ -340,8 +334,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         self.session_capacity = adm.capacity
         self.cross_attention_reserved_bytes = eng.cross_bytes * adm.capacity
         self.model_owned_state_reserved_bytes = eng.model_state_bytes * adm.capacity
-        self.packed_reserved_bytes = layout.packed_bytes * eng.local_kv_branches * adm.capacity
-        layer_names = [f"ar_diffusion.layer.{i}" for i in range(num_layers)]
+        layer_names = [f"ar_diffusion.layer.{i}" for i in range(self.num_layers)]
         self.manager = build_kv_manager(self.spec, layer_names, adm.pool_blocks, max_model_len)
         self.managed_num_blocks = self.num_blocks = adm.pool_blocks
         self.num_blocks_total = self.managed_num_blocks + self.scratch_num_blocks
@@ -350,14 +343,15 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         self._allocate_tensors = device is not None
         if device is not None:
             self._kv_pools, self._k_pools, self._v_pools = allocate_kv_pool_with_views(
-                self.num_blocks_total, block_size, num_layers, num_kv_heads, head_size, dtype, device)
+                self.num_blocks_total, self.block_size, self.num_layers, self.num_kv_heads,
+                self.head_size, self.dtype, device)
         ref = weakref.ref(self)
         for layer, pool in enumerate(self._k_pools):
             _POOLS[id(pool)] = (ref, layer)
         weakref.finalize(self, _forget_pools, [id(p) for p in self._k_pools])
-        self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, num_kv_heads,
-                                   head_size, torch.empty((), dtype=dtype).element_size())
-        self.packer = Packer(self.device, dtype, SEED, self.head_offset, False)
+        self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, self.num_kv_heads,
+                                   self.head_size, torch.empty((), dtype=self.dtype).element_size())
+        self.packer = Packer(self.device, self.dtype, SEED, self.head_offset, False)
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
         self._view: tuple[torch.Tensor, Any] | None = None
@@ -425,9 +419,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         adapter.on_chunk_committed()
         if adapter.completed_chunks % self.frames_per_block:
             return
-        self._settle(adapter, rec, adapter.completed_chunks // self.frames_per_block - 1)
-
-    def _settle(self, adapter: Any, rec: _Session, g: int) -> None:
+        g = adapter.completed_chunks // self.frames_per_block - 1  # the tick just completed
         n, tpf = self.group_tokens, self.block_size
         rec.cursor = rec.cursor.advanced(n, f"causalkv paged session {adapter.request_id}")
         ctx = rec.cursor.after_context(False)
@@ -566,26 +558,20 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                                "the session's newest pages nor scratch")
         hist_pages = rec.frames[:-len(current)] if commit else list(rec.frames)
         where = dict(zip(rec.frames, table))
-        history: list[tuple[int, Any]] = []  # (logical frame, page id | (group, offset))
+        # logical frame -> pool page id, or (packed group, offset in it)
+        history: dict[int, Any] = {f: where[f] for f in hist_pages}
         for g in rec.groups:
             for f in range(g.start // bs, g.end // bs):
                 if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
-                    history.append((f, (g, f * bs - g.start) if g.packed else where[f]))
-        settled = {f for f, _ in history}
-        history += [(f, where[f]) for f in hist_pages if f not in settled]
-        history.sort(key=lambda e: e[0])
-        entries: list[Any] = [x for _, x in history] + (
-            [None] * len(current))  # the current frames: pages named by the slots
+                    history[f] = (g, f * bs - g.start) if g.packed else where[f]
+        # the current frames last: the pages the slots name
+        entries: list[Any] = [history[f] for f in sorted(history)] + current
         max_blocks = self.spec.sliding_window // bs + self.spec.sink_chunks
         sink = self.spec.sink_chunks
-        order = list(range(len(entries)))
-        if len(order) > max_blocks:  # the engine's rule: the sink, then the newest
-            order = order[:sink] + order[-(max_blocks - sink):]
+        if len(entries) > max_blocks:  # the engine's rule: the sink, then the newest
+            entries = entries[:sink] + entries[-(max_blocks - sink):]
         runs: list[tuple[str, Any, int, int]] = []
-        for i in order:
-            e = entries[i]
-            if e is None:
-                e = current[i - len(history)]
+        for e in entries:
             if isinstance(e, tuple):
                 g, off = e
                 if runs and runs[-1][0] == "packed" and runs[-1][1] is g and runs[-1][3] == off:
@@ -603,7 +589,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                v_curr: torch.Tensor, k_act: torch.Tensor | None, v_act: torch.Tensor | None,
                softmax_scale: float) -> torch.Tensor:
         """One layer's paged self-attention over this cache (``paged_write_attn``'s contract):
-        the forward's K/V written to its slots, then attention over the visible frames."""
+        the forward's K/V written to its slots, then attention over the visible frames (the
+        module docstring: the pool pages, `causalkv.caches.attend` over `_segment_view`, or
+        the transient buffer)."""
         if k_act is not None and k_act.shape[0] > 0:
             raise ConfigError("causalkv's paged cache does not hold action tokens (LingBot-World has none)")
         key_pool, value_pool = inputs.key_pool, inputs.value_pool
@@ -613,30 +601,29 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         key_cache = key_pool.unflatten(0, (-1, bs))
         value_cache = value_pool.unflatten(0, (-1, bs))
         runs = self._forward_view(inputs)
-        frames = sum(len(r[1]) if r[0] == "page" else (r[3] - r[2]) // bs for r in runs)
+        frames = sum(_run_frames(r, bs) for r in runs)
         width = max(int(inputs.block_table.shape[1]), frames)
         if all(r[0] == "page" for r in runs):  # the pool pages as they are
             ids = [i for r in runs for i in r[1]]
             kc, vc = key_cache, value_cache
-        else:  # one transient buffer: pages copied, packed groups decoded in place
-            H, D = self.num_kv_heads, self.head_size
-            kc = torch.empty((frames, bs, H, D), dtype=key_pool.dtype, device=key_pool.device)
-            vc = torch.empty_like(kc)
-            at = 0
-            for kind, what, lo, hi in runs:
-                if kind == "page":
-                    idx = torch.tensor(what, dtype=torch.long, device=key_pool.device)
-                    torch.index_select(key_cache, 0, idx, out=kc[at:at + len(what)])
-                    torch.index_select(value_cache, 0, idx, out=vc[at:at + len(what)])
-                    at += len(what)
-                    continue
-                m = (hi - lo) // bs
-                what.layers[layer].storage.read_into(
-                    lo, hi, 0, H, kc[at:at + m].view(1, hi - lo, H, D),
-                    vc[at:at + m].view(1, hi - lo, H, D), key_pool.device)
-                at += m
+        else:
             (adapter,) = self._bound.adapters.values()
             self._record(adapter).packed_reads += 1
+            view = self._segment_view(layer, runs, key_cache, value_cache)
+            forced = _forced
+            if (query.is_cuda if forced is None else forced.routed) and query.shape[1] == self.num_kv_heads:
+                # causalkv's packed attention (on CUDA its fused path), never the whole window
+                stats = AttendStats()
+                out = attend(query.unsqueeze(0), view, scale=softmax_scale, stats=stats,
+                             fused=None if forced is None else forced.fused)
+                for reason in [r for r in stats.decode_reasons if r not in _SAID]:
+                    _SAID.add(reason)
+                    logger.warning("causalkv paged cache: attention: %s", reason)
+                if forced is not None and forced.record is not None:
+                    forced.record.append(stats)
+                return out[0]
+            kc = view.k.view(frames, bs, self.num_kv_heads, self.head_size)  # one transient buffer
+            vc = view.v.view(frames, bs, self.num_kv_heads, self.head_size)
             ids = list(range(frames))
         table = torch.tensor([ids + [0] * (width - len(ids))], dtype=torch.int32,
                              device=inputs.block_table.device)
@@ -645,6 +632,91 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             query, kc, vc, block_table=table, query_start_loc=inputs.query_start_loc,
             seq_lens=seq_lens, max_query_len=int(inputs.max_query_len),
             max_seq_len=max(int(inputs.max_seq_len), frames * bs), softmax_scale=softmax_scale)
+
+    def _segment_view(self, layer: int, runs: list[tuple[str, Any, int, int]],
+                      key_cache: torch.Tensor, value_cache: torch.Tensor) -> CausalAttentionKVView:
+        """One layer's visible K/V of a forward (`_forward_view`'s runs, in the engine's order)
+        as a lazy `CausalAttentionKVView` ``[1, rows, H, D]``: ``k``/``v`` one transient buffer
+        (pages copied, packed groups decoded in place); ``iter_segments`` one run at a time (a
+        run of pages with consecutive ids as views of the pool, else copied; a packed run
+        decoded); ``iter_stored_segments`` the same with packed runs as their codec records
+        (nothing decoded). Its positions are the rows ``[0, rows)``: LingBot's paged attention
+        is unmasked, only the order matters."""
+        bs, H, D = key_cache.shape[1], self.num_kv_heads, self.head_size
+        dev = key_cache.device
+
+        def buffer(sel: Sequence[tuple[str, Any, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            m = sum(_run_frames(r, bs) for r in sel)
+            k = torch.empty((m, bs, H, D), dtype=key_cache.dtype, device=dev)
+            v = torch.empty_like(k)
+            at = 0
+            for kind, what, lo, hi in sel:
+                n = _run_frames((kind, what, lo, hi), bs)
+                if kind == "page":
+                    idx = torch.tensor(what, dtype=torch.long, device=dev)
+                    torch.index_select(key_cache, 0, idx, out=k[at:at + n])
+                    torch.index_select(value_cache, 0, idx, out=v[at:at + n])
+                else:
+                    what.layers[layer].storage.read_into(
+                        lo, hi, 0, H, k[at:at + n].view(1, hi - lo, H, D),
+                        v[at:at + n].view(1, hi - lo, H, D), dev)
+                at += n
+            return k.view(1, m * bs, H, D), v.view(1, m * bs, H, D)
+
+        def piece(run: tuple[str, Any, int, int], stored: bool) -> Any:
+            kind, what, lo, hi = run
+            if kind == "packed" and stored:
+                part = what.layers[layer].storage.onloaded(dev).select_tokens(lo, hi)
+                return part.k, part.v
+            if kind == "page" and what == list(range(what[0], what[0] + len(what))):
+                a, b = what[0], what[0] + len(what)
+                return (key_cache[a:b].view(1, -1, H, D), value_cache[a:b].view(1, -1, H, D))
+            return buffer([run])
+
+        rows = sum(_run_frames(r, bs) for r in runs) * bs
+        return CausalAttentionKVView(
+            position_ranges=((0, rows),), local_start_index=0, local_end_index=rows,
+            visible_local_end=rows, visible_global_end=rows, materialize=lambda: buffer(runs),
+            segments=lambda: (piece(r, False) for r in runs),
+            stored=lambda: (piece(r, True) for r in runs), device=dev)
+
+
+def _run_frames(run: tuple[str, Any, int, int], bs: int) -> int:
+    """Pool frames one of `CausalKVPagedKVCache._forward_view`'s runs covers."""
+    return len(run[1]) if run[0] == "page" else (run[3] - run[2]) // bs
+
+
+@dataclass
+class ForcedRoute:
+    """What `forced_route` set: whether packed groups go through `causalkv.caches.attend`
+    (``routed``; else the transient buffer), its ``fused`` argument, and where each routed
+    call's `AttendStats` is recorded (None: not recorded)."""
+
+    routed: bool = True
+    fused: bool | None = False
+    record: list[AttendStats] | None = field(default=None, repr=False)
+
+
+_forced: ForcedRoute | None = None
+#: decode reasons already logged (once per process)
+_SAID: set[str] = set()
+
+
+@contextlib.contextmanager
+def forced_route(*, routed: bool = True, fused: bool | None = False,
+                 record: list[AttendStats] | None = None) -> Iterator[ForcedRoute]:
+    """Pick the attention over packed groups on any device while the block runs: ``routed``
+    `causalkv.caches.attend` with its ``fused`` argument (``False``: the decode path;
+    ``True``: the Triton kernel, on the CPU under ``TRITON_INTERPRET=1``; ``None``: attend's
+    default), else (``routed=False``) the transient buffer, on CUDA too. ``record``: a list
+    that receives each routed call's `AttendStats`. For the tests and the benchmark only: the
+    product routes on CUDA with attend's default and keeps the buffer elsewhere."""
+    global _forced
+    before, _forced = _forced, ForcedRoute(routed, fused, record)
+    try:
+        yield _forced
+    finally:
+        _forced = before
 
 
 def _forget_pools(ids: list[int]) -> None:

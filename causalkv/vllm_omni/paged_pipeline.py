@@ -45,25 +45,10 @@ from causalkv.vllm_omni.paged_cache import (
 )
 from causalkv.vllm_omni.paged_seams import check_seams
 
-__all__ = ["PAGED_ENGINE", "PagedLingBotMixin", "check_paged", "evicted_message", "install_paged",
-           "is_paged"]
+__all__ = ["PagedLingBotMixin", "check_paged", "evicted_message", "install_paged"]
 
-#: the engine whose paged sessions causalkv holds
-PAGED_ENGINE = "ARDiffusionEngine"
 #: sessions whose eviction is remembered (for the notice on their next tick)
 _REMEMBERED = 4096
-
-
-def is_paged(od_config: Any) -> bool:
-    """True when the stage runs on vLLM-Omni's AR-diffusion engine (``engine_backend`` names
-    ``ARDiffusionEngine`` or a subclass of it, by class or import path) or with step
-    execution: where LingBot's K/V live in the engine's paged pool."""
-    backend = getattr(od_config, "engine_backend", "default")
-    if isinstance(backend, type):
-        names = [c.__name__ for c in backend.__mro__]
-    else:
-        names = [str(backend)]
-    return any(PAGED_ENGINE in n for n in names) or bool(getattr(od_config, "step_execution", False))
 
 
 def check_paged(od_config: Any, quant: QVGKVQuantArgs) -> None:
@@ -109,16 +94,13 @@ class PagedLingBotMixin:
     _causalkv_closing: set[str]
     _causalkv_failed: set[str]
 
-    def _causalkv_head_offset(self) -> int:
-        offset = getattr(self.transformer, "head_offset", None)  # type: ignore[attr-defined]
-        return int(offset()) if callable(offset) else 0
-
     def ar_diffusion_kv_cache_spec(self) -> Any:
         """LingBot's spec with causalkv's branch (the settings) and the capacity causalkv's
         pages hold at the device's free memory x the engine's ``gpu_memory_fraction``."""
         spec = super().ar_diffusion_kv_cache_spec()  # type: ignore[misc]
+        offset = getattr(self.transformer, "head_offset", None)  # type: ignore[attr-defined]
         branches = tuple(CausalKVBranchSpec(b.name, b.local_index, quant=self.causalkv_quant,
-                                            head_offset=self._causalkv_head_offset())
+                                            head_offset=int(offset()) if callable(offset) else 0)
                          for b in spec.kv_branches)
         spec = dataclasses.replace(spec, kv_branches=branches)
         od_config = self.od_config  # type: ignore[attr-defined]

@@ -226,12 +226,7 @@ def missing_seams(seams: tuple[Seam, ...] = SEAMS,
                   probe: Callable[[], Any] = _probe_cache) -> list[tuple[Seam, str]]:
     """The seams the installed vLLM-Omni (and vLLM) lack, each with what is wrong (empty when
     every seam is there). Imports vLLM-Omni."""
-    out = []
-    for seam in seams:
-        problem = _problem(seam, probe)
-        if problem is not None:
-            out.append((seam, problem))
-    return out
+    return [(seam, problem) for seam in seams if (problem := _problem(seam, probe)) is not None]
 
 
 def check_seams(seams: tuple[Seam, ...] = SEAMS, probe: Callable[[], Any] = _probe_cache) -> None:

@@ -51,6 +51,7 @@ from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
 
 __all__ = [
+    "PAGED_ENGINE",
     "CausalKVLingBotSelfAttention",
     "CausalKVLingBotTransformer",
     "CausalKVLingBotWorldPipeline",
@@ -58,11 +59,13 @@ __all__ = [
     "get_lingbot_world_post_process_func",
     "get_lingbot_world_pre_process_func",
     "install",
-    "summary_line",
 ]
 
 logger = logging.getLogger(__name__)
 
+#: vLLM-Omni's paged AR-diffusion engine, as ``engine_backend`` names it: its realtime sessions
+#: hold causalkv's pages
+PAGED_ENGINE = "ARDiffusionEngine"
 #: LingBot-World v2's head dim: ``CausalLingBotWorldTransformer3DModel.from_config`` refuses any
 #: other (its checkpoint contract), so a block layout can be checked before the folder is read
 _HEAD_DIM = 128
@@ -156,35 +159,19 @@ def install(transformer: CausalLingBotWorldTransformer3DModel, quant: QVGKVQuant
 
 
 def check_engine_mode(od_config: Any, quant: QVGKVQuantArgs) -> bool:
-    """True when the stage runs on vLLM-Omni's paged AR-diffusion engine (realtime ticks), where
-    causalkv's pages hold the sessions (`causalkv.vllm_omni.paged_pipeline`: its seams and mode
-    are checked here, a ConfigError before anything loads); False in request (direct) mode."""
-    from causalkv.vllm_omni.paged_pipeline import check_paged, is_paged
+    """True when the stage runs on vLLM-Omni's paged AR-diffusion engine (``engine_backend``
+    names `PAGED_ENGINE` or a subclass of it, by class or import path) or with step execution:
+    where LingBot's K/V live in the engine's paged pool, held by causalkv's pages
+    (`causalkv.vllm_omni.paged_pipeline`: its seams and mode are checked here, a ConfigError
+    before anything loads); False in request (direct) mode."""
+    from causalkv.vllm_omni.paged_pipeline import check_paged
 
-    if not is_paged(od_config):
+    backend = getattr(od_config, "engine_backend", "default")
+    names = [c.__name__ for c in backend.__mro__] if isinstance(backend, type) else [str(backend)]
+    if not any(PAGED_ENGINE in n for n in names) and not getattr(od_config, "step_execution", False):
         return False
     check_paged(od_config, quant)
     return True
-
-
-def summary_line(pipeline_name: str, quant: QVGKVQuantArgs, ledger: KVLedger, cache: str) -> str:
-    """The request's ``causalkv kv-cache summary:`` line (all layers).
-
-    ``peak_bytes``: the most the request's stores held at once plus the largest visible K/V
-    one call built; ``resident_bytes``: what they hold at the end; ``dense_bytes``: vLLM-Omni's
-    dense cache for the same request (its preallocated buffers); ``dense_peak_bytes``: that plus
-    the same largest visible K/V (vLLM-Omni builds it too); ``ratio``: dense_peak / peak;
-    ``cache``: the class of the layers' caches (``cache``, its name).
-    """
-    peak = peak_nbytes([ledger], ledger.resident_nbytes)
-    ratio = f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a"
-    codec = quant.codec if quant.enabled else "off"
-    return (
-        f"causalkv kv-cache summary: pipeline={pipeline_name} cache={cache} "
-        f"codec={codec} layers={ledger.num_layers} peak_bytes={peak} "
-        f"resident_bytes={ledger.resident_nbytes} dense_bytes={ledger.dense_bytes} "
-        f"dense_peak_bytes={ledger.dense_peak_bytes} ratio={ratio}"
-    )
 
 
 class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
@@ -238,6 +225,19 @@ class CausalKVLingBotWorldPipeline(LingBotWorldCausalDMDPipeline):
     def forward(self, req: Any) -> Any:
         out = super().forward(req)
         ledger = getattr(self.transformer, "causalkv_ledger", None)
-        if self.causalkv_quant is not None and ledger is not None:
-            logger.info("%s", summary_line(self.causalkv_name, self.causalkv_quant, ledger, self.causalkv_cache_class))
+        quant = self.causalkv_quant
+        if quant is None or ledger is None:
+            return out
+        # the request's line (all layers): ``peak_bytes`` the most its stores held at once plus
+        # the largest visible K/V one call built; ``resident_bytes`` what they hold at the end;
+        # ``dense_bytes`` vLLM-Omni's dense cache for the same request (its preallocated
+        # buffers); ``dense_peak_bytes`` that plus the same largest visible K/V (vLLM-Omni builds
+        # it too); ``ratio`` dense_peak / peak; ``cache`` the class of the layers' caches
+        peak = peak_nbytes([ledger], ledger.resident_nbytes)
+        logger.info(
+            "causalkv kv-cache summary: pipeline=%s cache=%s codec=%s layers=%d peak_bytes=%d "
+            "resident_bytes=%d dense_bytes=%d dense_peak_bytes=%d ratio=%s", self.causalkv_name,
+            self.causalkv_cache_class, quant.codec if quant.enabled else "off", ledger.num_layers,
+            peak, ledger.resident_nbytes, ledger.dense_bytes, ledger.dense_peak_bytes,
+            f"{ledger.dense_peak_bytes / peak:.2f}" if peak else "n/a")
         return out

@@ -34,13 +34,8 @@ __all__ = ["CONFIG_KEY", "KNOWN_KEYS", "read_settings"]
 #: the ``model_config`` key holding causalkv's cache settings
 CONFIG_KEY = "causalkv_kv_cache"
 
-
-def _known_keys() -> tuple[str, ...]:
-    return tuple(sorted(QVGKVQuantArgs.keys()))
-
-
 #: the keys accepted under `CONFIG_KEY` (causalkv's reference keys, ``kv_cache_quant*``)
-KNOWN_KEYS: tuple[str, ...] = _known_keys()
+KNOWN_KEYS: tuple[str, ...] = tuple(sorted(QVGKVQuantArgs.keys()))
 
 
 def read_settings(model_config: Mapping[str, Any] | None, *,
@@ -84,8 +79,6 @@ def read_settings(model_config: Mapping[str, Any] | None, *,
     try:
         args = QVGKVQuantArgs.from_dict(raw)
         args.check_used()
-    except ConfigError as exc:
-        raise ConfigError(f"model_config.{CONFIG_KEY}: {exc}") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ConfigError(f"model_config.{CONFIG_KEY}: {exc}") from None
     return args

@@ -15,6 +15,7 @@ sessions never mix); the stock pool's pages for the bytes per session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -25,8 +26,10 @@ SESSIONS = ("a", "b")
 #: the checkpoint's geometry (sink 3 + window 6 frames: the sink tick is packed, the newest
 #: kept, the one between them is unread and dropped) and a wider one (sink 6 + window 9: every
 #: tick leaving the newest is packed, read by the next one, then dropped)
-GEOMETRIES = {"tiny": ((3, 9), ("stock", "off", "int4", "int2")),
-              "wide": ((6, 15), ("stock", "off", "int2", "int2-span2", "int2-fp8"))}
+GEOMETRIES = {"tiny": ((3, 9), ("stock", "off", "int4", "int2", "int2-routed")),
+              "wide": ((6, 15), ("stock", "off", "int2", "int2-span2", "int2-fp8", "int2-routed"))}
+#: ``int2-routed``: int2 with packed groups attended through `causalkv.caches.attend` (what runs
+#: on CUDA), forced on the CPU (`forced_route`, attend's decode path)
 #: the settings whose packs are checked (paged_sessions.NAMED: no keep-recent with 2-tick
 #: spans; the newest tick at fp8, the recency tier)
 PACKED = ("int4", "int2", "int2-span2", "int2-fp8")
@@ -58,7 +61,7 @@ def runs(request, tmp_path_factory):
     input and its record)."""
     import paged_sessions as ps
 
-    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache
+    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache, forced_route
 
     built, work = _folder(tmp_path_factory, request.param)
     SETTINGS = GEOMETRIES[request.param][1]
@@ -91,7 +94,10 @@ def runs(request, tmp_path_factory):
     try:
         for setting in SETTINGS:
             now["setting"] = setting
-            with ps.engine(built, work, setting) as omni:
+            routed = setting.endswith("-routed")
+            record: list = []
+            with ps.engine(built, work, setting.removesuffix("-routed")) as omni, \
+                    forced_route(fused=False, record=record) if routed else contextlib.nullcontext():
                 latents = ps.interleave(omni, src, SESSIONS, TICKS)
                 cache = ps.newest_cache(stock=setting == "stock")
                 pages = {s: ps.pool_pages(cache, s) for s in SESSIONS}
@@ -101,7 +107,8 @@ def runs(request, tmp_path_factory):
                                 "page_bytes": cache.spec.page_size_bytes * cache.num_layers,
                                 "capacity": cache.session_capacity, "type": type(cache).__name__,
                                 "layout": getattr(cache, "layout", None),
-                                "window": (cache.spec.sink_chunks, cache.spec.window_chunks)}
+                                "window": (cache.spec.sink_chunks, cache.spec.window_chunks),
+                                "attended": record}
     finally:
         mp.undo()
     out["packed"] = packed
@@ -155,6 +162,27 @@ def test_every_forward_reads_what_the_stock_engine_reads(runs):
     assert len(off) == TICKS * len(SESSIONS) * 5
     for setting in _codecs(runs):
         assert runs["frames_read"][setting] == off, setting
+
+
+def test_the_route_through_attend_changes_rounding_only(runs):
+    """With packed groups attended through `causalkv.caches.attend` (the CUDA route, forced on
+    the CPU) instead of the transient buffer, every tick before the first packed read is bit
+    for bit int2's (the route engages only with packed groups visible), and every later one
+    differs from int2's by less than a hundredth of int2's drift from off (rounding, not the
+    codec); every layer call that read a packed group went through attend."""
+    int2, routed, off = (runs[s]["latents"] for s in ("int2", "int2-routed", "off"))
+    first = _first_read(runs, "int2")
+    for (s, i), x in int2.items():
+        diff = float((routed[(s, i)] - x).abs().max())
+        if i < first:
+            assert diff == 0.0, (s, i)
+        else:
+            assert diff <= 1e-2 * float((x - off[(s, i)]).abs().max()), (s, i, diff)
+    reads = sum(runs["int2-routed"]["reports"][s].packed_reads for s in SESSIONS)
+    assert reads == sum(runs["int2"]["reports"][s].packed_reads for s in SESSIONS) > 0
+    stats = runs["int2-routed"]["attended"]
+    assert len(stats) == reads and all(st.segments >= 2 and st.decoded_segments == 0 for st in stats)
+    assert runs["int2"]["attended"] == []
 
 
 def test_packed_groups_are_within_the_codecs_bound_at_the_store(runs):
