@@ -57,7 +57,6 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _DOT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `_operand`'s codes
-_QUERY_DTYPES = tuple(_DOT)
 _MAX_HEAD_DIM = 256
 _MAX_GRID_Y = 65535
 
@@ -255,7 +254,7 @@ def supports(query: torch.Tensor, k: PackedSegment, v: PackedSegment) -> str | N
     if query.dim() != 4:
         return f"query must be [B, n, H, D], got shape {tuple(query.shape)}"
     B, n, H, D = (int(x) for x in query.shape)
-    if query.dtype not in _QUERY_DTYPES:
+    if query.dtype not in _DOT:
         return f"query dtype must be one of bfloat16/float16/float32, got {query.dtype}"
     for name, seg in (("k", k), ("v", v)):
         if not isinstance(seg, PackedSegment):

@@ -23,7 +23,6 @@ is first imported to run them on CPU tensors.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -359,7 +358,8 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             "(packed.select_heads) or use backend='torch'"
         )
     tensors, strides, _ = segment_operands(packed)
-    block_t, block_b = _dequant_tiles(D, packed.block_size, packed.bits)
+    block_t = max(16, min(128, 8192 // _pow2(D)))  # tokens per program: ~8K channels
+    block_b = _pow2(packed.block_size * packed.bits // 8, lo=1)  # padded code bytes per block
     mode = level_mode(packed.grid, packed.asymmetric)
     _dequant_kernel[(-(-S // block_t), B * H)](
         *tensors, out, S, H, *strides, *out.stride(),
@@ -411,9 +411,3 @@ def segment_operands(seg: PackedSegment) -> tuple[list[torch.Tensor], list[int],
         *ids_st, *cent_st, exp.stride(0), exp.stride(1),
     ]
     return [codes, sc, z, ids, cent, exp], strides, extra
-
-
-@functools.lru_cache(maxsize=64)
-def _dequant_tiles(D: int, block: int, bits: int) -> tuple[int, int]:
-    """(tokens per program, padded code bytes per block): ~8K channels per program."""
-    return max(16, min(128, 8192 // _pow2(D))), _pow2(block * bits // 8, lo=1)
