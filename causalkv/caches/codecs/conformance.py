@@ -50,7 +50,6 @@ runs on the CPU (a codec's device kernels are not exercised by it).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -145,11 +144,6 @@ def probe_segment(
     return x.to(dtype=dtype, device=device)
 
 
-def _label(codec: KVCodec) -> str:
-    cls = type(codec)
-    return f"{codec.name or cls.__name__!r} ({cls.__module__}:{cls.__qualname__})"
-
-
 def _tensors(value: Any, found: dict[tuple[Hashable, ...], torch.Tensor], depth: int = 0) -> None:
     """Collect the tensors in ``value`` (a tensor, or lists, tuples and dicts of them)."""
     if isinstance(value, torch.Tensor):
@@ -161,13 +155,10 @@ def _tensors(value: Any, found: dict[tuple[Hashable, ...], torch.Tensor], depth:
 
 
 def stored_tensors(record: object) -> list[torch.Tensor]:
-    """The distinct tensors ``record`` holds in its fields (a dataclass's fields, else its
-    attributes): tensors, and lists, tuples and dicts of them."""
-    if dataclasses.is_dataclass(record):
-        values = [getattr(record, f.name) for f in dataclasses.fields(record)]
-    else:
-        values = list(getattr(record, "__dict__", {}).values())
-        values += [getattr(record, n) for n in getattr(type(record), "__slots__", ()) if hasattr(record, n)]
+    """The distinct tensors ``record`` holds in its attributes (a dataclass's fields among
+    them; ``__dict__`` and ``__slots__``): tensors, and lists, tuples and dicts of them."""
+    values = list(getattr(record, "__dict__", {}).values())
+    values += [getattr(record, n) for n in getattr(type(record), "__slots__", ()) if hasattr(record, n)]
     found: dict[tuple[Hashable, ...], torch.Tensor] = {}
     for value in values:
         _tensors(value, found)
@@ -212,7 +203,8 @@ def check_codec(
             check and the fix.
         CodecError: ``head_dim`` is one the codec says it cannot pack, or ``heads < 2``.
     """
-    label = name or _label(codec)
+    cls = type(codec)
+    label = name or f"{codec.name or cls.__name__!r} ({cls.__module__}:{cls.__qualname__})"
     if heads < 2:
         raise CodecError(f"check_codec: heads must be >= 2, got {heads}")
     layout = codec.layout_problem(head_dim)
@@ -266,15 +258,12 @@ def check_codec(
     held = stored_tensors(record)
     stored = sum(int(t.nbytes) for t in held)
     said = int(record.nbytes)
-    if held and not (said == formula == stored):
+    if said != formula or (held and stored != formula):
         parts = ", ".join(f"{list(t.shape)} {_name(t.dtype)} {t.nbytes}" for t in held)
-        raise fail("nbytes", f"nbytes({shape}) = {formula:,} B, record.nbytes = {said:,} B, the tensors the "
-                   f"record holds = {stored:,} B ({parts})",
+        holds = f", the tensors the record holds = {stored:,} B ({parts})" if held else ""
+        raise fail("nbytes", f"nbytes({shape}) = {formula:,} B, record.nbytes = {said:,} B{holds}",
                    "make KVCodec.nbytes the exact byte count of every tensor encode stores (the cache "
                    "and the memory planner count with it)")
-    if not held and said != formula:
-        raise fail("nbytes", f"nbytes({shape}) = {formula:,} B, record.nbytes = {said:,} B",
-                   "make KVCodec.nbytes and PackedRecord.nbytes the exact bytes encode stores")
 
     # ---- the decode, as the cache does it: into a strided view it owns ----
     def decode(out_dtype: torch.dtype) -> torch.Tensor:
@@ -356,12 +345,6 @@ _lock = threading.Lock()
 _outcomes: dict[tuple[Hashable, ...], tuple[str, str, str, str] | None] = {}
 
 
-def _setting_key(codec: KVCodec, setting: CodecSetting, settings: Any) -> tuple[Hashable, ...]:
-    """The setting's name, target and parameters, and the values of the options it reads."""
-    reads = tuple((f, repr(getattr(settings, f, None))) for f in sorted(codec.reads))
-    return (setting.name, setting.target, repr(sorted(setting.params.items())), reads)
-
-
 def check_first_use(
     codec: KVCodec, setting: CodecSetting, settings: Any, *, head_dim: int | None = None,
 ) -> None:
@@ -379,7 +362,9 @@ def check_first_use(
     Raises:
         CodecConformanceError: the check failed (now or earlier in this process).
     """
-    key = _setting_key(codec, setting, settings)
+    # the setting's name, target and parameters, and the values of the options it reads
+    reads = tuple((f, repr(getattr(settings, f, None))) for f in sorted(codec.reads))
+    key = (setting.name, setting.target, repr(sorted(setting.params.items())), reads)
     with _lock:
         if head_dim is None:  # an earlier check of the setting counts, else a default head_dim
             seen = [o for (k, _), o in _outcomes.items() if k[:3] == key[:3]]

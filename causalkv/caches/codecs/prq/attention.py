@@ -44,12 +44,7 @@ import triton
 import triton.language as tl
 
 from causalkv.caches.codecs.prq.format import PackedSegment
-from causalkv.caches.codecs.prq.triton_impl import (
-    _MODE_ASYM,
-    _MODE_MSE,
-    _MODE_REFERENCE,
-    _e4m3_scale,
-)
+from causalkv.caches.codecs.prq.triton_impl import _e4m3_scale, level_mode, segment_operands
 from causalkv.caches.codecs.prq.triton_impl import interpreting as _triton_interpret
 from causalkv.errors import CausalKVError
 
@@ -62,7 +57,6 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _DOT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `_operand`'s codes
-_QUERY_DTYPES = tuple(_DOT)
 _MAX_HEAD_DIM = 256
 _MAX_GRID_Y = 65535
 
@@ -154,12 +148,11 @@ def _decode_tile(
 
 @triton.jit
 def _packed_attention_kernel(
-    q_ptr, o_ptr, lse_ptr, acc_ptr, run_ptr,
+    q_ptr, o_ptr, lse_ptr,
     kc_ptr, ksc_ptr, kz_ptr, kid_ptr, kcent_ptr, kexp_ptr,
     vc_ptr, vsc_ptr, vz_ptr, vid_ptr, vcent_ptr, vexp_ptr,
     n, S, H, qk_scale,
     q_sb, q_sn, q_sh, o_sb, o_sn, o_sh, l_sb, l_sh, l_sn,
-    a_sb, a_sn, a_sh, r_sb, r_sh, r_sn,
     kc_sb, kc_sh, ksc_sb, ksc_sh, kz_sb, kz_sh, kid_sst, kid_sb, kid_sh,
     kcent_sst, kcent_sb, kcent_sh, kexp_sb, kexp_sh,
     vc_sb, vc_sh, vsc_sb, vsc_sh, vz_sb, vz_sh, vid_sst, vid_sb, vid_sh,
@@ -228,88 +221,32 @@ def _packed_attention_kernel(
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log-sum-exp
     rows = offs_m.to(tl.int64)
+    o_ptrs = o_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + offs_d[None, :]
+    l_ptrs = lse_ptr + b * l_sb + h * l_sh + rows * l_sn
     if MERGE:  # online-softmax merge into the running (acc, lse) of these rows, in place
-        a_ptrs = acc_ptr + b * a_sb + h * a_sh + rows[:, None] * a_sn + offs_d[None, :]
-        r_ptrs = run_ptr + b * r_sb + h * r_sh + rows * r_sn
-        old = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-        run = tl.load(r_ptrs, mask=m_ok, other=float("-inf"))
+        old = tl.load(o_ptrs, mask=m_ok[:, None], other=0.0)
+        run = tl.load(l_ptrs, mask=m_ok, other=float("-inf"))
         mx = tl.maximum(run, lse)
         w_old = tl.exp(run - mx)
         w_new = tl.exp(lse - mx)
         total = w_old + w_new
         new = (old * (w_old / total)[:, None]) + out * (w_new / total)[:, None]
-        tl.store(a_ptrs, new, mask=m_ok[:, None])
-        tl.store(r_ptrs, mx + tl.log(total), mask=m_ok)
+        tl.store(o_ptrs, new, mask=m_ok[:, None])
+        tl.store(l_ptrs, mx + tl.log(total), mask=m_ok)
     else:
-        o_ptrs = o_ptr + b * o_sb + h * o_sh + rows[:, None] * o_sn + offs_d[None, :]
         tl.store(o_ptrs, _operand(out, DOT, INTERPRET).to(o_ptr.dtype.element_ty),
                  mask=m_ok[:, None])
-        tl.store(lse_ptr + b * l_sb + h * l_sh + rows * l_sn, lse, mask=m_ok)
+        tl.store(l_ptrs, lse, mask=m_ok)
 
 
 # ---------------------------------------------------------------------------------------------
 # The host side
 # ---------------------------------------------------------------------------------------------
-def _mode(seg: PackedSegment) -> int:
-    if seg.zeros is not None:
-        return _MODE_ASYM
-    return _MODE_MSE if seg.grid == "mse4" else _MODE_REFERENCE
-
-
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    """Each token's row is contiguous (and so are the rows of a head)."""
-    return t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == t.shape[-1])
-
-
-def _operands(seg: PackedSegment) -> tuple[list[torch.Tensor], list[int], int]:
-    """(tensors, strides, extra bytes) of one segment for the kernel.
-
-    Tensors: codes, scale bytes, zero points (the scale bytes again when symmetric: never
-    read), ids, centroids, exponents; strides: ``(b, h)`` of the first three, ``(stage, b, h)``
-    of ids and centroids, ``(b, h)`` of the exponents. Several stages stack their ids and
-    centroids into one tensor each (a copy of ``stages * (s + K*D*2)`` bytes per head, counted
-    in the extra bytes); so does a layout whose rows are not contiguous (never produced by the
-    codec or by head/token slicing).
-    """
-    extra = 0
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        nonlocal extra
-        if _rows_contiguous(t):
-            return t
-        extra += t.nbytes
-        return t.contiguous()
-
-    codes = rows(seg.codes)
-    sc = rows(seg.scales.view(torch.uint8))
-    z = rows(seg.zeros) if seg.zeros is not None else sc
-    if seg.stages == 1:
-        ids, cent = seg.ids[0], seg.centroids[0]
-        if ids.stride(-1) != 1:
-            extra += ids.nbytes
-            ids = ids.contiguous()
-        cent = rows(cent)
-        ids_st = [0, ids.stride(0), ids.stride(1)]
-        cent_st = [0, cent.stride(0), cent.stride(1)]
-    else:
-        ids = torch.stack(seg.ids)  # [stages, B, H, s]
-        cent = torch.stack(seg.centroids)  # [stages, B, H, K, D]
-        extra += ids.nbytes + cent.nbytes
-        ids_st = [ids.stride(0), ids.stride(1), ids.stride(2)]
-        cent_st = [cent.stride(0), cent.stride(1), cent.stride(2)]
-    exp = seg.scale_exp
-    strides = [
-        codes.stride(0), codes.stride(1), sc.stride(0), sc.stride(1), z.stride(0), z.stride(1),
-        *ids_st, *cent_st, exp.stride(0), exp.stride(1),
-    ]
-    return [codes, sc, z, ids, cent, exp], strides, extra
-
-
 def workspace_nbytes(k: PackedSegment, v: PackedSegment) -> int:
     """Bytes `packed_attention` allocates for ``k``/``v`` besides its outputs: 0 for what the
     codec produces with one stage (and its head/token slices); the stacked ids and centroids
     with several stages."""
-    return _operands(k)[2] + _operands(v)[2]
+    return segment_operands(k)[2] + segment_operands(v)[2]
 
 
 def supports(query: torch.Tensor, k: PackedSegment, v: PackedSegment) -> str | None:
@@ -317,7 +254,7 @@ def supports(query: torch.Tensor, k: PackedSegment, v: PackedSegment) -> str | N
     if query.dim() != 4:
         return f"query must be [B, n, H, D], got shape {tuple(query.shape)}"
     B, n, H, D = (int(x) for x in query.shape)
-    if query.dtype not in _QUERY_DTYPES:
+    if query.dtype not in _DOT:
         return f"query dtype must be one of bfloat16/float16/float32, got {query.dtype}"
     for name, seg in (("k", k), ("v", v)):
         if not isinstance(seg, PackedSegment):
@@ -404,24 +341,22 @@ def packed_attention(
         raise PackedAttentionError(f"packed_attention: scale must be a finite float > 0, got {scale!r}")
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if merge_into is not None:
-        acc, run = merge_into
-        if (tuple(acc.shape) != (B, n, H, D) or tuple(run.shape) != (B, H, n)
-                or acc.dtype != torch.float32 or run.dtype != torch.float32
-                or acc.device != dev or run.device != dev or acc.stride(-1) != 1):
+    if merge_into is not None:  # the kernel reads and rewrites them in place
+        out, lse = merge_into
+        if (tuple(out.shape) != (B, n, H, D) or tuple(lse.shape) != (B, H, n)
+                or out.dtype != torch.float32 or lse.dtype != torch.float32
+                or out.device != dev or lse.device != dev or out.stride(-1) != 1):
             raise PackedAttentionError(
                 f"packed_attention: merge_into must be (acc [{B}, {n}, {H}, {D}] float32 "
                 f"contiguous along D, lse [{B}, {H}, {n}] float32) on {dev}, got "
-                f"({tuple(acc.shape)} {acc.dtype} strides {acc.stride()}, "
-                f"{tuple(run.shape)} {run.dtype})"
+                f"({tuple(out.shape)} {out.dtype} strides {out.stride()}, "
+                f"{tuple(lse.shape)} {lse.dtype})"
             )
-        out, lse = acc, run  # placeholders for the unused output pointers
     else:
         out = torch.empty((B, n, H, D), dtype=query.dtype, device=dev)
         lse = torch.empty((B, H, n), dtype=torch.float32, device=dev)
-        acc, run = out, lse
     if n == 0:
-        return (acc, run) if merge_into is not None else (out, lse)
+        return out, lse
     block_m, block_n, warps, stages = _tiles(D, dev)
     if tiles is not None:
         block_m, block_n = (int(t) for t in tiles)
@@ -429,18 +364,18 @@ def packed_attention(
             raise PackedAttentionError(
                 f"packed_attention: tiles must be powers of two >= 16, got {tiles!r}"
             )
-    kt, ks, _ = _operands(k)
-    vt, vs, _ = _operands(v)
+    kt, ks, _ = segment_operands(k)
+    vt, vs, _ = segment_operands(v)
     _packed_attention_kernel[(triton.cdiv(n, block_m), B * H)](
-        query, out, lse, acc, run, *kt, *vt,
+        query, out, lse, *kt, *vt,
         n, S, H, float(scale) * _LOG2E,
         *query.stride()[:3], *out.stride()[:3], *lse.stride(),
-        *acc.stride()[:3], *run.stride(),
         *ks, *vs,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_BS=k.block_size, K_BITS=k.bits, K_MODE=_mode(k), K_STAGES=k.stages,
-        V_BS=v.block_size, V_BITS=v.bits, V_MODE=_mode(v), V_STAGES=v.stages,
+        K_BS=k.block_size, K_BITS=k.bits, K_STAGES=k.stages,
+        K_MODE=level_mode(k.grid, k.asymmetric), V_MODE=level_mode(v.grid, v.asymmetric),
+        V_BS=v.block_size, V_BITS=v.bits, V_STAGES=v.stages,
         MERGE=merge_into is not None, DOT=_DOT[query.dtype], INTERPRET=_triton_interpret(),
         num_warps=warps, num_stages=stages,
     )
-    return (acc, run) if merge_into is not None else (out, lse)
+    return out, lse

@@ -55,11 +55,7 @@ class PRQCodec(KVCodec):
     def from_settings(cls, settings: Any, *, bits: int, **_: Any) -> PRQCodec:
         """PRQ at ``bits`` with the cache record's centroids, block size, stages, k-means
         iterations, zero points and grid."""
-        return cls(PRQSettings(
-            bits=bits, centroids=settings.centroids, block_size=settings.block_size,
-            stages=settings.stages, kmeans_iters=settings.kmeans_iters,
-            asymmetric=settings.asymmetric, grid=settings.grid,
-        ), name=f"int{bits}")
+        return cls(PRQSettings(bits, **{f: getattr(settings, f) for f in cls.reads}))
 
     def encode(
         self, x: torch.Tensor, *, seed: int = 1234, head_offset: int = 0,

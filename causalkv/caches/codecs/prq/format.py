@@ -29,9 +29,8 @@ Byte layout (all tensors contiguous when produced by `quantize`):
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -84,6 +83,19 @@ class CodecSettings(Protocol):
 # ---------------------------------------------------------------------------------------------
 # The packed form
 # ---------------------------------------------------------------------------------------------
+#: the tensor fields of `PackedSegment` that hold a row per token (`select_tokens` slices them),
+#: then those per head (the centroids and the scale exponents)
+_PER_TOKEN = ("ids", "codes", "scales", "zeros")
+_TENSORS = (*_PER_TOKEN, "centroids", "scale_exp")
+
+
+def _apply(fn, value):
+    """``fn`` on a field of tensors: a tensor, a list of them (one per stage) or None."""
+    if value is None:
+        return None
+    return [fn(t) for t in value] if isinstance(value, list) else fn(value)
+
+
 @dataclass
 class PackedSegment:
     """One PRQ-packed segment of K or V, logical shape ``[B, H, S, D]``.
@@ -144,16 +156,28 @@ class PackedSegment:
         """The centroids: segments packed with a shared codebook reference the same tensors."""
         return tuple(self.centroids)
 
-    def _map(self, fn) -> PackedSegment:
-        return replace(
-            self,
-            centroids=[fn(c) for c in self.centroids],
-            ids=[fn(i) for i in self.ids],
-            codes=fn(self.codes),
-            scales=fn(self.scales),
-            zeros=None if self.zeros is None else fn(self.zeros),
-            scale_exp=fn(self.scale_exp),
-        )
+    def _map(self, fn, fields: tuple[str, ...] = _TENSORS, **changes: Any) -> PackedSegment:
+        """A copy with ``fn`` applied to each tensor of ``fields`` (and ``changes`` made)."""
+        return replace(self, **{f: _apply(fn, getattr(self, f)) for f in fields}, **changes)
+
+    @staticmethod
+    def cat_heads(parts: list[PackedSegment]) -> PackedSegment:
+        """``parts`` (the same tokens and settings, their heads in order) joined along the
+        heads into new tensors (one part: itself)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(field: str) -> Any:
+            values = [getattr(p, field) for p in parts]
+            if values[0] is None:
+                return None
+            if isinstance(values[0], list):
+                return [torch.cat(stage, dim=1) for stage in zip(*values)]
+            return torch.cat(values, dim=1)
+
+        B, _, S, D = parts[0].shape
+        heads = sum(p.shape[1] for p in parts)
+        return replace(parts[0], **{f: cat(f) for f in _TENSORS}, shape=(B, heads, S, D))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSegment:
         """The same segment on ``device`` (for offload / onload)."""
@@ -168,9 +192,7 @@ class PackedSegment:
         B, H, S, D = self.shape
         if not 0 <= h0 < h1 <= H:
             raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
-        out = self._map(lambda t: t[:, h0:h1])
-        out.shape = (B, h1 - h0, S, D)
-        return out
+        return self._map(lambda t: t[:, h0:h1], shape=(B, h1 - h0, S, D))
 
     def select_tokens(self, a: int, b: int) -> PackedSegment:
         """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``.
@@ -185,14 +207,7 @@ class PackedSegment:
             raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
         if a == 0 and b == S:
             return self
-        return replace(
-            self,
-            ids=[i[:, :, a:b] for i in self.ids],
-            codes=self.codes[:, :, a:b],
-            scales=self.scales[:, :, a:b],
-            zeros=None if self.zeros is None else self.zeros[:, :, a:b],
-            shape=(B, H, b - a, D),
-        )
+        return self._map(lambda t: t[:, :, a:b], _PER_TOKEN, shape=(B, H, b - a, D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,21 +253,21 @@ def bits_per_element(S: int, D: int, args: CodecSettings) -> float:
 # ---------------------------------------------------------------------------------------------
 # Scale encoding and decoding
 # ---------------------------------------------------------------------------------------------
-def scale_exponent(max_scale: float) -> int:
-    """Smallest ``e`` with ``max_scale * 2**-e <= 448`` (0 for an all-zero segment)."""
-    if not max_scale > 0.0:
-        return 0
-    m, e = math.frexp(max_scale / FP8_MAX)  # max_scale / 448 = m * 2^e, m in [0.5, 1)
-    e = e - 1 if m == 0.5 else e
-    # 2**-e must stay a finite fp32 power of two: below 2^-100 a segment is numerically zero.
-    return max(e, MIN_SCALE_EXP)
-
-
 def scale_exponents(max_scale: torch.Tensor) -> torch.Tensor:
-    """`scale_exponent` of every element of ``max_scale [...]`` (any float dtype), int32, no sync."""
+    """Per element of ``max_scale [...]`` (any float dtype) the smallest ``e`` with
+    ``max_scale * 2**-e <= 448`` (0 for an all-zero segment), int32, no sync.
+
+    ``max_scale / 448 = m * 2**e`` with ``m`` in ``[0.5, 1)`` (one less when ``m = 0.5``); at
+    least `MIN_SCALE_EXP`: ``2**-e`` must stay a finite float32 power of two (below ``2**-100``
+    a segment is numerically zero)."""
     m, e = torch.frexp(max_scale.to(torch.float64) / FP8_MAX)
     e = (e - (m == 0.5).to(e.dtype)).clamp_min(MIN_SCALE_EXP)
     return torch.where(max_scale > 0, e, 0).to(torch.int32)
+
+
+def scale_exponent(max_scale: float) -> int:
+    """`scale_exponents` of one number."""
+    return int(scale_exponents(torch.tensor(float(max_scale), dtype=torch.float64)))
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -263,19 +278,16 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 
 
 def encode_scales(
-    scale: torch.Tensor, exp: int | torch.Tensor, *, round_up: bool
+    scale: torch.Tensor, exp: torch.Tensor, *, round_up: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 scales ``[...]`` -> (e4m3 bytes uint8, decoded fp32 scales = fp8 * 2**exp).
 
-    ``exp``: an int, or an int tensor broadcastable to ``scale`` (e.g. one per head).
+    ``exp``: an int tensor broadcastable to ``scale`` (e.g. one per head).
     ``round_up`` picks the next e4m3 value at or above the scale (never below), so a
     symmetric/asymmetric grid still covers the block's range after rounding.
     """
-    if isinstance(exp, int):
-        down, up = math.ldexp(1.0, -exp), math.ldexp(1.0, exp)
-    else:
-        down, up = _pow2(-exp), _pow2(exp)
-    scaled = (scale * down).clamp_(0.0, FP8_MAX)
+    up = _pow2(exp)
+    scaled = (scale * _pow2(-exp)).clamp_(0.0, FP8_MAX)
     enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     if round_up:
         low = enc.view(torch.float8_e4m3fn).float() < scaled
@@ -291,16 +303,13 @@ def _fp8_table64() -> torch.Tensor:
     return table
 
 
-def scale_table(scale_exp: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Decoded value of every e4m3 byte times ``2**scale_exp`` (``0x80`` -> 0), float32.
-
-    ``scale_exp`` an int: ``[256]``; a ``[B, H]`` tensor (`PackedSegment.scale_exp`):
-    ``[B*H, 256]``, row ``b*H + h`` for head ``(b, h)``. Computed in float64, so an exponent
-    outside float32's range still gives every representable product exactly.
+def scale_table(scale_exp: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Decoded value of every e4m3 byte times ``2**scale_exp`` (``0x80`` -> 0), float32:
+    ``[B*H, 256]`` for the ``[B, H]`` exponents (`PackedSegment.scale_exp`), row ``b*H + h``
+    for head ``(b, h)``. Computed in float64, so an exponent outside float32's range still
+    gives every representable product exactly.
     """
     base = _fp8_table64().to(device)
-    if isinstance(scale_exp, int):
-        return (base * math.ldexp(1.0, scale_exp)).float()
     e = scale_exp.reshape(-1, 1).to(device=device, dtype=torch.float64)
     return (base * torch.exp2(e)).float()
 

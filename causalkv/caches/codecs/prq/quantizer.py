@@ -38,11 +38,10 @@ decodes to non-finite values, never to plausible numbers. `dequantize` makes non
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from causalkv.caches.codecs.base import CodecError, check_out, register_record
+from causalkv.caches.codecs.base import CodecError, check_out, check_segment, register_record
 from causalkv.caches.codecs.prq import torch_impl, triton_impl
 from causalkv.caches.codecs.prq.format import (
     POISON_SCALE_EXP,
@@ -68,9 +67,6 @@ _MSE_ITERS = 4
 # ---------------------------------------------------------------------------------------------
 # Backend selection
 # ---------------------------------------------------------------------------------------------
-_triton_interpret = triton_impl.interpreting
-
-
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """``"torch"`` or ``"triton"`` for tensors on ``device``.
 
@@ -99,23 +95,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return name
 
 
-def _impl(name: str) -> Backend:
-    """The backend module `resolve_backend` named."""
-    return triton_impl if name == "triton" else torch_impl
-
-
-# ---------------------------------------------------------------------------------------------
-# Exact power-of-two scaling (the per-head normalization)
-# ---------------------------------------------------------------------------------------------
-def _mul_pow2(t: torch.Tensor, e: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """``t [G, ...] * 2**e[g]`` as ``dtype`` (exact): one float32 multiply when every ``2**e``
-    is a normal float32, else in float64 (an exponent outside float32's range)."""
-    shape = (-1,) + (1,) * (t.dim() - 1)
-    p = torch.tensor(e, dtype=torch.float64).exp2().view(shape)
-    if -120 <= min(e) and max(e) <= 125:
-        return torch.mul(t, p.to(device=t.device, dtype=torch.float32)).to(dtype)
-    return (t.to(torch.float64) * p.to(t.device)).to(dtype)
-
+#: the backend module `resolve_backend` names
+_IMPLS: dict[str, Backend] = {"torch": torch_impl, "triton": triton_impl}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,33 +188,23 @@ def kmeans_sample_size(S: int, K: int) -> int:
 SAMPLE_PER_CENTROID = 32
 
 
-def _draws(
-    seed: int, heads: list[tuple[int, int]], S: int, K: int, m: int, stages: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per stage: (initial centroid tokens ``[G, K]``, Lloyd sample tokens ``[G, m]`` sorted)
-    for the heads ``[(b, global_head), ...]``: one seeded permutation per head and stage."""
-    gens = [torch.Generator().manual_seed(head_seed(seed, b, h)) for b, h in heads]
-    out = []
-    for _ in range(stages):
-        perms = torch.stack([torch.randperm(S, generator=g) for g in gens])  # [G, S]
-        sample = perms[:, :m].sort(dim=1).values if m < S else perms[:, :0]
-        out.append((perms[:, :K], sample))
-    return out
-
-
 @functools.lru_cache(maxsize=64)
 def kmeans_draws(
     seed: int, heads: tuple[tuple[int, int], ...], S: int, K: int, m: int, stages: int,
     device: str,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """`_draws` for these heads and this geometry, on ``device``: computed on the host once,
-    then reused (a stream packs chunks of one size with the same heads, layer after layer),
-    so a quantize on a GPU draws nothing on the host and copies nothing to the device.
-    The tensors are shared: callers only read them."""
-    return tuple(
-        (pick.to(device), sample.to(device))
-        for pick, sample in _draws(seed, list(heads), S, K, m, stages)
-    )
+    """Per stage: (initial centroid tokens ``[G, K]``, Lloyd sample tokens ``[G, m]`` sorted)
+    for the heads ``[(b, global_head), ...]``, on ``device``: one seeded permutation per head
+    and stage. Computed on the host once, then reused (a stream packs chunks of one size with
+    the same heads, layer after layer), so a quantize on a GPU draws nothing on the host and
+    copies nothing to the device. The tensors are shared: callers only read them."""
+    gens = [torch.Generator().manual_seed(head_seed(seed, b, h)) for b, h in heads]
+    out = []
+    for _ in range(stages):
+        perms = torch.stack([torch.randperm(S, generator=g) for g in gens])  # [G, S]
+        sample = perms[:, :m].sort(dim=1).values if m < S else perms[:, :0]
+        out.append((perms[:, :K].to(device), sample.to(device)))
+    return tuple(out)
 
 
 def _pow2_bits(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -244,15 +215,15 @@ def _pow2_bits(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
-def _mul_pow2_device(
+def _mul_pow2(
     t: torch.Tensor, e: torch.Tensor, dtype: torch.dtype, work: torch.dtype
 ) -> torch.Tensor:
     """``t [G, ...] * 2**e[g]`` as ``dtype``, computed in ``work`` (float32 or float64), with
     ``e [G]`` an int tensor on ``t``'s device (no host sync): two multiplies by normal powers
-    of two of ``work`` (exact unless a value lands in the subnormal range, like `_mul_pow2`;
-    ``e`` beyond twice the range saturates to 0 or inf, as the exact product would in
-    ``dtype``). Callers pick float64 where ``e`` may exceed float32's doubled range (float64
-    inputs, the centroids of any head)."""
+    of two of ``work`` (exact unless a value lands in the subnormal range; ``e`` beyond twice
+    the range saturates to 0 or inf, as the exact product would in ``dtype``). In float64 the
+    product is exact and rounded once to ``dtype``; callers pick float64 where ``e`` may exceed
+    float32's doubled range (float64 inputs, the centroids of any head)."""
     shape = (-1,) + (1,) * (t.dim() - 1)
     lo, hi = (-1022, 1023) if work == torch.float64 else (-126, 127)
     a = e.clamp(lo, hi)
@@ -272,8 +243,6 @@ def _rows(c: torch.Tensor, ids: torch.Tensor, buf: str | None = None) -> torch.T
     G, K, D = c.shape
     S = ids.shape[1]
     out = None if buf is None else temporary(buf, G * S * D, c.dtype, c.device).view(G * S, D)
-    if G == 1:
-        return torch.index_select(c[0], 0, ids[0], out=out).view(1, S, D)
     off = torch.arange(G, device=ids.device, dtype=ids.dtype).unsqueeze(1) * K
     flat = (ids + off).reshape(-1)
     return torch.index_select(c.reshape(G * K, D), 0, flat, out=out).view(G, S, D)
@@ -320,10 +289,7 @@ def quantize(
             ``x`` (the message says how many). On other devices no host sync is made: a head with
             NaN/inf is stored poisoned (see the module docstring).
     """
-    if x.dim() != 4:
-        raise CodecError(f"quantize: expected x of shape [B, H, S, D], got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise CodecError(f"quantize: expected a floating-point tensor, got {x.dtype}")
+    check_segment("quantize", x)
     if not isinstance(head_offset, int) or head_offset < 0:
         raise CodecError(
             f"quantize: head_offset must be an int >= 0 (global index of x's first head), "
@@ -345,72 +311,46 @@ def quantize(
     # Per-head absolute maxima: NaN/inf propagate, so one read covers the non-finite check
     # and the per-head normalization exponents.
     head_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg())
-    impl = _impl(resolve_backend(backend, x.device))
-    assert args.bits is not None
-    BH, nb = B * H, D // args.block_size
+    impl = _IMPLS[resolve_backend(backend, x.device)]
+    BH = B * H
     K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
     # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
     # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
-    poisoned: torch.Tensor | None = None
-    norm: list[int] | torch.Tensor
-    if _host_checked(x.device):
-        amaxes = head_amax.reshape(-1).tolist()
-        if not all(math.isfinite(a) for a in amaxes):
+    flat_amax = head_amax.reshape(-1)
+    finite = torch.isfinite(flat_amax)
+    poisoned: torch.Tensor | None = ~finite
+    if _host_checked(x.device):  # refused here; elsewhere packed poisoned (no host sync)
+        if bool(poisoned.any()):
             bad = int((~torch.isfinite(x)).sum())
             raise CodecError(
                 f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of "
                 f"{x.numel()}; PRQ needs finite K/V"
             )
-        norm = [math.frexp(a)[1] if a > 0 else 0 for a in amaxes]
-    else:  # the same exponents, on the device (frexp is exact in any float dtype)
-        flat_amax = head_amax.reshape(-1)
-        poisoned = ~torch.isfinite(flat_amax)
-        norm = torch.where((flat_amax > 0) & ~poisoned, torch.frexp(flat_amax)[1], 0)
-    dev = x.device
-    codes = torch.empty(B, H, S, D * args.bits // 8, dtype=torch.uint8, device=dev)
-    scales = torch.empty(B, H, S, nb, dtype=torch.uint8, device=dev)
-    zeros = torch.empty(B, H, S, nb, dtype=torch.int8, device=dev) if args.asymmetric else None
-    exps = torch.empty(B, H, dtype=torch.int16, device=dev)
-    ids = [torch.empty(B, H, S, dtype=torch.uint8, device=dev) for _ in range(args.stages)]
-    cents = (list(codebooks) if codebooks is not None else
-             [torch.empty(B, H, K, D, dtype=torch.bfloat16, device=dev) for _ in range(args.stages)])
-    # Groups of heads (every operation is per head, so the grouping does not change a bit).
-    group = _head_group(dev, BH, S)
+        poisoned = None
+    # frexp is exact in any float dtype
+    norm = torch.where((flat_amax > 0) & finite, torch.frexp(flat_amax)[1], 0)
+    # Groups of heads, each packed as a segment [1, G, S, D], joined along the heads (every
+    # operation is per head, so the grouping does not change a bit).
+    group = _head_group(x.device, BH, S)
+    parts = []
     for g0 in range(0, BH, group):
         g1 = min(g0 + group, BH)
         xg = (x[g0 // H, g0 % H].unsqueeze(0) if group == 1 else
               torch.stack([x[i // H, i % H] for i in range(g0, g1)]) if B > 1 else x[0, g0:g1])
-        out = _quantize_heads(
+        parts.append(_quantize_heads(
             xg, norm[g0:g1], args, impl, seed=seed,
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
             codebooks=None if codebooks is None else [
                 c.reshape(BH, K, D)[g0:g1] for c in codebooks],
             poisoned=None if poisoned is None else poisoned[g0:g1],
-        )
-        codes.view(BH, S, -1)[g0:g1] = out[0]
-        scales.view(BH, S, nb)[g0:g1] = out[1]
-        exps.view(BH)[g0:g1] = out[2]
-        if zeros is not None:
-            zeros.view(BH, S, nb)[g0:g1] = out[3]
-        for st in range(args.stages):
-            ids[st].view(BH, S)[g0:g1] = out[4][st]
-            if codebooks is None:
-                cents[st].view(BH, K, D)[g0:g1] = out[5][st]
+        ))
+    seg = PackedSegment.cat_heads(parts)._map(lambda t: t.view(B, H, *t.shape[2:]),
+                                              shape=(B, H, S, D))
+    if codebooks is not None:  # the very tensors given, not copies
+        seg.centroids = list(codebooks)
     if poisoned is not None:
-        exps.view(BH).masked_fill_(poisoned, POISON_SCALE_EXP)
-    return PackedSegment(
-        centroids=cents,
-        ids=ids,
-        codes=codes,
-        scales=scales.view(torch.float8_e4m3fn),
-        zeros=zeros,
-        scale_exp=exps,
-        shape=(B, H, S, D),
-        dtype=x.dtype,
-        bits=args.bits,
-        block_size=args.block_size,
-        grid="reference" if args.asymmetric else args.grid,
-    )
+        seg.scale_exp.view(BH).masked_fill_(poisoned, POISON_SCALE_EXP)
+    return seg
 
 
 # also here: torch.compile(quantize) compiles the undecorated function under the entry's
@@ -418,7 +358,7 @@ def quantize(
 @torch.compiler.disable(reason="k-means and the block scales must give eager's codes bit for bit")
 def _quantize_heads(
     xg: torch.Tensor,
-    norm: list[int] | torch.Tensor,
+    norm: torch.Tensor,
     args: CodecSettings,
     impl,
     *,
@@ -427,44 +367,32 @@ def _quantize_heads(
     codebooks: list[torch.Tensor] | None,
     poisoned: torch.Tensor | None = None,
 ):
-    """PRQ of ``G`` heads ``xg [G, S, D]``; ``norm[g]``: head ``g``'s normalization exponent
-    (a host list on the CPU, an int tensor on the device elsewhere: then nothing here reads a
-    device value on the host), ``heads[g]``: its (batch index, global head index);
-    ``poisoned [G]`` (device path): heads whose input is not finite, packed as zeros (their
-    exponent is poisoned afterwards).
+    """PRQ of ``G`` heads ``xg [G, S, D]`` into a segment ``[1, G, S, D]`` (no centroids when
+    ``codebooks`` are given); ``norm [G]``: each head's normalization exponent
+    (an int tensor on ``xg``'s device), ``heads[g]``: its (batch index, global head index);
+    ``poisoned [G]`` (the device path, None on the CPU): heads whose input is not finite,
+    packed as zeros (their exponent is poisoned afterwards). Only on the CPU is a value of
+    ``norm`` read on the host.
 
-    Returns (codes ``[G, S, D*bits/8]`` uint8, scale bytes ``[G, S, nb]`` uint8, exponents
-    ``[G]`` int16, zeros ``[G, S, nb]`` int8 or None, ids per stage ``[G, S]`` uint8, bf16
-    centroids per stage ``[G, K, D]``). Every operation is per head (batched GEMMs, row-wise
-    reductions, row gathers), so a head's result does not depend on the others.
+    Every operation is per head (batched GEMMs, row-wise reductions, row gathers), so a head's
+    result does not depend on the others.
     """
     G, S, D = xg.shape
     bits, block, grid = args.bits, args.block_size, args.grid
     assert bits is not None
     nb = D // block
     dev = xg.device
-    host = isinstance(norm, list)
-    if host:
-        neg = [-e for e in norm]
-        if -120 <= min(neg) and max(neg) <= 125:  # |xf| <= 1: cast, then scale in place (exact)
-            xf = temporary("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
-            if any(neg):
-                xf.mul_(torch.tensor(neg, dtype=torch.float64).exp2().float().to(dev).view(G, 1, 1))
-        else:
-            xf = _mul_pow2(xg, neg, torch.float32).contiguous()
-    else:
-        neg_t = -norm
-        # float32 work covers +-254: every exponent of a float32/bf16/fp16 input's head
-        work = torch.float64 if xg.dtype == torch.float64 else torch.float32
-        xf = _mul_pow2_device(xg, neg_t, torch.float32, work).contiguous()
+    host = poisoned is None  # the CPU path: ``norm`` may be read on the host
+    e = norm.to(torch.int32)
+    if host and -125 <= int(e.min()) and int(e.max()) <= 120:  # |xf| <= 1: cast, scale in place
+        xf = temporary("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
+        if bool(e.any()):
+            xf.mul_(_pow2_bits(-e, torch.float32).view(G, 1, 1))
+    else:  # float32 work covers +-254: every exponent of a float32/bf16/fp16 input's head
+        work = torch.float64 if host or xg.dtype == torch.float64 else torch.float32
+        xf = _mul_pow2(xg, -e, torch.float32, work).contiguous()
         if poisoned is not None:  # NaN/inf would only derail k-means: pack zeros instead
             xf.masked_fill_(poisoned.view(G, 1, 1), 0.0)
-
-    def scaled(t: torch.Tensor, e_neg: bool, dtype: torch.dtype) -> torch.Tensor:
-        """``t * 2**-norm`` (``e_neg``) or ``t * 2**norm`` per head, as ``dtype``."""
-        if host:
-            return _mul_pow2(t, neg if e_neg else list(norm), dtype)
-        return _mul_pow2_device(t, neg_t if e_neg else norm, dtype, torch.float64)
     x3 = xf.view(G * S, nb, block)
     zero_block = (x3.amax(-1) == 0) & (x3.amin(-1) == 0)  # [G*S, nb]: all-zero input block
     resid = xf  # updated in place from here on
@@ -475,7 +403,7 @@ def _quantize_heads(
                              str(dev))
     for stage in range(args.stages):
         if codebooks is not None:
-            c32 = scaled(codebooks[stage], True, torch.float32)
+            c32 = _mul_pow2(codebooks[stage], -e, torch.float32, torch.float64)
         else:
             pick, sample = draws[stage]
             c = _rows(resid, pick)
@@ -485,7 +413,7 @@ def _quantize_heads(
                 c = impl.kmeans_update(xs, a, c)
             c_bf = c.to(torch.bfloat16)
             c32 = c_bf.float()
-            cents.append(scaled(c_bf, False, torch.bfloat16))
+            cents.append(_mul_pow2(c_bf, e, torch.bfloat16, torch.float64))
         a = impl.kmeans_assign(resid, c32)
         resid.sub_(_rows(c32, a, "quantize.rows"))
         ids.append(a.to(torch.uint8))
@@ -505,14 +433,18 @@ def _quantize_heads(
         z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
         zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
     packed = impl.quantize_pack(r, dec, zeros, bits=bits, block=block, grid=grid)
-    n = torch.tensor(norm, dtype=torch.int32, device=dev) if host else norm.to(torch.int32)
-    return (
-        packed.view(G, S, -1),
-        enc.view(G, S, nb),
-        (exp + n).to(torch.int16),
-        None if zeros is None else zeros.view(G, S, nb),
-        ids,
-        cents,
+    return PackedSegment(
+        centroids=[c.view(1, G, -1, D) for c in cents],
+        ids=[i.view(1, G, S) for i in ids],
+        codes=packed.view(1, G, S, -1),
+        scales=enc.view(1, G, S, nb).view(torch.float8_e4m3fn),
+        zeros=None if zeros is None else zeros.view(1, G, S, nb),
+        scale_exp=(exp + e).to(torch.int16).view(1, G),
+        shape=(1, G, S, D),
+        dtype=xg.dtype,
+        bits=bits,
+        block_size=block,
+        grid="reference" if args.asymmetric else grid,
     )
 
 
@@ -536,15 +468,10 @@ def dequantize(
         check_out("dequantize", packed, out)
     if out.numel() == 0:
         return out
-    impl = _impl(resolve_backend(backend, packed.device))
-    impl.dequantize_into(packed, out)
+    _IMPLS[resolve_backend(backend, packed.device)].dequantize_into(packed, out)
     return out
 
 
-def _dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
-    dequantize(packed, out=out)
-
-
 # a PackedSegment is read through the codec seam: decoded here, attended by the Triton kernel
-register_record(PackedSegment, decode_into=_dequantize_into,
+register_record(PackedSegment, decode_into=lambda packed, out: dequantize(packed, out=out),
                 attention_module="causalkv.caches.codecs.prq.attention")

@@ -96,23 +96,23 @@ def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
 
     The ``P = 8 // bits`` codes of one output byte are ``P`` consecutive bytes: read them as
     one little-endian word (int32 for 2 bits, int16 for 4), mask each byte to its field and
-    fold the fields together with shifts (byte ``j``'s field lands in bits ``[j*bits, ...)``).
+    fold the fields together with shifts by ``(8 - bits) * 2**k`` (2 bits: fields 0,1 -> bits
+    0..3 and 2,3 -> 16..19, then 2,3 -> bits 4..7), so byte ``j``'s field lands in bits
+    ``[j*bits, ...)``.
     """
     per = 8 // bits
     v = v.to(torch.int8).contiguous()
     shape = (*v.shape[:-1], v.shape[-1] // per)
-    n, dev = v.numel() // per, v.device
-    if bits == 2:
-        w = torch.bitwise_and(v.view(-1).view(torch.int32), 0x03030303,
-                              out=_temporary("pack.w32", n, torch.int32, dev))
-        t = _temporary("pack.t32", n, torch.int32, dev)
-        w |= torch.bitwise_right_shift(w, 6, out=t)  # fields 0,1 -> bits 0..3; 2,3 -> 16..19
-        w |= torch.bitwise_right_shift(w, 12, out=t)  # fields 2,3 -> bits 4..7
-    else:
-        w = torch.bitwise_and(v.view(-1).view(torch.int16), 0x0F0F,
-                              out=_temporary("pack.w16", n, torch.int16, dev))
-        w |= torch.bitwise_right_shift(w, 4, out=_temporary("pack.t16", n, torch.int16, dev))
+    n, dev, word = v.numel() // per, v.device, _PACK_WORD[bits]
+    mask = int.from_bytes(bytes([(1 << bits) - 1]) * per, "little")
+    w = torch.bitwise_and(v.view(-1).view(word), mask, out=_temporary("pack.w", n, word, dev))
+    t = _temporary("pack.t", n, word, dev)
+    for k in range(per.bit_length() - 1):
+        w |= torch.bitwise_right_shift(w, (8 - bits) << k, out=t)
     return w.to(torch.uint8).view(shape)
+
+
+_PACK_WORD = {2: torch.int32, 4: torch.int16}
 
 
 def unpack_levels(
@@ -200,22 +200,20 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     one row gather per stage from a ``[(B*H*K*nb) + 1, block]`` centroid table (the extra zero
     row serves all-zero input blocks), one gather from a level table that maps each code byte
     (or byte pair) to all its levels at once, then one ``addcmul`` of levels and scales onto
-    the centroids, written straight into ``out`` (its rows when contiguous, else the strided
-    tile view).
+    the centroids, written straight into ``out``'s tile (a view of any strides).
 
     ``packed`` may be a view (`PackedSegment.select_heads` / ``select_tokens``): its ids,
     codes, scales and zeros are read tile by tile through their strides, never copied whole.
     """
     B, H, S, D = packed.shape
     bs, bits = packed.block_size, packed.bits
-    BH, N, nb = B * H, B * H * S, D // bs
+    BH, nb = B * H, D // bs
     K = packed.num_centroids
     dev = out.device
     # bf16 work only for one stage (then the single rounding is the final one); several
     # stages sum their centroids in float32 like the Triton kernel.
     native = out.dtype == torch.float32 or (out.dtype == torch.bfloat16 and packed.stages == 1)
     work = out.dtype if native else torch.float32
-    flat = out.view(N, nb, bs) if out.dtype == work and out.is_contiguous() else None
 
     s_table = scale_table(packed.scale_exp, dev).to(work).view(-1)  # [BH * 256]
     s_off = torch.arange(BH, device=dev, dtype=torch.int32).view(BH, 1, 1) * 256
@@ -253,9 +251,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     lut_rows = lut.expand(rows, lut.numel())
     for b, h0, h1, s0, s1 in tiles:
         hh, ss = h1 - h0, s1 - s0
-        n0 = (b * H + h0) * S + s0
         t = hh * ss
-        n1 = n0 + t
         sb_t = sb[b, h0:h1, s0:s1]  # [hh, ss, nb]
         zero_t = _temporary("zero", t * nb, torch.bool, dev).view(t, nb)
         torch.eq(sb_t, ZERO_BLOCK_SCALE_BYTE, out=zero_t.view(hh, ss, nb))
@@ -292,12 +288,9 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             z.view(hh, ss, nb).copy_(zeros[b, h0:h1, s0:s1])
             lv = lv.sub_(z)
 
-        if flat is not None:  # contiguous out of the work dtype: write its rows
-            torch.addcmul(acc, lv, s_t, out=flat[n0:n1])
-            continue
         shape4 = (hh, ss, nb, bs)
         dst = out[b, h0:h1, s0:s1].unflatten(-1, (nb, bs))
-        if out.dtype == work:  # strided view: write straight into it
+        if out.dtype == work:  # write straight into out (its rows, or the strided tile view)
             torch.addcmul(acc.view(shape4), lv.view(shape4), s_t.view(hh, ss, nb, 1), out=dst)
         else:  # e.g. float16 out: compute in float32, cast once
             acc.addcmul_(lv, s_t)

@@ -23,7 +23,6 @@ is first imported to run them on CPU tensors.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +63,10 @@ def _jit(fn: Callable[..., Any]) -> Any:
     return triton.jit(fn) if AVAILABLE else fn
 
 
-_MODE_REFERENCE, _MODE_MSE, _MODE_ASYM = 0, 1, 2
+def level_mode(grid: str, asymmetric: bool) -> int:
+    """The kernels' ``MODE`` (how codes map to levels, `format`): 0 reference ``v``, 1 ``mse4``
+    ``2v + 1``, 2 asymmetric ``v - z``."""
+    return 2 if asymmetric else int(grid == "mse4")
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -221,14 +223,13 @@ def quantize_pack(
 ) -> torch.Tensor:
     """Quantize residual ``r [N, D]`` with decoded scales ``[N, nb]``; ``[N, D*bits//8]`` uint8."""
     N, D = r.shape
-    mode = _MODE_ASYM if zeros is not None else (_MODE_MSE if grid == "mse4" else _MODE_REFERENCE)
     r, scale = r.contiguous(), scale.to(torch.float32).contiguous()
     z = zeros.contiguous() if zeros is not None else scale  # unused placeholder when symmetric
     codes = torch.empty(N, D * bits // 8, dtype=torch.uint8, device=r.device)
     BLOCK_T = 32
     _quant_pack_kernel[(triton.cdiv(N, BLOCK_T), D // block)](
-        r, scale, z, codes, N, D=D, BS=block, BITS=bits, MODE=mode, BLOCK_T=BLOCK_T,
-        BLOCK_B=_pow2(block * bits // 8, lo=1),
+        r, scale, z, codes, N, D=D, BS=block, BITS=bits, MODE=level_mode(grid, zeros is not None),
+        BLOCK_T=BLOCK_T, BLOCK_B=_pow2(block * bits // 8, lo=1),
     )
     return codes
 
@@ -257,8 +258,8 @@ def _e4m3_scale(u, e):
 
 @_jit
 def _dequant_kernel(
-    codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, exp_ptr, out_ptr,
-    S, H, K, ids_sst, cent_sst, r_b, r_h, i_b, i_h,
+    codes_ptr, sb_ptr, z_ptr, ids_ptr, cent_ptr, exp_ptr, out_ptr, S, H,
+    c_sb, c_sh, s_sb, s_sh, z_sb, z_sh, i_sst, i_sb, i_sh, ce_sst, ce_sb, ce_sh, e_sb, e_sh,
     o_sb, o_sh, o_ss, o_sd,
     D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr,
     STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -266,13 +267,12 @@ def _dequant_kernel(
 ):
     """One program = ``BLOCK_T`` tokens of one (batch, head), every channel of their rows.
 
-    Grid ``(cdiv(S, BLOCK_T), B * H)``. Token ``s`` of head ``(b, h)`` is row
-    ``b * r_b + h * r_h + s`` of the codes / scales / zeros (``codes_ptr + row * D // PER``)
-    and row ``b * i_b + h * i_h + s`` of the ids, so head and token slices of a segment are
-    read in place. Per token tile: the cluster ids once, then per scale
-    block (static loop): the block's code bytes loaded once (contiguous) and unpacked with
-    shifts, its scale bytes decoded in registers (no table), the assigned centroid rows
-    (contiguous), and one store of ``BS`` contiguous channels per token.
+    Grid ``(cdiv(S, BLOCK_T), B * H)``. Every tensor is read through its ``(b, h)`` strides
+    (`segment_operands`: rows contiguous), so head and token slices of a segment are read in
+    place. Per token tile: per scale block (static loop): the block's code bytes loaded once
+    (contiguous) and unpacked with shifts, its scale bytes decoded in registers (no table),
+    the assigned centroid rows (contiguous), and one store of ``BS`` contiguous channels per
+    token.
     """
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = D // BS
@@ -281,17 +281,18 @@ def _dequant_kernel(
     BLOCK_C: tl.constexpr = BLOCK_B * PER
     MASK: tl.constexpr = (1 << BITS) - 1
     bh = tl.program_id(1)
-    s0 = tl.program_id(0) * BLOCK_T
-    b = bh // H
-    h = bh - b * H
+    s0 = tl.program_id(0).to(tl.int64) * BLOCK_T
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     lt = tl.arange(0, BLOCK_T)  # token within the tile
     s_ok = s0 + lt < S
-    row0 = b.to(tl.int64) * r_b + h.to(tl.int64) * r_h + s0  # the tile's first token's row
-    irow0 = b.to(tl.int64) * i_b + h.to(tl.int64) * i_h + s0  # ... in the ids
-    e = tl.load(exp_ptr + bh).to(tl.int32)
-    out_base = out_ptr + (b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + s0.to(tl.int64) * o_ss)
+    codes_base = codes_ptr + b * c_sb + h * c_sh + s0 * DB
+    sb_base = sb_ptr + b * s_sb + h * s_sh + s0 * NB
+    ids_base = ids_ptr + b * i_sb + h * i_sh + s0
+    cent_base = cent_ptr + b * ce_sb + h * ce_sh
+    e = tl.load(exp_ptr + b * e_sb + h * e_sh).to(tl.int32)
+    out_base = out_ptr + (b * o_sb + h * o_sh + s0 * o_ss)
     out_rows = lt.to(tl.int64)[:, None] * o_ss
-    cent_base = cent_ptr + bh.to(tl.int64) * K * D
     offs_b = tl.arange(0, BLOCK_B)
     offs_c = tl.arange(0, BLOCK_C)  # channel within a block: byte offs_c // PER, field % PER
     shifts = tl.arange(0, PER) * BITS
@@ -302,15 +303,14 @@ def _dequant_kernel(
         mb = s_ok[:, None] & (offs_b < BSB)[None, :]
         mc = s_ok[:, None] & (offs_c < BS)[None, :]
     if STAGES == 1:  # the cluster ids once for every block
-        cid0 = tl.load(ids_ptr + irow0 + lt, mask=s_ok, other=0).to(tl.int32)
+        cid0 = tl.load(ids_base + lt, mask=s_ok, other=0).to(tl.int32)
     for blk in tl.static_range(NB):
-        sb = tl.load(sb_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
+        sb = tl.load(sb_base + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
         scale = _e4m3_scale(sb, e)  # decoded e4m3 x 2**scale_exp[bh]; 0x80 -> 0
         scale = tl.where(e == POISON, float("nan"), scale)  # a poisoned head: NaN out
         keep = (sb != 128).to(tl.float32)  # all-zero input block: drop the centroids too
         byte = tl.load(
-            codes_ptr + row0 * DB + lt[:, None] * DB + (blk * BSB + offs_b)[None, :],
-            mask=mb, other=0,
+            codes_base + lt[:, None] * DB + (blk * BSB + offs_b)[None, :], mask=mb, other=0,
         ).to(tl.int32)
         fields = (byte[:, :, None] >> shifts[None, None, :]) & MASK  # [T, BLOCK_B, PER]
         field = tl.reshape(fields, [BLOCK_T, BLOCK_C])  # channel = byte * PER + field
@@ -318,7 +318,8 @@ def _dequant_kernel(
         if MODE == 1:
             lv = (2 * v + 1).to(tl.float32)
         elif MODE == 2:
-            z = tl.load(z_ptr + row0 * NB + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
+            z_base = z_ptr + b * z_sb + h * z_sh + s0 * NB
+            z = tl.load(z_base + lt * NB + blk, mask=s_ok, other=0).to(tl.int32)
             lv = (v - z[:, None]).to(tl.float32)
         else:
             lv = v.to(tl.float32)
@@ -329,9 +330,9 @@ def _dequant_kernel(
         else:
             acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             for st in tl.static_range(STAGES):
-                cid = tl.load(ids_ptr + st * ids_sst + irow0 + lt, mask=s_ok, other=0).to(tl.int32)
+                cid = tl.load(ids_base + st * i_sst + lt, mask=s_ok, other=0).to(tl.int32)
                 c = tl.load(
-                    cent_base + st * cent_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
+                    cent_base + st * ce_sst + cid[:, None] * D + ch[None, :], mask=mc, other=0.0
                 )
                 acc += c.to(tl.float32)
         val = acc * keep[:, None] + lv * scale[:, None]
@@ -346,9 +347,9 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     """Write the reconstruction of ``packed`` into ``out [B, H, S, D]`` (any strides, float dtype).
 
     One kernel launch and no other device work for single-stage segments, whole or a head /
-    token slice (`PackedSegment.select_heads` / ``select_tokens``): the codes, scales, zeros
-    and ids are passed as they are and read through their row strides, the scale exponents
-    are applied inside the kernel. Several stages stack their ids / centroids first.
+    token slice (`PackedSegment.select_heads` / ``select_tokens``): the tensors are passed as
+    they are and read through their strides (`segment_operands`), the scale exponents are
+    applied inside the kernel. Several stages stack their ids / centroids first.
     """
     B, H, S, D = packed.shape
     if B * H > 65535:  # the grid's second axis
@@ -356,66 +357,57 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             f"dequantize (triton): B*H = {B * H} exceeds 65535; dequantize the heads in slices "
             "(packed.select_heads) or use backend='torch'"
         )
-    bs = packed.block_size
-    codes, sb = packed.codes, packed.scales.view(torch.uint8)
-    z = packed.zeros
-    rows = _row_strides(codes, sb, z)
-    if rows is None:  # not sliced from one [B, H, S, .] layout: compact them
-        codes, sb = codes.contiguous(), sb.contiguous()
-        z = None if z is None else z.contiguous()
-        rows = _row_strides(codes, sb, z)
-        assert rows is not None
-    exp = _contig(packed.scale_exp)
-    stages = len(packed.ids)
-    if stages == 1:
-        ids, cents = packed.ids[0], _contig(packed.centroids[0])
-        if ids.stride(2) != 1:
-            ids = ids.contiguous()
-        i_b, i_h = ids.stride(0), ids.stride(1)
-        ids_sst = cent_sst = 0
-    else:  # [stages, B, H, S] and [stages, B*H*K*D]
-        ids = torch.stack(packed.ids)
-        cents = torch.stack([c.reshape(-1) for c in packed.centroids])
-        i_b, i_h = ids.stride(1), ids.stride(2)
-        ids_sst, cent_sst = ids.stride(0), cents.stride(0)
-    if z is not None:
-        mode = _MODE_ASYM
-    else:
-        mode, z = (_MODE_MSE if packed.grid == "mse4" else _MODE_REFERENCE), sb
-    block_t, block_b = _dequant_tiles(D, bs, packed.bits)
-    o_sb, o_sh, o_ss, o_sd = out.stride()
+    tensors, strides, _ = segment_operands(packed)
+    block_t = max(16, min(128, 8192 // _pow2(D)))  # tokens per program: ~8K channels
+    block_b = _pow2(packed.block_size * packed.bits // 8, lo=1)  # padded code bytes per block
+    mode = level_mode(packed.grid, packed.asymmetric)
     _dequant_kernel[(-(-S // block_t), B * H)](
-        codes, sb, z, ids, cents, exp, out,
-        S, H, packed.centroids[0].shape[2], ids_sst, cent_sst, rows[0], rows[1], i_b, i_h,
-        o_sb, o_sh, o_ss, o_sd,
-        D=D, BS=bs, BITS=packed.bits, MODE=mode, STAGES=stages,
-        BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=o_sd == 1, POISON=POISON_SCALE_EXP,
+        *tensors, out, S, H, *strides, *out.stride(),
+        D=D, BS=packed.block_size, BITS=packed.bits, MODE=mode, STAGES=packed.stages,
+        BLOCK_T=block_t, BLOCK_B=block_b, OUT_CONTIG=out.stride(3) == 1, POISON=POISON_SCALE_EXP,
         num_warps=4,
     )
 
 
-def _row_strides(
-    codes: torch.Tensor, sb: torch.Tensor, z: torch.Tensor | None
-) -> tuple[int, int] | None:
-    """``(r_b, r_h)``: batch and head strides in token rows shared by the codes ``[B, H, S, DB]``,
-    scales and zeros ``[B, H, S, nb]`` (each token's row contiguous), or None if they differ."""
-    out = None
-    for t in (codes, sb) if z is None else (codes, sb, z):
-        width = t.shape[3]
-        if t.stride(3) != 1 or t.stride(2) != width or t.stride(0) % width or t.stride(1) % width:
-            return None
-        r = (t.stride(0) // width, t.stride(1) // width)
-        if out is not None and r != out:
-            return None
-        out = r
-    return out
+def segment_operands(seg: PackedSegment) -> tuple[list[torch.Tensor], list[int], int]:
+    """(tensors, strides, extra bytes) of one segment for a kernel that reads it in place
+    (`_dequant_kernel`, `causalkv.caches.codecs.prq.attention`).
 
+    Tensors: codes, scale bytes, zero points (the scale bytes again when symmetric: never
+    read), ids, centroids, exponents; strides: ``(b, h)`` of the first three, ``(stage, b, h)``
+    of ids and centroids, ``(b, h)`` of the exponents. Several stages stack their ids and
+    centroids into one tensor each (a copy of ``stages * (s + K*D*2)`` bytes per head, counted
+    in the extra bytes); so does a layout whose rows are not contiguous (never produced by the
+    codec or by head/token slicing).
+    """
+    extra = 0
 
-def _contig(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        """``t`` with each token's row contiguous (and so the rows of a head): as it is, or copied."""
+        nonlocal extra
+        if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == t.shape[-1]):
+            return t
+        extra += t.nbytes
+        return t.contiguous()
 
-
-@functools.lru_cache(maxsize=64)
-def _dequant_tiles(D: int, block: int, bits: int) -> tuple[int, int]:
-    """(tokens per program, padded code bytes per block): ~8K channels per program."""
-    return max(16, min(128, 8192 // _pow2(D))), _pow2(block * bits // 8, lo=1)
+    codes = rows(seg.codes)
+    sc = rows(seg.scales.view(torch.uint8))
+    z = rows(seg.zeros) if seg.zeros is not None else sc
+    if seg.stages == 1:
+        ids, cent = seg.ids[0], rows(seg.centroids[0])
+        if ids.stride(-1) != 1:
+            extra += ids.nbytes
+            ids = ids.contiguous()
+        ids_st = [0, ids.stride(0), ids.stride(1)]
+        cent_st = [0, cent.stride(0), cent.stride(1)]
+    else:
+        ids = torch.stack(seg.ids)  # [stages, B, H, s]
+        cent = torch.stack(seg.centroids)  # [stages, B, H, K, D]
+        extra += ids.nbytes + cent.nbytes
+        ids_st, cent_st = list(ids.stride()[:3]), list(cent.stride()[:3])
+    exp = seg.scale_exp
+    strides = [
+        codes.stride(0), codes.stride(1), sc.stride(0), sc.stride(1), z.stride(0), z.stride(1),
+        *ids_st, *cent_st, exp.stride(0), exp.stride(1),
+    ]
+    return [codes, sc, z, ids, cent, exp], strides, extra
