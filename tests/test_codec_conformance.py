@@ -277,6 +277,32 @@ def test_a_broken_setting_is_refused_at_each_use_checked_once(registry):
     assert CountingZeros.encodes == 2  # checked once at head_dim 64 too
 
 
+class SettingGone(Int8Codec):
+    """Raises the ConfigError a wrong setting gives (PRQ's CAUSALKV_QVG_BACKEND=bogus) until
+    ``fixed``."""
+    fixed = False
+    encodes = 0
+
+    def encode(self, x, *, seed=1234, head_offset=0, codebooks=None):
+        type(self).encodes += 1
+        if not type(self).fixed:
+            raise ConfigError("I8_BACKEND='bogus': choose one of ['auto']")
+        return super().encode(x)
+
+
+def test_a_wrong_setting_is_the_users_error_and_not_remembered(registry, monkeypatch):
+    registry.register_codec("i8setting", f"{HERE}:SettingGone")
+    q = QVGKVQuantArgs(codec="i8setting")
+    with pytest.raises(ConfigError) as e:
+        make_codec("i8setting", q)
+    # the setting's own message, not a conformance failure blamed on the codec
+    assert not isinstance(e.value, CodecConformanceError)
+    assert str(e.value) == "I8_BACKEND='bogus': choose one of ['auto']"
+    monkeypatch.setattr(SettingGone, "fixed", True)
+    make_codec("i8setting", q)  # checked again once the setting is fixed, and passes
+    assert SettingGone.encodes == 2
+
+
 def test_the_recency_tier_codec_is_checked_too(registry):
     registry.register_codec("i8short", f"{HERE}:ShortRecord")
     q = QVGKVQuantArgs(codec="fp8", recent_tier="i8short")

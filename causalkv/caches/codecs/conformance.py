@@ -64,7 +64,7 @@ from causalkv.caches.codecs.base import (
     TensorRecord,
     record_kind,
 )
-from causalkv.errors import describe_exception
+from causalkv.errors import ConfigError, describe_exception
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs import CodecSetting
@@ -202,6 +202,9 @@ def check_codec(
         CodecConformanceError: the first check that fails (`CHECKS`), naming the codec, the
             check and the fix.
         CodecError: ``head_dim`` is one the codec says it cannot pack, or ``heads < 2``.
+        ConfigError: ``encode`` raised it: a setting the codec reads is wrong (PRQ's
+            ``CAUSALKV_QVG_BACKEND``, say); passed on unchanged and not remembered by
+            `check_first_use`, so the run names the setting and a fixed setting is checked.
     """
     cls = type(codec)
     label = name or f"{codec.name or cls.__name__!r} ({cls.__module__}:{cls.__qualname__})"
@@ -219,7 +222,9 @@ def check_codec(
     B, H, S, D = shape
     try:
         record = codec.encode(x)
-    except Exception as exc:  # noqa: BLE001 - any failure is the codec's, named
+    except ConfigError:  # a setting the codec reads is wrong (its backend, say): the user's to fix
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other failure is the codec's, named
         raise fail("encode", f"encode of a {list(shape)} {_name(dtype)} segment raised {describe_exception(exc)}",
                    "encode must pack any finite [B, H, S, D] float segment of a head_dim it accepts") from exc
 
@@ -357,11 +362,20 @@ def check_first_use(
     setting's name, target and parameters counts, whatever the options and the head_dim (a
     cache's derived settings, such as a span's centroid count, are not checked again mid-run);
     else the first of `DEFAULT_HEAD_DIMS` the codec packs is checked (none: nothing is
-    checked, the model's layout check comes later). Bf16 probe on the CPU.
+    checked, the model's layout check comes later). Bf16 probe on the CPU, or on CUDA when
+    the codec's settings do not run on the CPU (`KVCodec.device_problem`); nothing is checked
+    when they run on neither (the run's own device check names the setting).
 
     Raises:
         CodecConformanceError: the check failed (now or earlier in this process).
     """
+    device = torch.device("cpu")
+    if codec.device_problem(device) is not None:  # its settings do not run on the CPU (PRQ's
+        # CAUSALKV_QVG_BACKEND=triton, say): probe where they run, else the run's device check
+        # (`KVCodec.device_problem`) refuses them by name
+        device = torch.device("cuda")
+        if not torch.cuda.is_available() or codec.device_problem(device) is not None:
+            return
     # the setting's name, target and parameters, and the values of the options it reads
     reads = tuple((f, repr(getattr(settings, f, None))) for f in sorted(codec.reads))
     key = (setting.name, setting.target, repr(sorted(setting.params.items())), reads)
@@ -374,7 +388,7 @@ def check_first_use(
         if head_dim is not None and (key, head_dim) not in _outcomes:
             label = f"setting {setting.name!r} ({setting.target})"
             try:
-                check_codec(codec, head_dim=head_dim, name=label)
+                check_codec(codec, head_dim=head_dim, name=label, device=device)
                 _outcomes[key, head_dim] = None
             except CodecConformanceError as exc:
                 _outcomes[key, head_dim] = (exc.codec, exc.check, exc.problem, exc.fix)
