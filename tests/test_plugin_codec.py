@@ -147,3 +147,26 @@ def test_a_codec_setting_with_quantization_off_names_every_registered_codec(toy)
     with pytest.raises(ConfigError, match=r"pass --kv-cache-quant with a codec \(int4, int2, fp8, "
                                           r"nvfp4, int8\), or drop them"):
         QVGKVQuantArgs(centroids=64).check_used()
+
+
+def test_causalkv_memory_leaves_out_a_broken_codec_and_names_it(toy, capsys):
+    """One broken plugin codec (a decode that writes zeros, a target that does not import)
+    does not hide the other rows: `plan_memory` over every setting leaves its rows out and
+    names them with why; named with ``--setting`` it is refused, naming the codec."""
+    codecs.register_codec("i8zeros", "toy_codec_plugin:WritesZeros")
+    codecs.register_codec("i8gone", "no_such_module_anywhere:Codec")
+    argv = ["memory", "tiny-longlive2", "--host", "causalkv", "--latent-frames", "16", "--shots", "2"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    table = captured.out.splitlines()
+    assert {line.split()[0] for line in table} >= {"off", "int2-recent0", "int8-default"}
+    left = [line for line in table if line.startswith("left out: ")]
+    assert [line.split(":")[1].strip() for line in left] == [
+        "i8zeros-default", "i8zeros-recent0", "i8gone-default", "i8gone-recent0"]
+    assert "conformance check 'bound'" in left[0] and "cannot import 'no_such_module_anywhere:Codec'" in left[2]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "i8zeros-default" not in captured.out and "left out: i8gone-recent0" in captured.err
+    assert main([*argv, "--setting", "i8zeros-default"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("causalkv memory: error: ") and "'i8zeros'" in err and "check 'bound'" in err

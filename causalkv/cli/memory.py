@@ -141,6 +141,7 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
             row += ["yes" if r.fits else "no", shown]
         rows.append(row)
     lines += format_columns(rows)
+    lines += [f"left out: {name}: {why}" for name, why in plan.left_out]
     if any(r.setting == "off" for r in plan.rows):
         lines.append(
             "note: off is the QVG cache with quantization off (probes store nothing, the "
@@ -194,7 +195,11 @@ def _plan(args: argparse.Namespace, budget: int | None) -> str:
     )
     plan = plan_memory(resolve_model(args.model), req, getattr(cache_models, HOST_CACHES[args.host]),
                        budget=budget, settings=chosen_settings(args.setting, args.kv_cache_quant))
-    return json.dumps(plan.as_json(), indent=2) if args.json else format_plan(plan, args.host)
+    if args.json:  # the JSON stays the rows; what was left out goes to stderr
+        for name, why in plan.left_out:
+            print(f"causalkv memory: left out: {name}: {why}", file=sys.stderr)
+        return json.dumps(plan.as_json(), indent=2)
+    return format_plan(plan, args.host)
 
 
 def _main(args: argparse.Namespace) -> int:

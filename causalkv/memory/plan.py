@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from causalkv.caches import intervals as iv
+from causalkv.caches.codecs import make_codec
+from causalkv.caches.codecs.base import CodecError
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.tiering import (
     BookState,
@@ -25,7 +27,7 @@ from causalkv.caches.qvg.tiering import (
     codec_for,
     keep_held,
 )
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, check_int, first_line
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import (
     MAX_CHUNKS,
@@ -291,6 +293,9 @@ class MemoryPlan:
     layout: StreamLayout
     rows: tuple[SettingPlan, ...]
     budget: int | None = None
+    #: ``(setting, why)`` of each codec setting left out of an all-settings plan because its
+    #: codec cannot be used (a plugin codec that does not import or failed its conformance check)
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def as_json(self) -> list[dict[str, Any]]:
         return [r.as_json(self.budget, self.geometry.window_is_video) for r in self.rows]
@@ -398,13 +403,30 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     return lo
 
 
+def _unusable(codec: str | None) -> bool:
+    """Whether codec setting ``codec`` cannot be made at all (its target does not import, or
+    it fails its conformance check): False for None (off) and ``"bf16"``."""
+    if codec in (None, "bf16"):
+        return False
+    try:
+        make_codec(codec, QVGKVQuantArgs(codec=codec))
+    except (CodecError, ConfigError):
+        return True
+    return False
+
+
 def plan_memory(
     geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, *,
     settings: Iterable[str] | None = None, budget: int | None = None,
 ) -> MemoryPlan:
     """Every setting's figures for ``req`` held by ``cache`` (`causalkv.memory.cache_models`;
     and, with ``budget`` in bytes, whether it fits and the longest window, or video for a
-    window-is-video model, that fits)."""
+    window-is-video model, that fits).
+
+    ``settings`` None plans every registered setting; one whose codec cannot be used (a plugin
+    codec that does not import or fails its conformance check) is left out and named in
+    `MemoryPlan.left_out` with why, so one broken plugin does not hide the other rows. A
+    setting named in ``settings`` is planned or its error raised."""
     names = list(SETTINGS) if settings is None else list(settings)
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
@@ -422,10 +444,18 @@ def plan_memory(
     fpc = geom.frames_per_chunk
     smallest = -(-min_window(geom, bool(lay.pins)) // fpc) * fpc
     memo: dict[int, Any] = {}
+    left_out = []
     for name in dict.fromkeys(names):
-        row = plan_setting(geom, lay, SETTINGS[name], cache=cache, dtype=req.dtype,
-                           batch_size=req.batch_size, sink=req.sink, states=states,
-                           attention=req.attention)
+        try:
+            row = plan_setting(geom, lay, SETTINGS[name], cache=cache, dtype=req.dtype,
+                               batch_size=req.batch_size, sink=req.sink, states=states,
+                               attention=req.attention)
+        except (CodecError, ConfigError) as exc:
+            codecs = (SETTINGS[name].codec, SETTINGS[name].recent_tier)
+            if settings is not None or not any(map(_unusable, codecs)):
+                raise
+            left_out.append((name, first_line(exc)))
+            continue
         if budget is not None:
             best = _longest(geom, req, cache, SETTINGS[name], budget, smallest, memo)
             row = replace(
@@ -435,4 +465,4 @@ def plan_memory(
                 at_search_limit=best is not None and best == _search_top(geom, req, smallest),
             )
         rows.append(row)
-    return MemoryPlan(geom, req, cache, lay, tuple(rows), budget)
+    return MemoryPlan(geom, req, cache, lay, tuple(rows), budget, tuple(left_out))
