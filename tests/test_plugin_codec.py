@@ -51,6 +51,12 @@ def test_causalkv_register_codecs_reaches_everywhere_a_user_picks_a_codec(toy, p
     q = QVGKVQuantArgs(**QVGKVQuantArgs.given_in(ns))
     assert (q.codec, q.recent_tier, q.describe().split(",")[0]) == ("int8", "int8", "qvg(int8")
     assert q.to_mapping()["kv_cache_quant"] == "int8"  # the metrics' cache_settings
+    # which show only the knobs a codec in use reads: PRQ's with int2 (or an int4 tier), not int8's
+    prq_knobs = {"kv_cache_quant_centroids", "kv_cache_quant_block_size", "kv_cache_quant_stages"}
+    assert not prq_knobs & set(q.to_mapping())
+    assert prq_knobs <= set(QVGKVQuantArgs(codec="int2").to_mapping())
+    assert prq_knobs <= set(QVGKVQuantArgs(codec="int8", recent_tier="int4").to_mapping())
+    assert "centroids" not in q.describe() and "centroids=128" in QVGKVQuantArgs(codec="int2").describe()
     # causalkv plugins
     report = plugins_report(pm, include_builtin=False)
     assert {"name": "int8", "target": "toy_codec_plugin:Int8Codec", "params": {},

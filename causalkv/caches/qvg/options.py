@@ -177,11 +177,21 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
             problem = codec_problem(self.recent_tier, self, head_dim)
         return problem or self._unread_problem()
 
+    def _reads(self) -> frozenset[str]:
+        """The codec options the codecs in use (the codec, a recency tier) read."""
+        used = [c for c in (self.codec, self.recent_tier) if c not in (None, "bf16")]
+        return frozenset().union(*(_reads_of(name) for name in used))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Config key -> value of every declared field but the codec options no codec in use
+        reads (PRQ's centroids with fp8, say): what the metrics' ``cache_settings`` show."""
+        unread = set(QVGCodecOptions.specs()) - {"codec"} - self._reads()
+        return {spec.key or n: getattr(self, n) for n, spec in self.specs().items() if n not in unread}
+
     def _unread_problem(self) -> str | None:
         """A codec option set away from its default that no codec in use reads (PRQ's
         ``--kv-cache-quant-centroids`` with fp8, say), or None: refused, never ignored."""
-        used = [self.codec] + ([self.recent_tier] if self.recent_tier != "bf16" else [])
-        reads = frozenset().union(*(_reads_of(name) for name in used))
+        reads = self._reads()
         for name, value in self.changed().items():
             if name == "codec" or name in reads or name not in QVGCodecOptions.specs():
                 continue
@@ -312,21 +322,19 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        prq = [  # PRQ's own knobs: said only for a PRQ codec setting
-            f"centroids={self.centroids}",
-            f"block={self.block_size}",
-            f"stages={self.stages}",
-            f"iters={self.kmeans_iters}",
-            "asym" if self.asymmetric else "sym",
-        ] if self.bits is not None else []
+        reads = _reads_of(self.codec)  # the codec's own knobs: said only when it reads them
+        said = {"centroids": f"centroids={self.centroids}", "block_size": f"block={self.block_size}",
+                "stages": f"stages={self.stages}", "kmeans_iters": f"iters={self.kmeans_iters}",
+                "asymmetric": "asym" if self.asymmetric else "sym"}
+        knobs = [text for name, text in said.items() if name in reads]
         parts = [
             f"{self.codec}",
-            *prq,
+            *knobs,
             f"keep_recent={self.keep_recent_chunks}",
             f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
             f"sink_keep={self.sink_keep_chunks}",
         ]
-        if self.grid != "reference" and self.bits is not None:
+        if self.grid != "reference" and "grid" in reads:
             parts.append(f"grid={self.grid}")
         if self.span_chunks != 1:
             parts.append(f"span={self.span_chunks}")
