@@ -52,6 +52,11 @@ def _main(args: argparse.Namespace) -> int:
         if spec.known_failure:
             out(f"note: {spec.known_failure}")
         if spec.request:
+            import torch
+
+            if not torch.cuda.is_available():  # sglang's CPU platform needs causalkv's stand-ins
+                out("on a CPU: run it in .venv-sglang with HF_HUB_OFFLINE=1 "
+                    "PYTHONPATH=demo/sglang/cpu_stand_ins before it (docs/sglang.md)")
             out(generate_command(spec.name, folder))
         out.flush()
         return 0

@@ -44,7 +44,7 @@ def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
              "in its tier" if codec == "causalkv"
              else "the chunk being generated held in every block")
     return (f"causalkv sglang bridge: {type(stage).__name__} KV cache {name} x {len(caches)} "
-            f"blocks, codec {codec}, {settings}, keep-recent {quant.keep_recent_chunks} "
+            f"blocks, served by {codec}, {settings}, keep-recent {quant.keep_recent_chunks} "
             f"({tier}), {sink}, sink-keep {quant.sink_keep_chunks}, {where}"
             + (f" ({note})" if note else ""))
 

@@ -101,7 +101,7 @@ def test_int2_runs_on_causalkvs_caches_pins_and_holds_less_than_dense(longlive2_
     _, stock = longlive2_runs["stock"]
     lines = serving_lines(log)
     assert len(lines) == 1 and "SGLangQVGKVCache" in lines[0] and "int2" in lines[0]
-    assert "keep-recent 0" in lines[0] and "sink chunks" in lines[0] and "codec causalkv" in lines[0]
+    assert "keep-recent 0" in lines[0] and "sink chunks" in lines[0] and "served by causalkv" in lines[0]
     by_sets = {int(s["sets"]): s for s in summaries(log)}
     assert set(by_sets) == {1, 2}  # without CFG one cache set, with CFG the negative one too
     for s in by_sets.values():
@@ -194,7 +194,7 @@ def test_lingbot_world_runs_with_camera_actions_on_either_codec(lingbot_checkpoi
         log, frames = runs[codec]
         (line,) = serving_lines(log)
         assert "LingBotWorldCausalDMDDenoisingStage KV cache" in line
-        assert f"{cache} x 2 blocks, codec {codec}" in line
+        assert f"{cache} x 2 blocks, served by {codec}" in line
         (s,) = summaries(log)
         assert s["cache"] == cache and s["packed_chunks"] == packed
         assert frames.shape == (9, 128, 128, 3)

@@ -70,7 +70,7 @@ def test_int2_runs_on_causalkvs_caches_and_the_log_says_so(cli_runs):
     lines = serving_lines(log)
     assert len(lines) == 1, log[-3000:]
     assert "LongLive2CausalDenoisingStage KV cache causalkv.sglang.cache.SGLangQVGKVCache" in lines[0]
-    assert "codec causalkv, qvg(int2," in lines[0] and "keep-recent 1" in lines[0]
+    assert "served by causalkv, qvg(int2," in lines[0] and "keep-recent 1" in lines[0]
     (s,) = summaries(log)
     assert s["cache"] == "SGLangQVGKVCache" and s["sets"] == "1" and s["layers"] == "2"
     assert int(s["resident_bytes"]) < int(s["dense_bytes"])

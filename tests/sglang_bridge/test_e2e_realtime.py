@@ -165,7 +165,7 @@ def test_quant_streams_on_causalkvs_caches_packs_and_rolls(realtime_runs, mode):
     _complete(log, stream)
     (line,) = serving_lines(log)  # allocated once, on chunk 0, for the whole session
     assert "LingBotWorldCausalDMDDenoisingStage KV cache causalkv.sglang.cache.SGLangQVGKVCache" in line
-    assert f"x 2 blocks, codec causalkv, qvg(int{mode[-1]}," in line and "keep-recent 1" in line
+    assert f"x 2 blocks, served by causalkv, qvg(int{mode[-1]}," in line and "keep-recent 1" in line
     # the bridge's own summary line, one per chunk (each realtime chunk is a request), covers
     # the session's caches: what the probe reads from outside, the worker's log states itself
     records = probe_records(log)
@@ -219,7 +219,7 @@ def test_sglangs_own_codec_refuses_at_its_first_pack_without_quant_videogen(real
     _, off = realtime_runs["off"]
     (line,) = serving_lines(log)
     assert "KV cache sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache." in line
-    assert "QVGPackedCausalKVCache x 2 blocks, codec sglang, int2," in line
+    assert "QVGPackedCausalKVCache x 2 blocks, served by sglang, int2," in line
     assert "(CAUSALKV_SGLANG_LINGBOT_QVG=sglang)" in line
     assert len(stream.chunks) == 1 and np.array_equal(stream.chunks[0], off.chunks[0])
     refusal = "Quant-VideoGen KV-cache quantization requires its optional runtime dependencies"

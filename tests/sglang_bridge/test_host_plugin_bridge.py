@@ -97,7 +97,7 @@ def test_a_plugins_subclass_is_served_with_its_codec_and_logged(installed, caplo
     assert all(type(c) is ToySGLangCache for c in blocks)  # built by the registration's factory
     assert {c.quant.codec for c in blocks} == {"int8"}  # the registration's codec
     (alloc,) = _messages(caplog, "causalkv sglang bridge: ToyLongLive2Stage KV cache")
-    assert "causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, codec causalkv, qvg(int8" in alloc
+    assert "causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, served by causalkv, qvg(int8" in alloc
     packed = stored_after_seven_chunks(blocks[0])
     assert packed and {s.codec.name for s in packed} == {"int8"}
     assert all(s.nbytes == 2 * s.codec.nbytes(s.k.shape) for s in packed)  # K and V, as it predicts

@@ -97,7 +97,7 @@ class _ReferenceMessages:
 
 @dataclass(frozen=True)
 class QVGCodecOptions(_ReferenceMessages, CacheOptions):
-    """Codec settings of one packed segment ``[B, H, S, D]`` (docs/qvg.md, docs/codecs.md).
+    """Codec settings of one packed segment ``[B, H, S, D]`` (docs/qvg.md; a codec's own contract: docs/plugins.md).
 
     Attributes:
         codec: the codec setting (``None``: off; ``"int4"``, ``"int2"``: PRQ; ``"fp8"``,
