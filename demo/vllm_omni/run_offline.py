@@ -45,8 +45,18 @@ sys.path.insert(0, _HERE)
 
 #: latent frames per block (LingBot) and the VAE's temporal factor: num_frames for N blocks
 _BLOCK, _TEMPORAL = 3, 4
-#: what ``--settings`` takes: ``stock`` (no causalkv_kv_cache) or a ``kv_cache_quant`` value
-CHOICES = ("stock", "off", "int4", "int2")
+
+
+def choices() -> tuple[str, ...]:
+    """What ``--settings`` takes: ``stock`` (no causalkv_kv_cache) or a ``kv_cache_quant`` value
+    (``off`` or any codec setting registered, a plugin's too: the plugins are loaded first)."""
+    from causalkv.caches.qvg.options import quant_choices
+    from causalkv.plugin import collect
+
+    collect()
+    return ("stock", *quant_choices())
+
+
 SEED = 42
 
 
@@ -115,9 +125,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", help="checkpoint folder, kept (default: a temporary one, removed)")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
-    settings = args.settings.split(",")
-    if not settings or any(s not in CHOICES for s in settings) or len(set(settings)) != len(settings):
-        parser.error(f"--settings: distinct names from {', '.join(CHOICES)}, got {args.settings!r}")
+    settings, known = args.settings.split(","), choices()
+    if not settings or any(s not in known for s in settings) or len(set(settings)) != len(settings):
+        parser.error(f"--settings: distinct names from {', '.join(known)}, got {args.settings!r}")
     work = Path(tempfile.mkdtemp(prefix="causalkv-vo-offline-"))
     try:
         return _run(args, settings, work)
