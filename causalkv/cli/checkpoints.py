@@ -54,9 +54,9 @@ def _main(args: argparse.Namespace) -> int:
         if spec.request:
             import torch
 
-            if not torch.cuda.is_available():  # sglang's CPU platform needs causalkv's stand-ins
-                out("on a CPU: run it in .venv-sglang with HF_HUB_OFFLINE=1 "
-                    "PYTHONPATH=demo/sglang/cpu_stand_ins before it (docs/sglang.md)")
+            if not torch.cuda.is_available():  # sglang's CPU platform needs more (the docs say what)
+                out("no CUDA here: on a CPU, sglang needs the environment and stand-ins of "
+                    "docs/sglang.md, 'Running on a CPU'")
             out(generate_command(spec.name, folder))
         out.flush()
         return 0
