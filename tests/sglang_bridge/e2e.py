@@ -43,7 +43,7 @@ def probe_records(log: str) -> list[dict[str, str]]:
 def serving_lines(log: str) -> list[str]:
     """The bridge's allocation lines (which cache serves a stage) of a log."""
     return [line for line in log.splitlines() if "causalkv sglang bridge: " in line
-            and (" blocks, codec " in line or "keeps sglang's dense KV cache" in line)]
+            and (" blocks, served by " in line or "keeps sglang's dense KV cache" in line)]
 
 
 # ---- sglang's realtime server (``sglang serve``, its /v1/realtime_video/generate websocket) ----

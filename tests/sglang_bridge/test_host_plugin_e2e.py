@@ -54,7 +54,7 @@ def test_sglang_generate_serves_the_plugins_stage_cache_and_codec(toy_run, longl
     assert serves and all(line.endswith(f"{TOY}: ToyLongLive2Stage (plugin toy-host, cache toy-sglang, codec int8)")
                           for line in serves), log[-3000:]
     (alloc,) = serving_lines(log)
-    assert ("ToyLongLive2Stage KV cache causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, codec "
+    assert ("ToyLongLive2Stage KV cache causalkv_host_plugin.sglang_cache.ToySGLangCache x 2 blocks, served by "
             "causalkv, qvg(int8,") in alloc
     (s,) = summaries(log)
     assert (s["stage"], s["cache"], s["codec"]) == ("ToyLongLive2Stage", "ToySGLangCache", "int8")
