@@ -90,6 +90,17 @@ def test_discovery_loads_the_plugin_and_reports_broken_ones(site):
     assert lines[1].startswith("causalkv: warning: plugin 'misspelled' (from causalkv-example-plugin 0.1.0)")
 
 
+def test_help_names_each_plugin_set_aside_while_loading(site):
+    # the broken import and the misspelled hook never reach the registry; --help names them anyway
+    helped = causalkv(site, "resolve", "--help")
+    assert helped.returncode == 0, helped.stderr
+    groups = helped.stdout.split("plugin set aside (its stages, caches and flags are not here):")[1:]
+    assert len(groups) == 2, helped.stdout
+    assert " ".join(groups[0].split()).startswith(
+        "plugin 'broken' (from causalkv-example-plugin 0.1.0) is set aside: ImportError:")
+    assert " ".join(groups[1].split()).startswith("plugin 'misspelled' (from causalkv-example-plugin 0.1.0)")
+
+
 def test_resolution_uses_the_discovered_stage_and_cache(site):
     out = causalkv(site, "resolve", "tiny-example", "--json")
     assert out.returncode == 0, out.stderr

@@ -64,6 +64,7 @@ def test_plugins_and_help_report_the_same_and_the_distribution_name_blocks_both(
                                                        SEEDFLAG.removeprefix("causalkv: warning: ")]
     assert "seeded" not in {s["name"] for s in report["stages"]}
     helped = causalkv(site, "generate", "--help").stdout
-    assert "plugins set aside" in helped and "seedflag" in helped
+    assert helped.count("plugin set aside (its stages, caches and flags are not here)") == 2
+    assert "plugin 'raising'" in helped and "plugin 'seedflag'" in helped
     blocked = causalkv(site, "plugins", "--json", CAUSALKV_DISABLE_PLUGINS="causalkv-faulty-plugin")
     assert json.loads(blocked.stdout)["failures"] == [] and blocked.stderr == ""

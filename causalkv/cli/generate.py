@@ -45,7 +45,7 @@ _PLUGINS = "_causalkv_plugins"
 def host_flags() -> frozenset[str]:
     """The flags of ``causalkv generate`` and ``resolve`` themselves: a plugin record that
     declares one is set aside when the plugins are collected (`causalkv.plugin.collect`)."""
-    return frozenset(add_generate_args(argparse.ArgumentParser(), registry=None)._option_string_actions) | {"--json"}
+    return frozenset(add_generate_args(argparse.ArgumentParser(), plugins=None)._option_string_actions) | {"--json"}
 
 
 def collect_plugins() -> PluginSet | None:
@@ -58,11 +58,12 @@ def collect_plugins() -> PluginSet | None:
         return None
 
 
-def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argparse.ArgumentParser:
-    """Add the flags of every option record the registry's stages and caches declare, one
+def add_extension_args(parser: argparse.ArgumentParser, plugins: PluginSet | None) -> argparse.ArgumentParser:
+    """Add the flags of every option record the stages and caches of ``plugins`` declare, one
     group per record titled with the record and its owners (the registry holds no clashing
-    flag: a plugin declaring one is set aside), and one group naming each plugin set aside,
-    so ``--help`` drops none silently."""
+    flag: a plugin declaring one is set aside), and one group per plugin set aside, while
+    loading or while collecting, so ``--help`` drops none silently."""
+    registry = plugins.registry if plugins is not None else None
     owned: dict[type[Options], list[str]] = {}  # record -> its owners ("stage longlive2", "cache qvg")
     if registry is not None:
         declared = [(f"stage {e.name}", e.registration.options) for e in registry.stages]
@@ -71,11 +72,9 @@ def add_extension_args(parser: argparse.ArgumentParser, registry: Any) -> argpar
                 owned.setdefault(record, []).append(owner)
     for record, owners in owned.items():
         record.add_arguments(parser, title=f"{record.title} ({', '.join(owners)})")
-    if registry is not None and registry.failures:
-        parser.add_argument_group(
-            "plugins set aside (their stages, caches and flags are not here)",
-            description="\n".join(str(f) for f in registry.failures),
-        )
+    for failure in plugins.failures if plugins is not None else ():  # a group each: argparse refills a description
+        parser.add_argument_group("plugin set aside (its stages, caches and flags are not here)",
+                                  description=str(failure))
     parser.set_defaults(**{_RECORDS: tuple(owned)})
     return parser
 
@@ -91,13 +90,11 @@ def extension_records(args: argparse.Namespace) -> list[Options]:
     return out
 
 
-def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -> argparse.ArgumentParser:
+def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) -> argparse.ArgumentParser:
     """The ``generate`` flags: the host's, then the extensions' (`add_extension_args`, from
-    ``registry``; default: the process-wide plugin manager's)."""
-    if registry is ...:
-        found = collect_plugins()
-        registry = found.registry if found is not None else None
-    presets = ", ".join(registry.presets()) if registry is not None else "see causalkv plugins"
+    ``plugins``, a `PluginSet` or None; default: the process-wide plugin manager's)."""
+    plugins = collect_plugins() if plugins is ... else plugins
+    presets = ", ".join(plugins.registry.presets()) if plugins is not None else "see causalkv plugins"
     parser.add_argument(
         "--model", default="tiny-wan",
         help=f"preset ({presets}) or a diffusers-format Wan folder "
@@ -162,7 +159,7 @@ def add_generate_args(parser: argparse.ArgumentParser, *, registry: Any = ...) -
                         help="sequence parallel on N local processes (torchrun; gloo on CPU, "
                         "nccl on CUDA): each rank caches heads/N. Under torchrun the ranks come "
                         "from torchrun and N, if given, must match its --nproc-per-node")
-    return add_extension_args(parser, registry)
+    return add_extension_args(parser, plugins)
 
 
 def _video_formats() -> str:
@@ -180,7 +177,7 @@ def register(subparsers: Any, *, plugins: PluginSet | None) -> None:
             "KV cache are resolved from the model and the flags before any weights load."
         ),
     )
-    add_generate_args(p, registry=plugins.registry if plugins is not None else None)
+    add_generate_args(p, plugins=plugins)
     p.set_defaults(func=run_generate, **{_PLUGINS: plugins})
 
 

@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.add_argument("--json", action="store_true", help="print JSON")
     plugins = collect_plugins() if plugins is ... else plugins
     # the stages' and caches' own flags (--kv-cache-quant, ...)
-    add_extension_args(r, plugins.registry if plugins is not None else None)
+    add_extension_args(r, plugins)
     r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
