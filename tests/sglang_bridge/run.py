@@ -49,6 +49,12 @@ def main(argv: list[str]) -> int:
     import pytest
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # one torch thread per process (this one, its xdist workers, every sglang they start):
+    # `make test` runs two workers on two cores, each with sglang processes of its own, and
+    # torch's default of one thread per core oversubscribes them: its OpenMP threads spin
+    # waiting for each other (measured under load: one LongLive 2.0 request of test_e2e_cli
+    # denoised in 9.0 s and decoded in 14.1 s with two threads, 0.7 s and 2.5 s with one)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the suite states which hooks sglang applies; the fused route's tests turn it on themselves
     os.environ.pop("CAUSALKV_SGLANG_FUSED_ATTENTION", None)
     # every process the tests start (`sglang generate`, DiffGenerator's workers) runs
