@@ -140,6 +140,22 @@ def test_dequantize_equals_float64_decoder(name):
     assert ((y.double() - ref).abs() <= ref.abs() * BF16_EPS * 1.01 + 1e-30).all()
 
 
+@pytest.mark.parametrize("name", list(ARGS))
+def test_the_threaded_and_the_serial_level_lookup_decode_the_same(name):
+    """The level lookup takes a gather with intra-op threads and an index_select on one thread
+    (`make test` runs its suites on one thread): both read the same table, so bit for bit."""
+    p = quantize(clustered(S=200), ARGS[name])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = dequantize(p, dtype=torch.float32)
+        torch.set_num_threads(2)
+        threaded = dequantize(p, dtype=torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, threaded)
+
+
 @pytest.mark.parametrize("name", ["int2", "int4", "int2-asym", "int4-asym"])
 def test_error_within_half_step_of_stored_scale(name):
     """Symmetric scales round up and asymmetric zero points are integers: no code clips,
