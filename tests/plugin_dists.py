@@ -146,13 +146,14 @@ class Command:
 
 
 def run_commands(site: Path, commands: Sequence[Command], *paths: Path, preload: Sequence[str] = (),
-                 timeout: int = 600, **env_vars: str) -> list[subprocess.CompletedProcess]:
+                 cwd: Path | None = None, timeout: int = 600,
+                 **env_vars: str) -> list[subprocess.CompletedProcess]:
     """Each command as ``python ARGV`` in a fresh interpreter would run it, with
     ``environment(site, *paths, **env_vars)`` and its own ``env`` on top: one interpreter (whose
     ``sys.path`` is that environment's) imports ``preload`` (torch, causalkv's command line: seconds)
     once and forks a child per command, in which the plugins are discovered, from
-    importlib.metadata, as in a fresh interpreter. The commands run one after another; each
-    answer has its ``returncode``, ``stdout`` and ``stderr``."""
+    importlib.metadata, as in a fresh interpreter. The commands run one after another, in
+    ``cwd``; each answer has its ``returncode``, ``stdout`` and ``stderr``."""
     base = environment(site, *paths, **env_vars)
     spec = {"site": str(site), "preload": list(preload),
             "commands": [[list(c.argv), {**base, **(c.env or {})}] for c in commands]}
@@ -160,7 +161,7 @@ def run_commands(site: Path, commands: Sequence[Command], *paths: Path, preload:
     tmp.mkdir(exist_ok=True)
     (tmp / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp / "spec.json"), str(tmp / "results.json")],
-                          capture_output=True, text=True, timeout=timeout, env=base)
+                          capture_output=True, text=True, timeout=timeout, env=base, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp / "results.json").read_text())
     return [subprocess.CompletedProcess([sys.executable, *c.argv], code, out, err)
