@@ -5,6 +5,10 @@ Profiles (``HYPOTHESIS_PROFILE=<name>`` picks one; ``CI`` set forces ``ci``; def
 - ``ci``: full example counts (the dense-cache contract suite runs >= 2,000 sequences),
   no deadline. The default, so that the README's test command always runs the full count.
 - ``dev``: a quick local pass with a tenth of the examples (``oracle.examples``).
+
+Torch runs on one thread in every test process (the suite's ops are tiny, and ``-n 2`` already
+gives each core a worker: a second thread per worker only waits on a busy core, at many times
+the CPU). The environment is left alone, so the processes a test starts get their own default.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from causalkv.plugin.testing import fresh_plugin_manager
@@ -23,6 +28,7 @@ for _name in ("ci", "dev"):
         _name, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
     )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=False)

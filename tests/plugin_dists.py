@@ -7,12 +7,14 @@ plugin."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +74,95 @@ def found_in_process(site: Path, monkeypatch: Any) -> Iterator[None]:
         for name, module in list(sys.modules.items()):
             if str(getattr(module, "__file__", None) or "").startswith(str(site)):
                 del sys.modules[name]
+
+
+#: `run_commands`' one interpreter: imports the modules it is given (never a plugin's: the
+#: children discover those), then forks a child per command line, each with its environment,
+#: its argv, and stdout and stderr in files of their own; the child runs ``python -m MODULE
+#: ARGS`` or ``python -c CODE ARGS`` as the interpreter would, flushes both streams and leaves
+#: with ``os._exit`` (tearing torch down would take seconds).
+DRIVER = r"""
+import importlib, json, os, runpy, sys, tempfile, traceback
+spec = json.load(open(sys.argv[1]))
+for name in spec["preload"]:
+    importlib.import_module(name)
+site = spec["site"]
+assert not [m for m in list(sys.modules.values())
+            if str(getattr(m, "__file__", None) or "").startswith(site)], "a plugin imported before the fork"
+
+
+def child(argv, env):
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            assert argv[0] == "-c", argv
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+results = []
+for argv, env in spec["commands"]:
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        child(argv, env)
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    err.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()])
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command line of `run_commands`: ``python ARGV`` with `environment`'s variables
+    plus ``env``."""
+
+    argv: Sequence[str]
+    env: dict[str, str] | None = None
+
+
+def run_commands(site: Path, commands: Sequence[Command], *paths: Path, preload: Sequence[str] = (),
+                 cwd: Path | None = None, timeout: int = 600,
+                 **env_vars: str) -> list[subprocess.CompletedProcess]:
+    """Each command as ``python ARGV`` in a fresh interpreter would run it, with
+    ``environment(site, *paths, **env_vars)`` and its own ``env`` on top: one interpreter (whose
+    ``sys.path`` is that environment's) imports ``preload`` (torch, causalkv's command line: seconds)
+    once and forks a child per command, in which the plugins are discovered, from
+    importlib.metadata, as in a fresh interpreter. The commands run one after another, in
+    ``cwd``; each answer has its ``returncode``, ``stdout`` and ``stderr``."""
+    base = environment(site, *paths, **env_vars)
+    spec = {"site": str(site), "preload": list(preload),
+            "commands": [[list(c.argv), {**base, **(c.env or {})}] for c in commands]}
+    tmp = site.parent / "commands"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp / "spec.json"), str(tmp / "results.json")],
+                          capture_output=True, text=True, timeout=timeout, env=base, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp / "results.json").read_text())
+    return [subprocess.CompletedProcess([sys.executable, *c.argv], code, out, err)
+            for c, (code, out, err) in zip(commands, results, strict=True)]

@@ -104,7 +104,9 @@ class Jobs:
         token = f"ckv-test-{uuid.uuid4().hex}"
         marker = self.tmp / f"{name}.paused"
         env = {**base, "CKV_FAULT": mode, "CKV_MARKER": str(marker), "CKV_TEST_TOKEN": token}
-        frames = "9" if mode == "pause" else "3"
+        # 3 frames per chunk: the pause jobs run 3 chunks, the rank fault 2 (rank 0 is then
+        # already waiting in chunk 1's all-to-all when rank 1 fails), the others 1
+        frames = {"pause": "9", "raise": "6"}.get(mode, "3")
         cmd = [sys.executable, "-c", AS_COMMAND, "generate", "--dtype", "float32", "--frames", frames,
                "--nproc-per-node", "2", "--output", str(out / "v.gif"), "--metrics", str(out / "m.json"), *flags]
         with self.gate:
@@ -198,6 +200,9 @@ def test_a_signal_to_the_command_stops_every_process(jobs: Jobs, name: str, code
 
 
 def test_a_fault_in_one_rank_is_one_line_naming_it(jobs: Jobs) -> None:
+    """Rank 1 raises after chunk 0 while rank 0 waits in chunk 1's all-to-all: the launcher
+    stops rank 0 as soon as rank 1 dies (no collective runs into its timeout) and the line
+    names the plugin's error, nothing else."""
     r = jobs.result("rank-fault")
     assert r["rc"] == 2, r["stderr"]
     assert r["stderr"].splitlines() == [

@@ -9,17 +9,20 @@ tests/sglang_bridge/test_plugin_codec_bridge.py, tests/vllm_omni_bridge/test_plu
   the row says (its ``nbytes`` formula, counted by the planner);
 - a script loads the plugins with one call, ``causalkv.plugin.collect()``, then plans and
   generates with the codec on the recency tier, the planner's bytes the run's.
+
+The commands run once, in one ``CAUSALKV_HOME``, each in a child forked from one interpreter
+that imported torch and causalkv but no plugin (`plugin_dists.run_commands`): the plugins are
+discovered in each child.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from plugin_dists import environment, install
+from plugin_dists import Command, install, run_commands
 from test_memory_planner import NAMES
 
 #: one request both the planner and the run make: tiny-longlive2, two shots, CFG (its default)
@@ -33,24 +36,37 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return install("causalkv-codec-plugin", tmp_path_factory.mktemp("codec-dist"))
 
 
-def _run(site: Path, home: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = environment(site, CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env,
-                         cwd=home)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+#: what the commands import before any plugin loads
+PRELOAD = ("causalkv.cli", "causalkv.memory", "causalkv.runtime", "causalkv.runtime.host.compare_step",
+           "transformers", "diffusers")
 
 
-def test_causalkv_memory_rows_and_a_generate_run_agree_on_the_plugin_codec(site: Path, tmp_path: Path) -> None:
-    rows = json.loads(_run(site, tmp_path, "-m", "causalkv", "memory", "tiny-longlive2", *REQUEST,
-                           "--json").stdout)
+@pytest.fixture(scope="module")
+def ran(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every command the tests read, run once: name -> its answer (exit status 0 checked)."""
+    home = tmp_path_factory.mktemp("codec-home")
+    commands = {
+        "rows": ["-m", "causalkv", "memory", "tiny-longlive2", *REQUEST, "--json"],
+        "picked": ["-m", "causalkv", "memory", "tiny-longlive2", *REQUEST, "--json", "--setting", "int8-recent0",
+                   "--kv-cache-quant", "int8"],
+        "generate": ["-m", "causalkv", "generate", *RUN, "--kv-cache-quant", "int8", "--metrics", str(home / "m.json")],
+        "script": ["-c", SCRIPT],
+    }
+    done = run_commands(site, [Command(argv) for argv in commands.values()], preload=PRELOAD, cwd=home,
+                        CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
+    ran: dict[str, Any] = dict(zip(commands, done, strict=True))
+    for name, out in ran.items():
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+    ran["metrics"] = json.loads((home / "m.json").read_text())
+    return ran
+
+
+def test_causalkv_memory_rows_and_a_generate_run_agree_on_the_plugin_codec(ran: dict[str, Any]) -> None:
+    rows = json.loads(ran["rows"].stdout)
     assert [r["setting"] for r in rows] == [*NAMES, "int8-default", "int8-recent0"]
-    picked = json.loads(_run(site, tmp_path, "-m", "causalkv", "memory", "tiny-longlive2", *REQUEST,
-                             "--json", "--setting", "int8-recent0", "--kv-cache-quant", "int8").stdout)
+    picked = json.loads(ran["picked"].stdout)
     assert picked == [rows[-1], rows[-2]]  # --setting's first, then the codec's other row
-    _run(site, tmp_path, "-m", "causalkv", "generate", *RUN, "--kv-cache-quant", "int8",
-         "--metrics", str(tmp_path / "m.json"))
-    metrics = json.loads((tmp_path / "m.json").read_text())
+    metrics = ran["metrics"]
     assert metrics["cache_settings"]["kv_cache_quant"] == "int8"
     row = rows[-2]  # int8-default: keep-recent 1, the run's defaults
     assert (metrics["kv_resident_bytes_max"], metrics["kv_peak_bytes"]) == (row["kv_bytes"], row["peak_bytes"])
@@ -83,8 +99,8 @@ json.dump({"before": before, "after": "int8" in codec_names(), "plan": [plan.kv_
 
 
 def test_a_script_loads_the_plugins_with_collect_and_plans_and_runs_the_recency_tier(
-        site: Path, tmp_path: Path) -> None:
-    out = json.loads(_run(site, tmp_path, "-c", SCRIPT).stdout.splitlines()[-1])
+        ran: dict[str, Any]) -> None:
+    out = json.loads(ran["script"].stdout.splitlines()[-1])
     assert (out["before"], out["after"]) == (False, True)
     assert out["options"].endswith("recent_tier=int8)")
     assert out["run"] == out["plan"]

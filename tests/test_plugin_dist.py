@@ -5,20 +5,21 @@ The distribution ``causalkv-example-plugin`` declares three entry points in grou
 ``misspelled`` (a hook name matching no hookspec). It is installed once per module with
 ``pip install --no-deps --no-build-isolation --no-index --target <tmp>``; each scenario runs
 the ``plugins``/``resolve`` subcommands in a fresh interpreter whose PYTHONPATH holds the
-target, so discovery goes through importlib.metadata exactly as for an installed plugin.
-(The runner builds a parser with `causalkv.cli.plugins.register` only, so the other
-subcommands' imports do not slow these subprocesses down.)
+target, so discovery goes through importlib.metadata exactly as for an installed plugin. (The
+runner builds a parser with `causalkv.cli.plugins.register` only, so the other subcommands'
+imports do not slow it down. Every scenario's command runs once, in a child forked from one
+interpreter that imported torch and causalkv's command line but no plugin,
+`plugin_dists.run_commands`: the plugins are discovered in each child.)
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from plugin_dists import environment, install
+from plugin_dists import Command, install, run_commands
 
 ENTRY_POINTS = {"example", "broken", "misspelled"}
 RUNNER = (
@@ -29,6 +30,23 @@ RUNNER = (
     "args = parser.parse_args(sys.argv[1:])\n"
     "sys.exit(args.func(args))\n"
 )
+#: what the runner imports before any plugin loads (torch, through causalkv's stage base)
+PRELOAD = ("argparse", "causalkv.cli.plugins", "causalkv.stages.base")
+
+
+#: every scenario's command line: name -> (argv, environment variables)
+COMMANDS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "plugins": (("plugins", "--json"), {}),
+    "resolve-help": (("resolve", "--help"), {}),
+    "resolve": (("resolve", "tiny-example", "--json"), {}),
+    "resolve-int4": (("resolve", "ExamplePipeline", "--kv-cache-quant", "int4"), {}),
+    "allow": (("plugins", "--json"), {"CAUSALKV_PLUGINS": "example,not-installed"}),
+    "allow-broken": (("plugins", "--json"), {"CAUSALKV_PLUGINS": "broken"}),
+    "block": (("plugins", "--json"), {"CAUSALKV_DISABLE_PLUGINS": "broken,misspelled"}),
+    "block-distribution": (("plugins", "--json"), {"CAUSALKV_DISABLE_PLUGINS": "causalkv-example-plugin"}),
+    "autoload-off": (("plugins", "--json"), {"CAUSALKV_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+    "autoload-off-resolve": (("resolve", "tiny-example"), {"CAUSALKV_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +55,15 @@ def site(tmp_path_factory) -> Path:
     return install("causalkv-example-plugin", tmp_path_factory.mktemp("plugin-dist"))
 
 
-def causalkv(site: Path, *argv: str, **env_vars: str) -> subprocess.CompletedProcess:
-    env = environment(site, **env_vars)
-    return subprocess.run(
-        [sys.executable, "-c", RUNNER, *argv],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+@pytest.fixture(scope="module")
+def ran(site: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Every command of `COMMANDS`, run once: name -> its exit status, stdout and stderr."""
+    commands = [Command(["-c", RUNNER, *argv], env) for argv, env in COMMANDS.values()]
+    return dict(zip(COMMANDS, run_commands(site, commands, preload=PRELOAD), strict=True))
 
 
-def plugins(site: Path, **env_vars: str) -> tuple[dict, str]:
-    out = causalkv(site, "plugins", "--json", **env_vars)
+def plugins(ran: dict[str, subprocess.CompletedProcess], name: str) -> tuple[dict, str]:
+    out = ran[name]
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), out.stderr
 
@@ -58,8 +75,8 @@ def test_installed_distribution_declares_the_entry_points(site):
     assert {line.split("=")[0].strip() for line in text.splitlines() if "=" in line} == ENTRY_POINTS
 
 
-def test_discovery_loads_the_plugin_and_reports_broken_ones(site):
-    report, err = plugins(site)
+def test_discovery_loads_the_plugin_and_reports_broken_ones(ran):
+    report, err = plugins(ran, "plugins")
     assert report["plugins"] == [{
         "name": "example",
         "version": "0.1.0",
@@ -90,9 +107,9 @@ def test_discovery_loads_the_plugin_and_reports_broken_ones(site):
     assert lines[1].startswith("causalkv: warning: plugin 'misspelled' (from causalkv-example-plugin 0.1.0)")
 
 
-def test_help_names_each_plugin_set_aside_while_loading(site):
+def test_help_names_each_plugin_set_aside_while_loading(ran):
     # the broken import and the misspelled hook never reach the registry; --help names them anyway
-    helped = causalkv(site, "resolve", "--help")
+    helped = ran["resolve-help"]
     assert helped.returncode == 0, helped.stderr
     groups = helped.stdout.split("plugin set aside (its stages, caches and flags are not here):")[1:]
     assert len(groups) == 2, helped.stdout
@@ -101,8 +118,8 @@ def test_help_names_each_plugin_set_aside_while_loading(site):
     assert " ".join(groups[1].split()).startswith("plugin 'misspelled' (from causalkv-example-plugin 0.1.0)")
 
 
-def test_resolution_uses_the_discovered_stage_and_cache(site):
-    out = causalkv(site, "resolve", "tiny-example", "--json")
+def test_resolution_uses_the_discovered_stage_and_cache(ran):
+    out = ran["resolve"]
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["stage"]["class"] == "causalkv_example_plugin.stage:ExampleStage"
@@ -110,32 +127,32 @@ def test_resolution_uses_the_discovered_stage_and_cache(site):
     assert d["cache"]["name"] == "example-ring"  # the only cache with example:ring
     assert d["requirements"] == ["example:ring"]
     # ExampleStage keeps the base class's answer: no QVG
-    q = causalkv(site, "resolve", "ExamplePipeline", "--kv-cache-quant", "int4")
+    q = ran["resolve-int4"]
     assert q.returncode == 2 and q.stdout == ""
     assert "causalkv resolve: error: ExampleStage does not support QVG KV-cache quantization" in q.stderr
 
 
-def test_allow_list_loads_only_the_listed_plugin(site):
-    report, err = plugins(site, CAUSALKV_PLUGINS="example,not-installed")
+def test_allow_list_loads_only_the_listed_plugin(ran):
+    report, err = plugins(ran, "allow")
     assert [p["name"] for p in report["plugins"]] == ["example"]
     assert report["failures"] == [] and "failed to load" not in err
     assert report["missing_allowed"] == ["not-installed"]
-    report, _ = plugins(site, CAUSALKV_PLUGINS="broken")
+    report, _ = plugins(ran, "allow-broken")
     assert report["plugins"] == [] and [f["name"] for f in report["failures"]] == ["broken"]
 
 
-def test_block_list_by_plugin_and_by_distribution(site):
-    report, err = plugins(site, CAUSALKV_DISABLE_PLUGINS="broken,misspelled")
+def test_block_list_by_plugin_and_by_distribution(ran):
+    report, err = plugins(ran, "block")
     assert [p["name"] for p in report["plugins"]] == ["example"]
     assert report["failures"] == [] and err == ""
-    report, _ = plugins(site, CAUSALKV_DISABLE_PLUGINS="causalkv-example-plugin")
+    report, _ = plugins(ran, "block-distribution")
     assert report["plugins"] == [] and report["failures"] == []
     assert "example-stage" not in {s["name"] for s in report["stages"]}
 
 
-def test_autoload_off_loads_no_installed_plugin(site):
-    report, err = plugins(site, CAUSALKV_DISABLE_PLUGIN_AUTOLOAD="1")
+def test_autoload_off_loads_no_installed_plugin(ran):
+    report, err = plugins(ran, "autoload-off")
     assert report["plugins"] == [] and report["failures"] == [] and err == ""
-    out = causalkv(site, "resolve", "tiny-example", CAUSALKV_DISABLE_PLUGIN_AUTOLOAD="1")
+    out = ran["autoload-off-resolve"]
     assert out.returncode == 2
     assert "no registered stage serves model tiny-example" in out.stderr

@@ -6,17 +6,18 @@ importlib.metadata as for any installed plugin. ``causalkv generate --kv-cache-q
 runs on the plugin's cache factory with the plugin's codec, says so in its header, and holds
 the bytes the planner counts from the codec's ``nbytes`` (the same request's ``causalkv memory``
 row). Its twins in the other hosts: tests/sglang_bridge/test_host_plugin_e2e.py (``sglang
-generate``), tests/vllm_omni_bridge/test_host_plugin_omni.py (vLLM-Omni's ``Omni.generate``)."""
+generate``), tests/vllm_omni_bridge/test_host_plugin_omni.py (vLLM-Omni's ``Omni.generate``).
+Both commands run in children forked from one interpreter that imported torch and causalkv but
+no plugin (`plugin_dists.run_commands`): the plugins are discovered in each child."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from plugin_dists import environment, install
+from plugin_dists import Command, install, run_commands
 
 #: one request both the planner and the run make: tiny-longlive2, two shots, CFG (its default)
 REQUEST = ["--latent-frames", "16", "--shots", "2", "--cfg", "--kv-dtype", "float32", "--host", "causalkv"]
@@ -29,18 +30,23 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return install("causalkv-host-plugin", tmp_path_factory.mktemp("host-dist"))
 
 
-def _run(site: Path, home: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = environment(site, CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "causalkv", *argv], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=home)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+#: what the commands import before any plugin loads
+PRELOAD = ("causalkv.cli", "causalkv.memory", "causalkv.runtime.host.compare_step", "transformers", "diffusers")
+
+
+def _run(site: Path, home: Path, *commands: list[str]) -> list[subprocess.CompletedProcess]:
+    done = run_commands(site, [Command(["-m", "causalkv", *argv]) for argv in commands], preload=PRELOAD,
+                        cwd=home, CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
+    for out in done:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return done
 
 
 def test_causalkv_generate_runs_the_plugins_cache_factory_and_codec(site: Path, tmp_path: Path) -> None:
-    (row,) = [r for r in json.loads(_run(site, tmp_path, "memory", "tiny-longlive2", *REQUEST, "--json").stdout)
+    memory, out = _run(site, tmp_path, ["memory", "tiny-longlive2", *REQUEST, "--json"],
+                       ["generate", *RUN, "--kv-cache-quant", "int8", "--metrics", str(tmp_path / "m.json")])
+    (row,) = [r for r in json.loads(memory.stdout)
               if r["setting"] == "int8-default"]  # keep-recent 1, the run's defaults
-    out = _run(site, tmp_path, "generate", *RUN, "--kv-cache-quant", "int8", "--metrics", str(tmp_path / "m.json"))
     lines = out.stdout.splitlines()
     assert "cache: toy-packed (QVG KV-cache quantization: qvg(int8, keep_recent=1, sink=packed/chunk, sink_keep=0))" in lines
     assert ("  - cache toy-packed (plugin toy-host, priority -1): named by plugin toy-host's host registration; "

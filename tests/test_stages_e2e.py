@@ -1,9 +1,10 @@
 """End to end on the tiny presets: every built-in stage x quant off/int2, LongLive 2.0
 multi-shot with scene cuts, LongLive re-caching, LingBot recent windows, determinism and
-dense / QVG-off equivalence."""
+dense / QVG-off equivalence. A request several tests read runs once (`shared`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ from causalkv.caches.dense import DenseCausalKVCache
 from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
 from causalkv.hooks import hookimpl
 from causalkv.plugin.testing import temporary_plugin
+from causalkv.runtime.host.pipeline_records import GenerationRun, Plan
 from causalkv.runtime.host.plan_step import plan_generation
 from causalkv.runtime.host.run_step import run_plan
 from causalkv.stages import LingBotWorldStage, LongLive2Stage, LongLiveStage, WanCausalDMDStage
@@ -26,10 +28,27 @@ STAGES = {
 }
 
 
+@pytest.fixture(scope="module")
+def shared(causalkv_home: str) -> Callable[..., tuple[Plan, GenerationRun]]:
+    """``shared(pm, preset, **make_options_kwargs)``: `plan_and_run` of that request, run once
+    for this module (the tests only read a run; the same request gives the same run)."""
+    runs: dict[tuple, tuple[Plan, GenerationRun]] = {}
+
+    def run(pm, preset: str, **kw) -> tuple[Plan, GenerationRun]:
+        # make_options' defaults filled in: one key per request however it is spelled
+        given = {"quant": "off", "seed": 0, **{k: v for k, v in kw.items() if v is not None}}
+        key = (preset, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in given.items())))
+        if key not in runs:
+            runs[key] = plan_and_run(make_options(preset, **kw), pm)
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("quant", ["off", "int2"])
 @pytest.mark.parametrize("preset", list(STAGES))
-def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, preset: str, quant: str) -> None:
-    plan, run = plan_and_run(make_options(preset, quant=quant), pm)
+def test_every_stage_generates_with_and_without_qvg(shared, pm, preset: str, quant: str) -> None:
+    plan, run = shared(pm, preset, quant=quant)
     stage = run.stage
     assert type(stage) is STAGES[preset]
     cache_cls = DenseCausalKVCache if quant == "off" else QVGPackedCausalKVCache
@@ -45,10 +64,10 @@ def test_every_stage_generates_with_and_without_qvg(causalkv_home: str, pm, pres
         assert all(c.quant.bits == 2 for c in stage.caches.kv)
 
 
-def test_int2_holds_less_kv_than_dense(causalkv_home: str, pm) -> None:
+def test_int2_holds_less_kv_than_dense(shared, pm) -> None:
     # tiny-wan, 4 chunks, window 3 chunks: with keep_recent_chunks=1 the oldest retained chunk is packed
-    _, dense = plan_and_run(make_options("tiny-wan"), pm)
-    _, packed = plan_and_run(make_options("tiny-wan", quant="int2"), pm)
+    _, dense = shared(pm, "tiny-wan", quant="off")
+    _, packed = shared(pm, "tiny-wan", quant="int2")
     # dense preallocates K+V for the whole cache: layers x 2 x 144 tokens x 2 heads x 64 x 4 bytes
     assert dense.kv_resident_bytes_max == 2 * 2 * 144 * 2 * 64 * 4
     assert packed.kv_resident_bytes_final < dense.kv_resident_bytes_final
@@ -76,25 +95,27 @@ def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) 
 
 
 def test_longlive2_pinned_shot_sink_survives_eviction(causalkv_home: str, pm) -> None:
-    # 24 frames = 12 chunks; shot B opens at chunk 6 = tokens [192, 224); at the end
-    # (global_end 384), 12 - 6 = 6 chunks after the cut, the shot sink is still pinned
-    options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=24)
+    # 16 frames = 8 chunks of 32 tokens; shot B opens at chunk 4 = tokens [128, 160); at the
+    # end (global_end 256) chunk 5, the first ordinary chunk after the cut, has rolled out,
+    # and the shot sink, older than it, is still pinned
+    options = make_options("tiny-longlive2", prompts=["a forest", "a city"], frames=16)
     _, run = plan_and_run(options, pm)
     # window 8 frames = 128 tokens: 32 global + 32 pinned + newest 64 ordinary tokens
-    assert run.stage.caches.kv[0].visible_positions() == ((0, 32), (192, 224), (320, 384))
+    assert run.stage.caches.kv[0].visible_positions() == ((0, 32), (128, 160), (192, 256))
 
 
-def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(causalkv_home: str, pm) -> None:
-    for preset, prompts, frames in (("tiny-wan", None, 12), ("tiny-longlive2", ["a", "b"], 12)):
-        _, dense = plan_and_run(make_options(preset, prompts=prompts, frames=frames), pm)
+def test_quant_off_on_the_qvg_cache_equals_the_dense_cache(shared, pm) -> None:
+    # tiny-wan's default 12 frames (4 chunks) and tiny-longlive2 at 12 frames, two shots
+    for preset, prompts, frames in (("tiny-wan", None, None), ("tiny-longlive2", ["a", "b"], 12)):
+        _, dense = shared(pm, preset, prompts=prompts, frames=frames, quant="off")
         _, qvg = plan_and_run(make_options(preset, prompts=prompts, frames=frames, cache="qvg"), pm)
         assert all(type(c) is QVGPackedCausalKVCache for c in qvg.stage.caches.kv)
         assert torch.equal(dense.latents, qvg.latents), preset
 
 
-def test_same_seed_same_latents_other_seed_differs(causalkv_home: str, pm) -> None:
-    _, a = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
-    _, b = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=7), pm)
+def test_same_seed_same_latents_other_seed_differs(shared, pm) -> None:
+    _, a = shared(pm, "tiny-lingbot", quant="int2")  # seed 0, run by another test too
+    _, b = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=0), pm)
     _, c = plan_and_run(make_options("tiny-lingbot", quant="int2", seed=8), pm)
     assert torch.equal(a.latents, b.latents)
     assert not torch.allclose(a.latents, c.latents)
@@ -121,10 +142,10 @@ def test_longlive_prompt_switch_recaches_the_visible_frames(causalkv_home: str, 
     assert stage.caches.kv[0].global_end == 144 + 48
 
 
-def test_lingbot_recent_window_limits_what_a_chunk_sees(causalkv_home: str, pm) -> None:
+def test_lingbot_recent_window_limits_what_a_chunk_sees(shared, pm) -> None:
     # sink 48 tokens, window 192, recent window 3 frames = 48 tokens before the chunk:
     # chunk k sees [0, 48) + [max(48, 48k - 48), 48k + 48)
-    _, run = plan_and_run(make_options("tiny-lingbot"), pm)
+    _, run = shared(pm, "tiny-lingbot", quant="off")
     assert [s["visible_tokens"] for s in run.chunk_stats] == [48, 96, 144, 144]
     _, wide = plan_and_run(make_options("tiny-lingbot", recent_window_frames=6), pm)
     assert [s["visible_tokens"] for s in wide.chunk_stats] == [48, 96, 144, 192]
@@ -191,8 +212,8 @@ def test_attribute_and_override_plugins_both_apply_to_one_stage(causalkv_home: s
     assert [st["visible_tokens"] for st in run.chunk_stats] == [48, 96, 96, 96]
 
 
-def test_overrides_after_the_caches_exist_are_refused(causalkv_home: str, pm) -> None:
-    _, run = plan_and_run(make_options("tiny-wan"), pm)
+def test_overrides_after_the_caches_exist_are_refused(shared, pm) -> None:
+    _, run = shared(pm, "tiny-wan", quant="off")
     with pytest.raises(RuntimeError, match="already allocated"):
         run.stage.apply_overrides({"window_frames": 6})
     assert run.stage.settings.window_frames == 9
