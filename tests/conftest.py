@@ -8,7 +8,9 @@ Profiles (``HYPOTHESIS_PROFILE=<name>`` picks one; ``CI`` set forces ``ci``; def
 
 Torch runs on one thread in every test process (the suite's ops are tiny, and ``-n 2`` already
 gives each core a worker: a second thread per worker only waits on a busy core, at many times
-the CPU). The environment is left alone, so the processes a test starts get their own default.
+the CPU). The processes a test starts get one too (``OMP_NUM_THREADS=1`` unless given); the
+torchrun tests take it out of their jobs' environment, so causalkv's launcher still sets it for
+its ranks as it does for a user (tests/test_cli_faults_parallel.py checks torchrun's banner).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ for _name in ("ci", "dev"):
     )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=False)

@@ -28,19 +28,16 @@ report() {
 }
 trap report EXIT
 
-phase() {  # phase [--go-on] [--since NS] NAME CMD...: run CMD, then one line with its wall
-  # time (counted from NS, a `date +%s%N`, when given: a phase that began in the background)
-  local go_on=0 t0
-  t0=$(date +%s%N)
-  while [ "${1#--}" != "$1" ]; do
-    case $1 in
-      --go-on) go_on=1; shift ;;
-      --since) t0=$2; shift 2 ;;
-    esac
-  done
+phase() {  # phase [--go-on] NAME CMD...: run CMD, then one line with its wall time
+  local go_on=0
+  if [ "$1" = --go-on ]; then
+    go_on=1
+    shift
+  fi
   local name=$1
   shift
-  local rc line
+  local t0 rc line
+  t0=$(date +%s%N)
   "$@"
   rc=$?
   line=$(printf 'phase %-18s %6s  %s' "$name" "$(fmt $(( $(date +%s%N) - t0 )))" \
@@ -63,9 +60,11 @@ phase "layers" .venv/bin/lint-imports
 # background alongside the other two, which keep both cores busy; its output is printed whole
 # once it has ended (after the sglang suite), its phase line timing it from its start.
 vo_log=$(mktemp "${TMPDIR:-/tmp}/causalkv-vllm-omni-suite.XXXXXX")
-vo_start=$(date +%s%N)
-env HF_HUB_OFFLINE=1 .venv-vllm-omni/bin/python tests/vllm_omni_bridge/run.py -m "not slow" \
-  --durations="$DURATIONS" >"$vo_log" 2>&1 &
+(
+  phase --go-on "vllm-omni suite" env HF_HUB_OFFLINE=1 .venv-vllm-omni/bin/python \
+    tests/vllm_omni_bridge/run.py -m "not slow" --durations="$DURATIONS"
+  exit "$status"
+) >"$vo_log" 2>&1 &
 vo_pid=$!
 trap 'kill "$vo_pid" 2>/dev/null; rm -f "$vo_log"; report' EXIT
 phase --go-on "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile -q -m "not slow" \
@@ -73,11 +72,9 @@ phase --go-on "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile -q -m
 # two files at a time: most of its time is sglang processes on one core each
 phase --go-on "sglang suite" env HF_HUB_OFFLINE=1 .venv-sglang/bin/python tests/sglang_bridge/run.py \
   -n 2 --dist loadfile -m "not slow" --durations="$DURATIONS"
-vo_wait() {  # the vLLM-Omni suite's status, its output printed once it has ended
-  wait "$vo_pid"
-  local rc=$?
-  cat "$vo_log"
-  return "$rc"
-}
-phase --go-on --since "$vo_start" "vllm-omni suite" vo_wait
+wait "$vo_pid"
+vo_status=$?
+cat "$vo_log"  # its output and its phase line, timed in the background from its start to its end
+summary+=("$(grep '^phase vllm-omni suite' "$vo_log")")
+[ "$status" != 0 ] || status=$vo_status
 exit "$status"
