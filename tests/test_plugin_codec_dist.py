@@ -53,7 +53,7 @@ def ran(site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "script": ["-c", SCRIPT],
     }
     done = run_commands(site, [Command(argv) for argv in commands.values()], preload=PRELOAD, cwd=home,
-                        CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
+                        CAUSALKV_HOME=str(home))
     ran: dict[str, Any] = dict(zip(commands, done, strict=True))
     for name, out in ran.items():
         assert out.returncode == 0, (name, out.stderr[-3000:])

@@ -45,7 +45,7 @@ def ran(site: Path, causalkv_home: str, tmp_path_factory) -> dict[str, subproces
     runs = [Command(["-m", "causalkv", *argv]) for argv in commands.values()]
     runs.append(Command(["-m", "causalkv", "plugins", "--json"],
                         {"CAUSALKV_DISABLE_PLUGINS": "causalkv-faulty-plugin"}))
-    done = run_commands(site, runs, ROOT, preload=PRELOAD, CAUSALKV_HOME=causalkv_home, OMP_NUM_THREADS="1")
+    done = run_commands(site, runs, ROOT, preload=PRELOAD, CAUSALKV_HOME=causalkv_home)
     return {**dict(zip([*commands, "blocked"], done, strict=True)),
             "metrics": json.loads(metrics.read_text()) if metrics.exists() else None}
 

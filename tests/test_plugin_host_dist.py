@@ -36,7 +36,7 @@ PRELOAD = ("causalkv.cli", "causalkv.memory", "causalkv.runtime.host.compare_ste
 
 def _run(site: Path, home: Path, *commands: list[str]) -> list[subprocess.CompletedProcess]:
     done = run_commands(site, [Command(["-m", "causalkv", *argv]) for argv in commands], preload=PRELOAD,
-                        cwd=home, CAUSALKV_HOME=str(home), OMP_NUM_THREADS="1")
+                        cwd=home, CAUSALKV_HOME=str(home))
     for out in done:
         assert out.returncode == 0, out.stderr[-3000:]
     return done

@@ -79,11 +79,9 @@ def run_here(script: str, *args: str, cwd: Path) -> tuple[int, str, str]:
 
 def run_process(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None,
                 timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    """``python benchmarks/SCRIPT ARGS`` in a fresh process (this checkout first on the path), torch
-    on one thread (``OMP_NUM_THREADS=1``: tiny ops, and the suite's workers use every core; the
-    processes it starts, ``generate.py``'s one per mode, inherit it)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CAUSALKV_HOME": str(cwd / "home"), "OMP_NUM_THREADS": "1",
-           **(env or {})}
+    """``python benchmarks/SCRIPT ARGS`` in a fresh process (this checkout first on the path; torch
+    on one thread, as the suite's ``OMP_NUM_THREADS`` from tests/conftest.py is inherited)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CAUSALKV_HOME": str(cwd / "home"), **(env or {})}
     return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
