@@ -81,22 +81,22 @@ def test_the_memory_check_counts_the_preallocated_window(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # the dense cache preallocates its whole window, whatever the video's 12 frames:
-    # 2 layers x (K, V) x 10,000,000 frames x 16 tokens x 2 heads x 64 x 4 B = 305.2 GiB
+    # 2 layers x (K, V) x 10,000,000 frames x 16 tokens x 2 heads x 64 x 4 B = 305.18 GiB
     monkeypatch.setattr(request_checks, "host_memory_bytes", lambda: 16 * GIB)
     assert_refused_up_front(
         ["--window-frames", "10000000", "--no-video"],
-        ["kv caches 305.2 GiB", "more than the 16.0 GiB of --device cpu", "(--window-frames)"],
+        ["kv caches 305.18 GiB", "more than the 16.00 GiB of --device cpu", "(--window-frames)"],
         tmp_path, empty_home, counter, loads, capsys,
     )
 
 
 def test_a_window_longer_than_the_video_is_one_warning_with_its_cost(empty_home: Path, pm: Any) -> None:
     plan = plan_generation(make_options("tiny-wan", window_frames=100000), pm=pm)
-    # 2 layers x 2 x 100,000 frames x 16 tokens x 2 heads x 64 x 4 B = 3,276,800,000 B = 3.1 GiB
+    # 2 layers x 2 x 100,000 frames x 16 tokens x 2 heads x 64 x 4 B = 3,276,800,000 B = 3.05 GiB
     assert request_checks.memory_floor(plan)["kv_caches"] == 2 * 2 * 100000 * 16 * 2 * 64 * 4
     assert plan.warnings == [
         "--window-frames 100000 is longer than the video (12 frames): attention sees every frame, as "
-        "with --window-frames 12, but the caches hold room for 100000 frames (3.1 GiB of KV); pass "
+        "with --window-frames 12, but the caches hold room for 100000 frames (3.05 GiB of KV); pass "
         "--window-frames 12 for the same video in less memory"
     ]
     assert plan_generation(make_options("tiny-wan", window_frames=12), pm=pm).warnings == []

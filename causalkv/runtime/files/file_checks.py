@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,21 +192,18 @@ def describe_file(path: str | Path) -> str | None:
     return f"{size:,} bytes of text"
 
 
-def _expected_content(flag: str, path: Path) -> str:
-    if flag == "--metrics":
-        return "causalkv metrics"
-    if "latents" in flag:
-        return "saved latents (safetensors)"
-    return {".mp4": "an MP4 video", ".gif": "a GIF image"}.get(path.suffix.lower(), "a video")
-
-
 def check_no_other_work(flag: str, path: Path, *, force: bool) -> None:
     """Refuse to replace a file that holds something else than what ``flag`` writes (a video
     under ``--metrics``, a metrics file under ``--output``, a README, a model's weights):
     `ConfigError` naming the path and what it holds, unless ``force``. A file of the same
     kind (the previous run's video) is replaced, atomically, as before."""
     held = describe_file(path)
-    expected = _expected_content(flag, path)
+    if flag == "--metrics":
+        expected = "causalkv metrics"
+    elif "latents" in flag:
+        expected = "saved latents (safetensors)"
+    else:
+        expected = {".mp4": "an MP4 video", ".gif": "a GIF image"}.get(path.suffix.lower(), "a video")
     if force or held is None or held == expected:
         return
     raise ConfigError(
@@ -255,18 +251,14 @@ def check_output_files(
         latents = Path(os.path.abspath(latents_path_for(Path(str(output)).expanduser())))
         if ("--save-latents", latents) not in named:
             named.append((kept, latents))
-    _check_distinct(named)
-    for flag, path in named:
-        check_no_other_work(flag, path, force=force)
-    for flag, path in named:
-        _check_free_space(path, *floors[flag])
-
-
-def _check_distinct(named: Sequence[tuple[str, Path]]) -> None:
     for i, (flag_a, a) in enumerate(named):
         for flag_b, b in named[i + 1 :]:
             if a == b:
                 raise ConfigError(f"{flag_a} and {flag_b} name the same file {str(a)!r}; give them different names")
+    for flag, path in named:
+        check_no_other_work(flag, path, force=force)
+    for flag, path in named:
+        _check_free_space(path, *floors[flag])
 
 
 # ---- model files ----------------------------------------------------------------------------

@@ -42,24 +42,6 @@ __all__ = [
 LATENTS_KEY = "latents"
 
 
-def _temporary_sibling(path: Path) -> tuple[Path, int]:
-    """A new, empty, hidden file in ``path``'s folder that keeps ``path``'s suffix (encoders
-    choose the container from it), and its permission bits. Created with ``O_EXCL`` and mode
-    ``0o666`` less the umask, so the bits are the umask's (read back, not computed: reading
-    the umask means changing it)."""
-    while True:
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.partial{path.suffix}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue
-        try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        finally:
-            os.close(fd)
-        return tmp, mode
-
-
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Write ``path`` through ``write(tmp)`` and rename the result into place; return ``path``.
 
@@ -72,7 +54,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, mode = _temporary_sibling(path)
+    # a new, empty, hidden file beside ``path`` that keeps its suffix (encoders choose the
+    # container from it), created with O_EXCL and mode 0o666 less the umask: its bits are the
+    # umask's (read back, not computed: reading the umask means changing it)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(8)}.partial{path.suffix}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:  # the content reaches the disk before the rename

@@ -146,9 +146,7 @@ def check_video_suffix(path: str | Path, *, flag: str = "--output") -> str:
     formats = video_formats()
     if suffix in formats:
         return suffix
-    names = list(formats)
-    choices = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-    choices = choices or "video (install imageio-ffmpeg or Pillow first)"
+    choices = " or ".join(formats) or "video (install imageio-ffmpeg or Pillow first)"
     what = "has no file extension" if not suffix else f"has extension {suffix!r}, which no installed encoder writes"
     raise ConfigError(f"{flag} {str(path)!r} {what}; name a {choices} file")
 

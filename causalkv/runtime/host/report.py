@@ -32,6 +32,12 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
     The stream settings are the ones the stage ran with (``run.stage.settings``), so a
     ``causalkv_configure_stage`` override (``window_frames``, ...) shows here, not the plan's."""
     res, s, args = plan.resolution, run.stage.settings, plan.server_args
+    # the KV bytes of every rank (``kv_resident_bytes_max`` is this rank's): one collective on a
+    # sequence-parallel run, so every rank must call it
+    ctx, world = current(), int(getattr(run.stage.denoiser, "world_size", 1))
+    per_rank = [run.kv_resident_bytes_max]
+    if ctx is not None and world > 1:
+        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
     return {
         "model": plan.model.name,
         "model_class": plan.model.model_class,
@@ -71,24 +77,11 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
         # what the caches did, all layers and branches merged (QVG: chunks packed, chunks kept
         # dense by reason, centroids used); None when no cache reports (a dense cache)
         "kv_packing": res.cache_factory.packing_report([c for cs in run.stage.cache_sets() for c in cs.kv]),
-        **_rank_metrics(run),
-        **run.stage.report(),
-    }
-
-
-def _rank_metrics(run: GenerationRun) -> dict[str, Any]:
-    """``world_size`` and the KV bytes of every rank (``kv_resident_bytes_max`` is this
-    rank's; one collective on a sequence-parallel run, so every rank must call it)."""
-    ctx = current()
-    world = int(getattr(run.stage.denoiser, "world_size", 1))
-    per_rank = [run.kv_resident_bytes_max]
-    if ctx is not None and world > 1:
-        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
-    return {
         "world_size": world,
         "kv_heads_per_rank": int(run.stage.denoiser.num_heads),
         "kv_resident_bytes_max_per_rank": per_rank,
         "kv_resident_bytes_max_total": sum(per_rank),
+        **run.stage.report(),
     }
 
 

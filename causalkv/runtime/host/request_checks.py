@@ -8,7 +8,7 @@ a chunk runs:
   on a stage with CFG, a negative prompt only while guidance is on (`check_guidance`);
 - the chosen cache's settings: what its class checks before the load (``check_request``; the
   QVG cache: the block layout fits ``head_dim``, the codec backend ``CAUSALKV_QVG_BACKEND``
-  exists and runs on the device) (`check_cache`, the last check: the device and the rest are
+  exists and runs on the device) (the last check: the device and the rest are
   good by then); settings that would do nothing, and those of a stage or cache that was not
   chosen, are refused by the resolution;
 - frames: the last chunk's RoPE frames (frames plus the stage's per-shot RoPE offsets) must
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import check_text
 from causalkv.errors import ConfigError, first_line
+from causalkv.memory.records import format_bytes
 from causalkv.options import CacheOptions
 from causalkv.runtime.files import file_checks
 
@@ -82,7 +83,12 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
         metrics_nbytes=file_checks.FILE_OVERHEAD_BYTES + 5 * 8 * plan.num_chunks,
         force=options.force,
     )
-    _check_cache(plan)  # last: the one check that runs the chosen cache's code on the device
+    # last, once the device, the files, the frames and the memory are known good: what the
+    # chosen cache kind checks before any weights load (`causalkv.hooks.CacheKind.check_request`;
+    # the QVG cache: its block layout and codec backend), the one check that runs its code
+    res = plan.resolution
+    if _cache_class(plan) is not None:
+        res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=args.device)
 
 
 def check_sizes(plan: Plan) -> None:
@@ -152,7 +158,7 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
         plan.warnings.append(
             f"--window-frames {args.window_frames} is longer than the video ({plan.num_frames} "
             f"frames): attention sees every frame, as with --window-frames {plan.num_frames}, but "
-            f"the caches hold room for {args.window_frames} frames ({_size(floor)} of KV); pass "
+            f"the caches hold room for {args.window_frames} frames ({format_bytes(floor)} of KV); pass "
             f"--window-frames {plan.num_frames} for the same video in less memory"
         )
 
@@ -187,15 +193,6 @@ def _cache_class(plan: Plan) -> type | None:
         return None
 
 
-def _check_cache(plan: Plan) -> None:
-    """What the chosen cache kind checks before any weights load
-    (`causalkv.hooks.CacheKind.check_request`; the QVG cache: its block layout and its codec
-    backend). `check_before_load` runs it last, once the device, the files, the frames and the
-    memory are known good: it is the one check that imports the chosen cache's code (its codec)
-    and runs it on the device."""
-    res = plan.resolution
-    if _cache_class(plan) is not None:
-        res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=plan.server_args.device)
 
 
 # ---- device ---------------------------------------------------------------------------------
@@ -377,14 +374,6 @@ def memory_floor(plan: Plan) -> dict[str, int]:
     }
 
 
-def _size(n: float) -> str:
-    """``n`` bytes in the largest binary unit below it (``"1.5 GiB"``, ``"24.0 KiB"``)."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def _check_memory(plan: Plan) -> None:
     """Refuse a run whose `memory_floor` exceeds the device's memory (the host's RAM on CPU),
     naming the largest part and the setting that drives it."""
@@ -405,10 +394,10 @@ def _check_memory(plan: Plan) -> None:
         "activations": f"lower height and width ({plan.info.height}x{plan.info.width}) or frames_per_chunk",
         "rope_tables": f"lower rope_max_seq_len in {where} (diffusers' default is 1024)",
     }[part]
-    parts = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in floor.items())
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in floor.items())
     raise ConfigError(
-        f"the request needs at least {_size(total)} of memory ({parts}), more than the "
-        f"{_size(memory)} of --device {plan.server_args.device}; {fix}"
+        f"the request needs at least {format_bytes(total)} of memory ({parts}), more than the "
+        f"{format_bytes(memory)} of --device {plan.server_args.device}; {fix}"
     )
 
 

@@ -157,15 +157,13 @@ def launched_by_torchrun() -> bool:
 
 def backend_for(device: str | torch.device) -> str:
     """gloo for CPU, nccl for CUDA; `ConfigError` for any other device type."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        return "gloo"
-    if kind == "cuda":
-        return "nccl"
-    raise ConfigError(
-        f"sequence parallelism runs on cpu (gloo) or cuda (nccl), not on device {str(device)!r}; "
-        "pass --device cpu or --device cuda"
-    )
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(torch.device(device).type)
+    if backend is None:
+        raise ConfigError(
+            f"sequence parallelism runs on cpu (gloo) or cuda (nccl), not on device {str(device)!r}; "
+            "pass --device cpu or --device cuda"
+        )
+    return backend
 
 
 def cuda_problem(index: int = 0) -> str | None:
@@ -187,8 +185,7 @@ def check_devices(device: str | torch.device, local_ranks: int) -> None:
         raise ConfigError(
             f"--device {device}: {reason}; run the {local_ranks} processes on CPU with --device cpu (gloo)"
         )
-    if cuda_problem(local_ranks - 1) is not None:
-        have = torch.cuda.device_count()
+    if (have := torch.cuda.device_count()) < local_ranks:
         raise ConfigError(
             f"--nproc-per-node {local_ranks} needs {local_ranks} CUDA devices, this machine has "
             f"{have}; pass --nproc-per-node {have} or fewer (or run on CPU with --device cpu)"

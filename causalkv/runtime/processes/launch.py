@@ -131,14 +131,10 @@ class RankReport:
     written: tuple[str, ...] = ()
 
     @property
-    def by_signal(self) -> bool:
-        """Stopped by SIGINT/SIGTERM (torchrun stopping it, or the user)."""
-        return self.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-
-    @property
     def consequence(self) -> bool:
-        """Ended because of another process: a signal, or a peer that went away."""
-        return self.by_signal or self.peer_failure
+        """Ended because of another process: stopped by SIGINT/SIGTERM (torchrun stopping it, or
+        the user), or a peer that went away."""
+        return self.peer_failure or self.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def report_end(
