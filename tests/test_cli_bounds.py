@@ -96,8 +96,8 @@ def test_a_window_longer_than_the_video_is_one_warning_with_its_cost(empty_home:
     assert request_checks.memory_floor(plan)["kv_caches"] == 2 * 2 * 100000 * 16 * 2 * 64 * 4
     assert plan.warnings == [
         "--window-frames 100000 is longer than the video (12 frames): attention sees every frame, as "
-        "with --window-frames 12, but the caches hold room for 100000 frames (3.05 GiB of KV); pass "
-        "--window-frames 12 for the same video in less memory"
+        "with --window-frames 12, but the caches hold room for 100000 frames (3.05 GiB of KV); "
+        "pass --window-frames 12 for the same video in less memory"
     ]
     assert plan_generation(make_options("tiny-wan", window_frames=12), pm=pm).warnings == []
 

@@ -282,9 +282,9 @@ def test_a_request_that_does_not_fit_in_memory_is_refused(
     monkeypatch.setattr(request_checks, "_physical_memory_bytes", lambda: 16 * 1024)
     assert_refused_up_front(
         ["--frames", "12", "--no-video"],
-        ["the request needs at least 920.00 KiB of memory (latents 24.00 KiB, kv caches 288.00 KiB, "
-         "activations 96.00 KiB, rope tables 512.00 KiB), more than the 16.00 KiB of --device cpu; "
-         "lower rope_max_seq_len in tiny-wan's transformer/config.json"],
+        ["the request needs at least 920.00 KiB of memory (latents 24.00 KiB, kv caches "
+         "288.00 KiB, activations 96.00 KiB, rope tables 512.00 KiB), more than the 16.00 KiB of "
+         "--device cpu; lower rope_max_seq_len in tiny-wan's transformer/config.json"],
         tmp_path, empty_home, counter, loads, capsys,
     )
 

@@ -50,9 +50,9 @@ FOLDER_VALUES: list[tuple[str, dict[str, Any], list[str]]] = [
     # 3 frames alone is 2 layers x (K, V) x 805M tokens x 2 heads x 64 x 2 B (bf16) = 824 GB
     ("height and width beyond memory", {"causalkv": {"height": 262144, "width": 262144}},
      ["the request needs at least ", "lower height and width (262144x262144, 268,435,456 tokens per frame)"]),
-    # cos + sin tables, 10**12 positions x 64 x 4 B = 5.12e14 B = 465.7 TiB
+    # cos + sin tables, 10**12 positions x 64 x 4 B = 5.12e14 B = 465.66 TiB
     ("RoPE tables beyond memory", {"transformer": {"rope_max_seq_len": 10**12}},
-     ["rope tables 465.7 TiB", "lower rope_max_seq_len in {root}'s transformer/config.json"]),
+     ["rope tables 465.66 TiB", "lower rope_max_seq_len in {root}'s transformer/config.json"]),
     ("patch size malformed", {"transformer": {"patch_size": [1, 2]}},
      ["{root}/transformer/config.json: patch_size must be 3 positive ints, got [1, 2]"]),
     ("heads not an int", {"transformer": {"num_attention_heads": 1.5}},

@@ -66,19 +66,18 @@ def compare_unquantized(
     plugins = plan.plugin_set(pm)
     ref_args = replace(plan.server_args.without_options(CacheOptions), cache=None,
                        kv_cache_dtype=reference_dtype)
-    ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.stage_name, registry=plugins.registry)
+    ref_res = resolve(plan.model, ref_args, pm=plugins.pm, stage=plan.resolution.stage_name,
+                      registry=plugins.registry)
+    settings = {False: {}, True: {"server_args": ref_args, "resolution": ref_res}}
 
     def again(reference: bool) -> GenerationRun:
-        if reference:
-            return run_plan(plan, pm=plugins.pm, components=run.components, server_args=ref_args,
-                            resolution=ref_res)
-        return run_plan(plan, pm=plugins.pm, components=run.components)
+        return run_plan(plan, pm=plugins.pm, components=run.components, **settings[reference])
 
     ref = again(True)
     timed: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
         for reference in (False, True):
-            timed[reference].append(sum(again(reference).seconds_per_chunk) / max(1, plan.num_chunks))
+            timed[reference].append(again(reference).seconds_per_chunk_mean)
     best = {k: min(v) if v else None for k, v in timed.items()}
     psnr = latent_psnr_db(run.latents, ref.latents)
     return {

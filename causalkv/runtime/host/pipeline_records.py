@@ -122,7 +122,6 @@ class Plan:
     prompts: list[str]
     chunk_prompts: list[str]
     settings: StreamSettings
-    stage_name: str | None = None
     negative_prompt: str = ""
     plugins: PluginSet | None = None
     #: each chunk's RoPE start frame as the stage's chunk loop will place it

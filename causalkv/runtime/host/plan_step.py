@@ -70,7 +70,6 @@ def plan_generation(options: GenerateOptions, *, pm: Any = None, plugins: Plugin
         prompts=prompts,
         chunk_prompts=[],
         settings=settings,
-        stage_name=options.stage,
         negative_prompt=negative,
         plugins=plugins,
     )

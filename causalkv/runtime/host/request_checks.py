@@ -88,7 +88,9 @@ def check_before_load(plan: Plan, options: GenerateOptions) -> None:
     # the QVG cache: its block layout and codec backend), the one check that runs its code
     res = plan.resolution
     if _cache_class(plan) is not None:
-        res.cache_factory.check_request(res.cache_options, head_dim=plan.model.head_dim, device=args.device)
+        res.cache_factory.check_request(
+            res.cache_options, head_dim=plan.model.head_dim, device=args.device
+        )
 
 
 def check_sizes(plan: Plan) -> None:
@@ -158,8 +160,8 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
         plan.warnings.append(
             f"--window-frames {args.window_frames} is longer than the video ({plan.num_frames} "
             f"frames): attention sees every frame, as with --window-frames {plan.num_frames}, but "
-            f"the caches hold room for {args.window_frames} frames ({format_bytes(floor)} of KV); pass "
-            f"--window-frames {plan.num_frames} for the same video in less memory"
+            f"the caches hold room for {args.window_frames} frames ({format_bytes(floor)} of "
+            f"KV); pass --window-frames {plan.num_frames} for the same video in less memory"
         )
 
 

@@ -160,8 +160,8 @@ def backend_for(device: str | torch.device) -> str:
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(torch.device(device).type)
     if backend is None:
         raise ConfigError(
-            f"sequence parallelism runs on cpu (gloo) or cuda (nccl), not on device {str(device)!r}; "
-            "pass --device cpu or --device cuda"
+            "sequence parallelism runs on cpu (gloo) or cuda (nccl), not on device "
+            f"{str(device)!r}; pass --device cpu or --device cuda"
         )
     return backend
 

@@ -327,14 +327,12 @@ def run_supervised(
     debug: bool = False,
     quiet: bool = False,
     seen: Iterable[str] = (),
-    stderr: IO[str] | None = None,
 ) -> int:
     """Run ``causalkv <argv>`` on ``nproc`` local ranks under torchrun (`torchrun_command`),
     supervised as the module docstring says; the job's exit status.
 
     ``seen``: stderr lines this process already printed (plugin warnings the ranks repeat).
     """
-    err = stderr if stderr is not None else sys.stderr
     reports = Path(tempfile.mkdtemp(prefix="causalkv-ranks-"))
     try:
         proc = subprocess.Popen(
@@ -346,7 +344,7 @@ def run_supervised(
         shutil.rmtree(reports, ignore_errors=True)
         raise
     assert proc.stderr is not None
-    reader, tail = _pass_stderr(proc.stderr, err, debug=debug, seen=seen)
+    reader, tail = _pass_stderr(proc.stderr, sys.stderr, debug=debug, seen=seen)
     with _forwarding_signals(proc) as got:
         try:
             deadline: float | None = None
@@ -379,5 +377,5 @@ def run_supervised(
     else:
         line, code = f"{prog}: {_died(silent[0] if silent else None, list(tail), rc)}", 1
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        print(line, file=err, flush=True)
+        print(line, file=sys.stderr, flush=True)
     return code
