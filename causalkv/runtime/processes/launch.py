@@ -31,11 +31,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -222,6 +220,14 @@ def _pid_is_ours(pid: int) -> bool:
     return b"causalkv" in cmdline
 
 
+def _sigkill(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (torchrun's; each rank leads its own session)
+    and ``pid`` itself; nothing for one that is gone."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            kill(pid, signal.SIGKILL)
+
+
 def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
     """SIGKILL every rank of the job that still runs (its process group), and wait until none does."""
     pids = []
@@ -229,9 +235,8 @@ def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             pids.append(int(json.loads(f.read_text())["pid"]))
     alive = [p for p in pids if _pid_is_ours(p)]
-    for pid, kill in itertools.product(alive, (os.killpg, os.kill)):  # each rank leads its own session
-        with contextlib.suppress(OSError):
-            kill(pid, signal.SIGKILL)
+    for pid in alive:
+        _sigkill(pid)
     deadline = time.monotonic() + wait_s
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if _pid_is_ours(p)]
@@ -333,38 +338,32 @@ def run_supervised(
 
     ``seen``: stderr lines this process already printed (plugin warnings the ranks repeat).
     """
-    reports = Path(tempfile.mkdtemp(prefix="causalkv-ranks-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="causalkv-ranks-", ignore_cleanup_errors=True) as tmp:
+        reports = Path(tmp)
         proc = subprocess.Popen(
             torchrun_command(nproc, argv), env=_rank_env(nproc, reports, quiet=quiet, debug=debug),
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-    except BaseException:
-        shutil.rmtree(reports, ignore_errors=True)
-        raise
-    assert proc.stderr is not None
-    reader, tail = _pass_stderr(proc.stderr, sys.stderr, debug=debug, seen=seen)
-    with _forwarding_signals(proc) as got:
-        try:
-            deadline: float | None = None
-            while (rc := proc.poll()) is None:
-                time.sleep(0.05)
-                if got:  # torchrun gets SHUTDOWN_GRACE_S to stop its ranks, then it is killed
-                    deadline = deadline or time.monotonic() + SHUTDOWN_GRACE_S
-                    if time.monotonic() > deadline:
-                        with contextlib.suppress(OSError):
-                            os.killpg(proc.pid, signal.SIGKILL)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        finally:
-            _kill_leftovers(reports)
-            found = _read_reports(reports)
-            shutil.rmtree(reports, ignore_errors=True)
-        reader.join(timeout=10)
+        assert proc.stderr is not None
+        reader, tail = _pass_stderr(proc.stderr, sys.stderr, debug=debug, seen=seen)
+        with _forwarding_signals(proc) as got:
+            try:
+                deadline: float | None = None
+                while (rc := proc.poll()) is None:
+                    time.sleep(0.05)
+                    if got:  # torchrun gets SHUTDOWN_GRACE_S to stop its ranks, then it is killed
+                        deadline = deadline or time.monotonic() + SHUTDOWN_GRACE_S
+                        if time.monotonic() > deadline:
+                            _sigkill(proc.pid)
+            except BaseException:
+                _sigkill(proc.pid)
+                proc.wait()
+                raise
+            finally:
+                _kill_leftovers(reports)
+                found = _read_reports(reports)
+            reader.join(timeout=10)
     signalled = got[0] if got else None
     silent = sorted(set(range(nproc)) - {r.rank for r in found})
     chosen = choose_report(found, signalled=signalled, silent=silent)
