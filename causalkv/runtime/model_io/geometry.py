@@ -31,10 +31,6 @@ _SGLANG_FIELDS = {"num_frames_per_block": "frames_per_chunk", "sink_size": "sink
                   "sliding_window_num_frames": "window_frames"}
 
 
-def _registry() -> Registry:
-    return collect(get_plugin_manager())
-
-
 def _geometry(name: str, info: ModelInfo, registry: Registry, *, local_window: bool = False) -> ModelGeometry:
     """The planner's geometry of a model the runtime read (`causalkv.runtime.model_io.model_config`):
     the stream as ``causalkv generate`` runs it (the family's defaults under the model's own
@@ -89,7 +85,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
         if local_window:
             native["window_frames"] = local  # sglang: a local window is the cache size
         user = read_json(ck_path) if ck_path.is_file() else None
-        registry = _registry()
+        registry = collect(get_plugin_manager())
         info = model_info_from_dicts(
             str(folder), read_json(folder / "model_index.json"), tcfg,
             read_json(vae_path) if vae_path.is_file() else {},
@@ -104,7 +100,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
 def preset_geometry(name: str) -> ModelGeometry | None:
     """The `ModelGeometry` of a causalkv preset (``causalkv generate --model NAME``: the tiny
     models the plugins declare; no files needed), or None when no plugin declares ``name``."""
-    registry = _registry()
+    registry = collect(get_plugin_manager())
     try:
         info = preset_info(name, registry=registry)
     except ModelFolderError:

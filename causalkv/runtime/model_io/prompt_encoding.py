@@ -44,16 +44,13 @@ def build_byte_tokenizer(model_max_length: int = 512) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
+    symbols = [*_SPECIALS, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    eos = vocab["</s>"]
     tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", vocab["</s>"])]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
