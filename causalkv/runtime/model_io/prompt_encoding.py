@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class PromptEncoder:
         max_length: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-        warn: Any = None,
+        warn: Callable[[str], None] = warn_line,
     ) -> None:
         import torch
 
@@ -90,7 +91,7 @@ class PromptEncoder:
         self.max_length = max_length
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else torch.float32
-        self.warn = warn if warn is not None else warn_line
+        self.warn = warn
         #: texts whose truncation is not reported (the host's default prompt)
         self.quiet_texts: frozenset[str] = frozenset()
         self._memo: dict[str, torch.Tensor] = {}
