@@ -395,7 +395,7 @@ def _write(spec: Checkpoint, out: Path) -> None:
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     presets.write_json(out / "transformer" / "config.json", {
-        "_class_name": spec.dit_class, "_diffusers_version": presets._diffusers_version(), **spec.dit_config,
+        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__, **spec.dit_config,
     })
     scheduler, arguments = spec.scheduler
     getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
