@@ -39,11 +39,8 @@ CAPTURED_LOGGERS = ("diffusers", "transformers")
 
 
 def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    more = f" (+{len(lines) - 1} more line{'s' if len(lines) > 2 else ''})" if len(lines) > 1 else ""
-    return lines[0] + more
+    first, *rest = [line.strip() for line in str(text).splitlines() if line.strip()] or [""]
+    return first + (f" (+{len(rest)} more line{'s' if len(rest) > 1 else ''})" if rest else "")
 
 
 @contextmanager
