@@ -171,8 +171,6 @@ class _WanProcessor(ABC):
     """A processor of one Wan block's attention (diffusers' processor call), run only inside
     `CausalWanTransformer.__call__`, which fills the shared `CausalCallState`."""
 
-    what = "Wan attention"
-
     def __init__(self, layer_index: int, state: CausalCallState) -> None:
         self.layer_index = layer_index
         self.state = state
@@ -187,7 +185,7 @@ class _WanProcessor(ABC):
     ) -> torch.Tensor:
         if not self.state.active:
             raise UsageError(
-                f"{self.what} called outside CausalWanTransformer.__call__; "
+                f"{type(self).__name__} called outside CausalWanTransformer.__call__; "
                 "call the wrapper with the layer caches, not the diffusers model directly"
             )
         out = self.attend(attn, hidden_states, encoder_hidden_states).flatten(2, 3)
@@ -207,8 +205,6 @@ class CausalWanSelfAttnProcessor(_WanProcessor):
     (advance or rewrite) and the query attends over the returned view (never reading
     ``view.k``/``view.v`` directly, so a packed view streams segment by segment).
     """
-
-    what = "causal Wan self-attention"
 
     def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
@@ -248,8 +244,6 @@ class CachedWanCrossAttnProcessor(_WanProcessor):
     ``encoder_hidden_states`` and stored in the layer's `CrossAttentionKVCache`; later calls
     reuse them.
     """
-
-    what = "cached Wan cross-attention"
 
     def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:

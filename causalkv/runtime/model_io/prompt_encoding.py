@@ -102,19 +102,19 @@ class PromptEncoder:
         hit = self._memo.get(text)
         if hit is not None:
             return hit
+        stripped = text.strip()
         # tokens of the text with the end mark, before any truncation
-        n = len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
+        n = len(self.tokenizer(stripped, add_special_tokens=True, truncation=False,
                                verbose=False)["input_ids"])
         if n > self.max_length and text not in self.quiet_texts:
-            shown = text.strip()
-            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            shown = stripped if len(stripped) <= 40 else stripped[:37] + "..."
             self.warn(
                 f"the prompt {shown!r} is {n:,} tokens and the text encoder reads {self.max_length:,} "
                 f"(text_max_length): the first {self.max_length:,} are kept (the end mark included), "
                 f"{n - self.max_length:,} dropped; shorten the prompt to keep all of it"
             )
         enc = self.tokenizer(
-            [text.strip()],
+            [stripped],
             padding="max_length",
             max_length=self.max_length,
             truncation=True,
