@@ -255,16 +255,15 @@ def model_info_from_dicts(
     *,
     path: Path | None = None,
     preset: str | None = None,
-    defaults: Mapping[str, Any] | None | object = ...,
-    config: type[Options] | None | object = ...,
+    registration: Any = None,
     registry: Registry | None = None,
 ) -> ModelInfo:
     """Build a `ModelInfo` from the parsed config files (see the module docstring).
 
-    ``defaults`` are the model family's (its stage registration's), applied under
-    ``causalkv.json``, and ``config`` its config record (the family's own keys); None when no
-    registered stage serves the pipeline class; omitted, they are looked up among
-    ``registry``'s registrations (default: the process-wide plugin manager's).
+    ``registration`` is the model family's stage registration: its ``defaults`` apply under
+    ``causalkv.json``, its ``config`` record declares the family's own keys; None: the one
+    serving the pipeline class among ``registry``'s registrations (default: the process-wide
+    plugin manager's), if any.
 
     Raises ModelFolderError for an unknown key in ``causalkv.json`` (naming the family a key
     of another family belongs to), a value of the wrong type or range, a missing
@@ -274,12 +273,11 @@ def model_info_from_dicts(
     model_class = model_index.get("_class_name")
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
-    if defaults is ... or config is ...:
+    if registration is None:
         serving = _registry(None, registry).serving(model_class)
-        reg = serving[0].registration if serving else None
-        defaults = (reg and reg.defaults) if defaults is ... else defaults
-        config = (reg and reg.config) if config is ... else config
-    family: type[Options] | None = config  # type: ignore[assignment]
+        registration = serving[0].registration if serving else None
+    defaults = registration.defaults if registration is not None else None
+    family: type[Options] | None = registration.config if registration is not None else None
     family_keys = family.keys() if family is not None else {}
     user = dict(causalkv or {})
     valid = sorted({*_STREAM_DEFAULTS, *family_keys})
@@ -392,8 +390,7 @@ def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = Non
     if name not in presets:
         raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
     entry, preset = presets[name]
-    reg = entry.registration
-    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config)
+    return PresetSpec(preset, entry.registration)
 
 
 def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
@@ -401,7 +398,7 @@ def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) 
     r = resolve_preset(name, pm=pm, registry=registry)
     return model_info_from_dicts(
         name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
-        path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
+        path=preset_dir(name), preset=name, registration=r.registration,
     )
 
 

@@ -234,7 +234,7 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_preset(PresetSpec(preset, registration.models[0], registration.defaults), folder)
+    _write_preset(PresetSpec(preset, registration), folder)
     return folder
 
 
