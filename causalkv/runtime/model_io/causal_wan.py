@@ -171,8 +171,6 @@ class _WanProcessor(ABC):
     """A processor of one Wan block's attention (diffusers' processor call), run only inside
     `CausalWanTransformer.__call__`, which fills the shared `CausalCallState`."""
 
-    what = "Wan attention"
-
     def __init__(self, layer_index: int, state: CausalCallState) -> None:
         self.layer_index = layer_index
         self.state = state
@@ -187,7 +185,7 @@ class _WanProcessor(ABC):
     ) -> torch.Tensor:
         if not self.state.active:
             raise UsageError(
-                f"{self.what} called outside CausalWanTransformer.__call__; "
+                f"{type(self).__name__} called outside CausalWanTransformer.__call__; "
                 "call the wrapper with the layer caches, not the diffusers model directly"
             )
         out = self.attend(attn, hidden_states, encoder_hidden_states).flatten(2, 3)
@@ -208,8 +206,6 @@ class CausalWanSelfAttnProcessor(_WanProcessor):
     ``view.k``/``view.v`` directly, so a packed view streams segment by segment).
     """
 
-    what = "causal Wan self-attention"
-
     def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
         st = self.state
@@ -220,12 +216,7 @@ class CausalWanSelfAttnProcessor(_WanProcessor):
         if par is not None:  # [B, S/N, H, D] -> [B, S, H/N, D]: one all-to-all for q, k and v
             qkv = seq_to_heads(torch.cat((query, key, value), dim=-1), par)
             query, key, value = qkv.chunk(3, dim=-1)
-        assert st.rope is not None
-        cos, sin = st.rope
-        if cos.shape[1] != query.shape[1]:
-            raise UsageError(
-                f"RoPE table covers {cos.shape[1]} tokens, the chunk has {query.shape[1]}"
-            )
+        cos, sin = st.rope  # the chunk's frames, as diffusers patchified them: one row per token
         query = apply_rotary(query, cos, sin)
         key = apply_rotary(key, cos, sin)
         cache = st.kv_caches[self.layer_index]
@@ -253,8 +244,6 @@ class CachedWanCrossAttnProcessor(_WanProcessor):
     ``encoder_hidden_states`` and stored in the layer's `CrossAttentionKVCache`; later calls
     reuse them.
     """
-
-    what = "cached Wan cross-attention"
 
     def attend(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                encoder_hidden_states: torch.Tensor | None) -> torch.Tensor:
@@ -285,17 +274,13 @@ def install_causal_processors(transformer: torch.nn.Module) -> CausalCallState:
             "the causal runtime; use a text-to-video Wan checkpoint"
         )
     state = CausalCallState()
+    kinds = {"attn1": CausalWanSelfAttnProcessor, "attn2": CachedWanCrossAttnProcessor}
     processors: dict[str, object] = {}
-    for name in transformer.attn_processors:
-        # names look like "blocks.3.attn1.processor"
-        parts = name.split(".")
-        layer = int(parts[1])
-        if parts[2] == "attn1":
-            processors[name] = CausalWanSelfAttnProcessor(layer, state)
-        elif parts[2] == "attn2":
-            processors[name] = CachedWanCrossAttnProcessor(layer, state)
-        else:
+    for name in transformer.attn_processors:  # names look like "blocks.3.attn1.processor"
+        _, layer, module, *_ = name.split(".")
+        if module not in kinds:
             raise ConfigError(f"unexpected attention module {name!r} in the Wan transformer")
+        processors[name] = kinds[module](int(layer), state)
     transformer.set_attn_processor(processors)
     return state
 
@@ -320,7 +305,6 @@ class CausalWanTransformer:
         self.world_size: int = 1
         self.head_dim: int = int(cfg.attention_head_dim)
         self.patch_size: tuple[int, int, int] = tuple(cfg.patch_size)  # type: ignore[assignment]
-        self.in_channels: int = int(cfg.in_channels)
         # the compute dtype: the first parameter may be one kept in float32 (scale_shift_table)
         param = transformer.patch_embedding.weight
         self.dtype: torch.dtype = param.dtype

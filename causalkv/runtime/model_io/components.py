@@ -3,9 +3,6 @@
 - transformer: diffusers ``WanTransformer3DModel``, wrapped in `CausalWanTransformer`
   (causal processors installed; weights untouched);
 - text: transformers ``UMT5EncoderModel`` + ``AutoTokenizer`` -> `PromptEncoder`;
-- scheduler: diffusers ``FlowMatchEulerDiscreteScheduler`` with the model's shift (the base
-  stage's sampler; a stage declares its own with ``scheduler_spec(model)``, which the host
-  builds when it builds the stage);
 - vae: diffusers ``AutoencoderKLWan`` (loaded only when the video is decoded).
 """
 
@@ -21,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -28,7 +26,6 @@ from causalkv.errors import CausalKVError, ConfigError, describe_exception
 from causalkv.runtime.model_io.causal_wan import CausalWanTransformer
 from causalkv.runtime.model_io.model_config import ModelFolderError, ModelInfo
 from causalkv.runtime.model_io.prompt_encoding import PromptEncoder, warn_line
-from causalkv.stages.scheduler import flow_match
 
 __all__ = [
     "Components",
@@ -42,11 +39,8 @@ CAPTURED_LOGGERS = ("diffusers", "transformers")
 
 
 def _one_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    more = f" (+{len(lines) - 1} more line{'s' if len(lines) > 2 else ''})" if len(lines) > 1 else ""
-    return lines[0] + more
+    first, *rest = [line.strip() for line in str(text).splitlines() if line.strip()] or [""]
+    return first + (f" (+{len(rest)} more line{'s' if len(rest) > 1 else ''})" if rest else "")
 
 
 @contextmanager
@@ -59,12 +53,11 @@ def captured_library_warnings(what: str) -> Iterator[None]:
     collect = logging.handlers.BufferingHandler(sys.maxsize)  # keeps every record (flushed never)
     collect.setLevel(logging.WARNING)
     saved = []
-    for name in CAPTURED_LOGGERS:  # configured now, so no handler of theirs arrives later
-        try:
+    for name in CAPTURED_LOGGERS:
+        try:  # configured now, so no handler of theirs arrives later
             importlib.import_module(f"{name}.utils.logging").get_logger(name)
         except ImportError:  # not installed: nothing of it to capture
             pass
-    for name in CAPTURED_LOGGERS:
         logger = logging.getLogger(name)
         saved.append((logger, logger.handlers[:], logger.propagate))
         logger.handlers = [collect]
@@ -120,24 +113,15 @@ def load_wan_transformer(path: str | Path, dtype: torch.dtype = torch.float32) -
 
     if _has_accelerate():
         return cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
-    keep = cls.__dict__.get("_keep_in_fp32_modules", _MISSING)
     declared = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    cls._keep_in_fp32_modules = None
-    try:
+    # lifted for the call; patch.object restores the class as it was (inherited or its own)
+    with patch.object(cls, "_keep_in_fp32_modules", None):
         model = cls.from_pretrained(path, torch_dtype=torch.float32, low_cpu_mem_usage=False, local_files_only=True)
-    finally:
-        if keep is _MISSING:
-            del cls._keep_in_fp32_modules
-        else:
-            cls._keep_in_fp32_modules = keep
     if dtype != torch.float32:
         for name, param in model.named_parameters():
             if param.is_floating_point() and not declared.intersection(name.split(".")):
                 param.data = param.data.to(dtype)
     return model
-
-
-_MISSING = object()
 
 
 def _all_weights_loaded(model: torch.nn.Module) -> torch.nn.Module:
@@ -190,14 +174,11 @@ def reading_component(folder: Path, component: str, *, preset: str | None = None
 
 @dataclass
 class Components:
-    """The loaded model: causal transformer, prompt encoder, scheduler, model folder."""
+    """The loaded model: causal transformer, prompt encoder and their device (the stage builds
+    its own sampler, ``scheduler_spec(model)``)."""
 
-    info: ModelInfo
-    folder: Path
     transformer: CausalWanTransformer
     prompt_encoder: PromptEncoder
-    scheduler: Any
-    dtype: torch.dtype
     device: torch.device
 
 
@@ -226,15 +207,7 @@ def load_components(
     prompt_encoder = PromptEncoder(
         tokenizer, text_encoder, max_length=info.text_max_length, device=dev, dtype=torch_dtype
     )
-    return Components(
-        info=info,
-        folder=folder,
-        transformer=CausalWanTransformer(model),
-        prompt_encoder=prompt_encoder,
-        scheduler=flow_match(info.config.shift).build(),  # the base stage's declared sampler
-        dtype=torch_dtype,
-        device=dev,
-    )
+    return Components(CausalWanTransformer(model), prompt_encoder, dev)
 
 
 def load_vae(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:

@@ -18,7 +18,7 @@ from causalkv.runtime.model_io.model_config import (
     read_json,
 )
 
-__all__ = ["preset_geometry", "read_model_geometry", "resolve_model"]
+__all__ = ["read_model_geometry", "resolve_model"]
 
 #: other spellings of the built-in names
 _ALIASES = {
@@ -29,10 +29,6 @@ _ALIASES = {
 #: sets (under ``causalkv.json``; ``local_attn_size`` other than -1 is the window too)
 _SGLANG_FIELDS = {"num_frames_per_block": "frames_per_chunk", "sink_size": "sink_frames",
                   "sliding_window_num_frames": "window_frames"}
-
-
-def _registry() -> Registry:
-    return collect(get_plugin_manager())
 
 
 def _geometry(name: str, info: ModelInfo, registry: Registry, *, local_window: bool = False) -> ModelGeometry:
@@ -89,7 +85,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
         if local_window:
             native["window_frames"] = local  # sglang: a local window is the cache size
         user = read_json(ck_path) if ck_path.is_file() else None
-        registry = _registry()
+        registry = collect(get_plugin_manager())
         info = model_info_from_dicts(
             str(folder), read_json(folder / "model_index.json"), tcfg,
             read_json(vae_path) if vae_path.is_file() else {},
@@ -101,28 +97,20 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
     return _geometry(str(folder), info, registry, local_window=local_window)
 
 
-def preset_geometry(name: str) -> ModelGeometry | None:
-    """The `ModelGeometry` of a causalkv preset (``causalkv generate --model NAME``: the tiny
-    models the plugins declare; no files needed), or None when no plugin declares ``name``."""
-    registry = _registry()
-    try:
-        info = preset_info(name, registry=registry)
-    except ModelFolderError:
-        return None
-    return _geometry(f"preset {name}", info, registry)
-
-
 def resolve_model(model: str) -> ModelGeometry:
-    """A built-in model by name (`BUILTIN_MODELS`, or an alias), a causalkv preset
-    (`preset_geometry`), else a model folder (`read_model_geometry`)."""
+    """A built-in model by name (`BUILTIN_MODELS`, or an alias), a causalkv preset (``causalkv
+    generate --model NAME``: the tiny models the plugins declare; no files needed), else a model
+    folder (`read_model_geometry`)."""
     key = model.strip().lower()
     key = _ALIASES.get(key, key)
     if key in BUILTIN_MODELS:
         return BUILTIN_MODELS[key]
     if not Path(model).expanduser().exists():
-        geom = preset_geometry(model)
-        if geom is not None:
-            return geom
+        registry = collect(get_plugin_manager())
+        try:
+            return _geometry(f"preset {model}", preset_info(model, registry=registry), registry)
+        except ModelFolderError:  # no plugin declares a preset of that name
+            pass
         raise ConfigError(
             f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), not "
             "a causalkv preset (causalkv plugins lists them) and not a folder; pass one of those "

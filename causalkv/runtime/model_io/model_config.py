@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError
@@ -90,13 +90,13 @@ SGLANG_KEYS = {
     "realtime_causal_kv_cache_num_frames": "window_frames",
 }
 
-#: int keys and their minimum (None allowed for the optional ones)
+#: int keys and their minimum (those whose default is None may be null)
 _INT_KEYS = {
-    "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1,
-    "height": 1, "width": 1, "text_max_length": 1, "default_frames": 1, "fps": 1,
+    "frames_per_chunk": 1, "sink_frames": 0, "window_frames": 1, "height": 1, "width": 1,
+    "text_max_length": 1, "default_frames": 1, "fps": 1, "global_sink_frames": 0,
+    "cache_frames": 1, "recent_window_frames": 0, "realtime_causal_sink_size": 0,
+    "realtime_causal_kv_cache_num_frames": 1,
 }
-_OPTIONAL_INT_KEYS = {"global_sink_frames": 0, "cache_frames": 1, "recent_window_frames": 0,
-                      "realtime_causal_sink_size": 0, "realtime_causal_kv_cache_num_frames": 1}
 #: number keys: (lowest, highest, lowest excluded)
 _NUMBER_KEYS = {
     "shift": (0.0, math.inf, True),
@@ -105,10 +105,13 @@ _NUMBER_KEYS = {
 }
 #: the flow-matching timesteps are sigmas x 1000
 MAX_TIMESTEP = 1000.0
+#: the fix a broken model config file names
+_RESTORE = "restore the file (re-download or re-convert the model)"
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(v: Any, lo: int = 1) -> bool:
+    """An int (not a bool) ``>= lo``."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
 def _is_number(v: Any) -> bool:
@@ -117,11 +120,11 @@ def _is_number(v: Any) -> bool:
 
 def _value_problem(key: str, v: Any) -> str | None:
     """What is wrong with ``causalkv.json``'s ``key = v`` (None: nothing)."""
-    if key in _INT_KEYS or (key in _OPTIONAL_INT_KEYS and v is not None):
-        lo = _INT_KEYS.get(key, _OPTIONAL_INT_KEYS.get(key, 0))
-        if not _is_int(v) or v < lo:
+    if key in _INT_KEYS:
+        lo, optional = _INT_KEYS[key], _STREAM_DEFAULTS[key] is None
+        if not (optional and v is None) and not _is_int(v, lo):
             what = "a positive int" if lo == 1 else f"an int >= {lo}"
-            return f"must be {what}" + (" or null" if key in _OPTIONAL_INT_KEYS else "")
+            return f"must be {what}" + (" or null" if optional else "")
     elif key in _NUMBER_KEYS:
         lo, hi, open_lo = _NUMBER_KEYS[key]
         if not _is_number(v) or v < lo or (open_lo and v == lo) or v > hi:
@@ -145,25 +148,25 @@ def _value_problem(key: str, v: Any) -> str | None:
 
 def _check_model_json(where: str, transformer: Mapping[str, Any], vae: Mapping[str, Any]) -> None:
     """The transformer and VAE config fields causalkv reads, by type and range."""
-    fix = "restore the file (re-download or re-convert the model)"
-    patch = transformer.get("patch_size", [1, 2, 2])
-    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(_is_int(p) and p > 0 for p in patch)):
-        raise ModelFolderError(f"{where}/transformer/config.json: patch_size must be 3 positive ints, got {patch!r}; {fix}")
     for key in ("num_layers", "num_attention_heads", "attention_head_dim"):
         if key not in transformer:
-            raise ModelFolderError(f"{where}: transformer/config.json lacks a field: {key!r}; {fix}")
+            raise ModelFolderError(f"{where}: transformer/config.json lacks a field: {key!r}; {_RESTORE}")
+
+    def refuse(file: str, key: str, must: str, v: Any) -> NoReturn:
+        raise ModelFolderError(f"{where}/{file}/config.json: {key} must be {must}, got {v!r}; {_RESTORE}")
+
+    patch = transformer.get("patch_size", [1, 2, 2])
+    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(map(_is_int, patch))):
+        refuse("transformer", "patch_size", "3 positive ints", patch)
     for key in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "rope_max_seq_len"):
-        v = transformer.get(key, 1)
-        if not _is_int(v) or v < 1:
-            raise ModelFolderError(f"{where}/transformer/config.json: {key} must be a positive int, got {v!r}; {fix}")
+        if not _is_int(transformer.get(key, 1)):
+            refuse("transformer", key, "a positive int", transformer[key])
     for key in ("scale_factor_spatial", "scale_factor_temporal"):
-        v = vae.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
-            raise ModelFolderError(f"{where}/vae/config.json: {key} must be a positive int, got {v!r}; {fix}")
+        if vae.get(key) is not None and not _is_int(vae[key]):
+            refuse("vae", key, "a positive int", vae[key])
     for key in ("dim_mult", "temperal_downsample"):
-        v = vae.get(key, [])
-        if not isinstance(v, list):
-            raise ModelFolderError(f"{where}/vae/config.json: {key} must be a list, got {v!r}; {fix}")
+        if not isinstance(vae.get(key, []), list):
+            refuse("vae", key, "a list", vae[key])
 
 
 def preset_choices(presets: Iterable[str]) -> str:
@@ -231,17 +234,15 @@ class ModelInfo:
 def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path`` (a model folder's config file); `ModelFolderError` naming the
     file and the fix for anything else."""
-    fix = "restore the file (re-download or re-convert the model)"
     try:
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelFolderError(f"{path} is not valid JSON: {exc}; {fix}") from None
+        raise ModelFolderError(f"{path} is not valid JSON: {exc}; {_RESTORE}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ModelFolderError(f"cannot read {path} ({type(exc).__name__}: {exc}); {fix}") from None
+        raise ModelFolderError(f"cannot read {path} ({type(exc).__name__}: {exc}); {_RESTORE}") from None
     if not isinstance(obj, dict):
-        raise ModelFolderError(
-            f"{path} must hold a JSON object ({{...}}), it holds a {type(obj).__name__}; {fix}"
-        )
+        raise ModelFolderError(f"{path} must hold a JSON object ({{...}}), it holds a "
+                               f"{type(obj).__name__}; {_RESTORE}")
     return obj
 
 
@@ -254,16 +255,15 @@ def model_info_from_dicts(
     *,
     path: Path | None = None,
     preset: str | None = None,
-    defaults: Mapping[str, Any] | None | object = ...,
-    config: type[Options] | None | object = ...,
+    registration: Any = None,
     registry: Registry | None = None,
 ) -> ModelInfo:
     """Build a `ModelInfo` from the parsed config files (see the module docstring).
 
-    ``defaults`` are the model family's (its stage registration's), applied under
-    ``causalkv.json``, and ``config`` its config record (the family's own keys); None when no
-    registered stage serves the pipeline class; omitted, they are looked up among
-    ``registry``'s registrations (default: the process-wide plugin manager's).
+    ``registration`` is the model family's stage registration: its ``defaults`` apply under
+    ``causalkv.json``, its ``config`` record declares the family's own keys; None: the one
+    serving the pipeline class among ``registry``'s registrations (default: the process-wide
+    plugin manager's), if any.
 
     Raises ModelFolderError for an unknown key in ``causalkv.json`` (naming the family a key
     of another family belongs to), a value of the wrong type or range, a missing
@@ -273,12 +273,11 @@ def model_info_from_dicts(
     model_class = model_index.get("_class_name")
     if not isinstance(model_class, str) or not model_class:
         raise ModelFolderError(f"{where}: model_index.json has no _class_name")
-    if defaults is ... or config is ...:
+    if registration is None:
         serving = _registry(None, registry).serving(model_class)
-        reg = serving[0].registration if serving else None
-        defaults = (reg and reg.defaults) if defaults is ... else defaults
-        config = (reg and reg.config) if config is ... else config
-    family: type[Options] | None = config  # type: ignore[assignment]
+        registration = serving[0].registration if serving else None
+    defaults = registration.defaults if registration is not None else None
+    family: type[Options] | None = registration.config if registration is not None else None
     family_keys = family.keys() if family is not None else {}
     user = dict(causalkv or {})
     valid = sorted({*_STREAM_DEFAULTS, *family_keys})
@@ -327,7 +326,7 @@ def model_info_from_dicts(
     temporal_scale = int(vae.get("scale_factor_temporal") or 2 ** sum(bool(t) for t in temporal))
     height, width = s["height"], s["width"]
     for label, px, p in (("height", height, patch[1]), ("width", width, patch[2])):
-        if px <= 0 or px % (spatial_scale * p):
+        if px % (spatial_scale * p):  # px is a positive int: `_value_problem` checked it
             raise ModelFolderError(
                 f"{where}: {label}={px} must be a positive multiple of {spatial_scale * p} "
                 f"(VAE scale {spatial_scale} x patch {p})"
@@ -369,15 +368,13 @@ def _other_family(registry: Registry | None, keys: list[str], model_class: str) 
         stages = _registry(None, registry).stages
     except CausalKVError:  # a plugin conflict: the run reports it
         return ""
-    notes = []
+    notes = ""
     for key in keys:
-        for e in stages:
-            record = e.registration.config
-            if record is not None and key in record.keys():
-                notes.append(f"{key!r} is a key of stage {e.name!r} ({record.title}), which does "
-                             f"not serve {model_class!r}")
-                break
-    return "".join(f"; {n}" for n in notes)
+        owner = next((e for e in stages if key in (e.registration.config or Options).keys()), None)
+        if owner is not None:
+            notes += (f"; {key!r} is a key of stage {owner.name!r} "
+                      f"({owner.registration.config.title}), which does not serve {model_class!r}")
+    return notes
 
 
 def _registry(pm: Any, registry: Registry | None = None) -> Registry:
@@ -393,8 +390,7 @@ def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = Non
     if name not in presets:
         raise ModelFolderError(f"unknown preset {name!r}; {preset_choices(presets)}")
     entry, preset = presets[name]
-    reg = entry.registration
-    return PresetSpec(preset, reg.models[0], reg.defaults, reg.config)
+    return PresetSpec(preset, entry.registration)
 
 
 def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
@@ -402,7 +398,7 @@ def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) 
     r = resolve_preset(name, pm=pm, registry=registry)
     return model_info_from_dicts(
         name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
-        path=preset_dir(name), preset=name, defaults=r.defaults, config=r.config,
+        path=preset_dir(name), preset=name, registration=r.registration,
     )
 
 
@@ -485,7 +481,7 @@ def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | No
         if not cfg.is_file():
             return None
         value = read_json(cfg).get("attention_head_dim")
-    return value if _is_int(value) and value > 0 else None
+    return value if _is_int(value) else None
 
 
 def is_loadable_model(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> bool:

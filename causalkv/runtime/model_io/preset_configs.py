@@ -8,7 +8,6 @@ Read by `causalkv.runtime.model_io.model_config` (a preset's `ModelInfo`, no fil
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,13 +89,15 @@ TINY_COMMON: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class PresetSpec:
-    """A preset with what building it needs: its pipeline class, its family's defaults and
-    config record (``causalkv.json`` keys of its own)."""
+    """A preset with the stage registration that declares it: its family (pipeline class
+    ``models[0]``, ``defaults``, ``config`` record of ``causalkv.json`` keys of its own)."""
 
     preset: Preset
-    model_class: str
-    defaults: Mapping[str, Any]
-    config: Any = None
+    registration: Any
+
+    @property
+    def model_class(self) -> str:
+        return self.registration.models[0]
 
     @property
     def settings(self) -> dict[str, Any]:

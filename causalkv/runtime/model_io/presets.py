@@ -22,6 +22,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,19 +59,12 @@ PRESET_FORMAT = 2
 _MARKER = ".causalkv-preset.json"
 
 
-def _diffusers_version() -> str:
-    # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`
-    import diffusers
-
-    return diffusers.__version__
-
-
 def _model_index(model_class: str, dit_class: str = "WanTransformer3DModel", **more: Any) -> dict[str, Any]:
     """``model_index.json`` of a tiny model folder: ``model_class``'s components (``more``: others,
     such as a scheduler)."""
     return {
         "_class_name": model_class,
-        "_diffusers_version": _diffusers_version(),
+        "_diffusers_version": version("diffusers"),  # its metadata: diffusers itself stays unloaded
         "transformer": ["diffusers", dit_class],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
@@ -240,7 +234,7 @@ def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _write_preset(PresetSpec(preset, registration.models[0], registration.defaults), folder)
+    _write_preset(PresetSpec(preset, registration), folder)
     return folder
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,16 +45,13 @@ def build_byte_tokenizer(model_max_length: int = 512) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
+    symbols = [*_SPECIALS, *sorted(pre_tokenizers.ByteLevel.alphabet())]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    eos = vocab["</s>"]
     tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", vocab["</s>"])]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -84,7 +82,7 @@ class PromptEncoder:
         max_length: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-        warn: Any = None,
+        warn: Callable[[str], None] = warn_line,
     ) -> None:
         import torch
 
@@ -93,7 +91,7 @@ class PromptEncoder:
         self.max_length = max_length
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else torch.float32
-        self.warn = warn if warn is not None else warn_line
+        self.warn = warn
         #: texts whose truncation is not reported (the host's default prompt)
         self.quiet_texts: frozenset[str] = frozenset()
         self._memo: dict[str, torch.Tensor] = {}
@@ -104,19 +102,19 @@ class PromptEncoder:
         hit = self._memo.get(text)
         if hit is not None:
             return hit
+        stripped = text.strip()
         # tokens of the text with the end mark, before any truncation
-        n = len(self.tokenizer(text.strip(), add_special_tokens=True, truncation=False,
+        n = len(self.tokenizer(stripped, add_special_tokens=True, truncation=False,
                                verbose=False)["input_ids"])
         if n > self.max_length and text not in self.quiet_texts:
-            shown = text.strip()
-            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            shown = stripped if len(stripped) <= 40 else stripped[:37] + "..."
             self.warn(
                 f"the prompt {shown!r} is {n:,} tokens and the text encoder reads {self.max_length:,} "
                 f"(text_max_length): the first {self.max_length:,} are kept (the end mark included), "
                 f"{n - self.max_length:,} dropped; shorten the prompt to keep all of it"
             )
         enc = self.tokenizer(
-            [text.strip()],
+            [stripped],
             padding="max_length",
             max_length=self.max_length,
             truncation=True,

@@ -281,21 +281,14 @@ def is_complete_checkpoint(folder: str | Path, name: str | None = None) -> bool:
             and (name is None or meta.get("name") == name))
 
 
-def describe_folder(folder: str | Path) -> str:
-    """What an existing folder holds, for a refusal: a causalkv checkpoint (its name and
-    host), a causalkv preset, a diffusers model folder, or how many entries."""
-    folder = Path(folder)
-    if is_complete_checkpoint(folder):
-        spec = CHECKPOINTS[presets.json_object(folder / _MARKER)["name"]]
-        return f"a complete tiny {spec.name} {HOSTS[spec.host]} checkpoint"
+def describe_folder(folder: Path) -> str:
+    """What an existing, listable folder without a checkpoint holds, for a refusal: a causalkv
+    preset, a diffusers model folder, or how many entries."""
     if preset := presets.json_object(folder / presets._MARKER):
         return f"the causalkv preset {preset.get('name', '?')!r}"
     if index := presets.json_object(folder / "model_index.json"):
         return f"a model folder ({index.get('_class_name', 'model_index.json')})"
-    try:
-        n = sum(1 for _ in folder.iterdir())
-    except OSError:
-        return "files this process cannot list"
+    n = sum(1 for _ in folder.iterdir())
     return f"{n} entr{'y' if n == 1 else 'ies'}"
 
 
@@ -325,9 +318,10 @@ def build_checkpoint(name: str, folder: str | Path, *, host: str = "sglang", for
             )
         folder.rmdir()
     elif is_complete_checkpoint(folder) and not is_complete_checkpoint(folder, name) and not force:
+        held = CHECKPOINTS[presets.json_object(folder / _MARKER)["name"]]
         raise ConfigError(
-            f"{where} holds {describe_folder(folder)}, not {name}; choose another folder, or "
-            "pass --force to replace it (atomically)"
+            f"{where} holds a complete tiny {held.name} {HOSTS[held.host]} checkpoint, not {name}; "
+            "choose another folder, or pass --force to replace it (atomically)"
         )
     check_creatable_folder(folder.parent if not folder.exists() else folder, where,
                            "choose a folder where files can be created")
@@ -401,7 +395,7 @@ def _write(spec: Checkpoint, out: Path) -> None:
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     presets.write_json(out / "transformer" / "config.json", {
-        "_class_name": spec.dit_class, "_diffusers_version": presets._diffusers_version(), **spec.dit_config,
+        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__, **spec.dit_config,
     })
     scheduler, arguments = spec.scheduler
     getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
