@@ -11,7 +11,7 @@ from runtime_helpers import make_options
 from causalkv.capabilities import PINNED_SINK, RECENT_WINDOW
 from causalkv.config import ServerArgs
 from causalkv.runtime.host.plan_step import plan_generation
-from causalkv.runtime.model_io.presets import preset_dir
+from causalkv.runtime.model_io.preset_configs import preset_dir
 from causalkv.stages.base import CausalDenoisingStage
 from causalkv.stages.families import SCENE_CUT_PREFIX
 from causalkv.stages.longlive2 import LongLive2Stage

@@ -20,7 +20,7 @@ from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
 from causalkv.runtime import resolve
 from causalkv.runtime.host.report import run_report
 from causalkv.runtime.model_io.model_config import read_model_folder
-from causalkv.runtime.model_io.presets import preset_dir
+from causalkv.runtime.model_io.preset_configs import preset_dir
 from causalkv.stages.base import CausalDenoisingStage
 
 

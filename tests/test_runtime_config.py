@@ -13,9 +13,11 @@ from causalkv.runtime.model_io.model_config import (
     ModelFolderError,
     load_model_info,
     model_info_from_dicts,
+    preset_info,
     read_model_folder,
 )
-from causalkv.runtime.model_io.presets import materialize_preset, preset_dir, preset_info
+from causalkv.runtime.model_io.preset_configs import preset_dir
+from causalkv.runtime.model_io.presets import materialize_preset
 from causalkv.stages.families import LongLive2Config
 
 WAN21_TRANSFORMER = {"patch_size": [1, 2, 2], "num_layers": 30, "num_attention_heads": 12,
@@ -111,7 +113,7 @@ def test_preset_info_needs_no_files_and_matches_the_written_folder(causalkv_home
 
 
 def test_fixture_home_is_temporary(causalkv_home: str) -> None:
-    from causalkv.runtime.model_io.presets import causalkv_home as home
+    from causalkv.runtime.model_io.preset_configs import causalkv_home as home
 
     assert str(home()) == causalkv_home
     assert os.path.basename(causalkv_home).startswith("causalkv-home")

@@ -32,8 +32,8 @@ from causalkv.runtime.model_io.model_config import (
     ModelFolderError,
     ModelInfo,
 )
-from causalkv.runtime.model_io.preset_configs import ENV_HOME
-from causalkv.runtime.model_io.presets import causalkv_home, is_complete_preset, preset_name
+from causalkv.runtime.model_io.preset_configs import ENV_HOME, causalkv_home
+from causalkv.runtime.model_io.presets import is_complete_preset, preset_name
 
 __all__ = [
     "FILE_OVERHEAD_BYTES",

@@ -16,7 +16,8 @@ from causalkv.runtime.files.outputs import OutputWriteError
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, Plan
 from causalkv.runtime.model_io.components import Components, load_components
 from causalkv.runtime.model_io.model_config import ModelInfo
-from causalkv.runtime.model_io.presets import causalkv_home, materialize_preset
+from causalkv.runtime.model_io.preset_configs import causalkv_home
+from causalkv.runtime.model_io.presets import materialize_preset
 from causalkv.runtime.processes.distributed import join_ranks, local_main_first
 
 __all__ = ["load_for_plan", "model_folder"]

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from causalkv.hooks import Preset
 from causalkv.plugin.registry import Registry
-from causalkv.runtime.model_io.model_config import CAUSALKV_FILE, preset_info, resolve_preset
+from causalkv.runtime.model_io.model_config import CAUSALKV_FILE, resolve_preset
 from causalkv.runtime.model_io.preset_configs import (
     TINY_TEXT_ENCODER,
     TINY_VAE,
     PresetSpec,
-    causalkv_home,
     preset_dir,
 )
 from causalkv.runtime.model_io.prompt_encoding import build_byte_tokenizer
@@ -43,11 +42,8 @@ if TYPE_CHECKING:  # torch loads to build a model, not for `causalkv plugins` / 
 
 __all__ = [
     "build_atomically",
-    "causalkv_home",
     "is_complete_preset",
     "materialize_preset",
-    "preset_dir",
-    "preset_info",
     "preset_name",
     "write_json",
     "write_preset_folder",
