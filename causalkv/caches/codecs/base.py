@@ -24,6 +24,7 @@ __all__ = [
     "KVCodec",
     "PackedRecord",
     "RecordKind",
+    "RecordViews",
     "TensorRecord",
     "check_out",
     "check_segment",
@@ -64,8 +65,39 @@ class PackedRecord(Protocol):
         ...
 
 
+class RecordViews:
+    """`PackedRecord`'s moves and slices for a record whose ``_map(fn, kind, **changes)``
+    applies ``fn`` to its tensors (``kind``: None for every tensor, ``"heads"`` / ``"tokens"``
+    for those a head / token slice cuts) and makes ``changes``."""
+
+    shape: tuple[int, int, int, int]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Any:
+        """The same record in pinned host memory (CPU tensors only; needs a CUDA build)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def select_heads(self, h0: int, h1: int) -> Any:
+        """Heads ``[h0, h1)`` as views (no copy); shape becomes ``[B, h1 - h0, S, D]``."""
+        B, H, S, D = self.shape
+        if not 0 <= h0 < h1 <= H:
+            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
+        return self._map(lambda t: t[:, h0:h1], "heads", shape=(B, h1 - h0, S, D))
+
+    def select_tokens(self, a: int, b: int) -> Any:
+        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``."""
+        B, H, S, D = self.shape
+        if not 0 <= a < b <= S:
+            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
+        if a == 0 and b == S:
+            return self
+        return self._map(lambda t: t[:, :, a:b], "tokens", shape=(B, H, b - a, D))
+
+
 @dataclass(frozen=True, eq=False)
-class TensorRecord:
+class TensorRecord(RecordViews):
     """A ready-made `PackedRecord` for codecs whose stored tensors are laid out per token.
 
     Attributes:
@@ -91,31 +123,11 @@ class TensorRecord:
     def device(self) -> torch.device:
         return next(iter(self.parts.values())).device
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, whole: bool = True) -> Any:
-        return replace(self, parts={n: fn(t) for n, t in self.parts.items()},
-                       whole={n: fn(t) for n, t in self.whole.items()} if whole else self.whole)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> Any:
-        return self._map(lambda t: t.pin_memory())
-
-    def select_heads(self, h0: int, h1: int) -> Any:
-        B, H, S, D = self.shape
-        if not 0 <= h0 < h1 <= H:
-            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
-        out = self._map(lambda t: t[:, h0:h1], whole=False)
-        return replace(out, shape=(B, h1 - h0, S, D))
-
-    def select_tokens(self, a: int, b: int) -> Any:
-        B, H, S, D = self.shape
-        if not 0 <= a < b <= S:
-            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
-        if a == 0 and b == S:
-            return self
-        out = self._map(lambda t: t[:, :, a:b], whole=False)
-        return replace(out, shape=(B, H, b - a, D))
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
+             **changes: Any) -> Any:
+        whole = self.whole if kind else {n: fn(t) for n, t in self.whole.items()}
+        return replace(self, parts={n: fn(t) for n, t in self.parts.items()}, whole=whole,
+                       **changes)
 
     def shared_tensors(self) -> tuple[torch.Tensor, ...]:
         return ()

@@ -16,7 +16,7 @@ import torch
 from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
-from causalkv.caches.codecs.prq.format import PackedSegment, bits_per_element, packed_nbytes_formula
+from causalkv.caches.codecs.prq.format import PackedSegment, packed_nbytes_formula
 from causalkv.env import text as env_text
 
 __all__ = ["PRQCodec", "PRQSettings"]
@@ -74,9 +74,6 @@ class PRQCodec(KVCodec):
         """The bf16 centroids ``[B, H, K, D]`` per stage, ``K = min(centroids, S)``."""
         B, H, S, D = (int(v) for v in shape)
         return 2 * self.settings.stages * B * H * min(self.settings.centroids, S) * D
-
-    def bits_per_element(self, S: int, D: int) -> float:
-        return bits_per_element(S, D, self.settings)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """PRQ's bound per element, from its definition (`quantizer`), for any settings.

@@ -115,19 +115,14 @@ def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
 _PACK_WORD = {2: torch.int32, 4: torch.int16}
 
 
-def unpack_levels(
-    codes: torch.Tensor, bits: int, *, odd: bool = False, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def unpack_levels(codes: torch.Tensor, bits: int, *, odd: bool = False) -> torch.Tensor:
     """Packed bytes ``[..., n]`` -> int8 ``[..., n * 8 // bits]`` signed codes ``v`` (or ``2v+1``).
 
     Sign extension by shifts: move field ``j`` to the top of the byte, reinterpret as int8,
     shift right arithmetically (by one less for ``odd``, then set the low bit).
     """
     per = 8 // bits
-    if out is None:
-        out = torch.empty(*codes.shape, per, dtype=torch.int8, device=codes.device)
-    else:
-        out = out.view(*codes.shape, per)
+    out = torch.empty(*codes.shape, per, dtype=torch.int8, device=codes.device)
     down = 8 - bits - (1 if odd else 0)
     for j in range(per):
         up = 8 - bits * (j + 1)
@@ -312,8 +307,3 @@ def _lut(bits: int, odd: bool, dtype: torch.dtype, pair: bool, device: torch.dev
         word = _LUT_WORD[levels.shape[1] * levels.element_size()]
         _LUTS[key] = levels.view(word).view(n).to(device)
     return _LUTS[key]
-
-
-def _level_lut(bits: int, odd: bool, device: torch.device) -> torch.Tensor:
-    """``[256]`` int64 (2 bits) / int32 (4 bits): the bf16 levels of every code byte, bit-packed."""
-    return _lut(bits, odd, torch.bfloat16, False, device)
