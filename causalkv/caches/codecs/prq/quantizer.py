@@ -145,15 +145,16 @@ def _check_args(args: CodecSettings, D: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise CodecError(f"quantize: {name} must be a positive int, got {value!r}")
     if args.centroids > 256:
-        raise CodecError(f"quantize: centroids must be <= 256 (cluster ids are uint8), got {args.centroids}")
+        raise CodecError(f"quantize: centroids must be <= 256 (cluster ids are uint8), "
+                         f"got {args.centroids}")
     if args.grid not in ("reference", "mse4"):
         raise CodecError(f"quantize: grid must be 'reference' or 'mse4', got {args.grid!r}")
     if D % args.block_size:
         raise CodecError(f"quantize: head_dim {D} is not divisible by block_size "
                          f"{args.block_size}; choose a block size that divides {D}")
     if (args.block_size * args.bits) % 8:
-        raise CodecError(f"quantize: block_size {args.block_size} x {args.bits} bits is not a whole "
-                         f"number of bytes; use a block size divisible by {8 // args.bits}")
+        raise CodecError(f"quantize: block_size {args.block_size} x {args.bits} bits is not a "
+                         f"whole number of bytes; use a block size divisible by {8 // args.bits}")
 
 
 def head_seed(seed: int, b: int, head: int) -> int:
