@@ -48,21 +48,17 @@ class PackedRecord(Protocol):
     @property
     def nbytes(self) -> int:
         """Exactly the bytes stored (every tensor it holds)."""
-        ...
     @property
     def device(self) -> torch.device: ...
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRecord: ...
     def pin_memory(self) -> PackedRecord: ...
     def select_heads(self, h0: int, h1: int) -> PackedRecord:
         """Heads ``[h0, h1)`` as views (no copy)."""
-        ...
     def select_tokens(self, a: int, b: int) -> PackedRecord:
         """Tokens ``[a, b)`` as views (no copy)."""
-        ...
     def shared_tensors(self) -> tuple[torch.Tensor, ...]:
         """Tensors other records may reference too (a shared codebook), counted once by a
         cache that holds several."""
-        ...
 
 
 class RecordViews:
@@ -116,8 +112,7 @@ class TensorRecord(RecordViews):
 
     @property
     def nbytes(self) -> int:
-        return int(sum(t.nbytes for t in self.parts.values())
-                   + sum(t.nbytes for t in self.whole.values()))
+        return int(sum(t.nbytes for t in [*self.parts.values(), *self.whole.values()]))
 
     @property
     def device(self) -> torch.device:
@@ -239,10 +234,6 @@ class KVCodec(ABC):
         """Stored bits per element of one head's ``[S, D]`` segment: ``8 * nbytes / (S * D)``."""
         return 8.0 * self.nbytes((1, 1, S, D)) / (S * D)
 
-    def describe(self) -> str:
-        """A short label for logs and metrics (the setting name by default)."""
-        return self.name
-
     def decode(self, record: PackedRecord, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A new contiguous ``[B, H, S, D]`` tensor of ``dtype`` holding the reconstruction."""
         out = torch.empty(tuple(record.shape), dtype=dtype, device=record.device)
@@ -312,11 +303,7 @@ def register_record(
 
 def record_kind(record: object) -> RecordKind | None:
     """The `RecordKind` of ``record``'s type, or None when it is not a packed record (a tensor)."""
-    for cls in type(record).__mro__:
-        kind = _KINDS.get(cls)
-        if kind is not None:
-            return kind
-    return None
+    return next((_KINDS[cls] for cls in type(record).__mro__ if cls in _KINDS), None)
 
 
 def decode_record(record: PackedRecord, dtype: torch.dtype) -> torch.Tensor:

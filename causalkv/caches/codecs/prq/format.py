@@ -58,26 +58,22 @@ MIN_SCALE_EXP = -100  # 2**-e stays a finite float32 power of two
 POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
 
 
-class CodecSettings(Protocol):
-    """The settings the codec reads (`causalkv.caches.qvg.options.QVGKVQuantArgs` has them): residual
-    ``bits`` (None: off, 2 or 4), ``centroids`` per (batch, head) per stage, ``block_size``
-    channels per scale, k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points,
-    and the level ``grid`` (``"reference"`` or ``"mse4"``)."""
+@dataclass(frozen=True)
+class CodecSettings:
+    """The settings the codec reads, fixed for one codec (`PRQCodec` holds one); `quantize`
+    and the byte formulas take any object with these attributes
+    (`causalkv.caches.qvg.options.QVGKVQuantArgs` has them): residual ``bits`` (None: off, 2
+    or 4), ``centroids`` per (batch, head) per stage, ``block_size`` channels per scale,
+    k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points, and the level
+    ``grid`` (``"reference"`` or ``"mse4"``)."""
 
-    @property
-    def bits(self) -> int | None: ...
-    @property
-    def centroids(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def stages(self) -> int: ...
-    @property
-    def kmeans_iters(self) -> int: ...
-    @property
-    def asymmetric(self) -> bool: ...
-    @property
-    def grid(self) -> str: ...
+    bits: int | None
+    centroids: int = 128
+    block_size: int = 64
+    stages: int = 1
+    kmeans_iters: int = 2
+    asymmetric: bool = False
+    grid: str = "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,11 +285,9 @@ class Backend(Protocol):
 
     def kmeans_assign(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Nearest centroid ``[G, S]`` int64 of each token (ties: the lowest index)."""
-        ...
 
     def kmeans_update(self, x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Lloyd update ``[G, K, D]``: each cluster's mean, an empty cluster keeps ``c``."""
-        ...
 
     def quantize_pack(
         self, r: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, *,
@@ -301,9 +295,7 @@ class Backend(Protocol):
     ) -> torch.Tensor:
         """Residual ``r`` quantized with decoded block scales (and zero points), packed:
         ``[N, D * bits // 8]`` uint8 (the codes of the module docstring)."""
-        ...
 
     def dequantize_into(self, packed: PackedSegment, out: torch.Tensor) -> None:
         """The reconstruction of ``packed`` written into ``out [B, H, S, D]`` (any strides,
         float dtype, on ``packed.device``)."""
-        ...

@@ -279,15 +279,11 @@ def quantize(
                          f"first head), got {head_offset!r}")
     B, H, S, D = (int(v) for v in x.shape)
     _check_args(args, D)
-    if codebooks is not None:
-        if len(codebooks) != args.stages or any(
-            c.dim() != 4 or tuple(c.shape[:2]) != (B, H) or c.shape[3] != D
-            or c.dtype != torch.bfloat16 for c in codebooks
-        ):
-            raise CodecError(
-                f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
-                f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}"
-            )
+    if codebooks is not None and (len(codebooks) != args.stages or any(
+        (c.dtype, *c.shape[:2], *c.shape[3:]) != (torch.bfloat16, B, H, D) for c in codebooks
+    )):
+        raise CodecError(f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
+                         f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}")
     if B * H * S == 0:
         raise CodecError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
     # Per-head absolute maxima: NaN/inf propagate, so one read covers the non-finite check
@@ -358,7 +354,6 @@ def _quantize_heads(
     """
     G, S, D = xg.shape
     bits, block, grid = args.bits, args.block_size, args.grid
-    assert bits is not None
     nb = D // block
     dev = xg.device
     host = poisoned is None  # the CPU path: ``norm`` may be read on the host
@@ -407,7 +402,6 @@ def _quantize_heads(
     dec.masked_fill_(zero_block, 0.0)
     zeros = None
     if args.asymmetric:
-        assert bmin is not None
         safe = torch.where(dec > 0, dec, 1.0)
         z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
         zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
@@ -440,14 +434,12 @@ def dequantize(
     buffer, on ``packed.device``) the result is written into it in ``out.dtype`` and ``out``
     is returned; otherwise a new contiguous tensor of ``dtype`` is returned.
     """
-    shape = tuple(packed.shape)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=packed.device)
+        out = torch.empty(tuple(packed.shape), dtype=dtype, device=packed.device)
     else:
         check_out("dequantize", packed, out)
-    if out.numel() == 0:
-        return out
-    _IMPLS[resolve_backend(backend, packed.device)].dequantize_into(packed, out)
+    if out.numel():
+        _IMPLS[resolve_backend(backend, packed.device)].dequantize_into(packed, out)
     return out
 
 
