@@ -17,7 +17,7 @@ from causalkv.caches.codecs.prq import (
     resolve_backend,
 )
 from causalkv.caches.codecs.prq import torch_impl as ti
-from causalkv.caches.codecs.prq.format import ZERO_BLOCK_SCALE_BYTE, scale_exponent
+from causalkv.caches.codecs.prq.format import ZERO_BLOCK_SCALE_BYTE, scale_exponents
 from causalkv.caches.qvg import QVGKVQuantArgs
 
 BF16_EPS = 2.0**-8  # relative rounding bound of bf16 (8 significant bits)
@@ -119,7 +119,7 @@ def test_pack_unpack_every_code_roundtrips(bits):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("odd", [False, True])
 def test_bf16_level_table_matches_shift_unpack(bits, odd):
-    lut = ti._level_lut(bits, odd, torch.device("cpu"))
+    lut = ti._lut(bits, odd, torch.bfloat16, False, torch.device("cpu"))
     byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     want = ti.unpack_levels(byte, bits, odd=odd).to(torch.bfloat16)
     assert torch.equal(lut.view(torch.bfloat16).view(256, -1).reshape(-1), want)
@@ -358,11 +358,11 @@ def test_to_select_heads_and_device():
 
 
 def test_scale_exponent_puts_the_largest_scale_at_the_top_of_e4m3():
-    for s in (1e-20, 0.013, 1.0, 448.0, 449.0, 3e5, 2.0**60):
-        e = scale_exponent(s)
-        assert 224 < s * 2.0**-e <= 448
-    assert scale_exponent(0.0) == 0
-    assert scale_exponent(1e-40) == -100  # 2**-e stays a finite float32
+    s = torch.tensor([1e-20, 0.013, 1.0, 448.0, 449.0, 3e5, 2.0**60], dtype=torch.float64)
+    top = s * 2.0 ** -scale_exponents(s)
+    assert bool(((224 < top) & (top <= 448)).all()), top
+    zero_tiny = torch.tensor([0.0, 1e-40], dtype=torch.float64)
+    assert scale_exponents(zero_tiny).tolist() == [0, -100]  # 2**-e stays a finite float32
 
 
 def test_backend_resolution(monkeypatch):

@@ -114,8 +114,7 @@ def register_codec(
             f"codec setting {name!r} is registered twice: {old.target} {old.params} (by "
             f"{old.source}) and {new.target} {new.params} (by {source}); rename one"
         )
-    _SETTINGS.setdefault(name, new)
-    return _SETTINGS[name]
+    return _SETTINGS.setdefault(name, new)
 
 
 def codec_names() -> tuple[str, ...]:

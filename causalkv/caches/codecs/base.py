@@ -24,6 +24,7 @@ __all__ = [
     "KVCodec",
     "PackedRecord",
     "RecordKind",
+    "RecordViews",
     "TensorRecord",
     "check_out",
     "check_segment",
@@ -47,25 +48,52 @@ class PackedRecord(Protocol):
     @property
     def nbytes(self) -> int:
         """Exactly the bytes stored (every tensor it holds)."""
-        ...
     @property
     def device(self) -> torch.device: ...
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRecord: ...
     def pin_memory(self) -> PackedRecord: ...
     def select_heads(self, h0: int, h1: int) -> PackedRecord:
         """Heads ``[h0, h1)`` as views (no copy)."""
-        ...
     def select_tokens(self, a: int, b: int) -> PackedRecord:
         """Tokens ``[a, b)`` as views (no copy)."""
-        ...
     def shared_tensors(self) -> tuple[torch.Tensor, ...]:
         """Tensors other records may reference too (a shared codebook), counted once by a
         cache that holds several."""
-        ...
+
+
+class RecordViews:
+    """`PackedRecord`'s moves and slices for a record whose ``_map(fn, kind, **changes)``
+    applies ``fn`` to its tensors (``kind``: None for every tensor, ``"heads"`` / ``"tokens"``
+    for those a head / token slice cuts) and makes ``changes``."""
+
+    shape: tuple[int, int, int, int]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Any:
+        """The same record in pinned host memory (CPU tensors only; needs a CUDA build)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def select_heads(self, h0: int, h1: int) -> Any:
+        """Heads ``[h0, h1)`` as views (no copy); shape becomes ``[B, h1 - h0, S, D]``."""
+        B, H, S, D = self.shape
+        if not 0 <= h0 < h1 <= H:
+            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
+        return self._map(lambda t: t[:, h0:h1], "heads", shape=(B, h1 - h0, S, D))
+
+    def select_tokens(self, a: int, b: int) -> Any:
+        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``."""
+        B, H, S, D = self.shape
+        if not 0 <= a < b <= S:
+            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
+        if a == 0 and b == S:
+            return self
+        return self._map(lambda t: t[:, :, a:b], "tokens", shape=(B, H, b - a, D))
 
 
 @dataclass(frozen=True, eq=False)
-class TensorRecord:
+class TensorRecord(RecordViews):
     """A ready-made `PackedRecord` for codecs whose stored tensors are laid out per token.
 
     Attributes:
@@ -84,38 +112,17 @@ class TensorRecord:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(t.nbytes for t in self.parts.values())
-                   + sum(t.nbytes for t in self.whole.values()))
+        return int(sum(t.nbytes for t in [*self.parts.values(), *self.whole.values()]))
 
     @property
     def device(self) -> torch.device:
         return next(iter(self.parts.values())).device
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, whole: bool = True) -> Any:
-        return replace(self, parts={n: fn(t) for n, t in self.parts.items()},
-                       whole={n: fn(t) for n, t in self.whole.items()} if whole else self.whole)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> Any:
-        return self._map(lambda t: t.pin_memory())
-
-    def select_heads(self, h0: int, h1: int) -> Any:
-        B, H, S, D = self.shape
-        if not 0 <= h0 < h1 <= H:
-            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
-        out = self._map(lambda t: t[:, h0:h1], whole=False)
-        return replace(out, shape=(B, h1 - h0, S, D))
-
-    def select_tokens(self, a: int, b: int) -> Any:
-        B, H, S, D = self.shape
-        if not 0 <= a < b <= S:
-            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
-        if a == 0 and b == S:
-            return self
-        out = self._map(lambda t: t[:, :, a:b], whole=False)
-        return replace(out, shape=(B, H, b - a, D))
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str | None = None,
+             **changes: Any) -> Any:
+        whole = self.whole if kind else {n: fn(t) for n, t in self.whole.items()}
+        return replace(self, parts={n: fn(t) for n, t in self.parts.items()}, whole=whole,
+                       **changes)
 
     def shared_tensors(self) -> tuple[torch.Tensor, ...]:
         return ()
@@ -227,10 +234,6 @@ class KVCodec(ABC):
         """Stored bits per element of one head's ``[S, D]`` segment: ``8 * nbytes / (S * D)``."""
         return 8.0 * self.nbytes((1, 1, S, D)) / (S * D)
 
-    def describe(self) -> str:
-        """A short label for logs and metrics (the setting name by default)."""
-        return self.name
-
     def decode(self, record: PackedRecord, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A new contiguous ``[B, H, S, D]`` tensor of ``dtype`` holding the reconstruction."""
         out = torch.empty(tuple(record.shape), dtype=dtype, device=record.device)
@@ -300,11 +303,7 @@ def register_record(
 
 def record_kind(record: object) -> RecordKind | None:
     """The `RecordKind` of ``record``'s type, or None when it is not a packed record (a tensor)."""
-    for cls in type(record).__mro__:
-        kind = _KINDS.get(cls)
-        if kind is not None:
-            return kind
-    return None
+    return next((_KINDS[cls] for cls in type(record).__mro__ if cls in _KINDS), None)
 
 
 def decode_record(record: PackedRecord, dtype: torch.dtype) -> torch.Tensor:

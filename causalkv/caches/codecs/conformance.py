@@ -230,8 +230,7 @@ def check_codec(
 
     # ---- the record ----
     if not isinstance(record, PackedRecord):
-        missing = [n for n in ("shape", "nbytes", "device", "to", "pin_memory", "select_heads",
-                               "select_tokens", "shared_tensors") if not hasattr(record, n)]
+        missing = [n for n in dir(PackedRecord) if n[0] != "_" and not hasattr(record, n)]
         raise fail("record", f"encode returned a {type(record).__name__} without {', '.join(missing)}",
                    "return a PackedRecord (causalkv.caches.codecs.base.TensorRecord is a ready-made one)")
     kind = record_kind(record)

@@ -28,8 +28,9 @@ from causalkv.lazy import lazy_names
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
-    from causalkv.caches.codecs.prq.codec import PRQCodec, PRQSettings
+    from causalkv.caches.codecs.prq.codec import PRQCodec
     from causalkv.caches.codecs.prq.format import (
+        CodecSettings,
         PackedSegment,
         bits_per_element,
         packed_nbytes_formula,
@@ -49,17 +50,17 @@ _EXPORTS = {
         "causalkv.caches.codecs.prq.quantizer",
     ),
     **dict.fromkeys(
-        ("PackedSegment", "bits_per_element", "packed_nbytes_formula"),
+        ("CodecSettings", "PackedSegment", "bits_per_element", "packed_nbytes_formula"),
         "causalkv.caches.codecs.prq.format",
     ),
-    **dict.fromkeys(("PRQCodec", "PRQSettings"), "causalkv.caches.codecs.prq.codec"),
+    "PRQCodec": "causalkv.caches.codecs.prq.codec",
 }
 
 __all__ = [
     "BACKEND_ENV",
+    "CodecSettings",
     "MIN_TOKENS_PER_CENTROID",
     "PRQCodec",
-    "PRQSettings",
     "PackedSegment",
     "bits_per_element",
     "centroids_for",

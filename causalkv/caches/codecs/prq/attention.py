@@ -265,9 +265,6 @@ def supports(query: torch.Tensor, k: PackedSegment, v: PackedSegment) -> str | N
                     f"{tuple(query.shape)}: B, H and D must agree")
         if seg.device != query.device:
             return f"{name} is on {seg.device}, the query on {query.device}"
-        if seg.bits not in (2, 4) or D % seg.block_size or (seg.block_size * seg.bits) % 8:
-            return (f"{name} has bits={seg.bits}, block_size={seg.block_size}: the kernel "
-                    f"reads 2/4-bit codes in whole-byte blocks that divide head_dim {D}")
     if k.shape[2] != v.shape[2]:
         return f"k has {k.shape[2]} tokens, v {v.shape[2]}"
     if D & (D - 1) or not 16 <= D <= _MAX_HEAD_DIM:

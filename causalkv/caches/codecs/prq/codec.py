@@ -8,7 +8,6 @@ an attention kernel straight over its records (`causalkv.caches.codecs.prq.atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,23 +15,10 @@ import torch
 from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
-from causalkv.caches.codecs.prq.format import PackedSegment, bits_per_element, packed_nbytes_formula
+from causalkv.caches.codecs.prq.format import CodecSettings, PackedSegment, packed_nbytes_formula
 from causalkv.env import text as env_text
 
-__all__ = ["PRQCodec", "PRQSettings"]
-
-
-@dataclass(frozen=True)
-class PRQSettings:
-    """What `quantizer.quantize` reads (the `CodecSettings` protocol), fixed for one codec."""
-
-    bits: int
-    centroids: int = 128
-    block_size: int = 64
-    stages: int = 1
-    kmeans_iters: int = 2
-    asymmetric: bool = False
-    grid: str = "reference"
+__all__ = ["PRQCodec"]
 
 
 class PRQCodec(KVCodec):
@@ -47,7 +33,7 @@ class PRQCodec(KVCodec):
     shares_codebooks = True
     reads = frozenset({"centroids", "block_size", "stages", "kmeans_iters", "asymmetric", "grid"})
 
-    def __init__(self, settings: PRQSettings, name: str = "") -> None:
+    def __init__(self, settings: CodecSettings, name: str = "") -> None:
         self.settings = settings
         self.name = name or f"int{settings.bits}"
 
@@ -55,7 +41,7 @@ class PRQCodec(KVCodec):
     def from_settings(cls, settings: Any, *, bits: int, **_: Any) -> PRQCodec:
         """PRQ at ``bits`` with the cache record's centroids, block size, stages, k-means
         iterations, zero points and grid."""
-        return cls(PRQSettings(bits, **{f: getattr(settings, f) for f in cls.reads}))
+        return cls(CodecSettings(bits, **{f: getattr(settings, f) for f in cls.reads}))
 
     def encode(
         self, x: torch.Tensor, *, seed: int = 1234, head_offset: int = 0,
@@ -74,9 +60,6 @@ class PRQCodec(KVCodec):
         """The bf16 centroids ``[B, H, K, D]`` per stage, ``K = min(centroids, S)``."""
         B, H, S, D = (int(v) for v in shape)
         return 2 * self.settings.stages * B * H * min(self.settings.centroids, S) * D
-
-    def bits_per_element(self, S: int, D: int) -> float:
-        return bits_per_element(S, D, self.settings)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """PRQ's bound per element, from its definition (`quantizer`), for any settings.

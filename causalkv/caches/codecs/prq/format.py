@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from causalkv.caches.codecs.base import CodecError
+from causalkv.caches.codecs.base import CodecError, RecordViews
 
 __all__ = [
     "FP8_MAX",
@@ -47,7 +47,7 @@ __all__ = [
     "bits_per_element",
     "encode_scales",
     "packed_nbytes_formula",
-    "scale_exponent",
+    "pow2",
     "scale_exponents",
     "scale_table",
 ]
@@ -58,26 +58,22 @@ MIN_SCALE_EXP = -100  # 2**-e stays a finite float32 power of two
 POISON_SCALE_EXP = 32767  # int16 max: 2**e is inf, so every decoded value is inf or NaN
 
 
-class CodecSettings(Protocol):
-    """The settings the codec reads (`causalkv.caches.qvg.options.QVGKVQuantArgs` has them): residual
-    ``bits`` (None: off, 2 or 4), ``centroids`` per (batch, head) per stage, ``block_size``
-    channels per scale, k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points,
-    and the level ``grid`` (``"reference"`` or ``"mse4"``)."""
+@dataclass(frozen=True)
+class CodecSettings:
+    """The settings the codec reads, fixed for one codec (`PRQCodec` holds one); `quantize`
+    and the byte formulas take any object with these attributes
+    (`causalkv.caches.qvg.options.QVGKVQuantArgs` has them): residual ``bits`` (None: off, 2
+    or 4), ``centroids`` per (batch, head) per stage, ``block_size`` channels per scale,
+    k-means ``stages`` and ``kmeans_iters``, ``asymmetric`` zero points, and the level
+    ``grid`` (``"reference"`` or ``"mse4"``)."""
 
-    @property
-    def bits(self) -> int | None: ...
-    @property
-    def centroids(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def stages(self) -> int: ...
-    @property
-    def kmeans_iters(self) -> int: ...
-    @property
-    def asymmetric(self) -> bool: ...
-    @property
-    def grid(self) -> str: ...
+    bits: int | None
+    centroids: int = 128
+    block_size: int = 64
+    stages: int = 1
+    kmeans_iters: int = 2
+    asymmetric: bool = False
+    grid: str = "reference"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +93,7 @@ def _apply(fn, value):
 
 
 @dataclass
-class PackedSegment:
+class PackedSegment(RecordViews):
     """One PRQ-packed segment of K or V, logical shape ``[B, H, S, D]``.
 
     Attributes:
@@ -129,11 +125,9 @@ class PackedSegment:
     @property
     def nbytes(self) -> int:
         """Exactly the stored bytes: the sum of every tensor's ``nbytes``."""
-        total = self.codes.nbytes + self.scales.nbytes + self.scale_exp.nbytes
-        total += sum(c.nbytes for c in self.centroids) + sum(i.nbytes for i in self.ids)
-        if self.zeros is not None:
-            total += self.zeros.nbytes
-        return int(total)
+        values = [getattr(self, f) for f in _TENSORS]
+        return int(sum(t.nbytes for v in values if v is not None
+                       for t in (v if isinstance(v, list) else [v])))
 
     @property
     def device(self) -> torch.device:
@@ -156,8 +150,13 @@ class PackedSegment:
         """The centroids: segments packed with a shared codebook reference the same tensors."""
         return tuple(self.centroids)
 
-    def _map(self, fn, fields: tuple[str, ...] = _TENSORS, **changes: Any) -> PackedSegment:
-        """A copy with ``fn`` applied to each tensor of ``fields`` (and ``changes`` made)."""
+    def _map(self, fn, kind: str | None = None, **changes: Any) -> PackedSegment:
+        """A copy with ``fn`` applied to each tensor (only the per-token ones for ``kind``
+        ``"tokens"``: the centroids and the per-head scale exponents are shared with ``self``,
+        so `nbytes` of a token slice counts them whole) and ``changes`` made.
+        `dequantize` reads a slice through its strides: decoding part of a segment costs that
+        part only."""
+        fields = _PER_TOKEN if kind == "tokens" else _TENSORS
         return replace(self, **{f: _apply(fn, getattr(self, f)) for f in fields}, **changes)
 
     @staticmethod
@@ -178,36 +177,6 @@ class PackedSegment:
         B, _, S, D = parts[0].shape
         heads = sum(p.shape[1] for p in parts)
         return replace(parts[0], **{f: cat(f) for f in _TENSORS}, shape=(B, heads, S, D))
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedSegment:
-        """The same segment on ``device`` (for offload / onload)."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> PackedSegment:
-        """The same segment in pinned host memory (CPU tensors only; needs a CUDA build)."""
-        return self._map(lambda t: t.pin_memory())
-
-    def select_heads(self, h0: int, h1: int) -> PackedSegment:
-        """Heads ``[h0, h1)`` as views (no copy); shape becomes ``[B, h1 - h0, S, D]``."""
-        B, H, S, D = self.shape
-        if not 0 <= h0 < h1 <= H:
-            raise CodecError(f"select_heads: need 0 <= h0 < h1 <= {H}, got h0={h0}, h1={h1}")
-        return self._map(lambda t: t[:, h0:h1], shape=(B, h1 - h0, S, D))
-
-    def select_tokens(self, a: int, b: int) -> PackedSegment:
-        """Tokens ``[a, b)`` as views (no copy); shape becomes ``[B, H, b - a, D]``.
-
-        The ids, codes, scales and zeros are sliced along S; the centroids and the per-head
-        scale exponents are shared with ``self`` (so `nbytes` of the slice counts them whole).
-        `dequantize` reads such a slice through its strides: decoding part of a segment
-        costs that part only.
-        """
-        B, H, S, D = self.shape
-        if not 0 <= a < b <= S:
-            raise CodecError(f"select_tokens: need 0 <= a < b <= {S}, got a={a}, b={b}")
-        if a == 0 and b == S:
-            return self
-        return self._map(lambda t: t[:, :, a:b], _PER_TOKEN, shape=(B, H, b - a, D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,18 +205,12 @@ def packed_nbytes_formula(shape: tuple[int, int, int, int], args: CodecSettings)
 
 
 def bits_per_element(S: int, D: int, args: CodecSettings) -> float:
-    """``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S + 16/(S*D)``, ``K = min(centroids, S)``.
-
-    The last term is the per-head int16 scale exponent.
-    """
+    """Stored bits per element of one head's ``[S, D]`` segment (16 when ``args.bits`` is None):
+    ``bits + 8/block [+ 8/block] + 8*stages/D + 16*stages*K/S + 16/(S*D)``,
+    ``K = min(centroids, S)``, the last term the per-head int16 scale exponent."""
     if args.bits is None:
         return 16.0
-    K = min(args.centroids, S)
-    zeros = 8.0 / args.block_size if args.asymmetric else 0.0
-    return (
-        args.bits + 8.0 / args.block_size + zeros + 8.0 * args.stages / D
-        + 16.0 * args.stages * K / S + 16.0 / (S * D)
-    )
+    return 8.0 * packed_nbytes_formula((1, 1, S, D), args) / (S * D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,16 +228,12 @@ def scale_exponents(max_scale: torch.Tensor) -> torch.Tensor:
     return torch.where(max_scale > 0, e, 0).to(torch.int32)
 
 
-def scale_exponent(max_scale: float) -> int:
-    """`scale_exponents` of one number."""
-    return int(scale_exponents(torch.tensor(float(max_scale), dtype=torch.float64)))
-
-
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """``2.0**e`` in float32 for int ``e`` within float32's normal range (exact)."""
-    return torch.exp2(e.to(torch.float64)).to(torch.float32)
-
-
+def pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exactly ``2.0**e`` as ``dtype`` (float32 or float64) for int ``e`` in its normal range,
+    built from the exponent bits (no host value, no rounding)."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def encode_scales(
@@ -286,8 +245,8 @@ def encode_scales(
     ``round_up`` picks the next e4m3 value at or above the scale (never below), so a
     symmetric/asymmetric grid still covers the block's range after rounding.
     """
-    up = _pow2(exp)
-    scaled = (scale * _pow2(-exp)).clamp_(0.0, FP8_MAX)
+    up = pow2(exp, torch.float32)
+    scaled = (scale * pow2(-exp, torch.float32)).clamp_(0.0, FP8_MAX)
     enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     if round_up:
         low = enc.view(torch.float8_e4m3fn).float() < scaled
@@ -314,7 +273,6 @@ def scale_table(scale_exp: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (base * torch.exp2(e)).float()
 
 
-
 # ---------------------------------------------------------------------------------------------
 # What a backend implements
 # ---------------------------------------------------------------------------------------------
@@ -327,11 +285,9 @@ class Backend(Protocol):
 
     def kmeans_assign(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Nearest centroid ``[G, S]`` int64 of each token (ties: the lowest index)."""
-        ...
 
     def kmeans_update(self, x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Lloyd update ``[G, K, D]``: each cluster's mean, an empty cluster keeps ``c``."""
-        ...
 
     def quantize_pack(
         self, r: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, *,
@@ -339,9 +295,7 @@ class Backend(Protocol):
     ) -> torch.Tensor:
         """Residual ``r`` quantized with decoded block scales (and zero points), packed:
         ``[N, D * bits // 8]`` uint8 (the codes of the module docstring)."""
-        ...
 
     def dequantize_into(self, packed: PackedSegment, out: torch.Tensor) -> None:
         """The reconstruction of ``packed`` written into ``out [B, H, S, D]`` (any strides,
         float dtype, on ``packed.device``)."""
-        ...

@@ -50,6 +50,7 @@ from causalkv.caches.codecs.prq.format import (
     CodecSettings,
     PackedSegment,
     encode_scales,
+    pow2,
     scale_exponents,
 )
 from causalkv.caches.codecs.prq.workspace import temporary
@@ -136,33 +137,24 @@ def _block_scales(
 def _check_args(args: CodecSettings, D: int) -> None:
     """The codec's own limits on ``args`` for head_dim ``D`` (a `QVGKVQuantArgs` checked its
     ranges on construction; any other settings object is checked here)."""
-    if args.bits is None:
-        raise CodecError(
-            "quantize: args.bits is None (quantization off, or not a PRQ setting); pass "
-            "QVGKVQuantArgs(codec=\"int2\") or codec=\"int4\""
-        )
     if args.bits not in (2, 4):
-        raise CodecError(f"quantize: bits must be 2 or 4, got {args.bits!r}")
+        raise CodecError(f"quantize: bits must be 2 or 4 (codec int2 or int4; None is "
+                         f"quantization off), got {args.bits!r}")
     for name in ("centroids", "block_size", "stages", "kmeans_iters"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise CodecError(f"quantize: {name} must be a positive int, got {value!r}")
     if args.centroids > 256:
-        raise CodecError(
-            f"quantize: centroids must be <= 256 (cluster ids are uint8), got {args.centroids}"
-        )
+        raise CodecError(f"quantize: centroids must be <= 256 (cluster ids are uint8), "
+                         f"got {args.centroids}")
     if args.grid not in ("reference", "mse4"):
         raise CodecError(f"quantize: grid must be 'reference' or 'mse4', got {args.grid!r}")
     if D % args.block_size:
-        raise CodecError(
-            f"quantize: head_dim {D} is not divisible by block_size {args.block_size}; "
-            f"choose a block size that divides {D}"
-        )
+        raise CodecError(f"quantize: head_dim {D} is not divisible by block_size "
+                         f"{args.block_size}; choose a block size that divides {D}")
     if (args.block_size * args.bits) % 8:
-        raise CodecError(
-            f"quantize: block_size {args.block_size} x {args.bits} bits is not a whole number "
-            f"of bytes; use a block size divisible by {8 // args.bits}"
-        )
+        raise CodecError(f"quantize: block_size {args.block_size} x {args.bits} bits is not a "
+                         f"whole number of bytes; use a block size divisible by {8 // args.bits}")
 
 
 def head_seed(seed: int, b: int, head: int) -> int:
@@ -207,14 +199,6 @@ def kmeans_draws(
     return tuple(out)
 
 
-def _pow2_bits(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Exactly ``2.0**e`` as ``dtype`` (float32 or float64) for int ``e`` in its normal range,
-    built from the exponent bits (no host value, no rounding)."""
-    if dtype == torch.float64:
-        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
-    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
 def _mul_pow2(
     t: torch.Tensor, e: torch.Tensor, dtype: torch.dtype, work: torch.dtype
 ) -> torch.Tensor:
@@ -227,8 +211,8 @@ def _mul_pow2(
     shape = (-1,) + (1,) * (t.dim() - 1)
     lo, hi = (-1022, 1023) if work == torch.float64 else (-126, 127)
     a = e.clamp(lo, hi)
-    out = t.to(work) * _pow2_bits(a, work).view(shape)
-    out.mul_(_pow2_bits((e - a).clamp(lo, hi), work).view(shape))  # 2**0 unless outside
+    out = t.to(work) * pow2(a, work).view(shape)
+    out.mul_(pow2((e - a).clamp(lo, hi), work).view(shape))  # 2**0 unless outside
     return out.to(dtype)
 
 
@@ -291,41 +275,32 @@ def quantize(
     """
     check_segment("quantize", x)
     if not isinstance(head_offset, int) or head_offset < 0:
-        raise CodecError(
-            f"quantize: head_offset must be an int >= 0 (global index of x's first head), "
-            f"got {head_offset!r}"
-        )
+        raise CodecError(f"quantize: head_offset must be an int >= 0 (global index of x's "
+                         f"first head), got {head_offset!r}")
     B, H, S, D = (int(v) for v in x.shape)
     _check_args(args, D)
-    if codebooks is not None:
-        if len(codebooks) != args.stages or any(
-            c.dim() != 4 or tuple(c.shape[:2]) != (B, H) or c.shape[3] != D
-            or c.dtype != torch.bfloat16 for c in codebooks
-        ):
-            raise CodecError(
-                f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
-                f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}"
-            )
+    if codebooks is not None and (len(codebooks) != args.stages or any(
+        (c.dtype, *c.shape[:2], *c.shape[3:]) != (torch.bfloat16, B, H, D) for c in codebooks
+    )):
+        raise CodecError(f"quantize: codebooks must be {args.stages} bf16 tensor(s) of shape "
+                         f"[{B}, {H}, K, {D}], got {[(tuple(c.shape), c.dtype) for c in codebooks]}")
     if B * H * S == 0:
         raise CodecError(f"quantize: empty segment {tuple(x.shape)}; nothing to pack")
     # Per-head absolute maxima: NaN/inf propagate, so one read covers the non-finite check
     # and the per-head normalization exponents.
-    head_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg())
+    flat_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg()).reshape(-1)
     impl = _IMPLS[resolve_backend(backend, x.device)]
     BH = B * H
     K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
     # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
     # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
-    flat_amax = head_amax.reshape(-1)
     finite = torch.isfinite(flat_amax)
     poisoned: torch.Tensor | None = ~finite
     if _host_checked(x.device):  # refused here; elsewhere packed poisoned (no host sync)
         if bool(poisoned.any()):
             bad = int((~torch.isfinite(x)).sum())
-            raise CodecError(
-                f"quantize: input has {bad} non-finite value(s) (NaN or inf) out of "
-                f"{x.numel()}; PRQ needs finite K/V"
-            )
+            raise CodecError(f"quantize: input has {bad} non-finite value(s) (NaN or inf) out "
+                             f"of {x.numel()}; PRQ needs finite K/V")
         poisoned = None
     # frexp is exact in any float dtype
     norm = torch.where((flat_amax > 0) & finite, torch.frexp(flat_amax)[1], 0)
@@ -379,7 +354,6 @@ def _quantize_heads(
     """
     G, S, D = xg.shape
     bits, block, grid = args.bits, args.block_size, args.grid
-    assert bits is not None
     nb = D // block
     dev = xg.device
     host = poisoned is None  # the CPU path: ``norm`` may be read on the host
@@ -387,7 +361,7 @@ def _quantize_heads(
     if host and -125 <= int(e.min()) and int(e.max()) <= 120:  # |xf| <= 1: cast, scale in place
         xf = temporary("quantize.x", G * S * D, torch.float32, dev).view(G, S, D).copy_(xg)
         if bool(e.any()):
-            xf.mul_(_pow2_bits(-e, torch.float32).view(G, 1, 1))
+            xf.mul_(pow2(-e, torch.float32).view(G, 1, 1))
     else:  # float32 work covers +-254: every exponent of a float32/bf16/fp16 input's head
         work = torch.float64 if host or xg.dtype == torch.float64 else torch.float32
         xf = _mul_pow2(xg, -e, torch.float32, work).contiguous()
@@ -428,7 +402,6 @@ def _quantize_heads(
     dec.masked_fill_(zero_block, 0.0)
     zeros = None
     if args.asymmetric:
-        assert bmin is not None
         safe = torch.where(dec > 0, dec, 1.0)
         z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
         zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
@@ -461,14 +434,12 @@ def dequantize(
     buffer, on ``packed.device``) the result is written into it in ``out.dtype`` and ``out``
     is returned; otherwise a new contiguous tensor of ``dtype`` is returned.
     """
-    shape = tuple(packed.shape)
     if out is None:
-        out = torch.empty(shape, dtype=dtype, device=packed.device)
+        out = torch.empty(tuple(packed.shape), dtype=dtype, device=packed.device)
     else:
         check_out("dequantize", packed, out)
-    if out.numel() == 0:
-        return out
-    _IMPLS[resolve_backend(backend, packed.device)].dequantize_into(packed, out)
+    if out.numel():
+        _IMPLS[resolve_backend(backend, packed.device)].dequantize_into(packed, out)
     return out
 
 

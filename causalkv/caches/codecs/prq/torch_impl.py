@@ -10,6 +10,8 @@ per (batch, head), ``c [BH, K, D]`` fp32 centroids, residual ``r [N, D]`` fp32 w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from causalkv.caches.codecs.prq.format import ZERO_BLOCK_SCALE_BYTE, PackedSegment, scale_table
@@ -115,19 +117,14 @@ def pack_fields(v: torch.Tensor, bits: int) -> torch.Tensor:
 _PACK_WORD = {2: torch.int32, 4: torch.int16}
 
 
-def unpack_levels(
-    codes: torch.Tensor, bits: int, *, odd: bool = False, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def unpack_levels(codes: torch.Tensor, bits: int, *, odd: bool = False) -> torch.Tensor:
     """Packed bytes ``[..., n]`` -> int8 ``[..., n * 8 // bits]`` signed codes ``v`` (or ``2v+1``).
 
     Sign extension by shifts: move field ``j`` to the top of the byte, reinterpret as int8,
     shift right arithmetically (by one less for ``odd``, then set the low bit).
     """
     per = 8 // bits
-    if out is None:
-        out = torch.empty(*codes.shape, per, dtype=torch.int8, device=codes.device)
-    else:
-        out = out.view(*codes.shape, per)
+    out = torch.empty(*codes.shape, per, dtype=torch.int8, device=codes.device)
     down = 8 - bits - (1 if odd else 0)
     for j in range(per):
         up = 8 - bits * (j + 1)
@@ -236,8 +233,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
     # 16 bytes and every block holds whole pairs.
     per = 8 // bits
     bpb = bs // per  # code bytes per block
-    itemsize = torch.empty((), dtype=work).element_size()
-    pair = bpb % 2 == 0 and 2 * per * itemsize <= 16
+    pair = bpb % 2 == 0 and 2 * per * work.itemsize <= 16
     lut = _lut(bits, packed.grid == "mse4", work, pair, dev)
     codes = packed.codes.view(torch.uint16) if pair else packed.codes  # [B, H, S, width]
     width = codes.shape[3]  # table lookups per token
@@ -297,23 +293,13 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
             dst.copy_(acc.view(shape4))
 
 
-_LUTS: dict[tuple, torch.Tensor] = {}
-
-
+@functools.cache
 def _lut(bits: int, odd: bool, dtype: torch.dtype, pair: bool, device: torch.device) -> torch.Tensor:
     """``[256]`` (or ``[65536]`` for little-endian byte pairs): every code byte's levels in
     ``dtype``, bit-packed into one word (int16/int32/int64/complex128) per entry."""
-    key = (bits, odd, dtype, pair, str(device))
-    if key not in _LUTS:
-        n = 65536 if pair else 256
-        byte = torch.arange(n, dtype=torch.int32)
-        byte = byte.to(torch.int16).view(torch.uint8) if pair else byte.to(torch.uint8)
-        levels = unpack_levels(byte.view(n, -1), bits, odd=odd).to(dtype).contiguous()
-        word = _LUT_WORD[levels.shape[1] * levels.element_size()]
-        _LUTS[key] = levels.view(word).view(n).to(device)
-    return _LUTS[key]
-
-
-def _level_lut(bits: int, odd: bool, device: torch.device) -> torch.Tensor:
-    """``[256]`` int64 (2 bits) / int32 (4 bits): the bf16 levels of every code byte, bit-packed."""
-    return _lut(bits, odd, torch.bfloat16, False, device)
+    n = 65536 if pair else 256
+    byte = torch.arange(n, dtype=torch.int32)
+    byte = byte.to(torch.int16).view(torch.uint8) if pair else byte.to(torch.uint8)
+    levels = unpack_levels(byte.view(n, -1), bits, odd=odd).to(dtype).contiguous()
+    word = _LUT_WORD[levels.shape[1] * levels.element_size()]
+    return levels.view(word).view(n).to(device)

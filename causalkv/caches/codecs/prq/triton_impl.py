@@ -393,21 +393,15 @@ def segment_operands(seg: PackedSegment) -> tuple[list[torch.Tensor], list[int],
     codes = rows(seg.codes)
     sc = rows(seg.scales.view(torch.uint8))
     z = rows(seg.zeros) if seg.zeros is not None else sc
-    if seg.stages == 1:
-        ids, cent = seg.ids[0], rows(seg.centroids[0])
+    if seg.stages == 1:  # in place, with a stage axis of one
+        ids, cent = seg.ids[0][None], rows(seg.centroids[0])[None]
         if ids.stride(-1) != 1:
             extra += ids.nbytes
             ids = ids.contiguous()
-        ids_st = [0, ids.stride(0), ids.stride(1)]
-        cent_st = [0, cent.stride(0), cent.stride(1)]
     else:
         ids = torch.stack(seg.ids)  # [stages, B, H, s]
         cent = torch.stack(seg.centroids)  # [stages, B, H, K, D]
         extra += ids.nbytes + cent.nbytes
-        ids_st, cent_st = list(ids.stride()[:3]), list(cent.stride()[:3])
-    exp = seg.scale_exp
-    strides = [
-        codes.stride(0), codes.stride(1), sc.stride(0), sc.stride(1), z.stride(0), z.stride(1),
-        *ids_st, *cent_st, exp.stride(0), exp.stride(1),
-    ]
-    return [codes, sc, z, ids, cent, exp], strides, extra
+    tensors = [codes, sc, z, ids, cent, seg.scale_exp]
+    strides = [st for t, n in zip(tensors, (2, 2, 2, 3, 3, 2)) for st in t.stride()[:n]]
+    return tensors, strides, extra
