@@ -206,8 +206,9 @@ class CausalDenoisingStage(StagePlanning):
         )
 
     def num_branches(self) -> int:
-        """Cache sets this stage runs (CFG stages: 2, the positive branch first)."""
-        return 1
+        """Cache sets this stage runs: 2 on a CFG stage (`supports_guidance`) with
+        ``guidance_scale > 1``, the negative branch's after the positive's; else 1."""
+        return 2 if self.supports_guidance() and self.server_args.guidance_scale > 1.0 else 1
 
     def cache_sets(self) -> list[CacheSet]:
         """Every cache set this stage owns (the positive branch first); allocated on first use."""
@@ -246,7 +247,7 @@ class CausalDenoisingStage(StagePlanning):
         (`PassMarker.committing`, with the pin the stage makes right after and the next
         chunk's size, default this one's); nothing without a marker."""
         self.cache_sets()
-        if self.marker is None or self.marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
+        if self.marker is None:
             return nullcontext()
         return self.marker.committing(pin=self.pins_after_context(), next_tokens=next_tokens)
 
@@ -333,21 +334,33 @@ class CausalDenoisingStage(StagePlanning):
             recent_window_tokens=self.recent_window_tokens(),
         )
 
+    def _branches(
+        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int,
+        rope_frame_start: float,
+    ) -> list[torch.Tensor]:
+        """One `_forward` per cache set: the positive branch with ``prompt``, a CFG stage's
+        negative branch (`num_branches` 2) with ``negative_prompt``."""
+        return [self._forward(cs, p, latents, timestep, token_start, rope_frame_start)
+                for cs, p in zip(self.cache_sets(), (prompt, self.negative_prompt))]
+
     def predict(
         self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
-        """Flow prediction ``[B, C, F, h, w]`` for one denoising step (one branch here)."""
-        return self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
+        """Flow prediction ``[B, C, F, h, w]`` for one denoising step: the positive branch's,
+        with CFG ``neg + guidance_scale * (pos - neg)``."""
+        pos, *neg = self._branches(prompt, latents, timestep, token_start, rope_frame_start)
+        if not neg:
+            return pos
+        return neg[0] + float(self.server_args.guidance_scale) * (pos - neg[0])
 
     def context_pass(
         self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         """Rewrite the chunk's K/V from the clean ``latents`` at ``context_noise`` (all branches),
-        inside `context_scope`."""
+        inside `context_scope`; the positive branch's prediction."""
         with self.context_scope():
-            return self._forward(
-                self.caches, prompt, latents, self.context_noise, token_start, rope_frame_start
-            )
+            return self._branches(prompt, latents, self.context_noise, token_start,
+                                  rope_frame_start)[0]
 
     # ---- the sampler ---------------------------------------------------------------------------
     def denoise_chunk(

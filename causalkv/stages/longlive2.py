@@ -56,7 +56,6 @@ import torch
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
 from causalkv.errors import ConfigError, check_int
 from causalkv.stages.base import CausalDenoisingStage
-from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
 from causalkv.stages.scheduler import SchedulerSpec
 from causalkv.stages.settings import even_split
@@ -265,20 +264,6 @@ class LongLive2Stage(CausalDenoisingStage):
             sched.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
         return sched.step(pred, sched.timesteps[j], x, return_dict=False)[0]
 
-    # ---- CFG ---------------------------------------------------------------------------------
-    @property
-    def guidance_scale(self) -> float:
-        return float(self.server_args.guidance_scale)
-
-    def num_branches(self) -> int:
-        """2 with classifier-free guidance (``guidance_scale > 1``): its own negative caches."""
-        return 2 if self.guidance_scale > 1.0 else 1
-
-    @property
-    def negative_caches(self) -> CacheSet | None:
-        sets = self.cache_sets()
-        return sets[1] if len(sets) > 1 else None
-
     # ---- shots -------------------------------------------------------------------------------
     @staticmethod
     def rope_offset_per_shot(model: ModelConfig, shots: ShotRequest) -> float:
@@ -356,26 +341,3 @@ class LongLive2Stage(CausalDenoisingStage):
             for cache in cs.kv:
                 cache.pin_current_chunk(n)
         self.pinned_chunks.append(chunk_index)
-
-    def predict(
-        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
-    ) -> torch.Tensor:
-        pos = self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
-        if self.negative_caches is None:
-            return pos
-        neg = self._forward(
-            self.negative_caches, self.negative_prompt, latents, timestep, token_start, rope_frame_start
-        )
-        return neg + self.guidance_scale * (pos - neg)
-
-    def context_pass(
-        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
-    ) -> torch.Tensor:
-        with self.context_scope():
-            pred = super().context_pass(prompt, latents, token_start, rope_frame_start)
-            if self.negative_caches is not None:
-                self._forward(
-                    self.negative_caches, self.negative_prompt, latents, self.context_noise,
-                    token_start, rope_frame_start,
-                )
-        return pred

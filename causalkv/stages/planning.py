@@ -94,9 +94,8 @@ class StagePlanning:
         sink = model.sink_frames if server_args.sink_frames is None else server_args.sink_frames
         global_sink = min(sink, model.global_sink_frames if model.global_sink_frames is not None else sink)
         window = model.window_frames if server_args.window_frames is None else server_args.window_frames
-        cache = window
-        if server_args.window_frames is None and model.cache_frames is not None:
-            cache = max(model.cache_frames, window)
+        overridden = server_args.window_frames is not None
+        cache = window if overridden else max(model.cache_frames or 0, window)
         recent = server_args.recent_window_frames
         return StreamSettings(
             frames_per_chunk=model.frames_per_chunk,
