@@ -65,9 +65,7 @@ class LingBotWorldStage(CausalDenoisingStage):
 
     options: MotionOptions  # the request's record (the registration declares it)
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
+    has_qvg = True
 
     @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:

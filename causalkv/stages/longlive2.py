@@ -171,17 +171,7 @@ class LongLive2Stage(CausalDenoisingStage):
     #: the layout of the request being generated (set by `begin_request`)
     layout: ShotLayout | None = None
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_multi_shot(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_guidance(cls) -> bool:
-        return True
+    has_qvg = has_multi_shot = has_guidance = True
 
     @classmethod
     def scheduler_spec(cls, model: ModelConfig) -> SchedulerSpec:
