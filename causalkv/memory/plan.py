@@ -11,7 +11,7 @@ shared codebook counted once. No tiering rule lives here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -328,12 +328,18 @@ def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
         n = slots if geom.window_is_video else max(chunks, slots + 2)
         return plan_work(n, slots) if n <= MAX_CHUNKS else MAX_WORK + 1
 
-    lo, hi = smallest, max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
+    hi = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
     if work(hi) <= MAX_WORK:
         return hi
-    while hi - lo > fpc:  # work grows with the window
+    return _bisect(smallest, hi, fpc, lambda w: work(w) <= MAX_WORK)  # work grows with w
+
+
+def _bisect(lo: int, hi: int, fpc: int, ok: Callable[[int], bool]) -> int:
+    """The last chunk multiple from ``lo`` before ``hi`` where ``ok`` holds (``ok(lo)``, not
+    ``ok(hi)``; ``ok`` holds up to a window and not after it)."""
+    while hi - lo > fpc:
         mid = lo + (hi - lo) // (2 * fpc) * fpc
-        lo, hi = (mid, hi) if work(mid) <= MAX_WORK else (lo, mid)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
 
@@ -371,24 +377,14 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     if fits(guess):
         lo = guess
         while lo < top and fits(min(top, lo + step)):
-            lo = min(top, lo + step)
-            step *= 2
-        if lo >= top:
-            return top
-        hi = min(top, lo + step)
+            lo, step = min(top, lo + step), step * 2
+        hi = min(top, lo + step)  # lo itself once lo is the top
     else:
         hi = guess
         while hi - step > smallest and not fits(hi - step):
-            hi -= step
-            step *= 2
+            hi, step = hi - step, step * 2
         lo = max(smallest, hi - step)
-    while hi - lo > fpc:  # lo fits, hi does not
-        mid = lo + (hi - lo) // (2 * fpc) * fpc
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(lo, hi, fpc, fits)
 
 
 def _unusable(codec: str | None) -> bool:
