@@ -43,13 +43,14 @@ from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 from causalkv.capabilities import PROBE_COMMIT
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
-from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet
+from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.loop import ChunkLoop, renoise
 from causalkv.stages.planning import StagePlanning
 from causalkv.stages.records import ForwardRecord
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
+    from causalkv.hooks import CacheFactory
 
 __all__ = ["CausalDenoisingStage", "ChunkDenoiser"]
 
@@ -113,7 +114,7 @@ class CausalDenoisingStage(StagePlanning):
         *,
         denoiser: ChunkDenoiser,
         scheduler: Any,
-        cache_factory: CacheFactoryLike,
+        cache_factory: CacheFactory,
         encode_prompt: Callable[[str], torch.Tensor],
         batch_size: int = 1,
         negative_prompt: str = "",
