@@ -204,7 +204,7 @@ class LongLive2Stage(CausalDenoisingStage):
         the request's `ShotRequest`, as a `ShotPlan` (a list of chunk prompts with its layout)."""
         cls.check_request_fields(server_args, num_chunks)
         shots = server_args.option(ShotRequest)
-        if len(check_prompts(prompts)) == 1 and not shots.is_default:
+        if len(check_prompts(prompts)) == 1 and shots.changed():  # a shot field was given
             raise ConfigError(
                 "shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
                 "--no-multi-shot-sink, --multi-shot-rope-offset) shape a multi-shot request, and "
