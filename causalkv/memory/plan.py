@@ -323,15 +323,13 @@ def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
     fpc = geom.frames_per_chunk
     chunks = request_latent_frames(geom, req)[0] // fpc
 
-    def work(w: int) -> int:
+    def plannable(w: int) -> bool:  # within MAX_CHUNKS and MAX_WORK (the work grows with w)
         slots = w // fpc
         n = slots if geom.window_is_video else max(chunks, slots + 2)
-        return plan_work(n, slots) if n <= MAX_CHUNKS else MAX_WORK + 1
+        return n <= MAX_CHUNKS and plan_work(n, slots) <= MAX_WORK
 
     hi = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
-    if work(hi) <= MAX_WORK:
-        return hi
-    return _bisect(smallest, hi, fpc, lambda w: work(w) <= MAX_WORK)  # work grows with w
+    return hi if plannable(hi) else _bisect(smallest, hi, fpc, plannable)
 
 
 def _bisect(lo: int, hi: int, fpc: int, ok: Callable[[int], bool]) -> int:
