@@ -119,15 +119,14 @@ def expand_shots(
     check_int("chunks", num_chunks, minimum=1, hint="pass more --frames")
     check_int("--chunks-per-shot", chunks_per_shot, minimum=0, hint="or 0 for an even split")
     if durations is not None:
-        durations = list(durations)
-        if len(durations) != len(prompts):
+        wanted = list(durations)
+        if len(wanted) != len(prompts):
             raise ConfigError(
-                f"shot durations must match the shot prompts: {len(durations)} durations "
-                f"{durations} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
+                f"shot durations must match the shot prompts: {len(wanted)} durations "
+                f"{wanted} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
             )
-        for d in durations:
+        for d in wanted:
             check_int("shot durations", d, minimum=1, hint="each --shot-durations entry is a positive chunk count")
-        wanted = durations
     elif chunks_per_shot > 0:
         wanted = [chunks_per_shot] * len(prompts)
     else:

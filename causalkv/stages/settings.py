@@ -73,9 +73,8 @@ class StreamSettings:
 
     @property
     def recent_window_tokens(self) -> int | None:
-        if self.recent_window_frames is None:
-            return None
-        return self.recent_window_frames * self.tokens_per_frame
+        recent = self.recent_window_frames
+        return None if recent is None else recent * self.tokens_per_frame
 
     def kv_spec(self, **layer: Any) -> CausalCacheSpec:
         """One layer's `CausalCacheSpec`: these settings in tokens (frames x
