@@ -308,13 +308,6 @@ class CausalDenoisingStage(StagePlanning):
         """Called after a chunk's context pass (LongLive 2.0 pins a scene cut here)."""
 
     # ---- the transformer calls -----------------------------------------------------------
-    def _conditioning(self, cs: CacheSet, prompt: str) -> torch.Tensor:
-        """Prompt embeddings for ``prompt``; a new prompt empties ``cs``'s cross caches."""
-        if cs.prompt != prompt:
-            cs.reset_cross()
-            cs.prompt = prompt
-        return self.encode_prompt(prompt)
-
     def _forward(
         self,
         cs: CacheSet,
@@ -324,10 +317,15 @@ class CausalDenoisingStage(StagePlanning):
         token_start: int,
         rope_frame_start: float,
     ) -> torch.Tensor:
+        """One transformer call on branch ``cs`` with ``prompt``'s embeddings; a new prompt
+        empties ``cs``'s cross caches first."""
+        if cs.prompt != prompt:
+            cs.reset_cross()
+            cs.prompt = prompt
         return self.denoiser(
             latents,
             timestep,
-            self._conditioning(cs, prompt),
+            self.encode_prompt(prompt),
             kv_caches=cs.kv,
             cross_caches=cs.cross,
             token_start=token_start,
