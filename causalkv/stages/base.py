@@ -333,10 +333,8 @@ class CausalDenoisingStage(StagePlanning):
             recent_window_tokens=self.recent_window_tokens(),
         )
 
-    def _branches(
-        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int,
-        rope_frame_start: float,
-    ) -> list[torch.Tensor]:
+    def _branches(self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int,
+                  rope_frame_start: float) -> list[torch.Tensor]:
         """One `_forward` per cache set: the positive branch with ``prompt``, a CFG stage's
         negative branch (`num_branches` 2) with ``negative_prompt``."""
         return [self._forward(cs, p, latents, timestep, token_start, rope_frame_start)
