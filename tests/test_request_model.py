@@ -268,7 +268,7 @@ def test_shot_flags_build_the_request() -> None:
     assert o.server_args.option(ShotRequest) == ShotRequest(
         durations=(3, 2), chunks_per_shot=2, scene_cut_prefix="", multi_shot_sink=False,
         multi_shot_rope_offset=1.5)
-    assert _options("--prompt", "a", "--prompt", "b").server_args.option(ShotRequest).is_default
+    assert not _options("--prompt", "a", "--prompt", "b").server_args.option(ShotRequest).changed()
     assert _options("--motion", "m,s").server_args.option(MotionOptions).motion == ("m", "s")
     with pytest.raises(ConfigError, match="with --prompt or with --shot-prompt, not both"):
         _options("--prompt", "a", "--shot-prompt", "b")

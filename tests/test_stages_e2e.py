@@ -80,8 +80,8 @@ def test_longlive2_multi_shot_pins_scene_cuts_with_int2(causalkv_home: str, pm) 
     plan, run = plan_and_run(options, pm)
     stage = run.stage
     assert plan.server_args.multi_shot and stage.pinned_chunks == [4]
-    assert stage.negative_caches is not None  # CFG 3.0: its own negative cache
-    assert all(type(c) is QVGPackedCausalKVCache for c in stage.negative_caches.kv)
+    assert len(stage.cache_sets()) == 2  # CFG 3.0: its own negative cache
+    assert all(type(c) is QVGPackedCausalKVCache for c in stage.cache_sets()[1].kv)
     # RoPE: shot 1 is offset by 2 frames
     assert [s["rope_frame_start"] for s in run.chunk_stats] == [0, 2, 4, 6, 10, 12, 14, 16]
     # window 8 frames = 128 tokens. The last commit kept what the next chunk [256, 288) reads:

@@ -63,31 +63,17 @@ from __future__ import annotations
 
 from causalkv.lazy import lazy_names
 
-#: each name's module, imported on first use: ``causalkv memory --help`` reads `records` and
+#: each module's names, imported on first use: ``causalkv memory --help`` reads `records` and
 #: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
-_HOMES = {
-    "ATTENTION": "causalkv.memory.records",
-    "BUILTIN_MODELS": "causalkv.memory.geometry",
-    "CacheModel": "causalkv.memory.records",
-    "ChunkState": "causalkv.memory.layout",
-    "DTYPE_BYTES": "causalkv.memory.records",
-    "ROLLING_SLOT_CACHE": "causalkv.memory.cache_models",
-    "MemoryPlan": "causalkv.memory.plan",
-    "MemoryRequest": "causalkv.memory.records",
-    "ModelGeometry": "causalkv.memory.geometry",
-    "SETTINGS": "causalkv.memory.records",
-    "STREAM_CACHE": "causalkv.memory.cache_models",
-    "Setting": "causalkv.memory.records",
-    "SettingPlan": "causalkv.memory.plan",
-    "StreamLayout": "causalkv.memory.records",
-    "attention_of": "causalkv.memory.records",
-    "format_bytes": "causalkv.memory.records",
-    "parse_bytes": "causalkv.memory.records",
-    "plan_memory": "causalkv.memory.plan",
-    "plan_setting": "causalkv.memory.plan",
-    "positions": "causalkv.memory.layout",
-    "stream_layout": "causalkv.memory.layout",
+_NAMES = {
+    "records": ("ATTENTION", "CacheModel", "DTYPE_BYTES", "MemoryRequest", "SETTINGS", "Setting",
+                "StreamLayout", "attention_of", "format_bytes", "parse_bytes"),
+    "geometry": ("BUILTIN_MODELS", "ModelGeometry"),
+    "cache_models": ("ROLLING_SLOT_CACHE", "STREAM_CACHE"),
+    "layout": ("ChunkState", "positions", "stream_layout"),
+    "plan": ("MemoryPlan", "SettingPlan", "plan_memory", "plan_setting"),
 }
+_HOMES = {name: f"causalkv.memory.{module}" for module, names in _NAMES.items() for name in names}
 
 
 __all__ = sorted(_HOMES)

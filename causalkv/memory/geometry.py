@@ -5,7 +5,7 @@ models (`BUILTIN_MODELS`). A causalkv preset or a local diffusers / sglang folde
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from causalkv.errors import ConfigError, check_int
 
@@ -51,9 +51,7 @@ class ModelGeometry:
     window_is_video: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "head_dim", "vae_scale_spatial",
-                     "vae_scale_temporal", "frames_per_chunk", "window_frames", "height",
-                     "width", "fps", "default_frames", "sink_frames", "global_sink_frames"):
+        for name in (f.name for f in fields(self) if f.type == "int"):  # the sinks may be 0
             check_int(f"{self.name}: {name}", getattr(self, name), minimum=0 if "sink" in name else 1,
                       hint="fix the model's config")
         if len(self.patch) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch):

@@ -39,10 +39,8 @@ def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int,
             raise ConfigError(f"--seconds must be a finite number > 0, got {sec!r}; pass e.g. 10")
         fps = geom.fps if req.fps is None else req.fps
         need = max(1, math.ceil(sec * fps - 1e-9))
-        latent = geom.latent_frames(need)
-        if geom.video_frames(latent) < need:
-            latent += 1
-        latent = -(-latent // fpc) * fpc  # whole chunks: the shortest video that lasts
+        latent = -(-(need - 1) // s) + 1  # the fewest latent frames whose video lasts
+        latent = -(-latent // fpc) * fpc  # in whole chunks
     else:
         frames = geom.default_frames if req.frames is None else req.frames
         check_int("--frames", frames, minimum=1, hint="pass the video frames, e.g. "

@@ -11,7 +11,7 @@ shared codebook counted once. No tiering rule lives here.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -170,18 +170,12 @@ class _Seg(TierSegment):
 
 
 def _resident(segs: Sequence[_Seg], per_token: int) -> int:
-    """One layer's bytes held, a shared codebook counted once (`SegmentStore.resident_nbytes`)."""
-    total, books = 0, set()
-    for s in segs:
-        if not s.packed:
-            total += (s.end - s.start) * per_token
-            continue
-        total += s.nbytes
-        if s.book >= 0:
-            if s.book in books:
-                total -= s.shared
-            books.add(s.book)
-    return total
+    """One layer's bytes held, a shared codebook counted once (`SegmentStore.resident_nbytes`):
+    every packed segment's bytes include its book's ``shared`` bytes."""
+    dense = sum(s.end - s.start for s in segs if not s.packed) * per_token
+    books = [(s.book, s.shared) for s in segs if s.packed and s.book >= 0]
+    repeats = sum(shared for _, shared in books) - sum(dict(books).values())
+    return dense + sum(s.nbytes for s in segs if s.packed) - repeats
 
 
 def plan_setting(
@@ -206,11 +200,9 @@ def plan_setting(
     n = lay.chunk_tokens
     states = positions(lay, cache.positions) if states is None else states
     per_token = 2 * B * H * D * item  # K and V of one token, one layer, dense
-    sets_layers = geom.num_layers * lay.sets
-    dense_bytes = sets_layers * lay.cache_tokens * 2 * B * H * D * item
+    LS = geom.num_layers * lay.sets  # the layers of every cache set
     q = setting.quant_args(sink=sink) if quant is None else quant.validate()
     q.check_layout(D)
-    policy = cache.policy
     tiering = TierPolicy(q, cache.min_tokens_per_centroid, B, H, D, item)
     segs: list[_Seg] = []
     book: _Book | None = None
@@ -247,20 +239,18 @@ def plan_setting(
             book = None  # every segment using it rolled out: a fresh one next
         if q.enabled:
             ahead = cs.index + 1  # the chunk after this one: every chunk held is completed
-            segs, book, _ = tiering.settle(policy, segs, ahead, book, pack, sink_end=cs.sink_end,
-                                           pinned=cs.pinned, sink_open=cs.sink_end > ahead * n,
-                                           chunk_tokens=n)
+            segs, book, _ = tiering.settle(cache.policy, segs, ahead, book, pack,
+                                           sink_end=cs.sink_end, pinned=cs.pinned,
+                                           sink_open=cs.sink_end > ahead * n, chunk_tokens=n)
         resident.append(_resident(segs, per_token))
         if record:
             tiers.append({c: s.codec for s in segs for c in s.chunks})
-    kv = sets_layers * max(resident, default=0)
     transient = max((max(deno, ctx) for deno, ctx, _ in window), default=0) * per_token
     # while chunk i is generated every layer holds chunk i-1's context (its denoising passes:
     # probes store nothing),
     # then, layer by layer, chunk i's (its context pass): when layer j fills its buffer, the
     # layers before it (and, when it fills it after its move, layer j too) hold chunk i's
     # context, the others chunk i-1's; the most over j is at one end
-    LS = sets_layers
 
     def context(before: int, after: int, moved: bool) -> int:
         if moved:
@@ -274,9 +264,9 @@ def plan_setting(
         default=0,
     )
     return SettingPlan(
-        setting=setting.name, kv_bytes=kv, peak_bytes=peak, dense_bytes=dense_bytes,
-        chunk_bytes=n * per_token, transient_bytes=transient, resident_per_chunk=tuple(resident),
-        tiers_per_chunk=tuple(tiers),
+        setting=setting.name, kv_bytes=LS * max(resident, default=0), peak_bytes=peak,
+        dense_bytes=LS * lay.cache_tokens * per_token, chunk_bytes=n * per_token,
+        transient_bytes=transient, resident_per_chunk=tuple(resident), tiers_per_chunk=tuple(tiers),
     )
 
 
@@ -312,10 +302,8 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     window)."""
     fpc = geom.frames_per_chunk
     if window not in memo:  # the positions are the same for every setting
-        if geom.window_is_video:
-            latent = window
-        else:
-            latent = max(request_latent_frames(geom, req)[0], window + 2 * fpc)
+        latent = window if geom.window_is_video else max(
+            request_latent_frames(geom, req)[0], window + 2 * fpc)
         r = replace(req, frames=None, seconds=None, fps=None, latent_frames=latent,
                     window_frames=window)
         lay = stream_layout(geom, r)  # valid: the search starts at the smallest valid window
@@ -335,17 +323,21 @@ def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
     fpc = geom.frames_per_chunk
     chunks = request_latent_frames(geom, req)[0] // fpc
 
-    def work(w: int) -> int:
+    def plannable(w: int) -> bool:  # within MAX_CHUNKS and MAX_WORK (the work grows with w)
         slots = w // fpc
         n = slots if geom.window_is_video else max(chunks, slots + 2)
-        return plan_work(n, slots) if n <= MAX_CHUNKS else MAX_WORK + 1
+        return n <= MAX_CHUNKS and plan_work(n, slots) <= MAX_WORK
 
-    lo, hi = smallest, max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
-    if work(hi) <= MAX_WORK:
-        return hi
-    while hi - lo > fpc:  # work grows with the window
+    hi = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
+    return hi if plannable(hi) else _bisect(smallest, hi, fpc, plannable)
+
+
+def _bisect(lo: int, hi: int, fpc: int, ok: Callable[[int], bool]) -> int:
+    """The last chunk multiple from ``lo`` before ``hi`` where ``ok`` holds (``ok(lo)``, not
+    ``ok(hi)``; ``ok`` holds up to a window and not after it)."""
+    while hi - lo > fpc:
         mid = lo + (hi - lo) // (2 * fpc) * fpc
-        lo, hi = (mid, hi) if work(mid) <= MAX_WORK else (lo, mid)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
 
@@ -383,24 +375,14 @@ def _longest(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     if fits(guess):
         lo = guess
         while lo < top and fits(min(top, lo + step)):
-            lo = min(top, lo + step)
-            step *= 2
-        if lo >= top:
-            return top
-        hi = min(top, lo + step)
+            lo, step = min(top, lo + step), step * 2
+        hi = min(top, lo + step)  # lo itself once lo is the top
     else:
         hi = guess
         while hi - step > smallest and not fits(hi - step):
-            hi -= step
-            step *= 2
+            hi, step = hi - step, step * 2
         lo = max(smallest, hi - step)
-    while hi - lo > fpc:  # lo fits, hi does not
-        mid = lo + (hi - lo) // (2 * fpc) * fpc
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(lo, hi, fpc, fits)
 
 
 def _unusable(codec: str | None) -> bool:

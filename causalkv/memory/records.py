@@ -219,12 +219,11 @@ class StreamLayout:
         return self.tokens_per_frame * self.frames_per_chunk
 
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
+#: byte units by lower-case name: ``kb`` ... ``tb`` powers of 1000, ``kib`` ... ``tib`` and
+#: ``k`` ... ``t`` powers of 1024
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", 1):
+    _UNITS.update({f"{_p}b": 10 ** (3 * _i), f"{_p}ib": 2 ** (10 * _i), _p: 2 ** (10 * _i)})
 
 
 def parse_bytes(text: str | int, what: str = "--budget") -> int:

@@ -43,13 +43,14 @@ from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
 from causalkv.capabilities import PROBE_COMMIT
 from causalkv.errors import UsageError
 from causalkv.options import CacheOptions, StageOptions, cache_record_for
-from causalkv.stages.cache_sets import CacheFactoryLike, CacheSet
+from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.loop import ChunkLoop, renoise
 from causalkv.stages.planning import StagePlanning
 from causalkv.stages.records import ForwardRecord
 
 if TYPE_CHECKING:
     from causalkv.config import ModelConfig, ServerArgs
+    from causalkv.hooks import CacheFactory
 
 __all__ = ["CausalDenoisingStage", "ChunkDenoiser"]
 
@@ -113,7 +114,7 @@ class CausalDenoisingStage(StagePlanning):
         *,
         denoiser: ChunkDenoiser,
         scheduler: Any,
-        cache_factory: CacheFactoryLike,
+        cache_factory: CacheFactory,
         encode_prompt: Callable[[str], torch.Tensor],
         batch_size: int = 1,
         negative_prompt: str = "",
@@ -206,8 +207,9 @@ class CausalDenoisingStage(StagePlanning):
         )
 
     def num_branches(self) -> int:
-        """Cache sets this stage runs (CFG stages: 2, the positive branch first)."""
-        return 1
+        """Cache sets this stage runs: 2 on a CFG stage (`supports_guidance`) with
+        ``guidance_scale > 1``, the negative branch's after the positive's; else 1."""
+        return 2 if self.supports_guidance() and self.server_args.guidance_scale > 1.0 else 1
 
     def cache_sets(self) -> list[CacheSet]:
         """Every cache set this stage owns (the positive branch first); allocated on first use."""
@@ -246,7 +248,7 @@ class CausalDenoisingStage(StagePlanning):
         (`PassMarker.committing`, with the pin the stage makes right after and the next
         chunk's size, default this one's); nothing without a marker."""
         self.cache_sets()
-        if self.marker is None or self.marker.commit is not None:  # LongLive 2.0's CFG pass is inside one
+        if self.marker is None:
             return nullcontext()
         return self.marker.committing(pin=self.pins_after_context(), next_tokens=next_tokens)
 
@@ -306,13 +308,6 @@ class CausalDenoisingStage(StagePlanning):
         """Called after a chunk's context pass (LongLive 2.0 pins a scene cut here)."""
 
     # ---- the transformer calls -----------------------------------------------------------
-    def _conditioning(self, cs: CacheSet, prompt: str) -> torch.Tensor:
-        """Prompt embeddings for ``prompt``; a new prompt empties ``cs``'s cross caches."""
-        if cs.prompt != prompt:
-            cs.reset_cross()
-            cs.prompt = prompt
-        return self.encode_prompt(prompt)
-
     def _forward(
         self,
         cs: CacheSet,
@@ -322,10 +317,15 @@ class CausalDenoisingStage(StagePlanning):
         token_start: int,
         rope_frame_start: float,
     ) -> torch.Tensor:
+        """One transformer call on branch ``cs`` with ``prompt``'s embeddings; a new prompt
+        empties ``cs``'s cross caches first."""
+        if cs.prompt != prompt:
+            cs.reset_cross()
+            cs.prompt = prompt
         return self.denoiser(
             latents,
             timestep,
-            self._conditioning(cs, prompt),
+            self.encode_prompt(prompt),
             kv_caches=cs.kv,
             cross_caches=cs.cross,
             token_start=token_start,
@@ -333,21 +333,31 @@ class CausalDenoisingStage(StagePlanning):
             recent_window_tokens=self.recent_window_tokens(),
         )
 
+    def _branches(self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int,
+                  rope_frame_start: float) -> list[torch.Tensor]:
+        """One `_forward` per cache set: the positive branch with ``prompt``, a CFG stage's
+        negative branch (`num_branches` 2) with ``negative_prompt``."""
+        return [self._forward(cs, p, latents, timestep, token_start, rope_frame_start)
+                for cs, p in zip(self.cache_sets(), (prompt, self.negative_prompt))]
+
     def predict(
         self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
-        """Flow prediction ``[B, C, F, h, w]`` for one denoising step (one branch here)."""
-        return self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
+        """Flow prediction ``[B, C, F, h, w]`` for one denoising step: the positive branch's,
+        with CFG ``neg + guidance_scale * (pos - neg)``."""
+        pos, *neg = self._branches(prompt, latents, timestep, token_start, rope_frame_start)
+        if not neg:
+            return pos
+        return neg[0] + float(self.server_args.guidance_scale) * (pos - neg[0])
 
     def context_pass(
         self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
     ) -> torch.Tensor:
         """Rewrite the chunk's K/V from the clean ``latents`` at ``context_noise`` (all branches),
-        inside `context_scope`."""
+        inside `context_scope`; the positive branch's prediction."""
         with self.context_scope():
-            return self._forward(
-                self.caches, prompt, latents, self.context_noise, token_start, rope_frame_start
-            )
+            return self._branches(prompt, latents, self.context_noise, token_start,
+                                  rope_frame_start)[0]
 
     # ---- the sampler ---------------------------------------------------------------------------
     def denoise_chunk(

@@ -9,20 +9,11 @@ per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from causalkv.caches.cross import CrossAttentionKVCache
-from causalkv.caches.spec import CausalCacheSpec, CausalKVCache
+from causalkv.caches.spec import CausalKVCache
 
-__all__ = ["CacheFactoryLike", "CacheSet"]
-
-
-class CacheFactoryLike(Protocol):
-    """What a stage needs of a cache factory (`causalkv.hooks.CacheFactory` is one)."""
-
-    name: str
-
-    def build(self, spec: CausalCacheSpec, options: Any = None) -> CausalKVCache: ...
+__all__ = ["CacheSet"]
 
 
 @dataclass

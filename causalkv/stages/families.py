@@ -127,11 +127,6 @@ class ShotRequest(StageOptions):
             object.__setattr__(self, "multi_shot_rope_offset", float(off))
         return super().validate()
 
-    @property
-    def is_default(self) -> bool:
-        """True when no shot field was given (a plain request)."""
-        return not self.changed()
-
 
 @dataclass(frozen=True)
 class LongLive2Config(Options):

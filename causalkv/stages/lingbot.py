@@ -65,9 +65,7 @@ class LingBotWorldStage(CausalDenoisingStage):
 
     options: MotionOptions  # the request's record (the registration declares it)
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
+    has_qvg = True
 
     @classmethod
     def check_request_fields(cls, server_args: ServerArgs, num_chunks: int) -> None:
@@ -119,27 +117,24 @@ class LingBotWorldStage(CausalDenoisingStage):
     def _reset_stream(self) -> None:
         super()._reset_stream()
         self._in_context_pass = False
-        self._chunk_window: dict[str, Any] | None = None
-        #: the window each chunk sampled with (interactive requests)
+        #: the window each chunk sampled with (interactive requests; the last is the current one)
         self.kv_window_per_chunk: list[dict[str, Any]] = []
 
     def begin_chunk(self, chunk_index: int, prompt: str, latents: torch.Tensor) -> None:
         if not self.interactive:
             return
         m = self.model.option(LingBotConfig)
-        motion = self.options.motion or ()
         # the rule is a prefix scan: the window of chunk i depends on motion[: i + 1] only
-        self._chunk_window = window_per_chunk(
-            motion[: chunk_index + 1], moving_frames=m.moving_window_frames or 0,
+        self.kv_window_per_chunk.append(window_per_chunk(
+            self.options.motion[: chunk_index + 1], moving_frames=m.moving_window_frames or 0,
             still_frames=m.still_window_frames, still_chunks=m.still_chunks,
-        )[-1]
-        self.kv_window_per_chunk.append(dict(self._chunk_window))
+        )[-1])
 
     def recent_window_tokens(self) -> int | None:
         if self._in_context_pass:
             return None
-        if self._chunk_window is not None:
-            return int(self._chunk_window["frames"]) * self.settings.tokens_per_frame
+        if self.kv_window_per_chunk:
+            return self.kv_window_per_chunk[-1]["frames"] * self.settings.tokens_per_frame
         return super().recent_window_tokens()
 
     def context_pass(

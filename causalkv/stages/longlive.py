@@ -26,9 +26,7 @@ __all__ = ["LongLiveStage"]
 class LongLiveStage(CausalDenoisingStage):
     """LongLive 1.0: the base loop plus re-caching the visible frames on a prompt switch."""
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
+    has_qvg = True
 
     def _reset_stream(self) -> None:
         super()._reset_stream()

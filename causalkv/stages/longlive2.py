@@ -56,7 +56,6 @@ import torch
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
 from causalkv.errors import ConfigError, check_int
 from causalkv.stages.base import CausalDenoisingStage
-from causalkv.stages.cache_sets import CacheSet
 from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
 from causalkv.stages.scheduler import SchedulerSpec
 from causalkv.stages.settings import even_split
@@ -120,15 +119,14 @@ def expand_shots(
     check_int("chunks", num_chunks, minimum=1, hint="pass more --frames")
     check_int("--chunks-per-shot", chunks_per_shot, minimum=0, hint="or 0 for an even split")
     if durations is not None:
-        durations = list(durations)
-        if len(durations) != len(prompts):
+        wanted = list(durations)
+        if len(wanted) != len(prompts):
             raise ConfigError(
-                f"shot durations must match the shot prompts: {len(durations)} durations "
-                f"{durations} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
+                f"shot durations must match the shot prompts: {len(wanted)} durations "
+                f"{wanted} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
             )
-        for d in durations:
+        for d in wanted:
             check_int("shot durations", d, minimum=1, hint="each --shot-durations entry is a positive chunk count")
-        wanted = durations
     elif chunks_per_shot > 0:
         wanted = [chunks_per_shot] * len(prompts)
     else:
@@ -172,17 +170,7 @@ class LongLive2Stage(CausalDenoisingStage):
     #: the layout of the request being generated (set by `begin_request`)
     layout: ShotLayout | None = None
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_multi_shot(cls) -> bool:
-        return True
-
-    @classmethod
-    def supports_guidance(cls) -> bool:
-        return True
+    has_qvg = has_multi_shot = has_guidance = True
 
     @classmethod
     def scheduler_spec(cls, model: ModelConfig) -> SchedulerSpec:
@@ -215,7 +203,7 @@ class LongLive2Stage(CausalDenoisingStage):
         the request's `ShotRequest`, as a `ShotPlan` (a list of chunk prompts with its layout)."""
         cls.check_request_fields(server_args, num_chunks)
         shots = server_args.option(ShotRequest)
-        if len(check_prompts(prompts)) == 1 and not shots.is_default:
+        if len(check_prompts(prompts)) == 1 and shots.changed():  # a shot field was given
             raise ConfigError(
                 "shot flags (--shot-durations, --chunks-per-shot, --scene-cut-prefix, "
                 "--no-multi-shot-sink, --multi-shot-rope-offset) shape a multi-shot request, and "
@@ -264,20 +252,6 @@ class LongLive2Stage(CausalDenoisingStage):
             sched.set_timesteps(sigmas=self.sampler_sigmas(self.model))
             sched.set_begin_index(0)  # no timestep lookup (a device sync) on the first step
         return sched.step(pred, sched.timesteps[j], x, return_dict=False)[0]
-
-    # ---- CFG ---------------------------------------------------------------------------------
-    @property
-    def guidance_scale(self) -> float:
-        return float(self.server_args.guidance_scale)
-
-    def num_branches(self) -> int:
-        """2 with classifier-free guidance (``guidance_scale > 1``): its own negative caches."""
-        return 2 if self.guidance_scale > 1.0 else 1
-
-    @property
-    def negative_caches(self) -> CacheSet | None:
-        sets = self.cache_sets()
-        return sets[1] if len(sets) > 1 else None
 
     # ---- shots -------------------------------------------------------------------------------
     @staticmethod
@@ -356,26 +330,3 @@ class LongLive2Stage(CausalDenoisingStage):
             for cache in cs.kv:
                 cache.pin_current_chunk(n)
         self.pinned_chunks.append(chunk_index)
-
-    def predict(
-        self, prompt: str, latents: torch.Tensor, timestep: float, token_start: int, rope_frame_start: float
-    ) -> torch.Tensor:
-        pos = self._forward(self.caches, prompt, latents, timestep, token_start, rope_frame_start)
-        if self.negative_caches is None:
-            return pos
-        neg = self._forward(
-            self.negative_caches, self.negative_prompt, latents, timestep, token_start, rope_frame_start
-        )
-        return neg + self.guidance_scale * (pos - neg)
-
-    def context_pass(
-        self, prompt: str, latents: torch.Tensor, token_start: int, rope_frame_start: float
-    ) -> torch.Tensor:
-        with self.context_scope():
-            pred = super().context_pass(prompt, latents, token_start, rope_frame_start)
-            if self.negative_caches is not None:
-                self._forward(
-                    self.negative_caches, self.negative_prompt, latents, self.context_noise,
-                    token_start, rope_frame_start,
-                )
-        return pred

@@ -12,7 +12,7 @@ instance (the run time is `CausalDenoisingStage`, the chunk loop `causalkv.stage
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from causalkv.config import check_prompts
 from causalkv.errors import ConfigError, check_int
@@ -30,18 +30,24 @@ class StagePlanning:
     docstring). `CausalDenoisingStage` adds the run-time half."""
 
     # ---- load-time declarations -----------------------------------------------------------
+    #: what a family declares (False here): QVG KV-cache quantization, pinned shot sinks,
+    #: classifier-free guidance (a negative branch); the three classmethods below answer them
+    has_qvg: ClassVar[bool] = False
+    has_multi_shot: ClassVar[bool] = False
+    has_guidance: ClassVar[bool] = False
+
     @classmethod
     def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return False
+        return cls.has_qvg
 
     @classmethod
     def supports_multi_shot(cls) -> bool:
-        return False
+        return cls.has_multi_shot
 
     @classmethod
     def supports_guidance(cls) -> bool:
-        """Does this stage run classifier-free guidance (a negative branch)? False here."""
-        return False
+        """Does this stage run classifier-free guidance (a negative branch)?"""
+        return cls.has_guidance
 
     @classmethod
     def check_guidance(cls, asked: Mapping[str, object], *, guidance_scale: float, stage_name: str) -> None:
@@ -94,9 +100,8 @@ class StagePlanning:
         sink = model.sink_frames if server_args.sink_frames is None else server_args.sink_frames
         global_sink = min(sink, model.global_sink_frames if model.global_sink_frames is not None else sink)
         window = model.window_frames if server_args.window_frames is None else server_args.window_frames
-        cache = window
-        if server_args.window_frames is None and model.cache_frames is not None:
-            cache = max(model.cache_frames, window)
+        overridden = server_args.window_frames is not None
+        cache = window if overridden else max(model.cache_frames or 0, window)
         recent = server_args.recent_window_frames
         return StreamSettings(
             frames_per_chunk=model.frames_per_chunk,

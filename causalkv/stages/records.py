@@ -6,7 +6,7 @@ command line, the ``causalkv_chunk_done`` hook).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,18 +46,15 @@ class ChunkStats(Mapping[str, Any]):
     visible_tokens: int
 
     def __getitem__(self, key: str) -> Any:
-        if key not in _CHUNK_STATS_KEYS:
+        if key not in self.__dataclass_fields__:
             raise KeyError(key)
         return getattr(self, key)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_CHUNK_STATS_KEYS)
+        return iter(self.__dataclass_fields__)
 
     def __len__(self) -> int:
-        return len(_CHUNK_STATS_KEYS)
-
-
-_CHUNK_STATS_KEYS = tuple(f.name for f in fields(ChunkStats))
+        return len(self.__dataclass_fields__)
 
 
 @dataclass(frozen=True)

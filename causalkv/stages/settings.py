@@ -20,7 +20,9 @@ __all__ = ["StreamSettings", "even_split"]
 class StreamSettings:
     """The effective streaming policy of one request, in latent frames (model + overrides).
 
-    Validated on construction (`ConfigError`, a ValueError naming the value and the flag).
+    Validated on construction (`ConfigError`, a ValueError naming the value and the flag);
+    `StagePlanning.stream_settings`, its one maker, keeps the global sink within the sink and
+    the cache at least the window.
 
     Attributes:
         frames_per_chunk, tokens_per_frame: chunk geometry.
@@ -47,16 +49,10 @@ class StreamSettings:
         check_int("tokens_per_frame", self.tokens_per_frame, minimum=1,
                   hint="check the model's resolution and patch size")
         sink = check_int("sink frames", self.sink_frames, hint="fix --sink-frames")
-        check_int("global sink frames", self.global_sink_frames, hint="fix global_sink_frames")
         window = check_int("window frames", self.window_frames, minimum=1, hint="fix --window-frames")
         if self.recent_window_frames is not None:
             check_int("recent window frames", self.recent_window_frames,
                       hint="fix --recent-window-frames")
-        if self.global_sink_frames > sink:
-            raise ConfigError(
-                f"global sink of {self.global_sink_frames} frames exceeds the sink of {sink} "
-                f"frames; lower global_sink_frames"
-            )
         if window < fpc:
             raise ConfigError(
                 f"window of {window} frames is smaller than a chunk of {fpc} frames; "
@@ -64,17 +60,12 @@ class StreamSettings:
             )
         max_sink = self.global_sink_frames + sink if self.multi_shot else sink
         if window < max_sink + fpc:
-            what = (
-                f"the global sink ({self.global_sink_frames}) plus a pinned shot sink ({sink})"
-                if self.multi_shot
-                else f"the sink ({sink})"
-            )
+            what = (f"the global sink ({self.global_sink_frames}) plus a pinned shot sink ({sink})"
+                    if self.multi_shot else f"the sink ({sink})")
             raise ConfigError(
                 f"window of {window} frames cannot hold {what} plus a chunk of {fpc} frames; "
                 f"pass --window-frames >= {max_sink + fpc} or a smaller --sink-frames"
             )
-        if check_int("cache frames", self.cache_frames, minimum=1) < window:
-            raise ConfigError(f"cache of {self.cache_frames} frames is smaller than the window of {window}")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -82,9 +73,8 @@ class StreamSettings:
 
     @property
     def recent_window_tokens(self) -> int | None:
-        if self.recent_window_frames is None:
-            return None
-        return self.recent_window_frames * self.tokens_per_frame
+        recent = self.recent_window_frames
+        return None if recent is None else recent * self.tokens_per_frame
 
     def kv_spec(self, **layer: Any) -> CausalCacheSpec:
         """One layer's `CausalCacheSpec`: these settings in tokens (frames x

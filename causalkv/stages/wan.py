@@ -16,6 +16,4 @@ __all__ = ["WanCausalDMDStage"]
 class WanCausalDMDStage(CausalDenoisingStage):
     """Self-Forcing / CausVid: the base loop, QVG-capable."""
 
-    @classmethod
-    def _supports_qvg_kv_cache_quantization(cls) -> bool:
-        return True
+    has_qvg = True
