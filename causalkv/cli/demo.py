@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from causalkv.caches.demo import DemoConfig, format_report, run_demo
-from causalkv.cli.faults import Stdout, Steps, run_guarded
+from causalkv.cli.faults import Progress, Stdout, run_guarded
 from causalkv.errors import ConfigError
 from causalkv.memory.records import format_bytes
 from causalkv.runtime.host.request_checks import host_memory_bytes
@@ -89,7 +89,7 @@ def _main(args: argparse.Namespace) -> int:
         out.flush()
         return 0
 
-    return run_guarded("causalkv demo", body, progress=Steps("the report was not printed"))
+    return run_guarded("causalkv demo", body, progress=Progress("the report was not printed"))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
