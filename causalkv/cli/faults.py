@@ -36,9 +36,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from causalkv.cli import print_stderr
-from causalkv.cli.reader_gone import silence_stdout
-from causalkv.cli.signals import Terminated, sigterm_raises
+from causalkv.cli import Terminated, print_stderr, sigterm_raises, silence_stdout
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.runtime.processes import launch
 
