@@ -138,7 +138,7 @@ def flush_stdout() -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         silence_stdout()
-    except (OSError, ValueError):  # another write error, or a closed stream: not ours to report here
+    except (OSError, ValueError):  # another write error, or a closed stream: not reported here
         pass
 
 

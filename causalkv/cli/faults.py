@@ -18,9 +18,10 @@ exit   fault
 =====  =========================================================================================
 
 Every command ends this way: ``demo`` and ``sglang-checkpoint`` run their body through
-`run_guarded` too (`Progress`'s ``what`` says what a signal left). A signal ends the run like an error: the file being written is removed, the files already
-complete are named. SIGINT keeps the disposition the command inherited (a background job of
-a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
+`run_guarded` too (`Progress`'s ``what`` says what a signal left). A signal ends the run like
+an error: the file being written is removed, the files already complete are named. SIGINT
+keeps the disposition the command inherited (a background job of a non-interactive shell
+ignores it, so a Ctrl-C in that shell does not reach the job).
 
 In a rank of a job ``causalkv generate --nproc-per-node N`` launched, the line is not printed:
 it goes to the launching process (`causalkv.runtime.processes.launch`), which prints one line for the job.
@@ -123,11 +124,10 @@ class Stdout:
             if isinstance(exc, BrokenPipeError):
                 return False
             if self.lines == 0:
-                raise StdoutError(
-                    f"cannot write to stdout ({describe_exception(exc)}); redirect it to a file, a pipe or "
-                    "/dev/null"
-                ) from None
-            print_stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing stops, the run goes on")
+                raise StdoutError(f"cannot write to stdout ({describe_exception(exc)}); redirect "
+                                  "it to a file, a pipe or /dev/null") from None
+            print_stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing "
+                         "stops, the run goes on")
             return False
         return True
 

@@ -90,7 +90,7 @@ def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) ->
     ``plugins``, a `PluginSet` or None; default: the process-wide plugin manager's)."""
     plugins = collect_plugins() if plugins is ... else plugins
     presets = ", ".join(plugins.registry.presets()) if plugins is not None else "see causalkv plugins"
-    formats = ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
+    formats = ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items())
     parser.add_argument(
         "--model", default="tiny-wan",
         help=f"preset ({presets}) or a diffusers-format Wan folder "
@@ -126,7 +126,7 @@ def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) ->
     parser.add_argument("--stage", default=None, help="force a stage by registration name")
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
     parser.add_argument("--output", default=None, metavar="FILE",
-                        help=f"video file; the installed encoders write {formats} "
+                        help=f"video file; the installed encoders write {formats or 'no format'} "
                         "(default: out/<model>.mp4). Written atomically; if it cannot be written "
                         "after all, the latents are kept in NAME.latents.safetensors beside it")
     parser.add_argument("--no-video", action="store_true", help="skip decoding and writing the video")

@@ -262,8 +262,9 @@ def run_plugins(args: argparse.Namespace) -> int:
 def run_resolve(args: argparse.Namespace) -> int:
     try:
         # the flags whose dest is the ServerArgs field of the same name
-        flags = ("multi_shot", "heads_sharded", "recent_window_frames", "cache")
-        server_args = ServerArgs(options=extension_records(args), **{f: getattr(args, f) for f in flags})
+        same = ("multi_shot", "heads_sharded", "recent_window_frames", "cache")
+        server_args = ServerArgs(options=extension_records(args),
+                                 **{name: getattr(args, name) for name in same})
         found = getattr(args, _PLUGINS, None)  # the plugins the parser was built from
         where = {"pm": found.pm, "registry": found.registry} if found is not None else {}
         res = resolve(model_ref(args.model), server_args, stage=args.stage, **where)
