@@ -224,11 +224,9 @@ class ServerArgs:
         check_int("--seed", self.seed)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
-            raise ConfigError(
-                f"kv cache dtype must be one of {list(DTYPES)} or None (same as --dtype), got "
-                f"{self.kv_cache_dtype!r} (--kv-cache-dtype)"
-            )
+        if self.kv_cache_dtype not in (None, *DTYPES):
+            raise ConfigError(f"kv cache dtype must be one of {list(DTYPES)} or None (same as "
+                              f"--dtype), got {self.kv_cache_dtype!r} (--kv-cache-dtype)")
         g = self.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")

@@ -217,10 +217,8 @@ def _print_plugins(report: dict[str, Any]) -> None:
             continue
         yes = {True: "yes", False: "no"}
         print(f"      QVG: {yes[s['qvg']]}   multi-shot: {yes[s['multi_shot']]}")
-        needs = "; ".join(
-            f"{flag}: {', '.join(feats) or 'none'}" for flag, feats in s["features_needed"].items()
-        )
-        print(f"      cache features needed: {needs}")
+        needs = [f"{flag}: {', '.join(f) or 'none'}" for flag, f in s["features_needed"].items()]
+        print(f"      cache features needed: {'; '.join(needs)}")
     print("Caches:")
     for c in report["caches"]:
         print(f"  {c['name']} ({c['target']}, plugin {c['plugin']}, priority {c['priority']})")
