@@ -296,8 +296,7 @@ def foreign_options_error(
     if owner and cls.scope:
         text += f"; {'they are options' if many else 'it is an option'} of {owner}"
     fix = f"drop {'them' if many else 'it'}"
-    alternative = cls.pick or alternative
-    if alternative:
+    if alternative := cls.pick or alternative:
         fix += f" or pick {alternative}"
     return ConfigError(f"{text}; {fix}")
 

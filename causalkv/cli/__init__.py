@@ -132,13 +132,12 @@ def flush_stdout() -> None:
     """Flush what the command printed now, where a reader that went away is handled (stdout
     silenced), rather than at interpreter exit, where Python would print "Exception ignored"
     and exit 120."""
-    if sys.stdout is None:  # started with descriptor 1 closed (``>&-``)
-        return
     try:
         sys.stdout.flush()
     except BrokenPipeError:
         silence_stdout()
-    except (OSError, ValueError):  # another write error, or a closed stream: not reported here
+    # another write error, a closed stream, or no stdout (started with descriptor 1 closed: >&-)
+    except (OSError, ValueError, AttributeError):
         pass
 
 
