@@ -242,9 +242,7 @@ def run_generate(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
             return _launch(args, options, out, plugins)
-        main_rank = True
-        if launched_by_torchrun():
-            main_rank = init_parallel(options.server_args.device).is_main
+        main_rank = not launched_by_torchrun() or init_parallel(options.server_args.device).is_main
         try:  # logging on rank 0; then leave the process group if one was joined
             metrics, run = generate(
                 options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
