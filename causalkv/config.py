@@ -116,11 +116,9 @@ class ModelConfig:
                 f"unknown ModelConfig override(s) {', '.join(unknown)}; the overrides are: {', '.join(keys)}"
             )
         own = {k: v for k, v in overrides.items() if k in {f.name for f in fields(self)}}
-        records = self.options
-        for r in records:
-            mine = {k: v for k, v in overrides.items() if k in type(r).specs() and k not in own}
-            if mine:  # the record replaced by its changed copy
-                records = (*(o for o in records if o is not r), replace(r, **mine))
+        rest = {k: v for k, v in overrides.items() if k not in own}  # the family records' keys
+        records = [replace(r, **{k: v for k, v in rest.items() if k in type(r).specs()})
+                   for r in self.options]  # each record a changed (validated) copy
         return replace(self, **own, options=records)
 
 
@@ -217,23 +215,18 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", _by_class(self.options, "ServerArgs"))
-        for name, flag, minimum in (
-            ("sink_frames", "--sink-frames", 0),
-            ("window_frames", "--window-frames", 1),
-            ("recent_window_frames", "--recent-window-frames", 0),
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                check_int(flag, value, minimum=minimum, hint="or leave it unset for the model's value")
+        for name, minimum in (("sink_frames", 0), ("window_frames", 1),
+                              ("recent_window_frames", 0)):
+            if getattr(self, name) is not None:  # its flag: --sink-frames, ...
+                check_int(f"--{name.replace('_', '-')}", getattr(self, name), minimum=minimum,
+                          hint="or leave it unset for the model's value")
         check_int("--heads-sharded", self.heads_sharded, minimum=1)
         check_int("--seed", self.seed)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
-            raise ConfigError(
-                f"kv cache dtype must be one of {list(DTYPES)} or None (same as --dtype), got "
-                f"{self.kv_cache_dtype!r} (--kv-cache-dtype)"
-            )
+        if self.kv_cache_dtype not in (None, *DTYPES):
+            raise ConfigError(f"kv cache dtype must be one of {list(DTYPES)} or None (same as "
+                              f"--dtype), got {self.kv_cache_dtype!r} (--kv-cache-dtype)")
         g = self.guidance_scale
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")

@@ -38,20 +38,16 @@ OFF: tuple[str, ...] = ("0", "false", "no", "off")
 FLAG_VALUES: tuple[str, ...] = (*ON, *OFF)
 
 
-def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
-
-
 def text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """``name``'s value as set (``environ``, default ``os.environ``); None when unset or blank."""
-    raw = _environ(environ).get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     return None if raw is None or not raw.strip() else raw
 
 
 def names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
     """The comma-separated names ``name`` is set to (blanks around each stripped, empty parts
     dropped); None when unset. Set but blank: no names (an empty set, not None)."""
-    raw = _environ(environ).get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None:
         return None
     return frozenset(part.strip() for part in raw.split(",") if part.strip())

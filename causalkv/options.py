@@ -206,13 +206,12 @@ class Options:
             if not spec.flag:
                 continue
             kw: dict[str, Any] = {"dest": cls._dest(name), "default": argparse.SUPPRESS}
-            shown = defaults.get(name)
             help_text = spec.help
             if spec.action is not None:  # a switch: its help says what it does
                 kw["action"] = spec.action
             else:
-                if shown is not None and "(default" not in (spec.help or ""):  # said once
-                    help_text = f"{spec.help} (default: {shown})"
+                if defaults.get(name) is not None and "(default" not in spec.help:  # said once
+                    help_text = f"{spec.help} (default: {defaults[name]})"
                 metavar = spec.metavar
                 if metavar is None and spec.choices is None:
                     metavar = spec.flag.lstrip("-").replace("-", "_").upper()
@@ -256,13 +255,9 @@ class Options:
 
     @classmethod
     def _defaults(cls) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(cls):
-            if f.default is not MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not MISSING:
-                out[f.name] = f.default_factory()
-        return out
+        return {f.name: f.default_factory() if f.default is MISSING else f.default
+                for f in dataclasses.fields(cls)
+                if f.default is not MISSING or f.default_factory is not MISSING}
 
 
 @dataclass(frozen=True)
@@ -301,8 +296,7 @@ def foreign_options_error(
     if owner and cls.scope:
         text += f"; {'they are options' if many else 'it is an option'} of {owner}"
     fix = f"drop {'them' if many else 'it'}"
-    alternative = cls.pick or alternative
-    if alternative:
+    if alternative := cls.pick or alternative:
         fix += f" or pick {alternative}"
     return ConfigError(f"{text}; {fix}")
 

@@ -41,9 +41,9 @@ from fault_helpers import (
 from runtime_helpers import make_options
 
 from causalkv.caches.demo import DemoConfig
+from causalkv.cli import Terminated
 from causalkv.cli import demo as demo_cli
 from causalkv.cli.commands import ENV_SWITCHES
-from causalkv.cli.signals import Terminated
 from causalkv.env import check_switches
 from causalkv.errors import ConfigError
 from causalkv.runtime.files import file_checks

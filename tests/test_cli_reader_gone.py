@@ -1,6 +1,6 @@
 """A reader of stdout that goes away (``causalkv plugins | head -n 1``) ends every command
 quietly: exit 0 and nothing on stderr (docs/usage.md, "Errors and exit codes";
-`causalkv.cli.reader_gone`), whether the write that fails is a ``print`` inside the command
+`causalkv.cli`), whether the write that fails is a ``print`` inside the command
 (unbuffered stdout, or output past the buffer) or the final flush of buffered output.
 
 Every subcommand (and its ``--help``) runs in a child process whose stdout is a pipe that

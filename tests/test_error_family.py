@@ -47,7 +47,7 @@ JUSTIFIED = {
 
 #: exception classes the package defines that are not errors
 NOT_ERRORS = {
-    "causalkv.cli.signals.Terminated":
+    "causalkv.cli.Terminated":
         "SIGTERM turned into an exception to unwind the run; a BaseException so `except "
         "Exception` cleanup code lets it through",
 }

@@ -12,20 +12,29 @@ listed in `causalkv.cli.faults`.
 This module is light (no torch): `main` is the console script, and a SIGINT or SIGTERM while
 the commands import (torch, diffusers: seconds) or parse ends in one line, exit 130 or 143.
 A reader of stdout that goes away (``causalkv plugins | head -n 1``) ends any command
-quietly with exit 0 (`causalkv.cli.reader_gone`).
+quietly with exit 0: a ``BrokenPipeError`` of stdout that leaves a command, or that the
+final flush of what it printed raises, ends it with nothing on stderr (docs/usage.md, "Errors
+and exit codes": printing stops, the files are still written). File descriptor 1 is then
+pointed at ``/dev/null``, so the interpreter's own flush at exit has nowhere to fail (the
+recipe of Python's ``signal`` documentation, "Note on SIGPIPE"). A ``BrokenPipeError`` of
+anything else (a child process's pipe, a socket) is not this case and is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal
+import stat
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from causalkv.cli.reader_gone import flush_stdout, silence_stdout, stdout_reader_gone
-from causalkv.cli.signals import Terminated, sigterm_raises
 from causalkv.lazy import lazy_names
 
-__all__ = ["build_parser", "main", "print_stderr"]
+__all__ = ["Terminated", "build_parser", "main", "print_stderr"]
 
 #: the line of a signal that arrives before a command's own handling (imports, parsing)
 STARTING = "causalkv: {how} while starting (before any work); nothing written"
@@ -35,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``causalkv`` command: import the commands, parse ``argv``, run one.
 
     A reader of stdout that goes away (``| head -n 1``) ends every command quietly, exit 0
-    (`causalkv.cli.reader_gone`): what the command printed is flushed here, before the
+    (module docstring): what the command printed is flushed here, before the
     interpreter's exit, and a ``BrokenPipeError`` of stdout leaves no traceback."""
     try:
         with sigterm_raises():
@@ -64,14 +73,73 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_stderr(line: str) -> None:
     """Print ``line`` on stderr; nothing when stderr is closed or gone."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
         print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread the way SIGINT raises ``KeyboardInterrupt`` (a
+    ``BaseException``, so ``except Exception`` cleanup code lets it through)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated` in the main thread (once: a second
+    SIGTERM during the clean-up is ignored). An inherited ``SIG_IGN`` is kept."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def silence_stdout() -> None:
+    """Point file descriptor 1 at /dev/null so no later write or flush of stdout can fail."""
+    # a stdout without a descriptor (captured): nothing to point
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
+def stdout_reader_gone() -> bool:
+    """Is stdout a pipe (or socket) whose reading end is closed? Asked of the descriptor
+    itself (``poll``: a pipe without readers reports an error), so a ``BrokenPipeError`` of
+    another pipe is told apart from stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode) and not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (captured), or no poll
+        return False
+
+
+def flush_stdout() -> None:
+    """Flush what the command printed now, where a reader that went away is handled (stdout
+    silenced), rather than at interpreter exit, where Python would print "Exception ignored"
+    and exit 120."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+    # another write error, a closed stream, or no stdout (started with descriptor 1 closed: >&-)
+    except (OSError, ValueError, AttributeError):
         pass
+
 
 #: the parser needs the commands, which import torch: imported on first use
 __getattr__ = lazy_names("causalkv.cli", {"build_parser": "causalkv.cli.commands"})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

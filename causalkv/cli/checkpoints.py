@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from causalkv.cli.faults import Stdout, Steps, run_guarded
+from causalkv.cli.faults import Progress, Stdout, run_guarded
 from causalkv.runtime.tools.checkpoints import (
     CHECKPOINTS,
     HOSTS,
@@ -62,7 +62,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
 
     return run_guarded(f"causalkv {spec.host}-checkpoint", body, debug=bool(args.debug),
-                       progress=Steps(f"{args.dir!r} is left as it was"))
+                       progress=Progress(f"{args.dir!r} is left as it was"))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

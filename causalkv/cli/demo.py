@@ -10,10 +10,9 @@ and one chunk's K/V). A refusal, an interrupt and a terminate are one line each 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from causalkv.caches.demo import DemoConfig, format_report, run_demo
-from causalkv.cli.faults import Stdout, Steps, run_guarded
+from causalkv.cli.faults import Progress, Stdout, run_guarded
 from causalkv.errors import ConfigError
 from causalkv.memory.records import format_bytes
 from causalkv.runtime.host.request_checks import host_memory_bytes
@@ -38,7 +37,7 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+        value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
     return value
@@ -52,7 +51,14 @@ def demo_memory_floor(config: DemoConfig) -> int:
 
 
 def check_demo_sizes(config: DemoConfig, memory: int | None) -> None:
-    """Refuse (`ConfigError`) more chunks than `MAX_CHUNKS` and a cache beyond ``memory``."""
+    """Refuse (`ConfigError`) cuts that are not chunk indices (or repeat one), more chunks than
+    `MAX_CHUNKS` and a cache beyond ``memory``."""
+    chunks, cuts = config.chunks, config.cuts
+    bad = ", ".join(str(c) for c in cuts if not 0 < c < chunks)
+    if bad or len(set(cuts)) != len(cuts):
+        what = (f"{bad} is not a chunk index in 1..{chunks - 1} (chunk 0 starts the stream, "
+                f"--chunks {chunks} ends it)") if bad else "a chunk is listed twice"
+        raise ConfigError(f"--cuts {','.join(map(str, cuts))}: {what}; see causalkv demo --help")
     if config.chunks > MAX_CHUNKS:
         raise ConfigError(
             f"--chunks {config.chunks}: the walkthrough prints one line per chunk of one character "
@@ -73,13 +79,6 @@ def check_demo_sizes(config: DemoConfig, memory: int | None) -> None:
 def _main(args: argparse.Namespace) -> int:
     if args.cuts is None:  # the default cuts that fall inside the requested chunks
         args.cuts = tuple(c for c in DemoConfig().cuts if c < args.chunks)
-    bad = [c for c in args.cuts if not 0 < c < args.chunks]
-    if bad or len(set(args.cuts)) != len(args.cuts):
-        what = (f"{', '.join(map(str, bad))} is not a chunk index in 1..{args.chunks - 1} (chunk 0 "
-                f"starts the stream, --chunks {args.chunks} ends it)") if bad else "a chunk is listed twice"
-        print(f"causalkv demo: error: --cuts {','.join(map(str, args.cuts))}: {what}; see causalkv "
-              "demo --help", file=sys.stderr)
-        return 2
     config = DemoConfig(chunks=args.chunks, tokens_per_frame=args.tokens_per_frame, cuts=args.cuts)
 
     def body() -> int:
@@ -89,7 +88,7 @@ def _main(args: argparse.Namespace) -> int:
         out.flush()
         return 0
 
-    return run_guarded("causalkv demo", body, progress=Steps("the report was not printed"))
+    return run_guarded("causalkv demo", body, progress=Progress("the report was not printed"))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -18,9 +18,10 @@ exit   fault
 =====  =========================================================================================
 
 Every command ends this way: ``demo`` and ``sglang-checkpoint`` run their body through
-`run_guarded` too (`Steps` says what a signal left). A signal ends the run like an error: the file being written is removed, the files already
-complete are named. SIGINT keeps the disposition the command inherited (a background job of
-a non-interactive shell ignores it, so a Ctrl-C in that shell does not reach the job).
+`run_guarded` too (`Progress`'s ``what`` says what a signal left). A signal ends the run like
+an error: the file being written is removed, the files already complete are named. SIGINT
+keeps the disposition the command inherited (a background job of a non-interactive shell
+ignores it, so a Ctrl-C in that shell does not reach the job).
 
 In a rank of a job ``causalkv generate --nproc-per-node N`` launched, the line is not printed:
 it goes to the launching process (`causalkv.runtime.processes.launch`), which prints one line for the job.
@@ -36,21 +37,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from causalkv.cli import print_stderr
-from causalkv.cli.reader_gone import silence_stdout
-from causalkv.cli.signals import Terminated, sigterm_raises
+from causalkv.cli import Terminated, print_stderr, sigterm_raises, silence_stdout
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.runtime.processes import launch
 
 __all__ = [
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
-    "EXIT_NONFINITE",
     "EXIT_REQUEST",
     "EXIT_TERMINATED",
     "OneLineErrorParser",
     "Progress",
-    "Steps",
     "Stdout",
     "StdoutError",
     "reserve_standard_fds",
@@ -59,7 +56,6 @@ __all__ = [
 
 EXIT_ERROR = 1
 EXIT_REQUEST = 2
-EXIT_NONFINITE = 3
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -116,42 +112,40 @@ class Stdout:
         self.broken = False
         self.lines = 0
 
-    def _failed(self, exc: OSError) -> None:
-        self.broken = True
-        silence_stdout()
-        if isinstance(exc, BrokenPipeError):
-            return
-        if self.lines == 0:
-            raise StdoutError(
-                f"cannot write to stdout ({describe_exception(exc)}); redirect it to a file, a pipe or "
-                "/dev/null"
-            ) from None
-        print_stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing stops, the run goes on")
+    def _write(self, write: Callable[[], object]) -> bool:
+        """Run ``write`` unless printing stopped; whether it wrote."""
+        if self.broken or sys.stdout is None:
+            return False
+        try:
+            write()
+        except OSError as exc:
+            self.broken = True
+            silence_stdout()
+            if isinstance(exc, BrokenPipeError):
+                return False
+            if self.lines == 0:
+                raise StdoutError(f"cannot write to stdout ({describe_exception(exc)}); redirect "
+                                  "it to a file, a pipe or /dev/null") from None
+            print_stderr(f"causalkv: warning: stdout failed ({describe_exception(exc)}); printing "
+                         "stops, the run goes on")
+            return False
+        return True
 
     def __call__(self, line: str) -> None:
-        if self.broken or sys.stdout is None:
-            return
-        try:
-            print(line, flush=True)
-        except OSError as exc:
-            self._failed(exc)
-            return
-        self.lines += 1
+        if self._write(lambda: print(line, flush=True)):
+            self.lines += 1
 
     def flush(self) -> None:
-        if self.broken or sys.stdout is None:
-            return
-        try:
-            sys.stdout.flush()
-        except OSError as exc:
-            self._failed(exc)
+        self._write(lambda: sys.stdout.flush())
 
 
 class Progress:
     """Where a run is, for the interruption line: planning, loading, chunks done out of the
-    plan's total, and the files written."""
+    plan's total, and the files written. A command without chunks (``demo``,
+    ``sglang-checkpoint``) gives ``what`` instead: its line is ``"{how}; {what}"``."""
 
-    def __init__(self) -> None:
+    def __init__(self, what: str | None = None) -> None:
+        self.what = what
         self.total: int | None = None
         self.done = 0
         self.loaded = False
@@ -169,32 +163,19 @@ class Progress:
     def on_written(self, path: Any) -> None:
         self.written.append(str(path))
 
-    def interrupted(self, how: str = "interrupted") -> str:
+    def interrupted(self, how: str) -> str:
         """``how`` (``"interrupted"``, ``"terminated"``) and where the run was."""
+        if self.what is not None:
+            return f"{how}; {self.what}"
         if self.total is None:
             return f"{how} while planning the request, before loading anything; nothing written"
         if not self.loaded and self.done == 0:
             return f"{how} while loading the model, before chunk 1 of {self.total}; nothing written"
         if self.done < self.total:
             return f"{how} after chunk {self.done} of {self.total}; nothing written"
-        kept = (
-            "kept the complete files " + ", ".join(repr(p) for p in self.written)
-            if self.written
-            else "nothing written"
-        )
+        files = ", ".join(map(repr, self.written))
+        kept = f"kept the complete files {files}" if files else "nothing written"
         return f"{how} after chunk {self.done} of {self.total}, while writing the outputs; {kept}"
-
-
-class Steps(Progress):
-    """The interruption line of a command without chunks (``demo``, ``sglang-checkpoint``):
-    ``"{how}; {what}"``."""
-
-    def __init__(self, what: str = "nothing written") -> None:
-        super().__init__()
-        self.what = what
-
-    def interrupted(self, how: str = "interrupted") -> str:
-        return f"{how}; {self.what}"
 
 
 def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, progress: Progress | None = None) -> int:
@@ -206,15 +187,14 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
     def fail(line: str, code: int) -> int:
         if debug:
             traceback.print_exc()
-        if launch.reports_to_launcher():  # a rank: the launcher prints the job's one line
-            exc = sys.exc_info()[1]
+        rank = launch.reports_to_launcher()
+        if rank:  # the launcher prints the job's one line (an exception is being handled here)
             launch.report_end(
                 f"{command}: {line}", code, done=progress.done, total=progress.total,
-                peer_failure=exc is not None and launch.is_peer_failure(exc), written=progress.written,
+                peer_failure=launch.is_peer_failure(sys.exc_info()[1]), written=progress.written,
             )
-            if not debug:
-                return code
-        print_stderr(f"{command}: {line}")
+        if debug or not rank:
+            print_stderr(f"{command}: {line}")
         return code
 
     try:
@@ -228,7 +208,7 @@ def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, p
     except Terminated:
         return fail(progress.interrupted("terminated"), EXIT_TERMINATED)
     except CausalKVError as exc:
-        return fail(f"error: {exc}", int(getattr(exc, "exit_code", EXIT_REQUEST)))
+        return fail(f"error: {exc}", exc.exit_code)
     except MemoryError:  # a size no check foresaw: one line, not a traceback
         return fail("error: out of memory; free memory or make the request smaller", EXIT_ERROR)
     except BrokenPipeError:  # stdout went away outside of `Stdout` (a plugin printing)

@@ -10,7 +10,6 @@ the plugin registry (`add_extension_args`); this module names no family and no c
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +62,11 @@ def add_extension_args(parser: argparse.ArgumentParser, plugins: PluginSet | Non
     group per record titled with the record and its owners (the registry holds no clashing
     flag: a plugin declaring one is set aside), and one group per plugin set aside, while
     loading or while collecting, so ``--help`` drops none silently."""
-    registry = plugins.registry if plugins is not None else None
     owned: dict[type[Options], list[str]] = {}  # record -> its owners ("stage longlive2", "cache qvg")
-    if registry is not None:
-        declared = [(f"stage {e.name}", e.registration.options) for e in registry.stages]
-        for owner, record in declared + [(f"cache {e.name}", e.factory.options) for e in registry.caches]:
+    if plugins is not None:
+        declared = [(f"stage {e.name}", e.registration.options) for e in plugins.registry.stages]
+        declared += [(f"cache {e.name}", e.factory.options) for e in plugins.registry.caches]
+        for owner, record in declared:
             if record is not None:
                 owned.setdefault(record, []).append(owner)
     for record, owners in owned.items():
@@ -82,12 +81,8 @@ def add_extension_args(parser: argparse.ArgumentParser, plugins: PluginSet | Non
 def extension_records(args: argparse.Namespace) -> list[Options]:
     """The option records the parsed flags give (validated; `ConfigError` naming the flag),
     one per record with at least one flag typed."""
-    out = []
-    for record in getattr(args, _RECORDS, ()):
-        given = record.given_in(args)
-        if given:
-            out.append(record(**given))
-    return out
+    records = getattr(args, _RECORDS, ())
+    return [record(**given) for record in records if (given := record.given_in(args))]
 
 
 def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) -> argparse.ArgumentParser:
@@ -95,6 +90,7 @@ def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) ->
     ``plugins``, a `PluginSet` or None; default: the process-wide plugin manager's)."""
     plugins = collect_plugins() if plugins is ... else plugins
     presets = ", ".join(plugins.registry.presets()) if plugins is not None else "see causalkv plugins"
+    formats = ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items())
     parser.add_argument(
         "--model", default="tiny-wan",
         help=f"preset ({presets}) or a diffusers-format Wan folder "
@@ -130,7 +126,7 @@ def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) ->
     parser.add_argument("--stage", default=None, help="force a stage by registration name")
     parser.add_argument("--cache", default=None, help="force a cache factory by name (dense, qvg, ...)")
     parser.add_argument("--output", default=None, metavar="FILE",
-                        help=f"video file; the installed encoders write {_video_formats()} "
+                        help=f"video file; the installed encoders write {formats or 'no format'} "
                         "(default: out/<model>.mp4). Written atomically; if it cannot be written "
                         "after all, the latents are kept in NAME.latents.safetensors beside it")
     parser.add_argument("--no-video", action="store_true", help="skip decoding and writing the video")
@@ -162,10 +158,6 @@ def add_generate_args(parser: argparse.ArgumentParser, *, plugins: Any = ...) ->
     return add_extension_args(parser, plugins)
 
 
-def _video_formats() -> str:
-    return ", ".join(f"{suffix} ({what})" for suffix, what in video_formats().items()) or "no format"
-
-
 def register(subparsers: Any, *, plugins: PluginSet | None) -> None:
     """Add the ``generate`` subcommand, its flags from ``plugins`` (None: the host's flags
     only; the run reports why they could not be collected); the run uses the same ``plugins``."""
@@ -185,7 +177,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
     """`GenerateOptions` from parsed ``generate`` arguments (validates every option record)."""
     if args.prompts is not None and args.shot_prompts is not None:
         raise ConfigError("pass the shots with --prompt or with --shot-prompt, not both")
-    prompts = args.shot_prompts if args.shot_prompts is not None else args.prompts
     server_args = ServerArgs(
         options=extension_records(args),
         heads_sharded=_world_size(args),
@@ -200,7 +191,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--output {args.output!r} and --no-video contradict each other; drop one of them")
     default_output = str(Path("out") / f"{Path(str(args.model)).name}.mp4")
     return GenerateOptions(
-        prompts=prompts if prompts is not None else [DEFAULT_PROMPT],
+        prompts=args.shot_prompts or args.prompts or [DEFAULT_PROMPT],  # `append`: never empty
         server_args=server_args,
         compare_dtype=args.compare_dtype or "bfloat16",
         output=None if args.no_video else args.output or default_output,
@@ -227,6 +218,8 @@ def _world_size(args: argparse.Namespace) -> int:
             "node; drop --nproc-per-node under torchrun or pass the same value"
         )
     return world
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Entry of ``causalkv generate``: the exit status (`causalkv.cli.faults`: 0 done, 1
     unexpected, 2 bad request / model folder / plugin, 130 interrupted), one line on stderr.
@@ -249,9 +242,7 @@ def run_generate(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         if options.server_args.heads_sharded > 1 and not launched_by_torchrun():
             return _launch(args, options, out, plugins)
-        main_rank = True
-        if launched_by_torchrun():
-            main_rank = init_parallel(options.server_args.device).is_main
+        main_rank = not launched_by_torchrun() or init_parallel(options.server_args.device).is_main
         try:  # logging on rank 0; then leave the process group if one was joined
             metrics, run = generate(
                 options, plugins=plugins, log=out, on_plan=progress.on_plan, on_loaded=progress.on_loaded,
@@ -294,9 +285,8 @@ def _launch(args: argparse.Namespace, options: Any, out: Any, plugins: PluginSet
     from causalkv.runtime.processes.launch import run_supervised
 
     plan = plan_generation(options, plugins=plugins)
-    argv = getattr(args, "argv", None)  # set by `causalkv.cli.commands.main`
     out(f"sequence parallel: {options.server_args.heads_sharded} processes (torchrun)")
-    return run_supervised(
-        options.server_args.heads_sharded, sys.argv[1:] if argv is None else argv, debug=args.debug,
+    return run_supervised(  # args.argv: the command line `causalkv.cli.commands.main` parsed
+        options.server_args.heads_sharded, args.argv, debug=args.debug,
         quiet=bool(options.quiet), seen=getattr(plan.plugin_set().pm, "reported", ()),
     )

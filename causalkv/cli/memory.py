@@ -136,7 +136,7 @@ def format_plan(plan: MemoryPlan, host: str) -> str:
         row = [r.setting, format_bytes(r.kv_bytes), format_bytes(r.peak_bytes),
                format_bytes(r.dense_bytes), f"{r.kv_ratio:.3f}", f"{r.peak_ratio:.3f}"]
         if budget is not None:
-            best = r.max_video_frames if g.window_is_video else r.max_window_frames
+            best = getattr(r, longest)
             shown = "none fits" if best is None else f">= {best}" if r.at_search_limit else f"{best}"
             row += ["yes" if r.fits else "no", shown]
         rows.append(row)
@@ -186,13 +186,10 @@ def _plan(args: argparse.Namespace, budget: int | None) -> str:
     from causalkv.memory import cache_models
     from causalkv.memory.plan import plan_memory
 
-    req = MemoryRequest(
-        height=args.height, width=args.width, frames=args.frames,
-        latent_frames=args.latent_frames, seconds=args.seconds, fps=args.fps, cfg=args.cfg,
-        shots=args.shots, batch_size=args.batch_size, dtype=args.kv_dtype,
-        window_frames=args.window_frames, sink=args.kv_cache_quant_sink == 1,
-        attention=args.attention,
-    )
+    same = ("height", "width", "frames", "latent_frames", "seconds", "fps", "cfg", "shots",
+            "batch_size", "window_frames", "attention")  # the flags named as the request's fields
+    req = MemoryRequest(dtype=args.kv_dtype, sink=args.kv_cache_quant_sink == 1,
+                        **{name: getattr(args, name) for name in same})
     plan = plan_memory(resolve_model(args.model), req, getattr(cache_models, HOST_CACHES[args.host]),
                        budget=budget, settings=chosen_settings(args.setting, args.kv_cache_quant))
     if args.json:  # the JSON stays the rows; what was left out goes to stderr

@@ -64,8 +64,7 @@ def register(subparsers: argparse._SubParsersAction, *, plugins: Any = ...) -> N
     r.add_argument("--stage", default=None, metavar="NAME", help="force a stage by name")
     r.add_argument("--json", action="store_true", help="print JSON")
     plugins = collect_plugins() if plugins is ... else plugins
-    # the stages' and caches' own flags (--kv-cache-quant, ...)
-    add_extension_args(r, plugins)
+    add_extension_args(r, plugins)  # the stages' and caches' own flags (--kv-cache-quant, ...)
     r.set_defaults(func=run_resolve, **{_PLUGINS: plugins})
 
 
@@ -101,12 +100,8 @@ def _stage_row(entry: Any) -> dict[str, Any]:
         SHARDED: ServerArgs(heads_sharded=2),
         "--recent-window-frames": ServerArgs(recent_window_frames=1),
     }
-    row["qvg"] = qvg
-    row["multi_shot"] = multi
-    row["features_needed"] = {
-        flag: sorted(cls.required_cache_features(args)) for flag, args in cases.items() if args
-    }
-    return row
+    needed = {flag: sorted(cls.required_cache_features(a)) for flag, a in cases.items() if a}
+    return {**row, "qvg": qvg, "multi_shot": multi, "features_needed": needed}
 
 
 def _codec_row(setting: CodecSetting) -> dict[str, Any]:
@@ -222,10 +217,8 @@ def _print_plugins(report: dict[str, Any]) -> None:
             continue
         yes = {True: "yes", False: "no"}
         print(f"      QVG: {yes[s['qvg']]}   multi-shot: {yes[s['multi_shot']]}")
-        needs = "; ".join(
-            f"{flag}: {', '.join(feats) or 'none'}" for flag, feats in s["features_needed"].items()
-        )
-        print(f"      cache features needed: {needs}")
+        needs = [f"{flag}: {', '.join(f) or 'none'}" for flag, f in s["features_needed"].items()]
+        print(f"      cache features needed: {'; '.join(needs)}")
     print("Caches:")
     for c in report["caches"]:
         print(f"  {c['name']} ({c['target']}, plugin {c['plugin']}, priority {c['priority']})")
@@ -266,13 +259,10 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 def run_resolve(args: argparse.Namespace) -> int:
     try:
-        server_args = ServerArgs(
-            options=extension_records(args),
-            multi_shot=args.multi_shot,
-            heads_sharded=args.heads_sharded,
-            recent_window_frames=args.recent_window_frames,
-            cache=args.cache,
-        )
+        # the flags whose dest is the ServerArgs field of the same name
+        same = ("multi_shot", "heads_sharded", "recent_window_frames", "cache")
+        server_args = ServerArgs(options=extension_records(args),
+                                 **{name: getattr(args, name) for name in same})
         found = getattr(args, _PLUGINS, None)  # the plugins the parser was built from
         where = {"pm": found.pm, "registry": found.registry} if found is not None else {}
         res = resolve(model_ref(args.model), server_args, stage=args.stage, **where)
