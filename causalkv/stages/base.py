@@ -206,10 +206,16 @@ class CausalDenoisingStage(StagePlanning):
             head_offset=getattr(self.denoiser, "head_offset", 0),
         )
 
+    @classmethod
+    def branches_for(cls, guidance_scale: float) -> int:
+        """Cache sets this stage runs at ``guidance_scale``: 2 on a CFG stage
+        (`supports_guidance`) above 1, the negative branch's after the positive's; else 1.
+        The host's memory floor counts the caches by it before the stage is built."""
+        return 2 if cls.supports_guidance() and guidance_scale > 1.0 else 1
+
     def num_branches(self) -> int:
-        """Cache sets this stage runs: 2 on a CFG stage (`supports_guidance`) with
-        ``guidance_scale > 1``, the negative branch's after the positive's; else 1."""
-        return 2 if self.supports_guidance() and self.server_args.guidance_scale > 1.0 else 1
+        """Cache sets this stage runs (`branches_for` its ``guidance_scale``)."""
+        return self.branches_for(self.server_args.guidance_scale)
 
     def cache_sets(self) -> list[CacheSet]:
         """Every cache set this stage owns (the positive branch first); allocated on first use."""

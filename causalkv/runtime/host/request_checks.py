@@ -365,7 +365,7 @@ def memory_floor(plan: Plan) -> dict[str, int]:
         frames = min(frames, s.frames_per_chunk)
     elif getattr(_cache_class(plan), "preallocates", False):  # the dense cache: its whole buffer
         frames = s.cache_frames
-    branches = 2 if args.guidance_scale > 1.0 and plan.resolution.stage.supports_guidance() else 1
+    branches = plan.resolution.stage.branches_for(args.guidance_scale)
     kv_tokens = frames * s.tokens_per_frame
     rope = _rope_limit(plan)[0]
     return {
