@@ -451,10 +451,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if seg.packed:
             dense = seg.layers[layer].storage.decoded(self.device, self.dtype)
         else:
-            where = {f: i for i, f in enumerate(rec.frames)}
-            table = self.block_table(adapter)
-            ids = torch.tensor([table[where[f]] for f in range(seg.start // self.block_size,
-                                                                seg.end // self.block_size)],
+            page = dict(zip(rec.frames, self.block_table(adapter)))  # logical frame -> pool page
+            bs = self.block_size
+            ids = torch.tensor([page[f] for f in range(seg.start // bs, seg.end // bs)],
                                dtype=torch.long, device=self.device)
             k = self.key_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
             v = self.value_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
@@ -497,22 +496,16 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     # -- what a session holds ----------------------------------------------------------------
     def report(self, request_id: str) -> SessionReport:
         """What the session branch ``request_id`` (an adapter's id) holds now."""
-        rec = self._records[request_id]
-        packed, seen = 0, set()
-        groups = []
-        for g in rec.groups:
-            if not g.packed:
-                continue
-            groups.append((g.start // self.block_size, g.end // self.block_size))
-            for seg in g.layers:
-                packed += seg.nbytes
-                for t in seg.storage.shared_tensors():
-                    key = (t.device, t.data_ptr())
-                    if key in seen:
-                        packed -= t.nbytes
-                    seen.add(key)
+        rec, bs = self._records[request_id], self.block_size
+        packed = [g for g in rec.groups if g.packed]
+        segs = [seg for g in packed for seg in g.layers]
+        # a codebook shared by several records is counted once
+        shared = [t for seg in segs for t in seg.storage.shared_tensors()]
+        once = {(t.device, t.data_ptr()): t.nbytes for t in shared}
+        nbytes = sum(s.nbytes for s in segs) - sum(t.nbytes for t in shared) + sum(once.values())
         pages = len(rec.frames)
-        return SessionReport(pages, pages * self.geometry.page_bytes, packed, tuple(groups),
+        return SessionReport(pages, pages * self.geometry.page_bytes, nbytes,
+                             tuple((g.start // bs, g.end // bs) for g in packed),
                              rec.packed_reads, rec.packs)
 
     # -- attention -----------------------------------------------------------------------------

@@ -86,10 +86,9 @@ class PagedLingBotMixin:
 
     causalkv_quant: QVGKVQuantArgs
     _causalkv_cache: CausalKVPagedKVCache | None
-    #: evicted sessions (oldest first) -> the session admitted in their place (None until bound)
+    #: evicted sessions (oldest first) -> the session admitted in their place (None until the
+    #: next session is bound)
     _causalkv_evicted: OrderedDict[str, str | None]
-    #: evicted sessions whose successor is not bound yet
-    _causalkv_pending: list[str]
     #: sessions whose release is no eviction: a close their tick asked for, a failed forward
     _causalkv_ending: set[str]
 
@@ -119,10 +118,9 @@ class PagedLingBotMixin:
                 f"{type(cache).__name__}, not causalkv's paged cache: the runner did not use "
                 "causalkv's seam (causalkv.vllm_omni.paged_seams); run QVG in request mode")
         self._causalkv_cache = cache
-        for evicted in self._causalkv_pending:
-            if evicted in self._causalkv_evicted:
+        for evicted, by in self._causalkv_evicted.items():
+            if by is None:
                 self._causalkv_evicted[evicted] = session_id
-        self._causalkv_pending.clear()
         with super().bind_ar_diffusion_state(session_id, state), cache.binding(state):  # type: ignore[misc]
             yield
 
@@ -135,7 +133,6 @@ class PagedLingBotMixin:
         if session_id in self._causalkv_ending:
             self._causalkv_ending.discard(session_id)
             return
-        self._causalkv_pending.append(session_id)
         self._causalkv_evicted[session_id] = None
         while len(self._causalkv_evicted) > _REMEMBERED:
             self._causalkv_evicted.popitem(last=False)
@@ -189,6 +186,5 @@ def install_paged(pipeline: Any, quant: QVGKVQuantArgs) -> Any:
     pipeline.causalkv_quant = quant
     pipeline._causalkv_cache = None
     pipeline._causalkv_evicted = OrderedDict()
-    pipeline._causalkv_pending = []
     pipeline._causalkv_ending = set()
     return pipeline
