@@ -248,9 +248,10 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
         window_chunks=kv_config.window_chunks or spec.window_frames,
         sink_chunks=kv_config.sink_chunks or spec.sink_frames,
         reset_at_boundary=kv_config.reset_at_boundary or spec.reset_at_boundary)
+    # the spec's fields the runner passes as they are
     same = ("num_layers", "num_kv_heads", "head_size", "kv_branches", "cross_attention_lengths",
             "cross_attention_kv_heads", "frames_per_block", "max_scratch_tokens_per_branch",
-            "model_owned_state_bytes_per_session")  # the spec's fields the runner passes as they are
+            "model_owned_state_bytes_per_session")
     eng = engine_geometry(config, dtype=dtype, block_size=spec.tokens_per_frame,
                           **{name: getattr(spec, name) for name in same})
     return admit(eng, causalkv_layout(eng, quant), available_bytes=available_bytes,
