@@ -82,6 +82,7 @@ def test_planner_session_bytes_equal_the_stores_own_peak_resident(row):
     vLLM-Omni's dense ``[B, max_tokens, H, D]`` K and V."""
     import torch
 
+    from causalkv.caches.spec import CausalCacheSpec
     from causalkv.memory.geometry import ModelGeometry
     from causalkv.memory.records import SETTINGS
     from causalkv.vllm_omni.admission import ROWS, plan_sessions
@@ -92,10 +93,9 @@ def test_planner_session_bytes_equal_the_stores_own_peak_resident(row):
                          window_frames=9, height=64, width=64)
     (plan,) = plan_sessions(geom=geom, rows=(row,))
     n, cap = 48, 144
-    layers, ledger = allocate_layers(
-        num_layers=2, batch_size=1, max_tokens=cap, num_heads=2, head_dim=64, sink_tokens=48,
-        head_offset=0, dtype=torch.bfloat16, device="cpu",
-        quant=SETTINGS[ROWS[row]].quant_args())
+    spec = CausalCacheSpec(batch_size=1, num_heads=2, head_dim=64, cache_size=cap,
+                           sink_tokens=48, dtype=torch.bfloat16, device="cpu")
+    layers, ledger = allocate_layers(spec, SETTINGS[ROWS[row]].quant_args(), num_layers=2)
     g = torch.Generator().manual_seed(0)
     most = 0
     for i in range(8):

@@ -45,7 +45,6 @@ ENTRY_POINT_NAME = "causalkv"
 HOST = "vllm-omni"
 #: the cache factory of a registration that names none (the built-in plugin registers it)
 DEFAULT_CACHE = "qvg"
-_REGISTRY = "vllm_omni.diffusion.registry"
 #: LingBot-World's pre/post-process functions, by the name a served class's module exposes them
 _PRE, _POST = "get_lingbot_world_pre_process_func", "get_lingbot_world_post_process_func"
 
@@ -87,9 +86,8 @@ def cache_factory(name: str | None) -> tuple[CacheFactory, str]:
     """
     served = served_pipelines().get(name or "")
     cache = served[0].cache if served is not None and served[0].cache else DEFAULT_CACHE
-    registry = collected()
     try:
-        entry = registry.cache(cache)
+        entry = collected().cache(cache)
     except ResolutionError as exc:
         raise ConfigError(f"causalkv vllm-omni bridge, {name}: {exc}") from None
     if entry.factory.host is not None:
@@ -117,7 +115,8 @@ def register() -> bool:
         # lazy: vLLM-Omni calls register() from its own plugin loading
         from vllm_omni.diffusion.registry import register_diffusion_model
     except ImportError as exc:
-        logger.info("causalkv vllm-omni bridge not registered: cannot import %s (%s)", _REGISTRY, exc)
+        logger.info("causalkv vllm-omni bridge not registered: cannot import "
+                    "vllm_omni.diffusion.registry (%s)", exc)
         return False
     done = []
     for name, (reg, plugin) in served_pipelines().items():

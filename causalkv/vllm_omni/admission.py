@@ -14,7 +14,7 @@ write is unmarked): ``session_bytes = plan.kv_bytes + layers x plan.chunk_bytes`
 ``causalkv memory lingbot --host vllm-omni`` prints and what causalkv's paged cache,
 `causalkv.vllm_omni.paged_cache`, admits by: one formula). vLLM-Omni's ``ARDiffusionKVCache``
 admits the largest session count ``N`` whose bytes fit the memory budget (free memory x
-``gpu_memory_fraction``): the scratch pool, history staging, per session its cross-attention
+``gpu_memory_fraction``): the scratch pool, per session its cross-attention
 caches and model-owned state, and ``local_branches x (N x (sink + window) + frames_per_block) +
 2`` pool blocks (one latent frame, all layers, per block). `EngineGeometry` is what it reads;
 `SessionLayout` is what one session holds between ticks:
@@ -169,8 +169,9 @@ class EngineGeometry:
             ``frames_per_block`` plus the declared scratch tokens in blocks, or the
             ``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH`` override when larger); 0: the rule
             without declared scratch.
-        history_staging_bytes: ``reuse_history_staging``'s reservation (0 unless that and the
-            contiguous gather path are on).
+
+    vLLM-Omni's history staging (``reuse_history_staging``) is not modelled: causalkv's paged
+    cache refuses it (`causalkv.vllm_omni.paged_cache.check_kv_config`).
     """
 
     name: str
@@ -187,18 +188,14 @@ class EngineGeometry:
     cross_attention: tuple[tuple[int, int], ...] = ()
     model_state_bytes: int = 0
     scratch_blocks_per_branch: int = 0
-    history_staging_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"{self.name}: dtype must be one of {list(DTYPE_BYTES)}, got {self.dtype!r}")
-        for field in ("num_layers", "num_kv_heads", "head_size", "tokens_per_frame",
-                      "frames_per_block", "window_frames", "kv_branches", "local_kv_branches"):
-            check_int(f"{self.name}: {field}", getattr(self, field), minimum=1,
-                      hint="fix the pipeline's ARDiffusionKVCacheSpec")
-        for field in ("sink_frames", "model_state_bytes", "scratch_blocks_per_branch",
-                      "history_staging_bytes"):
-            check_int(f"{self.name}: {field}", getattr(self, field), minimum=0,
+        positive = ("num_layers", "num_kv_heads", "head_size", "tokens_per_frame",
+                    "frames_per_block", "window_frames", "kv_branches", "local_kv_branches")
+        for field in (*positive, "sink_frames", "model_state_bytes", "scratch_blocks_per_branch"):
+            check_int(f"{self.name}: {field}", getattr(self, field), minimum=int(field in positive),
                       hint="fix the pipeline's ARDiffusionKVCacheSpec")
         for tokens, heads in self.cross_attention:
             check_int(f"{self.name}: cross-attention tokens", tokens, minimum=1, hint="fix the spec")
@@ -328,23 +325,21 @@ class Admission:
 
     Attributes:
         layout: the session layout admitted.
-        available_bytes, gpu_memory_fraction: the inputs (free device memory, the fraction).
-        configured_budget_bytes: ``int(available_bytes * gpu_memory_fraction)``.
+        configured_budget_bytes: ``int(available_bytes * gpu_memory_fraction)`` (`admit`'s
+            free device memory and fraction).
         memory_budget_bytes: that, raised to one session when one fits the free memory.
         session_bytes: one session's bytes: its pool blocks, packed groups, cross-attention
             caches and model-owned state (all branches).
-        fixed_bytes: what does not grow with sessions: the scratch pool, history staging,
+        fixed_bytes: what does not grow with sessions: the scratch pool,
             the in-flight tick's blocks and the pool's two spare blocks.
         capacity: the sessions admitted: ``min(requested, (budget - fixed) // session)``.
-        pool_blocks: the managed pool's blocks: what the budget leaves after scratch,
-            staging and the admitted sessions' cross-attention, model state and packed groups.
+        pool_blocks: the managed pool's blocks: what the budget leaves after scratch
+            and the admitted sessions' cross-attention, model state and packed groups.
         requested_capacity: the pipeline's upper bound (None: none).
         page_bytes: one block in every layer (`EngineGeometry.page_bytes`).
     """
 
     layout: SessionLayout
-    available_bytes: int
-    gpu_memory_fraction: float
     configured_budget_bytes: int
     memory_budget_bytes: int
     session_bytes: int
@@ -370,17 +365,17 @@ class Admission:
 
 def _bytes(eng: EngineGeometry, layout: SessionLayout) -> tuple[int, int, int]:
     """``(fixed, beside the pool, session)`` bytes of the engine's rule for ``layout``: what does
-    not grow with sessions (scratch, history staging, the in-flight tick's blocks and two spare
+    not grow with sessions (scratch, the in-flight tick's blocks and two spare
     blocks); per session what it holds outside the pool (cross-attention, model state, packed
     groups); per session in all (that plus its bf16 frames' pool pages)."""
     lb = eng.local_kv_branches
-    fixed = eng.scratch_bytes + eng.history_staging_bytes + (lb * eng.frames_per_block + 2) * eng.page_bytes
+    fixed = eng.scratch_bytes + (lb * eng.frames_per_block + 2) * eng.page_bytes
     beside = eng.cross_bytes + eng.model_state_bytes + lb * layout.packed_bytes
     return fixed, beside, beside + lb * layout.bf16_frames * eng.page_bytes
 
 
 def required_bytes(eng: EngineGeometry, layout: SessionLayout, sessions: int) -> int:
-    """The engine's ``_required_bytes(sessions)`` for ``layout``: scratch + history staging +
+    """The engine's ``_required_bytes(sessions)`` for ``layout``: scratch +
     per session (cross-attention + model state + packed groups) + the managed blocks
     ``local_branches x (sessions x bf16_frames + frames_per_block) + 2``, each a page."""
     fixed, _, session = _bytes(eng, layout)
@@ -421,9 +416,9 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
     capacity = (budget - fixed) // session
     if requested_capacity is not None:
         capacity = min(capacity, requested_capacity)
-    pool = (budget - eng.scratch_bytes - eng.history_staging_bytes - capacity * beside) // eng.page_bytes
-    return Admission(layout, available_bytes, float(gpu_memory_fraction), configured, budget, session,
-                     fixed, capacity, pool, requested_capacity, eng.page_bytes)
+    pool = (budget - eng.scratch_bytes - capacity * beside) // eng.page_bytes
+    return Admission(layout, configured, budget, session, fixed, capacity, pool, requested_capacity,
+                     eng.page_bytes)
 
 
 #: LingBot-World's pipeline declares ``session_capacity=2`` (vLLM-Omni 0.30.0)
@@ -445,7 +440,7 @@ def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS
     eng = lingbot_engine(height, width) if eng is None else eng
     out = []
     for row in rows:
-        if row != "stock" and row not in ROWS:
+        if row not in ADMISSION_ROWS:
             raise ConfigError(f"vllm-omni rows must be among {list(ADMISSION_ROWS)}, got {row!r}")
         layout = stock_layout(eng) if row == "stock" else causalkv_layout(
             eng, SETTINGS[ROWS[row]].quant_args(), row)

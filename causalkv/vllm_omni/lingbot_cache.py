@@ -120,13 +120,14 @@ class LingBotLayerKV:
                 f"sink_tokens={sink_tokens} differs from the cache's {self.spec.sink_tokens}; "
                 "the layer's cache was allocated for another sink"
             )
+        incoming_sink = max(0, min(n, sink_tokens - current_start))
         if self.last_start is None:
             if n > capacity:
                 raise ValueError(
                     f"Current chunk has {n} tokens but the cache can hold only {capacity}; "
                     "the full current chunk must remain visible."
                 )
-            next_sink_end = max(0, min(n, sink_tokens - current_start))
+            next_sink_end = incoming_sink
         elif current_start == self.last_start:
             if current_start + n != self.absolute_end:
                 raise ValueError("A repeated current_start must overwrite the same-size current chunk.")
@@ -146,11 +147,8 @@ class LingBotLayerKV:
                 raise ValueError(
                     f"New chunks must be contiguous: current_start={current_start}, expected {self.absolute_end}."
                 )
-            incoming_sink = max(0, min(n, sink_tokens - current_start))
             next_sink_end = self.sink_end + incoming_sink
-            local_capacity = capacity - next_sink_end
-            new_local = n - incoming_sink
-            if new_local > local_capacity:
+            if n - incoming_sink > capacity - next_sink_end:  # the new local tokens do not fit
                 raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
         if not update_cache and self.last_start is None:  # a probe of the first chunk sees the chunk only
             k, v = key, value
@@ -172,30 +170,16 @@ class LingBotLayerKV:
 
 
 def allocate_layers(
-    *,
-    num_layers: int,
-    batch_size: int,
-    max_tokens: int,
-    num_heads: int,
-    head_dim: int,
-    sink_tokens: int,
-    head_offset: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    quant: QVGKVQuantArgs,
+    spec: CausalCacheSpec, quant: QVGKVQuantArgs, *, num_layers: int,
     build: Callable[[CausalCacheSpec, QVGKVQuantArgs], Any] = QVGPackedCausalKVCache,
 ) -> tuple[list[LingBotLayerKV], KVLedger]:
     """One request's self-attention stores (one per layer, each cache ``build(spec, quant)``)
     and their shared `KVLedger`.
 
-    The geometry is vLLM-Omni's ``allocate_lingbot_cache``'s: ``[B, max_tokens, H, D]`` per
-    layer, ``H`` the heads this rank holds, starting at global head ``head_offset``.
+    ``spec`` is vLLM-Omni's ``allocate_lingbot_cache`` geometry: ``[B, max_tokens, H, D]`` per
+    layer (``cache_size`` = ``max_tokens``), ``H`` the heads this rank holds, starting at
+    global head ``head_offset``.
     """
-    spec = CausalCacheSpec(
-        batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, cache_size=max_tokens,
-        sink_tokens=sink_tokens, dtype=dtype, device=device,
-        head_offset=head_offset,
-    )
     ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), num_layers=num_layers)
     layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i, build=build) for i in range(num_layers)]
     return layers, ledger

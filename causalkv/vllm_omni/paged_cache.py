@@ -92,6 +92,7 @@ __all__ = [
     "ForcedRoute",
     "PagedGroup",
     "SessionReport",
+    "check_kv_config",
     "declared_capacity",
     "engine_geometry",
     "forced_route",
@@ -190,6 +191,24 @@ class SessionReport:
         return self.pool_bytes + self.packed_bytes
 
 
+#: the engine options causalkv's pages do not serve, and why
+_UNSERVED = {
+    "reset_at_boundary": "causalkv's pages keep the sink and the newest ticks (LingBot-World's "
+                         "sliding window)",
+    "reuse_history_staging": "causalkv's attention reads packed groups that a staged window "
+                             "would not hold",
+}
+
+
+def check_kv_config(config: Any) -> None:
+    """`ConfigError` for an ``ARDiffusionKVConfig`` option causalkv's pages do not serve
+    (`_UNSERVED`: ``reset_at_boundary``, ``reuse_history_staging``)."""
+    for option, why in _UNSERVED.items():
+        if getattr(config, option, False):
+            raise ConfigError(f"ar_diffusion_kv_config.{option} is not supported with "
+                              f"model_config.causalkv_kv_cache: {why}; drop {option}")
+
+
 def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_size: int,
                     dtype: torch.dtype, block_size: int, kv_branches: Sequence[Any],
                     cross_attention_lengths: dict[str, int] | None = None,
@@ -202,16 +221,7 @@ def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_siz
     modelled)."""
     if dtype not in _DTYPES:
         raise ConfigError(f"causalkv's paged cache holds bfloat16, float16 or float32 pages, got {dtype}")
-    if getattr(config, "reset_at_boundary", False):
-        raise ConfigError(
-            "ar_diffusion_kv_config.reset_at_boundary is not supported with "
-            "model_config.causalkv_kv_cache: causalkv's pages keep the sink and the newest ticks "
-            "(LingBot-World's sliding window); drop reset_at_boundary")
-    if getattr(config, "reuse_history_staging", False):
-        raise ConfigError(
-            "ar_diffusion_kv_config.reuse_history_staging is not supported with "
-            "model_config.causalkv_kv_cache: causalkv's attention reads packed groups that a "
-            "staged window would not hold; drop reuse_history_staging")
+    check_kv_config(config)
     heads = dict(cross_attention_kv_heads or {})
     cross = tuple((int(n), int(heads.get(name, num_kv_heads)))
                   for name, n in (cross_attention_lengths or {}).items())
@@ -238,32 +248,31 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
         window_chunks=kv_config.window_chunks or spec.window_frames,
         sink_chunks=kv_config.sink_chunks or spec.sink_frames,
         reset_at_boundary=kv_config.reset_at_boundary or spec.reset_at_boundary)
-    eng = engine_geometry(
-        config, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-        dtype=dtype, block_size=spec.tokens_per_frame, kv_branches=spec.kv_branches,
-        cross_attention_lengths=spec.cross_attention_lengths,
-        cross_attention_kv_heads=spec.cross_attention_kv_heads,
-        frames_per_block=spec.frames_per_block,
-        max_scratch_tokens_per_branch=spec.max_scratch_tokens_per_branch,
-        model_owned_state_bytes_per_session=spec.model_owned_state_bytes_per_session)
+    # the spec's fields the runner passes as they are
+    same = ("num_layers", "num_kv_heads", "head_size", "kv_branches", "cross_attention_lengths",
+            "cross_attention_kv_heads", "frames_per_block", "max_scratch_tokens_per_branch",
+            "model_owned_state_bytes_per_session")
+    eng = engine_geometry(config, dtype=dtype, block_size=spec.tokens_per_frame,
+                          **{name: getattr(spec, name) for name in same})
     return admit(eng, causalkv_layout(eng, quant), available_bytes=available_bytes,
                  gpu_memory_fraction=config.gpu_memory_fraction).capacity
 
 
-_LIVE: weakref.WeakSet[CausalKVPagedKVCache] = weakref.WeakSet()
-#: vLLM-Omni's own caches `session_cache` built (for a measurement of the stock pool)
-_LIVE_STOCK: weakref.WeakSet[ARDiffusionKVCache] = weakref.WeakSet()
-#: id of a pool tensor -> (its cache, layer): the pools `paged_write_attn` serves
-_POOLS: dict[int, tuple[weakref.ref[CausalKVPagedKVCache], int]] = {}
+#: the session caches built in this process, oldest first: causalkv's, and vLLM-Omni's own
+#: that `session_cache` built (for a measurement of the stock pool)
+_LIVE: list[weakref.ref[ARDiffusionKVCache]] = []
+
+
+def _track(cache: ARDiffusionKVCache) -> None:
+    _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
+    _LIVE.append(weakref.ref(cache))
 
 
 def live_caches(*, stock: bool = False) -> list[Any]:
     """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
     process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
-    return sorted(_LIVE_STOCK if stock else _LIVE, key=lambda c: c._causalkv_serial)
-
-
-_SERIAL = iter(range(1 << 62))
+    caches = [c for ref in _LIVE if (c := ref()) is not None]
+    return [c for c in caches if isinstance(c, CausalKVPagedKVCache) is not stock]
 
 
 class CausalKVPagedKVCache(ARDiffusionKVCache):
@@ -308,14 +317,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             dataclasses.replace(config, gpu_memory_fraction=1.0), max_model_len=max_model_len,
             available_bytes=required_bytes(eng, stock_layout(eng), 1), session_capacity=1,
             device=None, **shape)
-        ours = {"page bytes": eng.page_bytes, "scratch bytes": eng.scratch_bytes,
-                "cross-attention bytes per session": eng.cross_bytes,
-                "history staging bytes": eng.history_staging_bytes}
-        engine = {"page bytes": self.spec.page_size_bytes * self.num_layers,
-                  "scratch bytes": self.scratch_reserved_bytes,
-                  "cross-attention bytes per session": self.cross_attention_bytes_per_session,
-                  "history staging bytes": self.history_staging_reserved_bytes}
-        drift = {k: (ours[k], engine[k]) for k in ours if ours[k] != engine[k]}
+        figures = {
+            "page bytes": (eng.page_bytes, self.spec.page_size_bytes * self.num_layers),
+            "scratch bytes": (eng.scratch_bytes, self.scratch_reserved_bytes),
+            "cross-attention bytes per session": (eng.cross_bytes,
+                                                  self.cross_attention_bytes_per_session)}
+        drift = {k: pair for k, pair in figures.items() if pair[0] != pair[1]}
         if drift:
             raise ConfigError(
                 f"vLLM-Omni's ARDiffusionKVCache counts {drift} (causalkv, engine) differently from "
@@ -345,25 +352,15 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             self._kv_pools, self._k_pools, self._v_pools = allocate_kv_pool_with_views(
                 self.num_blocks_total, self.block_size, self.num_layers, self.num_kv_heads,
                 self.head_size, self.dtype, device)
-        ref = weakref.ref(self)
-        for layer, pool in enumerate(self._k_pools):
-            _POOLS[id(pool)] = (ref, layer)
-        weakref.finalize(self, _forget_pools, [id(p) for p in self._k_pools])
         self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, self.num_kv_heads,
                                    self.head_size, torch.empty((), dtype=self.dtype).element_size())
         self.packer = Packer(self.device, self.dtype, SEED, self.head_offset, False)
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
         self._view: tuple[torch.Tensor, Any] | None = None
-        self._causalkv_serial = next(_SERIAL)
-        _LIVE.add(self)
+        _track(self)
 
     # -- sessions ------------------------------------------------------------------------------
-    @property
-    def group_tokens(self) -> int:
-        """Tokens of one tick (``frames_per_block`` frames)."""
-        return self.frames_per_block * self.block_size
-
     def begin_request(self, request_id: str, *, prefill_prefix_tokens: int = 0) -> Any:
         if prefill_prefix_tokens:
             raise ConfigError("causalkv's paged cache takes no prefill prefix (LingBot-World has none)")
@@ -420,7 +417,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if adapter.completed_chunks % self.frames_per_block:
             return
         g = adapter.completed_chunks // self.frames_per_block - 1  # the tick just completed
-        n, tpf = self.group_tokens, self.block_size
+        tpf = self.block_size
+        n = self.frames_per_block * tpf  # tokens of one tick
         rec.cursor = rec.cursor.advanced(n, f"causalkv paged session {adapter.request_id}")
         ctx = rec.cursor.after_context(False)
         segs = keep_held([*rec.groups, PagedGroup(g * n, (g + 1) * n, g, g)], ctx.held, self._cut)
@@ -445,7 +443,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     def _cut(self, seg: PagedGroup, a: int, b: int) -> PagedGroup:
         if a % self.block_size or b % self.block_size:
             raise RuntimeError(f"causalkv's paged cache cuts whole frames, got [{a}, {b})")
-        n = self.group_tokens
+        n = self.frames_per_block * self.block_size
         return PagedGroup(a, b, a // n, (b - 1) // n)
 
     def _rows(self, adapter: Any, rec: _Session, seg: PagedGroup, layer: int) -> Segment:
@@ -454,10 +452,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if seg.packed:
             dense = seg.layers[layer].storage.decoded(self.device, self.dtype)
         else:
-            where = {f: i for i, f in enumerate(rec.frames)}
-            table = self.block_table(adapter)
-            ids = torch.tensor([table[where[f]] for f in range(seg.start // self.block_size,
-                                                                seg.end // self.block_size)],
+            page = dict(zip(rec.frames, self.block_table(adapter)))  # logical frame -> pool page
+            bs = self.block_size
+            ids = torch.tensor([page[f] for f in range(seg.start // bs, seg.end // bs)],
                                dtype=torch.long, device=self.device)
             k = self.key_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
             v = self.value_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
@@ -475,16 +472,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         layers = []
         for layer in range(self.num_layers):
             pieces = [self._rows(adapter, rec, p, layer) for p in step.pieces]
-            seg, rec.books[layer] = self._encode(step, pieces, rec.books[layer])
+            seg, rec.books[layer] = self.packer.encode(step, pieces, rec.books[layer])
             layers.append(seg)
         rec.packs += 1
         first, last = step.pieces[0], step.pieces[-1]
         return PagedGroup(first.start, last.end, first.first_chunk, last.last_chunk,
                           layers=tuple(layers), recent=step.recent)
-
-    def _encode(self, step: Any, pieces: list[Segment], book: Codebook | None
-                ) -> tuple[Segment, Codebook | None]:
-        return self.packer.encode(step, pieces, book)
 
     def _release(self, adapter: Any, rec: _Session, keep: set[int]) -> None:
         """Every page whose frame is not in ``keep`` back to the pool (vLLM's release), then the
@@ -504,22 +497,16 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     # -- what a session holds ----------------------------------------------------------------
     def report(self, request_id: str) -> SessionReport:
         """What the session branch ``request_id`` (an adapter's id) holds now."""
-        rec = self._records[request_id]
-        packed, seen = 0, set()
-        groups = []
-        for g in rec.groups:
-            if not g.packed:
-                continue
-            groups.append((g.start // self.block_size, g.end // self.block_size))
-            for seg in g.layers:
-                packed += seg.nbytes
-                for t in seg.storage.shared_tensors():
-                    key = (t.device, t.data_ptr())
-                    if key in seen:
-                        packed -= t.nbytes
-                    seen.add(key)
+        rec, bs = self._records[request_id], self.block_size
+        packed = [g for g in rec.groups if g.packed]
+        segs = [seg for g in packed for seg in g.layers]
+        # a codebook shared by several records is counted once
+        shared = [t for seg in segs for t in seg.storage.shared_tensors()]
+        once = {(t.device, t.data_ptr()): t.nbytes for t in shared}
+        nbytes = sum(s.nbytes for s in segs) - sum(t.nbytes for t in shared) + sum(once.values())
         pages = len(rec.frames)
-        return SessionReport(pages, pages * self.geometry.page_bytes, packed, tuple(groups),
+        return SessionReport(pages, pages * self.geometry.page_bytes, nbytes,
+                             tuple((g.start // bs, g.end // bs) for g in packed),
                              rec.packed_reads, rec.packs)
 
     # -- attention -----------------------------------------------------------------------------
@@ -566,10 +553,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                     history[f] = (g, f * bs - g.start) if g.packed else where[f]
         # the current frames last: the pages the slots name
         entries: list[Any] = [history[f] for f in sorted(history)] + current
-        max_blocks = self.spec.sliding_window // bs + self.spec.sink_chunks
-        sink = self.spec.sink_chunks
-        if len(entries) > max_blocks:  # the engine's rule: the sink, then the newest
-            entries = entries[:sink] + entries[-(max_blocks - sink):]
+        sink, window = self.spec.sink_chunks, self.spec.sliding_window // bs
+        if len(entries) > sink + window:  # the engine's rule: the sink, then the newest
+            entries = entries[:sink] + entries[-window:]
         runs: list[tuple[str, Any, int, int]] = []
         for e in entries:
             if isinstance(e, tuple):
@@ -719,11 +705,6 @@ def forced_route(*, routed: bool = True, fused: bool | None = False,
         _forced = before
 
 
-def _forget_pools(ids: list[int]) -> None:
-    for i in ids:
-        _POOLS.pop(i, None)
-
-
 # -- the engine's seams: the session cache the runner builds, the attention LingBot calls -------
 _STOCK_CACHE = _runner.ARDiffusionKVCache
 _STOCK_ATTN = _lingbot_transformer.paged_write_attn
@@ -736,8 +717,7 @@ def session_cache(config: Any, **kwargs: Any) -> ARDiffusionKVCache:
     ours = [b for b in kwargs.get("kv_branches", ()) if isinstance(b, CausalKVBranchSpec)]
     if not ours:
         cache = _STOCK_CACHE(config, **kwargs)
-        cache._causalkv_serial = next(_SERIAL)
-        _LIVE_STOCK.add(cache)
+        _track(cache)
         return cache
     return CausalKVPagedKVCache(config, quant=ours[0].quant, head_offset=ours[0].head_offset, **kwargs)
 
@@ -747,11 +727,12 @@ def paged_write_attn(inputs: Any, query: torch.Tensor, k_curr: torch.Tensor, v_c
                      softmax_scale: float) -> torch.Tensor:
     """LingBot's ``paged_write_attn``: a layer of a `CausalKVPagedKVCache` pool is served by
     `CausalKVPagedKVCache.attend`; any other by vLLM-Omni's own."""
-    owner = _POOLS.get(id(inputs.key_pool))
-    cache = owner[0]() if owner is not None else None
-    if cache is None or cache._k_pools[owner[1]] is not inputs.key_pool:
-        return _STOCK_ATTN(inputs, query, k_curr, v_curr, k_act, v_act, softmax_scale)
-    return cache.attend(owner[1], inputs, query, k_curr, v_curr, k_act, v_act, softmax_scale)
+    for cache in live_caches():
+        for layer, pool in enumerate(cache._k_pools):
+            if pool is inputs.key_pool:
+                return cache.attend(layer, inputs, query, k_curr, v_curr, k_act, v_act,
+                                    softmax_scale)
+    return _STOCK_ATTN(inputs, query, k_curr, v_curr, k_act, v_act, softmax_scale)
 
 
 def install_engine_seams() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from causalkv.errors import ConfigError
 from causalkv.vllm_omni.paged_cache import (
     CausalKVBranchSpec,
     CausalKVPagedKVCache,
+    check_kv_config,
     declared_capacity,
     install_engine_seams,
 )
@@ -54,19 +56,15 @@ _REMEMBERED = 4096
 def check_paged(od_config: Any, quant: QVGKVQuantArgs) -> None:
     """Refuse what causalkv's pages do not serve on the paged path, before anything loads
     (`ConfigError`): a vLLM-Omni lacking a seam (`check_seams`, one line naming it), step
-    execution (only request-mode ticks are served and tested), history staging."""
+    execution (only request-mode ticks are served and tested), the options `check_kv_config`
+    refuses."""
     check_seams()
     if getattr(od_config, "step_execution", False):
         raise ConfigError(
             f"model_config.causalkv_kv_cache ({quant.describe()}) on vLLM-Omni's paged "
             "AR-diffusion engine serves request-mode ticks (one ar_diffusion_tick per request); "
             "step_execution=True is not supported: set step_execution false")
-    kv = resolve_ar_diffusion_kv_config(od_config)
-    if kv.reuse_history_staging:
-        raise ConfigError(
-            "ar_diffusion_kv_config.reuse_history_staging is not supported with "
-            "model_config.causalkv_kv_cache (a staged window would not hold packed groups); "
-            "drop reuse_history_staging")
+    check_kv_config(resolve_ar_diffusion_kv_config(od_config))
 
 
 def evicted_message(session_id: str, chunk_index: int, by: str | None, capacity: int | None,
@@ -88,11 +86,11 @@ class PagedLingBotMixin:
 
     causalkv_quant: QVGKVQuantArgs
     _causalkv_cache: CausalKVPagedKVCache | None
-    _causalkv_released: OrderedDict[str, str]
-    _causalkv_evicted_by: dict[str, str | None]
-    _causalkv_pending: list[str]
-    _causalkv_closing: set[str]
-    _causalkv_failed: set[str]
+    #: evicted sessions (oldest first) -> the session admitted in their place (None until the
+    #: next session is bound)
+    _causalkv_evicted: OrderedDict[str, str | None]
+    #: sessions whose release is no eviction: a close their tick asked for, a failed forward
+    _causalkv_ending: set[str]
 
     def ar_diffusion_kv_cache_spec(self) -> Any:
         """LingBot's spec with causalkv's branch (the settings) and the capacity causalkv's
@@ -120,62 +118,57 @@ class PagedLingBotMixin:
                 f"{type(cache).__name__}, not causalkv's paged cache: the runner did not use "
                 "causalkv's seam (causalkv.vllm_omni.paged_seams); run QVG in request mode")
         self._causalkv_cache = cache
-        for evicted in self._causalkv_pending:
-            self._causalkv_evicted_by[evicted] = session_id
-        self._causalkv_pending.clear()
+        for evicted, by in self._causalkv_evicted.items():
+            if by is None:
+                self._causalkv_evicted[evicted] = session_id
         with super().bind_ar_diffusion_state(session_id, state), cache.binding(state):  # type: ignore[misc]
             yield
 
-    def _causalkv_forget(self, session_id: str) -> None:
-        self._causalkv_released.pop(session_id, None)
-        self._causalkv_evicted_by.pop(session_id, None)
-        self._causalkv_closing.discard(session_id)
-        self._causalkv_failed.discard(session_id)
-
     def close_ar_diffusion_session(self, session_id: str) -> None:
-        """vLLM-Omni's release (close, eviction or a failed forward) and why: a close the tick
-        asked for, a forward that raised, else an eviction (remembered for the notice)."""
+        """vLLM-Omni's release (close, eviction or a failed forward): one that is neither a
+        close the tick asked for nor a failed forward is an eviction, remembered for the
+        notice."""
         super().close_ar_diffusion_session(session_id)  # type: ignore[misc]
-        if session_id in self._causalkv_closing:
-            reason = "closed"
-        elif session_id in self._causalkv_failed:
-            reason = "failed"
-        else:
-            reason = "evicted"
-            self._causalkv_pending.append(session_id)
-        self._causalkv_forget(session_id)
-        self._causalkv_released[session_id] = reason
-        while len(self._causalkv_released) > _REMEMBERED:
-            old, _ = self._causalkv_released.popitem(last=False)
-            self._causalkv_evicted_by.pop(old, None)
+        self._causalkv_evicted.pop(session_id, None)
+        if session_id in self._causalkv_ending:
+            self._causalkv_ending.discard(session_id)
+            return
+        self._causalkv_evicted[session_id] = None
+        while len(self._causalkv_evicted) > _REMEMBERED:
+            self._causalkv_evicted.popitem(last=False)
 
     def reset_ar_diffusion_session(self, session_id: str) -> None:
         super().reset_ar_diffusion_session(session_id)  # type: ignore[misc]
-        self._causalkv_forget(session_id)
+        self._causalkv_evicted.pop(session_id, None)
+        self._causalkv_ending.discard(session_id)
 
     def forward(self, req: Any) -> Any:
         tick = ARDiffusionTickRequest.from_extra_args(getattr(req.sampling_params, "extra_args", None))
         if tick is None:
             return super().forward(req)  # type: ignore[misc]
         sid = tick.session_id
-        if self._causalkv_released.get(sid) == "evicted":
+        if sid in self._causalkv_evicted:
             if tick.chunk_index != 0 and not tick.reset:
                 cache = self._causalkv_cache
                 raise ValueError(evicted_message(
-                    sid, tick.chunk_index, self._causalkv_evicted_by.get(sid),
+                    sid, tick.chunk_index, self._causalkv_evicted[sid],
                     cache.session_capacity if cache is not None else None, self.causalkv_quant))
-            self._causalkv_released.pop(sid, None)
+            del self._causalkv_evicted[sid]
         try:
             out = super().forward(req)  # type: ignore[misc]
         except Exception:
-            self._causalkv_failed.add(sid)
+            self._causalkv_ending.add(sid)
             raise
         if tick.close_session:
-            self._causalkv_closing.add(sid)
+            self._causalkv_ending.add(sid)
         return out
 
 
-_PAGED_CLASSES: dict[type, type] = {}
+@functools.cache
+def _paged_class(base: type) -> type:
+    """``base`` with `PagedLingBotMixin` first (one class per pipeline class)."""
+    return type(f"Paged{base.__name__}", (PagedLingBotMixin, base),
+                {"__module__": base.__module__, "__doc__": base.__doc__})
 
 
 def install_paged(pipeline: Any, quant: QVGKVQuantArgs) -> Any:
@@ -188,19 +181,10 @@ def install_paged(pipeline: Any, quant: QVGKVQuantArgs) -> Any:
         raise ConfigError(f"install_paged takes vLLM-Omni's LingBotWorldCausalDMDPipeline, got "
                           f"{type(pipeline).__name__}")
     install_engine_seams()
-    base = type(pipeline)
-    if not issubclass(base, PagedLingBotMixin):
-        cls = _PAGED_CLASSES.get(base)
-        if cls is None:
-            cls = type(f"Paged{base.__name__}", (PagedLingBotMixin, base),
-                       {"__module__": base.__module__, "__doc__": base.__doc__})
-            _PAGED_CLASSES[base] = cls
-        pipeline.__class__ = cls
+    if not isinstance(pipeline, PagedLingBotMixin):
+        pipeline.__class__ = _paged_class(type(pipeline))
     pipeline.causalkv_quant = quant
     pipeline._causalkv_cache = None
-    pipeline._causalkv_released = OrderedDict()
-    pipeline._causalkv_evicted_by = {}
-    pipeline._causalkv_pending = []
-    pipeline._causalkv_closing = set()
-    pipeline._causalkv_failed = set()
+    pipeline._causalkv_evicted = OrderedDict()
+    pipeline._causalkv_ending = set()
     return pipeline

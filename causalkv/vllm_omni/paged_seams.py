@@ -87,8 +87,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_AR}.runner", "ARDiffusionModelRunner._preallocate_kv_cache", "attribute",
          "builds the session cache from the pipeline's spec"),
     Seam(f"{_AR}.runner", "ARDiffusionKVCache", "attribute",
-         "the name _preallocate_kv_cache constructs; causalkv's cache is built in its place for "
-         "a pipeline whose spec asks for it"),
+         "the name _preallocate_kv_cache constructs: causalkv's cache is built in its place"),
     Seam(f"{_AR}.runner", "resolve_ar_diffusion_kv_config", "attribute",
          "the runner's ARDiffusionKVConfig from the stage config (gpu_memory_fraction)"),
     Seam(f"{_AR}.kv_cache.config", "ARDiffusionKVConfig", "field",
@@ -107,9 +106,9 @@ SEAMS: tuple[Seam, ...] = (
          "the pool, manager and budget causalkv re-admits",
          ("spec", "manager", "managed_num_blocks", "num_blocks", "num_blocks_total", "null_block_id",
           "scratch_reserved_bytes", "scratch_num_blocks", "cross_attention_bytes_per_session",
-          "history_staging_reserved_bytes", "session_capacity", "memory_budget_bytes",
-          "configured_memory_budget_bytes", "available_memory_bytes",
-          "cross_attention_reserved_bytes", "model_owned_state_reserved_bytes", "_kv_pools",
+          "session_capacity", "memory_budget_bytes", "configured_memory_budget_bytes",
+          "available_memory_bytes", "cross_attention_reserved_bytes",
+          "model_owned_state_reserved_bytes", "_kv_pools",
           "_k_pools", "_v_pools", "_allocate_tensors", "device", "num_local_kv_branches",
           "block_size", "num_layers", "num_kv_heads", "head_size", "dtype")),
     *(Seam(f"{_AR}.kv_cache.manager", f"ARDiffusionKVCache.{name}", "attribute", why)
@@ -129,8 +128,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_AR}.kv_cache.paged", "allocate_kv_pool_with_views", "attribute",
          "the per-layer K/V pools at causalkv's block count"),
     Seam(f"{_AR}.kv_cache.paged_attention", "ar_diffusion_paged_attention", "parameter",
-         "attention over pool pages and decoded packed groups (the engine's own kernel: its "
-         "einsum reference off CUDA)",
+         "attention over pool pages and decoded packed groups (the engine's own kernel)",
          ("block_table", "query_start_loc", "seq_lens", "max_query_len", "max_seq_len",
           "softmax_scale")),
     Seam(f"{_AR}.kv_cache.paged_attention", "ARDiffusionPagedLayerInputs", "field",
@@ -140,8 +138,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(f"{_AR}.tick_protocol", "ARDiffusionTickRequest.from_extra_args", "attribute",
          "a tick's session id and chunk index (the eviction notice)"),
     Seam(f"{_LINGBOT}.transformer", "paged_write_attn", "attribute",
-         "LingBot's self-attention calls this module global; causalkv's replaces it for its own "
-         "pools and calls it for any other"),
+         "LingBot's self-attention calls this module global; causalkv's serves its own pools"),
     *(Seam(f"{_LINGBOT}.pipeline", f"LingBotWorldCausalDMDPipeline.{name}", "attribute", why)
       for name, why in (
           ("ar_diffusion_kv_cache_spec", "the spec causalkv declares its capacity on"),
@@ -158,13 +155,13 @@ def installed_versions() -> tuple[str | None, str | None]:
     """``(vllm-omni, vllm)`` as installed (None where a distribution is absent)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out: list[str | None] = []
-    for dist in ("vllm-omni", "vllm"):
+    def installed(dist: str) -> str | None:
         try:
-            out.append(version(dist))
+            return version(dist)
         except PackageNotFoundError:
-            out.append(None)
-    return out[0], out[1]
+            return None
+
+    return installed("vllm-omni"), installed("vllm")
 
 
 def _resolve(seam: Seam) -> Any:
@@ -189,6 +186,11 @@ def _probe_cache() -> Any:
         session_capacity=1, device=None, frames_per_block=1)
 
 
+#: a seam's refusal when some of its ``names`` are absent, by kind
+_ABSENT = {"parameter": "no parameter(s) {}", "field": "no field(s) {}",
+           "instance": "no attribute(s) {} on an instance"}
+
+
 def _problem(seam: Seam, probe: Callable[[], Any]) -> str | None:
     try:
         obj = _resolve(seam)
@@ -200,26 +202,22 @@ def _problem(seam: Seam, probe: Callable[[], Any]) -> str | None:
         return None
     if seam.kind == "parameter":
         try:
-            params = inspect.signature(obj).parameters
+            have = set(inspect.signature(obj).parameters)
         except (TypeError, ValueError):
             return "not a callable with a signature"
-        absent = [n for n in seam.names if n not in params]
-        return f"no parameter(s) {absent}" if absent else None
-    if seam.kind == "field":
-        if dataclasses.is_dataclass(obj):
-            have = {f.name for f in dataclasses.fields(obj)}
-        else:
-            have = set(getattr(obj, "_fields", ()))
-        absent = [n for n in seam.names if n not in have]
-        return f"no field(s) {absent}" if absent else None
-    if seam.kind == "instance":
+    elif seam.kind == "field":
+        have = ({f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj)
+                else set(getattr(obj, "_fields", ())))
+    elif seam.kind == "instance":
         try:
             inst = probe()
         except Exception as exc:  # noqa: BLE001 - any failure to build is the seam's problem
             return f"cannot be built without tensors ({type(exc).__name__}: {exc})"
-        absent = [n for n in seam.names if not hasattr(inst, n)]
-        return f"no attribute(s) {absent} on an instance" if absent else None
-    raise ConfigError(f"seam {seam.where}: unknown kind {seam.kind!r}")
+        have = {n for n in seam.names if hasattr(inst, n)}
+    else:
+        raise ConfigError(f"seam {seam.where}: unknown kind {seam.kind!r}")
+    absent = [n for n in seam.names if n not in have]
+    return _ABSENT[seam.kind].format(absent) if absent else None
 
 
 def missing_seams(seams: tuple[Seam, ...] = SEAMS,

@@ -43,6 +43,7 @@ from vllm_omni.diffusion.models.lingbot_world.transformer import (
 
 from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.capabilities import QUANT_QVG
 from causalkv.errors import ConfigError
 from causalkv.hooks import CacheFactory
@@ -117,14 +118,13 @@ class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
         del stock
         tokens_per_frame = (latent_height // self.config.patch_size[1]) * (
             latent_width // self.config.patch_size[2])
-        layers, ledger = allocate_layers(
-            num_layers=self.config.num_layers, batch_size=batch_size, max_tokens=max_tokens,
-            num_heads=heads, head_dim=head_dim,
-            sink_tokens=self.config.sink_size * tokens_per_frame,
-            head_offset=self.head_offset(), dtype=dtype, device=device, quant=self.causalkv_quant,
-            build=self.causalkv_cache.build,
-        )
-        self.causalkv_ledger = ledger
+        spec = CausalCacheSpec(
+            batch_size=batch_size, num_heads=heads, head_dim=head_dim, cache_size=max_tokens,
+            sink_tokens=self.config.sink_size * tokens_per_frame, dtype=dtype, device=device,
+            head_offset=self.head_offset())
+        layers, self.causalkv_ledger = allocate_layers(
+            spec, self.causalkv_quant, num_layers=self.config.num_layers,
+            build=self.causalkv_cache.build)
         return LingBotTransformerCache(self_attention=list(layers),
                                        cross_attention=[None] * self.config.num_layers)
 

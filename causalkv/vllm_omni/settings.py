@@ -53,9 +53,7 @@ def read_settings(model_config: Mapping[str, Any] | None, *,
     codec no plugin registered; ``kv_cache_quant_centroids: 0``), or a knob set while
     ``kv_cache_quant`` is off.
     """
-    if not model_config or CONFIG_KEY not in model_config:
-        return None
-    raw = model_config[CONFIG_KEY]
+    raw = (model_config or {}).get(CONFIG_KEY)
     if raw is None:
         return None
     collected()  # the plugins' codec settings join the registry the keys are read against

@@ -13,6 +13,7 @@ from vllm_omni.diffusion.models.lingbot_world.transformer import (
 )
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.vllm_omni.lingbot_cache import allocate_layers
 
 B, H, D = 1, 2, 64
@@ -37,9 +38,9 @@ def _stock_update(cache, k, v, start, update):
 
 
 def _ours(quant: str = "off", *, heads: int = H, head_offset: int = 0, dtype=torch.float32):
-    layers, ledger = allocate_layers(num_layers=1, batch_size=B, max_tokens=CAP, num_heads=heads,
-                                     head_dim=D, sink_tokens=SINK, head_offset=head_offset,
-                                     dtype=dtype, device="cpu", quant=QVGKVQuantArgs.from_codec_name(quant))
+    spec = CausalCacheSpec(batch_size=B, num_heads=heads, head_dim=D, cache_size=CAP,
+                           sink_tokens=SINK, dtype=dtype, device="cpu", head_offset=head_offset)
+    layers, ledger = allocate_layers(spec, QVGKVQuantArgs.from_codec_name(quant), num_layers=1)
     return layers[0], ledger
 
 
@@ -227,10 +228,9 @@ def test_the_peak_counts_every_probes_kv_and_the_probe_builds_nothing_else(quant
     adds the codec's decode work (less than one dense chunk here), which the peak does not
     count, as the store's own ``peak_transient_nbytes`` counts the buffer it fills."""
     per_token = 2 * B * H * D * 4  # K and V, float32
-    layers, ledger = allocate_layers(num_layers=2, batch_size=B, max_tokens=CAP, num_heads=H,
-                                     head_dim=D, sink_tokens=SINK, head_offset=0,
-                                     dtype=torch.float32, device="cpu",
-                                     quant=QVGKVQuantArgs.from_codec_name(quant))
+    spec = CausalCacheSpec(batch_size=B, num_heads=H, head_dim=D, cache_size=CAP,
+                           sink_tokens=SINK, dtype=torch.float32, device="cpu")
+    layers, ledger = allocate_layers(spec, QVGKVQuantArgs.from_codec_name(quant), num_layers=2)
     want_peak, probes = 0, 0
     for i, step, commit in _schedule(7):
         for layer in layers:

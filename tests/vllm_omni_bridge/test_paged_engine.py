@@ -61,6 +61,7 @@ def runs(request, tmp_path_factory):
     input and its record)."""
     import paged_sessions as ps
 
+    from causalkv.caches.qvg.store_pack import Packer
     from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache, forced_route
 
     built, work = _folder(tmp_path_factory, request.param)
@@ -68,7 +69,7 @@ def runs(request, tmp_path_factory):
     packed: dict[str, list] = {}
     frames_read: dict[str, list[int]] = {}
     now = {"setting": ""}
-    encode, view = CausalKVPagedKVCache._encode, CausalKVPagedKVCache._forward_view
+    encode, view = Packer.encode, CausalKVPagedKVCache._forward_view
 
     def spy(self, step, pieces, book):
         seg, after = encode(self, step, pieces, book)
@@ -89,7 +90,7 @@ def runs(request, tmp_path_factory):
     out = {}
     src = ps.image()
     mp = pytest.MonkeyPatch()
-    mp.setattr(CausalKVPagedKVCache, "_encode", spy)
+    mp.setattr(Packer, "encode", spy)  # the paged cache's packer
     mp.setattr(CausalKVPagedKVCache, "_forward_view", spy_view)
     try:
         for setting in SETTINGS:

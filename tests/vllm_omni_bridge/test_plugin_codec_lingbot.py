@@ -22,6 +22,7 @@ from test_startup import _config
 
 from causalkv.caches import codecs
 from causalkv.caches.qvg.segments import PackedKV
+from causalkv.caches.spec import CausalCacheSpec
 from causalkv.errors import ConfigError
 from causalkv.plugin.manager import reset_plugin_manager
 from causalkv.vllm_omni.lingbot_cache import allocate_layers
@@ -58,9 +59,9 @@ def test_kv_cache_quant_takes_a_plugin_codec(installed, monkeypatch, setting, pa
                                                 setting.get("kv_cache_quant_recent_tier", "bf16"))
     quant.check_layout(64)  # the pipeline's start-up checks, before anything loads
     check_engine_mode(_config(setting), quant)
-    layers, ledger = allocate_layers(num_layers=1, batch_size=B, max_tokens=CAP, num_heads=H,
-                                     head_dim=D, sink_tokens=SINK, head_offset=0, dtype=torch.float32,
-                                     device="cpu", quant=quant)
+    spec = CausalCacheSpec(batch_size=B, num_heads=H, head_dim=D, cache_size=CAP,
+                           sink_tokens=SINK, dtype=torch.float32, device="cpu")
+    layers, ledger = allocate_layers(spec, quant, num_layers=1)
     layer = layers[0]
     for i, step, commit in _schedule(7):
         k, v = _chunk(i, step)
