@@ -63,8 +63,9 @@ class DenseCausalKVCache(StreamCache):
         is copied into its slots; a complete commit keeps only what the next advance keeps."""
         h0, h1 = heads
         n = key.shape[1]
-        if self.state.classify(current_chunk_start, n, debug_name) == "advance":
-            self._relayout(self.state.advanced(n, debug_name), fresh_heads=heads)
+        new = self.state.written(current_chunk_start, n, debug_name)
+        if new is not self.state:
+            self._relayout(new, fresh_heads=heads)
         self._write_current(key, value, h0, h1)
         self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
         if not done:
@@ -86,19 +87,17 @@ class DenseCausalKVCache(StreamCache):
         the write would leave them: eviction applied) read into one ``[B, visible, h, D]`` K
         and V buffer, the chunk's visible rows copied from the caller's K/V after it."""
         n = key.shape[1]
-        st = self.state
-        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
+        new = self.state.written(start, n, debug_name)
         visible = new.visible(recent_window_tokens)
-        chunk = ((start, start + n),)
-        runs = [(a, b, False) for a, b in iv.subtract(visible, chunk)]
-        runs += [(a, b, True) for a, b in iv.intersect(visible, chunk)]
-        runs.sort()
-        k, v = self._read_pieces([(None if own else a, b - a) for a, b, own in runs], *heads)
-        at = 0
-        for a, b, own in runs:  # the chunk's visible rows: the caller's own K/V
-            if own:
-                k[:, at : at + b - a].copy_(key[:, a - start : b - start])
-                v[:, at : at + b - a].copy_(value[:, a - start : b - start])
+        # the chunk holds the newest positions: the history's visible rows come first
+        history = iv.subtract(visible, ((start, start + n),))
+        own = iv.intersect(visible, ((start, start + n),))
+        pieces = [(a, b - a) for a, b in history] + [(None, iv.count(own))]
+        k, v = self._read_pieces(pieces, *heads)
+        at = iv.count(history)
+        for a, b in own:  # the chunk's visible rows: the caller's own K/V
+            k[:, at : at + b - a].copy_(key[:, a - start : b - start])
+            v[:, at : at + b - a].copy_(value[:, a - start : b - start])
             at += b - a
         return self._make_view(visible, state=new, k=k, v=v, device=k.device)
 
@@ -164,11 +163,7 @@ class DenseCausalKVCache(StreamCache):
         visible = st.visible(recent_window_tokens)
         slot_runs = iv.to_slots(st.retained, visible)
         pieces = [(self.k_cache[:, a:b, h0:h1], self.v_cache[:, a:b, h0:h1]) for a, b in slot_runs]
-        if not pieces:
-            empty = self.k_cache[:, :0, h0:h1]
-            k, v = empty, empty
-        else:
-            k, v = concat_segments(pieces)
+        k, v = concat_segments(pieces) if pieces else (self.k_cache[:, :0, h0:h1],) * 2
         return self._make_view(
             visible, k=k, v=v, segments=lambda: iter(pieces), device=self.k_cache.device
         )

@@ -43,20 +43,14 @@ class StreamState:
 
     @classmethod
     def from_spec(cls, spec: CausalCacheSpec) -> StreamState:
-        return cls(
-            sink_tokens=spec.sink_tokens,
-            global_sink_tokens=spec.global_sink_tokens,
-            window=spec.window,
-            capacity=spec.cache_size,
-            allow_growth=spec.allow_growth,
-        )
+        return cls(spec.sink_tokens, spec.global_sink_tokens, spec.window, spec.cache_size,
+                   spec.allow_growth)
 
     @classmethod
     def opened(cls, *, sink_tokens: int, global_sink_tokens: int, cache_tokens: int) -> StreamState:
         """An empty stream holding at most ``cache_tokens`` tokens, its window as large, no
         growth (`PositionModel.opened`)."""
-        return cls(sink_tokens=sink_tokens, global_sink_tokens=global_sink_tokens,
-                   window=cache_tokens, capacity=cache_tokens, allow_growth=False)
+        return cls(sink_tokens, global_sink_tokens, cache_tokens, cache_tokens, False)
 
     # ---- sets -------------------------------------------------------------------------
     def sink_prefix_end(self) -> int:
@@ -145,6 +139,12 @@ class StreamState:
             f"{debug_name}: non-sequential write current_start={start} "
             f"global_end={self.global_end} cur={self.cur_start}"
         )
+
+    def written(self, start: int, n: int, debug_name: str) -> StreamState:
+        """The state after a write of ``n`` tokens at ``start`` (`classify`): an advance's
+        (`advanced`), or this very state for a rewrite; CacheWriteError otherwise."""
+        advance = self.classify(start, n, debug_name) == "advance"
+        return self.advanced(n, debug_name) if advance else self
 
     def advanced(self, n: int, debug_name: str) -> StreamState:
         """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""

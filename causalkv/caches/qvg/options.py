@@ -326,22 +326,18 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         said = {"centroids": f"centroids={self.centroids}", "block_size": f"block={self.block_size}",
                 "stages": f"stages={self.stages}", "kmeans_iters": f"iters={self.kmeans_iters}",
                 "asymmetric": "asym" if self.asymmetric else "sym"}
-        knobs = [text for name, text in said.items() if name in reads]
         parts = [
-            f"{self.codec}",
-            *knobs,
+            self.codec,
+            *(text for name, text in said.items() if name in reads),
             f"keep_recent={self.keep_recent_chunks}",
             f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
             f"sink_keep={self.sink_keep_chunks}",
         ]
-        if self.grid != "reference" and "grid" in reads:
-            parts.append(f"grid={self.grid}")
-        if self.span_chunks != 1:
-            parts.append(f"span={self.span_chunks}")
-        if self.codebook_chunks != 1:
-            parts.append(f"codebook_chunks={self.codebook_chunks}")
-        if self.recent_tier != "bf16":
-            parts.append(f"recent_tier={self.recent_tier}")
+        optional = [("grid" in reads and self.grid != "reference", f"grid={self.grid}"),
+                    (self.span_chunks != 1, f"span={self.span_chunks}"),
+                    (self.codebook_chunks != 1, f"codebook_chunks={self.codebook_chunks}"),
+                    (self.recent_tier != "bf16", f"recent_tier={self.recent_tier}")]
+        parts += [text for shown, text in optional if shown]
         return "qvg(" + ", ".join(parts) + ")"
 
     # ---- the reference runtime's surface ------------------------------------------------------

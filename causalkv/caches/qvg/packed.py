@@ -189,8 +189,8 @@ class QVGPackedCausalKVCache(StreamCache):
         changes nothing."""
         h0, h1 = heads
         n, st = key.shape[1], self.state
-        advance = st.classify(current_chunk_start, n, debug_name) == "advance"
-        new = st.advanced(n, debug_name) if advance else st
+        new = st.written(current_chunk_start, n, debug_name)
+        advance = new is not st
         assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
@@ -245,9 +245,9 @@ class QVGPackedCausalKVCache(StreamCache):
         """`StreamCache.probe_view` as a lazy view: the store's segments for the history (packed
         ones decoded only when read, one at a time when streamed) and the caller's own K/V
         for the chunk's rows (`SegmentStore.with_own`); nothing stored, nothing changed."""
-        n, st = key.shape[1], self.state
-        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
-        return self._view(*heads, recent_window_tokens, self.store.with_own(start, key, value, heads[0]), new)
+        new = self.state.written(start, key.shape[1], debug_name)
+        own = self.store.with_own(start, key, value, heads[0])
+        return self._view(*heads, recent_window_tokens, own, new)
 
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,

@@ -18,7 +18,7 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.qvg.tiering import BookState, TierSegment
-from causalkv.caches.spec import KVSegment
+from causalkv.caches.spec import KVSegment, on_device
 from causalkv.errors import InvalidTypeError
 
 __all__ = [
@@ -159,8 +159,7 @@ class PackedKV:
 
     def onloaded(self, device: torch.device) -> PackedKV:
         """The same K/V on ``device`` (itself when already there)."""
-        here = self.device
-        if here == device or (here.type == device.type and device.index is None):
+        if on_device(self.device, device):
             return self
         return replace(
             self, k=self.k.to(device, non_blocking=True), v=self.v.to(device, non_blocking=True)
