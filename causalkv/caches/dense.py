@@ -70,7 +70,6 @@ class DenseCausalKVCache(StreamCache):
         self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
         if not done:
             return self._view(h0, h1, recent_window_tokens)
-        assert commit is not None
         # the view reads the positions before the commit drops them: its own buffer
         visible = self.state.visible(recent_window_tokens)
         k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
@@ -123,14 +122,12 @@ class DenseCausalKVCache(StreamCache):
                                     device=self.k_cache.device)
                 grown[:, :old] = getattr(self, name)
                 setattr(self, name, grown)
-        survivors = iv.intersect(old_retained, new.retained)
-        for a, b in survivors:
+        for a, b in iv.intersect(old_retained, new.retained):  # the survivors
             src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
             if src != dst:
                 for buf in (self.k_cache, self.v_cache):
                     buf[:, dst : dst + (b - a)] = buf[:, src : src + (b - a)].clone()
-        h0, h1 = fresh_heads
-        if (h0, h1) != (0, self.spec.num_heads):
+        if fresh_heads != (0, self.spec.num_heads):
             # Heads outside the write's slice are zero until their own write arrives.
             slot = iv.rank(new.retained, new.cur_start)
             self.k_cache[:, slot : slot + new.cur_n].zero_()

@@ -82,26 +82,18 @@ class CausalCacheSpec:
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
             check_int(f"CausalCacheSpec.{name}", getattr(self, name), minimum=1)
-        check_int("CausalCacheSpec.head_offset", self.head_offset)
-        for name in ("sink_tokens", "global_sink_tokens"):
-            value = check_int(f"CausalCacheSpec.{name}", getattr(self, name))
-            if value > self.cache_size:
-                raise ConfigError(
-                    f"CausalCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
-                    f"raise cache_size or lower {name}"
-                )
-        if self.global_sink_tokens > self.sink_tokens:
-            raise ConfigError(
-                f"CausalCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
-                f"sink_tokens={self.sink_tokens}"
-            )
+        for name in ("head_offset", "sink_tokens", "global_sink_tokens"):
+            check_int(f"CausalCacheSpec.{name}", getattr(self, name))
         w = self.attention_window_size
         if w is not None:
             check_int("CausalCacheSpec.attention_window_size", w, minimum=1, hint="or None")
-            if w > self.cache_size:
-                raise ConfigError(
-                    f"CausalCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
-                )
+        for name, bound in (("sink_tokens", "cache_size"), ("global_sink_tokens", "cache_size"),
+                            ("global_sink_tokens", "sink_tokens"),
+                            ("attention_window_size", "cache_size")):
+            value, limit = getattr(self, name), getattr(self, bound)
+            if value is not None and value > limit:
+                raise ConfigError(f"CausalCacheSpec.{name}={value} exceeds {bound}={limit}; "
+                                  f"raise {bound} or lower {name}")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"CausalCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
@@ -196,7 +188,6 @@ class CausalAttentionKVView:
 
     @torch.compiler.disable(reason="filling k/v decodes the cache's segments (Python); one break")
     def _fill(self) -> None:
-        assert self._materialize is not None
         k, v = self._materialize()
         self._check_rows(k.shape[1], "k/v")
         self._k, self._v = k, v

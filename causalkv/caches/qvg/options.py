@@ -177,23 +177,24 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
             problem = codec_problem(self.recent_tier, self, head_dim)
         return problem or self._unread_problem()
 
-    def _reads(self) -> frozenset[str]:
-        """The codec options the codecs in use (the codec, a recency tier) read."""
+    def _unread(self) -> set[str]:
+        """The codec options no codec in use (the codec, a recency tier) reads."""
         used = [c for c in (self.codec, self.recent_tier) if c not in (None, "bf16")]
-        return frozenset().union(*(_reads_of(name) for name in used))
+        reads = frozenset().union(*(_reads_of(name) for name in used))
+        return set(QVGCodecOptions.specs()) - {"codec"} - reads
 
     def to_mapping(self) -> dict[str, Any]:
         """Config key -> value of every declared field but the codec options no codec in use
         reads (PRQ's centroids with fp8, say): what the metrics' ``cache_settings`` show."""
-        unread = set(QVGCodecOptions.specs()) - {"codec"} - self._reads()
+        unread = self._unread()
         return {spec.key or n: getattr(self, n) for n, spec in self.specs().items() if n not in unread}
 
     def _unread_problem(self) -> str | None:
         """A codec option set away from its default that no codec in use reads (PRQ's
         ``--kv-cache-quant-centroids`` with fp8, say), or None: refused, never ignored."""
-        reads = self._reads()
+        unread = self._unread()
         for name, value in self.changed().items():
-            if name == "codec" or name in reads or name not in QVGCodecOptions.specs():
+            if name not in unread:
                 continue
             readers = [n for n in codec_names() if name in _reads_of(n)]
             using = f"--kv-cache-quant {self.codec}" + (

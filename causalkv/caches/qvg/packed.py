@@ -158,7 +158,7 @@ class QVGPackedCausalKVCache(StreamCache):
         marker: PassMarker | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)
-        self.quant = (quant or QVGKVQuantArgs()).validate()
+        self.quant = quant or QVGKVQuantArgs()
         self.spec = spec
         #: global index of the first head: the codec keys each head's k-means draws by it
         self.head_offset = spec.head_offset if head_offset is None else head_offset
@@ -191,7 +191,6 @@ class QVGPackedCausalKVCache(StreamCache):
         n, st = key.shape[1], self.state
         new = st.written(current_chunk_start, n, debug_name)
         advance = new is not st
-        assert new.cur_start is not None
         write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
         # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
         # while dense segments hold the chunk, else (a chunk a commit already moved to its
@@ -203,10 +202,8 @@ class QVGPackedCausalKVCache(StreamCache):
             self.store.commit(plan)  # nothing below can fail
             self.state, self._pass = new, passed
             return self._view(h0, h1, recent_window_tokens)
-        assert commit is not None
         plan = self.store.plan_commit(plan, new.after_context(commit.pin, commit.next_tokens))
         # the view reads the layout before the commit drops what the next advance drops
-        assert plan.view_segments is not None
         view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
         self.store.commit(plan)  # nothing below can fail
         self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed

@@ -285,7 +285,6 @@ class KVWrite:
 
     def borrowed(self, a: int, b: int) -> BorrowedKV:
         """Views of its K/V of positions ``[a, b)``."""
-        assert self.key is not None and self.value is not None
         return BorrowedKV(self.key[:, a - self.start : b - self.start],
                           self.value[:, a - self.start : b - self.start])
 

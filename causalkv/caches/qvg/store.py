@@ -112,7 +112,6 @@ class SegmentStore:
         min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
         ledger: ByteLedger | None = None,
     ) -> None:
-        quant = quant.validate()
         m = min_tokens_per_centroid
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
@@ -268,7 +267,6 @@ class SegmentStore:
         self._settled.update(s for c, s in self._live.items() if c not in live)
         self._live = live
         for seg in plan.packs:
-            assert isinstance(seg.storage, PackedKV)
             self._centroids_used[seg.storage.num_centroids] += len(seg.chunks)
         self.quantize_calls += len(plan.packs)
         self._reasons = plan.reasons
