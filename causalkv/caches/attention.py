@@ -41,9 +41,6 @@ from causalkv.errors import CausalKVError
 
 __all__ = ["NO_TRITON", "AttendError", "AttendStats", "attend", "attend_dense"]
 
-#: queries per block on the CPU flash path / on the fp32 fallback path (decode path)
-CPU_QUERY_BLOCK = 512
-FALLBACK_QUERY_BLOCK = 64
 #: queries per block of a dense segment's step on CUDA, and on the fused path on any device
 #: (so the fused path's `AttendStats` measured on the CPU are the CUDA ones)
 GPU_QUERY_BLOCK = 2048
@@ -149,9 +146,9 @@ def _step_kind(q: torch.Tensor) -> str:
     return "fallback"
 
 
-#: queries per block of the decode path's step, by `_step_kind`
-_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "flash": GPU_QUERY_BLOCK, "efficient": GPU_QUERY_BLOCK,
-                 "fallback": FALLBACK_QUERY_BLOCK}
+#: queries per block of the decode path's step, by `_step_kind` (the CPU flash kernel: 512; the
+#: fp32 fallback: 64)
+_DECODE_BLOCK = {"cpu": 512, "flash": GPU_QUERY_BLOCK, "efficient": GPU_QUERY_BLOCK, "fallback": 64}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,10 +51,6 @@ def intersect(x: Intervals, y: Intervals) -> Intervals:
     return tuple(out)
 
 
-def clip(x: Intervals, lo: int, hi: int) -> Intervals:
-    return intersect(x, ((lo, hi),)) if hi > lo else EMPTY
-
-
 def subtract(x: Intervals, y: Intervals) -> Intervals:
     out: list[Interval] = []
     for a, b in x:

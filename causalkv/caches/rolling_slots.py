@@ -346,8 +346,7 @@ class RollingSlots:
         if not st.has_pinned_sink():
             return ()
         a, b = max(0, st.pinned_start), min(st.cache_size, st.pinned_start + st.pinned_len)
-        if b <= a:
-            return ()
+        # b <= a: every piece read is empty, and normalize drops it
         return iv.normalize((p, p + ln) for ln, p in self.slots.read(a, b) if p is not None)
 
     def holding(self) -> HeldPositions:

@@ -78,7 +78,8 @@ class StreamState:
         tail_start = min(self.sink_prefix_end(), self.global_end)
         if recent_window_tokens is not None:
             tail_start = max(tail_start, self.cur_start - recent_window_tokens)
-        candidates = iv.clip(iv.subtract(self.retained, sink), tail_start, self.global_end)
+        candidates = iv.intersect(iv.subtract(self.retained, sink),
+                                  ((tail_start, self.global_end),))
         tail = iv.newest(candidates, self.window - iv.count(sink))
         return iv.union(sink, tail)
 

@@ -127,9 +127,8 @@ class QVGPackedCausalKVCache(StreamCache):
             dev = torch.device(device)
         except (RuntimeError, ValueError, TypeError):
             return  # the host names a bad device
-        tiers = [] if options.recent_tier == "bf16" else [replace(options, codec=options.recent_tier)]
-        for q in (options, *tiers):
-            problem = codec_for(q).device_problem(dev)
+        for name in (c for c in (options.codec, options.recent_tier) if c != "bf16"):
+            problem = codec_for(replace(options, codec=name)).device_problem(dev)
             if problem is not None:
                 raise ConfigError(problem)
 
