@@ -52,20 +52,11 @@ def intersect(x: Intervals, y: Intervals) -> Intervals:
 
 
 def subtract(x: Intervals, y: Intervals) -> Intervals:
-    out: list[Interval] = []
-    for a, b in x:
-        cur = a
-        for c, d in y:
-            if d <= cur or c >= b:
-                continue
-            if c > cur:
-                out.append((cur, c))
-            cur = max(cur, d)
-            if cur >= b:
-                break
-        if cur < b:
-            out.append((cur, b))
-    return tuple(out)
+    """``x`` without ``y``: ``x`` intersected with the gaps of ``y`` (both sorted runs)."""
+    if not x:
+        return EMPTY
+    edges = [x[0][0], *(p for run in y for p in run), x[-1][1]]
+    return intersect(x, normalize(zip(edges[::2], edges[1::2])))
 
 
 def newest(x: Intervals, k: int) -> Intervals:

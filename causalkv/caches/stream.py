@@ -151,19 +151,17 @@ class StreamState:
         """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""
         end = self.global_end + n
         chunk: Intervals = ((self.global_end, end),)
-        sink = self.sink(iv.union(self.retained, chunk))
-        kept = iv.union(sink, chunk)
+        held = iv.union(self.retained, chunk)
+        sink = self.sink(held)
         capacity = self.capacity
-        if iv.count(kept) > capacity:
+        if iv.count(iv.union(sink, chunk)) > capacity:
             if not self.allow_growth:
                 raise CacheWriteError(
                     f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
                     f"fit cache_size={capacity}; raise cache_size or set allow_growth=True"
                 )
-            capacity = iv.count(kept)
-        old = iv.union(self.retained, chunk)
-        ordinary = iv.subtract(old, sink)
-        retained = iv.union(sink, iv.newest(ordinary, capacity - iv.count(sink)))
+            capacity = iv.count(iv.union(sink, chunk))
+        retained = iv.union(sink, iv.newest(iv.subtract(held, sink), capacity - iv.count(sink)))
         return replace(
             self, global_end=end, cur_start=self.global_end, cur_n=n, retained=retained,
             capacity=capacity,

@@ -369,16 +369,10 @@ class SegmentStore:
         A codebook shared by several packed segments (``codebook_chunks > 1``) is one
         tensor referenced by each of them and is counted once.
         """
-        total, seen = 0, set()
-        for seg in self.segments:
-            total += seg.nbytes
-            if isinstance(seg.storage, PackedKV):
-                for c in seg.storage.shared_tensors():
-                    key = (c.device, c.data_ptr())
-                    if key in seen:
-                        total -= c.nbytes
-                    seen.add(key)
-        return total
+        shared = [c for seg in self.packed_segments() for c in seg.storage.shared_tensors()]
+        once = {(c.device, c.data_ptr()): c.nbytes for c in shared}
+        total = sum(seg.nbytes for seg in self.segments)
+        return total - sum(c.nbytes for c in shared) + sum(once.values())
 
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]
