@@ -61,18 +61,17 @@ class DenseCausalKVCache(StreamCache):
     ) -> CausalAttentionKVView:
         """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
         is copied into its slots; a complete commit keeps only what the next advance keeps."""
-        h0, h1 = heads
         n = key.shape[1]
         new = self.state.written(current_chunk_start, n, debug_name)
         if new is not self.state:
             self._relayout(new, fresh_heads=heads)
-        self._write_current(key, value, h0, h1)
+        self._write_current(key, value, *heads)
         self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
         if not done:
-            return self._view(h0, h1, recent_window_tokens)
+            return self._view(*heads, recent_window_tokens)
         # the view reads the positions before the commit drops them: its own buffer
         visible = self.state.visible(recent_window_tokens)
-        k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
+        k, v = self._read_pieces([(a, b - a) for a, b in visible], *heads)
         view = self._make_view(visible, k=k, v=v, device=k.device)
         self._relayout(self.state.committed(commit.pin, commit.next_tokens),
                        fresh_heads=(0, self.spec.num_heads))

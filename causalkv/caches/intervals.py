@@ -79,12 +79,7 @@ def contains(x: Intervals, y: Intervals) -> bool:
 
 def rank(x: Intervals, p: int) -> int:
     """How many positions of ``x`` are smaller than ``p`` (the compact slot of ``p``)."""
-    r = 0
-    for a, b in x:
-        if p <= a:
-            break
-        r += min(p, b) - a
-    return r
+    return sum(min(p, b) - a for a, b in x if a < p)
 
 
 def to_slots(x: Intervals, sub: Intervals) -> Intervals:
@@ -98,8 +93,6 @@ def to_positions(x: Intervals, device: torch.device | str | None = None) -> torc
 
     if not x:
         return torch.empty(0, dtype=torch.int64, device=device)
-    if len(x) == 1:
-        return torch.arange(x[0][0], x[0][1], dtype=torch.int64, device=device)
     return torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in x])
 
 

@@ -87,8 +87,7 @@ class _ReferenceMessages:
 
     @classmethod
     def label_of(cls, name: str) -> str:
-        spec = cls.specs()[name]  # type: ignore[attr-defined]
-        return (spec.flag or name).lstrip("-")
+        return (cls.specs()[name].flag or name).lstrip("-")  # type: ignore[attr-defined]
 
     @classmethod
     def _int_problem(cls, minimum: int, *, optional: bool) -> str:

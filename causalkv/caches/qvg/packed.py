@@ -186,24 +186,23 @@ class QVGPackedCausalKVCache(StreamCache):
         same step (packed straight from the write's K/V when the policy does not keep it).
         The write and the move are planned first and committed as one: a refused call
         changes nothing."""
-        h0, h1 = heads
         n, st = key.shape[1], self.state
         new = st.written(current_chunk_start, n, debug_name)
         advance = new is not st
-        write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
+        write = KVWrite(new.cur_start, new.cur_start + n, heads, key, value)
         # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
         # while dense segments hold the chunk, else (a chunk a commit already moved to its
         # tier) decoded back to dense
         keep = new.holding() if advance else replace(st.holding(), held=self.store.held())
         plan = self.store.plan(write, keep, advance=advance)
-        passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
+        passed, done = self._commit_pass(new.cur_start, heads, commit)
         if not done:
             self.store.commit(plan)  # nothing below can fail
             self.state, self._pass = new, passed
-            return self._view(h0, h1, recent_window_tokens)
+            return self._view(*heads, recent_window_tokens)
         plan = self.store.plan_commit(plan, new.after_context(commit.pin, commit.next_tokens))
         # the view reads the layout before the commit drops what the next advance drops
-        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
+        view = self._view(*heads, recent_window_tokens, plan.view_segments, new)
         self.store.commit(plan)  # nothing below can fail
         self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed
         return view
