@@ -10,22 +10,7 @@ first use of a name below imports its module. The feature names and `CacheCapabi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from causalkv.lazy import lazy_names
-
-if TYPE_CHECKING:
-    from causalkv.caches.attention import AttendError, AttendStats, attend
-    from causalkv.caches.cross import CrossAttentionKVCache
-    from causalkv.caches.dense import DenseCausalKVCache
-    from causalkv.caches.passes import Commit, PassMarker
-    from causalkv.caches.qvg.packed import QVGPackedCausalKVCache
-    from causalkv.caches.spec import (
-        CacheWriteError,
-        CausalAttentionKVView,
-        CausalCacheSpec,
-        CausalKVCache,
-    )
 
 #: exported name -> the module that defines it
 _EXPORTS = {
@@ -40,19 +25,6 @@ _EXPORTS = {
     ),
 }
 
-__all__ = [
-    "AttendError",
-    "AttendStats",
-    "CacheWriteError",
-    "CausalAttentionKVView",
-    "CausalKVCache",
-    "Commit",
-    "CrossAttentionKVCache",
-    "DenseCausalKVCache",
-    "CausalCacheSpec",
-    "PassMarker",
-    "QVGPackedCausalKVCache",
-    "attend",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_names(__name__, _EXPORTS)

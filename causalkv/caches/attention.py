@@ -41,9 +41,6 @@ from causalkv.errors import CausalKVError
 
 __all__ = ["NO_TRITON", "AttendError", "AttendStats", "attend", "attend_dense"]
 
-#: queries per block on the CPU flash path / on the fp32 fallback path (decode path)
-CPU_QUERY_BLOCK = 512
-FALLBACK_QUERY_BLOCK = 64
 #: queries per block of a dense segment's step on CUDA, and on the fused path on any device
 #: (so the fused path's `AttendStats` measured on the CPU are the CUDA ones)
 GPU_QUERY_BLOCK = 2048
@@ -149,9 +146,9 @@ def _step_kind(q: torch.Tensor) -> str:
     return "fallback"
 
 
-#: queries per block of the decode path's step, by `_step_kind`
-_DECODE_BLOCK = {"cpu": CPU_QUERY_BLOCK, "flash": GPU_QUERY_BLOCK, "efficient": GPU_QUERY_BLOCK,
-                 "fallback": FALLBACK_QUERY_BLOCK}
+#: queries per block of the decode path's step, by `_step_kind` (the CPU flash kernel: 512; the
+#: fp32 fallback: 64)
+_DECODE_BLOCK = {"cpu": 512, "flash": GPU_QUERY_BLOCK, "efficient": GPU_QUERY_BLOCK, "fallback": 64}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,19 +160,16 @@ NO_TRITON = ("triton does not import: packed segments are decoded before attenti
 
 
 def _use_fused(fused: bool | None, device: torch.device, st: AttendStats) -> bool:
-    if fused is None:
-        if device.type != "cuda":
-            return False
-        if not triton_impl.AVAILABLE:
-            st.note(NO_TRITON)
-            return False
-        return True
     if fused and not triton_impl.AVAILABLE:
         raise AttendError(
             "attend(fused=True) needs triton for the packed-attention kernel; install "
             "causalkv[triton], or pass fused=False to decode packed segments first"
         )
-    return bool(fused)
+    if fused is not None:
+        return bool(fused)
+    if device.type == "cuda" and not triton_impl.AVAILABLE:
+        st.note(NO_TRITON)
+    return device.type == "cuda" and triton_impl.AVAILABLE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,16 +293,14 @@ def _attend_segments(
             extra = seg = k.nbytes + v.nbytes
         else:
             k, v = k_seg.transpose(1, 2), v_seg.transpose(1, 2)  # views of the segment
-            # the decode path's segments are this call's (dequantized by the view); the fused
-            # path's are the cache's own, so only a cast of them is this call's
             extra = seg = k.nbytes + v.nbytes
+            cast = k.dtype != q.dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
             if use_fused:
-                extra = 0
-                if k.dtype != q.dtype:
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-                    extra = seg = k.nbytes + v.nbytes
-            else:
-                k, v = k.to(q.dtype), v.to(q.dtype)
+                # the decode path's segments are this call's (dequantized by the view); the fused
+                # path's are the cache's own, so only a cast of them is this call's
+                seg = k.nbytes + v.nbytes
+                extra = seg if cast else 0
         st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg)
         merge(k, v, extra)
         del k, v, k_seg, v_seg

@@ -65,7 +65,6 @@ class DemoConfig:
 class ChunkReport:
     """What one chunk's context pass saw."""
 
-    index: int
     written: tuple[int, int]
     visible: tuple[tuple[int, int], ...]
     pinned_here: bool
@@ -99,7 +98,6 @@ def run_demo(config: DemoConfig) -> list[ChunkReport]:
             cache.pin_current_chunk(n)
         reports.append(
             ChunkReport(
-                index=c,
                 written=(start, start + n),
                 visible=view.position_ranges,
                 pinned_here=cut,
@@ -154,17 +152,17 @@ def format_report(config: DemoConfig, reports: Sequence[ChunkReport], size: Size
         f"{'chunk':>5}  {'written':<10} {'pin':<3}  {'visible positions':<30} "
         f"{'visible':>7}  {'shot sink':<10} {'resident':>10}",
     ]
-    for r in reports:
+    for i, r in enumerate(reports):
         visible = sum(b - a for a, b in r.visible)
         pinned = describe((r.pinned,)) if r.pinned is not None else "-"
         lines.append(
-            f"{r.index:>5}  {describe((r.written,)):<10} {'pin' if r.pinned_here else '':<3}  "
+            f"{i:>5}  {describe((r.written,)):<10} {'pin' if r.pinned_here else '':<3}  "
             f"{describe(r.visible):<30} {visible:>7}  {pinned:<10} "
             f"{size(r.resident_nbytes):>10}"
         )
     lines += ["", f"frame map (1 char = 1 frame = {tpf} tokens), after each chunk's context pass:"]
     maps = [_frame_map(r, config, total_frames) for r in reports]
-    lines += [f"{r.index:>5}  |{m}|" for r, m in zip(reports, maps)]
+    lines += [f"{i:>5}  |{m}|" for i, m in enumerate(maps)]
     held = "  r held but outside the window" if any("r" in m for m in maps) else ""
     lines += [
         "  G global sink  P pinned shot sink (a cut chunk: pinned after its context pass)",

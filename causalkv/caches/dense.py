@@ -61,18 +61,17 @@ class DenseCausalKVCache(StreamCache):
     ) -> CausalAttentionKVView:
         """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
         is copied into its slots; a complete commit keeps only what the next advance keeps."""
-        h0, h1 = heads
         n = key.shape[1]
-        if self.state.classify(current_chunk_start, n, debug_name) == "advance":
-            self._relayout(self.state.advanced(n, debug_name), fresh_heads=heads)
-        self._write_current(key, value, h0, h1)
+        new = self.state.written(current_chunk_start, n, debug_name)
+        if new is not self.state:
+            self._relayout(new, fresh_heads=heads)
+        self._write_current(key, value, *heads)
         self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
         if not done:
-            return self._view(h0, h1, recent_window_tokens)
-        assert commit is not None
+            return self._view(*heads, recent_window_tokens)
         # the view reads the positions before the commit drops them: its own buffer
         visible = self.state.visible(recent_window_tokens)
-        k, v = self._read_pieces([(a, b - a) for a, b in visible], h0, h1)
+        k, v = self._read_pieces([(a, b - a) for a, b in visible], *heads)
         view = self._make_view(visible, k=k, v=v, device=k.device)
         self._relayout(self.state.committed(commit.pin, commit.next_tokens),
                        fresh_heads=(0, self.spec.num_heads))
@@ -86,19 +85,17 @@ class DenseCausalKVCache(StreamCache):
         the write would leave them: eviction applied) read into one ``[B, visible, h, D]`` K
         and V buffer, the chunk's visible rows copied from the caller's K/V after it."""
         n = key.shape[1]
-        st = self.state
-        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
+        new = self.state.written(start, n, debug_name)
         visible = new.visible(recent_window_tokens)
-        chunk = ((start, start + n),)
-        runs = [(a, b, False) for a, b in iv.subtract(visible, chunk)]
-        runs += [(a, b, True) for a, b in iv.intersect(visible, chunk)]
-        runs.sort()
-        k, v = self._read_pieces([(None if own else a, b - a) for a, b, own in runs], *heads)
-        at = 0
-        for a, b, own in runs:  # the chunk's visible rows: the caller's own K/V
-            if own:
-                k[:, at : at + b - a].copy_(key[:, a - start : b - start])
-                v[:, at : at + b - a].copy_(value[:, a - start : b - start])
+        # the chunk holds the newest positions: the history's visible rows come first
+        history = iv.subtract(visible, ((start, start + n),))
+        own = iv.intersect(visible, ((start, start + n),))
+        pieces = [(a, b - a) for a, b in history] + [(None, iv.count(own))]
+        k, v = self._read_pieces(pieces, *heads)
+        at = iv.count(history)
+        for a, b in own:  # the chunk's visible rows: the caller's own K/V
+            k[:, at : at + b - a].copy_(key[:, a - start : b - start])
+            v[:, at : at + b - a].copy_(value[:, a - start : b - start])
             at += b - a
         return self._make_view(visible, state=new, k=k, v=v, device=k.device)
 
@@ -124,14 +121,12 @@ class DenseCausalKVCache(StreamCache):
                                     device=self.k_cache.device)
                 grown[:, :old] = getattr(self, name)
                 setattr(self, name, grown)
-        survivors = iv.intersect(old_retained, new.retained)
-        for a, b in survivors:
+        for a, b in iv.intersect(old_retained, new.retained):  # the survivors
             src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
             if src != dst:
                 for buf in (self.k_cache, self.v_cache):
                     buf[:, dst : dst + (b - a)] = buf[:, src : src + (b - a)].clone()
-        h0, h1 = fresh_heads
-        if (h0, h1) != (0, self.spec.num_heads):
+        if fresh_heads != (0, self.spec.num_heads):
             # Heads outside the write's slice are zero until their own write arrives.
             slot = iv.rank(new.retained, new.cur_start)
             self.k_cache[:, slot : slot + new.cur_n].zero_()
@@ -164,11 +159,7 @@ class DenseCausalKVCache(StreamCache):
         visible = st.visible(recent_window_tokens)
         slot_runs = iv.to_slots(st.retained, visible)
         pieces = [(self.k_cache[:, a:b, h0:h1], self.v_cache[:, a:b, h0:h1]) for a, b in slot_runs]
-        if not pieces:
-            empty = self.k_cache[:, :0, h0:h1]
-            k, v = empty, empty
-        else:
-            k, v = concat_segments(pieces)
+        k, v = concat_segments(pieces) if pieces else (self.k_cache[:, :0, h0:h1],) * 2
         return self._make_view(
             visible, k=k, v=v, segments=lambda: iter(pieces), device=self.k_cache.device
         )

@@ -51,25 +51,12 @@ def intersect(x: Intervals, y: Intervals) -> Intervals:
     return tuple(out)
 
 
-def clip(x: Intervals, lo: int, hi: int) -> Intervals:
-    return intersect(x, ((lo, hi),)) if hi > lo else EMPTY
-
-
 def subtract(x: Intervals, y: Intervals) -> Intervals:
-    out: list[Interval] = []
-    for a, b in x:
-        cur = a
-        for c, d in y:
-            if d <= cur or c >= b:
-                continue
-            if c > cur:
-                out.append((cur, c))
-            cur = max(cur, d)
-            if cur >= b:
-                break
-        if cur < b:
-            out.append((cur, b))
-    return tuple(out)
+    """``x`` without ``y``: ``x`` intersected with the gaps of ``y`` (both sorted runs)."""
+    if not x:
+        return EMPTY
+    edges = [x[0][0], *(p for run in y for p in run), x[-1][1]]
+    return intersect(x, normalize(zip(edges[::2], edges[1::2])))
 
 
 def newest(x: Intervals, k: int) -> Intervals:
@@ -92,12 +79,7 @@ def contains(x: Intervals, y: Intervals) -> bool:
 
 def rank(x: Intervals, p: int) -> int:
     """How many positions of ``x`` are smaller than ``p`` (the compact slot of ``p``)."""
-    r = 0
-    for a, b in x:
-        if p <= a:
-            break
-        r += min(p, b) - a
-    return r
+    return sum(min(p, b) - a for a, b in x if a < p)
 
 
 def to_slots(x: Intervals, sub: Intervals) -> Intervals:
@@ -111,8 +93,6 @@ def to_positions(x: Intervals, device: torch.device | str | None = None) -> torc
 
     if not x:
         return torch.empty(0, dtype=torch.int64, device=device)
-    if len(x) == 1:
-        return torch.arange(x[0][0], x[0][1], dtype=torch.int64, device=device)
     return torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in x])
 
 

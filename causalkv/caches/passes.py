@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from causalkv.caches.ledger import ByteLedger
-from causalkv.errors import UsageError
+from causalkv.errors import UsageError, check_int
 
 __all__ = ["Commit", "PassMarker"]
 
@@ -48,9 +48,9 @@ class Commit:
     next_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        n = self.next_tokens
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-            raise UsageError(f"Commit.next_tokens must be a positive int or None, got {n!r}")
+        if self.next_tokens is not None:
+            check_int("Commit.next_tokens", self.next_tokens, minimum=1, hint="or None",
+                      error=UsageError)
 
 
 class PassMarker:

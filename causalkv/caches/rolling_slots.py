@@ -168,25 +168,19 @@ def plan_write(
     end = start + n
     size = st.cache_size
     sink = effective_sink(st)
-    window_start = global_end - local_end_prev
-    roll = None
-    evicted = 0
+    roll, evicted = None, 0
     if end <= global_end:
-        ls = start - window_start
+        ls = start - (global_end - local_end_prev)  # the buffer's slot 0 holds that position
         le = ls + n
         ule, uge = local_end_prev, global_end
     else:
-        appended = end - global_end
-        if st.allow_growth and local_end_prev + appended > size:
-            size = max(local_end_prev + appended, size * 2)
-        if local_end_prev + appended > size:
-            evicted = local_end_prev + appended - size
-            rolled = max(0, local_end_prev - evicted - sink)
-            if rolled > 0:
-                roll = (sink + evicted, sink, rolled)
-            le = size
-        else:
-            le = local_end_prev + appended
+        need = local_end_prev + end - global_end  # slots the appended tokens would fill up to
+        if st.allow_growth and need > size:
+            size = max(need, size * 2)
+        evicted, le = max(0, need - size), min(need, size)
+        rolled = local_end_prev - evicted - sink
+        if evicted and rolled > 0:
+            roll = (sink + evicted, sink, rolled)
         ls = le - n
         ule, uge = le, end
     if ls < 0 or le > size or le - ls != n:
@@ -215,21 +209,16 @@ def visible_slots(
         before = [(0, es)] if es > 0 and attn_start > 0 else []
         if st.has_pinned_sink() and es <= st.pinned_start < attn_start:
             before.append((st.pinned_start, st.pinned_start + st.pinned_len))
-        if not before:
-            return [(attn_start, ule)]
         local = max(0, st.attention_window_size - sum(b - a for a, b in before))
-        return [*before, (max(es if before[0][0] == 0 else 0, ule - local), ule)]
+        return [*before, (max(es if before and before[0][0] == 0 else 0, ule - local), ule)]
     sink_end = min(effective_sink(st), ule)
     recent_start = max(sink_end, local_start - recent_window_tokens)
     if recent_start <= sink_end:
         return [(0, ule)]
-    out = []
-    if sink_end > 0:
-        out.append((0, sink_end))
+    out = [(0, sink_end)] if sink_end > 0 else []
     if st.has_pinned_sink() and sink_end <= st.pinned_start < recent_start:
         out.append((st.pinned_start, st.pinned_start + st.pinned_len))
-    out.append((recent_start, ule))
-    return out
+    return [*out, (recent_start, ule)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,15 +281,13 @@ class RollingSlots:
         slots = self.rolled(plan)
         slots.write(plan.local_start, plan.local_end, start)
         st = self.state
-        pinned_start = st.pinned_start
-        if plan.evicted and st.has_pinned_sink() and pinned_start >= plan.sink:
-            pinned_start -= plan.evicted
+        moves = st.has_pinned_sink() and st.pinned_start >= plan.sink
         window = st.attention_window_size
         if window == st.cache_size:
             window = plan.grow_to
         return replace(
             self, state=replace(st, cache_size=plan.grow_to, attention_window_size=window,
-                                pinned_start=pinned_start),
+                                pinned_start=st.pinned_start - (plan.evicted if moves else 0)),
             slots=slots.merged() if self.merge_runs else slots,
             global_end=plan.updated_global_end, local_end=plan.updated_local_end,
             local_start=plan.local_start, chunk=plan.local_end - plan.local_start,
@@ -346,8 +333,7 @@ class RollingSlots:
         if not st.has_pinned_sink():
             return ()
         a, b = max(0, st.pinned_start), min(st.cache_size, st.pinned_start + st.pinned_len)
-        if b <= a:
-            return ()
+        # b <= a: every piece read is empty, and normalize drops it
         return iv.normalize((p, p + ln) for ln, p in self.slots.read(a, b) if p is not None)
 
     def holding(self) -> HeldPositions:

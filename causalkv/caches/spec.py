@@ -82,26 +82,18 @@ class CausalCacheSpec:
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_heads", "head_dim", "cache_size"):
             check_int(f"CausalCacheSpec.{name}", getattr(self, name), minimum=1)
-        check_int("CausalCacheSpec.head_offset", self.head_offset)
-        for name in ("sink_tokens", "global_sink_tokens"):
-            value = check_int(f"CausalCacheSpec.{name}", getattr(self, name))
-            if value > self.cache_size:
-                raise ConfigError(
-                    f"CausalCacheSpec.{name}={value} exceeds cache_size={self.cache_size}; "
-                    f"raise cache_size or lower {name}"
-                )
-        if self.global_sink_tokens > self.sink_tokens:
-            raise ConfigError(
-                f"CausalCacheSpec.global_sink_tokens={self.global_sink_tokens} must be <= "
-                f"sink_tokens={self.sink_tokens}"
-            )
+        for name in ("head_offset", "sink_tokens", "global_sink_tokens"):
+            check_int(f"CausalCacheSpec.{name}", getattr(self, name))
         w = self.attention_window_size
         if w is not None:
             check_int("CausalCacheSpec.attention_window_size", w, minimum=1, hint="or None")
-            if w > self.cache_size:
-                raise ConfigError(
-                    f"CausalCacheSpec.attention_window_size={w} exceeds cache_size={self.cache_size}"
-                )
+        for name, bound in (("sink_tokens", "cache_size"), ("global_sink_tokens", "cache_size"),
+                            ("global_sink_tokens", "sink_tokens"),
+                            ("attention_window_size", "cache_size")):
+            value, limit = getattr(self, name), getattr(self, bound)
+            if value is not None and value > limit:
+                raise ConfigError(f"CausalCacheSpec.{name}={value} exceeds {bound}={limit}; "
+                                  f"raise {bound} or lower {name}")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"CausalCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
         torch.device(self.device)  # raises on a malformed device string
@@ -115,14 +107,10 @@ class CausalCacheSpec:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    @property
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
     def dense_nbytes(self, tokens: int | None = None) -> int:
         """Bytes of K and V for ``tokens`` tokens (default ``cache_size``) in ``dtype``."""
         t = self.cache_size if tokens is None else tokens
-        return 2 * self.batch_size * t * self.num_heads * self.head_dim * self.element_size
+        return 2 * self.batch_size * t * self.num_heads * self.head_dim * self.dtype.itemsize
 
 
 if TYPE_CHECKING:
@@ -200,7 +188,6 @@ class CausalAttentionKVView:
 
     @torch.compiler.disable(reason="filling k/v decodes the cache's segments (Python); one break")
     def _fill(self) -> None:
-        assert self._materialize is not None
         k, v = self._materialize()
         self._check_rows(k.shape[1], "k/v")
         self._k, self._v = k, v
@@ -361,47 +348,38 @@ def check_write(
     Raises CacheWriteError naming the offending value.
     """
     for label, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise CacheWriteError(f"{debug_name}: {label} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CacheWriteError(
-                f"{debug_name}: {label} must be [B, n, h, D], got shape {tuple(t.shape)}"
+                f"{debug_name}: {label} must be a torch.Tensor [B, n, h, D], got {got}"
             )
-    if key.shape != value.shape:
-        raise CacheWriteError(
-            f"{debug_name}: key shape {tuple(key.shape)} != value shape {tuple(value.shape)}"
-        )
     b, n, h, d = key.shape
-    if b != spec.batch_size:
-        raise CacheWriteError(f"{debug_name}: batch {b} does not match spec batch_size={spec.batch_size}")
-    if d != spec.head_dim:
-        raise CacheWriteError(f"{debug_name}: head_dim {d} does not match spec head_dim={spec.head_dim}")
-    if n <= 0:
-        raise CacheWriteError(f"{debug_name}: a write needs at least one token, got n={n}")
-    for label, t in (("key", key), ("value", value)):
-        if t.dtype != spec.dtype:
-            raise CacheWriteError(
-                f"{debug_name}: {label} dtype {t.dtype} does not match spec dtype {spec.dtype}; "
-                f"cast with .to({spec.dtype})"
-            )
-        if t.device != spec.torch_device and not (
-            t.device.type == spec.torch_device.type and spec.torch_device.index is None
-        ):
-            raise CacheWriteError(
-                f"{debug_name}: {label} is on {t.device}, the cache lives on {spec.torch_device}"
-            )
-    if cache_head_start is None and h < spec.num_heads:
-        raise CacheWriteError(
-            f"{debug_name}: the write has {h} heads, the cache {spec.num_heads}; pass "
-            f"cache_head_start=h0 to write heads [h0, h0 + {h}) of the cache (a head slice), "
-            f"or write all {spec.num_heads} heads"
-        )
     h0 = 0 if cache_head_start is None else cache_head_start
-    if not isinstance(h0, int) or isinstance(h0, bool) or h0 < 0 or h0 + h > spec.num_heads:
-        raise CacheWriteError(
-            f"{debug_name}: head slice [{h0}, {h0 + h if isinstance(h0, int) else '?'}) is outside "
-            f"the cache's heads [0, {spec.num_heads})"
-        )
+    dev = spec.torch_device
+    problems = [
+        (key.shape != value.shape,
+         f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}"),
+        (b != spec.batch_size, f"batch {b} does not match spec batch_size={spec.batch_size}"),
+        (d != spec.head_dim, f"head_dim {d} does not match spec head_dim={spec.head_dim}"),
+        (n <= 0, f"a write needs at least one token, got n={n}"),
+    ]
+    for label, t in (("key", key), ("value", value)):
+        problems += [
+            (t.dtype != spec.dtype, f"{label} dtype {t.dtype} does not match spec dtype "
+             f"{spec.dtype}; cast with .to({spec.dtype})"),
+            (not on_device(t.device, dev), f"{label} is on {t.device}, the cache lives on {dev}"),
+        ]
+    problems += [
+        (cache_head_start is None and h < spec.num_heads,
+         f"the write has {h} heads, the cache {spec.num_heads}; pass cache_head_start=h0 to write "
+         f"heads [h0, h0 + {h}) of the cache (a head slice), or write all {spec.num_heads} heads"),
+        (not isinstance(h0, int) or isinstance(h0, bool) or h0 < 0 or h0 + h > spec.num_heads,
+         f"head slice [{h0}, {h0 + h if isinstance(h0, int) else '?'}) is outside the cache's "
+         f"heads [0, {spec.num_heads})"),
+    ]
+    for bad, problem in problems:
+        if bad:
+            raise CacheWriteError(f"{debug_name}: {problem}")
     return h0, h0 + h
 
 
@@ -424,6 +402,11 @@ def check_recent_window(recent_window_tokens: int | None) -> None:
         raise CacheWriteError(
             f"recent_window_tokens must be an int >= 0 or None, got {recent_window_tokens!r}"
         )
+
+
+def on_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on ``actual`` is on ``wanted`` (a device without an index: any of its type)."""
+    return actual == wanted or (actual.type == wanted.type and wanted.index is None)
 
 
 def concat_segments(segments: Sequence[KVSegment]) -> KVSegment:

@@ -43,20 +43,14 @@ class StreamState:
 
     @classmethod
     def from_spec(cls, spec: CausalCacheSpec) -> StreamState:
-        return cls(
-            sink_tokens=spec.sink_tokens,
-            global_sink_tokens=spec.global_sink_tokens,
-            window=spec.window,
-            capacity=spec.cache_size,
-            allow_growth=spec.allow_growth,
-        )
+        return cls(spec.sink_tokens, spec.global_sink_tokens, spec.window, spec.cache_size,
+                   spec.allow_growth)
 
     @classmethod
     def opened(cls, *, sink_tokens: int, global_sink_tokens: int, cache_tokens: int) -> StreamState:
         """An empty stream holding at most ``cache_tokens`` tokens, its window as large, no
         growth (`PositionModel.opened`)."""
-        return cls(sink_tokens=sink_tokens, global_sink_tokens=global_sink_tokens,
-                   window=cache_tokens, capacity=cache_tokens, allow_growth=False)
+        return cls(sink_tokens, global_sink_tokens, cache_tokens, cache_tokens, False)
 
     # ---- sets -------------------------------------------------------------------------
     def sink_prefix_end(self) -> int:
@@ -84,7 +78,8 @@ class StreamState:
         tail_start = min(self.sink_prefix_end(), self.global_end)
         if recent_window_tokens is not None:
             tail_start = max(tail_start, self.cur_start - recent_window_tokens)
-        candidates = iv.clip(iv.subtract(self.retained, sink), tail_start, self.global_end)
+        candidates = iv.intersect(iv.subtract(self.retained, sink),
+                                  ((tail_start, self.global_end),))
         tail = iv.newest(candidates, self.window - iv.count(sink))
         return iv.union(sink, tail)
 
@@ -146,23 +141,27 @@ class StreamState:
             f"global_end={self.global_end} cur={self.cur_start}"
         )
 
+    def written(self, start: int, n: int, debug_name: str) -> StreamState:
+        """The state after a write of ``n`` tokens at ``start`` (`classify`): an advance's
+        (`advanced`), or this very state for a rewrite; CacheWriteError otherwise."""
+        advance = self.classify(start, n, debug_name) == "advance"
+        return self.advanced(n, debug_name) if advance else self
+
     def advanced(self, n: int, debug_name: str) -> StreamState:
         """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""
         end = self.global_end + n
         chunk: Intervals = ((self.global_end, end),)
-        sink = self.sink(iv.union(self.retained, chunk))
-        kept = iv.union(sink, chunk)
+        held = iv.union(self.retained, chunk)
+        sink = self.sink(held)
         capacity = self.capacity
-        if iv.count(kept) > capacity:
+        if iv.count(iv.union(sink, chunk)) > capacity:
             if not self.allow_growth:
                 raise CacheWriteError(
                     f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
                     f"fit cache_size={capacity}; raise cache_size or set allow_growth=True"
                 )
-            capacity = iv.count(kept)
-        old = iv.union(self.retained, chunk)
-        ordinary = iv.subtract(old, sink)
-        retained = iv.union(sink, iv.newest(ordinary, capacity - iv.count(sink)))
+            capacity = iv.count(iv.union(sink, chunk))
+        retained = iv.union(sink, iv.newest(iv.subtract(held, sink), capacity - iv.count(sink)))
         return replace(
             self, global_end=end, cur_start=self.global_end, cur_n=n, retained=retained,
             capacity=capacity,

@@ -17,29 +17,7 @@ The settings (`causalkv.caches.qvg.options`: `QVGCodecOptions`, `QVGPackingOptio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from causalkv.lazy import lazy_names
-
-if TYPE_CHECKING:
-    from causalkv.caches.qvg.options import (
-        QVGCodecOptions,
-        QVGKVQuantArgs,
-        QVGPackingOptions,
-        quant_choices,
-        recent_tiers,
-    )
-    from causalkv.caches.qvg.policy import (
-        RECENT_CHUNKS,
-        RECENT_NON_SINK,
-        ChunkInfo,
-        PackingDecision,
-        PackingPolicy,
-        RecentChunksPolicy,
-        RecentNonSinkPolicy,
-    )
-    from causalkv.caches.qvg.segments import KVWrite
-    from causalkv.caches.qvg.store import SegmentStore
 
 #: exported name -> the module that defines it
 _EXPORTS = {
@@ -57,21 +35,6 @@ _EXPORTS = {
     "SegmentStore": "causalkv.caches.qvg.store",
 }
 
-__all__ = [
-    "RECENT_CHUNKS",
-    "RECENT_NON_SINK",
-    "RecentChunksPolicy",
-    "ChunkInfo",
-    "KVWrite",
-    "PackingDecision",
-    "PackingPolicy",
-    "QVGCodecOptions",
-    "QVGKVQuantArgs",
-    "QVGPackingOptions",
-    "RecentNonSinkPolicy",
-    "SegmentStore",
-    "quant_choices",
-    "recent_tiers",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_names(__name__, _EXPORTS)

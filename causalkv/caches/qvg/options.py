@@ -87,8 +87,7 @@ class _ReferenceMessages:
 
     @classmethod
     def label_of(cls, name: str) -> str:
-        spec = cls.specs()[name]  # type: ignore[attr-defined]
-        return (spec.flag or name).lstrip("-")
+        return (cls.specs()[name].flag or name).lstrip("-")  # type: ignore[attr-defined]
 
     @classmethod
     def _int_problem(cls, minimum: int, *, optional: bool) -> str:
@@ -177,23 +176,24 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
             problem = codec_problem(self.recent_tier, self, head_dim)
         return problem or self._unread_problem()
 
-    def _reads(self) -> frozenset[str]:
-        """The codec options the codecs in use (the codec, a recency tier) read."""
+    def _unread(self) -> set[str]:
+        """The codec options no codec in use (the codec, a recency tier) reads."""
         used = [c for c in (self.codec, self.recent_tier) if c not in (None, "bf16")]
-        return frozenset().union(*(_reads_of(name) for name in used))
+        reads = frozenset().union(*(_reads_of(name) for name in used))
+        return set(QVGCodecOptions.specs()) - {"codec"} - reads
 
     def to_mapping(self) -> dict[str, Any]:
         """Config key -> value of every declared field but the codec options no codec in use
         reads (PRQ's centroids with fp8, say): what the metrics' ``cache_settings`` show."""
-        unread = set(QVGCodecOptions.specs()) - {"codec"} - self._reads()
+        unread = self._unread()
         return {spec.key or n: getattr(self, n) for n, spec in self.specs().items() if n not in unread}
 
     def _unread_problem(self) -> str | None:
         """A codec option set away from its default that no codec in use reads (PRQ's
         ``--kv-cache-quant-centroids`` with fp8, say), or None: refused, never ignored."""
-        reads = self._reads()
+        unread = self._unread()
         for name, value in self.changed().items():
-            if name == "codec" or name in reads or name not in QVGCodecOptions.specs():
+            if name not in unread:
                 continue
             readers = [n for n in codec_names() if name in _reads_of(n)]
             using = f"--kv-cache-quant {self.codec}" + (
@@ -326,22 +326,18 @@ class QVGKVQuantArgs(QVGPackingOptions, QVGCodecOptions):
         said = {"centroids": f"centroids={self.centroids}", "block_size": f"block={self.block_size}",
                 "stages": f"stages={self.stages}", "kmeans_iters": f"iters={self.kmeans_iters}",
                 "asymmetric": "asym" if self.asymmetric else "sym"}
-        knobs = [text for name, text in said.items() if name in reads]
         parts = [
-            f"{self.codec}",
-            *knobs,
+            self.codec,
+            *(text for name, text in said.items() if name in reads),
             f"keep_recent={self.keep_recent_chunks}",
             f"sink={'packed/' + self.sink_span if self.sink else 'bf16'}",
             f"sink_keep={self.sink_keep_chunks}",
         ]
-        if self.grid != "reference" and "grid" in reads:
-            parts.append(f"grid={self.grid}")
-        if self.span_chunks != 1:
-            parts.append(f"span={self.span_chunks}")
-        if self.codebook_chunks != 1:
-            parts.append(f"codebook_chunks={self.codebook_chunks}")
-        if self.recent_tier != "bf16":
-            parts.append(f"recent_tier={self.recent_tier}")
+        optional = [("grid" in reads and self.grid != "reference", f"grid={self.grid}"),
+                    (self.span_chunks != 1, f"span={self.span_chunks}"),
+                    (self.codebook_chunks != 1, f"codebook_chunks={self.codebook_chunks}"),
+                    (self.recent_tier != "bf16", f"recent_tier={self.recent_tier}")]
+        parts += [text for shown, text in optional if shown]
         return "qvg(" + ", ".join(parts) + ")"
 
     # ---- the reference runtime's surface ------------------------------------------------------

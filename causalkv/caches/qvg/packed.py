@@ -127,9 +127,8 @@ class QVGPackedCausalKVCache(StreamCache):
             dev = torch.device(device)
         except (RuntimeError, ValueError, TypeError):
             return  # the host names a bad device
-        tiers = [] if options.recent_tier == "bf16" else [replace(options, codec=options.recent_tier)]
-        for q in (options, *tiers):
-            problem = codec_for(q).device_problem(dev)
+        for name in (c for c in (options.codec, options.recent_tier) if c != "bf16"):
+            problem = codec_for(replace(options, codec=name)).device_problem(dev)
             if problem is not None:
                 raise ConfigError(problem)
 
@@ -158,7 +157,7 @@ class QVGPackedCausalKVCache(StreamCache):
         marker: PassMarker | None = None,
     ) -> None:
         self.policy = resolve_policy(policy)
-        self.quant = (quant or QVGKVQuantArgs()).validate()
+        self.quant = quant or QVGKVQuantArgs()
         self.spec = spec
         #: global index of the first head: the codec keys each head's k-means draws by it
         self.head_offset = spec.head_offset if head_offset is None else head_offset
@@ -187,27 +186,23 @@ class QVGPackedCausalKVCache(StreamCache):
         same step (packed straight from the write's K/V when the policy does not keep it).
         The write and the move are planned first and committed as one: a refused call
         changes nothing."""
-        h0, h1 = heads
         n, st = key.shape[1], self.state
-        advance = st.classify(current_chunk_start, n, debug_name) == "advance"
-        new = st.advanced(n, debug_name) if advance else st
-        assert new.cur_start is not None
-        write = KVWrite(new.cur_start, new.cur_start + n, (h0, h1), key, value)
+        new = st.written(current_chunk_start, n, debug_name)
+        advance = new is not st
+        write = KVWrite(new.cur_start, new.cur_start + n, heads, key, value)
         # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
         # while dense segments hold the chunk, else (a chunk a commit already moved to its
         # tier) decoded back to dense
         keep = new.holding() if advance else replace(st.holding(), held=self.store.held())
         plan = self.store.plan(write, keep, advance=advance)
-        passed, done = self._commit_pass(new.cur_start, (h0, h1), commit)
+        passed, done = self._commit_pass(new.cur_start, heads, commit)
         if not done:
             self.store.commit(plan)  # nothing below can fail
             self.state, self._pass = new, passed
-            return self._view(h0, h1, recent_window_tokens)
-        assert commit is not None
+            return self._view(*heads, recent_window_tokens)
         plan = self.store.plan_commit(plan, new.after_context(commit.pin, commit.next_tokens))
         # the view reads the layout before the commit drops what the next advance drops
-        assert plan.view_segments is not None
-        view = self._view(h0, h1, recent_window_tokens, plan.view_segments, new)
+        view = self._view(*heads, recent_window_tokens, plan.view_segments, new)
         self.store.commit(plan)  # nothing below can fail
         self.state, self._pass = new.committed(commit.pin, commit.next_tokens), passed
         return view
@@ -245,9 +240,9 @@ class QVGPackedCausalKVCache(StreamCache):
         """`StreamCache.probe_view` as a lazy view: the store's segments for the history (packed
         ones decoded only when read, one at a time when streamed) and the caller's own K/V
         for the chunk's rows (`SegmentStore.with_own`); nothing stored, nothing changed."""
-        n, st = key.shape[1], self.state
-        new = st.advanced(n, debug_name) if st.classify(start, n, debug_name) == "advance" else st
-        return self._view(*heads, recent_window_tokens, self.store.with_own(start, key, value, heads[0]), new)
+        new = self.state.written(start, key.shape[1], debug_name)
+        own = self.store.with_own(start, key, value, heads[0])
+        return self._view(*heads, recent_window_tokens, own, new)
 
     def _view(
         self, h0: int, h1: int, recent_window_tokens: int | None,

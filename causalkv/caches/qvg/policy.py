@@ -148,10 +148,9 @@ class RecentNonSinkPolicy(PackingPolicy):
         recent = set(nonsink[len(nonsink) - q.keep_recent_chunks:]) if q.keep_recent_chunks > 0 else set()
         dense = {}
         for c in chunks:
-            if not (c.sink or c.pinned):
-                if c.index in recent:
-                    dense[c.index] = RECENT
-            elif not q.sink:
+            if c.index in recent:  # non-sink chunks only
+                dense[c.index] = RECENT
+            elif (c.sink or c.pinned) and not q.sink:
                 dense[c.index] = SINK
             elif c.sink and c.start < protect:
                 dense[c.index] = SINK_KEEP

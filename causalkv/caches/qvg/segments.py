@@ -18,7 +18,7 @@ import torch
 
 from causalkv.caches.codecs.base import KVCodec, PackedRecord
 from causalkv.caches.qvg.tiering import BookState, TierSegment
-from causalkv.caches.spec import KVSegment
+from causalkv.caches.spec import KVSegment, on_device
 from causalkv.errors import InvalidTypeError
 
 __all__ = [
@@ -159,8 +159,7 @@ class PackedKV:
 
     def onloaded(self, device: torch.device) -> PackedKV:
         """The same K/V on ``device`` (itself when already there)."""
-        here = self.device
-        if here == device or (here.type == device.type and device.index is None):
+        if on_device(self.device, device):
             return self
         return replace(
             self, k=self.k.to(device, non_blocking=True), v=self.v.to(device, non_blocking=True)
@@ -286,7 +285,6 @@ class KVWrite:
 
     def borrowed(self, a: int, b: int) -> BorrowedKV:
         """Views of its K/V of positions ``[a, b)``."""
-        assert self.key is not None and self.value is not None
         return BorrowedKV(self.key[:, a - self.start : b - self.start],
                           self.value[:, a - self.start : b - self.start])
 

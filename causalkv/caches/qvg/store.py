@@ -112,7 +112,6 @@ class SegmentStore:
         min_tokens_per_centroid: int | None = MIN_TOKENS_PER_CENTROID,
         ledger: ByteLedger | None = None,
     ) -> None:
-        quant = quant.validate()
         m = min_tokens_per_centroid
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
@@ -268,7 +267,6 @@ class SegmentStore:
         self._settled.update(s for c, s in self._live.items() if c not in live)
         self._live = live
         for seg in plan.packs:
-            assert isinstance(seg.storage, PackedKV)
             self._centroids_used[seg.storage.num_centroids] += len(seg.chunks)
         self.quantize_calls += len(plan.packs)
         self._reasons = plan.reasons
@@ -371,16 +369,10 @@ class SegmentStore:
         A codebook shared by several packed segments (``codebook_chunks > 1``) is one
         tensor referenced by each of them and is counted once.
         """
-        total, seen = 0, set()
-        for seg in self.segments:
-            total += seg.nbytes
-            if isinstance(seg.storage, PackedKV):
-                for c in seg.storage.shared_tensors():
-                    key = (c.device, c.data_ptr())
-                    if key in seen:
-                        total -= c.nbytes
-                    seen.add(key)
-        return total
+        shared = [c for seg in self.packed_segments() for c in seg.storage.shared_tensors()]
+        once = {(c.device, c.data_ptr()): c.nbytes for c in shared}
+        total = sum(seg.nbytes for seg in self.segments)
+        return total - sum(c.nbytes for c in shared) + sum(once.values())
 
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]

@@ -290,9 +290,7 @@ class TierPolicy:
             pending.append(seg)
             pending_group = group
             have = set().union(*(p.chunks for p in pending))
-            if (group is not None and have >= group) or (
-                group is None and len(have) >= self.quant.span_chunks
-            ):
+            if have >= group if group is not None else len(have) >= self.quant.span_chunks:
                 span_tokens = pending[-1].end - pending[0].start
                 span_chunks = pending[-1].last_chunk - pending[0].first_chunk + 1
                 if not self.pays(span_tokens, span_chunks, book):
