@@ -319,7 +319,7 @@ if not INTERPRETED:
     def test_causalkvs_wan_processor_reports_each_decode_reason_once(monkeypatch, capsys):
         from causalkv.runtime.model_io import causal_wan
 
-        monkeypatch.setattr(causal_wan, "_reported", set())
+        monkeypatch.setattr(attn, "_REPORTED", set())
         st = attn.AttendStats()
         st.note("packed segment decoded before attention (why)")
         st.note("packed segment decoded before attention (why)")

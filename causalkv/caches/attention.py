@@ -90,6 +90,17 @@ class AttendStats:
         if reason not in self.decode_reasons:
             self.decode_reasons.append(reason)
 
+    def unreported(self) -> list[str]:
+        """The `decode_reasons` not returned by this method before in this process: what a host
+        logs, so that each reason is said once per process (the caches print nothing)."""
+        new = [r for r in self.decode_reasons if r not in _REPORTED]
+        _REPORTED.update(new)
+        return new
+
+
+#: the decode reasons `AttendStats.unreported` has returned in this process
+_REPORTED: set[str] = set()
+
 
 def attend_dense(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None

@@ -247,8 +247,8 @@ def _attend_deferred(
     stats = AttendStats()
     out = attend(q, view, scale=owner.softmax_scale, stats=stats,
                  fused=None if route is None else route.fused)
-    for reason in stats.decode_reasons:  # the cache records them; the bridge says each once
-        log_once(logger, ("attend", reason), logging.WARNING, "causalkv sglang bridge: attention: %s", reason)
+    for reason in stats.unreported():  # the cache records them; the bridge says each once
+        logger.warning("causalkv sglang bridge: attention: %s", reason)
     if route is not None and route.record is not None:
         route.record.append((view, stats))
     return out

@@ -69,7 +69,7 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
 
 from causalkv.caches.attention import AttendStats, attend
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment
+from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment, held_nbytes
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Packed, TierSegment, keep_held, tier_policy
 from causalkv.caches.spec import CausalAttentionKVView
@@ -499,12 +499,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         """What the session branch ``request_id`` (an adapter's id) holds now."""
         rec, bs = self._records[request_id], self.block_size
         packed = [g for g in rec.groups if g.packed]
-        segs = [seg for g in packed for seg in g.layers]
-        # a codebook shared by several records is counted once
-        shared = [t for seg in segs for t in seg.storage.shared_tensors()]
-        once = {(t.device, t.data_ptr()): t.nbytes for t in shared}
-        nbytes = sum(s.nbytes for s in segs) - sum(t.nbytes for t in shared) + sum(once.values())
         pages = len(rec.frames)
+        nbytes = held_nbytes(seg for g in packed for seg in g.layers)
         return SessionReport(pages, pages * self.geometry.page_bytes, nbytes,
                              tuple((g.start // bs, g.end // bs) for g in packed),
                              rec.packed_reads, rec.packs)
@@ -602,8 +598,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 stats = AttendStats()
                 out = attend(query.unsqueeze(0), view, scale=softmax_scale, stats=stats,
                              fused=None if forced is None else forced.fused)
-                for reason in [r for r in stats.decode_reasons if r not in _SAID]:
-                    _SAID.add(reason)
+                for reason in stats.unreported():
                     logger.warning("causalkv paged cache: attention: %s", reason)
                 if forced is not None and forced.record is not None:
                     forced.record.append(stats)
@@ -684,8 +679,6 @@ class ForcedRoute:
 
 
 _forced: ForcedRoute | None = None
-#: decode reasons already logged (once per process)
-_SAID: set[str] = set()
 
 
 @contextlib.contextmanager

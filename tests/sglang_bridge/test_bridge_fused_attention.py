@@ -331,7 +331,7 @@ def test_the_bridge_reports_once_why_attend_decoded_packed_segments(monkeypatch,
     # CUDA without triton, on the CPU: attend's default decodes and records why
     monkeypatch.setattr(cache_attention, "_use_fused",
                         lambda fused, device, st: st.note(cache_attention.NO_TRITON) or False)
-    monkeypatch.setattr(targets, "_logged", set())  # each line said once again
+    monkeypatch.setattr(cache_attention, "_REPORTED", set())  # each reason said once again
     record = []
     with (_hooks_applied(monkeypatch), route.forced_route(fused=None, record=record),
           caplog.at_level(logging.DEBUG)):

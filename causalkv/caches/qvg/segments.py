@@ -33,6 +33,7 @@ __all__ = [
     "StorePlan",
     "copy_write",
     "dense_storage",
+    "held_nbytes",
 ]
 
 
@@ -201,6 +202,17 @@ class Segment(TierSegment):
     def dense_slice(self, a: int, b: int) -> Segment:
         """A dense segment of positions ``[a, b)`` (a copy, so the rest can be freed)."""
         return replace(self, start=a, end=b, storage=dense_storage(self).copy(a - self.start, b - self.start))
+
+
+def held_nbytes(segments: Iterable[Segment]) -> int:
+    """Exact bytes ``segments`` hold: dense segments' K/V plus packed segments' stored bytes, a
+    tensor several packed segments reference (PRQ's shared codebook, ``codebook_chunks > 1``)
+    counted once. The one ledger of held segments (`SegmentStore.resident_nbytes`, the paged
+    cache's session report)."""
+    segments = list(segments)
+    shared = [c for seg in segments if seg.packed for c in seg.storage.shared_tensors()]
+    once = {(c.device, c.data_ptr()): c.nbytes for c in shared}
+    return sum(seg.nbytes for seg in segments) - sum(c.nbytes for c in shared) + sum(once.values())
 
 
 @dataclass(frozen=True, eq=False)

@@ -51,6 +51,7 @@ from causalkv.caches.qvg.segments import (
     StorePlan,
     copy_write,
     dense_storage,
+    held_nbytes,
 )
 from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import Packed, keep_held, tier_policy
@@ -364,15 +365,8 @@ class SegmentStore:
         return iv.normalize((s.start, s.end) for s in self.segments)
 
     def resident_nbytes(self) -> int:
-        """Exact bytes held now: dense segments' K/V plus packed segments' stored bytes.
-
-        A codebook shared by several packed segments (``codebook_chunks > 1``) is one
-        tensor referenced by each of them and is counted once.
-        """
-        shared = [c for seg in self.packed_segments() for c in seg.storage.shared_tensors()]
-        once = {(c.device, c.data_ptr()): c.nbytes for c in shared}
-        total = sum(seg.nbytes for seg in self.segments)
-        return total - sum(c.nbytes for c in shared) + sum(once.values())
+        """Exact bytes held now (`held_nbytes`: a shared codebook counted once)."""
+        return held_nbytes(self.segments)
 
     def packed_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.packed]

@@ -58,18 +58,12 @@ __all__ = [
 ]
 
 
-#: the `AttendStats.decode_reasons` this process has reported
-_reported: set[str] = set()
-
-
 def report_attend(stats: AttendStats) -> None:
     """Say each reason `attend` recorded for decoding packed segments before attention
     (``stats.decode_reasons``) in one ``causalkv: warning:`` line, once per process: the cache
     layer records them, the host reports them."""
-    for reason in stats.decode_reasons:
-        if reason not in _reported:
-            _reported.add(reason)
-            warn_line(f"attention: {reason}")
+    for reason in stats.unreported():
+        warn_line(f"attention: {reason}")
 
 
 def rope_at_frame_offset(
