@@ -304,9 +304,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
             store.check_view(layout, shown, debug_name)
             return plan, pieces, heads, layout
         write = KVWrite(start, start + n, heads, key, value)
-        now = after.holding()
-        advanced = start + n > global_end
-        stored = store.plan(write, now, advance=advanced)  # a rewrite in place where it can
+        # a rewrite in place where it can
+        stored = store.plan(write, after.holding(), advance=start + n > global_end)
         if commit is not None:
             # the context pass: the chunk moves to its tier, planned with the write; the store
             # keeps what sglang's buffer keeps after the next advance the commit names (the
