@@ -117,35 +117,32 @@ def _load(obj: Any) -> Any:
     return import_object(obj) if isinstance(obj, str) else obj
 
 
-def _check_name(owner: str, name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise InvalidTypeError(f"{owner}.name must be a non-empty string, got {name!r}")
+def _require(ok: bool, owner: str, what: str, expected: str, value: object) -> None:
+    """Refuse field ``what`` of ``owner`` unless ``ok`` (InvalidTypeError naming the value)."""
+    if not ok:
+        raise InvalidTypeError(f"{owner}: {what} must be {expected}, got {value!r}")
 
 
-def _check_path(owner: str, what: str, path: object) -> None:
-    if not isinstance(path, str) or ":" not in path:
-        raise InvalidTypeError(f"{owner}: {what} must be a 'module:Class' string, got {path!r}")
+def _nonempty(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 def _names(owner: str, names: object) -> tuple[str, ...]:
     """``names`` (one string, or an iterable of them) as a non-empty tuple of non-empty strings."""
     out = (names,) if isinstance(names, str) else tuple(names)  # type: ignore[call-overload]
-    if not out or not all(isinstance(m, str) and m for m in out):
-        raise InvalidTypeError(f"{owner}: models must be non-empty strings, got {names!r}")
+    _require(bool(out) and all(map(_nonempty, out)), owner, "models", "non-empty strings", names)
     return out
 
 
 def _check_priority(owner: str, priority: object) -> None:
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise InvalidTypeError(f"{owner}: priority must be an int, got {priority!r}")
+    ok = isinstance(priority, int) and not isinstance(priority, bool)
+    _require(ok, owner, "priority", "an int", priority)
 
 
 def _check_record(owner: str, what: str, record: object, base: type[Options]) -> None:
-    if record is not None and not (isinstance(record, type) and issubclass(record, base)):
-        raise InvalidTypeError(
-            f"{owner}: {what} must be a causalkv.options.{base.__name__} subclass (a frozen "
-            f"dataclass of option(...) fields) or None, got {record!r}"
-        )
+    _require(record is None or (isinstance(record, type) and issubclass(record, base)), owner, what,
+             f"a causalkv.options.{base.__name__} subclass (a frozen dataclass of option(...) "
+             "fields) or None", record)
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,7 @@ class Preset:
     transformer: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_name("Preset", self.name)
+        _require(_nonempty(self.name), "Preset", "name", "a non-empty string", self.name)
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
         object.__setattr__(self, "transformer", MappingProxyType(dict(self.transformer)))
 
@@ -207,15 +204,14 @@ class StageRegistration:
     config: type[Options] | None = None
 
     def __post_init__(self) -> None:
-        _check_name("StageRegistration", self.name)
         owner = f"StageRegistration {self.name!r}"
-        if not isinstance(self.stage, (str, type)):
-            raise InvalidTypeError(f"{owner}: stage must be a class or a 'module:Class' string, got {self.stage!r}")
-        models = _names(owner, self.models)
+        _require(_nonempty(self.name), owner, "name", "a non-empty string", self.name)
+        _require(isinstance(self.stage, (str, type)), owner, "stage",
+                 "a class or a 'module:Class' string", self.stage)
         presets = tuple(self.presets)
-        if not all(isinstance(p, Preset) for p in presets):
-            raise InvalidTypeError(f"{owner}: presets must be Preset records, got {self.presets!r}")
-        object.__setattr__(self, "models", models)
+        _require(all(isinstance(p, Preset) for p in presets), owner, "presets", "Preset records",
+                 self.presets)
+        object.__setattr__(self, "models", _names(owner, self.models))
         object.__setattr__(self, "presets", presets)
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         _check_priority(owner, self.priority)
@@ -256,8 +252,10 @@ class CodecRegistration:
     help: str = ""
 
     def __post_init__(self) -> None:
-        _check_name("CodecRegistration", self.name)
-        _check_path(f"CodecRegistration {self.name!r}", "codec", self.codec)
+        owner = f"CodecRegistration {self.name!r}"
+        _require(_nonempty(self.name), owner, "name", "a non-empty string", self.name)
+        _require(isinstance(self.codec, str) and ":" in self.codec, owner, "codec",
+                 "a 'module:Class' string", self.codec)
 
 
 @dataclass(frozen=True)
@@ -295,12 +293,11 @@ class HostRegistration:
 
     def __post_init__(self) -> None:
         owner = f"HostRegistration {self.target!r}"
-        _check_path("HostRegistration", "target", self.target)
-        if not isinstance(self.host, str) or not self.host:
-            raise InvalidTypeError(f"{owner}: host must be a host's name such as 'sglang', got {self.host!r}")
+        _require(isinstance(self.target, str) and ":" in self.target, "HostRegistration", "target",
+                 "a 'module:Class' string", self.target)
+        _require(_nonempty(self.host), owner, "host", "a host's name such as 'sglang'", self.host)
         for what, value, kind in (("codec", self.codec, "codec setting"), ("cache", self.cache, "cache factory")):
-            if value is not None and not (isinstance(value, str) and value):
-                raise InvalidTypeError(f"{owner}: {what} must be a {kind}'s name or None, got {value!r}")
+            _require(value is None or _nonempty(value), owner, what, f"a {kind}'s name or None", value)
         if self.host == "causalkv" and self.codec is not None:
             raise InvalidTypeError(f"{owner}: causalkv's runtime takes the codec from --kv-cache-quant, so a "
                                    f"registration of host 'causalkv' cannot name one (got codec={self.codec!r}); "
@@ -344,10 +341,10 @@ class CacheFactory:
     options: type[CacheOptions] | None = None
 
     def __post_init__(self) -> None:
-        _check_name("CacheFactory", self.name)
         owner = f"CacheFactory {self.name!r}"
-        if not (isinstance(self.cache, str) or callable(self.cache)):
-            raise InvalidTypeError(f"{owner}: cache must be a class, a 'module:Class' string or a callable, got {self.cache!r}")
+        _require(_nonempty(self.name), owner, "name", "a non-empty string", self.name)
+        _require(isinstance(self.cache, str) or callable(self.cache), owner, "cache",
+                 "a class, a 'module:Class' string or a callable", self.cache)
         _check_priority(owner, self.priority)
         _check_record(owner, "options", self.options, CacheOptions)
         caps = self.capabilities
@@ -355,8 +352,7 @@ class CacheFactory:
             object.__setattr__(self, "capabilities", self.features())  # declared by the class
         elif caps is not None and not isinstance(caps, CacheCapabilities):
             items = (caps,) if isinstance(caps, str) else tuple(caps)
-            if not all(isinstance(f, str) and f for f in items):
-                raise InvalidTypeError(f"{owner}: capabilities must be non-empty strings, got {caps!r}")
+            _require(all(map(_nonempty, items)), owner, "capabilities", "non-empty strings", caps)
             object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(items)))
 
     def features(self) -> CacheCapabilities:

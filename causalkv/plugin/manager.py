@@ -142,12 +142,12 @@ class CausalKVPluginManager(pluggy.PluginManager):
             ) from exc
         return registered
 
-    def claimed(self, name: str, by: str) -> str | None:
-        """The one name-conflict check: why ``by`` cannot take plugin name ``name`` (None: it can)."""
-        if self.get_plugin(name) is None:
-            return None
-        holder = self.distributions.get(name) or "an already registered plugin"
-        return f"plugin name {name!r} is claimed twice: by {holder} and by {by}"
+    def claimed(self, name: str, by: str, holder: str | None = None) -> str | None:
+        """The one name-conflict check: why ``by`` cannot take plugin name ``name``, held by
+        ``holder`` or by a registered plugin (None: it can)."""
+        if holder is None and self.get_plugin(name) is not None:
+            holder = self.distributions.get(name) or "an already registered plugin"
+        return None if holder is None else f"plugin name {name!r} is claimed twice: by {holder} and by {by}"
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register an in-process plugin (e.g. in a test); returns the name it got.
@@ -172,9 +172,9 @@ class CausalKVPluginManager(pluggy.PluginManager):
         where = lambda ep: distribution_of(ep)[1] or repr(ep.value)  # noqa: E731
         for ep in wanted:
             others = [where(o) for o in wanted if o.name == ep.name and o is not ep]
-            why = f"plugin name {ep.name!r} is claimed twice: by {others[0]} and by {where(ep)}" if others else None
+            why = self.claimed(ep.name, where(ep), others[0] if others else None)
             try:
-                if why := why or self.claimed(ep.name, where(ep)):
+                if why:
                     raise PluginConflictError(why)
                 if distribution_of(ep)[0] is not None:  # installed: pluggy's loader
                     self.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)

@@ -171,9 +171,11 @@ def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
     return items
 
 
-#: what each record is called in a set-aside message
-_KINDS = {StageRegistration: "stage", CacheFactory: "cache", CodecRegistration: "codec",
-          HostRegistration: "host class"}
+#: each record kind: the registration hook returning it, what a set-aside message calls it
+_KINDS = {StageRegistration: ("causalkv_register_stages", "stage"),
+          CacheFactory: ("causalkv_register_cache_factories", "cache"),
+          HostRegistration: ("causalkv_register_host_classes", "host class"),
+          CodecRegistration: ("causalkv_register_codecs", "codec")}
 
 
 def _claims(r: StageRegistration | CacheFactory | CodecRegistration | HostRegistration) -> list[tuple[tuple[Any, ...], str, str]]:
@@ -222,9 +224,7 @@ def collect(
             raise kind(f"{failure} (--strict-plugins)")
         failed.setdefault(plugin, failure)
 
-    hooks = (("causalkv_register_stages", StageRegistration), ("causalkv_register_cache_factories", CacheFactory),
-             ("causalkv_register_host_classes", HostRegistration), ("causalkv_register_codecs", CodecRegistration))
-    for hook, kind in hooks:
+    for kind, (hook, _) in _KINDS.items():
         for plugin, caller in plugin_callers(pm, hook):
             try:
                 results = caller()
@@ -249,7 +249,7 @@ def collect(
                 options = getattr(r, "options", None)
                 if other is not None and not (key[0] == "flag" and other[1] is options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
-                mine[key] = (f"{_KINDS[type(r)]} {r.name!r} of plugin {plugin!r}", options)
+                mine[key] = (f"{_KINDS[type(r)][1]} {r.name!r} of plugin {plugin!r}", options)
             for what in ("codec", "cache") if isinstance(r, HostRegistration) else ():
                 if (name := getattr(r, what)) is not None and name not in known[what]:
                     clash = clash or (f"its host class {r.target} names {what} {name!r}, which no plugin registers "

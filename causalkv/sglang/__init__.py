@@ -28,15 +28,8 @@ from causalkv import env
 from causalkv.errors import ConfigError
 
 __all__ = [
-    "ENTRY_POINT_NAME",
-    "ENV_FUSED_ATTENTION",
-    "ENV_LINGBOT_QVG",
-    "ENV_CODEC",
-    "ENV_RECENT_TIER",
-    "ENV_SWITCH",
-    "SWITCHES",
-    "enabled",
-    "register",
+    "ENTRY_POINT_NAME", "ENV_CODEC", "ENV_FUSED_ATTENTION", "ENV_LINGBOT_QVG", "ENV_RECENT_TIER",
+    "ENV_SWITCH", "SWITCHES", "register",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,12 +64,6 @@ SWITCHES = (
 )
 
 
-def enabled() -> bool:
-    """False when ``CAUSALKV_SGLANG_BRIDGE`` is off (`causalkv.env.flag`); a value it does not
-    take keeps the bridge on."""
-    return env.flag(ENV_SWITCH, default=True, strict=False)
-
-
 def register() -> bool:
     """sglang's plugin callable: register the bridge's hooks; True when it did.
 
@@ -100,31 +87,30 @@ def register() -> bool:
         # lazy: sglang calls register() from its own plugin loading; importing causalkv.sglang loads no sglang
         from sglang.multimodal_gen.runtime.platforms.plugins import HookType, plugin_hook
     except ImportError as exc:
+        missing = f"cannot import {_PLUGIN_API} ({exc})"
+    else:
+        around = getattr(HookType, "AROUND", None)
+        ok = around is not None and callable(plugin_hook)
+        missing = None if ok else f"{_PLUGIN_API} has no plugin_hook/HookType.AROUND"
+    if missing is not None:
         if not off:
-            logger.info("causalkv sglang bridge not registered: cannot import %s (%s)", _PLUGIN_API, exc)
-        return False
-    around = getattr(HookType, "AROUND", None)
-    if around is None or not callable(plugin_hook):
-        if not off:
-            logger.info("causalkv sglang bridge not registered: %s has no plugin_hook/HookType.AROUND",
-                        _PLUGIN_API)
+            logger.info("causalkv sglang bridge not registered: %s", missing)
         return False
     # lazy: the hooks' modules are needed only once sglang's plugin API is known to be there
     from causalkv.sglang.hooks import FUSED_ATTENTION_HOOKS, HOOKS, OFF_HOOKS
     from causalkv.sglang.settings import fused_attention
 
-    if off:  # an observer that only warns when sglang silently drops --kv-cache-quant
-        for target, hook in OFF_HOOKS:
-            plugin_hook(target, type=around)(hook)
-        return False
-    try:
-        route = fused_attention()
-    except ConfigError as exc:  # refused at start-up by ServerArgs (settings.post_init)
-        logger.warning("causalkv sglang bridge: fused-attention route not registered: %s", exc)
-        route = False
-    hooks = HOOKS + (FUSED_ATTENTION_HOOKS if route else ())
+    route = False
+    if not off:
+        try:
+            route = fused_attention()
+        except ConfigError as exc:  # refused at start-up by ServerArgs (settings.post_init)
+            logger.warning("causalkv sglang bridge: fused-attention route not registered: %s", exc)
+    # with the bridge off: an observer that only warns when sglang silently drops --kv-cache-quant
+    hooks = OFF_HOOKS if off else HOOKS + (FUSED_ATTENTION_HOOKS if route else ())
     for target, hook in hooks:
         plugin_hook(target, type=around)(hook)
-    logger.info("causalkv sglang bridge registered %d hooks%s", len(hooks),
-                f" (fused-attention route: {ENV_FUSED_ATTENTION}=1)" if route else "")
-    return True
+    if not off:
+        logger.info("causalkv sglang bridge registered %d hooks%s", len(hooks),
+                    f" (fused-attention route: {ENV_FUSED_ATTENTION}=1)" if route else "")
+    return not off

@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,14 +54,7 @@ from causalkv.sglang import ENV_FUSED_ATTENTION
 from causalkv.sglang.cache import SegmentView, SGLangQVGKVCache
 from causalkv.sglang.targets import log_once
 
-__all__ = [
-    "ForcedRoute",
-    "DeferredKV",
-    "FusedAttentionError",
-    "local_attention",
-    "forced_route",
-    "self_attention",
-]
+__all__ = ["DeferredKV", "FusedAttentionError", "forced_route", "local_attention", "self_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,29 +127,22 @@ class _RoutedCache:
 
 
 # ---- the override (tests, the benchmark) -----------------------------------------------------
-@dataclass
-class ForcedRoute:
-    """What `forced_route` set: `attend`'s ``fused`` argument, and where each routed call's
-    ``(segment view, AttendStats)`` is recorded (None: not recorded)."""
-
-    fused: bool | None = False
-    record: list[tuple[SegmentView, AttendStats]] | None = field(default=None, repr=False)
-
-
-_forced: ForcedRoute | None = None
+#: what `forced_route` set: (`attend`'s ``fused`` argument, the list that records each routed
+#: call's ``(segment view, AttendStats)`` or None), or None outside it
+_forced: tuple[bool | None, list | None] | None = None
 
 
 @contextmanager
-def forced_route(*, fused: bool | None = False, record: list | None = None) -> Iterator[ForcedRoute]:
+def forced_route(*, fused: bool | None = False, record: list | None = None) -> Iterator[None]:
     """Engage the route on any device while the block runs, with `attend`'s ``fused`` argument
     (``False``: the decode path; ``True``: the Triton kernel, on the CPU under
     ``TRITON_INTERPRET=1``; ``None``: attend's default). ``record``: a list that receives
     ``(segment view, AttendStats)`` per routed attention call. For the tests and the
     benchmark only: the product routes on CUDA with attend's default."""
     global _forced
-    before, _forced = _forced, ForcedRoute(fused=fused, record=record)
+    before, _forced = _forced, (fused, record)
     try:
-        yield _forced
+        yield
     finally:
         _forced = before
 
@@ -243,12 +228,11 @@ def _attend_deferred(
             f"causalkv sglang bridge: queries {tuple(q.shape)} do not match the view's K/V "
             f"{tuple(k.shape)} ([B, n, h, D] against [B, visible, h, D], the same heads); set "
             f"{ENV_FUSED_ATTENTION}=0")
-    route = _forced
+    fused, record = _forced if _forced is not None else (None, None)
     stats = AttendStats()
-    out = attend(q, view, scale=owner.softmax_scale, stats=stats,
-                 fused=None if route is None else route.fused)
+    out = attend(q, view, scale=owner.softmax_scale, stats=stats, fused=fused)
     for reason in stats.unreported():  # the cache records them; the bridge says each once
         logger.warning("causalkv sglang bridge: attention: %s", reason)
-    if route is not None and route.record is not None:
-        route.record.append((view, stats))
+    if record is not None:
+        record.append((view, stats))
     return out

@@ -21,7 +21,6 @@ This module imports sglang; only the bridge's hooks import it, at hook-applicati
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,7 +75,8 @@ def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str |
 class SGLangQVGKVCache(_SGLangQVGCache):
     """sglang's causal KV cache contract (dense-cache semantics), causalkv QVG storage.
 
-    Args (sglang's ``QVGPackedCausalKVCache`` keywords, plus the dense cache's extras):
+    Args (sglang's ``QVGPackedCausalKVCache`` keywords, passed on to it as ``dense``, plus the
+    dense cache's extras):
         batch_size, cache_size, num_heads, head_dim, dtype, device: the buffer sglang would
             allocate, ``[batch_size, cache_size, num_heads, head_dim]``.
         global_end_index, local_end_index: ``[1]`` long tensors (sglang's cursors).
@@ -94,33 +94,18 @@ class SGLangQVGKVCache(_SGLangQVGCache):
     def __init__(
         self,
         *,
-        batch_size: int,
-        cache_size: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        global_end_index: torch.Tensor,
-        local_end_index: torch.Tensor,
-        use_int_indices: bool = False,
-        sink_tokens: int = 0,
-        attention_window_size: int | None = None,
         quant_args: object,
         global_sink_tokens: int = 0,
         allow_growth: bool = False,
         marker: PassMarker | None = None,
+        **dense: Any,
     ) -> None:
         quant = causalkv_quant_args(quant_args)
-        reason = can_serve(quant, head_dim, dtype)
+        reason = can_serve(quant, dense["head_dim"], dense["dtype"])
         if reason is not None:
             raise ValueError(f"SGLangQVGKVCache cannot hold this cache: {reason}")
-        super().__init__(
-            batch_size=batch_size, cache_size=cache_size, num_heads=num_heads,
-            head_dim=head_dim, dtype=dtype, device=torch.device(device),
-            global_end_index=global_end_index, local_end_index=local_end_index,
-            use_int_indices=use_int_indices, sink_tokens=sink_tokens,
-            attention_window_size=attention_window_size, quant_args=quant_args,
-        )
+        dense["device"] = torch.device(dense["device"])
+        super().__init__(quant_args=quant_args, **dense)
         self.quant = quant
         self.global_sink_tokens = global_sink_tokens
         self.allow_growth = allow_growth
@@ -131,9 +116,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         #: the K/V by global position (causalkv's segment store, sglang's packing rule; the
         #: centroids as sglang's flags give them, capped at a chunk's tokens by the codec)
         self.store = SegmentStore(
-            batch_size=batch_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            device=device, quant=quant, policy=RECENT_NON_SINK, min_tokens_per_centroid=None,
-            ledger=None if marker is None else marker.ledger,
+            batch_size=self.batch_size, num_heads=self.num_heads, head_dim=self.head_dim,
+            dtype=self.dtype, device=self.device, quant=quant, policy=RECENT_NON_SINK,
+            min_tokens_per_centroid=None, ledger=None if marker is None else marker.ledger,
         )
         self.marker = marker
 
@@ -242,12 +227,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         Runs outside torch.compile's graphs (one graph break at sglang's call site): every
         decision here is integer bookkeeping that would only specialize and recompile.
         """
-        w = self._update(**write)
-        k, v = self.store.gather(w.pieces, *w.heads, w.layout)
-        return CausalAttentionKVView(
-            k=k, v=v, local_start_index=w.local_start, local_end_index=w.local_end,
-            visible_local_end=w.visible_local_end, visible_global_end=w.visible_global_end,
-        )
+        plan, pieces, heads, layout = self._update(**write)
+        k, v = self.store.gather(pieces, *heads, layout)
+        return CausalAttentionKVView(k=k, v=v, **_cursors(plan))
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
     def update_and_get_segment_view(self, **write: Any) -> SegmentView:
@@ -268,12 +250,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         of it). ``position_ranges`` lists the pieces' position runs in view order (zero pieces
         have no position); ``rows`` counts every row, zeros included (sglang's ``k.shape[1]``).
         """
-        w = self._update(**write)
-        rows = sum(n for _, n in w.pieces)
-        return self.store.view(w.pieces, *w.heads, w.layout, make=lambda ranges, **kw: SegmentView(
-            rows=rows, position_ranges=ranges, local_start_index=w.local_start,
-            local_end_index=w.local_end, visible_local_end=w.visible_local_end,
-            visible_global_end=w.visible_global_end, **kw))
+        plan, pieces, heads, layout = self._update(**write)
+        rows = sum(n for _, n in pieces)
+        return self.store.view(pieces, *heads, layout, make=lambda ranges, **kw: SegmentView(
+            rows=rows, position_ranges=ranges, **_cursors(plan), **kw))
 
     def _update(
         self,
@@ -284,8 +264,11 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
         debug_name: str = "causal KV cache",
-    ) -> _Written:
-        """Plan and commit one write (see `update_and_get_attention_kv`); what the view shows."""
+    ) -> tuple[WritePlan, list[tuple[int | None, int]], tuple[int, int], list[Segment]]:
+        """Plan and commit one write (see `update_and_get_attention_kv`); what the view shows:
+        the plan (its cursors, `_cursors`), the view's pieces (`SegmentStore.gather`'s
+        ``(position or None, length)``), its heads, and the store's segments it reads (a
+        probe's: its own K/V too)."""
         n, h_in = key.shape[1], key.shape[2]
         if h_in != self.num_heads:
             if cache_head_start is None:
@@ -319,12 +302,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         if probe:  # the view the write would return, nothing stored: the chunk's own K/V
             layout = store.with_own(start, key, value, heads[0])
             store.check_view(layout, shown, debug_name)
-            return _Written(pieces, heads, plan.local_start, plan.local_end,
-                            plan.updated_local_end, plan.updated_global_end, layout)
+            return plan, pieces, heads, layout
         write = KVWrite(start, start + n, heads, key, value)
-        now = after.holding()
-        advanced = start + n > global_end
-        stored = store.plan(write, now, advance=advanced)  # a rewrite in place where it can
+        # a rewrite in place where it can
+        stored = store.plan(write, after.holding(), advance=start + n > global_end)
         if commit is not None:
             # the context pass: the chunk moves to its tier, planned with the write; the store
             # keeps what sglang's buffer keeps after the next advance the commit names (the
@@ -344,8 +325,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self._heads = heads
         self._slots = after.slots
         self._write_indices(global_end_index=after.global_end, local_end_index=after.local_end)
-        return _Written(pieces, heads, plan.local_start, plan.local_end, plan.updated_local_end,
-                        plan.updated_global_end, layout)
+        return plan, pieces, heads, layout
 
     def has_pinned(self) -> bool:
         return self.pinned_start >= 0 and self.pinned_len > 0
@@ -378,15 +358,8 @@ class SegmentView(CausalKVView):
         return self.rows
 
 
-@dataclass(frozen=True)
-class _Written:
-    """What one committed write makes visible: the view's pieces (`SegmentStore.gather`'s
-    ``(position or None, length)``), its heads and sglang's view cursors."""
-
-    pieces: list[tuple[int | None, int]]
-    heads: tuple[int, int]
-    local_start: int
-    local_end: int
-    visible_local_end: int
-    visible_global_end: int
-    layout: list[Segment]  # the store's segments this view reads (a probe's: its own K/V too)
+def _cursors(plan: WritePlan) -> dict[str, int]:
+    """sglang's view cursors after ``plan``'s write."""
+    return {"local_start_index": plan.local_start, "local_end_index": plan.local_end,
+            "visible_local_end": plan.updated_local_end,
+            "visible_global_end": plan.updated_global_end}

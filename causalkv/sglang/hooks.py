@@ -15,9 +15,8 @@ sglang's original method first (sglang's AROUND convention). The hooks live by j
   pipeline's ``_load_config``).
 - `causalkv.sglang.stages`: what a served stage carries through a request (its settings,
   converted once per request), its denoising passes marked as probes and its context-update
-  pass as the commit.
-- `causalkv.sglang.allocation`: the cache allocation hook and its log line.
-- `causalkv.sglang.summary`: the per-request ``causalkv kv-cache summary:`` line.
+  pass as the commit, the cache allocation hook and its log line, and the per-request
+  ``causalkv kv-cache summary:`` line.
 - `causalkv.sglang.attention`: the fused-attention route (registered only with
   ``CAUSALKV_SGLANG_FUSED_ATTENTION=1``; `FUSED_ATTENTION_HOOKS` import it at the first
   hooked call, since it imports sglang and torch).
@@ -33,18 +32,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from causalkv.sglang.allocation import allocate
 from causalkv.sglang.settings import load_config, post_init
 from causalkv.sglang.stages import (
+    allocate,
     apply_overrides,
     context_update,
     denoise_chunk,
+    forward,
     off_prepare_forward_context,
     prepare_forward_context,
+    prepare_realtime_caches,
     scene_cut,
     supports_qvg,
 )
-from causalkv.sglang.summary import forward, prepare_realtime_caches
 from causalkv.sglang.targets import (
     BASE,
     LINGBOT,

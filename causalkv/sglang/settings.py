@@ -45,19 +45,9 @@ from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV
 from causalkv.sglang.targets import served_stages
 
 __all__ = [
-    "EnvSettings",
-    "bridge_args",
-    "check_settings",
-    "fused_attention",
-    "lingbot_codec",
-    "load_config",
-    "normalize",
-    "post_init",
-    "read_env",
-    "sglang_quant_args",
+    "EnvSettings", "bridge_args", "check_settings", "fused_attention", "lingbot_codec", "load_config",
+    "normalize", "post_init", "read_env", "sglang_quant_args",
 ]
-
-_CODECS = ("causalkv", "sglang")
 
 
 # ---- causalkv's settings in the environment -------------------------------------------------
@@ -98,7 +88,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
 def lingbot_codec() -> str:
     """``CAUSALKV_SGLANG_LINGBOT_QVG`` (default ``causalkv``); ConfigError for another value."""
     return choice(
-        ENV_LINGBOT_QVG, _CODECS, default="causalkv",
+        ENV_LINGBOT_QVG, ("causalkv", "sglang"), default="causalkv",
         meaning="causalkv: the bridge's QVG cache; sglang: sglang's own QVGPackedCausalKVCache "
                 "with quant-videogen",
     )
@@ -137,11 +127,11 @@ def sglang_quant_args(value: Any) -> Any:
         )
     names = [f.name for f in fields(QVGKVQuantArgs)]
     try:
-        if any(str(k).startswith("kv_cache_quant") for k in value):
-            flat = {k: v for k, v in value.items() if str(k).startswith("kv_cache_quant")}
-            if len(flat) != len(value):
+        flags = [str(k).startswith("kv_cache_quant") for k in value]
+        if any(flags):
+            if not all(flags):
                 raise ConfigError("mixes flag names (kv_cache_quant*) and field names")
-            return QVGKVQuantArgs.from_dict(flat)
+            return QVGKVQuantArgs.from_dict(dict(value))
         unknown = sorted(set(map(str, value)) - set(names))
         if unknown:
             raise ConfigError(f"unknown key(s) {unknown}; valid keys: {names}")
@@ -223,9 +213,8 @@ def model_head_dim(model_dir: str | os.PathLike | None) -> int | None:
     """``attention_head_dim`` of the folder's ``transformer/config.json`` (no weights read)."""
     if not model_dir:
         return None
-    path = Path(model_dir) / "transformer" / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = json.loads((Path(model_dir) / "transformer" / "config.json").read_text())
     except (OSError, ValueError):
         return None
     head_dim = config.get("attention_head_dim")

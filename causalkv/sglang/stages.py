@@ -21,33 +21,41 @@
   tier; LongLive 2.0's ``_is_scene_cut`` (`scene_cut`) announces the pin made after that
   pass (docs/sglang.md).
 
+- The allocation (`allocate`, around ``_allocate_causal_kv_cache``: sglang's base stage's and
+  LingBot-World's own; a served subclass runs one of those): causalkv's cache for a served
+  stage's blocks when QVG is on. Every allocation is logged once per stage and settings
+  (stage, cache class, QVG settings, keep-recent, recency tier, sink handling, which codec,
+  where the chunk being generated lives; `describe`) and noted for the request's summary line.
+- The summary: a served stage's ``forward`` (`forward`) notes every cache set the request
+  allocates (`track`; a realtime session's caches through `prepare_realtime_caches`) and
+  logs, after the request, one ``causalkv kv-cache summary:`` line (`summary_line`): the peak
+  bytes of the stage's whole cache set over the request (all blocks and the largest one-call
+  buffer included), the bytes held at the end, what sglang's dense cache allocates for the
+  same request, packed chunks, pinned shot sink.
+
 Each hook receives sglang's original method first (sglang's AROUND convention). This module
-imports no sglang and no torch at import time.
+imports no sglang and no torch at import time: the bridge's cache module is imported inside
+the allocation hook.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from causalkv import env
+from causalkv.caches.ledger import peak_nbytes
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
-from causalkv.sglang import ENV_SWITCH
-from causalkv.sglang.settings import bridge_args, normalize, sglang_quant_args
+from causalkv.sglang import ENV_LINGBOT_QVG, ENV_SWITCH
+from causalkv.sglang.settings import bridge_args, lingbot_codec, normalize, sglang_quant_args
 from causalkv.sglang.targets import log_once, qualname, served, served_stage, served_stages
 
 __all__ = [
-    "apply_overrides",
-    "context_update",
-    "denoise_chunk",
-    "off_prepare_forward_context",
-    "prepare_forward_context",
-    "request_args",
-    "scene_cut",
-    "stage_marker",
-    "supports_qvg",
+    "allocate", "apply_overrides", "context_update", "denoise_chunk", "describe", "forward",
+    "off_prepare_forward_context", "prepare_forward_context", "prepare_realtime_caches",
+    "request_args", "scene_cut", "stage_marker", "summary_line", "supports_qvg", "track",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,9 +64,11 @@ logger = logging.getLogger(__name__)
 _ARGS = "_causalkv_quant_args"
 _MARKER = "_causalkv_pass_marker"
 _SCENE_CUT = "_causalkv_scene_cut"
+#: the cache sets the stage's request allocated (`track`), for its summary line
+_TRACK = "_causalkv_request_caches"
 
 
-# ---- the request's settings -----------------------------------------------------------------
+# ---- the request's settings ------------------------------------------------------------------
 def request_args(stage: Any, quant: Any) -> CausalKVQuantArgs:
     """causalkv's settings for the stage's request: `bridge_args` of sglang's ``quant`` at the
     request's first need, then the same object for the rest of the request (sglang's
@@ -72,12 +82,6 @@ def request_args(stage: Any, quant: Any) -> CausalKVQuantArgs:
     args = bridge_args(quant, codec=entry.registration.codec if entry is not None else None)
     stage.__dict__[_ARGS] = (quant, args)
     return args
-
-
-def _start_request(stage: Any, server_args: Any) -> None:
-    """Carry the request's sglang settings; the causalkv ones are converted when first needed."""
-    stage.__dict__.pop(_ARGS, None)
-    stage._kv_quant_args = normalize(server_args)
 
 
 def supports_qvg(original: Callable[..., bool], self: Any) -> bool:
@@ -104,8 +108,9 @@ def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any,
     here before a cache exists; start the request (carry its quant settings as
     ``_kv_quant_args``), or warn once when the stage is not served and sglang would drop the
     request's QVG."""
-    if served(self):
-        _start_request(self, server_args)
+    if served(self):  # the causalkv settings are converted when first needed (`request_args`)
+        self.__dict__.pop(_ARGS, None)
+        self._kv_quant_args = normalize(server_args)
     else:
         stages = served_stages()
         _warn_unserved(
@@ -202,3 +207,175 @@ def context_update(original: Callable[..., Any], self: Any, *args: Any, **kw: An
         return original(self, *args, **kw)
     with marker.committing(pin=bool(self.__dict__.get(_SCENE_CUT, False))):
         return original(self, *args, **kw)
+
+
+# ---- the allocation --------------------------------------------------------------------------
+def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
+             args: CausalKVQuantArgs | None = None) -> str:
+    """The allocation's log line. ``quant``: sglang's settings; ``codec``: whose cache serves
+    (``causalkv``, ``sglang`` or ``none``); ``args``: causalkv's settings when its cache serves."""
+    name = qualname(caches[0]) if caches else "none"
+    if not getattr(quant, "enabled", False):
+        return (f"causalkv sglang bridge: {type(stage).__name__} keeps sglang's dense KV cache "
+                f"{name} x {len(caches)} blocks (kv-cache-quant off)")
+    settings = args.describe() if args is not None else (
+        f"int{quant.bits}, centroids={quant.centroids}, block={quant.block_size}")
+    tier = args.recent_tier if args is not None else "bf16"
+    sink = (f"sink chunks (stream-start and pinned shot sinks) kept {tier}" if not quant.sink
+            else "sink chunks (stream-start and pinned shot sinks) packed")
+    where = ("denoising passes stored nothing (probes), the context pass stored each chunk "
+             "in its tier" if codec == "causalkv"
+             else "the chunk being generated held in every block")
+    return (f"causalkv sglang bridge: {type(stage).__name__} KV cache {name} x {len(caches)} "
+            f"blocks, served by {codec}, {settings}, keep-recent {quant.keep_recent_chunks} "
+            f"({tier}), {sink}, sink-keep {quant.sink_keep_chunks}, {where}"
+            + (f" ({note})" if note else ""))
+
+
+def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
+    """``_allocate_causal_kv_cache``: causalkv's cache when quantization is on.
+
+    Quantization off: sglang's own dense cache (the bridge's cache would be equal to it bit
+    for bit, so sglang's stays). On: one cache per block built by the stage's registered cache
+    factory (`causalkv.sglang.targets.ServedStage.cache`: `SGLangQVGKVCache` or a subclass), global sinks, pins and
+    growth included, with the request's causalkv settings (`request_args`: converted once per
+    request, shared by its allocations); LingBot-World keeps sglang's own QVG cache when
+    ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when the block size does not divide its
+    head_dim. Every allocation is logged once per stage and settings, and tracked for the
+    request's summary line.
+    """
+    entry = served_stage(self)
+    if entry is None:
+        return original(self, **kw)
+    quant = getattr(self, "_kv_quant_args", None)
+
+    def sglangs(codec: str, note: str = "") -> list:  # sglang's own cache serves the stage
+        caches = original(self, **kw)
+        return track(self, caches, describe(caches, quant, self, codec, note))
+
+    if not getattr(quant, "enabled", False):
+        return sglangs("none")
+    # lazy: cache imports sglang (module docstring)
+    from causalkv.sglang.cache import can_serve
+
+    if entry.lingbot and lingbot_codec() == "sglang":
+        return sglangs("sglang", f"{ENV_LINGBOT_QVG}=sglang")
+    args = request_args(self, quant)  # the cache, the check and the log line share it
+    reason = can_serve(args, kw["attention_head_dim"], kw["dtype"])
+    if reason is not None and entry.lingbot:
+        return sglangs("sglang", reason)
+    if reason is not None:
+        raise ConfigError(
+            f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache: "
+            f"{reason}"
+        )
+    # lazy: this module imports no torch until sglang calls a hook
+    import torch
+
+    device, marker = kw["device"], stage_marker(self)
+    caches = [
+        entry.cache(  # the registration's cache factory: SGLangQVGKVCache or a subclass
+            batch_size=kw["batch_size"], cache_size=kw["kv_cache_size"],
+            num_heads=kw["num_attention_heads"], head_dim=kw["attention_head_dim"],
+            dtype=kw["dtype"], device=device,
+            global_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            local_end_index=torch.zeros(1, dtype=torch.long, device=device),
+            use_int_indices=kw.get("use_int_indices", False), sink_tokens=kw.get("sink_tokens", 0),
+            attention_window_size=kw.get("attention_window_size") or kw["kv_cache_size"],
+            quant_args=args, global_sink_tokens=kw.get("global_sink_tokens", 0),
+            allow_growth=kw.get("allow_growth", False), marker=marker,
+        )
+        for _ in range(self.num_transformer_blocks)
+    ]
+    return track(self, caches, describe(caches, quant, self, "causalkv", args=args))
+
+
+# ---- the request's summary line --------------------------------------------------------------
+def track(stage: Any, caches: list, line: str) -> list:
+    """Log an allocation's line (once per stage and line) and note its caches for the request's
+    summary; returns ``caches``."""
+    log_once(logger, ("alloc", qualname(stage), line), logging.INFO, "%s", line)
+    _note(stage, caches)
+    return caches
+
+
+def _note(stage: Any, caches: Iterable | None) -> None:
+    """Note a cache set for the summary of the stage's request (outside one: nothing)."""
+    tracked = stage.__dict__.get(_TRACK)
+    if tracked is not None and caches:
+        tracked.append(list(caches))
+
+
+def _nbytes(cache: Any) -> tuple[int | None, int]:
+    """(resident, dense) K/V bytes of one sglang cache block."""
+    k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+    if k is not None and v is not None and hasattr(k, "nbytes"):  # sglang's dense buffers
+        return int(k.nbytes + v.nbytes), int(k.nbytes + v.nbytes)
+    dense = 2 * cache.batch_size * cache.cache_size * cache.num_heads * cache.head_dim * cache.dtype.itemsize
+    resident = cache.resident_nbytes() if hasattr(cache, "resident_nbytes") else None
+    return (int(resident) if resident is not None else None), int(dense)
+
+
+def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
+    """One ``causalkv kv-cache summary:`` line over the stage's cache sets (positive, CFG).
+
+    ``peak_bytes``: the most the sets held at once over the request: every block's storage
+    and the largest one-call buffer (a view gathered for attention or a probe); for sglang's
+    own caches, their preallocated buffers. ``resident_bytes``: what they hold now. ``dense_bytes``: what sglang's dense cache allocates for the
+    same request. ``ratio``: ``dense_bytes / peak_bytes``, so a request that never packed
+    reads 1.00 or less, not a compression. ``codec``: the codec setting of causalkv's cache
+    (``int2``, ``fp8``, ...; ``off`` for sglang's own caches), ``recent_tier`` its recency tier.
+    """
+    sets = [s for s in cache_sets if s]
+    if not sets:
+        return None
+    cls = type(sets[0][0])
+    caches = [c for blocks in sets for c in blocks]
+    sizes = [_nbytes(c) for c in caches]
+    known = all(r is not None for r, _ in sizes)
+    resident, dense = sum(r or 0 for r, _ in sizes), sum(d for _, d in sizes)
+    markers = {id(m): m for c in caches if (m := getattr(c, "marker", None)) is not None}
+    # the ledger of the stage: every block that shares the marker reports to it
+    peak = peak_nbytes([m.ledger for m in markers.values()], resident)
+    first = sets[0][0]
+    packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
+    pinned = int(getattr(first, "pinned_len", 0) or 0)
+    ratio = f"{dense / peak:.2f}" if known and peak else "n/a"
+    quant = getattr(first, "quant", None)
+    codec = getattr(quant, "codec", None) or "off"
+    tier = getattr(quant, "recent_tier", "bf16") if codec != "off" else "bf16"
+    return (
+        f"causalkv kv-cache summary: stage={type(stage).__name__} cache={cls.__name__} "
+        f"codec={codec} recent_tier={tier} "
+        f"sets={len(sets)} layers={len(sets[0])} peak_bytes={peak if known else 'n/a'} "
+        f"resident_bytes={resident if known else 'n/a'} dense_bytes={dense} ratio={ratio} "
+        f"packed_chunks={packed} pinned_tokens={pinned}"
+    )
+
+
+def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
+    """A served stage's ``forward``: after the request, log the caches it used."""
+    if not served(self):
+        return original(self, batch, server_args)
+    self.__dict__[_TRACK] = tracked = []
+    begin_chunk_loop(self)
+    try:
+        out = original(self, batch, server_args)
+        held = [*tracked, getattr(self, "causal_kv_cache", None), getattr(self, "causal_kv_cache_neg", None)]
+        sets = {id(caches[0]): list(caches) for caches in held if caches}  # each set once, in order
+        line = summary_line(self, sets.values())
+        if line is not None:
+            logger.info("%s", line)
+        return out
+    finally:
+        self.__dict__.pop(_TRACK, None)
+
+
+def prepare_realtime_caches(original: Callable[..., Any], self: Any, batch: Any,
+                            server_args: Any, ctx: Any):
+    """``_prepare_realtime_causal_caches``: a realtime session allocates its caches on chunk 0
+    and keeps them in the session, not on the stage; note them so each chunk's summary line
+    covers the caches the chunk used (packing shows from chunk 1 on)."""
+    cache_ctx = original(self, batch, server_args, ctx)
+    _note(self, getattr(cache_ctx, "kv_cache", None))
+    return cache_ctx

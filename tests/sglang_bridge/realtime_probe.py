@@ -3,7 +3,7 @@ after every chunk, printed by sglang's worker.
 
 In a realtime session sglang allocates the caches on chunk 0 and keeps them in the session's
 ``RealtimeCausalDiTState``. This probe reads the session's caches after each chunk and prints
-`causalkv.sglang.summary.summary_line` for them plus the stream's cursors (tokens written, the
+`causalkv.sglang.stages.summary_line` for them plus the stream's cursors (tokens written, the
 cache size, quantize calls), from outside the bridge: for stock sglang too, where the bridge
 is off, and as a check of the bridge's own per-chunk summary line.
 
@@ -44,7 +44,7 @@ def install() -> bool:
 
 def probe_line(stage: Any, cache_ctx: Any) -> str | None:
     """One probe line for the caches of ``cache_ctx`` (sglang's realtime cache context)."""
-    from causalkv.sglang.summary import summary_line
+    from causalkv.sglang.stages import summary_line
 
     caches = list(cache_ctx.kv_cache or [])
     line = summary_line(stage, [caches])

@@ -346,7 +346,7 @@ def test_causalkvs_codec_setting_picks_the_bridges_codec_and_the_summary_names_i
     not know (or ``fp8`` as sglang's own ``bits``) is refused naming the variable."""
     from causalkv.errors import ConfigError
     from causalkv.sglang.settings import check_settings, sglang_quant_args
-    from causalkv.sglang.summary import summary_line
+    from causalkv.sglang.stages import summary_line
 
     monkeypatch.setenv("CAUSALKV_SGLANG_CODEC", "nvfp4")
     monkeypatch.setenv("CAUSALKV_SGLANG_RECENT_TIER", "fp8")

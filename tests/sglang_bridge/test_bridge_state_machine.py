@@ -44,8 +44,8 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.l
 
 from causalkv.caches.passes import PassMarker
 from causalkv.caches.spec import CacheWriteError
-from causalkv.sglang.allocation import allocate
 from causalkv.sglang.cache import SGLangQVGKVCache
+from causalkv.sglang.stages import allocate
 
 
 @st.composite

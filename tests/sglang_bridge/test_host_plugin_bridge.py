@@ -34,7 +34,7 @@ from causalkv.plugin.manager import ENV_BLOCK
 from causalkv.sglang import targets
 from causalkv.sglang.cache import SGLangQVGKVCache
 from causalkv.sglang.settings import check_settings
-from causalkv.sglang.summary import summary_line
+from causalkv.sglang.stages import summary_line
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:  # plugin_dists, the test distributions' installer

@@ -31,7 +31,7 @@ from causalkv.caches import codecs
 from causalkv.errors import ConfigError
 from causalkv.plugin.manager import ENV_BLOCK, reset_plugin_manager
 from causalkv.sglang.settings import check_settings, read_env
-from causalkv.sglang.summary import summary_line
+from causalkv.sglang.stages import summary_line
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:  # plugin_dists, the test distributions' installer
