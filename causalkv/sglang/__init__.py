@@ -28,8 +28,14 @@ from causalkv import env
 from causalkv.errors import ConfigError
 
 __all__ = [
-    "ENTRY_POINT_NAME", "ENV_CODEC", "ENV_FUSED_ATTENTION", "ENV_LINGBOT_QVG", "ENV_RECENT_TIER",
-    "ENV_SWITCH", "SWITCHES", "register",
+    "ENTRY_POINT_NAME",
+    "ENV_CODEC",
+    "ENV_FUSED_ATTENTION",
+    "ENV_LINGBOT_QVG",
+    "ENV_RECENT_TIER",
+    "ENV_SWITCH",
+    "SWITCHES",
+    "register",
 ]
 
 logger = logging.getLogger(__name__)

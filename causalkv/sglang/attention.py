@@ -54,7 +54,13 @@ from causalkv.sglang import ENV_FUSED_ATTENTION
 from causalkv.sglang.cache import SegmentView, SGLangQVGKVCache
 from causalkv.sglang.targets import log_once
 
-__all__ = ["DeferredKV", "FusedAttentionError", "forced_route", "local_attention", "self_attention"]
+__all__ = [
+    "DeferredKV",
+    "FusedAttentionError",
+    "forced_route",
+    "local_attention",
+    "self_attention",
+]
 
 logger = logging.getLogger(__name__)
 

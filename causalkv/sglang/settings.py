@@ -45,8 +45,16 @@ from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV
 from causalkv.sglang.targets import served_stages
 
 __all__ = [
-    "EnvSettings", "bridge_args", "check_settings", "fused_attention", "lingbot_codec", "load_config",
-    "normalize", "post_init", "read_env", "sglang_quant_args",
+    "EnvSettings",
+    "bridge_args",
+    "check_settings",
+    "fused_attention",
+    "lingbot_codec",
+    "load_config",
+    "normalize",
+    "post_init",
+    "read_env",
+    "sglang_quant_args",
 ]
 
 

@@ -53,9 +53,21 @@ from causalkv.sglang.settings import bridge_args, lingbot_codec, normalize, sgla
 from causalkv.sglang.targets import log_once, qualname, served, served_stage, served_stages
 
 __all__ = [
-    "allocate", "apply_overrides", "context_update", "denoise_chunk", "describe", "forward",
-    "off_prepare_forward_context", "prepare_forward_context", "prepare_realtime_caches",
-    "request_args", "scene_cut", "stage_marker", "summary_line", "supports_qvg", "track",
+    "allocate",
+    "apply_overrides",
+    "context_update",
+    "denoise_chunk",
+    "describe",
+    "forward",
+    "off_prepare_forward_context",
+    "prepare_forward_context",
+    "prepare_realtime_caches",
+    "request_args",
+    "scene_cut",
+    "stage_marker",
+    "summary_line",
+    "supports_qvg",
+    "track",
 ]
 
 logger = logging.getLogger(__name__)
