@@ -35,6 +35,7 @@ __all__ = [
     "ENV_RECENT_TIER",
     "ENV_SWITCH",
     "SWITCHES",
+    "enabled",
     "register",
 ]
 
@@ -68,6 +69,12 @@ SWITCHES = (
     env.Switch(ENV_LINGBOT_QVG, ("causalkv", "sglang"),
                "causalkv (default) or sglang: whose QVG codec serves LingBot-World"),
 )
+
+
+def enabled() -> bool:
+    """False when ``CAUSALKV_SGLANG_BRIDGE`` is off (`causalkv.env.flag`); a value it does not
+    take keeps the bridge on."""
+    return env.flag(ENV_SWITCH, default=True, strict=False)
 
 
 def register() -> bool:
