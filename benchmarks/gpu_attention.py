@@ -493,10 +493,11 @@ def vllm_omni_paged(geos: tuple[PagedGeometry, ...], bits_list: list[int], devic
 
 
 def paged_session(geo: PagedGeometry, quant: QVGKVQuantArgs, device: torch.device):
-    """(cache, the probe forward's layer inputs, query, K, V): one layer of causalkv's paged
-    cache at ``geo``, one session filled through the engine's own state (committing ticks until
-    the sink and window are full), then the inputs of the next tick's probe forward (the
-    current frames in scratch pages)."""
+    """(cache, the probe forward's layer inputs, query, K, V, vmax): one layer of causalkv's
+    paged cache at ``geo``, one session filled through the engine's own state (committing ticks
+    until the sink and window are full), then the inputs of the next tick's probe forward (the
+    current frames in scratch pages). ``vmax`` is the largest |V| written: the pool itself is
+    vLLM-Omni's ``torch.empty``, so its unwritten pages hold whatever memory held (NaN too)."""
     from vllm_omni.experimental.ar_diffusion.kv_cache.config import ARDiffusionKVConfig
     from vllm_omni.experimental.ar_diffusion.kv_cache.state import ARDiffusionKVState
 
@@ -524,12 +525,15 @@ def paged_session(geo: PagedGeometry, quant: QVGKVQuantArgs, device: torch.devic
         ctx.forward_ctx.prepare(device, 0, n)
         return ctx.to_layer_inputs()
 
+    vmax = 0.0
     with cache.binding(state):
         for t in range(ticks):
             q, k, v = (kv_like(n, H, D, 3 * t + i, device)[0] for i in range(3))
+            vmax = max(vmax, v.double().abs().max().item())
             cache.attend(0, inputs(True), q, k, v, None, None, D**-0.5)
             state.commit_paged_context("main")
-    return cache, state, inputs(False), *(kv_like(n, H, D, 999 + i, device)[0] for i in range(3))
+    q, k, v = (kv_like(n, H, D, 999 + i, device)[0] for i in range(3))
+    return cache, state, inputs(False), q, k, v, max(vmax, v.double().abs().max().item())
 
 
 def paged_row(geo: PagedGeometry, bits: int, device: torch.device, timer: Timer,
@@ -545,14 +549,14 @@ def paged_row(geo: PagedGeometry, bits: int, device: torch.device, timer: Timer,
     force = {"bf16_pages": {}, "buffer": {"routed": False},
              "routed": {"fused": True if interpret else None}, "routed_decode": {"fused": False}}
     for name in PAGED_PATHS:
-        cache, state, inputs, q, k, v = paged_session(
+        cache, state, inputs, q, k, v, vmax = paged_session(
             geo, QVGKVQuantArgs() if name == "bf16_pages" else quant, device)
         records[name] = rec = []
         with cache.binding(state), forced_route(**force[name], record=rec):
             ms[name], peak[name], outs[name] = timer(
                 lambda i=inputs, q=q, k=k, v=v: paged_write_attn(i, q, k, v, None, None, D**-0.5))
             if name == "buffer":
-                rep, vmax = cache.report("bench"), inputs.value_pool.abs().max().item()
+                rep = cache.report("bench")
                 visible = sum(len(r[1]) if r[0] == "page" else (r[3] - r[2]) // geo.frame
                               for r in cache._forward_view(inputs)) * geo.frame
     ref = outs["buffer"].double()
