@@ -89,7 +89,7 @@ def generate(
     for line in describe_plan(plan):
         say(line)
     for line in plan.warnings:
-        warn(line)
+        warn_line(line)
     t0 = time.perf_counter()
     components = load_for_plan(plan)
     load_seconds = time.perf_counter() - t0
@@ -113,7 +113,7 @@ def generate(
     metrics = run_report(plan, run)
     unused = unused_cache_settings(plan, metrics)
     if unused is not None:
-        warn(unused)
+        warn_line(unused)
     if options.compare_bf16:
         say(f"reference run: kv-cache-quant off, {options.compare_dtype} caches, same seed")
         comparison = compare_unquantized(plan, run, reference_dtype=options.compare_dtype)
@@ -127,12 +127,6 @@ def generate(
         )
     write_files(plan, run, options, metrics, started=started, say=say, on_written=on_written)
     return metrics, run
-
-
-def warn(line: str) -> None:
-    """One ``causalkv: warning:`` line on stderr, from rank 0 alone (`warn_line` prints it)."""
-    if is_main_rank():
-        warn_line(line)
 
 
 def unused_cache_settings(plan: Plan, metrics: dict[str, Any]) -> str | None:
