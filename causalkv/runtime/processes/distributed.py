@@ -99,13 +99,12 @@ _CURRENT: ParallelContext | None = None
 @dataclass
 class ExchangeCounter:
     """Bytes this rank sent to other ranks through `seq_to_heads` / `heads_to_seq`
-    (``(N - 1) / N`` of each send buffer; the rest stays on the rank), and the call count."""
+    (``(N - 1) / N`` of each send buffer; the rest stays on the rank)."""
 
     bytes_sent: int = 0
-    calls: int = 0
 
     def reset(self) -> None:
-        self.bytes_sent = self.calls = 0
+        self.bytes_sent = 0
 
 
 #: the process-wide counter (benchmarks/parallel.py reads it per chunk)
@@ -261,7 +260,6 @@ def _all_to_all(send: torch.Tensor, n: int) -> torch.Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
     EXCHANGE.bytes_sent += send.numel() * send.element_size() * (n - 1) // n
-    EXCHANGE.calls += 1
     return recv
 
 
