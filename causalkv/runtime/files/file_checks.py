@@ -59,7 +59,7 @@ def check_home(info: ModelInfo) -> None:
     if info.preset is None or info.path is None or is_complete_preset(info.path):
         return
     folder = info.path.parent
-    _check_folder(
+    check_creatable_folder(
         folder, f"CAUSALKV_HOME={env_text(ENV_HOME) or str(causalkv_home())!r}",
         "set CAUSALKV_HOME to a writable folder (the presets are built there on first use)",
         cannot=f"cannot create the preset {info.preset!r} in {str(folder)!r}",
@@ -95,13 +95,14 @@ def _nearest_existing(path: Path) -> Path:
     return folder
 
 
-def _check_folder(
+def check_creatable_folder(
     path: Path, what: str, fix: str, *, file_fix: str | None = None, cannot: str | None = None
 ) -> None:
-    """`ConfigError` naming ``what``, why and ``fix`` unless files can be created in the
-    nearest existing folder of ``path`` (probed by creating and removing a temporary file
-    there; nothing is left behind). ``file_fix``: the fix when that is a file (default
-    ``fix``); ``cannot``: what could not be done (default: create files there)."""
+    """`ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why and ``fix`` unless
+    files can be created in the nearest existing folder of ``path`` (a folder can be created
+    there, or is one, writable; probed by creating and removing a temporary file there;
+    nothing is left behind). ``file_fix``: the fix when that is a file (default ``fix``);
+    ``cannot``: what could not be done (default: create files there)."""
     folder = _nearest_existing(path)
     if not folder.is_dir():
         raise ConfigError(f"{what}: {str(folder)!r} is a file, not a folder; {file_fix or fix}")
@@ -114,14 +115,6 @@ def _check_folder(
         raise ConfigError(f"{what}: {cannot} ({fs_error_reason(exc, folder)}); {fix}") from None
 
 
-def check_creatable_folder(path: str | Path, what: str, fix: str) -> Path:
-    """``path`` (absolute) if a folder can be created there (or is one, writable); else
-    `ConfigError` naming ``what`` (``"sglang-checkpoint DIR '...'"``), why, and ``fix``."""
-    p = Path(os.path.abspath(Path(str(path)).expanduser()))
-    _check_folder(p, what, fix)
-    return p
-
-
 def _check_writable_file(path: str | Path, flag: str) -> Path:
     """``path`` (absolute) if a file can be written there: not a folder or a special file,
     its folder exists or can be created, and a file can be created in it. Else `ConfigError`."""
@@ -131,8 +124,8 @@ def _check_writable_file(path: str | Path, flag: str) -> Path:
         raise ConfigError(f"{flag} {text!r} is a folder; name a file in it")
     if p.exists() and not p.is_file():
         raise ConfigError(f"{flag} {text!r} exists and is not a regular file; name a regular file")
-    _check_folder(p.parent, f"{flag} {text!r}", f"choose a writable folder for {flag}",
-                  file_fix=f"choose another {flag}")
+    check_creatable_folder(p.parent, f"{flag} {text!r}", f"choose a writable folder for {flag}",
+                           file_fix=f"choose another {flag}")
     return p
 
 

@@ -151,11 +151,6 @@ class Checkpoint:
     known_failure: str = ""
     seed: int = 0
 
-    @property
-    def dit_config(self) -> dict[str, Any]:
-        """``transformer/config.json`` without ``_class_name`` and ``_diffusers_version``."""
-        return {**preset_configs.TINY_TRANSFORMER, **self.transformer, **self.native}
-
 
 def _causal(*, block: int, sink: int, window: int, local_attn: int = -1, **more: Any) -> dict[str, Any]:
     """The host's causal geometry fields of ``transformer/config.json``, in latent frames:
@@ -323,8 +318,7 @@ def build_checkpoint(name: str, folder: str | Path, *, host: str = "sglang", for
             f"{where} holds a complete tiny {held.name} {HOSTS[held.host]} checkpoint, not {name}; "
             "choose another folder, or pass --force to replace it (atomically)"
         )
-    check_creatable_folder(folder.parent if not folder.exists() else folder, where,
-                           "choose a folder where files can be created")
+    check_creatable_folder(folder, where, "choose a folder where files can be created")
     try:
         return presets.build_atomically(
             folder, lambda out: _write(spec, out), lambda f: is_complete_checkpoint(f, name)
@@ -395,7 +389,8 @@ def _write(spec: Checkpoint, out: Path) -> None:
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     presets.write_json(out / "transformer" / "config.json", {
-        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__, **spec.dit_config,
+        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__,
+        **config, **spec.native,
     })
     scheduler, arguments = spec.scheduler
     getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
