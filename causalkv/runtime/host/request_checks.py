@@ -123,8 +123,7 @@ def check_request_effect(plan: Plan, options: GenerateOptions) -> None:
       frames the video never has).
     """
     args, s, res = plan.server_args, plan.settings, plan.resolution
-    stage = res.stage
-    if stage.supports_guidance() and args.guidance_scale < 1.0:
+    if res.stage.supports_guidance() and args.guidance_scale < 1.0:
         where = (f"--guidance-scale {options.guidance_scale:g}" if options.guidance_scale is not None
                  else f"guidance_scale {plan.info.guidance_scale:g} in {plan.model.name}'s causalkv.json")
         raise ConfigError(
@@ -409,8 +408,9 @@ VIDEO_FLOOR_COMPRESSION = 200
 
 
 def video_nbytes_floor(plan: Plan) -> int:
-    """The least bytes the video of ``plan`` takes: its RGB frames (``1 + 4 (F - 1)`` for
-    Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus `FILE_OVERHEAD_BYTES`."""
+    """The least bytes the video of ``plan`` takes: its RGB frames (`ModelInfo.video_frames`:
+    ``1 + 4 (F - 1)`` for Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus
+    `FILE_OVERHEAD_BYTES`."""
     info = plan.info
-    frames = 1 + 4 * (plan.num_frames - 1)
+    frames = info.video_frames(plan.num_frames)
     return file_checks.FILE_OVERHEAD_BYTES + frames * info.height * info.width * 3 // VIDEO_FLOOR_COMPRESSION
