@@ -292,8 +292,7 @@ def _pass_stderr(
 
 
 def _rank_env(nproc: int, reports: Path, *, quiet: bool, debug: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env[ENV_REPORTS] = str(reports)
+    env = {**os.environ, ENV_REPORTS: str(reports)}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if quiet and not debug:
         env["PYTHONWARNINGS"] = "ignore"
