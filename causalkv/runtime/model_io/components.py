@@ -14,7 +14,7 @@ import logging.handlers
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +54,9 @@ def captured_library_warnings(what: str) -> Iterator[None]:
     collect.setLevel(logging.WARNING)
     saved = []
     for name in CAPTURED_LOGGERS:
-        try:  # configured now, so no handler of theirs arrives later
+        # configured now, so no handler of theirs arrives later (not installed: nothing to capture)
+        with suppress(ImportError):
             importlib.import_module(f"{name}.utils.logging").get_logger(name)
-        except ImportError:  # not installed: nothing of it to capture
-            pass
         logger = logging.getLogger(name)
         saved.append((logger, logger.handlers[:], logger.propagate))
         logger.handlers = [collect]

@@ -4,6 +4,7 @@ preset, or a local diffusers / sglang folder, the last two read by the runtime's
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from causalkv.errors import ConfigError
@@ -107,10 +108,8 @@ def resolve_model(model: str) -> ModelGeometry:
         return BUILTIN_MODELS[key]
     if not Path(model).expanduser().exists():
         registry = collect(get_plugin_manager())
-        try:
+        with contextlib.suppress(ModelFolderError):  # no plugin declares a preset of that name
             return _geometry(f"preset {model}", preset_info(model, registry=registry), registry)
-        except ModelFolderError:  # no plugin declares a preset of that name
-            pass
         raise ConfigError(
             f"unknown model {model!r}: not a built-in model ({', '.join(BUILTIN_MODELS)}), not "
             "a causalkv preset (causalkv plugins lists them) and not a folder; pass one of those "

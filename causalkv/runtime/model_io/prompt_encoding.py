@@ -14,6 +14,7 @@ back with ``AutoTokenizer.from_pretrained``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -29,10 +30,8 @@ def warn_line(line: str) -> None:
     """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone)."""
     if os.environ.get("RANK", "0") != "0":
         return
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
         print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):  # stderr closed or gone
-        pass
 
 _SPECIALS = ("<pad>", "</s>", "<unk>")
 #: vocabulary size of `build_byte_tokenizer` (3 specials + 256 bytes)
