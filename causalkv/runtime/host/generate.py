@@ -90,9 +90,7 @@ def generate(
         say(line)
     for line in plan.warnings:
         warn_line(line)
-    t0 = time.perf_counter()
     components = load_for_plan(plan)
-    load_seconds = time.perf_counter() - t0
     if on_loaded is not None:
         on_loaded()
     # the progress bar: off when quiet, on other ranks, or without a terminal
@@ -109,7 +107,6 @@ def generate(
                        strict_plugins=options.strict_plugins, log=say)
     finally:
         bar.close()
-    run.load_seconds = load_seconds
     metrics = run_report(plan, run)
     unused = unused_cache_settings(plan, metrics)
     if unused is not None:

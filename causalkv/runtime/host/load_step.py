@@ -8,6 +8,7 @@ one rank of the job. The stage is built over them by the next step
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Pa
 
 def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     """Load the plan's model components (a preset folder is built on first use, by each
-    node's first rank), as one rank of the job when the request is sequence parallel."""
+    node's first rank), as one rank of the job when the request is sequence parallel;
+    ``components.load_seconds``: how long all of it took."""
+    started = time.perf_counter()
     args = plan.server_args
     registry = plan.plugin_set(pm).registry
     ctx = join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
@@ -51,5 +54,6 @@ def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     components.prompt_encoder.quiet_texts = frozenset({DEFAULT_PROMPT})
     if ctx is not None:  # the transformer becomes one rank of the job
         components.transformer.enable_sequence_parallel(ctx)
+    components.load_seconds = time.perf_counter() - started
     return components
 

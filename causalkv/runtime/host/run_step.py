@@ -10,7 +10,6 @@ stage's chunk loop with the ``causalkv_chunk_done`` observers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +54,8 @@ def run_plan(
     pm = plan.plugin_set(pm).pm
     args = server_args if server_args is not None else plan.server_args
     res = resolution if resolution is not None else plan.resolution
-    load_seconds = 0.0
     if components is None:
-        t0 = time.perf_counter()
         components = load_for_plan(plan, pm=pm)
-        load_seconds = time.perf_counter() - t0
     stage = build_stage(
         res.stage, res.cache_factory, plan.model, args, components,
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,
@@ -88,7 +84,7 @@ def run_plan(
         stage=stage,
         kv_resident_bytes_final=stage.kv_resident_nbytes(),
         components=components,
-        load_seconds=load_seconds,
+        load_seconds=components.load_seconds,
     )
 
 

@@ -174,11 +174,13 @@ def reading_component(folder: Path, component: str, *, preset: str | None = None
 @dataclass
 class Components:
     """The loaded model: causal transformer, prompt encoder and their device (the stage builds
-    its own sampler, ``scheduler_spec(model)``)."""
+    its own sampler, ``scheduler_spec(model)``), and the seconds the load took
+    (`causalkv.runtime.host.load_step.load_for_plan` sets it: a preset's first build included)."""
 
     transformer: CausalWanTransformer
     prompt_encoder: PromptEncoder
     device: torch.device
+    load_seconds: float = 0.0
 
 
 def load_components(
