@@ -224,9 +224,8 @@ def _check_device(device: str, dtype: str) -> None:
         reason = None if dev.index in (None, 0) else f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}"
     if reason is not None:
         raise ConfigError(f"--device {device!r} is not available: {reason}; use --device cpu")
-    torch_dtype = parse_dtype(dtype)
     try:
-        x = torch.ones(8, 8, dtype=torch_dtype, device=dev)
+        x = torch.ones(8, 8, dtype=parse_dtype(dtype), device=dev)
         float((x @ x).sum().item())
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         raise ConfigError(
@@ -366,12 +365,11 @@ def memory_floor(plan: Plan) -> dict[str, int]:
         frames = s.cache_frames
     branches = plan.resolution.stage.branches_for(args.guidance_scale)
     kv_tokens = frames * s.tokens_per_frame
-    rope = _rope_limit(plan)[0]
     return {
         "latents": 2 * _latents_nbytes(plan),
         "kv_caches": branches * model.num_layers * 2 * kv_tokens * heads * model.head_dim * kv_item,
         "activations": 4 * s.tokens_per_chunk * model.num_heads * model.head_dim * item,
-        "rope_tables": 2 * rope * model.head_dim * 4,
+        "rope_tables": 2 * _rope_limit(plan)[0] * model.head_dim * 4,
     }
 
 
