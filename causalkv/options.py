@@ -188,8 +188,7 @@ class Options:
     def describe(self) -> str:
         """One line for the run header and the metrics: the fields that differ from their
         defaults (``"default"`` when none do)."""
-        changed = self.changed()
-        return ", ".join(f"{k}={v!r}" for k, v in changed.items()) if changed else "default"
+        return ", ".join(f"{k}={v!r}" for k, v in self.changed().items()) or "default"
 
     # ---- the command line ----------------------------------------------------------------
     @classmethod
