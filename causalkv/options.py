@@ -111,8 +111,7 @@ class Options:
     def __post_init__(self) -> None:
         for name in self.specs():
             value = getattr(self, name)
-            problem = self.field_problem(name, value)
-            if problem is not None:
+            if (problem := self.field_problem(name, value)) is not None:
                 raise ConfigError(f"{self.label_of(name)} {problem}, got {value!r}")
         self.validate()
 
