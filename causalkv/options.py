@@ -111,8 +111,7 @@ class Options:
     def __post_init__(self) -> None:
         for name in self.specs():
             value = getattr(self, name)
-            problem = self.field_problem(name, value)
-            if problem is not None:
+            if (problem := self.field_problem(name, value)) is not None:
                 raise ConfigError(f"{self.label_of(name)} {problem}, got {value!r}")
         self.validate()
 
@@ -188,8 +187,7 @@ class Options:
     def describe(self) -> str:
         """One line for the run header and the metrics: the fields that differ from their
         defaults (``"default"`` when none do)."""
-        changed = self.changed()
-        return ", ".join(f"{k}={v!r}" for k, v in changed.items()) if changed else "default"
+        return ", ".join(f"{k}={v!r}" for k, v in self.changed().items()) or "default"
 
     # ---- the command line ----------------------------------------------------------------
     @classmethod

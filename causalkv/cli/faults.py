@@ -178,11 +178,10 @@ class Progress:
         return f"{how} after chunk {self.done} of {self.total}, while writing the outputs; {kept}"
 
 
-def run_guarded(command: str, body: Callable[[], int], *, debug: bool = False, progress: Progress | None = None) -> int:
+def run_guarded(command: str, body: Callable[[], int], *, progress: Progress, debug: bool = False) -> int:
     """Run ``body`` and map what it raises to one stderr line and an exit status (module
     docstring). With ``debug`` the traceback is printed too. SIGTERM is handled like SIGINT
     while ``body`` runs (`sigterm_raises`)."""
-    progress = progress or Progress()
 
     def fail(line: str, code: int) -> int:
         if debug:

@@ -109,8 +109,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.quant = quant
         self.global_sink_tokens = global_sink_tokens
         self.allow_growth = allow_growth
-        self.pinned_start = -1
-        self.pinned_len = 0
+        self.reset_pinned_sink()
         self._slots = SlotMap()
         self._heads: tuple[int, int] | None = None  # the head range written since the reset
         #: the K/V by global position (causalkv's segment store, sglang's packing rule; the

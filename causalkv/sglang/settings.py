@@ -260,7 +260,6 @@ def load_config(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) 
     out = original(self, *args, **kw)
     server_args = getattr(self, "server_args", None)
     if server_args is not None:
-        quant = normalize(server_args)
-        check_settings(getattr(self, "pipeline_name", None), quant,
+        check_settings(getattr(self, "pipeline_name", None), normalize(server_args),
                        model_head_dim(self.model_path))
     return out

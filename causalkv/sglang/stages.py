@@ -7,7 +7,7 @@
   request's first allocation and every later allocation of the request (the CFG set, a
   realtime session's) reuses them, packing with the codec the stage's registration names
   when ``CAUSALKV_SGLANG_CODEC`` is unset. Which stages are served is the plugin registry's
-  answer (`causalkv.sglang.targets.served`); a stage that is not served keeps sglang's
+  answer (`causalkv.sglang.targets.served_stage`); a stage that is not served keeps sglang's
   behaviour, and one warning says so when ``--kv-cache-quant`` is on and sglang's stage does
   not support QVG.
 - Probe and commit: with quantization on, the blocks of a served stage share one
@@ -50,7 +50,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.errors import ConfigError
 from causalkv.sglang import ENV_LINGBOT_QVG, ENV_SWITCH
 from causalkv.sglang.settings import bridge_args, lingbot_codec, normalize, sglang_quant_args
-from causalkv.sglang.targets import log_once, qualname, served, served_stage, served_stages
+from causalkv.sglang.targets import log_once, qualname, served_stage, served_stages
 
 __all__ = [
     "allocate",
@@ -98,7 +98,7 @@ def request_args(stage: Any, quant: Any) -> CausalKVQuantArgs:
 
 def supports_qvg(original: Callable[..., bool], self: Any) -> bool:
     """``_supports_qvg_kv_cache_quantization``: True for the served stages."""
-    return True if served(self) else original(self)
+    return served_stage(self) is not None or original(self)
 
 
 def _warn_unserved(self: Any, server_args: Any, why: str, how: str) -> None:
@@ -120,7 +120,7 @@ def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any,
     here before a cache exists; start the request (carry its quant settings as
     ``_kv_quant_args``), or warn once when the stage is not served and sglang would drop the
     request's QVG."""
-    if served(self):  # the causalkv settings are converted when first needed (`request_args`)
+    if served_stage(self):  # the causalkv settings are converted when first needed (`request_args`)
         self.__dict__.pop(_ARGS, None)
         self._kv_quant_args = normalize(server_args)
     else:
@@ -137,7 +137,7 @@ def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any,
 def apply_overrides(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
     """``_apply_causal_cache_overrides`` (the realtime path and sglang's QVG guard): sglang's
     settings converted before sglang's guard reads them, and carried after its overrides."""
-    if not served(self):
+    if served_stage(self) is None:
         return original(self, batch, server_args)
     quant = normalize(server_args)
     out = original(self, batch, server_args)
@@ -171,20 +171,11 @@ def stage_marker(stage: Any) -> Any:
     return marker
 
 
-def begin_chunk_loop(stage: Any) -> Any:
-    """The stage's own request loop starts (the ``forward`` hook): no scene cut noted yet, the
-    marker's peaks reset. Returns the marker."""
-    stage.__dict__.pop(_SCENE_CUT, None)
-    marker = stage_marker(stage)
-    marker.ledger.reset_peaks()
-    return marker
-
-
 def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
     """LongLive 2.0's ``_is_scene_cut`` (asked once per block, before it is denoised): noted,
     so the block's context pass announces the pin sglang makes right after it."""
     out = original(self, batch, block_index)
-    if served(self):
+    if served_stage(self):
         self.__dict__[_SCENE_CUT] = bool(out)
     return out
 
@@ -192,7 +183,7 @@ def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index:
 def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
     """The stage's marker when the pass's caches (``kv_cache``, or a realtime ``cache_ctx``'s)
     use it, else None."""
-    marker = stage.__dict__.get(_MARKER) if served(stage) else None
+    marker = stage.__dict__.get(_MARKER) if served_stage(stage) else None
     caches = kw.get("kv_cache") or getattr(kw.get("cache_ctx"), "kv_cache", None)
     if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
         return None
@@ -341,7 +332,7 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     sets = [s for s in cache_sets if s]
     if not sets:
         return None
-    cls = type(sets[0][0])
+    first = sets[0][0]
     caches = [c for blocks in sets for c in blocks]
     sizes = [_nbytes(c) for c in caches]
     known = all(r is not None for r, _ in sizes)
@@ -349,7 +340,6 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     markers = {id(m): m for c in caches if (m := getattr(c, "marker", None)) is not None}
     # the ledger of the stage: every block that shares the marker reports to it
     peak = peak_nbytes([m.ledger for m in markers.values()], resident)
-    first = sets[0][0]
     packed = first.packed_chunks() if hasattr(first, "packed_chunks") else 0
     pinned = int(getattr(first, "pinned_len", 0) or 0)
     ratio = f"{dense / peak:.2f}" if known and peak else "n/a"
@@ -357,7 +347,7 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
     codec = getattr(quant, "codec", None) or "off"
     tier = getattr(quant, "recent_tier", "bf16") if codec != "off" else "bf16"
     return (
-        f"causalkv kv-cache summary: stage={type(stage).__name__} cache={cls.__name__} "
+        f"causalkv kv-cache summary: stage={type(stage).__name__} cache={type(first).__name__} "
         f"codec={codec} recent_tier={tier} "
         f"sets={len(sets)} layers={len(sets[0])} peak_bytes={peak if known else 'n/a'} "
         f"resident_bytes={resident if known else 'n/a'} dense_bytes={dense} ratio={ratio} "
@@ -367,10 +357,11 @@ def summary_line(stage: Any, cache_sets: Iterable[list]) -> str | None:
 
 def forward(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
     """A served stage's ``forward``: after the request, log the caches it used."""
-    if not served(self):
+    if served_stage(self) is None:
         return original(self, batch, server_args)
     self.__dict__[_TRACK] = tracked = []
-    begin_chunk_loop(self)
+    self.__dict__.pop(_SCENE_CUT, None)  # the request starts: no scene cut noted yet, peaks reset
+    stage_marker(self).ledger.reset_peaks()
     try:
         out = original(self, batch, server_args)
         held = [*tracked, getattr(self, "causal_kv_cache", None), getattr(self, "causal_kv_cache_neg", None)]

@@ -14,7 +14,7 @@ its plugins).
   ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime. Resolved once
   per process, at the first start-up check or hooked call (the pipeline's ``_load_config``,
   before any weights load), and logged in one line. Any other class, a subclass of a served
-  one included, keeps sglang's behaviour: `served` asks it of a stage object.
+  one included, keeps sglang's behaviour: `served_stage` asks it of a stage object.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from causalkv.hooks import HostRegistration, import_object
 from causalkv.plugin import Registry, collected, get_plugin_manager
 from causalkv.plugin.manager import ENV_BLOCK
 
-__all__ = ["HOST", "ServedStage", "log_once", "qualname", "served", "served_stage", "served_stages"]
+__all__ = ["HOST", "ServedStage", "log_once", "qualname", "served_stage", "served_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,3 @@ def served_stage(stage: object) -> ServedStage | None:
     """The served class of this stage object (its class exactly), or None: sglang's behaviour."""
     name = qualname(stage)
     return next((s for s in served_stages().values() if _dotted(s.cls) == name), None)
-
-
-def served(stage: object) -> bool:
-    """True when the bridge serves this stage object (`served_stage`)."""
-    return served_stage(stage) is not None
