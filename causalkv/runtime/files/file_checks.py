@@ -31,6 +31,7 @@ from causalkv.runtime.model_io.model_config import (
     REQUIRED_FILES,
     ModelFolderError,
     ModelInfo,
+    read_json,
 )
 from causalkv.runtime.model_io.preset_configs import ENV_HOME, causalkv_home
 from causalkv.runtime.model_io.presets import is_complete_preset, preset_name
@@ -256,16 +257,6 @@ def check_output_files(
 
 
 # ---- model files ----------------------------------------------------------------------------
-def _check_json(path: Path, fix: str) -> Any:
-    """The JSON ``path`` holds; `ModelFolderError` when it cannot be read or parsed."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelFolderError(f"cannot read {path} ({first_line(exc)}); {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelFolderError(f"{path} is not valid JSON ({exc}); {fix}") from None
-
-
 def _safetensors_header(path: Path, size: int) -> tuple[int, Any]:
     """``(n, header)`` of a safetensors file of ``size`` bytes: its JSON header's length and
     the header parsed (None when it is not JSON or does not fit the file). OSError as raised."""
@@ -325,9 +316,7 @@ def check_model_files(info: ModelInfo) -> None:
             )
     else:
         fix = "restore the file (re-download or re-convert the model)"
-    index = _check_json(folder / "model_index.json", fix)
-    if not isinstance(index, dict):
-        raise ModelFolderError(f"{folder / 'model_index.json'} must hold a JSON object; {fix}")
+    index = read_json(folder / "model_index.json", fix)
     wanted = [*REQUIRED_FILES, *(k for k, v in index.items() if isinstance(v, list))]
     missing: list[str] = []
     for f in wanted:  # a missing component folder is named once, as the folder
@@ -343,7 +332,7 @@ def check_model_files(info: ModelInfo) -> None:
         files = sorted(f for f in sub.rglob("*") if f.is_file())
         for f in files:
             if f.suffix == ".json":
-                _check_json(f, fix)
+                read_json(f, fix, any_value=True)
                 if f.name.endswith(".index.json"):
                     _check_shards(f, fix)
             elif f.suffix == ".safetensors":

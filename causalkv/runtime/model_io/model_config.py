@@ -231,18 +231,18 @@ class ModelInfo:
         return 1 + self.vae_scale_temporal * (latent_frames - 1)
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path`` (a model folder's config file); `ModelFolderError` naming the
-    file and the fix for anything else."""
+def read_json(path: Path, fix: str = _RESTORE, *, any_value: bool = False) -> Any:
+    """The JSON object in ``path`` (a model folder's file; with ``any_value``, whatever JSON
+    value it holds); `ModelFolderError` naming the file and ``fix`` for anything else."""
     try:
         obj = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelFolderError(f"{path} is not valid JSON: {exc}; {_RESTORE}") from None
+        raise ModelFolderError(f"{path} is not valid JSON: {exc}; {fix}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ModelFolderError(f"cannot read {path} ({type(exc).__name__}: {exc}); {_RESTORE}") from None
-    if not isinstance(obj, dict):
+        raise ModelFolderError(f"cannot read {path} ({type(exc).__name__}: {exc}); {fix}") from None
+    if not (any_value or isinstance(obj, dict)):
         raise ModelFolderError(f"{path} must hold a JSON object ({{...}}), it holds a "
-                               f"{type(obj).__name__}; {_RESTORE}")
+                               f"{type(obj).__name__}; {fix}")
     return obj
 
 
