@@ -20,7 +20,7 @@ from causalkv.memory.records import format_bytes
 from causalkv.options import Options
 from causalkv.runtime.files.video import video_formats
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, GenerateOptions, PluginSet
-from causalkv.runtime.processes.launch import register_rank
+from causalkv.runtime.processes.launch import launched_by_torchrun, register_rank
 
 # The parser (``--help``) imports no torch: the modules that run a generation (torch,
 # diffusers, transformers) are imported by the functions that run it.
@@ -204,7 +204,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
-    from causalkv.runtime.processes.distributed import env_world, launched_by_torchrun
+    from causalkv.runtime.processes.distributed import env_world
 
     nproc = args.nproc_per_node
     if nproc is not None:
@@ -232,7 +232,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """
     from causalkv.runtime.host.compare_step import compare_table
     from causalkv.runtime.host.generate import generate
-    from causalkv.runtime.processes.distributed import init_parallel, launched_by_torchrun, shutdown
+    from causalkv.runtime.processes.distributed import init_parallel, shutdown
 
     out, progress = Stdout(), Progress()
     plugins = getattr(args, _PLUGINS, None)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from causalkv.errors import ConfigError
+from causalkv.runtime.processes.launch import launched_by_torchrun
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -50,7 +51,6 @@ __all__ = [
     "init_parallel",
     "is_main_rank",
     "join_ranks",
-    "launched_by_torchrun",
     "local_main_first",
     "seq_to_heads",
     "shutdown",
@@ -147,11 +147,6 @@ def env_world() -> tuple[int, int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return rank, world, local_rank, local_world
-
-
-def launched_by_torchrun() -> bool:
-    """True in a worker started by torchrun (or any launcher that sets ``WORLD_SIZE``)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
 def backend_for(device: str | torch.device) -> str:

@@ -50,6 +50,7 @@ __all__ = [
     "choose_report",
     "describe_exit",
     "is_peer_failure",
+    "launched_by_torchrun",
     "register_rank",
     "report_end",
     "reports_to_launcher",
@@ -82,9 +83,14 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launched_by_torchrun() -> bool:
+    """True in a worker started by torchrun (or any launcher that sets ``WORLD_SIZE``)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
 def reports_to_launcher() -> bool:
     """True in a rank started by `run_supervised` (it reports its end instead of printing it)."""
-    return bool(os.environ.get(ENV_REPORTS)) and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return bool(os.environ.get(ENV_REPORTS)) and launched_by_torchrun()
 
 
 def _write_json(path: Path, obj: Any) -> None:
