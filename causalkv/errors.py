@@ -22,6 +22,8 @@ __all__ = [
     "check_int",
     "describe_exception",
     "first_line",
+    "int_requirement",
+    "is_int",
 ]
 
 
@@ -86,10 +88,21 @@ def check_int(
         minimum: the smallest accepted value (1 for "positive").
         hint: the fix, appended after ``"; "``.
     """
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise error(f"{name} must be {what}, got {value!r}" + (f"; {hint}" if hint else ""))
+    if not is_int(value, minimum):
+        raise error(f"{name} {int_requirement(minimum)}, got {value!r}" + (f"; {hint}" if hint else ""))
     return value
+
+
+def is_int(value: object, minimum: int = 1) -> bool:
+    """``value`` is an int (not a bool) ``>= minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def int_requirement(minimum: int, *, optional: bool = False) -> str:
+    """How a refusal says what `is_int` accepts: ``"must be a positive int"`` (``minimum`` 1),
+    ``"must be an int >= 0"``; ``" or null"`` appended when ``optional``."""
+    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    return f"must be {what}" + (" or null" if optional else "")
 
 
 def first_line(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar, TypeVar
 
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, int_requirement, is_int
 
 __all__ = [
     "CacheOptions",
@@ -149,9 +149,7 @@ class Options:
         optional = cls._defaults().get(name, 0) is None
         if value is None and optional:
             return None
-        if spec.minimum is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < spec.minimum
-        ):
+        if spec.minimum is not None and not is_int(value, spec.minimum):
             return cls._int_problem(spec.minimum, optional=optional and spec.flag is None)
         if spec.action in ("store_true", "store_false") and not isinstance(value, bool):
             return "must be True or False"
@@ -162,8 +160,7 @@ class Options:
 
     @classmethod
     def _int_problem(cls, minimum: int, *, optional: bool) -> str:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        return f"must be {what}" + (" or null" if optional else "")
+        return int_requirement(minimum, optional=optional)
 
     @classmethod
     def _dest(cls, name: str) -> str:

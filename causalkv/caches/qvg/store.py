@@ -62,7 +62,7 @@ from causalkv.caches.spec import (
     KVSegment,
     StoredSegment,
 )
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_int
 
 __all__ = ["Piece", "SegmentStore"]
 
@@ -114,7 +114,7 @@ class SegmentStore:
         ledger: ByteLedger | None = None,
     ) -> None:
         m = min_tokens_per_centroid
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
+        if m is not None and not is_int(m, 1):
             raise ConfigError(f"min_tokens_per_centroid must be a positive int or None, got {m!r}")
         # checked once per settings and geometry (the codecs' own layout rules,
         # `QVGKVQuantArgs.layout_problem`): every layer's store shares the policy

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
-from causalkv.errors import CausalKVError, ConfigError
+from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
@@ -109,11 +109,6 @@ MAX_TIMESTEP = 1000.0
 _RESTORE = "restore the file (re-download or re-convert the model)"
 
 
-def _is_int(v: Any, lo: int = 1) -> bool:
-    """An int (not a bool) ``>= lo``."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -122,9 +117,8 @@ def _value_problem(key: str, v: Any) -> str | None:
     """What is wrong with ``causalkv.json``'s ``key = v`` (None: nothing)."""
     if key in _INT_KEYS:
         lo, optional = _INT_KEYS[key], _STREAM_DEFAULTS[key] is None
-        if not (optional and v is None) and not _is_int(v, lo):
-            what = "a positive int" if lo == 1 else f"an int >= {lo}"
-            return f"must be {what}" + (" or null" if optional else "")
+        if not (optional and v is None) and not is_int(v, lo):
+            return int_requirement(lo, optional=optional)
     elif key in _NUMBER_KEYS:
         lo, hi, open_lo = _NUMBER_KEYS[key]
         if not _is_number(v) or v < lo or (open_lo and v == lo) or v > hi:
@@ -156,13 +150,13 @@ def _check_model_json(where: str, transformer: Mapping[str, Any], vae: Mapping[s
         raise ModelFolderError(f"{where}/{file}/config.json: {key} must be {must}, got {v!r}; {_RESTORE}")
 
     patch = transformer.get("patch_size", [1, 2, 2])
-    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(map(_is_int, patch))):
+    if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(map(is_int, patch))):
         refuse("transformer", "patch_size", "3 positive ints", patch)
     for key in ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "rope_max_seq_len"):
-        if not _is_int(transformer.get(key, 1)):
+        if not is_int(transformer.get(key, 1)):
             refuse("transformer", key, "a positive int", transformer[key])
     for key in ("scale_factor_spatial", "scale_factor_temporal"):
-        if vae.get(key) is not None and not _is_int(vae[key]):
+        if vae.get(key) is not None and not is_int(vae[key]):
             refuse("vae", key, "a positive int", vae[key])
     for key in ("dim_mult", "temperal_downsample"):
         if not isinstance(vae.get(key, []), list):
@@ -481,7 +475,7 @@ def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | No
         if not cfg.is_file():
             return None
         value = read_json(cfg).get("attention_head_dim")
-    return value if _is_int(value) else None
+    return value if is_int(value) else None
 
 
 def is_loadable_model(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> bool:

@@ -55,7 +55,7 @@ from causalkv.caches.codecs.prq.format import (
 )
 from causalkv.caches.codecs.prq.workspace import temporary
 from causalkv.env import text as env_text
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, int_requirement, is_int
 
 __all__ = ["BACKEND_ENV", "dequantize", "quantize", "resolve_backend"]
 
@@ -141,9 +141,8 @@ def _check_args(args: CodecSettings, D: int) -> None:
         raise CodecError(f"quantize: bits must be 2 or 4 (codec int2 or int4; None is "
                          f"quantization off), got {args.bits!r}")
     for name in ("centroids", "block_size", "stages", "kmeans_iters"):
-        value = getattr(args, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise CodecError(f"quantize: {name} must be a positive int, got {value!r}")
+        if not is_int(value := getattr(args, name), 1):
+            raise CodecError(f"quantize: {name} {int_requirement(1)}, got {value!r}")
     if args.centroids > 256:
         raise CodecError(f"quantize: centroids must be <= 256 (cluster ids are uint8), "
                          f"got {args.centroids}")
