@@ -44,7 +44,7 @@ the bytes the store decoded into a window buffer (0 when routed: the engagement 
 routed outputs' max difference from ``sglang`` against the rounding bound. The default of
 the setting may turn on when ``routed`` is no slower than ``sglang`` at every geometry
 (``goal_routed_no_slower``). Under ``--interpret`` the route is forced on the CPU tensors
-(`causalkv.sglang.attention.forced_route`, the kernel in the interpreter for ``routed``).
+(`causalkv.caches.attention.forced_route`, the kernel in the interpreter for ``routed``).
 
 vLLM-Omni's paged engine (``vllm_omni_paged`` in the JSON; needs the vLLM-Omni environment,
 ``.venv-vllm-omni/bin/python benchmarks/gpu_attention.py``, otherwise it says why it was not
@@ -56,7 +56,7 @@ one probe forward of the next tick through LingBot's ``paged_write_attn`` seam, 
 ``buffer`` (packed groups decoded with the pages into one transient buffer, then vLLM-Omni's
 paged attention: the path off CUDA), ``routed`` (`causalkv.caches.attend` over the pages and
 packed groups: the path on CUDA, attend's default there) and ``routed_decode`` (attend's
-decode path); the paths are picked with `causalkv.vllm_omni.paged_cache.forced_route` (under
+decode path); the paths are picked with `causalkv.caches.attention.forced_route` (under
 ``--interpret`` ``routed`` runs the kernel in the interpreter). Per path: median time, peak
 allocated memory above the start, attend's transient bytes, the routed outputs' max
 difference from ``buffer`` against the rounding bound (``ok``), and whether ``routed`` is no
@@ -129,7 +129,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, QVGPackedCausalKVCache  # noqa: E402
-from causalkv.caches.attention import AttendStats, attend, attend_dense  # noqa: E402
+from causalkv.caches.attention import AttendStats, attend, attend_dense, forced_route  # noqa: E402
 from causalkv.caches.codecs.prq import dequantize  # noqa: E402
 from causalkv.caches.codecs.prq.attention import packed_attention  # noqa: E402
 from causalkv.caches.qvg import QVGKVQuantArgs  # noqa: E402
@@ -352,7 +352,6 @@ def bridge_row(geo: Geometry, bits: int, device: torch.device, timer: Timer,
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
     from sglang.multimodal_gen.runtime.models.dits.causal_wanvideo import CausalWanSelfAttention
 
-    from causalkv.sglang import attention as route
     from causalkv.sglang.cache import SGLangQVGKVCache
 
     n, H, D = geo.chunk, geo.heads, geo.head_dim
@@ -395,7 +394,7 @@ def bridge_row(geo: Geometry, bits: int, device: torch.device, timer: Timer,
             fn = original if name == "sglang" else wrapped
             records[name] = rec = []
             force = (name == "routed_decode" or interpret) and name != "sglang"
-            with route.forced_route(fused=forced[name], record=rec) if force else nullcontext():
+            with forced_route(fused=forced[name], record=rec) if force else nullcontext():
                 cache.store.peak_transient_nbytes = 0
                 # one denoising pass: rewrite the current chunk, attend over the window
                 ms[name], peak[name], outs[name] = timer(lambda fn=fn: forward(fn, last, rope))
@@ -538,7 +537,7 @@ def paged_session(geo: PagedGeometry, quant: QVGKVQuantArgs, device: torch.devic
 
 def paged_row(geo: PagedGeometry, bits: int, device: torch.device, timer: Timer,
               interpret: bool) -> dict:
-    from causalkv.vllm_omni.paged_cache import forced_route, paged_write_attn
+    from causalkv.vllm_omni.paged_cache import paged_write_attn
 
     quant = QVGKVQuantArgs(codec=f"int{bits}", centroids=geo.centroids).validate()
     H, D = geo.heads, geo.head_dim

@@ -493,5 +493,19 @@ def main() -> None:
               f"{e.lse_rounded:.2e} | {e.lse_tol:.0e} |")
 
 
+
+def test_forced_route_holds_only_inside_its_block_and_nests() -> None:
+    """The hosts' override: None outside any block; the innermost block holds; each block's
+    exit (an exception included) gives back the one outside it."""
+    assert attn.route_override() is None
+    record: list = []
+    with attn.forced_route(fused=None, record=record) as outer:
+        assert attn.route_override() is outer and outer == attn.ForcedRoute(True, None, record)
+        with pytest.raises(RuntimeError), attn.forced_route(routed=False):
+            assert attn.route_override() == attn.ForcedRoute(routed=False)
+            raise RuntimeError("the block fails")
+        assert attn.route_override() is outer
+    assert attn.route_override() is None
+
 if __name__ == "__main__":
     main()

@@ -22,12 +22,17 @@ online-softmax recurrence. Two paths:
 `AttendStats` reports which path each segment took, the transient bytes, and why packed
 segments were decoded before attention (``decode_reasons``). The caches print nothing: the
 host that called `attend` reads the reasons and says them in its log, once.
+
+`forced_route` is the hosts' one test override: while it holds, a host's route over packed
+segments is engaged (or declined) on any device with the path it names (`ForcedRoute`).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -39,7 +44,16 @@ from causalkv.caches.codecs.prq import triton_impl
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.errors import CausalKVError
 
-__all__ = ["NO_TRITON", "AttendError", "AttendStats", "attend", "attend_dense"]
+__all__ = [
+    "NO_TRITON",
+    "AttendError",
+    "AttendStats",
+    "ForcedRoute",
+    "attend",
+    "attend_dense",
+    "forced_route",
+    "route_override",
+]
 
 #: queries per block of a dense segment's step on CUDA, and on the fused path on any device
 #: (so the fused path's `AttendStats` measured on the CPU are the CUDA ones)
@@ -318,3 +332,42 @@ def _attend_segments(
     if st.segments == 0:
         raise AttendError("attend: the view has no visible tokens; write a chunk first")
     return acc.transpose(1, 2).to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hosts' route override (tests and benchmarks)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForcedRoute:
+    """What `forced_route` set: whether a host sends its attention over packed segments
+    through `attend` (``routed``; False: the host's own path over the gathered K/V), attend's
+    ``fused`` argument, and ``record``, a list that receives what the host records of each
+    routed call (its `AttendStats`; the sglang bridge's with the segment view), None: nothing."""
+
+    routed: bool = True
+    fused: bool | None = False
+    record: list | None = field(default=None, repr=False)
+
+
+_forced: ForcedRoute | None = None
+
+
+@contextmanager
+def forced_route(*, routed: bool = True, fused: bool | None = False,
+                 record: list | None = None) -> Iterator[ForcedRoute]:
+    """While the block runs, a host routes attention over packed segments on any device (not
+    only CUDA): through `attend` with ``fused`` (``False``: the decode path; ``True``: the
+    Triton kernel, on the CPU under ``TRITON_INTERPRET=1``; ``None``: attend's default), or
+    with ``routed=False`` its own path, on CUDA too. For the tests and the benchmarks: the
+    product routes on CUDA with attend's default. Blocks nest; the innermost one holds."""
+    global _forced
+    before, _forced = _forced, ForcedRoute(routed, fused, record)
+    try:
+        yield _forced
+    finally:
+        _forced = before
+
+
+def route_override() -> ForcedRoute | None:
+    """The `forced_route` that holds now, None outside one."""
+    return _forced

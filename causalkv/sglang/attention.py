@@ -28,9 +28,10 @@ request) runs sglang's original code and is said once in the log. The engaged pa
 outside torch.compile's graphs (``torch.compiler.disable``): the cache write is a graph
 break already, and `attend` is a Python loop over segments.
 
-`forced_route` engages the route on any device and picks `attend`'s path, for the tests (the
-route on CPU tensors: attend's decode path, or the kernel under ``TRITON_INTERPRET=1``) and the
-benchmark (the decode path on CUDA too); the product never enters it.
+`causalkv.caches.attention.forced_route` engages the route on any device and picks `attend`'s
+path, for the tests (the route on CPU tensors: attend's decode path, or the kernel under
+``TRITON_INTERPRET=1``) and the benchmark (the decode path on CUDA too); the product never
+enters it. Each routed call records ``(segment view, AttendStats)`` in its ``record``.
 
 This module imports sglang; only the bridge's hooks import it, at the first hooked call.
 """
@@ -38,8 +39,7 @@ This module imports sglang; only the bridge's hooks import it, at the first hook
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import 
 )
 from sglang.multimodal_gen.runtime.managers.forward_context import get_forward_context_or_none
 
-from causalkv.caches.attention import AttendStats, attend
+from causalkv.caches.attention import AttendStats, attend, route_override
 from causalkv.errors import CausalKVError
 from causalkv.sglang import ENV_FUSED_ATTENTION
 from causalkv.sglang.cache import SegmentView, SGLangQVGKVCache
@@ -57,7 +57,6 @@ from causalkv.sglang.targets import log_once
 __all__ = [
     "DeferredKV",
     "FusedAttentionError",
-    "forced_route",
     "local_attention",
     "self_attention",
 ]
@@ -132,27 +131,6 @@ class _RoutedCache:
         )
 
 
-# ---- the override (tests, the benchmark) -----------------------------------------------------
-#: what `forced_route` set: (`attend`'s ``fused`` argument, the list that records each routed
-#: call's ``(segment view, AttendStats)`` or None), or None outside it
-_forced: tuple[bool | None, list | None] | None = None
-
-
-@contextmanager
-def forced_route(*, fused: bool | None = False, record: list | None = None) -> Iterator[None]:
-    """Engage the route on any device while the block runs, with `attend`'s ``fused`` argument
-    (``False``: the decode path; ``True``: the Triton kernel, on the CPU under
-    ``TRITON_INTERPRET=1``; ``None``: attend's default). ``record``: a list that receives
-    ``(segment view, AttendStats)`` per routed attention call. For the tests and the
-    benchmark only: the product routes on CUDA with attend's default."""
-    global _forced
-    before, _forced = _forced, (fused, record)
-    try:
-        yield
-    finally:
-        _forced = before
-
-
 # ---- the hooks ------------------------------------------------------------------------------
 def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
     return next((a for a in (*args, *kw.values()) if isinstance(a, SGLangQVGKVCache)), None)
@@ -163,7 +141,10 @@ def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
     q = args[0] if args else kw.get("q")
     if not isinstance(q, torch.Tensor):
         return "no query tensor where sglang's forward takes q"
-    if q.device.type != "cuda" and _forced is None:
+    forced = route_override()
+    if forced is not None and not forced.routed:
+        return "forced_route(routed=False): sglang's attention reads the materialized window"
+    if q.device.type != "cuda" and forced is None:
         return (f"the queries are on {q.device.type}, and the route engages on CUDA only "
                 "(sglang's attention then reads the materialized window)")
     if lingbot:
@@ -234,11 +215,12 @@ def _attend_deferred(
             f"causalkv sglang bridge: queries {tuple(q.shape)} do not match the view's K/V "
             f"{tuple(k.shape)} ([B, n, h, D] against [B, visible, h, D], the same heads); set "
             f"{ENV_FUSED_ATTENTION}=0")
-    fused, record = _forced if _forced is not None else (None, None)
+    forced = route_override()
     stats = AttendStats()
-    out = attend(q, view, scale=owner.softmax_scale, stats=stats, fused=fused)
+    out = attend(q, view, scale=owner.softmax_scale, stats=stats,
+                 fused=None if forced is None else forced.fused)
     for reason in stats.unreported():  # the cache records them; the bridge says each once
         logger.warning("causalkv sglang bridge: attention: %s", reason)
-    if record is not None:
-        record.append((view, stats))
+    if forced is not None and forced.record is not None:
+        forced.record.append((view, stats))
     return out

@@ -36,8 +36,8 @@ vLLM's ``KVCacheManager`` / ``BlockPool`` handing out pages, a compact block tab
   groups read in place by their codec's kernel, runs of pool pages attended as dense segments,
   merged by log-sum-exp), so the window is never materialized; elsewhere (the reference path)
   one layer's visible K/V are gathered into one transient buffer (pages copied, packed groups
-  decoded in place) and the same kernel runs over it. `forced_route` picks either on any
-  device (the tests and the benchmark).
+  decoded in place) and the same kernel runs over it. `causalkv.caches.attention.forced_route`
+  picks either on any device (the tests and the benchmark).
 
 Closing, evicting or failing a session ends its adapters (``end_request``): its pages and its
 packed records go. The seams used here are listed in `causalkv.vllm_omni.paged_seams`.
@@ -67,7 +67,7 @@ from vllm_omni.experimental.ar_diffusion.kv_cache.paged_attention import (
     ar_diffusion_paged_attention,
 )
 
-from causalkv.caches.attention import AttendStats, attend
+from causalkv.caches.attention import AttendStats, attend, route_override
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.segments import Codebook, DenseKV, Segment, held_nbytes
 from causalkv.caches.qvg.store_pack import Packer
@@ -89,13 +89,11 @@ from causalkv.vllm_omni.admission import (
 __all__ = [
     "CausalKVBranchSpec",
     "CausalKVPagedKVCache",
-    "ForcedRoute",
     "PagedGroup",
     "SessionReport",
     "check_kv_config",
     "declared_capacity",
     "engine_geometry",
-    "forced_route",
     "install_engine_seams",
     "live_caches",
     "paged_write_attn",
@@ -592,7 +590,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             (adapter,) = self._bound.adapters.values()
             self._record(adapter).packed_reads += 1
             view = self._segment_view(layer, runs, key_cache, value_cache)
-            forced = _forced
+            forced = route_override()
             if (query.is_cuda if forced is None else forced.routed) and query.shape[1] == self.num_kv_heads:
                 # causalkv's packed attention (on CUDA its fused path), never the whole window
                 stats = AttendStats()
@@ -665,37 +663,6 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
 def _run_frames(run: tuple[str, Any, int, int], bs: int) -> int:
     """Pool frames one of `CausalKVPagedKVCache._forward_view`'s runs covers."""
     return len(run[1]) if run[0] == "page" else (run[3] - run[2]) // bs
-
-
-@dataclass
-class ForcedRoute:
-    """What `forced_route` set: whether packed groups go through `causalkv.caches.attend`
-    (``routed``; else the transient buffer), its ``fused`` argument, and where each routed
-    call's `AttendStats` is recorded (None: not recorded)."""
-
-    routed: bool = True
-    fused: bool | None = False
-    record: list[AttendStats] | None = field(default=None, repr=False)
-
-
-_forced: ForcedRoute | None = None
-
-
-@contextlib.contextmanager
-def forced_route(*, routed: bool = True, fused: bool | None = False,
-                 record: list[AttendStats] | None = None) -> Iterator[ForcedRoute]:
-    """Pick the attention over packed groups on any device while the block runs: ``routed``
-    `causalkv.caches.attend` with its ``fused`` argument (``False``: the decode path;
-    ``True``: the Triton kernel, on the CPU under ``TRITON_INTERPRET=1``; ``None``: attend's
-    default), else (``routed=False``) the transient buffer, on CUDA too. ``record``: a list
-    that receives each routed call's `AttendStats`. For the tests and the benchmark only: the
-    product routes on CUDA with attend's default and keeps the buffer elsewhere."""
-    global _forced
-    before, _forced = _forced, ForcedRoute(routed, fused, record)
-    try:
-        yield _forced
-    finally:
-        _forced = before
 
 
 # -- the engine's seams: the session cache the runner builds, the attention LingBot calls -------

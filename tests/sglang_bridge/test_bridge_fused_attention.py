@@ -42,6 +42,7 @@ from test_bridge_discovery import _causalkv_hooks, _fresh_registration
 from test_bridge_parity import streams
 
 import causalkv.sglang as bridge
+from causalkv.caches.attention import forced_route
 from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.codecs.prq.format import PackedSegment
 from causalkv.caches.spec import CacheWriteError
@@ -286,7 +287,7 @@ def test_the_route_gives_sglangs_attention_within_the_oracles_bound(
     handle.remove()
     record = []
     on_cache = _cache(dtype)
-    with _hooks_applied(monkeypatch), route.forced_route(fused=False, record=record):
+    with _hooks_applied(monkeypatch), forced_route(fused=False, record=record):
         on = _stream(attn, on_cache, qkv, lingbot=kind == "lingbot")
     assert len(on) == len(off) == len(seen)
     assert on_cache.packed_chunks() >= 2 and off_cache.packed_chunks() == on_cache.packed_chunks()
@@ -333,7 +334,7 @@ def test_the_bridge_reports_once_why_attend_decoded_packed_segments(monkeypatch,
                         lambda fused, device, st: st.note(cache_attention.NO_TRITON) or False)
     monkeypatch.setattr(cache_attention, "_REPORTED", set())  # each reason said once again
     record = []
-    with (_hooks_applied(monkeypatch), route.forced_route(fused=None, record=record),
+    with (_hooks_applied(monkeypatch), forced_route(fused=None, record=record),
           caplog.at_level(logging.DEBUG)):
         _stream(attn, _cache(torch.bfloat16), qkv)
     assert len(record) >= 2 and all(st.decode_reasons == [cache_attention.NO_TRITON] for _, st in record)
@@ -371,7 +372,7 @@ def test_a_sequence_sharded_lingbot_request_keeps_sglangs_attention(
         cache = _cache(torch.bfloat16)
         record = []
         with _hooks_applied(monkeypatch) if name == "on" else nullcontext(), \
-                route.forced_route(record=record), caplog.at_level(logging.INFO), \
+                forced_route(record=record), caplog.at_level(logging.INFO), \
                 set_forward_context(current_timestep=0, attn_metadata=None, forward_batch=batch):
             outs[name] = [attn(qkv[c, 0], qkv[c, 1], qkv[c, 2], _freqs(c), None, cache, c * N)
                           for c in range(CHUNKS)]
@@ -456,7 +457,7 @@ def test_under_torch_compile_a_routed_call_is_one_eager_island(monkeypatch, sdpa
     def run(route_on: bool, hooked: bool = True):
         cache, counts = _cache(torch.bfloat16), []
         with _hooks_applied(monkeypatch) if hooked else nullcontext(), \
-                route.forced_route() if route_on else nullcontext(), \
+                forced_route() if route_on else nullcontext(), \
                 set_forward_context(current_timestep=0, attn_metadata=None):
             for c in range(3):
                 torch._dynamo.reset()

@@ -61,8 +61,9 @@ def runs(request, tmp_path_factory):
     input and its record)."""
     import paged_sessions as ps
 
+    from causalkv.caches.attention import forced_route
     from causalkv.caches.qvg.store_pack import Packer
-    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache, forced_route
+    from causalkv.vllm_omni.paged_cache import CausalKVPagedKVCache
 
     built, work = _folder(tmp_path_factory, request.param)
     SETTINGS = GEOMETRIES[request.param][1]

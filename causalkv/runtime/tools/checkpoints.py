@@ -151,6 +151,11 @@ class Checkpoint:
     known_failure: str = ""
     seed: int = 0
 
+    @property
+    def dit_config(self) -> dict[str, Any]:
+        """``transformer/config.json`` without ``_class_name`` and ``_diffusers_version``."""
+        return {**preset_configs.TINY_TRANSFORMER, **self.transformer, **self.native}
+
 
 def _causal(*, block: int, sink: int, window: int, local_attn: int = -1, **more: Any) -> dict[str, Any]:
     """The host's causal geometry fields of ``transformer/config.json``, in latent frames:
@@ -389,8 +394,7 @@ def _write(spec: Checkpoint, out: Path) -> None:
     (out / "transformer").mkdir()
     save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     presets.write_json(out / "transformer" / "config.json", {
-        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__,
-        **config, **spec.native,
+        "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__, **spec.dit_config,
     })
     scheduler, arguments = spec.scheduler
     getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
