@@ -342,7 +342,7 @@ class ForcedRoute:
     """What `forced_route` set: whether a host sends its attention over packed segments
     through `attend` (``routed``; False: the host's own path over the gathered K/V), attend's
     ``fused`` argument, and ``record``, a list that receives what the host records of each
-    routed call (its `AttendStats`; the sglang bridge's with the segment view), None: nothing."""
+    routed call (its `AttendStats`, alone or with the segment view), None: nothing."""
 
     routed: bool = True
     fused: bool | None = False

@@ -298,6 +298,7 @@ class CausalWanTransformer:
         self.head_offset: int = 0
         self.world_size: int = 1
         self.head_dim: int = int(cfg.attention_head_dim)
+        self.patch_size: tuple[int, int, int] = tuple(cfg.patch_size)  # type: ignore[assignment]
         # the compute dtype: the first parameter may be one kept in float32 (scale_shift_table)
         param = transformer.patch_embedding.weight
         self.dtype: torch.dtype = param.dtype
@@ -318,6 +319,11 @@ class CausalWanTransformer:
             enable_sequence_parallel(self.model, ctx)
         self.num_heads, self.head_offset, self.world_size = stop - start, start, ctx.world_size
         self.state.parallel = ctx if ctx.world_size > 1 else None
+
+    def tokens_per_frame(self, height: int, width: int) -> int:
+        """Tokens per latent frame of latent size ``height`` x ``width``."""
+        _, p_h, p_w = self.patch_size
+        return (height // p_h) * (width // p_w)
 
     @torch.no_grad()
     def __call__(
