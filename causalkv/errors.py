@@ -89,7 +89,8 @@ def check_int(
         hint: the fix, appended after ``"; "``.
     """
     if not is_int(value, minimum):
-        raise error(f"{name} {int_requirement(minimum)}, got {value!r}" + (f"; {hint}" if hint else ""))
+        fix = f"; {hint}" if hint else ""
+        raise error(f"{name} {int_requirement(minimum)}, got {value!r}{fix}")
     return value
 
 

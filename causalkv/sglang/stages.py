@@ -120,7 +120,8 @@ def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any,
     here before a cache exists; start the request (carry its quant settings as
     ``_kv_quant_args``), or warn once when the stage is not served and sglang would drop the
     request's QVG."""
-    if served_stage(self):  # the causalkv settings are converted when first needed (`request_args`)
+    # the causalkv settings are converted when first needed (`request_args`)
+    if served_stage(self) is not None:
         self.__dict__.pop(_ARGS, None)
         self._kv_quant_args = normalize(server_args)
     else:
@@ -175,7 +176,7 @@ def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index:
     """LongLive 2.0's ``_is_scene_cut`` (asked once per block, before it is denoised): noted,
     so the block's context pass announces the pin sglang makes right after it."""
     out = original(self, batch, block_index)
-    if served_stage(self):
+    if served_stage(self) is not None:
         self.__dict__[_SCENE_CUT] = bool(out)
     return out
 
@@ -183,7 +184,7 @@ def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index:
 def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
     """The stage's marker when the pass's caches (``kv_cache``, or a realtime ``cache_ctx``'s)
     use it, else None."""
-    marker = stage.__dict__.get(_MARKER) if served_stage(stage) else None
+    marker = stage.__dict__.get(_MARKER) if served_stage(stage) is not None else None
     caches = kw.get("kv_cache") or getattr(kw.get("cache_ctx"), "kv_cache", None)
     if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
         return None
