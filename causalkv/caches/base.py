@@ -2,7 +2,7 @@
 
 Validation, the pass marks (probe / commit), reads, pins and `can_direct_current_attention`
 live here once, over a `StreamState`. A cache implements only its storage: `_write` (store a
-checked write: classify it with `StreamState.classify`, evict, copy, commit), `probe_view`
+checked write, classified here with `StreamState.classify`: evict, copy, commit), `probe_view`
 (the view of a write, nothing stored) and `_view` (build the view).
 """
 
@@ -104,29 +104,31 @@ class StreamCache(ABC):
         heads = check_write(self.spec, key, value, cache_head_start, debug_name)
         check_recent_window(recent_window_tokens)
         probe, commit = self._marks(probe, commit)
+        # classified once (`StreamState.written`: rewrite, advance, or CacheWriteError with
+        # the cache unchanged) for the probe and the write alike
+        new = self.state.written(current_chunk_start, key.shape[1], debug_name)
         if probe:
-            return self.probe_view(key, value, current_chunk_start, heads, recent_window_tokens,
-                                   debug_name)
-        return self._write(key, value, current_chunk_start, heads, recent_window_tokens,
-                           debug_name, commit)
+            return self.probe_view(key, value, new, heads, recent_window_tokens)
+        return self._write(key, value, new, heads, recent_window_tokens, commit)
 
     @abstractmethod
     def _write(
-        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
-        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
-        commit: Commit | None,
+        self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
+        recent_window_tokens: int | None, commit: Commit | None,
     ) -> CausalAttentionKVView:
-        """Store the write (checked: heads ``heads``, not a probe) and return its view; a
+        """Store the write (checked: heads ``heads``, not a probe; ``new``: the state after
+        it, `StreamState.written`, the chunk at ``new.cur_start``) and return its view; a
         refused write (CacheWriteError) leaves the cache unchanged. With ``commit``, once
         `_commit_pass` says the chunk is complete, only ``state.committed(...)`` stays."""
 
     @abstractmethod
     def probe_view(
-        self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],
-        recent_window_tokens: int | None, debug_name: str,
+        self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
+        recent_window_tokens: int | None,
     ) -> CausalAttentionKVView:
-        """The view the write of ``key``/``value`` ``[B, n, h, D]`` at ``start`` (heads
-        ``heads``, already checked) would return, with nothing stored: a probe (a denoising
+        """The view the write of ``key``/``value`` ``[B, n, h, D]`` at ``new.cur_start`` (heads
+        ``heads``, already checked; ``new``: the state the write would leave,
+        `StreamState.written`) would return, with nothing stored: a probe (a denoising
         pass of the chunk being generated, whose K/V no later call reads). The cache is not
         changed, so a later call sees what it would have seen without the probe. Refused as
         the write would be (CacheWriteError), the cache unchanged.

@@ -55,18 +55,15 @@ class DenseCausalKVCache(StreamCache):
 
     # ---- writes -------------------------------------------------------------------
     def _write(
-        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
-        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
-        commit: Commit | None,
+        self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
+        recent_window_tokens: int | None, commit: Commit | None,
     ) -> CausalAttentionKVView:
         """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
         is copied into its slots; a complete commit keeps only what the next advance keeps."""
-        n = key.shape[1]
-        new = self.state.written(current_chunk_start, n, debug_name)
         if new is not self.state:
             self._relayout(new, fresh_heads=heads)
         self._write_current(key, value, *heads)
-        self._pass, done = self._commit_pass(current_chunk_start, heads, commit)
+        self._pass, done = self._commit_pass(new.cur_start, heads, commit)
         if not done:
             return self._view(*heads, recent_window_tokens)
         # the view reads the positions before the commit drops them: its own buffer
@@ -78,14 +75,13 @@ class DenseCausalKVCache(StreamCache):
         return view
 
     def probe_view(
-        self, key: torch.Tensor, value: torch.Tensor, start: int, heads: tuple[int, int],
-        recent_window_tokens: int | None, debug_name: str,
+        self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
+        recent_window_tokens: int | None,
     ) -> CausalAttentionKVView:
         """`StreamCache.probe_view`: the history (the visible positions outside the chunk, as
         the write would leave them: eviction applied) read into one ``[B, visible, h, D]`` K
         and V buffer, the chunk's visible rows copied from the caller's K/V after it."""
-        n = key.shape[1]
-        new = self.state.written(start, n, debug_name)
+        start, n = new.cur_start, key.shape[1]
         visible = new.visible(recent_window_tokens)
         # the chunk holds the newest positions: the history's visible rows come first
         history = iv.subtract(visible, ((start, start + n),))

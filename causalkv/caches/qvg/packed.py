@@ -178,16 +178,14 @@ class QVGPackedCausalKVCache(StreamCache):
             marker.ledger.hold(self.store, self.store.resident_nbytes())
 
     def _write(
-        self, key: torch.Tensor, value: torch.Tensor, current_chunk_start: int,
-        heads: tuple[int, int], recent_window_tokens: int | None, debug_name: str,
-        commit: Commit | None,
+        self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
+        recent_window_tokens: int | None, commit: Commit | None,
     ) -> CausalAttentionKVView:
         """`StreamCache._write`, planned whole. A commit moves the chunk to its tier in the
         same step (packed straight from the write's K/V when the policy does not keep it).
         The write and the move are planned first and committed as one: a refused call
         changes nothing."""
         n, st = key.shape[1], self.state
-        new = st.written(current_chunk_start, n, debug_name)
         advance = new is not st
         write = KVWrite(new.cur_start, new.cur_start + n, heads, key, value)
         # an advance evicts, packs cold chunks and adds the new chunk; a rewrite is in place
@@ -236,12 +234,11 @@ class QVGPackedCausalKVCache(StreamCache):
         return self.store.packing_report()
 
     # ---- views ------------------------------------------------------------------------
-    def probe_view(self, key, value, start, heads, recent_window_tokens, debug_name):
+    def probe_view(self, key, value, new, heads, recent_window_tokens):
         """`StreamCache.probe_view` as a lazy view: the store's segments for the history (packed
         ones decoded only when read, one at a time when streamed) and the caller's own K/V
         for the chunk's rows (`SegmentStore.with_own`); nothing stored, nothing changed."""
-        new = self.state.written(start, key.shape[1], debug_name)
-        own = self.store.with_own(start, key, value, heads[0])
+        own = self.store.with_own(new.cur_start, key, value, heads[0])
         return self._view(*heads, recent_window_tokens, own, new)
 
     def _view(
