@@ -69,7 +69,7 @@ class DenseCausalKVCache(StreamCache):
         # the view reads the positions before the commit drops them: its own buffer
         visible = self.state.visible(recent_window_tokens)
         k, v = self._read_pieces([(a, b - a) for a, b in visible], *heads)
-        view = self._make_view(visible, k=k, v=v, device=k.device)
+        view = self._make_view(visible, k=k, v=v)
         self._relayout(self.state.committed(commit.pin, commit.next_tokens),
                        fresh_heads=(0, self.spec.num_heads))
         return view
@@ -93,7 +93,7 @@ class DenseCausalKVCache(StreamCache):
             k[:, at : at + b - a].copy_(key[:, a - start : b - start])
             v[:, at : at + b - a].copy_(value[:, a - start : b - start])
             at += b - a
-        return self._make_view(visible, state=new, k=k, v=v, device=k.device)
+        return self._make_view(visible, state=new, k=k, v=v)
 
     def _write_current(self, key: torch.Tensor, value: torch.Tensor, h0: int, h1: int) -> None:
         """Copy the chunk's ``[B, n, h, D]`` K/V into heads ``[h0, h1)`` of its retained slots."""
@@ -156,9 +156,7 @@ class DenseCausalKVCache(StreamCache):
         slot_runs = iv.to_slots(st.retained, visible)
         pieces = [(self.k_cache[:, a:b, h0:h1], self.v_cache[:, a:b, h0:h1]) for a, b in slot_runs]
         k, v = concat_segments(pieces) if pieces else (self.k_cache[:, :0, h0:h1],) * 2
-        return self._make_view(
-            visible, k=k, v=v, segments=lambda: iter(pieces), device=self.k_cache.device
-        )
+        return self._make_view(visible, k=k, v=v, segments=lambda: iter(pieces))
 
     # ---- control ----------------------------------------------------------------------
     def reset_indices(self) -> None:
