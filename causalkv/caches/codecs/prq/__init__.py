@@ -22,25 +22,7 @@ imports no torch until a name is read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from causalkv.lazy import lazy_names
-
-if TYPE_CHECKING:
-    from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
-    from causalkv.caches.codecs.prq.codec import PRQCodec
-    from causalkv.caches.codecs.prq.format import (
-        CodecSettings,
-        PackedSegment,
-        bits_per_element,
-        packed_nbytes_formula,
-    )
-    from causalkv.caches.codecs.prq.quantizer import (
-        BACKEND_ENV,
-        dequantize,
-        quantize,
-        resolve_backend,
-    )
 
 #: exported name -> the module that defines it
 _EXPORTS = {
@@ -56,18 +38,6 @@ _EXPORTS = {
     "PRQCodec": "causalkv.caches.codecs.prq.codec",
 }
 
-__all__ = [
-    "BACKEND_ENV",
-    "CodecSettings",
-    "MIN_TOKENS_PER_CENTROID",
-    "PRQCodec",
-    "PackedSegment",
-    "bits_per_element",
-    "centroids_for",
-    "dequantize",
-    "packed_nbytes_formula",
-    "quantize",
-    "resolve_backend",
-]
+__all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_names(__name__, _EXPORTS)
