@@ -448,16 +448,14 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         """``seg``'s K/V of one layer as a dense store `Segment` ``[1, len, H, D]``: pool rows
         (a copy) or the packed record decoded (a recency-tier group re-packed)."""
         if seg.packed:
-            dense = seg.layers[layer].storage.decoded(self.device, self.dtype)
-        else:
-            page = dict(zip(rec.frames, self.block_table(adapter)))  # logical frame -> pool page
-            bs = self.block_size
-            ids = torch.tensor([page[f] for f in range(seg.start // bs, seg.end // bs)],
-                               dtype=torch.long, device=self.device)
-            k = self.key_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
-            v = self.value_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
-            dense = DenseKV(k, v)
-        return Segment(seg.start, seg.end, seg.first_chunk, seg.last_chunk, dense)
+            return self.packer.dense(seg.layers[layer])
+        page = dict(zip(rec.frames, self.block_table(adapter)))  # logical frame -> pool page
+        bs = self.block_size
+        ids = torch.tensor([page[f] for f in range(seg.start // bs, seg.end // bs)],
+                           dtype=torch.long, device=self.device)
+        k = self.key_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
+        v = self.value_cache(layer).index_select(0, ids).reshape(1, -1, self.num_kv_heads, self.head_size)
+        return Segment(seg.start, seg.end, seg.first_chunk, seg.last_chunk, DenseKV(k, v))
 
     def _finite(self, adapter: Any, rec: _Session, pieces: Sequence[PagedGroup]) -> bool:
         """Whether the pieces' K/V are finite in every layer (`Packer.finite`, as the store
