@@ -13,12 +13,11 @@ stage or cache it chose and refuses the others), a family's ``causalkv.json`` ke
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from causalkv.errors import ConfigError, InvalidTypeError, check_int
+from causalkv.errors import ConfigError, InvalidTypeError, check_int, is_number
 from causalkv.options import Options
 
 __all__ = ["DTYPES", "MULTI_SHOT", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
@@ -228,7 +227,7 @@ class ServerArgs:
             raise ConfigError(f"kv cache dtype must be one of {list(DTYPES)} or None (same as "
                               f"--dtype), got {self.kv_cache_dtype!r} (--kv-cache-dtype)")
         g = self.guidance_scale
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 0:
+        if not is_number(g) or g < 0:
             raise ConfigError(f"guidance scale must be a finite number >= 0, got {g!r} (--guidance-scale)")
         if self.cache is not None and (not isinstance(self.cache, str) or not self.cache):
             raise ConfigError(f"cache must be a cache name or None, got {self.cache!r} (--cache)")

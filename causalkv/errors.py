@@ -11,6 +11,8 @@ ends with for it (docs/usage.md, "Errors and exit codes"). Torch-free.
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "CausalKVError",
     "ConfigError",
@@ -24,6 +26,7 @@ __all__ = [
     "first_line",
     "int_requirement",
     "is_int",
+    "is_number",
 ]
 
 
@@ -92,6 +95,11 @@ def check_int(
         fix = f"; {hint}" if hint else ""
         raise error(f"{name} {int_requirement(minimum)}, got {value!r}{fix}")
     return value
+
+
+def is_number(value: object) -> bool:
+    """``value`` is a finite real number: an int or a float, not a bool, not NaN or infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_int(value: object, minimum: int = 1) -> bool:

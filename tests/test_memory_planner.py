@@ -179,6 +179,8 @@ def test_help_explains_every_column(capsys) -> None:
         (["longlive2", "--window-frames", "8"], ["--window-frames 8", "--window-frames 16"]),
         (["longlive2", "--batch-size", "0"], ["--batch-size must be a positive int, got 0"]),
         (["longlive2", "--seconds", "-1"], ["--seconds must be a finite number > 0, got -1.0"]),
+        (["longlive2", "--seconds", "nan"], ["--seconds must be a finite number > 0, got nan"]),
+        (["longlive2", "--seconds", "inf"], ["--seconds must be a finite number > 0, got inf"]),
         (["longlive2", "--fps", "30"], ["--fps 30", "pass --seconds or drop --fps"]),
         (["longlive2", "--seconds", "5", "--fps", "0"], ["--fps must be a positive int, got 0"]),
         (["longlive2", "--latent-frames", "10000000"],

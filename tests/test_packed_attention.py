@@ -248,6 +248,9 @@ if not INTERPRETED:
         k48 = pack(x, args_of(2, 16))
         with pytest.raises(PackedAttentionError, match="power of two"):
             packed_attention(torch.zeros(1, 3, 2, 48), k48, k48)
+        for scale in (True, float("nan"), float("inf"), 0.0):  # True is not a scale of 1.0
+            with pytest.raises(PackedAttentionError, match="scale must be a finite float > 0"):
+                packed_attention(query, k, v, scale=scale)
         assert issubclass(PackedAttentionError, ValueError)
 
     def test_select_tokens_views_decode_the_same_rows():

@@ -8,7 +8,7 @@ from itertools import accumulate
 
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, check_int, is_number
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
@@ -35,7 +35,7 @@ def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int,
         latent = check_int("--latent-frames", req.latent_frames, minimum=1, hint=f"pass a multiple of {fpc} (frames per chunk)")
     elif req.seconds is not None:
         sec = req.seconds
-        if isinstance(sec, bool) or not isinstance(sec, (int, float)) or not math.isfinite(sec) or sec <= 0:
+        if not is_number(sec) or sec <= 0:
             raise ConfigError(f"--seconds must be a finite number > 0, got {sec!r}; pass e.g. 10")
         fps = geom.fps if req.fps is None else req.fps
         need = max(1, math.ceil(sec * fps - 1e-9))

@@ -7,14 +7,13 @@ importing torch; the stage modules (`causalkv.stages.wan`, `.longlive`, `.longli
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from causalkv.capabilities import RECENT_WINDOW
 from causalkv.config import check_text
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_number
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.options import Options, StageOptions, option
 
@@ -119,7 +118,7 @@ class ShotRequest(StageOptions):
         check_text(self.scene_cut_prefix, "--scene-cut-prefix")
         off = self.multi_shot_rope_offset
         if off is not None:
-            if isinstance(off, bool) or not isinstance(off, (int, float)) or not math.isfinite(off) or off < 0:
+            if not is_number(off) or off < 0:
                 raise ConfigError(
                     f"multi-shot RoPE offset must be a finite number >= 0, got {off!r} "
                     "(--multi-shot-rope-offset)"

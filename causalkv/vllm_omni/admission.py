@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, check_int, is_number
 from causalkv.memory.cache_models import STREAM_CACHE
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import stream_layout
@@ -397,8 +397,7 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
             (the engine refuses to start then).
     """
     check_int("available_bytes", available_bytes, minimum=0, hint="pass the free device memory")
-    if not isinstance(gpu_memory_fraction, (int, float)) or isinstance(gpu_memory_fraction, bool) \
-            or not 0.0 < gpu_memory_fraction <= 1.0:
+    if not is_number(gpu_memory_fraction) or not 0.0 < gpu_memory_fraction <= 1.0:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction!r}")
     if requested_capacity is not None:
         check_int("session_capacity", requested_capacity, minimum=1, hint="pass 1 or more")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
-from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int
+from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int, is_number
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
@@ -109,10 +109,6 @@ MAX_TIMESTEP = 1000.0
 _RESTORE = "restore the file (re-download or re-convert the model)"
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _value_problem(key: str, v: Any) -> str | None:
     """What is wrong with ``causalkv.json``'s ``key = v`` (None: nothing)."""
     if key in _INT_KEYS:
@@ -121,11 +117,11 @@ def _value_problem(key: str, v: Any) -> str | None:
             return int_requirement(lo, optional=optional)
     elif key in _NUMBER_KEYS:
         lo, hi, open_lo = _NUMBER_KEYS[key]
-        if not _is_number(v) or v < lo or (open_lo and v == lo) or v > hi:
+        if not is_number(v) or v < lo or (open_lo and v == lo) or v > hi:
             bound = f"> {lo:g}" if open_lo else f">= {lo:g}"
             return f"must be a finite number {bound}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
     elif key == "timesteps":
-        ok = isinstance(v, list) and v and all(_is_number(t) and 0 < t <= MAX_TIMESTEP for t in v)
+        ok = isinstance(v, list) and v and all(is_number(t) and 0 < t <= MAX_TIMESTEP for t in v)
         if not ok:
             return f"must be a non-empty list of numbers in (0, {MAX_TIMESTEP:g}]"
         if any(b >= a for a, b in zip(v, v[1:])):

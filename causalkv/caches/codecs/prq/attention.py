@@ -46,7 +46,7 @@ import triton.language as tl
 from causalkv.caches.codecs.prq.format import PackedSegment
 from causalkv.caches.codecs.prq.triton_impl import _e4m3_scale, level_mode, segment_operands
 from causalkv.caches.codecs.prq.triton_impl import interpreting as _triton_interpret
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, is_number
 
 __all__ = [
     "PackedAttentionError",
@@ -324,18 +324,18 @@ def packed_attention(
     why = supports(query, k, v)
     if why is not None:
         raise PackedAttentionError(f"packed_attention: {why}")
+    B, n, H, D = (int(x) for x in query.shape)
+    S = int(k.shape[2])
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if not is_number(scale) or scale <= 0:
+        raise PackedAttentionError(f"packed_attention: scale must be a finite float > 0, got {scale!r}")
     dev = query.device
     if dev.type != "cuda" and not _triton_interpret():
         raise PackedAttentionError(
             f"packed_attention: tensors on {dev.type} need a CUDA device, or set "
             "TRITON_INTERPRET=1 before triton is imported to run the kernel on the CPU"
         )
-    B, n, H, D = (int(x) for x in query.shape)
-    S = int(k.shape[2])
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise PackedAttentionError(f"packed_attention: scale must be a finite float > 0, got {scale!r}")
     if query.stride(-1) != 1:
         query = query.contiguous()
     if merge_into is not None:  # the kernel reads and rewrites them in place

@@ -1,0 +1,37 @@
+"""One rule for "a finite number": `causalkv.errors.is_number` (an int or a float, not a bool,
+not NaN or infinite) is the test behind every number setting (``--guidance-scale``,
+``--seconds``, the multi-shot RoPE offset, ``causalkv.json``'s numbers, vLLM-Omni's
+``gpu_memory_fraction``, the packed-attention scale); each entry point keeps its own bounds and
+its own message. The oracle is Python's own notion: a finite real that is not a bool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from causalkv.config import ServerArgs
+from causalkv.errors import ConfigError, is_number
+from causalkv.stages.families import ShotRequest
+
+
+@pytest.mark.parametrize("value", [0, 1, -2.5, 1e300, 2**70])
+def test_finite_ints_and_floats_are_numbers(value: object) -> None:
+    assert is_number(value)
+
+
+@pytest.mark.parametrize("value", [True, False, math.nan, math.inf, -math.inf, "1", None, 1j, [1.0]])
+def test_bools_non_finite_values_and_other_types_are_not(value: object) -> None:
+    assert not is_number(value)
+
+
+@pytest.mark.parametrize("value", [True, math.nan, math.inf, "2"])
+def test_the_guidance_scale_refuses_what_is_not_a_number(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"guidance scale must be a finite number >= 0, got .* \(--guidance-scale\)"):
+        ServerArgs(guidance_scale=value)
+
+
+@pytest.mark.parametrize("value", [True, math.nan, math.inf, "2"])
+def test_the_multi_shot_rope_offset_refuses_what_is_not_a_number(value: object) -> None:
+    with pytest.raises(ConfigError, match="multi-shot RoPE offset must be a finite number >= 0"):
+        ShotRequest(multi_shot_rope_offset=value)
