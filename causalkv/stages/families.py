@@ -7,13 +7,13 @@ importing torch; the stage modules (`causalkv.stages.wan`, `.longlive`, `.longli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from causalkv.capabilities import RECENT_WINDOW
 from causalkv.config import check_text
-from causalkv.errors import ConfigError, is_number
+from causalkv.errors import ConfigError, is_int, is_number
 from causalkv.hooks import Preset, StageRegistration
 from causalkv.options import Options, StageOptions, option
 
@@ -29,6 +29,7 @@ __all__ = [
     "LongLive2Config",
     "MotionOptions",
     "ShotRequest",
+    "check_durations",
     "parse_motion",
 ]
 
@@ -48,6 +49,24 @@ def _durations(value: Any) -> Any:
         raise ConfigError(
             f"--shot-durations must be comma-separated chunk counts like 3,2,4, got {value!r}"
         ) from None
+
+
+def check_durations(durations: Any) -> tuple[int, ...]:
+    """``durations`` (chunks per shot, ``--shot-durations``) as a tuple: a non-empty sequence of
+    positive ints, else `ConfigError` naming the entry and the flag. The one check of both the
+    request record (`ShotRequest`) and `causalkv.stages.longlive2.expand_shots`."""
+    out = tuple(durations) if isinstance(durations, Iterable) and not isinstance(durations, str) else ()
+    if not out:
+        raise ConfigError(
+            f"shot durations must be a non-empty list of chunk counts, got {durations!r} "
+            "(--shot-durations 3,2,4)"
+        )
+    for d in out:
+        if not is_int(d, 1):
+            raise ConfigError(
+                f"shot durations must be positive chunk counts, got {d!r} in {list(out)} (--shot-durations)"
+            )
+    return out
 
 
 @dataclass(frozen=True)
@@ -100,19 +119,7 @@ class ShotRequest(StageOptions):
 
     def validate(self) -> Any:
         if self.durations is not None:
-            durations = tuple(self.durations) if not isinstance(self.durations, str) else ()
-            if not durations:
-                raise ConfigError(
-                    f"shot durations must be a non-empty list of chunk counts, got {self.durations!r} "
-                    "(--shot-durations 3,2,4)"
-                )
-            object.__setattr__(self, "durations", durations)
-        for d in self.durations or ():
-            if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-                raise ConfigError(
-                    f"shot durations must be positive chunk counts, got {d!r} in "
-                    f"{list(self.durations or ())} (--shot-durations)"
-                )
+            object.__setattr__(self, "durations", check_durations(self.durations))
         if not isinstance(self.scene_cut_prefix, str):
             raise ConfigError(f"scene cut prefix must be text, got {self.scene_cut_prefix!r} (--scene-cut-prefix)")
         check_text(self.scene_cut_prefix, "--scene-cut-prefix")

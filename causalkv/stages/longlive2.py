@@ -56,7 +56,7 @@ import torch
 from causalkv.config import ModelConfig, ServerArgs, check_prompts
 from causalkv.errors import ConfigError, check_int
 from causalkv.stages.base import CausalDenoisingStage
-from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest
+from causalkv.stages.families import SCENE_CUT_PREFIX, LongLive2Config, ShotRequest, check_durations
 from causalkv.stages.scheduler import SchedulerSpec
 from causalkv.stages.settings import even_split
 
@@ -119,14 +119,12 @@ def expand_shots(
     check_int("chunks", num_chunks, minimum=1, hint="pass more --frames")
     check_int("--chunks-per-shot", chunks_per_shot, minimum=0, hint="or 0 for an even split")
     if durations is not None:
-        wanted = list(durations)
+        wanted = list(check_durations(durations))
         if len(wanted) != len(prompts):
             raise ConfigError(
                 f"shot durations must match the shot prompts: {len(wanted)} durations "
                 f"{wanted} for {len(prompts)} shots; give one --shot-durations entry per --shot-prompt"
             )
-        for d in wanted:
-            check_int("shot durations", d, minimum=1, hint="each --shot-durations entry is a positive chunk count")
     elif chunks_per_shot > 0:
         wanted = [chunks_per_shot] * len(prompts)
     else:
