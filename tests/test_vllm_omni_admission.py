@@ -152,3 +152,12 @@ def test_no_dit_reaches_two_and_a_half_times_at_the_tiny_checkpoints_frame(layer
         got = admit(eng, int2, available_bytes=budget, gpu_memory_fraction=1.0).capacity
         assert admit(eng, stock, available_bytes=budget, gpu_memory_fraction=1.0).capacity == n
         assert got < 2.5 * n, (n, got)
+
+
+def test_both_planners_name_every_unknown_row_before_planning_any() -> None:
+    from causalkv.vllm_omni.admission import plan_sessions
+
+    with pytest.raises(ConfigError, match=r"rows must be among \[.*'int2'.*\], got \['int3', 'x'\]"):
+        plan_sessions(rows=("int2", "int3", "x"))
+    with pytest.raises(ConfigError, match=r"rows must be among \['stock', .*\], got \['int3'\]"):
+        plan_admission(80 * GiB, rows=("stock", "int3"))

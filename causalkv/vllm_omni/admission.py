@@ -34,7 +34,7 @@ against the pipeline in the bridge suite). Weights and activations are outside t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,12 +98,17 @@ class SessionPlan:
     dense_bytes: int
 
 
+def _check_rows(rows: Collection[str], known: Collection[str]) -> None:
+    """`ConfigError` naming every one of ``rows`` not among ``known``, before any is planned."""
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise ConfigError(f"vllm-omni rows must be among {list(known)}, got {unknown}")
+
+
 def plan_sessions(*, geom: ModelGeometry = VLLM_OMNI_LINGBOT, rows: tuple[str, ...] = tuple(ROWS),
                   height: int | None = None, width: int | None = None) -> list[SessionPlan]:
     """Bytes per request-mode session for each of ``rows`` (`ROWS`)."""
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise ConfigError(f"vllm-omni rows must be among {list(ROWS)}, got {unknown}")
+    _check_rows(rows, ROWS)
     latent = geom.window_frames + _EXTRA_CHUNKS * geom.frames_per_chunk
     lay = stream_layout(geom, MemoryRequest(latent_frames=latent, height=height, width=width))
     out = []
@@ -437,10 +442,9 @@ def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS
     if budget is not None:
         check_int("--budget", budget, minimum=1, hint="pass e.g. 80GiB")
     eng = lingbot_engine(height, width) if eng is None else eng
+    _check_rows(rows, ADMISSION_ROWS)
     out = []
     for row in rows:
-        if row not in ADMISSION_ROWS:
-            raise ConfigError(f"vllm-omni rows must be among {list(ADMISSION_ROWS)}, got {row!r}")
         layout = stock_layout(eng) if row == "stock" else causalkv_layout(
             eng, SETTINGS[ROWS[row]].quant_args(), row)
         cap = LINGBOT_STOCK_CAPACITY if row == "stock" else None
