@@ -27,6 +27,7 @@ __all__ = [
     "int_requirement",
     "is_int",
     "is_number",
+    "multiples_around",
 ]
 
 
@@ -112,6 +113,14 @@ def int_requirement(minimum: int, *, optional: bool = False) -> str:
     ``"must be an int >= 0"``; ``" or null"`` appended when ``optional``."""
     what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     return f"must be {what}" + (" or null" if optional else "")
+
+
+def multiples_around(value: int, unit: int, base: int = 0) -> list[int]:
+    """The values of the grid ``base + k x unit`` just below and above ``value`` that are
+    positive, which a refusal offers as the fix: ``multiples_around(13, 4)`` is ``[12, 16]``,
+    ``multiples_around(3, 4)`` is ``[4]``, ``multiples_around(7, 4, base=1)`` is ``[5, 9]``."""
+    lo = value - (value - base) % unit
+    return [v for v in (lo, lo + unit) if v > 0]
 
 
 def first_line(exc: BaseException) -> str:

@@ -2,7 +2,10 @@
 not NaN or infinite) is the test behind every number setting (``--guidance-scale``,
 ``--seconds``, the multi-shot RoPE offset, ``causalkv.json``'s numbers, vLLM-Omni's
 ``gpu_memory_fraction``, the packed-attention scale); each entry point keeps its own bounds and
-its own message. The oracle is Python's own notion: a finite real that is not a bool."""
+its own message. The oracle is Python's own notion: a finite real that is not a bool.
+
+And one rule for the fix a grid refusal offers (``--frames``, ``--height``/``--width``, latent
+frames per chunk): `causalkv.errors.multiples_around`, checked against an enumeration."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import math
 import pytest
 
 from causalkv.config import ServerArgs
-from causalkv.errors import ConfigError, is_number
+from causalkv.errors import ConfigError, is_number, multiples_around
 from causalkv.stages.families import ShotRequest
 
 
@@ -35,3 +38,15 @@ def test_the_guidance_scale_refuses_what_is_not_a_number(value: object) -> None:
 def test_the_multi_shot_rope_offset_refuses_what_is_not_a_number(value: object) -> None:
     with pytest.raises(ConfigError, match="multi-shot RoPE offset must be a finite number >= 0"):
         ShotRequest(multi_shot_rope_offset=value)
+
+
+@pytest.mark.parametrize(("value", "unit", "base", "expected"), [
+    (13, 4, 0, [12, 16]),  # between two multiples: both
+    (3, 4, 0, [4]),        # below the first multiple: 0 is no fix
+    (7, 4, 1, [5, 9]),     # 1 + a multiple of 4 (video frames from latent frames)
+    (3, 4, 1, [1, 5]),     # one frame is 1 + 0 x 4
+])
+def test_a_refusal_offers_the_grid_values_around_the_value(value, unit, base, expected) -> None:
+    # the oracle: every positive grid value within one unit of the value, by enumeration
+    grid = [base + k * unit for k in range(0, value // unit + 3)]
+    assert multiples_around(value, unit, base) == [g for g in grid if g > 0 and abs(g - value) < unit] == expected

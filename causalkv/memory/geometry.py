@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from causalkv.errors import ConfigError, check_int
+from causalkv.errors import ConfigError, check_int, multiples_around
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ class ModelGeometry:
             unit = self.vae_scale_spatial * p
             check_int(label, px, minimum=1, hint=f"pass a multiple of {unit}")
             if px % unit:
-                lo = px - px % unit
-                near = f"{lo} or {lo + unit}" if lo else f"{unit}"
+                near = " or ".join(map(str, multiples_around(px, unit)))
                 raise ConfigError(
                     f"{label} {px} is not a multiple of {unit} (VAE scale {self.vae_scale_spatial} "
                     f"x patch {p} of {self.name}); pass {label} {near}"

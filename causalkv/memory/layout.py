@@ -8,7 +8,7 @@ from itertools import accumulate
 
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
-from causalkv.errors import ConfigError, check_int, is_number
+from causalkv.errors import ConfigError, check_int, is_number, multiples_around
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
@@ -46,19 +46,18 @@ def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int,
         check_int("--frames", frames, minimum=1, hint="pass the video frames, e.g. "
                   f"{geom.video_frames(2 * fpc)}")
         if (frames - 1) % s:
-            lo = frames - (frames - 1) % s
+            near = " or ".join(map(str, multiples_around(frames, s, base=1)))
             raise ConfigError(
                 f"--frames {frames} is not 1 + a multiple of {s} (the VAE's temporal compression "
-                f"of {geom.name}); pass --frames {lo} or {lo + s}"
+                f"of {geom.name}); pass --frames {near}"
             )
         latent = geom.latent_frames(frames)
     if latent % fpc:
-        lo = latent - latent % fpc
-        choices = [geom.video_frames(f) for f in (lo, lo + fpc) if f > 0]
+        near = multiples_around(latent, fpc)
         raise ConfigError(
             f"{latent} latent frames is not a multiple of {fpc} frames per chunk ({geom.name}); "
-            f"pass --frames {' or '.join(map(str, choices))} (--latent-frames "
-            f"{' or '.join(str(f) for f in (lo, lo + fpc) if f > 0)})"
+            f"pass --frames {' or '.join(str(geom.video_frames(f)) for f in near)} (--latent-frames "
+            f"{' or '.join(map(str, near))})"
         )
     return latent, geom.video_frames(latent)
 
