@@ -103,9 +103,9 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def is_int(value: object, minimum: int = 1) -> bool:
-    """``value`` is an int (not a bool) ``>= minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+def is_int(value: object, minimum: int | None = 1) -> bool:
+    """``value`` is an int (not a bool) ``>= minimum`` (any int for ``minimum=None``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
 def int_requirement(minimum: int, *, optional: bool = False) -> str:

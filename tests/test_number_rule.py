@@ -14,7 +14,7 @@ import math
 import pytest
 
 from causalkv.config import ServerArgs
-from causalkv.errors import ConfigError, is_number, multiples_around
+from causalkv.errors import ConfigError, is_int, is_number, multiples_around
 from causalkv.stages.families import ShotRequest
 
 
@@ -50,3 +50,11 @@ def test_a_refusal_offers_the_grid_values_around_the_value(value, unit, base, ex
     # the oracle: every positive grid value within one unit of the value, by enumeration
     grid = [base + k * unit for k in range(0, value // unit + 3)]
     assert multiples_around(value, unit, base) == [g for g in grid if g > 0 and abs(g - value) < unit] == expected
+
+
+@pytest.mark.parametrize(("value", "minimum", "expected"), [
+    (-5, None, True), (0, None, True), (True, None, False), (1.0, None, False), ("1", None, False),
+    (0, 1, False), (1, 1, True), (0, 0, True), (False, 0, False),
+])
+def test_an_int_is_an_int_and_not_a_bool(value: object, minimum: int | None, expected: bool) -> None:
+    assert is_int(value, minimum) is expected

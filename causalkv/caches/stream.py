@@ -16,6 +16,7 @@ from causalkv.caches import intervals as iv
 from causalkv.caches.intervals import EMPTY, Intervals
 from causalkv.caches.positions import HeldPositions
 from causalkv.caches.spec import CacheWriteError, CausalCacheSpec
+from causalkv.errors import is_int
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class StreamState:
     # ---- transitions (pure: return a new state or raise) --------------------------------
     def classify(self, start: int, n: int, debug_name: str) -> str:
         """``"rewrite"`` or ``"advance"``; CacheWriteError otherwise."""
-        if not isinstance(start, int) or isinstance(start, bool):
+        if not is_int(start, None):
             raise CacheWriteError(
                 f"{debug_name}: current_chunk_start must be an int, got {type(start).__name__}"
             )
@@ -170,7 +171,7 @@ class StreamState:
     def pinned_to(self, current_num_tokens: int) -> StreamState:
         """The state after ``pin_current_chunk(current_num_tokens)``."""
         n = current_num_tokens
-        if not isinstance(n, int) or isinstance(n, bool):
+        if not is_int(n, None):
             raise CacheWriteError(f"pin_current_chunk: current_num_tokens must be an int, got {n!r}")
         if self.sink_tokens <= 0 or n <= 0:
             return replace(self, pinned=None)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from causalkv.capabilities import CacheCapabilities
 from causalkv.config import ModelConfig, ServerArgs
-from causalkv.errors import ImportPathError, InvalidTypeError
+from causalkv.errors import ImportPathError, InvalidTypeError, is_int
 from causalkv.options import CacheOptions, Options, StageOptions
 
 __all__ = [
@@ -135,8 +135,7 @@ def _names(owner: str, names: object) -> tuple[str, ...]:
 
 
 def _check_priority(owner: str, priority: object) -> None:
-    ok = isinstance(priority, int) and not isinstance(priority, bool)
-    _require(ok, owner, "priority", "an int", priority)
+    _require(is_int(priority, None), owner, "priority", "an int", priority)
 
 
 def _check_record(owner: str, what: str, record: object, base: type[Options]) -> None:

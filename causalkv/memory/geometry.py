@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from causalkv.errors import ConfigError, check_int, multiples_around
+from causalkv.errors import ConfigError, check_int, is_int, multiples_around
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ModelGeometry:
         for name in (f.name for f in fields(self) if f.type == "int"):  # the sinks may be 0
             check_int(f"{self.name}: {name}", getattr(self, name), minimum=0 if "sink" in name else 1,
                       hint="fix the model's config")
-        if len(self.patch) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch):
+        if len(self.patch) != 2 or not all(is_int(p) for p in self.patch):
             raise ConfigError(f"{self.name}: patch must be 2 positive ints, got {self.patch!r}")
         if self.global_sink_frames > self.sink_frames:
             raise ConfigError(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_int
 
 if TYPE_CHECKING:
     from causalkv.caches.positions import PositionModel
@@ -231,7 +231,7 @@ def parse_bytes(text: str | int, what: str = "--budget") -> int:
 
     GiB/MiB/KiB/TiB (and G/M/K/T) are powers of 1024, GB/MB/KB/TB powers of 1000.
     """
-    if isinstance(text, int) and not isinstance(text, bool):
+    if is_int(text, None):
         value, unit = float(text), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_int
 from causalkv.memory.geometry import BUILTIN_MODELS, ModelGeometry
 from causalkv.plugin import Registry, collect, get_plugin_manager
 from causalkv.runtime.model_io.model_config import (
@@ -82,7 +82,7 @@ def read_model_geometry(path: str | Path) -> ModelGeometry:
         vae_path, ck_path = folder / "vae" / "config.json", folder / CAUSALKV_FILE
         native = {key: tcfg[field] for field, key in _SGLANG_FIELDS.items() if field in tcfg}
         local = tcfg.get("local_attn_size")
-        local_window = isinstance(local, int) and not isinstance(local, bool) and local != -1
+        local_window = is_int(local, None) and local != -1
         if local_window:
             native["window_frames"] = local  # sglang: a local window is the cache size
         user = read_json(ck_path) if ck_path.is_file() else None
