@@ -148,6 +148,8 @@ def test_negative_recent_window_on_read_is_a_value_error():
     before = snapshot(cache)
     with pytest.raises(ValueError, match=r"recent_window_tokens must be an int >= 0 or None, got -3"):
         cache.get_attention_kv(recent_window_tokens=-3)
+    with pytest.raises(ValueError, match=r"recent_window_tokens must be an int >= 0 or None, got True"):
+        cache.get_attention_kv(recent_window_tokens=True)  # a bool is not a token count
     assert_unchanged(cache, before)
 
 

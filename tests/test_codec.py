@@ -450,7 +450,7 @@ def test_head_offset_keys_the_draws_and_is_validated():
     args = QVGKVQuantArgs(codec="int2", centroids=4, block_size=16)
     x = heads_of_different_scales()[:, 1:2]
     assert _bytes(quantize(x, args, head_offset=0)) != _bytes(quantize(x, args, head_offset=1))
-    for bad in (-1, 1.5):
+    for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="head_offset must be an int >= 0"):
             quantize(x, args, head_offset=bad)
 

@@ -103,6 +103,12 @@ def test_fp8_exact_on_e4m3_values_and_zero_groups():
     assert torch.equal(got, x)  # scale 1: every value is an e4m3 value
 
 
+@pytest.mark.parametrize("block", [0, -8, 2.0, True])
+def test_fp8_block_must_be_a_positive_int(block) -> None:
+    with pytest.raises(CodecError, match=f"fp8 block must be a positive int or None, got {block!r}"):
+        FP8Codec(block)
+
+
 # ---- NVFP4 -----------------------------------------------------------------------------------
 def test_nvfp4_matches_its_float64_reference_and_its_bound():
     x = _x(seed=1)

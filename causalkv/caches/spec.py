@@ -16,7 +16,7 @@ from causalkv.caches.intervals import Intervals, count, to_positions
 from causalkv.capabilities import (
     CacheCapabilities,
 )
-from causalkv.errors import CausalKVError, ConfigError, UsageError, check_int
+from causalkv.errors import CausalKVError, ConfigError, UsageError, check_int, is_int
 
 __all__ = [
     "CacheProtocolError",
@@ -373,7 +373,7 @@ def check_write(
         (cache_head_start is None and h < spec.num_heads,
          f"the write has {h} heads, the cache {spec.num_heads}; pass cache_head_start=h0 to write "
          f"heads [h0, h0 + {h}) of the cache (a head slice), or write all {spec.num_heads} heads"),
-        (not isinstance(h0, int) or isinstance(h0, bool) or h0 < 0 or h0 + h > spec.num_heads,
+        (not is_int(h0, 0) or h0 + h > spec.num_heads,
          f"head slice [{h0}, {h0 + h if isinstance(h0, int) else '?'}) is outside the cache's "
          f"heads [0, {spec.num_heads})"),
     ]
@@ -396,9 +396,7 @@ def read_heads(spec: CausalCacheSpec, cache_head_start: int | None, num_heads: i
 
 
 def check_recent_window(recent_window_tokens: int | None) -> None:
-    if recent_window_tokens is not None and (
-        not isinstance(recent_window_tokens, int) or recent_window_tokens < 0
-    ):
+    if recent_window_tokens is not None and not is_int(recent_window_tokens, 0):
         raise CacheWriteError(
             f"recent_window_tokens must be an int >= 0 or None, got {recent_window_tokens!r}"
         )

@@ -29,6 +29,7 @@ from causalkv.caches.codecs.base import (
     TensorRecord,
     register_record,
 )
+from causalkv.errors import is_int
 
 __all__ = ["E4M3_MAX", "FP8Codec", "FP8Record"]
 
@@ -60,7 +61,7 @@ class FP8Codec(KVCodec):
     """
 
     def __init__(self, block: int | None = None, name: str = "fp8") -> None:
-        if block is not None and (not isinstance(block, int) or block <= 0):
+        if block is not None and not is_int(block):
             raise CodecError(f"fp8 block must be a positive int or None, got {block!r}")
         self.block = block
         self.name = name

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from causalkv.caches.codecs import codec_names, codec_problem, codec_setting
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_int
 from causalkv.options import CacheOptions, option
 
 __all__ = [
@@ -54,7 +54,7 @@ def _codec_name(value: Any) -> str | None:
     setting; the reference runtime's bit counts 4 and 2 read as ``int4`` and ``int2``."""
     if value is None or (isinstance(value, str) and value.lower() in _OFF):
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value in (2, 4):
+    if is_int(value, None) and value in (2, 4):
         return f"int{value}"
     if not isinstance(value, str) or value.lower() not in codec_names():
         raise ConfigError(f"kv-cache-quant must be one of {list(quant_choices())}, got {value!r}")

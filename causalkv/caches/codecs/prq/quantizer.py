@@ -273,7 +273,7 @@ def quantize(
             NaN/inf is stored poisoned (see the module docstring).
     """
     check_segment("quantize", x)
-    if not isinstance(head_offset, int) or head_offset < 0:
+    if not is_int(head_offset, 0):
         raise CodecError(f"quantize: head_offset must be an int >= 0 (global index of x's "
                          f"first head), got {head_offset!r}")
     B, H, S, D = (int(v) for v in x.shape)
