@@ -20,7 +20,7 @@ from causalkv.memory.records import format_bytes
 from causalkv.options import Options
 from causalkv.runtime.files.video import video_formats
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, GenerateOptions, PluginSet
-from causalkv.runtime.processes.launch import launched_by_torchrun, register_rank
+from causalkv.runtime.processes.launch import env_world, launched_by_torchrun, register_rank
 
 # The parser (``--help``) imports no torch: the modules that run a generation (torch,
 # diffusers, transformers) are imported by the functions that run it.
@@ -204,8 +204,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _world_size(args: argparse.Namespace) -> int:
     """Ranks of the request: torchrun's ``WORLD_SIZE`` in a worker, else ``--nproc-per-node``."""
-    from causalkv.runtime.processes.distributed import env_world
-
     nproc = args.nproc_per_node
     if nproc is not None:
         check_int("--nproc-per-node", nproc, minimum=1)

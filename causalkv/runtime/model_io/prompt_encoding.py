@@ -15,10 +15,11 @@ back with ``AutoTokenizer.from_pretrained``.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from causalkv.runtime.processes.launch import env_world
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ __all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE",
 
 def warn_line(line: str) -> None:
     """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone)."""
-    if os.environ.get("RANK", "0") != "0":
+    if env_world()[0] != 0:
         return
     with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
         print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)

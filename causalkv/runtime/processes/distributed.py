@@ -22,7 +22,6 @@ after `DEFAULT_TIMEOUT_S` seconds, so a rank that dies cannot leave the others h
 from __future__ import annotations
 
 import datetime
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from causalkv.errors import ConfigError
-from causalkv.runtime.processes.launch import launched_by_torchrun
+from causalkv.runtime.processes.launch import env_world, launched_by_torchrun
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -44,7 +43,6 @@ __all__ = [
     "check_parallel_request",
     "current",
     "enable_sequence_parallel",
-    "env_world",
     "exchange_nbytes",
     "gather_ints",
     "heads_to_seq",
@@ -137,16 +135,6 @@ def join_ranks(heads_sharded: int, device: str) -> ParallelContext | None:
             f"run `causalkv generate --nproc-per-node {heads_sharded} ...` or torchrun"
         )
     return ctx
-
-
-def env_world() -> tuple[int, int, int, int]:
-    """``(rank, world_size, local_rank, local_world_size)`` from torchrun's environment
-    (``(0, 1, 0, 1)`` outside torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return rank, world, local_rank, local_world
 
 
 def backend_for(device: str | torch.device) -> str:

@@ -49,6 +49,7 @@ __all__ = [
     "RankReport",
     "choose_report",
     "describe_exit",
+    "env_world",
     "is_peer_failure",
     "launched_by_torchrun",
     "register_rank",
@@ -79,8 +80,14 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def env_world() -> tuple[int, int, int, int]:
+    """``(rank, world_size, local_rank, local_world_size)`` from torchrun's environment
+    (``(0, 1, 0, 1)`` outside torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
 
 
 def launched_by_torchrun() -> bool:
@@ -105,7 +112,7 @@ def register_rank() -> None:
         return
     _die_with_parent(signal.SIGTERM)
     with contextlib.suppress(OSError):
-        _write_json(Path(os.environ[ENV_REPORTS]) / f"pid-rank{_rank()}.json", {"pid": os.getpid()})
+        _write_json(Path(os.environ[ENV_REPORTS]) / f"pid-rank{env_world()[0]}.json", {"pid": os.getpid()})
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -148,9 +155,9 @@ def report_end(
     """In a supervised rank: record how it ended for the launcher (a `RankReport`): its ``line``
     (without a newline; empty for a success), exit ``code``, chunks ``done`` of ``total``,
     whether the fault is a `is_peer_failure`, the files it ``written``."""
-    report = RankReport(_rank(), line, int(code), time.time_ns(), done, total, peer_failure, tuple(written))
+    report = RankReport(env_world()[0], line, int(code), time.time_ns(), done, total, peer_failure, tuple(written))
     with contextlib.suppress(OSError, KeyError):
-        _write_json(Path(os.environ[ENV_REPORTS]) / f"end-rank{_rank()}.json", dataclasses.asdict(report))
+        _write_json(Path(os.environ[ENV_REPORTS]) / f"end-rank{env_world()[0]}.json", dataclasses.asdict(report))
 
 
 def _read_reports(folder: Path) -> list[RankReport]:
