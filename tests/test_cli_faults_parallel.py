@@ -255,3 +255,33 @@ def test_which_rank_speaks_for_the_job() -> None:
         "causalkv generate: interrupted after chunk 2 of 3; nothing written"
     )
     assert _signalled_line(prog, signal.SIGTERM, None) == "causalkv generate: terminated before the first chunk; nothing written"
+
+
+def test_print_stderr_is_one_line_and_nothing_when_stderr_is_gone(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`print_stderr` (the command's, the launcher's and `warn_line`'s one way to stderr): the
+    line and a newline; a closed stream (``ValueError``) or one whose writes fail (``OSError``)
+    prints nothing and raises nothing."""
+    import io
+
+    from causalkv.runtime.model_io.prompt_encoding import warn_line
+    from causalkv.runtime.processes.launch import print_stderr
+
+    print_stderr("causalkv: a line")
+    monkeypatch.delenv("RANK", raising=False)
+    warn_line("a warning")
+    assert capsys.readouterr() == ("", "causalkv: a line\ncausalkv: warning: a warning\n")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    warn_line("rank 1 is quiet")
+    assert capsys.readouterr() == ("", "")
+
+    class Failing(io.StringIO):
+        def write(self, s: str) -> int:
+            raise OSError("stderr is gone")
+
+    closed = io.StringIO()
+    closed.close()
+    for gone in (closed, Failing()):
+        monkeypatch.setattr(sys, "stderr", gone)
+        print_stderr("lost")  # no exception

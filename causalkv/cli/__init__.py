@@ -33,8 +33,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from causalkv.lazy import lazy_names
+from causalkv.runtime.processes.launch import print_stderr
 
-__all__ = ["Terminated", "build_parser", "main", "print_stderr"]
+__all__ = ["Terminated", "build_parser", "main"]
 
 #: the line of a signal that arrives before a command's own handling (imports, parsing)
 STARTING = "causalkv: {how} while starting (before any work); nothing written"
@@ -69,12 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:
         print_stderr(STARTING.format(how="terminated"))
         return 128 + signal.SIGTERM
-
-
-def print_stderr(line: str) -> None:
-    """Print ``line`` on stderr; nothing when stderr is closed or gone."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
-        print(line, file=sys.stderr, flush=True)
 
 
 class Terminated(BaseException):

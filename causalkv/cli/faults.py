@@ -37,9 +37,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from causalkv.cli import Terminated, print_stderr, sigterm_raises, silence_stdout
+from causalkv.cli import Terminated, sigterm_raises, silence_stdout
 from causalkv.errors import CausalKVError, describe_exception
 from causalkv.runtime.processes import launch
+from causalkv.runtime.processes.launch import print_stderr
 
 __all__ = [
     "EXIT_ERROR",

@@ -14,12 +14,10 @@ back with ``AutoTokenizer.from_pretrained``.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from causalkv.runtime.processes.launch import env_world
+from causalkv.runtime.processes.launch import env_world, print_stderr
 
 if TYPE_CHECKING:
     import torch
@@ -29,10 +27,8 @@ __all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE",
 
 def warn_line(line: str) -> None:
     """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone)."""
-    if env_world()[0] != 0:
-        return
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
-        print(f"causalkv: warning: {line}", file=sys.stderr, flush=True)
+    if env_world()[0] == 0:
+        print_stderr(f"causalkv: warning: {line}")
 
 _SPECIALS = ("<pad>", "</s>", "<unk>")
 #: vocabulary size of `build_byte_tokenizer` (3 specials + 256 bytes)

@@ -52,6 +52,7 @@ __all__ = [
     "env_world",
     "is_peer_failure",
     "launched_by_torchrun",
+    "print_stderr",
     "register_rank",
     "report_end",
     "reports_to_launcher",
@@ -88,6 +89,12 @@ def env_world() -> tuple[int, int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return rank, world, local_rank, local_world
+
+
+def print_stderr(line: str) -> None:
+    """Print ``line`` on stderr; nothing when stderr is closed or gone."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
+        print(line, file=sys.stderr, flush=True)
 
 
 def launched_by_torchrun() -> bool:
@@ -387,6 +394,5 @@ def run_supervised(
         line, code = chosen.line, chosen.code
     else:
         line, code = f"{prog}: {_died(silent[0] if silent else None, list(tail), rc)}", 1
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        print(line, file=sys.stderr, flush=True)
+    print_stderr(line)
     return code
