@@ -22,6 +22,7 @@ from causalkv.memory import (
     STREAM_CACHE,
     MemoryRequest,
     ModelGeometry,
+    check_budget,
     parse_bytes,
     plan_memory,
     plan_setting,
@@ -233,6 +234,27 @@ def test_parse_bytes() -> None:
     assert parse_bytes("123") == 123
     with pytest.raises(ConfigError, match="is not a size"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("budget", [None, 1, 2, 80 * 2**30])
+def test_check_budget_takes_none_or_a_positive_int(budget) -> None:
+    assert check_budget(budget) is budget
+
+
+@pytest.mark.parametrize("budget", [0, -1, True, False, 1.0, 80.5 * 2**30, "80GiB"])
+def test_check_budget_refuses_the_rest_naming_flag_value_and_example(budget) -> None:
+    """What a positive byte count is not: zero, a negative int, a bool, a float, the text
+    (`parse_bytes` reads it); the planner and vLLM-Omni's admission refuse each the same way."""
+    from causalkv.vllm_omni.admission import plan_admission
+
+    with pytest.raises(ConfigError) as got:
+        check_budget(budget)
+    assert str(got.value) == f"--budget must be a positive int, got {budget!r}; pass e.g. 80GiB"
+    for plan in (lambda: plan_memory(LL2, MemoryRequest(), STREAM_CACHE, budget=budget),
+                 lambda: plan_admission(budget)):
+        with pytest.raises(ConfigError) as again:
+            plan()
+        assert str(again.value) == str(got.value)
 
 
 def test_model_folders_are_read_by_their_config(tmp_path) -> None:

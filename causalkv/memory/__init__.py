@@ -67,7 +67,7 @@ from causalkv.lazy import lazy_names
 #: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
 _NAMES = {
     "records": ("ATTENTION", "CacheModel", "DTYPE_BYTES", "MemoryRequest", "SETTINGS", "Setting",
-                "StreamLayout", "attention_of", "format_bytes", "parse_bytes"),
+                "StreamLayout", "attention_of", "check_budget", "format_bytes", "parse_bytes"),
     "geometry": ("BUILTIN_MODELS", "ModelGeometry"),
     "cache_models": ("ROLLING_SLOT_CACHE", "STREAM_CACHE"),
     "layout": ("ChunkState", "positions", "stream_layout"),

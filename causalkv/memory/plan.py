@@ -27,7 +27,7 @@ from causalkv.caches.qvg.tiering import (
     codec_for,
     keep_held,
 )
-from causalkv.errors import ConfigError, check_int, first_line
+from causalkv.errors import ConfigError, first_line
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import (
     MAX_CHUNKS,
@@ -47,6 +47,7 @@ from causalkv.memory.records import (
     Setting,
     StreamLayout,
     attention_of,
+    check_budget,
 )
 
 
@@ -417,8 +418,7 @@ def plan_memory(
         )
     if not names:
         raise ConfigError(f"no setting chosen; pass --setting among {', '.join(SETTINGS)}")
-    if budget is not None:
-        check_int("--budget", budget, minimum=1, hint="pass e.g. 80GiB")
+    check_budget(budget)
     lay = stream_layout(geom, req)
     attention_of(cache, req.attention)
     states = positions(lay, cache.positions)

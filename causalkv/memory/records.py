@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.errors import ConfigError, is_int
+from causalkv.errors import ConfigError, check_int, is_int
 
 if TYPE_CHECKING:
     from causalkv.caches.positions import PositionModel
@@ -245,6 +245,15 @@ def parse_bytes(text: str | int, what: str = "--budget") -> int:
     if not math.isfinite(nbytes) or nbytes < 1:
         raise ConfigError(f"{what} {text!r} must be at least 1 byte; pass e.g. 80GiB")
     return int(nbytes)
+
+
+def check_budget(budget: int | None) -> int | None:
+    """``budget`` if it is None (no budget) or a positive int of bytes; `ConfigError` naming
+    ``--budget``, the value and an example otherwise (the planner's and vLLM-Omni's admission
+    check: `parse_bytes` reads the flag's text)."""
+    if budget is not None:
+        check_int("--budget", budget, minimum=1, hint="pass e.g. 80GiB")
+    return budget
 
 
 def format_bytes(n: int) -> str:

@@ -50,6 +50,7 @@ from causalkv.memory.records import (
     MemoryRequest,
     Setting,
     StreamLayout,
+    check_budget,
     format_bytes,
 )
 
@@ -439,8 +440,7 @@ def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS
     declared cap of 2) and causalkv's pages at each setting (no cap: the pipeline declares what
     fits). ``eng``: the engine geometry (default LingBot-World's at ``height x width``).
     ``budget`` None: the bytes only (each row admitted at the memory of one session)."""
-    if budget is not None:
-        check_int("--budget", budget, minimum=1, hint="pass e.g. 80GiB")
+    check_budget(budget)
     eng = lingbot_engine(height, width) if eng is None else eng
     _check_rows(rows, ADMISSION_ROWS)
     out = []
