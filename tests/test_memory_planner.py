@@ -257,6 +257,22 @@ def test_check_budget_refuses_the_rest_naming_flag_value_and_example(budget) -> 
         assert str(again.value) == str(got.value)
 
 
+def test_the_dtype_names_are_configs_and_their_bytes_are_torchs() -> None:
+    """`DTYPE_BYTES` and `parse_dtype` take the names of `causalkv.config.DTYPES`, each with
+    torch's own element size; `parse_dtype` refuses another naming them."""
+    from causalkv.config import DTYPES
+    from causalkv.memory import DTYPE_BYTES
+    from causalkv.runtime.model_io.components import parse_dtype
+
+    assert tuple(DTYPE_BYTES) == DTYPES == ("bfloat16", "float16", "float32")
+    for name in DTYPES:
+        assert parse_dtype(name) is getattr(torch, name)
+        assert DTYPE_BYTES[name] == getattr(torch, name).itemsize
+    with pytest.raises(ConfigError) as got:
+        parse_dtype("int8")
+    assert str(got.value) == "dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'"
+
+
 def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     """An sglang folder (native causal fields) and a diffusers one (causalkv.json)."""
     sg = tmp_path / "sg"

@@ -74,6 +74,7 @@ from causalkv.caches.qvg.store_pack import Packer
 from causalkv.caches.qvg.tiering import BookState, Packed, TierSegment, keep_held, tier_policy
 from causalkv.caches.spec import CausalAttentionKVView
 from causalkv.caches.stream import StreamState
+from causalkv.config import DTYPES
 from causalkv.errors import ConfigError
 from causalkv.vllm_omni.admission import (
     ENGINE_CACHE,
@@ -103,7 +104,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 #: the k-means seed of causalkv's stores (`SegmentStore`'s default): packing is reproducible
 SEED = 1234
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: the pool dtypes causalkv counts: `causalkv.config.DTYPES`, by torch dtype
+_DTYPES = {getattr(torch, name): name for name in DTYPES}
 _SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 

@@ -242,3 +242,11 @@ def test_tiny_geometry_admission_with_no_tensors(runtime, budget, row, _free_mem
         assert spec.session_capacity == want.capacity
         # per session: 3 bf16 frames of 9 in the pool, the sink group and one more packed
         assert layout.bf16_frames == 3 and layout.packed_bytes > 0
+
+
+def test_the_pool_dtypes_are_the_request_dtypes():
+    """The paged engine counts a pool of each dtype a request may name (`causalkv.config.DTYPES`)
+    under that name, and no other."""
+    from causalkv.vllm_omni.paged_cache import _DTYPES
+
+    assert _DTYPES == {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -22,6 +22,7 @@ from unittest.mock import patch
 
 import torch
 
+from causalkv.config import DTYPES
 from causalkv.errors import CausalKVError, ConfigError, describe_exception
 from causalkv.runtime.model_io.causal_wan import CausalWanTransformer
 from causalkv.runtime.model_io.model_config import ModelFolderError, ModelInfo
@@ -82,15 +83,14 @@ _DTYPES = {
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or a torch dtype) -> torch dtype."""
+    """A name of `causalkv.config.DTYPES` (``"bfloat16"`` / ``"float16"`` / ``"float32"``, or
+    ``bf16`` / ``fp16`` / ``fp32``) or a torch dtype -> torch dtype."""
     if isinstance(name, torch.dtype):
         return name
     try:
         return _DTYPES[name.lower()]
     except KeyError:
-        raise ConfigError(
-            f"dtype must be one of ['bfloat16', 'float16', 'float32'], got {name!r}"
-        ) from None
+        raise ConfigError(f"dtype must be one of {list(DTYPES)}, got {name!r}") from None
 
 
 def _has_accelerate() -> bool:
