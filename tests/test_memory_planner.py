@@ -273,6 +273,19 @@ def test_the_dtype_names_are_configs_and_their_bytes_are_torchs() -> None:
     assert str(got.value) == "dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'"
 
 
+def test_frame_tokens_counts_the_whole_patches_of_a_latent_frame() -> None:
+    """One token per whole ``p_h x p_w`` patch: counted by stepping the patches over every
+    small frame; `ModelGeometry.tokens_per_frame` is it at the VAE's latent size."""
+    from causalkv.memory import frame_tokens
+
+    for h in range(0, 9):
+        for w in range(0, 9):
+            for patch in ((1, 1), (2, 2), (1, 2), (2, 1), (3, 2)):
+                whole = len(range(patch[0], h + 1, patch[0])) * len(range(patch[1], w + 1, patch[1]))
+                assert frame_tokens(h, w, patch) == whole == frame_tokens(h, w, list(patch))
+    assert LL2.tokens_per_frame(704, 1280) == frame_tokens(704 // 16, 1280 // 16, (2, 2)) == 880
+
+
 def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     """An sglang folder (native causal fields) and a diffusers one (causalkv.json)."""
     sg = tmp_path / "sg"

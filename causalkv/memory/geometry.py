@@ -4,7 +4,7 @@ models (`BUILTIN_MODELS`). A causalkv preset or a local diffusers / sglang folde
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from causalkv.errors import ConfigError, check_int, is_int, multiples_around
@@ -74,9 +74,8 @@ class ModelGeometry:
                     f"{label} {px} is not a multiple of {unit} (VAE scale {self.vae_scale_spatial} "
                     f"x patch {p} of {self.name}); pass {label} {near}"
                 )
-        return (height // self.vae_scale_spatial // self.patch[0]) * (
-            width // self.vae_scale_spatial // self.patch[1]
-        )
+        s = self.vae_scale_spatial
+        return frame_tokens(height // s, width // s, self.patch)
 
     def latent_frames(self, video_frames: int) -> int:
         """Latent frames of a ``video_frames`` video (Wan's causal VAE: ``(F - 1) // s + 1``)."""
@@ -87,6 +86,12 @@ class ModelGeometry:
 
     def describe(self) -> str:
         return f"{self.name} ({self.num_layers} layers x {self.num_heads} heads x {self.head_dim})"
+
+
+def frame_tokens(latent_height: int, latent_width: int, patch: Sequence[int]) -> int:
+    """Tokens of one ``latent_height x latent_width`` latent frame patchified by ``patch``
+    (height, width): one per whole patch, ``(h // p_h) * (w // p_w)``."""
+    return (latent_height // patch[0]) * (latent_width // patch[1])
 
 
 #: the built-in models (published geometry; docs/design.md, "Models"), by ``causalkv memory`` name

@@ -47,6 +47,7 @@ from causalkv.caches.spec import CausalCacheSpec
 from causalkv.capabilities import QUANT_QVG
 from causalkv.errors import ConfigError
 from causalkv.hooks import CacheFactory
+from causalkv.memory.geometry import frame_tokens
 from causalkv.vllm_omni import DEFAULT_CACHE, cache_factory, served_pipelines
 from causalkv.vllm_omni.lingbot_cache import KVLedger, LingBotLayerKV, allocate_layers
 from causalkv.vllm_omni.settings import CONFIG_KEY, read_settings
@@ -116,8 +117,7 @@ class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
         first = stock.self_attention[0]
         _, max_tokens, heads, head_dim = first.key.shape
         del stock
-        tokens_per_frame = (latent_height // self.config.patch_size[1]) * (
-            latent_width // self.config.patch_size[2])
+        tokens_per_frame = frame_tokens(latent_height, latent_width, self.config.patch_size[1:])
         spec = CausalCacheSpec(
             batch_size=batch_size, num_heads=heads, head_dim=head_dim, cache_size=max_tokens,
             sink_tokens=self.config.sink_size * tokens_per_frame, dtype=dtype, device=device,

@@ -37,6 +37,7 @@ from causalkv.caches.attention import AttendStats, attend
 from causalkv.caches.cross import CrossAttentionKVCache
 from causalkv.caches.spec import CausalKVCache
 from causalkv.errors import ConfigError, UsageError
+from causalkv.memory.geometry import frame_tokens
 from causalkv.runtime.model_io.prompt_encoding import warn_line
 from causalkv.runtime.processes.distributed import (
     ParallelContext,
@@ -322,8 +323,7 @@ class CausalWanTransformer:
 
     def tokens_per_frame(self, height: int, width: int) -> int:
         """Tokens per latent frame of latent size ``height`` x ``width``."""
-        _, p_h, p_w = self.patch_size
-        return (height // p_h) * (width // p_w)
+        return frame_tokens(height, width, self.patch_size[1:])
 
     @torch.no_grad()
     def __call__(

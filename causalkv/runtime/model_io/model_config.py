@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int, is_number
+from causalkv.memory.geometry import frame_tokens
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
@@ -321,7 +322,7 @@ def model_info_from_dicts(
                 f"{where}: {label}={px} must be a positive multiple of {spatial_scale * p} "
                 f"(VAE scale {spatial_scale} x patch {p})"
             )
-    tpf = (height // spatial_scale // patch[1]) * (width // spatial_scale // patch[2])
+    tpf = frame_tokens(height // spatial_scale, width // spatial_scale, patch[1:])
     config = ModelConfig(
         name=name,
         model_class=model_class,
