@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from causalkv.errors import ConfigError, InvalidTypeError, check_int, is_number
 from causalkv.options import Options
 
-__all__ = ["DTYPES", "MULTI_SHOT", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
+__all__ = ["DTYPES", "DTYPE_BYTES", "MULTI_SHOT", "ModelConfig", "ModelRef", "ServerArgs", "check_prompts", "check_text"]
 
 R = TypeVar("R", bound=Options)
 
@@ -170,8 +170,11 @@ class ModelRef:
         return self.name
 
 
-#: dtypes a request may name
-DTYPES = ("bfloat16", "float16", "float32")
+#: the dtypes a request (its compute, its caches, the planner's count) may name, with their
+#: bytes per element
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: their names
+DTYPES = tuple(DTYPE_BYTES)
 #: what turns ``multi_shot`` on, as generate and resolve take it
 MULTI_SHOT = "several --prompt (resolve: --multi-shot)"
 

@@ -260,8 +260,7 @@ def test_check_budget_refuses_the_rest_naming_flag_value_and_example(budget) -> 
 def test_the_dtype_names_are_configs_and_their_bytes_are_torchs() -> None:
     """`DTYPE_BYTES` and `parse_dtype` take the names of `causalkv.config.DTYPES`, each with
     torch's own element size; `parse_dtype` refuses another naming them."""
-    from causalkv.config import DTYPES
-    from causalkv.memory import DTYPE_BYTES
+    from causalkv.config import DTYPE_BYTES, DTYPES
     from causalkv.runtime.model_io.components import parse_dtype
 
     assert tuple(DTYPE_BYTES) == DTYPES == ("bfloat16", "float16", "float32")

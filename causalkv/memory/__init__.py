@@ -66,7 +66,7 @@ from causalkv.lazy import lazy_names
 #: each module's names, imported on first use: ``causalkv memory --help`` reads `records` and
 #: `geometry` alone (`layout`, `plan` and `cache_models` import the caches' position arithmetic)
 _NAMES = {
-    "records": ("ATTENTION", "CacheModel", "DTYPE_BYTES", "MemoryRequest", "SETTINGS", "Setting",
+    "records": ("ATTENTION", "CacheModel", "MemoryRequest", "SETTINGS", "Setting",
                 "StreamLayout", "attention_of", "check_budget", "format_bytes", "parse_bytes"),
     "geometry": ("BUILTIN_MODELS", "ModelGeometry", "frame_tokens"),
     "cache_models": ("ROLLING_SLOT_CACHE", "STREAM_CACHE"),

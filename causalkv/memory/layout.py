@@ -8,9 +8,10 @@ from itertools import accumulate
 
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
+from causalkv.config import DTYPE_BYTES
 from causalkv.errors import ConfigError, check_int, is_number, multiples_around
 from causalkv.memory.geometry import ModelGeometry
-from causalkv.memory.records import DTYPE_BYTES, MemoryRequest, StreamLayout
+from causalkv.memory.records import MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
 
 

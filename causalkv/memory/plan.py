@@ -27,6 +27,7 @@ from causalkv.caches.qvg.tiering import (
     codec_for,
     keep_held,
 )
+from causalkv.config import DTYPE_BYTES
 from causalkv.errors import ConfigError, first_line
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import (
@@ -40,7 +41,6 @@ from causalkv.memory.layout import (
     stream_layout,
 )
 from causalkv.memory.records import (
-    DTYPE_BYTES,
     SETTINGS,
     CacheModel,
     MemoryRequest,

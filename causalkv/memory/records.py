@@ -10,16 +10,11 @@ from typing import TYPE_CHECKING
 
 from causalkv.caches.codecs import codec_names, codec_setting
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.config import DTYPES
 from causalkv.errors import ConfigError, check_int, is_int
 
 if TYPE_CHECKING:
     from causalkv.caches.positions import PositionModel
     from causalkv.caches.qvg.policy import PackingPolicy
-
-#: bytes per element of the KV dtypes a request may name (`causalkv.config.DTYPES`, each name
-#: ending in its two-digit bit width)
-DTYPE_BYTES = {name: int(name[-2:]) // 8 for name in DTYPES}
 
 #: how a call's attention reads the window it sees: ``gathered`` into one dense buffer
 #: (sglang's attention reads the view's ``k``/``v``: the bridge's default) or ``streamed``, one

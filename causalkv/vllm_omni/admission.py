@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
+from causalkv.config import DTYPE_BYTES
 from causalkv.errors import ConfigError, check_int, is_number
 from causalkv.memory.cache_models import STREAM_CACHE
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import stream_layout
 from causalkv.memory.plan import plan_setting
 from causalkv.memory.records import (
-    DTYPE_BYTES,
     SETTINGS,
     MemoryRequest,
     Setting,
@@ -162,7 +162,7 @@ class EngineGeometry:
         name: shown in the header.
         num_layers, num_kv_heads, head_size: the self-attention pool (``num_kv_heads``: the
             heads this rank holds).
-        dtype: the pool's dtype (a key of ``DTYPE_BYTES``).
+        dtype: the pool's dtype (a key of `causalkv.config.DTYPE_BYTES`).
         tokens_per_frame: tokens per latent frame = the block size.
         frames_per_block: frames one tick generates (counted once: one request in flight).
         sink_frames, window_frames: the sink and the recent window (``spec.window_frames``);
