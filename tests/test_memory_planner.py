@@ -285,6 +285,21 @@ def test_frame_tokens_counts_the_whole_patches_of_a_latent_frame() -> None:
     assert LL2.tokens_per_frame(704, 1280) == frame_tokens(704 // 16, 1280 // 16, (2, 2)) == 880
 
 
+def test_decoded_frames_and_latent_frames_invert_each_other() -> None:
+    """Wan's causal VAE: the first latent frame decodes to one video frame, each later one to
+    ``s``; `ModelGeometry.latent_frames` is the inverse on the videos it makes, and every video
+    length maps to the fewest latents whose decode covers it, counted frame by frame."""
+    from causalkv.memory import decoded_frames
+
+    for s in (1, 2, 4):
+        for latent in range(1, 12):
+            counted = 1 + sum(s for _ in range(latent - 1))
+            assert decoded_frames(latent, s) == counted
+    for latent in range(1, 12):
+        assert LL2.latent_frames(LL2.video_frames(latent)) == latent
+        assert LL2.video_frames(latent) == decoded_frames(latent, LL2.vae_scale_temporal)
+
+
 def test_model_folders_are_read_by_their_config(tmp_path) -> None:
     """An sglang folder (native causal fields) and a diffusers one (causalkv.json)."""
     sg = tmp_path / "sg"

@@ -68,7 +68,7 @@ from causalkv.lazy import lazy_names
 _NAMES = {
     "records": ("ATTENTION", "CacheModel", "MemoryRequest", "SETTINGS", "Setting",
                 "StreamLayout", "attention_of", "check_budget", "format_bytes", "parse_bytes"),
-    "geometry": ("BUILTIN_MODELS", "ModelGeometry", "frame_tokens"),
+    "geometry": ("BUILTIN_MODELS", "ModelGeometry", "decoded_frames", "frame_tokens"),
     "cache_models": ("ROLLING_SLOT_CACHE", "STREAM_CACHE"),
     "layout": ("ChunkState", "positions", "stream_layout"),
     "plan": ("MemoryPlan", "SettingPlan", "plan_memory", "plan_setting"),

@@ -82,10 +82,16 @@ class ModelGeometry:
         return (video_frames - 1) // self.vae_scale_temporal + 1
 
     def video_frames(self, latent_frames: int) -> int:
-        return 1 + self.vae_scale_temporal * (latent_frames - 1)
+        return decoded_frames(latent_frames, self.vae_scale_temporal)
 
     def describe(self) -> str:
         return f"{self.name} ({self.num_layers} layers x {self.num_heads} heads x {self.head_dim})"
+
+
+def decoded_frames(latent_frames: int, temporal_scale: int) -> int:
+    """Video frames Wan's causal VAE decodes from ``latent_frames`` latent frames: the first
+    latent frame one, each later one ``temporal_scale``, ``1 + s x (F - 1)``."""
+    return 1 + temporal_scale * (latent_frames - 1)
 
 
 def frame_tokens(latent_height: int, latent_width: int, patch: Sequence[int]) -> int:

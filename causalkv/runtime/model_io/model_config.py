@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int, is_number
-from causalkv.memory.geometry import frame_tokens
+from causalkv.memory.geometry import decoded_frames, frame_tokens
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
@@ -219,7 +219,7 @@ class ModelInfo:
 
     def video_frames(self, latent_frames: int) -> int:
         """Decoded frames for ``latent_frames`` latents (Wan's causal VAE: 1 + s*(F-1))."""
-        return 1 + self.vae_scale_temporal * (latent_frames - 1)
+        return decoded_frames(latent_frames, self.vae_scale_temporal)
 
 
 def read_json(path: Path, fix: str = _RESTORE, *, any_value: bool = False) -> Any:
