@@ -1,5 +1,8 @@
-"""The package's error base, the errors every layer shares, the one int check, and the one
-way an exception is put into a message (`first_line`, `describe_exception`).
+"""The package's error base, the errors every layer shares, the one test of each kind of value
+a setting takes (`is_int` and `check_int`, `is_number`), how a refusal says what it wants
+(`int_requirement`) and offers the values around a rejected one (`multiples_around`,
+`alternatives`), and the one way an exception is put into a message (`first_line`,
+`describe_exception`).
 
 Every error causalkv raises on purpose derives from `CausalKVError`, so a host (the
 ``causalkv`` command line included) catches one type. Each concrete error also derives from
@@ -12,6 +15,7 @@ ends with for it (docs/usage.md, "Errors and exit codes"). Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 __all__ = [
     "CausalKVError",
@@ -21,6 +25,7 @@ __all__ = [
     "InvalidTypeError",
     "NonFiniteLatentsError",
     "UsageError",
+    "alternatives",
     "check_int",
     "describe_exception",
     "first_line",
@@ -100,7 +105,9 @@ def check_int(
 
 def is_number(value: object) -> bool:
     """``value`` is a finite real number: an int or a float, not a bool, not NaN or infinite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # isfinite overflows on a huge int
 
 
 def is_int(value: object, minimum: int | None = 1) -> bool:
@@ -121,6 +128,11 @@ def multiples_around(value: int, unit: int, base: int = 0) -> list[int]:
     ``multiples_around(3, 4)`` is ``[4]``, ``multiples_around(7, 4, base=1)`` is ``[5, 9]``."""
     lo = value - (value - base) % unit
     return [v for v in (lo, lo + unit) if v > 0]
+
+
+def alternatives(values: Iterable[object]) -> str:
+    """``values`` as a fix offers them: ``"12 or 16"``, ``"4"``."""
+    return " or ".join(map(str, values))
 
 
 def first_line(exc: BaseException) -> str:

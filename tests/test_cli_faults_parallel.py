@@ -275,6 +275,9 @@ def test_print_stderr_is_one_line_and_nothing_when_stderr_is_gone(
     monkeypatch.setenv("WORLD_SIZE", "2")
     warn_line("rank 1 is quiet")
     assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv("RANK", "x")  # not torchrun's: the warning still prints, and raises nothing
+    warn_line("an unreadable rank")
+    assert capsys.readouterr() == ("", "causalkv: warning: an unreadable rank\n")
 
     class Failing(io.StringIO):
         def write(self, s: str) -> int:

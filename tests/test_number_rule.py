@@ -14,11 +14,11 @@ import math
 import pytest
 
 from causalkv.config import ServerArgs
-from causalkv.errors import ConfigError, is_int, is_number, multiples_around
+from causalkv.errors import ConfigError, alternatives, is_int, is_number, multiples_around
 from causalkv.stages.families import ShotRequest
 
 
-@pytest.mark.parametrize("value", [0, 1, -2.5, 1e300, 2**70])
+@pytest.mark.parametrize("value", [0, 1, -2.5, 1e300, 2**70, 10**400])  # 10**400 overflows a float
 def test_finite_ints_and_floats_are_numbers(value: object) -> None:
     assert is_number(value)
 
@@ -58,3 +58,25 @@ def test_a_refusal_offers_the_grid_values_around_the_value(value, unit, base, ex
 ])
 def test_an_int_is_an_int_and_not_a_bool(value: object, minimum: int | None, expected: bool) -> None:
     assert is_int(value, minimum) is expected
+
+
+def test_alternatives_are_said_with_or() -> None:
+    assert alternatives([12, 16]) == "12 or 16"
+    assert alternatives(iter([4])) == "4"
+    assert alternatives(multiples_around(13, 4)) == "12 or 16"
+
+
+@pytest.mark.parametrize(("name", "value"), [("RANK", "x"), ("WORLD_SIZE", "2.0"), ("LOCAL_RANK", "")])
+def test_torchruns_environment_is_read_once_and_a_bad_value_is_named(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    from causalkv.runtime.processes.launch import env_world
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert env_world() == (0, 1, 0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert env_world() == (3, 4, 3, 4)  # one node: the local rank and size default to the global
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"{name}={value!r} is not an int: torchrun sets it"):
+        env_world()

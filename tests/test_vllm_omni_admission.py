@@ -96,7 +96,7 @@ def test_refusals():
         admit(eng, stock_layout(eng), available_bytes=20 * GiB)
     with pytest.raises(ConfigError, match="gpu_memory_fraction must be in \\(0, 1\\]"):
         admit(eng, stock_layout(eng), available_bytes=80 * GiB, gpu_memory_fraction=0)
-    for fraction in (True, float("nan"), "0.5"):  # a bool is not a fraction (True would be 1.0)
+    for fraction in (True, float("nan"), "0.5", 10**400):  # a bool is not a fraction (True would be 1.0)
         with pytest.raises(ConfigError, match="gpu_memory_fraction must be in \\(0, 1\\]"):
             admit(eng, stock_layout(eng), available_bytes=80 * GiB, gpu_memory_fraction=fraction)
     with pytest.raises(ConfigError, match="session_capacity"):

@@ -130,8 +130,8 @@ class StreamCache(ABC):
         ``heads``, already checked; ``new``: the state the write would leave,
         `StreamState.written`) would return, with nothing stored: a probe (a denoising
         pass of the chunk being generated, whose K/V no later call reads). The cache is not
-        changed, so a later call sees what it would have seen without the probe. Refused as
-        the write would be (CacheWriteError), the cache unchanged.
+        changed, so a later call sees what it would have seen without the probe. ``new`` is
+        already classified: a write that would be refused never reaches it.
         """
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and interval lists; one break")

@@ -1,5 +1,6 @@
-"""Model geometry for the planner: what it needs of a model (`ModelGeometry`) and the built-in
-models (`BUILTIN_MODELS`). A causalkv preset or a local diffusers / sglang folder is read into a
+"""Model geometry for the planner: what it needs of a model (`ModelGeometry`), the built-in
+models (`BUILTIN_MODELS`), and the latent arithmetic every layer shares: tokens per latent frame
+(`frame_tokens`) and the frames Wan's causal VAE decodes (`decoded_frames`). A causalkv preset or a local diffusers / sglang folder is read into a
 `ModelGeometry` by the runtime (`causalkv.runtime.model_io.geometry`)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from causalkv.errors import ConfigError, check_int, is_int, multiples_around
+from causalkv.errors import ConfigError, alternatives, check_int, is_int, multiples_around
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class ModelGeometry:
             unit = self.vae_scale_spatial * p
             check_int(label, px, minimum=1, hint=f"pass a multiple of {unit}")
             if px % unit:
-                near = " or ".join(map(str, multiples_around(px, unit)))
+                near = alternatives(multiples_around(px, unit))
                 raise ConfigError(
                     f"{label} {px} is not a multiple of {unit} (VAE scale {self.vae_scale_spatial} "
                     f"x patch {p} of {self.name}); pass {label} {near}"

@@ -9,7 +9,7 @@ from itertools import accumulate
 from causalkv.caches.intervals import Intervals
 from causalkv.caches.positions import PositionModel
 from causalkv.config import DTYPE_BYTES
-from causalkv.errors import ConfigError, check_int, is_number, multiples_around
+from causalkv.errors import ConfigError, alternatives, check_int, is_number, multiples_around
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.records import MemoryRequest, StreamLayout
 from causalkv.stages.settings import even_split  # the stages' own split of chunks into shots
@@ -47,7 +47,7 @@ def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int,
         check_int("--frames", frames, minimum=1, hint="pass the video frames, e.g. "
                   f"{geom.video_frames(2 * fpc)}")
         if (frames - 1) % s:
-            near = " or ".join(map(str, multiples_around(frames, s, base=1)))
+            near = alternatives(multiples_around(frames, s, base=1))
             raise ConfigError(
                 f"--frames {frames} is not 1 + a multiple of {s} (the VAE's temporal compression "
                 f"of {geom.name}); pass --frames {near}"
@@ -57,8 +57,8 @@ def request_latent_frames(geom: ModelGeometry, req: MemoryRequest) -> tuple[int,
         near = multiples_around(latent, fpc)
         raise ConfigError(
             f"{latent} latent frames is not a multiple of {fpc} frames per chunk ({geom.name}); "
-            f"pass --frames {' or '.join(str(geom.video_frames(f)) for f in near)} (--latent-frames "
-            f"{' or '.join(map(str, near))})"
+            f"pass --frames {alternatives(geom.video_frames(f) for f in near)} (--latent-frames "
+            f"{alternatives(near)})"
         )
     return latent, geom.video_frames(latent)
 

@@ -39,7 +39,7 @@ from causalkv.caches.codecs import codec_names
 from causalkv.caches.qvg.options import QVGKVQuantArgs as CausalKVQuantArgs
 from causalkv.caches.qvg.options import recent_tiers
 from causalkv.env import choice, flag
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, is_int
 from causalkv.plugin import collected
 from causalkv.sglang import ENV_CODEC, ENV_FUSED_ATTENTION, ENV_LINGBOT_QVG, ENV_RECENT_TIER
 from causalkv.sglang.targets import served_stages
@@ -226,7 +226,7 @@ def model_head_dim(model_dir: str | os.PathLike | None) -> int | None:
     except (OSError, ValueError):
         return None
     head_dim = config.get("attention_head_dim")
-    return head_dim if isinstance(head_dim, int) else None
+    return head_dim if is_int(head_dim) else None
 
 
 def post_init(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:

@@ -52,8 +52,8 @@ def _durations(value: Any) -> Any:
 
 
 def check_durations(durations: Any) -> tuple[int, ...]:
-    """``durations`` (chunks per shot, ``--shot-durations``) as a tuple: a non-empty sequence of
-    positive ints, else `ConfigError` naming the entry and the flag. The one check of both the
+    """``durations`` (chunks per shot, ``--shot-durations``) as a tuple: a non-empty iterable
+    (not a str) of positive ints, else `ConfigError` naming the entry and the flag. The one check of both the
     request record (`ShotRequest`) and `causalkv.stages.longlive2.expand_shots`."""
     out = tuple(durations) if isinstance(durations, Iterable) and not isinstance(durations, str) else ()
     if not out:

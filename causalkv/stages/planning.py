@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from causalkv.config import check_prompts
-from causalkv.errors import ConfigError, check_int, multiples_around
+from causalkv.errors import ConfigError, alternatives, check_int, multiples_around
 from causalkv.stages.scheduler import SchedulerSpec, flow_match
 from causalkv.stages.settings import StreamSettings, even_split
 
@@ -164,7 +164,7 @@ class StagePlanning:
         fpc = settings.frames_per_chunk
         check_int("frames", num_frames, minimum=1, hint="fix --frames")
         if num_frames % fpc:
-            choices = " or ".join(map(str, multiples_around(num_frames, fpc)))
+            choices = alternatives(multiples_around(num_frames, fpc))
             raise ConfigError(
                 f"frames={num_frames} is not divisible by frames per chunk={fpc} of "
                 f"{model.name}; pass --frames {choices}"

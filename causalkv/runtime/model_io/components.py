@@ -72,19 +72,18 @@ def captured_library_warnings(what: str) -> Iterator[None]:
     for text in dict.fromkeys(t for t in (_one_line(t) for t in texts) if t):
         warn_line(f"{what}: {text}")
 
+#: `causalkv.config.DTYPES` and their short aliases, as torch dtypes
 _DTYPES = {
-    "bfloat16": torch.bfloat16,
+    **{name: getattr(torch, name) for name in DTYPES},
     "bf16": torch.bfloat16,
-    "float16": torch.float16,
     "fp16": torch.float16,
-    "float32": torch.float32,
     "fp32": torch.float32,
 }
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """A name of `causalkv.config.DTYPES` (``"bfloat16"`` / ``"float16"`` / ``"float32"``, or
-    ``bf16`` / ``fp16`` / ``fp32``) or a torch dtype -> torch dtype."""
+    """A name of `causalkv.config.DTYPES` (``"bfloat16"`` / ``"float16"`` / ``"float32"``), its
+    alias (``bf16`` / ``fp16`` / ``fp32``) or a torch dtype -> torch dtype."""
     if isinstance(name, torch.dtype):
         return name
     try:

@@ -14,9 +14,11 @@ back with ``AutoTokenizer.from_pretrained``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from causalkv.errors import ConfigError
 from causalkv.runtime.processes.launch import env_world, print_stderr
 
 if TYPE_CHECKING:
@@ -26,9 +28,13 @@ __all__ = ["PromptEncoder", "build_byte_tokenizer", "BYTE_TOKENIZER_VOCAB_SIZE",
 
 
 def warn_line(line: str) -> None:
-    """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone)."""
-    if env_world()[0] == 0:
-        print_stderr(f"causalkv: warning: {line}")
+    """One ``causalkv: warning:`` line on stderr (rank 0 of a torchrun job alone; every
+    process when torchrun's environment cannot be read: a warning never raises)."""
+    with contextlib.suppress(ConfigError):
+        if env_world()[0] != 0:
+            return
+    print_stderr(f"causalkv: warning: {line}")
+
 
 _SPECIALS = ("<pad>", "</s>", "<unk>")
 #: vocabulary size of `build_byte_tokenizer` (3 specials + 256 bytes)

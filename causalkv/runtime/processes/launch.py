@@ -44,6 +44,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from causalkv.errors import ConfigError
+
 __all__ = [
     "ENV_REPORTS",
     "RankReport",
@@ -83,12 +85,20 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def env_world() -> tuple[int, int, int, int]:
     """``(rank, world_size, local_rank, local_world_size)`` from torchrun's environment
-    (``(0, 1, 0, 1)`` outside torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return rank, world, local_rank, local_world
+    (``(0, 1, 0, 1)`` outside torchrun); `ConfigError` naming a variable that is not an int."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    return rank, world, _env_int("LOCAL_RANK", rank), _env_int("LOCAL_WORLD_SIZE", world)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    try:
+        return default if text is None else int(text)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={text!r} is not an int: torchrun sets it; unset it outside a torchrun job"
+        ) from None
 
 
 def print_stderr(line: str) -> None:
