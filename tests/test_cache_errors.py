@@ -240,3 +240,19 @@ def test_read_of_heads_outside_the_cache_is_refused(h0, num_heads, fragment):
     assert fragment in str(info.value)
     assert_unchanged(cache, before)
     assert cache.get_attention_kv(cache_head_start=1, num_heads=3).k.shape[2] == 3
+
+
+@pytest.mark.parametrize(("h0", "num_heads"), [(True, 2), (1, True), (1.0, 2), (1, 2.0), ("1", 2)])
+def test_a_head_slice_of_bools_or_floats_is_refused(h0, num_heads):
+    """A bool is not a head index (True would read from head 1), a float not a count: the read
+    and the write refuse both, and the cache is unchanged."""
+    cache = busy_cache()
+    before = snapshot(cache)
+    with pytest.raises(CacheWriteError, match="cache_head_start and num_heads must be ints or None"):
+        cache.get_attention_kv(cache_head_start=h0, num_heads=num_heads)
+    if type(h0) is not int:  # a write of 2 heads at this start is refused too
+        k = torch.zeros(2, 3, 2, 4)
+        with pytest.raises(CacheWriteError, match="head slice"):
+            cache.update_and_get_attention_kv(key=k, value=k, current_chunk_start=cache.global_end,
+                                              cache_head_start=h0)
+    assert_unchanged(cache, before)

@@ -384,8 +384,14 @@ def check_write(
 
 
 def read_heads(spec: CausalCacheSpec, cache_head_start: int | None, num_heads: int | None) -> tuple[int, int]:
-    """The head slice ``(h0, h1)`` of a read (`get_attention_kv`); CacheWriteError if outside."""
+    """The head slice ``(h0, h1)`` of a read (`get_attention_kv`); CacheWriteError if not ints
+    (a bool is not a head index) or outside."""
     h0 = cache_head_start or 0
+    if not is_int(h0, None) or not (num_heads is None or is_int(num_heads, None)):
+        raise CacheWriteError(
+            "get_attention_kv: cache_head_start and num_heads must be ints or None, got "
+            f"{cache_head_start!r} and {num_heads!r}"
+        )
     h1 = spec.num_heads if num_heads is None else h0 + num_heads
     if not 0 <= h0 < h1 <= spec.num_heads:  # slicing would silently clip
         raise CacheWriteError(
