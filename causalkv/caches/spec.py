@@ -386,7 +386,7 @@ def check_write(
 def read_heads(spec: CausalCacheSpec, cache_head_start: int | None, num_heads: int | None) -> tuple[int, int]:
     """The head slice ``(h0, h1)`` of a read (`get_attention_kv`); CacheWriteError if not ints
     (a bool is not a head index) or outside."""
-    h0 = cache_head_start or 0
+    h0 = 0 if cache_head_start is None else cache_head_start
     if not is_int(h0, None) or not (num_heads is None or is_int(num_heads, None)):
         raise CacheWriteError(
             "get_attention_kv: cache_head_start and num_heads must be ints or None, got "
