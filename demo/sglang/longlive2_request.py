@@ -60,27 +60,58 @@ def _claim(port: int) -> bool:
     return True
 
 
+def _quiet_ports() -> range:
+    """Loopback ports the kernel never hands out by itself: those below Linux's ephemeral range
+    (``ip_local_port_range``), where every outgoing connection and every bind to port 0 takes
+    its port. A port chosen there stays free until something binds it by number, however long
+    the sglang it is for takes to start; one chosen in the ephemeral range can be taken in the
+    meantime by any connection on the machine. Empty where the range cannot be read."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(10000, low - 1)  # low - 1: the port after the one chosen is in it too
+
+
 def free_port() -> int:
-    """A loopback port that is free (the kernel's choice), with the next one free too
-    (sglang's HTTP server gives its broker ``port + 1``), neither handed out before, by this
-    process or (``$CAUSALKV_PORT_REGISTRY``) by another."""
+    """A loopback port that is free, with the next one free too (sglang's HTTP server gives its
+    broker ``port + 1``), neither handed out before, by this process or
+    (``$CAUSALKV_PORT_REGISTRY``) by another, and neither one of sglang's defaults. Drawn at
+    random from `_quiet_ports` (the kernel's choice where that is empty), so no connection
+    takes it before sglang binds it, and two suites drawing at once rarely meet."""
+    import random
     import socket
 
+    quiet = _quiet_ports()
+    defaults = {*DEFAULT_PORTS.values(), DEFAULT_PORTS["port"] + 1}
+    draw = random.SystemRandom()  # not the seeded module generator: two clones draw apart
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as t:
-            try:
-                t.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        if quiet:
+            port = draw.choice(quiet)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        if {port, port + 1} & defaults or not (_bindable(port) and _bindable(port + 1)):
+            continue
         if not _claim(port):
             continue
         if not _claim(port + 1):
             continue  # the first stays claimed: never handed out, harmless
         return port
     raise RuntimeError("no two adjacent free loopback ports")
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` can be bound on the loopback interface now."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_ports() -> dict[str, int]:
@@ -110,14 +141,26 @@ def cli_args(ckpt: Path, out: Path, name: str, *flags: str, shots: bool = True) 
     return [*args, *flags]
 
 
+#: what a log says when a port sglang was given got taken before it bound it (uvicorn, ZMQ,
+#: torch.distributed's store): the run is tried again on fresh ports
+PORT_TAKEN = re.compile(r"address already in use|EADDRINUSE", re.I)
+#: runs of one command in all, when each finds a port of its own taken
+PORT_TRIES = 3
+
+
 def run_cli(ckpt: Path, out: Path, name: str, *flags: str, env: dict | None = None,
             shots: bool = True, timeout: int = 600) -> tuple[int, str, Path]:
     """``sglang generate`` on ``ckpt`` (the LongLive 2.0 request) on free ports (`free_ports`:
     another sglang on the machine cannot take them); (rc, log, video path).
-    ``sglang generate`` exits 0 even when its request failed: read the log and the video."""
-    args = [*cli_args(ckpt, out, name, *flags, shots=shots), *port_flags(free_ports())]
-    proc = subprocess.run(args, env={**os.environ, **(env or {})}, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ``sglang generate`` exits 0 even when its request failed: read the log and the video.
+    A run whose log says a port of its own was taken (`PORT_TAKEN`) is run again on fresh
+    ports, `PORT_TRIES` runs in all; the log returned is the last run's."""
+    for _ in range(PORT_TRIES):
+        args = [*cli_args(ckpt, out, name, *flags, shots=shots), *port_flags(free_ports())]
+        proc = subprocess.run(args, env={**os.environ, **(env or {})}, timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if not PORT_TAKEN.search(proc.stdout):
+            break
     return proc.returncode, proc.stdout, out / f"{name}.mp4"
 
 

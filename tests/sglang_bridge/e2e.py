@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from longlive2_request import GEOMETRY, SGLANG, SHOTS, fields, free_ports, port_flags
+from longlive2_request import (
+    GEOMETRY,
+    PORT_TAKEN,
+    PORT_TRIES,
+    SGLANG,
+    SHOTS,
+    fields,
+    free_ports,
+    port_flags,
+)
 from longlive2_request import summaries as request_summaries
 
 from causalkv.memory import ROLLING_SLOT_CACHE, MemoryRequest, plan_memory
@@ -68,11 +77,11 @@ class RealtimeServer:
                  env: dict[str, str | None] | None = None) -> None:
         # --sleep-on-idle: an idle CPU worker otherwise spins a core polling for requests
         # (10 CPU seconds in 10 s measured), which would starve the session in progress.
-        # Every port given (`free_ports`): sglang's defaults are probed before they are
-        # bound, so two servers starting at once would race for them
+        # Every port given (`free_ports`, drawn at each start): sglang's defaults are probed
+        # before they are bound, so two servers starting at once would race for them
         self.args = [SGLANG, "serve", "--model-path", str(ckpt), "--model-id", model_id,
-                     "--num-gpus", "1", "--host", "127.0.0.1", *port_flags(free_ports()),
-                     "--warmup-mode", "off", "--sleep-on-idle", *flags]
+                     "--num-gpus", "1", "--host", "127.0.0.1", "--warmup-mode", "off",
+                     "--sleep-on-idle", *flags]
         self.workdir = workdir
         self.log_path = workdir / "server.log"
         self.env = {k: v for k, v in os.environ.items()}
@@ -83,20 +92,25 @@ class RealtimeServer:
                 self.env[key] = value
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
+        self.starts = 0
 
     def start(self) -> RealtimeServer:
+        """Starts the server on ports drawn now (`free_ports`), logging to `log_path`."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.args, cwd=self.workdir, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([*self.args, *port_flags(free_ports())], cwd=self.workdir,
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.starts += 1
         return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def wait_ready(self, timeout: float = 300) -> int:
-        """Block until uvicorn listens; the port it listens on (sglang may pick another)."""
+        """Block until uvicorn listens; the port it listens on (sglang may pick another).
+        A server that exited because a port of its own was taken before it bound it
+        (`PORT_TAKEN`) is started again on fresh ports, `PORT_TRIES` starts in all."""
         import time
 
         deadline = time.monotonic() + timeout
@@ -106,7 +120,10 @@ class RealtimeServer:
                 self.port = int(m.group(1))
                 return self.port
             if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"sglang serve exited before listening:\n{self.log()[-3000:]}")
+                log = self.log()
+                if self.proc is None or not PORT_TAKEN.search(log) or self.starts >= PORT_TRIES:
+                    raise RuntimeError(f"sglang serve exited before listening:\n{log[-3000:]}")
+                self.start()
             time.sleep(0.25)
         raise TimeoutError(f"sglang serve not listening after {timeout} s:\n{self.log()[-3000:]}")
 
