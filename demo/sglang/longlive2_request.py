@@ -92,7 +92,7 @@ def free_port() -> int:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-        if {port, port + 1} & defaults or not (_bindable(port) and _bindable(port + 1)):
+        if {port, port + 1} & defaults or not (bindable(port) and bindable(port + 1)):
             continue
         if not _claim(port):
             continue
@@ -102,7 +102,7 @@ def free_port() -> int:
     raise RuntimeError("no two adjacent free loopback ports")
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
     """Whether ``port`` can be bound on the loopback interface now."""
     import socket
 

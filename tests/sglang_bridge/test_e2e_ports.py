@@ -12,21 +12,11 @@ finds one taken all the same is started again on fresh ports.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import e2e
 import pytest
-from longlive2_request import DEFAULT_PORTS, PORT_TRIES, free_ports, port_flags
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+from longlive2_request import DEFAULT_PORTS, PORT_TRIES, bindable, free_ports, port_flags
 
 
 def test_the_default_ports_are_taken_during_the_session(default_ports_taken):
@@ -36,7 +26,7 @@ def test_the_default_ports_are_taken_during_the_session(default_ports_taken):
     for port in (DEFAULT_PORTS["port"], DEFAULT_PORTS["master_port"], DEFAULT_PORTS["scheduler_port"]):
         assert port in held or port in busy, port
         if port in held:
-            assert not _bindable(port), port
+            assert not bindable(port), port
 
 
 def test_sglang_takes_the_free_ports_from_the_command_line_and_the_python_api(longlive2_checkpoint):
