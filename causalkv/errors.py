@@ -1,8 +1,8 @@
 """The package's error base, the errors every layer shares, the one test of each kind of value
 a setting takes (`is_int` and `check_int`, `is_number`), how a refusal says what it wants
 (`int_requirement`) and offers the values around a rejected one (`multiples_around`,
-`alternatives`), and the one way an exception is put into a message (`first_line`,
-`describe_exception`).
+`alternatives`), the one way an exception is put into a message (`first_line`,
+`describe_exception`) and the one way a line goes to stderr (`print_stderr`).
 
 Every error causalkv raises on purpose derives from `CausalKVError`, so a host (the
 ``causalkv`` command line included) catches one type. Each concrete error also derives from
@@ -14,7 +14,9 @@ ends with for it (docs/usage.md, "Errors and exit codes"). Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Iterable
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "is_int",
     "is_number",
     "multiples_around",
+    "print_stderr",
 ]
 
 
@@ -144,3 +147,9 @@ def first_line(exc: BaseException) -> str:
 def describe_exception(exc: BaseException) -> str:
     """``"<Type>: <first line of the message>"`` (the type's name alone for an empty message)."""
     return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
+
+
+def print_stderr(line: str) -> None:
+    """Print ``line`` on stderr; nothing when stderr is closed or gone."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
+        print(line, file=sys.stderr, flush=True)

@@ -259,13 +259,13 @@ def test_which_rank_speaks_for_the_job() -> None:
 
 def test_print_stderr_is_one_line_and_nothing_when_stderr_is_gone(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """`print_stderr` (the command's, the launcher's and `warn_line`'s one way to stderr): the
-    line and a newline; a closed stream (``ValueError``) or one whose writes fail (``OSError``)
-    prints nothing and raises nothing."""
+    """`print_stderr` (the one way to stderr of the commands, the launcher, the plugin reports
+    and `warn_line`): the line and a newline; a closed stream (``ValueError``) or one whose
+    writes fail (``OSError``) prints nothing and raises nothing."""
     import io
 
+    from causalkv.errors import print_stderr
     from causalkv.runtime.model_io.prompt_encoding import warn_line
-    from causalkv.runtime.processes.launch import print_stderr
 
     print_stderr("causalkv: a line")
     monkeypatch.delenv("RANK", raising=False)
@@ -285,6 +285,10 @@ def test_print_stderr_is_one_line_and_nothing_when_stderr_is_gone(
 
     closed = io.StringIO()
     closed.close()
+    from causalkv.plugin.manager import make_plugin_manager
+
     for gone in (closed, Failing()):
         monkeypatch.setattr(sys, "stderr", gone)
         print_stderr("lost")  # no exception
+        # a plugin report (here: an env var naming no plugin) goes the same way: no exception
+        assert make_plugin_manager(entry_points=(), env={"CAUSALKV_DISABLE_PLUGINS": "nosuch"})

@@ -32,8 +32,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from causalkv.errors import print_stderr
 from causalkv.lazy import lazy_names
-from causalkv.runtime.processes.launch import print_stderr
 
 __all__ = ["Terminated", "build_parser", "main"]
 

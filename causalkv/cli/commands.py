@@ -16,7 +16,7 @@ from causalkv import __version__, sglang
 from causalkv.cli import checkpoints, demo, generate, memory, plugins
 from causalkv.cli.faults import OneLineErrorParser, reserve_standard_fds
 from causalkv.env import check_switches
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, print_stderr
 from causalkv.plugin import manager
 
 __all__ = ["ENV_SWITCHES", "build_parser", "main"]
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_switches(ENV_SWITCHES)
     except CausalKVError as exc:
-        print(f"causalkv: error: {exc}", file=sys.stderr)
+        print_stderr(f"causalkv: error: {exc}")
         return 2
     parser = build_parser()
     args = parser.parse_args(argv)

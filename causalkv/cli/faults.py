@@ -38,9 +38,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from causalkv.cli import Terminated, sigterm_raises, silence_stdout
-from causalkv.errors import CausalKVError, describe_exception
+from causalkv.errors import CausalKVError, describe_exception, print_stderr
 from causalkv.runtime.processes import launch
-from causalkv.runtime.processes.launch import print_stderr
 
 __all__ = [
     "EXIT_ERROR",

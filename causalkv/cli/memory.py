@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs, quant_choices
 from causalkv.config import DTYPES
-from causalkv.errors import CausalKVError
+from causalkv.errors import CausalKVError, print_stderr
 from causalkv.memory.geometry import BUILTIN_MODELS
 from causalkv.memory.records import (
     ATTENTION,
@@ -194,7 +193,7 @@ def _plan(args: argparse.Namespace, budget: int | None) -> str:
                        budget=budget, settings=chosen_settings(args.setting, args.kv_cache_quant))
     if args.json:  # the JSON stays the rows; what was left out goes to stderr
         for name, why in plan.left_out:
-            print(f"causalkv memory: left out: {name}: {why}", file=sys.stderr)
+            print_stderr(f"causalkv memory: left out: {name}: {why}")
         return json.dumps(plan.as_json(), indent=2)
     return format_plan(plan, args.host)
 
@@ -204,7 +203,7 @@ def _main(args: argparse.Namespace) -> int:
         budget = None if args.budget is None else parse_bytes(args.budget)
         text = (_vllm_omni if args.host == "vllm-omni" else _plan)(args, budget)
     except CausalKVError as exc:
-        print(f"causalkv memory: error: {exc}; see causalkv memory --help", file=sys.stderr)
+        print_stderr(f"causalkv memory: error: {exc}; see causalkv memory --help")
         return 2
     print(text, flush=True)  # a reader that went away (`| head`): `causalkv.cli.main` ends quietly
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from typing import Any
 
 from causalkv import __version__
@@ -22,7 +21,7 @@ from causalkv.cli.generate import (
     host_flags,
 )
 from causalkv.config import MULTI_SHOT, ServerArgs
-from causalkv.errors import CausalKVError, describe_exception
+from causalkv.errors import CausalKVError, describe_exception, print_stderr
 from causalkv.hooks import NAME, HostRegistration, import_object
 from causalkv.plugin import builtin as builtin_plugin
 from causalkv.plugin import collect, get_plugin_manager
@@ -73,7 +72,7 @@ SHARDED = "--nproc-per-node N > 1 (resolve: --heads-sharded N)"
 
 
 def _fail(command: str, exc: BaseException) -> int:
-    print(f"{NAME} {command}: error: {exc}", file=sys.stderr)
+    print_stderr(f"{NAME} {command}: error: {exc}")
     return 2
 
 

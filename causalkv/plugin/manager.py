@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 import pluggy
 
 from causalkv import env as envvars
+from causalkv.errors import print_stderr
 from causalkv.hooks import ENTRY_POINT_GROUP, ENV_PREFIX, HOOK_NAMES, NAME, specs
 from causalkv.plugin import builtin
 from causalkv.plugin.errors import PluginConflictError, PluginLoadFailure
@@ -220,19 +220,14 @@ def _trace(pm: pluggy.PluginManager) -> None:
 
     def before(hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         plugins = ", ".join(i.plugin_name for i in impls) or "no implementation"
-        print(f"{NAME} trace: {hook_name} (plugin {plugins}) {sorted(kwargs)}", file=sys.stderr)
+        print_stderr(f"{NAME} trace: {hook_name} (plugin {plugins}) {sorted(kwargs)}")
 
     def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         exc = outcome.exception
         result = f"raised {exc!r}" if exc is not None else f"-> {outcome.get_result()!r}"
-        print(f"{NAME} trace: {hook_name} {result}", file=sys.stderr)
+        print_stderr(f"{NAME} trace: {hook_name} {result}")
 
     pm.add_hookcall_monitoring(before, after)
-
-
-def warn(line: str) -> None:
-    """Print ``line`` on stderr (the default of every plugin report)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def make_plugin_manager(
@@ -240,7 +235,7 @@ def make_plugin_manager(
     autoload: bool = True,
     env: Mapping[str, str] | None = None,
     entry_points: Iterable[EntryPoint] | None = None,
-    warn: Callable[[str], None] | None = warn,
+    warn: Callable[[str], None] | None = print_stderr,
 ) -> CausalKVPluginManager:
     """A fresh manager: the hookspecs, the built-in plugin, then the installed plugins.
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from causalkv.caches.codecs import codec_names, register_codec
-from causalkv.errors import ConfigError, ImportPathError, InvalidTypeError, describe_exception
+from causalkv.errors import (
+    ConfigError,
+    ImportPathError,
+    InvalidTypeError,
+    describe_exception,
+    print_stderr,
+)
 from causalkv.hooks import (
     NAME,
     CacheFactory,
@@ -37,7 +43,7 @@ from causalkv.plugin.errors import (
     PluginSetAsideError,
     ResolutionError,
 )
-from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, get_plugin_manager, warn
+from causalkv.plugin.manager import ENV_BLOCK, CausalKVPluginManager, get_plugin_manager
 
 if TYPE_CHECKING:
     from causalkv.stages.base import CausalDenoisingStage
@@ -201,7 +207,7 @@ def collect(
     *,
     reserved_flags: Iterable[str] = (),
     strict: bool = False,
-    report: Callable[[PluginLoadFailure], None] | None = lambda f: warn(f"{NAME}: warning: {f}"),
+    report: Callable[[PluginLoadFailure], None] | None = lambda f: print_stderr(f"{NAME}: warning: {f}"),
 ) -> Registry:
     """Run the registration hooks of every plugin of ``pm`` (default: the process-wide manager,
     `get_plugin_manager`, which loads the installed plugins under the ``CAUSALKV_*`` switches);

@@ -18,8 +18,8 @@ Sub-packages, by job (each imports only those after it: `host` | `tools` > `file
   `presets`, `components`, `causal_wan`: causal processors for diffusers' Wan transformer,
   `prompt_encoding`: the UMT5 prompt encoder);
 - `processes`: sequence parallelism over torch.distributed (`distributed`) and the torchrun
-  supervisor (`launch`, torch-free: also the one reader of torchrun's environment, `env_world`,
-  and the one way a line goes to stderr, `print_stderr`).
+  supervisor (`launch`, torch-free: also the one reader of torchrun's environment,
+  `env_world`).
 
 The command line is `causalkv.cli`.
 """

@@ -18,8 +18,8 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from causalkv.errors import ConfigError
-from causalkv.runtime.processes.launch import env_world, print_stderr
+from causalkv.errors import ConfigError, print_stderr
+from causalkv.runtime.processes.launch import env_world
 
 if TYPE_CHECKING:
     import torch

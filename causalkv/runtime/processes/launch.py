@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from causalkv.errors import ConfigError
+from causalkv.errors import ConfigError, print_stderr
 
 __all__ = [
     "ENV_REPORTS",
@@ -54,7 +54,6 @@ __all__ = [
     "env_world",
     "is_peer_failure",
     "launched_by_torchrun",
-    "print_stderr",
     "register_rank",
     "report_end",
     "reports_to_launcher",
@@ -99,12 +98,6 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(
             f"{name}={text!r} is not an int: torchrun sets it; unset it outside a torchrun job"
         ) from None
-
-
-def print_stderr(line: str) -> None:
-    """Print ``line`` on stderr; nothing when stderr is closed or gone."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or gone
-        print(line, file=sys.stderr, flush=True)
 
 
 def launched_by_torchrun() -> bool:
