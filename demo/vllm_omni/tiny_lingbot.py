@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
-import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,39 +50,40 @@ def ensure_stand_ins() -> None:
 
 @contextlib.contextmanager
 def parallel_runtime(world_size: int = 1, rank: int = 0, *, ulysses: int = 1,
-                     port: int | None = None) -> Iterator[None]:
+                     rendezvous: str | None = None) -> Iterator[None]:
     """vLLM's and vLLM-Omni's process groups on gloo for this process, torn down after.
 
-    ``port``: the rendezvous port every rank of the group shares (``MASTER_PORT``); None for a
-    one-process group takes a port the system reports free now, so two runs on one machine
-    (two clones testing at once) never meet on a fixed port."""
+    ``rendezvous``: the path of the file every rank of the group meets at (torch.distributed's
+    ``file://`` rendezvous; it must not exist before the first rank starts). None for a
+    one-process group takes a fresh file of its own. No rendezvous port is taken, so nothing
+    else on the machine (a second clone testing at once, an outgoing connection given that
+    port) can take it between the draw and the bind."""
     ensure_stand_ins()
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.distributed import parallel_state as ps
 
-    if port is None:
-        if world_size != 1:
-            raise ValueError("parallel_runtime: a group of several ranks needs the port they share")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
-    with set_current_vllm_config(VllmConfig()):
-        ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                        backend="gloo")
-        ps.initialize_model_parallel(sequence_parallel_size=ulysses, ulysses_degree=ulysses,
-                                     backend="gloo")
-        try:
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+    with contextlib.ExitStack() as stack:
+        if rendezvous is None:
+            if world_size != 1:
+                raise ValueError("parallel_runtime: a group of several ranks needs the rendezvous "
+                                 "file they share")
+            rendezvous = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "rdzv")
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        with set_current_vllm_config(VllmConfig()):
+            ps.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                            distributed_init_method=f"file://{rendezvous}",
+                                            backend="gloo")
+            ps.initialize_model_parallel(sequence_parallel_size=ulysses, ulysses_degree=ulysses,
+                                         backend="gloo")
+            try:
+                yield
+            finally:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
+                if torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
 
 
 def build_transformer(seed: int = 0, dtype=None):

@@ -26,20 +26,17 @@ else:
         ``logs``: each process's output. Shared by test_discovery.py and test_ulysses.py."""
         import json
         import os
-        import socket
         import subprocess
 
         import torch
 
         out = tmp_path_factory.mktemp("ranks")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        rendezvous = str(out / "rendezvous")  # a file, not a port: nothing else can take it
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "CAUSALKV_VLLM_OMNI",
                             "VLLM_PLUGINS")}
         worker = str(Path(__file__).resolve().parent / "ulysses_worker.py")
-        procs = [subprocess.Popen([sys.executable, worker, str(r), "2", "dense,int2", str(out), port],
+        procs = [subprocess.Popen([sys.executable, worker, str(r), "2", "dense,int2", str(out), rendezvous],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(2)]
         logs = [p.communicate(timeout=1200)[0] for p in procs]

@@ -5,7 +5,7 @@ vLLM-Omni's own sequence-parallel hooks (``apply_sequence_parallel`` with the tr
 ``_sp_plan``: tokens split over the ranks, heads exchanged by all-to-all in self-attention) on
 gloo, LingBot's DMD schedule over four blocks, vLLM-Omni's dense cache or causalkv's store.
 
-    python ulysses_worker.py RANK WORLD MODES OUT_DIR PORT   (MODES: e.g. dense,int2)
+    python ulysses_worker.py RANK WORLD MODES OUT_DIR RENDEZVOUS_FILE   (MODES: e.g. dense,int2)
 """
 
 from __future__ import annotations
@@ -70,15 +70,15 @@ def discover(out: str, rank: int) -> None:
                    "post": registry._DIFFUSION_POST_PROCESS_FUNCS[name]}, f)
 
 
-def main(rank: int, world: int, modes: list[str], out: str, port: int) -> None:
+def main(rank: int, world: int, modes: list[str], out: str, rendezvous: str) -> None:
     import torch
 
     discover(out, rank)
-    with tl.parallel_runtime(world, rank, ulysses=world, port=port):
+    with tl.parallel_runtime(world, rank, ulysses=world, rendezvous=rendezvous):
         for mode in modes:
             torch.save(run(mode, world), os.path.join(out, f"{mode}-{world}-{rank}.pt"))
 
 
 if __name__ == "__main__":
     r, wsize, m, o, p = sys.argv[1:6]
-    main(int(r), int(wsize), m.split(","), o, int(p))
+    main(int(r), int(wsize), m.split(","), o, p)
