@@ -71,10 +71,16 @@ def test_unknown_pipeline_without_causalkv_json_is_refused() -> None:
 
 
 def test_resolution_not_divisible_is_refused() -> None:
-    with pytest.raises(ModelFolderError, match="height=100 must be a positive multiple of 16"):
-        model_info_from_dicts(
-            "x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, {"height": 100}
-        )
+    """The folder's size is refused by the rule a --height flag is (`pixel_frame_tokens`):
+    Wan 2.1's VAE scale 8 x patch 2 = 16 divides neither 100 nor 90; 96/112 and 80/96 are the
+    nearest multiples."""
+    for key, px, near in (("height", 100, "96 or 112"), ("width", 90, "80 or 96")):
+        with pytest.raises(ModelFolderError) as info:
+            model_info_from_dicts(
+                "x", {"_class_name": "WanPipeline"}, WAN21_TRANSFORMER, WAN21_VAE, {key: px}
+            )
+        assert str(info.value) == (f"x: {key} {px} is not a multiple of 16 (VAE scale 8 x patch 2 "
+                                   f"of x); set {key} {near} in causalkv.json"), info.value
 
 
 def test_unknown_model_names_the_presets(causalkv_home: str) -> None:

@@ -1,6 +1,6 @@
 """Model geometry for the planner: what it needs of a model (`ModelGeometry`), the built-in
 models (`BUILTIN_MODELS`), and the latent arithmetic every layer shares: tokens per latent frame
-(`frame_tokens`) and the frames Wan's causal VAE decodes (`decoded_frames`). A causalkv preset or a local diffusers / sglang folder is read into a
+(`frame_tokens`, from pixels `pixel_frame_tokens`) and the frames Wan's causal VAE decodes (`decoded_frames`). A causalkv preset or a local diffusers / sglang folder is read into a
 `ModelGeometry` by the runtime (`causalkv.runtime.model_io.geometry`)."""
 
 from __future__ import annotations
@@ -64,19 +64,8 @@ class ModelGeometry:
             )
 
     def tokens_per_frame(self, height: int, width: int) -> int:
-        """Latent tokens per latent frame at ``height x width`` pixels (`ConfigError` when the
-        VAE and the patch do not divide them)."""
-        for label, px, p in (("--height", height, self.patch[0]), ("--width", width, self.patch[1])):
-            unit = self.vae_scale_spatial * p
-            check_int(label, px, minimum=1, hint=f"pass a multiple of {unit}")
-            if px % unit:
-                near = alternatives(multiples_around(px, unit))
-                raise ConfigError(
-                    f"{label} {px} is not a multiple of {unit} (VAE scale {self.vae_scale_spatial} "
-                    f"x patch {p} of {self.name}); pass {label} {near}"
-                )
-        s = self.vae_scale_spatial
-        return frame_tokens(height // s, width // s, self.patch)
+        """Latent tokens per latent frame at ``height x width`` pixels (`pixel_frame_tokens`)."""
+        return pixel_frame_tokens(height, width, self.vae_scale_spatial, self.patch, self.name)
 
     def latent_frames(self, video_frames: int) -> int:
         """Latent frames of a ``video_frames`` video (Wan's causal VAE: ``(F - 1) // s + 1``)."""
@@ -99,6 +88,22 @@ def frame_tokens(latent_height: int, latent_width: int, patch: Sequence[int]) ->
     """Tokens of one ``latent_height x latent_width`` latent frame patchified by ``patch``
     (height, width): one per whole patch, ``(h // p_h) * (w // p_w)``."""
     return (latent_height // patch[0]) * (latent_width // patch[1])
+
+
+def pixel_frame_tokens(height: int, width: int, scale: int, patch: Sequence[int], model: str,
+                       flags: bool = True) -> int:
+    """Tokens of one latent frame of a ``height x width``-pixel video: the one rule that the
+    VAE's spatial ``scale`` times the ``patch`` (height, width) divides each side. A side it
+    does not divide is a `ConfigError` naming ``model`` and offering the nearest sizes, as a
+    flag (``--height``) or, with ``flags=False``, as a setting (``height``)."""
+    for label, px, p in (("height", height, patch[0]), ("width", width, patch[1])):
+        label, unit = f"--{label}" if flags else label, scale * p
+        check_int(label, px, minimum=1, hint=f"pass a multiple of {unit}")
+        if px % unit:
+            near = alternatives(multiples_around(px, unit))
+            raise ConfigError(f"{label} {px} is not a multiple of {unit} (VAE scale {scale} x patch "
+                              f"{p} of {model}); {'pass' if flags else 'set'} {label} {near}")
+    return frame_tokens(height // scale, width // scale, patch)
 
 
 #: the built-in models (published geometry; docs/design.md, "Models"), by ``causalkv memory`` name

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from causalkv.config import ModelConfig, ModelRef
 from causalkv.errors import CausalKVError, ConfigError, int_requirement, is_int, is_number
-from causalkv.memory.geometry import decoded_frames, frame_tokens
+from causalkv.memory.geometry import decoded_frames, pixel_frame_tokens
 from causalkv.options import Options
 from causalkv.plugin import Registry, ResolutionError, collect, get_plugin_manager
 from causalkv.runtime.model_io.preset_configs import TINY_VAE, PresetSpec, preset_dir
@@ -315,14 +315,10 @@ def model_info_from_dicts(
     temporal = vae.get("temperal_downsample", [False, True, True])
     spatial_scale = int(vae.get("scale_factor_spatial") or 2 ** (len(dim_mult) - 1))
     temporal_scale = int(vae.get("scale_factor_temporal") or 2 ** sum(bool(t) for t in temporal))
-    height, width = s["height"], s["width"]
-    for label, px, p in (("height", height, patch[1]), ("width", width, patch[2])):
-        if px % (spatial_scale * p):  # px is a positive int: `_value_problem` checked it
-            raise ModelFolderError(
-                f"{where}: {label}={px} must be a positive multiple of {spatial_scale * p} "
-                f"(VAE scale {spatial_scale} x patch {p})"
-            )
-    tpf = frame_tokens(height // spatial_scale, width // spatial_scale, patch[1:])
+    try:
+        tpf = pixel_frame_tokens(s["height"], s["width"], spatial_scale, patch[1:], name, flags=False)
+    except ConfigError as exc:
+        raise ModelFolderError(f"{where}: {exc} in {CAUSALKV_FILE}") from None
     config = ModelConfig(
         name=name,
         model_class=model_class,
