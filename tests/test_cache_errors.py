@@ -8,6 +8,7 @@ import torch
 from oracle import OracleCache, encode_kv, run_sequence
 
 from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
+from causalkv.caches.passes import Commit
 
 SPEC = CausalCacheSpec(
     batch_size=2, num_heads=4, head_dim=4, cache_size=16, sink_tokens=4, global_sink_tokens=2,
@@ -140,6 +141,32 @@ def test_bad_pin_raises_and_leaves_cache_unchanged(case):
         cache.pin_current_chunk(n)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
+    assert_unchanged(cache, before)
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_a_commit_whose_pin_is_refused_leaves_the_cache_unchanged(halves):
+    """A context pass that asks for a pin the cache can no longer make is refused whole: the
+    chunk [15, 18) was committed telling a next chunk of 9 tokens, which drops position 15
+    (16 slots: the 5 sink tokens, [16, 18) and the 9 new ones), so pinning it again fails.
+    Written in two halves, the first half (not yet the whole pass) is stored and the second,
+    which would complete the pass and pin, is refused with nothing of it written."""
+    cache = busy_cache()
+    k, v = encode_kv(SPEC, 15, 3, 0, 4, 100)
+    cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
+                                      commit=Commit(next_tokens=9))
+    assert cache.state.retained == ((0, 2), (6, 9), (16, 18))
+    parts = [(0, 2), (2, 2)] if halves else [(0, 4)]
+    for h0, h in parts[:-1]:
+        k, v = encode_kv(SPEC, 15, 3, h0, h, 101)
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
+                                          cache_head_start=h0, commit=Commit(pin=True))
+    before = snapshot(cache)
+    h0, h = parts[-1]
+    k, v = encode_kv(SPEC, 15, 3, h0, h, 102)
+    with pytest.raises(CacheWriteError, match=r"pin_current_chunk\(3\): range \[15, 18\) is no longer retained"):
+        cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
+                                          cache_head_start=h0, commit=Commit(pin=True))
     assert_unchanged(cache, before)
 
 
