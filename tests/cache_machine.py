@@ -203,7 +203,9 @@ class Env:
     #: reference shows the previous request's leftovers in the skipped slots
     skip_after_reset = True
 
-    def check_view(self, cfg: Config, got: Any, want: Any, q: torch.Tensor, where: str) -> None:
+    def check_view(self, cfg: Config, got: Any, want: Any, q: torch.Tensor, where: str,
+                   sub: Any) -> None:
+        """``got`` (the view of the subject ``sub``) against the reference's ``want``."""
         raise NotImplementedError
 
 
@@ -338,6 +340,8 @@ def make_machine(
                     f"{where}: the reference refused with {type(ref_exc).__name__} ({ref_exc}), "
                     f"the subject with {type(exc).__name__} ({exc})")
                 stats.refused_both += 1
+                if env.ref_atomic:  # the reference's own refusal changed nothing either
+                    self._same_reference(i, trial, where)
                 env.after_refusal(self.refs[i], trial)
                 self._after_refusal(i, where)
                 return False
@@ -350,9 +354,19 @@ def make_machine(
                     f"{type(exc).__name__}: {exc}") from exc
             self.refs[i] = trial
             if check and want is not None and got is not None and h is not None:
-                env.check_view(self.cfg, got, want, self._q(*h), where)
+                env.check_view(self.cfg, got, want, self._q(*h), where, self.subs[i])
             self._same_state(i, where)
             return True
+
+        def _same_reference(self, i: int, trial: Any, where: str) -> None:
+            """The reference that refused on ``trial`` (a copy) still equals the one kept."""
+            where = f"{where}: the reference's refusal changed it"
+            assert env.extra_state(trial) == env.extra_state(self.refs[i]), where
+            if env.has_reads:
+                got, want = env.read(trial, None), env.read(self.refs[i], None)
+                assert got.position_ranges == want.position_ranges, where
+                assert_values(None, got.k, want.k, f"{where}: K")
+                assert_values(None, got.v, want.v, f"{where}: V")
 
         def _same_state(self, i: int, where: str) -> None:
             if self.stream.pending is not None and not env.marks_reference:
@@ -374,7 +388,7 @@ def make_machine(
                 got = env.read(self.subs[i], recent)
             except (ValueError, RuntimeError) as exc:
                 raise AssertionError(f"{where}: read refused: {type(exc).__name__}: {exc}") from exc
-            env.check_view(cfg, got, want, self._q(0, cfg.heads), where)
+            env.check_view(cfg, got, want, self._q(0, cfg.heads), where, self.subs[i])
 
         def _write(self, kind: str, start: int, n: int, *, chunk: int, recent: int | None,
                    mark: Any = None, halves: bool = False, dtype: torch.dtype = DT,

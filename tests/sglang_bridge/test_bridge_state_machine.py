@@ -168,7 +168,7 @@ class SGLangEnv(Env):
         # of a position in its slots
         return isinstance(exc, CacheWriteError) and "two versions" in str(exc)
 
-    def check_view(self, cfg: Config, got, want, q: torch.Tensor, where: str) -> None:
+    def check_view(self, cfg: Config, got, want, q: torch.Tensor, where: str, sub) -> None:
         assert cursors(got) == cursors(want), f"{where}: cursors {cursors(got)} != {cursors(want)}"
         assert_values(cfg.bits, got.k, want.k, f"{where}: view.k")
         assert_values(cfg.bits, got.v, want.v, f"{where}: view.v")
