@@ -216,7 +216,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         a different next chunk or pin (`causalkv.caches.passes.Commit`).
 
         Marks come from the stage's `marker`: a probe returns the same view and stores
-        nothing (the cursors stay; the chunk's rows are the call's own K/V); a commit
+        nothing (the cursors stay; the chunk's rows are the call's own K/V; with
+        ``allow_growth`` the size grows as sglang's buffer does for it); a commit
         stores the chunk, moves it to its tier and drops what the next advance drops.
 
         The view's ``k``/``v`` ``[B, visible, h, D]`` are one buffer the visible slots are
@@ -301,29 +302,31 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         if probe:  # the view the write would return, nothing stored: the chunk's own K/V
             layout = store.with_own(start, key, value, heads[0])
             store.check_view(layout, shown, debug_name)
-            return plan, pieces, heads, layout
-        write = KVWrite(start, start + n, heads, key, value)
-        # a rewrite in place where it can
-        stored = store.plan(write, after.holding(), advance=start + n > global_end)
-        if commit is not None:
-            # the context pass: the chunk moves to its tier, planned with the write; the store
-            # keeps what sglang's buffer keeps after the next advance the commit names (the
-            # pin included). A next chunk that needs more is refused by `check_view`.
-            stored = store.plan_commit(stored, after.after_context(commit.pin, commit.next_tokens))
-        # the view, checked before anything changes: every position it shows is held
-        layout = stored.view_segments or stored.segments  # what this call's view reads
-        store.check_view(layout, shown, debug_name)
-
-        # the commit (nothing above changed anything, nothing below can fail)
-        store.commit(stored)
-        if stored.view_segments is None:
-            layout = store.segments  # the copies the store owns
+        else:
+            write = KVWrite(start, start + n, heads, key, value)
+            # a rewrite in place where it can
+            stored = store.plan(write, after.holding(), advance=start + n > global_end)
+            if commit is not None:
+                # the context pass: the chunk moves to its tier, planned with the write; the
+                # store keeps what sglang's buffer keeps after the next advance the commit
+                # names (the pin included). A next chunk that needs more is refused by
+                # `check_view`.
+                stored = store.plan_commit(stored, after.after_context(commit.pin, commit.next_tokens))
+            # the view, checked before anything changes: every position it shows is held
+            layout = stored.view_segments or stored.segments  # what this call's view reads
+            store.check_view(layout, shown, debug_name)
+            # the commit (nothing above changed anything, nothing below can fail)
+            store.commit(stored)
+            if stored.view_segments is None:
+                layout = store.segments  # the copies the store owns
+            self.pinned_start = after.state.pinned_start
+            self._heads = heads
+            self._slots = after.slots
+            self._write_indices(global_end_index=after.global_end, local_end_index=after.local_end)
+        # sglang's buffer grows for every write it serves, a probe's too (it hears no marks),
+        # and keeps that size through reset_indices: so does this cache, storing nothing more
         self.cache_size = after.state.cache_size
         self.attention_window_size = after.state.attention_window_size
-        self.pinned_start = after.state.pinned_start
-        self._heads = heads
-        self._slots = after.slots
-        self._write_indices(global_end_index=after.global_end, local_end_index=after.local_end)
         return plan, pieces, heads, layout
 
     def has_pinned(self) -> bool:

@@ -152,6 +152,47 @@ def test_a_probe_moves_no_cursor_and_stores_nothing():
         assert int(block.global_end_index.item()) == cursors[0]
 
 
+def test_a_probe_grows_the_size_as_sglang_s_buffer_grows_for_it():
+    """With ``allow_growth``, sglang's cache grows for every write it serves, a probe's too
+    (it hears no marks), and keeps that size through ``reset_indices``. A request abandoned
+    after a probe of a 24-token chunk in 16 slots leaves sglang's buffer and window at 32 (it
+    grows to twice the size, or to fit) for the next request, where a 16-token chunk can no
+    longer attend to itself directly (sglang's stage then skips the cache). The bridge, which
+    stores nothing for the probe, takes the same size: the next request gets sglang's answers
+    (the oracle: sglang's own cache, given every write)."""
+    from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
+        CausalSelfAttentionKVCache,
+    )
+
+    idx = lambda: dict(global_end_index=torch.zeros(1, dtype=torch.long),  # noqa: E731
+                       local_end_index=torch.zeros(1, dtype=torch.long))
+    ref = CausalSelfAttentionKVCache(
+        k=torch.zeros(1, 16, H, D, dtype=torch.bfloat16),
+        v=torch.zeros(1, 16, H, D, dtype=torch.bfloat16), **idx(), global_end_index_int=0,
+        local_end_index_int=0, cache_size=16, allow_growth=True)
+    marker = PassMarker()
+    block = SGLangQVGKVCache(
+        batch_size=1, cache_size=16, num_heads=H, head_dim=D, dtype=torch.bfloat16,
+        device="cpu", **idx(), use_int_indices=True, allow_growth=True,
+        quant_args=CausalKVQuant(), marker=marker)
+    sizes = lambda c: (c.cache_size, c.attention_window_size, c.can_direct_current_attention(16))  # noqa: E731
+    k, v = _kv(0, 0, 0, n=24)
+    ref.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    with marker.probing():
+        block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0)
+    assert block.resident_nbytes() == 0  # the probe stored nothing
+    ref.reset_indices()
+    block.reset_indices()
+    assert sizes(block) == sizes(ref) == (32, 32, False)
+    for c in range(5):  # the next request: 8-token chunks
+        k, v = _kv(c, 0, 1, n=8)
+        want = ref.update_and_get_attention_kv(key=k, value=v, current_chunk_start=8 * c)
+        with marker.committing():
+            got = block.update_and_get_attention_kv(key=k, value=v, current_chunk_start=8 * c)
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v), c
+        assert sizes(block) == sizes(ref), c
+
+
 def test_a_commit_is_a_promise_and_a_broken_one_is_refused_with_nothing_changed():
     """A commit keeps what the next chunk it was told of keeps (default: one of its own size).
     A smaller next chunk would see a position it dropped: refused (sglang's dense cache would
