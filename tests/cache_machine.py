@@ -85,7 +85,8 @@ B, D = 1, 64
 
 #: examples per machine in `make test` (``CAUSALKV_MACHINE_EXAMPLES`` for a longer run)
 EXAMPLES = int(os.environ.get("CAUSALKV_MACHINE_EXAMPLES", "500"))
-STEPS = 12
+#: ops per example (``CAUSALKV_MACHINE_STEPS`` for longer streams)
+STEPS = int(os.environ.get("CAUSALKV_MACHINE_STEPS", "12"))
 #: `make test` draws the same examples every run (a red CI is reproducible);
 #: ``CAUSALKV_MACHINE_RANDOM=1`` draws new ones (``--hypothesis-seed=N`` then picks them)
 DERANDOMIZE = os.environ.get("CAUSALKV_MACHINE_RANDOM", "") != "1"
