@@ -60,13 +60,13 @@ class DenseCausalKVCache(StreamCache):
     ) -> CausalAttentionKVView:
         """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
         is copied into its slots; a complete commit keeps only what the next advance keeps."""
-        pass_, done = self._commit_pass(new.cur_start, heads, commit)
+        passed, done = self._commit_pass(new.cur_start, heads, commit)
         # a refused commit (a pin whose range is gone) raises here, before anything is stored
         after = new.committed(commit.pin, commit.next_tokens) if done else None
         if new is not self.state:
             self._relayout(new, fresh_heads=heads)
         self._write_current(key, value, *heads)
-        self._pass = pass_
+        self._pass = passed
         if after is None:
             return self._view(*heads, recent_window_tokens)
         # the view reads the positions before the commit drops them: its own buffer
