@@ -179,4 +179,3 @@ def test_examples_ran():
     assert STATS.runs >= EXAMPLES
     assert STATS.probes > 0 and STATS.commits > 0 and STATS.unmarked > 0 and STATS.refused_both > 0
     print(f"cache state machine: {STATS}")
-
