@@ -17,6 +17,7 @@ folder), one line naming the value and the fix.
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import tempfile
@@ -246,10 +247,9 @@ def check_output_files(
         latents = Path(os.path.abspath(latents_path_for(Path(str(output)).expanduser())))
         if ("--save-latents", latents) not in named:
             named.append((kept, latents))
-    for i, (flag_a, a) in enumerate(named):
-        for flag_b, b in named[i + 1 :]:
-            if a == b:
-                raise ConfigError(f"{flag_a} and {flag_b} name the same file {str(a)!r}; give them different names")
+    for (flag_a, a), (flag_b, b) in itertools.combinations(named, 2):
+        if a == b:
+            raise ConfigError(f"{flag_a} and {flag_b} name the same file {str(a)!r}; give them different names")
     for flag, path in named:
         check_no_other_work(flag, path, force=force)
     for flag, path in named:
@@ -318,16 +318,13 @@ def check_model_files(info: ModelInfo) -> None:
         fix = "restore the file (re-download or re-convert the model)"
     index = read_json(folder / "model_index.json", fix)
     wanted = [*REQUIRED_FILES, *(k for k, v in index.items() if isinstance(v, list))]
-    missing: list[str] = []
-    for f in wanted:  # a missing component folder is named once, as the folder
-        top = f.split("/")[0]
-        name = f if (folder / top).exists() else f"{top}/"
-        if not (folder / f).exists() and name not in missing:
-            missing.append(name)
+    missing = dict.fromkeys(  # a missing component folder is named once, as the folder
+        f if (folder / f.split("/")[0]).exists() else f"{f.split('/')[0]}/"
+        for f in wanted if not (folder / f).exists()
+    )
     if missing:
         raise ModelFolderError(f"{folder} is missing {', '.join(missing)}; {fix}")
-    components = [k for k, v in index.items() if isinstance(v, list) and (folder / k).is_dir()]
-    for name in components:
+    for name in (k for k, v in index.items() if isinstance(v, list) and (folder / k).is_dir()):
         sub = folder / name
         files = sorted(f for f in sub.rglob("*") if f.is_file())
         for f in files:

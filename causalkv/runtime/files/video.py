@@ -110,10 +110,6 @@ def _write_gif(frames: np.ndarray, path: Path, fps: int) -> None:
         raise EncoderError(f"the GIF Pillow wrote decodes to {decoded} of its {len(images)} frames")
 
 
-def _has(*modules: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in modules)
-
-
 def _ffmpeg_ready() -> bool:
     """True when imageio-ffmpeg finds an ffmpeg executable (bundled, ``IMAGEIO_FFMPEG_EXE`` or
     on ``PATH``)."""
@@ -130,7 +126,7 @@ def _ffmpeg_ready() -> bool:
 #: suffix -> (what encodes it, is it installed, writer)
 _FORMATS: dict[str, tuple[str, Callable[[], bool], Callable[[np.ndarray, Path, int], None]]] = {
     ".mp4": ("H.264 via imageio-ffmpeg", _ffmpeg_ready, lambda f, p, fps: _write_mp4(f, p, fps)),
-    ".gif": ("Pillow", lambda: _has("PIL"), lambda f, p, fps: _write_gif(f, p, fps)),
+    ".gif": ("Pillow", lambda: importlib.util.find_spec("PIL") is not None, lambda f, p, fps: _write_gif(f, p, fps)),
 }
 
 

@@ -267,9 +267,9 @@ def model_info_from_dicts(
     if registration is None:
         serving = _registry(None, registry).serving(model_class)
         registration = serving[0].registration if serving else None
-    defaults = registration.defaults if registration is not None else None
-    family: type[Options] | None = registration.config if registration is not None else None
-    family_keys = family.keys() if family is not None else {}
+    defaults = getattr(registration, "defaults", None)
+    family: type[Options] | None = getattr(registration, "config", None)
+    family_keys = (family or Options).keys()
     user = dict(causalkv or {})
     valid = sorted({*_STREAM_DEFAULTS, *family_keys})
     unknown = sorted(set(user) - set(valid))
@@ -286,10 +286,8 @@ def model_info_from_dicts(
         )
     s = {**_STREAM_DEFAULTS, **(defaults or {}), **user}
     for key, value in s.items():  # each value by its declaration: the host's or the family's
-        if key in family_keys:
-            problem = family.field_problem(family_keys[key], value)  # type: ignore[union-attr]
-        else:
-            problem = _value_problem(key, value)
+        problem = (family.field_problem(family_keys[key], value) if key in family_keys  # type: ignore[union-attr]
+                   else _value_problem(key, value))
         if problem is None:
             continue
         if key not in user:

@@ -131,8 +131,7 @@ def _build_lock(parent: Path, name: str) -> Iterator[None]:
         return
     path = parent / f".{name}.lock"
     while True:
-        f = open(path, "a+")  # noqa: SIM115 - closed below, after the unlink
-        try:
+        with open(path, "a+") as f:  # closed after the unlink
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
@@ -146,8 +145,6 @@ def _build_lock(parent: Path, name: str) -> Iterator[None]:
                 path.unlink(missing_ok=True)  # still held: no one else can be inside
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             return
-        finally:
-            f.close()
 
 
 def materialize_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> Path:
@@ -192,13 +189,11 @@ def build_atomically(
                 shutil.rmtree(old, ignore_errors=True)
             try:
                 tmp.rename(folder)
-            except OSError:
+            except OSError:  # another process won the race (only without a lock)
                 if not is_complete(folder):  # pragma: no cover - only without a lock
                     raise
-                shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-        except BaseException:
+        finally:  # renamed into place, or a failed (or lost) build's folder removed
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return folder
 
 
@@ -214,11 +209,9 @@ def honour_umask(tree: Path) -> None:
         folder_mode = stat.S_IMODE(os.stat(probe).st_mode)
     finally:
         os.rmdir(probe)
-    file_mode = folder_mode & 0o666
     for path in [tree, *tree.rglob("*")]:
-        if path.is_symlink():
-            continue
-        path.chmod(folder_mode if path.is_dir() else file_mode)
+        if not path.is_symlink():
+            path.chmod(folder_mode if path.is_dir() else folder_mode & 0o666)
 
 
 def write_preset_folder(preset: Preset, registration: Any, folder: str | Path) -> Path:

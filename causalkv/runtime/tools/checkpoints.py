@@ -339,9 +339,8 @@ def generate_command(name: str, folder: str | Path, *extra: str) -> str:
     """The ``sglang generate`` line that runs sglang's checkpoint ``name`` in ``folder``."""
     spec = _spec(name, "sglang")
     request = [a.replace("{dir}", str(folder)) for a in spec.request]
-    args = ["sglang", "generate", "--model-path", str(folder), "--model-id", spec.model_id,
-            "--num-gpus", "1", *request, *extra]
-    return shlex.join(args)
+    return shlex.join(["sglang", "generate", "--model-path", str(folder), "--model-id", spec.model_id,
+                       "--num-gpus", "1", *request, *extra])
 
 
 def _rename(key: str, keys: tuple[tuple[str, str], ...]) -> str:
@@ -364,11 +363,9 @@ def _camera_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Ten
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     pt, ph, pw = config["patch_size"]
     shapes = {"patch_embedding_wancamctrl": 6 * 64 * pt * ph * pw,
-              "c2ws_hidden_states_layer1": dim, "c2ws_hidden_states_layer2": dim}
-    for i in range(config["num_layers"]):
-        for name in ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer",
-                     "cam_shift_layer"):
-            shapes[f"blocks.{i}.{name}"] = dim
+              "c2ws_hidden_states_layer1": dim, "c2ws_hidden_states_layer2": dim,
+              **{f"blocks.{i}.{name}": dim for i in range(config["num_layers"])
+                 for name in ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer", "cam_shift_layer")}}
     g = torch.Generator().manual_seed(seed + 1000)
     weights = {}
     for name, fan_in in shapes.items():
