@@ -352,14 +352,12 @@ class CausalWanTransformer:
         st.recent_window_tokens = recent_window_tokens
         st.active = True
         try:
-            t = torch.full((b,), float(timestep), device=self.device)
-            out = self.model(
+            return self.model(
                 hidden_states=latents.to(device=self.device, dtype=self.dtype),
-                timestep=t,
+                timestep=torch.full((b,), float(timestep), device=self.device),
                 encoder_hidden_states=prompt_embeds.to(device=self.device, dtype=self.dtype),
                 return_dict=False,
-            )[0]
+            )[0].float()
         finally:
             st.active = False
             st.kv_caches = st.cross_caches = ()
-        return out.float()

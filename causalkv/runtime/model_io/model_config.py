@@ -363,9 +363,8 @@ def _other_family(registry: Registry | None, keys: list[str], model_class: str) 
 
 
 def _registry(pm: Any, registry: Registry | None = None) -> Registry:
-    if registry is not None:
-        return registry
-    return collect(pm if pm is not None else get_plugin_manager())
+    """``registry``, else the one collected from ``pm`` (default: the process-wide manager)."""
+    return registry if registry is not None else collect(pm if pm is not None else get_plugin_manager())
 
 
 def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = None) -> PresetSpec:
