@@ -348,12 +348,19 @@ def _missing_shard(root: Path) -> str:
     return "model.safetensors.index.json lists shard(s) that are missing: model-00002-of-00002.safetensors"
 
 
+def _shard_index_not_an_object(root: Path) -> str:
+    (root / "text_encoder" / "model.safetensors.index.json").write_text("[]")
+    return "model.safetensors.index.json must hold a JSON object ({...}), it holds a list"
+
+
 def _not_safetensors(root: Path) -> str:
     (root / "text_encoder" / "model.safetensors").write_bytes(b"<html>404 Not Found</html>")
     return f"{root}/text_encoder/model.safetensors is not a safetensors file"
 
 
-@pytest.mark.parametrize("corrupt", [_corrupt_json, _truncate, _no_weights, _missing_shard, _not_safetensors])
+@pytest.mark.parametrize("corrupt", [
+    _corrupt_json, _truncate, _no_weights, _missing_shard, _shard_index_not_an_object, _not_safetensors,
+])
 def test_unreadable_model_folder_is_refused_before_loading(
     corrupt: Any, tmp_path: Path, empty_home: Path, counter: ChunkCounter, loads: list[str],
     capsys: pytest.CaptureFixture[str],
