@@ -288,8 +288,8 @@ def _check_safetensors(path: Path, fix: str) -> None:
         )
 
 
-def _check_shards(index: Path, fix: str) -> None:
-    weight_map = json.loads(index.read_text()).get("weight_map")
+def _check_shards(index: Path, data: dict, fix: str) -> None:
+    weight_map = data.get("weight_map")
     shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
     missing = [s for s in shards if not (index.parent / str(s)).is_file()]
     if missing:
@@ -329,9 +329,10 @@ def check_model_files(info: ModelInfo) -> None:
         files = sorted(f for f in sub.rglob("*") if f.is_file())
         for f in files:
             if f.suffix == ".json":
-                read_json(f, fix, any_value=True)
-                if f.name.endswith(".index.json"):
-                    _check_shards(f, fix)
+                shard_index = f.name.endswith(".index.json")  # an object: {"weight_map": ...}
+                data = read_json(f, fix, any_value=not shard_index)
+                if shard_index:
+                    _check_shards(f, data, fix)
             elif f.suffix == ".safetensors":
                 _check_safetensors(f, fix)
         if name in _WEIGHTED_COMPONENTS and not any(f.suffix in _WEIGHT_SUFFIXES for f in files):
