@@ -109,15 +109,14 @@ class ModelConfig:
         record); `ConfigError` for any other key, listing `override_keys`. The one check of
         overrides (``causalkv_configure_stage`` results, `causalkv.plugin.configure_stage`)."""
         keys = self.override_keys()
-        unknown = sorted(set(overrides) - set(keys))
-        if unknown:
+        if unknown := sorted(set(overrides) - set(keys)):
             raise ConfigError(
                 f"unknown ModelConfig override(s) {', '.join(unknown)}; the overrides are: {', '.join(keys)}"
             )
         own = {k: v for k, v in overrides.items() if k in {f.name for f in fields(self)}}
-        rest = {k: v for k, v in overrides.items() if k not in own}  # the family records' keys
-        records = [replace(r, **{k: v for k, v in rest.items() if k in type(r).specs()})
-                   for r in self.options]  # each record a changed (validated) copy
+        # each family record a changed (validated) copy, with its keys not the fields'
+        records = [replace(r, **{k: v for k, v in overrides.items() if k not in own and k in type(r).specs()})
+                   for r in self.options]
         return replace(self, **own, options=records)
 
 

@@ -226,8 +226,7 @@ class Options:
         """A validated record from config ``values`` (the records' keys; defaults for keys left
         out). Raises `ConfigError` naming ``source`` for a key this record does not declare."""
         keys = cls.keys()
-        unknown = sorted(set(values) - set(keys))
-        if unknown:
+        if unknown := sorted(set(values) - set(keys)):
             raise ConfigError(
                 f"{source}: unknown {cls.title} key(s) {', '.join(map(repr, unknown))}; "
                 f"choose among: {', '.join(keys)}"
@@ -286,8 +285,7 @@ def foreign_options_error(
     else:
         given = record.given_labels()
         what, many = ", ".join(given), len(given) > 1
-    scope = cls.scope or owner or cls.title
-    text = f"{what} appl{'y' if many else 'ies'} to {scope}, not to {chosen}"
+    text = f"{what} appl{'y' if many else 'ies'} to {cls.scope or owner or cls.title}, not to {chosen}"
     if owner and cls.scope:
         text += f"; {'they are options' if many else 'it is an option'} of {owner}"
     fix = f"drop {'them' if many else 'it'}"

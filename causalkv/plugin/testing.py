@@ -28,8 +28,7 @@ def fresh_plugin_manager(*, builtin: bool = True) -> CausalKVPluginManager:
     Installed plugins and the ``CAUSALKV_*`` env vars are ignored, so tests see only what
     they register.
     """
-    env = {} if builtin else {"CAUSALKV_DISABLE_PLUGINS": "causalkv.builtin"}
-    return make_plugin_manager(autoload=False, env=env)
+    return make_plugin_manager(autoload=False, env={} if builtin else {"CAUSALKV_DISABLE_PLUGINS": "causalkv.builtin"})
 
 
 @contextmanager
