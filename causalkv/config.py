@@ -164,9 +164,8 @@ class ModelRef:
     @property
     def label(self) -> str:
         """The name, with the pipeline class when it differs: ``"path (WanPipeline)"``."""
-        if self.model_class and self.model_class != self.name:
-            return f"{self.name} ({self.model_class})"
-        return self.name
+        differs = self.model_class and self.model_class != self.name
+        return f"{self.name} ({self.model_class})" if differs else self.name
 
 
 #: the dtypes a request (its compute, its caches, the planner's count) may name, with their
@@ -250,8 +249,7 @@ class ServerArgs:
         if self.multi_shot:  # generate: several prompts of a multi-shot stage; resolve: a flag
             out["pinned_sink"] = MULTI_SHOT
         if self.heads_sharded > 1:  # generate's flag, then resolve's
-            n = self.heads_sharded
-            out["head_slice"] = f"--nproc-per-node {n} (resolve: --heads-sharded {n})"
+            out["head_slice"] = f"--nproc-per-node {self.heads_sharded} (resolve: --heads-sharded {self.heads_sharded})"
         if self.recent_window_frames is not None:
             out["recent_window"] = f"--recent-window-frames {self.recent_window_frames}"
         elif model is not None and model.recent_window_frames is not None:
