@@ -200,18 +200,17 @@ class Options:
         for name, spec in cls.specs().items():
             if not spec.flag:
                 continue
-            kw: dict[str, Any] = {"dest": cls._dest(name), "default": argparse.SUPPRESS}
-            help_text = spec.help
+            kw: dict[str, Any] = {"dest": cls._dest(name), "default": argparse.SUPPRESS, "help": spec.help}
             if spec.action is not None:  # a switch: its help says what it does
                 kw["action"] = spec.action
             else:
                 if defaults.get(name) is not None and "(default" not in spec.help:  # said once
-                    help_text = f"{spec.help} (default: {defaults[name]})"
+                    kw["help"] = f"{spec.help} (default: {defaults[name]})"
                 metavar = spec.metavar
                 if metavar is None and spec.choices is None:
                     metavar = spec.flag.lstrip("-").replace("-", "_").upper()
                 kw.update(type=spec.type, choices=spec.choice_values(), metavar=metavar)
-            group.add_argument(spec.flag, help=help_text, **kw)
+            group.add_argument(spec.flag, **kw)
 
     @classmethod
     def given_in(cls, namespace: argparse.Namespace) -> dict[str, Any]:

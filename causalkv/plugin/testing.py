@@ -39,8 +39,7 @@ def temporary_plugin(
 
     Yields the name. Validation errors (a misspelled hook, a wrong argument name) raise.
     """
-    name = name or f"temporary-plugin-{next(_counter)}"
-    pm.register_plugin(plugin, name=name)
+    name = pm.register_plugin(plugin, name=name or f"temporary-plugin-{next(_counter)}")
     try:
         yield name
     finally:
