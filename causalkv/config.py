@@ -107,7 +107,7 @@ class ModelConfig:
     def with_overrides(self, overrides: Mapping[str, Any]) -> ModelConfig:
         """A copy with ``overrides`` applied (field names to the fields, a family key to its
         record); `ConfigError` for any other key, listing `override_keys`. The one check of
-        overrides (``causalkv_configure_stage`` results, `causalkv.plugin.configure_stage`)."""
+        overrides (``causalkv_configure_stage`` results, `causalkv.runtime.host.hook_calls.configure_stage`)."""
         keys = self.override_keys()
         if unknown := sorted(set(overrides) - set(keys)):
             raise ConfigError(
