@@ -107,17 +107,16 @@ class ModelConfig:
     def with_overrides(self, overrides: Mapping[str, Any]) -> ModelConfig:
         """A copy with ``overrides`` applied (field names to the fields, a family key to its
         record); `ConfigError` for any other key, listing `override_keys`. The one check of
-        overrides (``causalkv_configure_stage`` results, `causalkv.plugin.configure_stage`)."""
+        overrides (``causalkv_configure_stage`` results, `causalkv.runtime.host.hook_calls.configure_stage`)."""
         keys = self.override_keys()
-        unknown = sorted(set(overrides) - set(keys))
-        if unknown:
+        if unknown := sorted(set(overrides) - set(keys)):
             raise ConfigError(
                 f"unknown ModelConfig override(s) {', '.join(unknown)}; the overrides are: {', '.join(keys)}"
             )
         own = {k: v for k, v in overrides.items() if k in {f.name for f in fields(self)}}
-        rest = {k: v for k, v in overrides.items() if k not in own}  # the family records' keys
-        records = [replace(r, **{k: v for k, v in rest.items() if k in type(r).specs()})
-                   for r in self.options]  # each record a changed (validated) copy
+        # each family record a changed (validated) copy, with its keys not the fields'
+        records = [replace(r, **{k: v for k, v in overrides.items() if k not in own and k in type(r).specs()})
+                   for r in self.options]
         return replace(self, **own, options=records)
 
 
@@ -165,9 +164,8 @@ class ModelRef:
     @property
     def label(self) -> str:
         """The name, with the pipeline class when it differs: ``"path (WanPipeline)"``."""
-        if self.model_class and self.model_class != self.name:
-            return f"{self.name} ({self.model_class})"
-        return self.name
+        differs = self.model_class and self.model_class != self.name
+        return f"{self.name} ({self.model_class})" if differs else self.name
 
 
 #: the dtypes a request (its compute, its caches, the planner's count) may name, with their
@@ -251,8 +249,7 @@ class ServerArgs:
         if self.multi_shot:  # generate: several prompts of a multi-shot stage; resolve: a flag
             out["pinned_sink"] = MULTI_SHOT
         if self.heads_sharded > 1:  # generate's flag, then resolve's
-            n = self.heads_sharded
-            out["head_slice"] = f"--nproc-per-node {n} (resolve: --heads-sharded {n})"
+            out["head_slice"] = f"--nproc-per-node {self.heads_sharded} (resolve: --heads-sharded {self.heads_sharded})"
         if self.recent_window_frames is not None:
             out["recent_window"] = f"--recent-window-frames {self.recent_window_frames}"
         elif model is not None and model.recent_window_frames is not None:

@@ -48,9 +48,7 @@ def names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str]
     """The comma-separated names ``name`` is set to (blanks around each stripped, empty parts
     dropped); None when unset. Set but blank: no names (an empty set, not None)."""
     raw = (os.environ if environ is None else environ).get(name)
-    if raw is None:
-        return None
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    return None if raw is None else frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
 def flag(

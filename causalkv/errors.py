@@ -108,9 +108,7 @@ def check_int(
 
 def is_number(value: object) -> bool:
     """``value`` is a finite real number: an int or a float, not a bool, not NaN or infinite."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return isinstance(value, int) or math.isfinite(value)  # isfinite overflows on a huge int
+    return is_int(value, None) or (isinstance(value, float) and math.isfinite(value))  # not isfinite(huge int): overflows
 
 
 def is_int(value: object, minimum: int | None = 1) -> bool:

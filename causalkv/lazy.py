@@ -25,12 +25,10 @@ def lazy_names(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     any other name raises the usual `AttributeError`."""
 
     def __getattr__(name: str) -> Any:
-        home = homes.get(name)
-        if home is None:
+        if (home := homes.get(name)) is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(import_module(home), name)
-        module = sys.modules.get(package)
-        if module is not None:  # kept: the next read is a plain attribute, no call
+        if (module := sys.modules.get(package)) is not None:  # kept: the next read is a plain attribute, no call
             setattr(module, name, value)
         return value
 

@@ -200,18 +200,17 @@ class Options:
         for name, spec in cls.specs().items():
             if not spec.flag:
                 continue
-            kw: dict[str, Any] = {"dest": cls._dest(name), "default": argparse.SUPPRESS}
-            help_text = spec.help
+            kw: dict[str, Any] = {"dest": cls._dest(name), "default": argparse.SUPPRESS, "help": spec.help}
             if spec.action is not None:  # a switch: its help says what it does
                 kw["action"] = spec.action
             else:
                 if defaults.get(name) is not None and "(default" not in spec.help:  # said once
-                    help_text = f"{spec.help} (default: {defaults[name]})"
+                    kw["help"] = f"{spec.help} (default: {defaults[name]})"
                 metavar = spec.metavar
                 if metavar is None and spec.choices is None:
                     metavar = spec.flag.lstrip("-").replace("-", "_").upper()
                 kw.update(type=spec.type, choices=spec.choice_values(), metavar=metavar)
-            group.add_argument(spec.flag, help=help_text, **kw)
+            group.add_argument(spec.flag, **kw)
 
     @classmethod
     def given_in(cls, namespace: argparse.Namespace) -> dict[str, Any]:
@@ -226,8 +225,7 @@ class Options:
         """A validated record from config ``values`` (the records' keys; defaults for keys left
         out). Raises `ConfigError` naming ``source`` for a key this record does not declare."""
         keys = cls.keys()
-        unknown = sorted(set(values) - set(keys))
-        if unknown:
+        if unknown := sorted(set(values) - set(keys)):
             raise ConfigError(
                 f"{source}: unknown {cls.title} key(s) {', '.join(map(repr, unknown))}; "
                 f"choose among: {', '.join(keys)}"
@@ -286,8 +284,7 @@ def foreign_options_error(
     else:
         given = record.given_labels()
         what, many = ", ".join(given), len(given) > 1
-    scope = cls.scope or owner or cls.title
-    text = f"{what} appl{'y' if many else 'ies'} to {scope}, not to {chosen}"
+    text = f"{what} appl{'y' if many else 'ies'} to {cls.scope or owner or cls.title}, not to {chosen}"
     if owner and cls.scope:
         text += f"; {'they are options' if many else 'it is an option'} of {owner}"
     fix = f"drop {'them' if many else 'it'}"

@@ -113,10 +113,6 @@ def _target(obj: object) -> str:
     return f"{module}:{qualname}" if module and qualname else repr(obj)
 
 
-def _load(obj: Any) -> Any:
-    return import_object(obj) if isinstance(obj, str) else obj
-
-
 def _require(ok: bool, owner: str, what: str, expected: str, value: object) -> None:
     """Refuse field ``what`` of ``owner`` unless ``ok`` (InvalidTypeError naming the value)."""
     if not ok:
@@ -127,15 +123,12 @@ def _nonempty(value: object) -> bool:
     return isinstance(value, str) and bool(value)
 
 
-def _names(owner: str, names: object) -> tuple[str, ...]:
-    """``names`` (one string, or an iterable of them) as a non-empty tuple of non-empty strings."""
+def _names(owner: str, names: object, what: str = "models") -> tuple[str, ...]:
+    """``names`` (one string, or an iterable of them) as a tuple of non-empty strings, itself
+    non-empty for ``models``."""
     out = (names,) if isinstance(names, str) else tuple(names)  # type: ignore[call-overload]
-    _require(bool(out) and all(map(_nonempty, out)), owner, "models", "non-empty strings", names)
+    _require((bool(out) or what != "models") and all(map(_nonempty, out)), owner, what, "non-empty strings", names)
     return out
-
-
-def _check_priority(owner: str, priority: object) -> None:
-    _require(is_int(priority, None), owner, "priority", "an int", priority)
 
 
 def _check_record(owner: str, what: str, record: object, base: type[Options]) -> None:
@@ -213,7 +206,7 @@ class StageRegistration:
         object.__setattr__(self, "models", _names(owner, self.models))
         object.__setattr__(self, "presets", presets)
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
-        _check_priority(owner, self.priority)
+        _require(is_int(self.priority, None), owner, "priority", "an int", self.priority)
         _check_record(owner, "options", self.options, StageOptions)
         _check_record(owner, "config", self.config, Options)
 
@@ -229,7 +222,7 @@ class StageRegistration:
 
     def load(self) -> type:
         """The stage class (imports a ``"module:Class"`` string on first use)."""
-        return _load(self.stage)
+        return import_object(self.stage) if isinstance(self.stage, str) else self.stage
 
 
 @dataclass(frozen=True)
@@ -302,7 +295,7 @@ class HostRegistration:
                                    f"registration of host 'causalkv' cannot name one (got codec={self.codec!r}); "
                                    "leave codec None")
         object.__setattr__(self, "models", _names(owner, self.models))
-        _check_priority(owner, self.priority)
+        _require(is_int(self.priority, None), owner, "priority", "an int", self.priority)
 
     @property
     def name(self) -> str:
@@ -344,15 +337,13 @@ class CacheFactory:
         _require(_nonempty(self.name), owner, "name", "a non-empty string", self.name)
         _require(isinstance(self.cache, str) or callable(self.cache), owner, "cache",
                  "a class, a 'module:Class' string or a callable", self.cache)
-        _check_priority(owner, self.priority)
+        _require(is_int(self.priority, None), owner, "priority", "an int", self.priority)
         _check_record(owner, "options", self.options, CacheOptions)
         caps = self.capabilities
         if caps is None and isinstance(self.cache, type):
             object.__setattr__(self, "capabilities", self.features())  # declared by the class
         elif caps is not None and not isinstance(caps, CacheCapabilities):
-            items = (caps,) if isinstance(caps, str) else tuple(caps)
-            _require(all(map(_nonempty, items)), owner, "capabilities", "non-empty strings", caps)
-            object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(items)))
+            object.__setattr__(self, "capabilities", CacheCapabilities(frozenset(_names(owner, caps, "capabilities"))))
 
     def features(self) -> CacheCapabilities:
         """The capabilities: given ones, else the loaded class's ``capabilities`` attribute."""
@@ -380,7 +371,7 @@ class CacheFactory:
 
     def load(self) -> Callable[..., Any]:
         """The cache class or callable (imports a ``"module:Class"`` string on demand)."""
-        return _load(self.cache)
+        return import_object(self.cache) if isinstance(self.cache, str) else self.cache
 
     def build(self, spec: Any, options: CacheOptions | None = None) -> Any:
         """Build one layer's cache: ``load()(spec, options)`` (``options``: the request's
@@ -390,21 +381,18 @@ class CacheFactory:
     # ---- the host's calls on the cache kind (`CacheKind`; defaults where the kind has none)
     def check_request(self, options: CacheOptions | None, *, head_dim: int, device: str) -> None:
         """`CacheKind.check_request` of the loaded kind (nothing to refuse without one)."""
-        self._call("check_request", None, options, head_dim=head_dim, device=device)
+        _hook(self.load(), "check_request", None)(options, head_dim=head_dim, device=device)
 
     def describe_request(self, options: CacheOptions | None, *, tokens_per_chunk: int, sink_tokens: int) -> list[str]:
         """`CacheKind.describe_request` of the loaded kind (no lines without one)."""
-        return list(self._call("describe_request", (), options, tokens_per_chunk=tokens_per_chunk,
-                               sink_tokens=sink_tokens))
+        return list(_hook(self.load(), "describe_request", ())(options, tokens_per_chunk=tokens_per_chunk,
+                                                               sink_tokens=sink_tokens))
 
     def packing_report(self, caches: Sequence[Any]) -> dict[str, Any] | None:
         """The ``kv_packing`` metric: the `CacheReporting.packing_report` of ``caches`` (the
         run's, built by this factory) merged (`PackingReport.merge`); None when none reports."""
         reports = [r for c in caches if (r := _hook(c, "packing_report", None)()) is not None]
         return type(reports[0]).merge(reports).to_dict() if reports else None
-
-    def _call(self, hook: str, default: Any, *args: Any, **kwargs: Any) -> Any:
-        return _hook(self.load(), hook, default)(*args, **kwargs)
 
 
 def _hook(obj: Any, name: str, default: Any) -> Callable[..., Any]:

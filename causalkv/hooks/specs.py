@@ -140,9 +140,7 @@ def causalkv_configure_stage(
 
 
 @hookspec
-def causalkv_chunk_done(
-    stage: Stage, chunk_index: int, stats: Mapping[str, Any]
-) -> None:
+def causalkv_chunk_done(stage: Stage, chunk_index: int, stats: Mapping[str, Any]) -> None:
     """Event: a chunk finished denoising (for metrics and progress).
 
     Called: by the runtime after each chunk's context pass, with the 0-based

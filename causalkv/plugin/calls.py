@@ -22,9 +22,5 @@ def plugin_callers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, Calla
     order, ``trylast`` ones first and ``tryfirst`` ones last (pluggy calls them in reverse).
     Each caller is pluggy's own ``subset_hook_caller``, so hook monitoring sees the calls."""
     impls = getattr(pm.hook, hook).get_hookimpls()
-    plugins = {impl.plugin_name: impl.plugin for impl in impls}
-    return [
-        (i.plugin_name, pm.subset_hook_caller(hook, [p for n, p in plugins.items() if n != i.plugin_name]))
-        for i in impls
-        if not (i.hookwrapper or i.wrapper)
-    ]
+    return [(i.plugin_name, pm.subset_hook_caller(hook, [o.plugin for o in impls if o.plugin_name != i.plugin_name]))
+            for i in impls if not (i.hookwrapper or i.wrapper)]

@@ -171,8 +171,8 @@ class CausalKVPluginManager(pluggy.PluginManager):
         # blocked ones claim nothing: two distributions declaring one name, one blocked, load
         where = lambda ep: distribution_of(ep)[1] or repr(ep.value)  # noqa: E731
         for ep in wanted:
-            others = [where(o) for o in wanted if o.name == ep.name and o is not ep]
-            why = self.claimed(ep.name, where(ep), others[0] if others else None)
+            other = next((where(o) for o in wanted if o.name == ep.name and o is not ep), None)
+            why = self.claimed(ep.name, where(ep), other)
             try:
                 if why:
                     raise PluginConflictError(why)

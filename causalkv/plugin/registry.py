@@ -245,7 +245,7 @@ def collect(
     # every codec and cache a host class may name: causalkv's, and those any plugin's records register
     known = {"codec": {*codec_names(), *(r.name for rs in found.values() for r in rs if isinstance(r, CodecRegistration))},
              "cache": {r.name for rs in found.values() for r in rs if isinstance(r, CacheFactory)}}
-    stages, caches, codecs, hosts = [], [], [], []
+    kept: list[tuple[Any, str]] = []  # (record, plugin) of the plugins not set aside
     for plugin, records in found.items():
         mine: dict[tuple[Any, ...], tuple[str, Any]] = {}
         clash = None
@@ -270,14 +270,12 @@ def collect(
         if plugin in failed:
             continue
         held.update(mine)
-        stages += [StageEntry(r, plugin) for r in records if isinstance(r, StageRegistration)]
-        caches += [CacheEntry(r, plugin) for r in records if isinstance(r, CacheFactory)]
-        codecs += [(r, plugin) for r in records if isinstance(r, CodecRegistration)]
-        hosts += [(r, plugin) for r in records if isinstance(r, HostRegistration)]
-    for failure in failed.values():
-        if report is not None:
-            report(failure)
-    return Registry(tuple(stages), tuple(caches), tuple(failed.values()), tuple(codecs), tuple(hosts))
+        kept += [(r, plugin) for r in records]
+    for failure in failed.values() if report is not None else ():
+        report(failure)
+    of = lambda kind: tuple((r, p) for r, p in kept if isinstance(r, kind))  # noqa: E731
+    return Registry(tuple(StageEntry(*e) for e in of(StageRegistration)), tuple(CacheEntry(*e) for e in of(CacheFactory)),
+                    tuple(failed.values()), of(CodecRegistration), of(HostRegistration))
 
 
 #: the registry `collected` made for each plugin manager (one per process; tests rebuild it)

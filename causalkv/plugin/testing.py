@@ -28,8 +28,7 @@ def fresh_plugin_manager(*, builtin: bool = True) -> CausalKVPluginManager:
     Installed plugins and the ``CAUSALKV_*`` env vars are ignored, so tests see only what
     they register.
     """
-    env = {} if builtin else {"CAUSALKV_DISABLE_PLUGINS": "causalkv.builtin"}
-    return make_plugin_manager(autoload=False, env=env)
+    return make_plugin_manager(autoload=False, env={} if builtin else {"CAUSALKV_DISABLE_PLUGINS": "causalkv.builtin"})
 
 
 @contextmanager
@@ -40,8 +39,7 @@ def temporary_plugin(
 
     Yields the name. Validation errors (a misspelled hook, a wrong argument name) raise.
     """
-    name = name or f"temporary-plugin-{next(_counter)}"
-    pm.register_plugin(plugin, name=name)
+    name = pm.register_plugin(plugin, name=name or f"temporary-plugin-{next(_counter)}")
     try:
         yield name
     finally:
