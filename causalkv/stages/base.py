@@ -172,8 +172,7 @@ class CausalDenoisingStage(StagePlanning):
                 f"stage {self.name!r}: its KV caches are already allocated; apply model "
                 "overrides before the first chunk (causalkv_configure_stage does)"
             )
-        settings = self.stream_settings(model, self.server_args)
-        self.model, self.settings = model, settings
+        self.model, self.settings = model, self.stream_settings(model, self.server_args)
         self.context_noise = float(model.context_noise)
         # one chunk's denoising (``len(sigmas)`` may be one more): `sampler_sigmas` as the
         # scheduler sets them (shifted)
