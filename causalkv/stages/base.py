@@ -282,7 +282,7 @@ class CausalDenoisingStage(StagePlanning):
 
     def kv_resident_nbytes(self) -> int:
         """Bytes all self-attention caches of all branches hold now."""
-        return sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
+        return sum(cache.resident_nbytes() for cs in self.cache_sets() for cache in cs.kv)
 
     def kv_peak_nbytes(self) -> int:
         """The most the self-attention caches held at once since the request began: with a
