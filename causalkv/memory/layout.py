@@ -69,8 +69,10 @@ MAX_WORK = 2_000_000
 MAX_CHUNKS = 20_000
 
 
-def plan_work(chunks: int, slots: int) -> int:
-    return chunks * min(chunks, slots)
+def plannable(chunks: int, slots: int) -> bool:
+    """Whether a plan of ``chunks`` chunks with ``slots`` chunk slots is within `MAX_CHUNKS`
+    and `MAX_WORK`."""
+    return chunks <= MAX_CHUNKS and chunks * min(chunks, slots) <= MAX_WORK
 
 
 def _most_chunks(slots: int) -> int:
@@ -121,7 +123,7 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
             f"{what} plus a chunk ({need} frames); pass --window-frames {lo}"
         )
     slots = window // fpc
-    if num_chunks > MAX_CHUNKS or plan_work(num_chunks, slots) > MAX_WORK:
+    if not plannable(num_chunks, slots):
         most = _most_chunks(slots)
         raise ConfigError(
             f"{latent} latent frames = {num_chunks:,} chunks with {slots:,} chunk slots is more "

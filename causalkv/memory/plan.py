@@ -31,11 +31,9 @@ from causalkv.config import DTYPE_BYTES
 from causalkv.errors import ConfigError, first_line
 from causalkv.memory.geometry import ModelGeometry
 from causalkv.memory.layout import (
-    MAX_CHUNKS,
-    MAX_WORK,
     ChunkState,
     min_window,
-    plan_work,
+    plannable,
     positions,
     request_latent_frames,
     stream_layout,
@@ -98,19 +96,13 @@ class SettingPlan:
         return self.peak_bytes / self.dense_bytes
 
     def as_json(self, budget: int | None, window_is_video: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "setting": self.setting, "kv_bytes": self.kv_bytes, "dense_bytes": self.dense_bytes,
-            "peak_bytes": self.peak_bytes, "chunk_bytes": self.chunk_bytes,
-            "transient_bytes": self.transient_bytes,
-            "kv_ratio": round(self.kv_ratio, 6), "peak_ratio": round(self.peak_ratio, 6),
-        }
+        keys = ["setting", "kv_bytes", "dense_bytes", "peak_bytes", "chunk_bytes", "transient_bytes",
+                "kv_ratio", "peak_ratio"]
         if budget is not None:
-            out["fits"] = self.fits
-            key = "max_video_frames" if window_is_video else "max_window_frames"
-            out[key] = self.max_video_frames if window_is_video else self.max_window_frames
+            keys += ["fits", "max_video_frames" if window_is_video else "max_window_frames"]
             if self.at_search_limit:  # it fits there: the search stopped, the answer is more
-                out["at_search_limit"] = True
-        return out
+                keys.append("at_search_limit")
+        return {k: round(getattr(self, k), 6) if k.endswith("_ratio") else getattr(self, k) for k in keys}
 
 
 def _call_buffers(
@@ -301,12 +293,9 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     """``setting``'s peak bytes with a ``window``-frame window once that window is full (the
     request is lengthened to fill it when shorter; a window-is-video model's video is the
     window)."""
-    fpc = geom.frames_per_chunk
     if window not in memo:  # the positions are the same for every setting
-        latent = window if geom.window_is_video else max(
-            request_latent_frames(geom, req)[0], window + 2 * fpc)
-        r = replace(req, frames=None, seconds=None, fps=None, latent_frames=latent,
-                    window_frames=window)
+        r = replace(req, frames=None, seconds=None, fps=None,
+                    latent_frames=_filled(geom, req, window), window_frames=window)
         lay = stream_layout(geom, r)  # valid: the search starts at the smallest valid window
         memo[window] = (lay, positions(lay, cache.positions), {})
     lay, states, peaks = memo[window]
@@ -318,19 +307,25 @@ def _peak_at(geom: ModelGeometry, req: MemoryRequest, cache: CacheModel, setting
     return peaks[setting.name]
 
 
-def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
-    """The longest window the search tries: within `MAX_SEARCH_FRAMES` and `MAX_WORK` (with the
-    request lengthened as `_peak_at` does)."""
-    fpc = geom.frames_per_chunk
-    chunks = request_latent_frames(geom, req)[0] // fpc
+def _filled(geom: ModelGeometry, req: MemoryRequest, window: int) -> int:
+    """The latent frames `_peak_at` plans for a ``window``-frame window: the request's,
+    lengthened to fill the window and two chunks after it when shorter (a window-is-video
+    model's video is the window)."""
+    if geom.window_is_video:
+        return window
+    return max(request_latent_frames(geom, req)[0], window + 2 * geom.frames_per_chunk)
 
-    def plannable(w: int) -> bool:  # within MAX_CHUNKS and MAX_WORK (the work grows with w)
-        slots = w // fpc
-        n = slots if geom.window_is_video else max(chunks, slots + 2)
-        return n <= MAX_CHUNKS and plan_work(n, slots) <= MAX_WORK
+
+def _search_top(geom: ModelGeometry, req: MemoryRequest, smallest: int) -> int:
+    """The longest window the search tries: within `MAX_SEARCH_FRAMES`, and `plannable` with
+    the request lengthened as `_peak_at` does (the work grows with the window)."""
+    fpc = geom.frames_per_chunk
+
+    def within(w: int) -> bool:
+        return plannable(_filled(geom, req, w) // fpc, w // fpc)
 
     hi = max(smallest, MAX_SEARCH_FRAMES // fpc * fpc)
-    return hi if plannable(hi) else _bisect(smallest, hi, fpc, plannable)
+    return hi if within(hi) else _bisect(smallest, hi, fpc, within)
 
 
 def _bisect(lo: int, hi: int, fpc: int, ok: Callable[[int], bool]) -> int:

@@ -172,8 +172,7 @@ class CausalDenoisingStage(StagePlanning):
                 f"stage {self.name!r}: its KV caches are already allocated; apply model "
                 "overrides before the first chunk (causalkv_configure_stage does)"
             )
-        settings = self.stream_settings(model, self.server_args)
-        self.model, self.settings = model, settings
+        self.model, self.settings = model, self.stream_settings(model, self.server_args)
         self.context_noise = float(model.context_noise)
         # one chunk's denoising (``len(sigmas)`` may be one more): `sampler_sigmas` as the
         # scheduler sets them (shifted)
@@ -283,7 +282,7 @@ class CausalDenoisingStage(StagePlanning):
 
     def kv_resident_nbytes(self) -> int:
         """Bytes all self-attention caches of all branches hold now."""
-        return sum(cs.kv_resident_nbytes() for cs in self.cache_sets())
+        return sum(cache.resident_nbytes() for cs in self.cache_sets() for cache in cs.kv)
 
     def kv_peak_nbytes(self) -> int:
         """The most the self-attention caches held at once since the request began: with a

@@ -37,6 +37,3 @@ class CacheSet:
             cache.reset()
         self.prompt = None
 
-    def kv_resident_nbytes(self) -> int:
-        return sum(cache.resident_nbytes() for cache in self.kv)
-

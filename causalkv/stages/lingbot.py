@@ -54,7 +54,7 @@ def window_per_chunk(
     out: list[dict[str, Any]] = []
     for m in motion:
         count = 0 if m == "m" else count + 1
-        still = m != "m" and still_frames is not None and count >= n
+        still = still_frames is not None and count >= n  # a moving chunk's count is 0
         frames = moving_frames if m == "m" else still_frames if still else frames
         out.append({"mode": "still" if still else "moving", "frames": int(frames)})
     return out

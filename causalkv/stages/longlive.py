@@ -44,27 +44,20 @@ class LongLiveStage(CausalDenoisingStage):
         self.recache(prompt, latents)
         self.recache_events.append(chunk_index)
 
-    def recache_frames(self) -> list[tuple[int, int]]:
-        """``(frame, rope_frame)`` of the frames the caches show now, ascending."""
-        view = self.caches.kv[0].get_attention_kv(
-            recent_window_tokens=self.settings.recent_window_tokens
-        )
-        tpf = self.settings.tokens_per_frame
-        slots = sorted({f for a, b in view.position_ranges for f in range(a // tpf, (b - 1) // tpf + 1)})
-        held = self.loop.cache_frames
-        return [held[s] for s in slots]
-
     @torch.no_grad()
     def recache(self, prompt: str, latents: torch.Tensor) -> None:
         """Re-write the visible frames' K/V with ``prompt`` (``latents``: clean ``[B, C, F, h, w]``).
 
+        The frames are those the caches show now (``(frame, rope_frame)`` each, ascending).
         Every re-cache write is context: each group of frames (one per original chunk)
         commits, told the next group's size (the next chunk's after the last)."""
-        frames = self.recache_frames()
+        fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
+        view = self.caches.kv[0].get_attention_kv(recent_window_tokens=self.settings.recent_window_tokens)
+        slots = {f for a, b in view.position_ranges for f in range(a // tpf, (b - 1) // tpf + 1)}
+        frames = [fr for s, fr in enumerate(self.loop.cache_frames) if s in slots]
         for cs in self.cache_sets():
             cs.reset()
         self.loop.restart()
-        fpc, tpf = self.settings.frames_per_chunk, self.settings.tokens_per_frame
         groups = [list(g) for _, g in groupby(frames, key=lambda fr: fr[0] // fpc)]
         for i, piece in enumerate(groups):
             idx = [f for f, _ in piece]

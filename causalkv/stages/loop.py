@@ -69,10 +69,10 @@ class ChunkLoop:
     def check_finite(self, x0: torch.Tensor, chunk_index: int, num_chunks: int) -> None:
         """`NonFiniteLatentsError` when chunk ``chunk_index``'s clean latents hold NaN or inf
         (one host sync per chunk): the run stops there instead of writing a black video."""
-        if bool(torch.isfinite(x0).all()):
+        bad = int((~torch.isfinite(x0)).sum())
+        if not bad:
             return
         stage = self.stage
-        bad = int((~torch.isfinite(x0)).sum())
         hint = (
             f"lower --guidance-scale (it is {stage.server_args.guidance_scale:g})"
             if stage.num_branches() > 1
@@ -126,8 +126,7 @@ class ChunkLoop:
                                          on_forward=on_forward)
             self.check_finite(x0, i, len(chunk_prompts))
             out[:, :, f0 : f0 + fpc] = x0
-            noised = stage.context_noise > 0
-            ctx_in = renoise(x0, stage.context_noise / 1000.0, generator) if noised else x0
+            ctx_in = renoise(x0, stage.context_noise / 1000.0, generator) if stage.context_noise > 0 else x0
             ctx_pred = stage.context_pass(prompt, ctx_in, token_start, rope_f0)
             if on_forward is not None:
                 on_forward(ForwardRecord(i, -1, stage.context_noise, ctx_in, ctx_pred, token_start, rope_f0))
