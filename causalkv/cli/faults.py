@@ -79,18 +79,18 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def reserve_standard_fds() -> None:
     """Open ``/dev/null`` on any of file descriptors 0, 1, 2 that is closed (``>&-``), so no
     file the run opens lands on one of them (a child process or a library writing to "stdout"
-    would write into that file). ``sys.stdout`` stays None: the run prints nothing."""
+    would write into that file). ``sys.stdout`` stays None: the run prints nothing.
+
+    ``os.open`` takes the lowest free descriptor: ``fd`` itself, as the lower ones are open
+    by then (the loop goes up from 0)."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
             try:
-                got = os.open(os.devnull, os.O_RDWR)
+                os.open(os.devnull, os.O_RDWR)
             except OSError:
                 return
-            if got != fd:  # a lower descriptor was free after all
-                os.dup2(got, fd)
-                os.close(got)
 
 
 class StdoutError(CausalKVError, OSError):

@@ -78,13 +78,8 @@ def _fail(command: str, exc: BaseException) -> int:
 
 def _stage_row(entry: Any) -> dict[str, Any]:
     reg = entry.registration
-    row: dict[str, Any] = {
-        "name": reg.name,
-        "class": reg.target,
-        "models": list(reg.served),
-        "priority": reg.priority,
-        "plugin": entry.plugin,
-    }
+    row: dict[str, Any] = {"name": reg.name, "class": reg.target, "models": list(reg.served),
+                           "priority": reg.priority, "plugin": entry.plugin}
     try:
         cls = entry.load()
     except (ImportError, TypeError) as exc:

@@ -46,9 +46,8 @@ def load_for_plan(plan: Plan, *, pm: Any = None) -> Components:
     ``components.load_seconds``: how long all of it took."""
     started = time.perf_counter()
     args = plan.server_args
-    registry = plan.plugin_set(pm).registry
     ctx = join_ranks(args.heads_sharded, args.device)  # before the preset: the ranks share one folder
-    folder = local_main_first(lambda: model_folder(plan.info, registry=registry))
+    folder = local_main_first(lambda: model_folder(plan.info, registry=plan.plugin_set(pm).registry))
     components = load_components(plan.info, folder, dtype=args.dtype, device=args.device)
     # the host's own default prompt is not the user's: its cut on a tiny preset is not reported
     components.prompt_encoder.quiet_texts = frozenset({DEFAULT_PROMPT})

@@ -164,8 +164,7 @@ class GenerationRun:
 
     @property
     def seconds_per_chunk_mean(self) -> float:
-        seconds = self.seconds_per_chunk
-        return sum(seconds) / max(1, len(seconds))
+        return sum(self.seconds_per_chunk) / max(1, len(self.chunk_stats))
 
     @property
     def kv_resident_bytes_max(self) -> int:

@@ -34,10 +34,8 @@ def run_report(plan: Plan, run: GenerationRun) -> dict[str, Any]:
     res, s, args = plan.resolution, run.stage.settings, plan.server_args
     # the KV bytes of every rank (``kv_resident_bytes_max`` is this rank's): one collective on a
     # sequence-parallel run, so every rank must call it
-    ctx, world = current(), int(getattr(run.stage.denoiser, "world_size", 1))
-    per_rank = [run.kv_resident_bytes_max]
-    if ctx is not None and world > 1:
-        per_rank = gather_ints(run.kv_resident_bytes_max, ctx)
+    ctx, world, mine = current(), int(getattr(run.stage.denoiser, "world_size", 1)), run.kv_resident_bytes_max
+    per_rank = gather_ints(mine, ctx) if ctx is not None and world > 1 else [mine]
     return {
         "model": plan.model.name,
         "model_class": plan.model.model_class,

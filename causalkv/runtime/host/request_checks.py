@@ -212,17 +212,15 @@ def _check_device(device: str, dtype: str) -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
         raise ConfigError(f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or mps") from None
-    if dev.type == "cuda":
-        reason = cuda_problem(dev.index or 0)
-    elif dev.type == "mps":
-        reason = None if torch.backends.mps.is_available() else "MPS is not available on this machine"
-    elif dev.type == "xpu":
-        reason = None if hasattr(torch, "xpu") and torch.xpu.is_available() else "no XPU device is visible"
-    elif dev.type != "cpu":
-        reason = f"causalkv generates on cpu, cuda, mps or xpu, not on {dev.type!r}"
-    else:  # torch accepts any index for the CPU and ignores it
-        reason = None if dev.index in (None, 0) else f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}"
-    if reason is not None:
+    problems = {  # per device type: why it cannot run here, None when it can
+        # torch accepts any index for the CPU and ignores it
+        "cpu": lambda: None if dev.index in (None, 0) else f"the CPU is one device, cpu or cpu:0, not cpu:{dev.index}",
+        "cuda": lambda: cuda_problem(dev.index or 0),
+        "mps": lambda: None if torch.backends.mps.is_available() else "MPS is not available on this machine",
+        "xpu": lambda: None if hasattr(torch, "xpu") and torch.xpu.is_available() else "no XPU device is visible",
+    }
+    other = f"causalkv generates on cpu, cuda, mps or xpu, not on {dev.type!r}"
+    if (reason := problems.get(dev.type, lambda: other)()) is not None:
         raise ConfigError(f"--device {device!r} is not available: {reason}; use --device cpu")
     try:
         x = torch.ones(8, 8, dtype=parse_dtype(dtype), device=dev)
@@ -267,10 +265,8 @@ def _check_frames(plan: Plan) -> None:
         if start // p_t + fpc // p_t > limit:
             offset = start - i * fpc
             best = max(0, (limit * p_t - offset) // fpc * fpc)
-            if best >= fpc:
-                fix = f"pass --frames {best} or fewer"
-            else:  # the offsets alone pass the limit: the hint is the per-shot offset that fits
-                fix = _offset_fix(plan, limit * p_t)
+            # with best < fpc the offsets alone pass the limit: the hint is the per-shot offset that fits
+            fix = f"pass --frames {best} or fewer" if best >= fpc else _offset_fix(plan, limit * p_t)
             raise ConfigError(
                 f"--frames {n}: chunk {i} would use RoPE frames up to {end} (its frames plus a "
                 f"per-shot RoPE offset of {offset}), beyond rope_max_seq_len={limit} in {where}; {fix}"

@@ -54,8 +54,7 @@ def run_plan(
     pm = plan.plugin_set(pm).pm
     args = server_args if server_args is not None else plan.server_args
     res = resolution if resolution is not None else plan.resolution
-    if components is None:
-        components = load_for_plan(plan, pm=pm)
+    components = components if components is not None else load_for_plan(plan, pm=pm)
     stage = build_stage(
         res.stage, res.cache_factory, plan.model, args, components,
         negative_prompt=plan.negative_prompt, pm=pm, name=res.stage_name,

@@ -125,9 +125,7 @@ def join_ranks(heads_sharded: int, device: str) -> ParallelContext | None:
     group on first use), None on one process. `ConfigError` when the ranks do not match."""
     if heads_sharded <= 1:
         return None
-    ctx = current()
-    if ctx is None and launched_by_torchrun():
-        ctx = init_parallel(device)
+    ctx = init_parallel(device) if launched_by_torchrun() else current()  # joins on first use
     if ctx is None or ctx.world_size != heads_sharded:
         have = 1 if ctx is None else ctx.world_size
         raise ConfigError(

@@ -40,9 +40,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from causalkv.errors import ConfigError, print_stderr
 
@@ -68,6 +68,8 @@ ENV_REPORTS = "CAUSALKV_RANK_REPORTS"
 SHUTDOWN_GRACE_S = 45.0
 
 _PR_SET_PDEATHSIG = 1
+
+T = TypeVar("T")
 
 
 def _die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -170,12 +172,13 @@ def report_end(
         _write_json(Path(os.environ[ENV_REPORTS]) / f"end-rank{env_world()[0]}.json", dataclasses.asdict(report))
 
 
-def _read_reports(folder: Path) -> list[RankReport]:
+def _read_each(folder: Path, pattern: str, make: Callable[[dict[str, Any]], T]) -> list[T]:
+    """``make`` of each ``pattern`` file of ``folder`` (written by `_write_json`), in name
+    order; a file that cannot be read or does not hold what ``make`` takes is skipped."""
     out = []
-    for f in sorted(folder.glob("end-rank*.json")):
+    for f in sorted(folder.glob(pattern)):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            d = json.loads(f.read_text())
-            out.append(RankReport(**{**d, "written": tuple(d["written"])}))
+            out.append(make(json.loads(f.read_text())))
     return out
 
 
@@ -253,10 +256,7 @@ def _sigkill(pid: int) -> None:
 
 def _kill_leftovers(folder: Path, wait_s: float = 10.0) -> None:
     """SIGKILL every rank of the job that still runs (its process group), and wait until none does."""
-    pids = []
-    for f in folder.glob("pid-rank*.json"):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            pids.append(int(json.loads(f.read_text())["pid"]))
+    pids = _read_each(folder, "pid-rank*.json", lambda d: int(d["pid"]))
     alive = [p for p in pids if _pid_is_ours(p)]
     for pid in alive:
         _sigkill(pid)
@@ -384,7 +384,8 @@ def run_supervised(
                 raise
             finally:
                 _kill_leftovers(reports)
-                found = _read_reports(reports)
+                found = _read_each(reports, "end-rank*.json",
+                                   lambda d: RankReport(**{**d, "written": tuple(d["written"])}))
             reader.join(timeout=10)
     signalled = got[0] if got else None
     silent = sorted(set(range(nproc)) - {r.rank for r in found})
