@@ -106,7 +106,6 @@ logger = logging.getLogger(__name__)
 SEED = 1234
 #: the pool dtypes causalkv counts: `causalkv.config.DTYPES`, by torch dtype
 _DTYPES = {getattr(torch, name): name for name in DTYPES}
-_SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_siz
         model_state_bytes=int(model_owned_state_bytes_per_session),
         scratch_blocks_per_branch=max(  # the engine's scratch rule (ARDiffusionKVCache.__init__)
             frames_per_block + (max_scratch_tokens_per_branch + block_size - 1) // block_size,
-            int(os.environ.get(_SCRATCH_ENV, "0") or 0)),
+            int(os.environ.get("AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH", "0") or 0)),
     )
 
 
@@ -263,16 +262,17 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
 _LIVE: list[weakref.ref[ARDiffusionKVCache]] = []
 
 
-def _track(cache: ARDiffusionKVCache) -> None:
+def _track(cache: ARDiffusionKVCache) -> ARDiffusionKVCache:
     _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
     _LIVE.append(weakref.ref(cache))
+    return cache
 
 
 def live_caches(*, stock: bool = False) -> list[Any]:
     """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
     process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
-    caches = [c for ref in _LIVE if (c := ref()) is not None]
-    return [c for c in caches if isinstance(c, CausalKVPagedKVCache) is not stock]
+    return [c for ref in _LIVE
+            if (c := ref()) is not None and isinstance(c, CausalKVPagedKVCache) is not stock]
 
 
 class CausalKVPagedKVCache(ARDiffusionKVCache):
@@ -306,8 +306,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 f"causalkv's paged cache holds one KV branch (LingBot-World's), the spec declares "
                 f"{[b.name for b in shape['kv_branches']]}")
         eng = engine_geometry(config, **shape)
-        layout = causalkv_layout(eng, quant)
-        adm = admit(eng, layout, available_bytes=available_bytes,
+        adm = admit(eng, causalkv_layout(eng, quant), available_bytes=available_bytes,
                     gpu_memory_fraction=config.gpu_memory_fraction,
                     requested_capacity=session_capacity)
         # vLLM-Omni's constructor: its checks, the ChunkWindowSpec, the scratch, cross-attention
@@ -332,7 +331,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         self.quant = quant.validate()
         self.head_offset = int(head_offset)
         self.geometry = eng
-        self.layout: SessionLayout = layout
+        self.layout: SessionLayout = adm.layout
         self.admission: Admission = adm
         self.requested_session_capacity = session_capacity
         self.available_memory_bytes = available_bytes
@@ -398,13 +397,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     def allocate_token_slots(self, adapter: Any, num_tokens: int) -> list[int]:
         """vLLM-Omni's allocation for the committing forward; the new pages' logical frames are
         noted (the session's logical-to-physical map: page ``i`` of the compact table at or past
-        the storage position holds logical frame ``absolute + (i - storage)``)."""
+        the storage position holds logical frame ``i`` plus the frames compacted away, the
+        adapter's absolute position less its storage position)."""
         rec = self._record(adapter)
-        tpf = self.block_size
-        absolute = adapter.absolute_num_computed_tokens // tpf
-        storage = adapter.num_computed_tokens // tpf
         table = super().allocate_token_slots(adapter, num_tokens)
-        rec.frames.extend(absolute + (i - storage) for i in range(len(rec.frames), len(table)))
+        compacted = adapter.compacted_tokens // self.block_size
+        rec.frames.extend(i + compacted for i in range(len(rec.frames), len(table)))
         return table
 
     def commit_chunk(self, adapter: Any) -> None:
@@ -537,10 +535,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if not commit and not all(b >= self.managed_num_blocks for b in current):
             raise RuntimeError("causalkv's paged attention: the forward's current pages are neither "
                                "the session's newest pages nor scratch")
-        hist_pages = rec.frames[:-len(current)] if commit else list(rec.frames)
         where = dict(zip(rec.frames, table))
         # logical frame -> pool page id, or (packed group, offset in it)
-        history: dict[int, Any] = {f: where[f] for f in hist_pages}
+        history: dict[int, Any] = {f: where[f] for f in (rec.frames[:-len(current)] if commit else rec.frames)}
         for g in rec.groups:
             for f in range(g.start // bs, g.end // bs):
                 if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
@@ -676,9 +673,7 @@ def session_cache(config: Any, **kwargs: Any) -> ARDiffusionKVCache:
     pipeline's spec carries a `CausalKVBranchSpec`, vLLM-Omni's own cache otherwise."""
     ours = [b for b in kwargs.get("kv_branches", ()) if isinstance(b, CausalKVBranchSpec)]
     if not ours:
-        cache = _STOCK_CACHE(config, **kwargs)
-        _track(cache)
-        return cache
+        return _track(_STOCK_CACHE(config, **kwargs))
     return CausalKVPagedKVCache(config, quant=ours[0].quant, head_offset=ours[0].head_offset, **kwargs)
 
 
