@@ -259,20 +259,19 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
 
 #: the session caches built in this process, oldest first: causalkv's, and vLLM-Omni's own
 #: that `session_cache` built (for a measurement of the stock pool)
-_LIVE: list[weakref.ref[ARDiffusionKVCache]] = []
+#: (by id; an entry goes when its cache is collected)
+_LIVE: weakref.WeakValueDictionary[int, ARDiffusionKVCache] = weakref.WeakValueDictionary()
 
 
 def _track(cache: ARDiffusionKVCache) -> ARDiffusionKVCache:
-    _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
-    _LIVE.append(weakref.ref(cache))
+    _LIVE[id(cache)] = cache
     return cache
 
 
 def live_caches(*, stock: bool = False) -> list[Any]:
     """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
     process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
-    return [c for ref in _LIVE
-            if (c := ref()) is not None and isinstance(c, CausalKVPagedKVCache) is not stock]
+    return [c for c in list(_LIVE.values()) if isinstance(c, CausalKVPagedKVCache) is not stock]
 
 
 class CausalKVPagedKVCache(ARDiffusionKVCache):
@@ -352,7 +351,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 self.num_blocks_total, self.block_size, self.num_layers, self.num_kv_heads,
                 self.head_size, self.dtype, device)
         self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, self.num_kv_heads,
-                                   self.head_size, torch.empty((), dtype=self.dtype).element_size())
+                                   self.head_size, self.geometry.itemsize)
         self.packer = Packer(self.device, self.dtype, SEED, self.head_offset, False)
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
@@ -424,14 +423,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if book is not None and not any(s.packed and book.used_by(s.layers[0]) for s in segs):
             rec.book, rec.books = None, [None] * self.num_layers  # every group using it rolled out
         if self.quant.enabled:
-            ahead = g + 1
-
             def pack(step: Packed[PagedGroup], book: BookState | None) -> tuple[PagedGroup, BookState | None]:
                 return self._pack(adapter, rec, step), book if step.tier else step.book_after
 
             segs, rec.book, _ = self.tiering.settle(
-                ENGINE_CACHE.policy, segs, ahead, rec.book, pack, sink_end=ctx.sink_end,
-                pinned=ctx.pinned, sink_open=ctx.sink_end > ahead * n, chunk_tokens=n,
+                ENGINE_CACHE.policy, segs, g + 1, rec.book, pack, sink_end=ctx.sink_end,
+                pinned=ctx.pinned, sink_open=ctx.sink_end > (g + 1) * n, chunk_tokens=n,
                 finite=lambda pieces: self._finite(adapter, rec, pieces))
         keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
         rec.groups = segs
@@ -485,10 +482,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 mgr._remove_blocks_in_range(rid, i, i + 1)
         blocks = mgr.req_to_blocks.get(rid, [])
         kept = [(b, f) for b, f in zip(blocks, rec.frames) if f in keep]
-        removed = len(blocks) - len(kept)
+        adapter.compacted_tokens += (len(blocks) - len(kept)) * self.block_size
         blocks[:] = [b for b, _ in kept]
         rec.frames = [f for _, f in kept]
-        adapter.compacted_tokens += removed * self.block_size
 
     # -- what a session holds ----------------------------------------------------------------
     def report(self, request_id: str) -> SessionReport:
@@ -496,8 +492,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         rec, bs = self._records[request_id], self.block_size
         packed = [g for g in rec.groups if g.packed]
         pages = len(rec.frames)
-        nbytes = held_nbytes(seg for g in packed for seg in g.layers)
-        return SessionReport(pages, pages * self.geometry.page_bytes, nbytes,
+        return SessionReport(pages, pages * self.geometry.page_bytes,
+                             held_nbytes(seg for g in packed for seg in g.layers),
                              tuple((g.start // bs, g.end // bs) for g in packed),
                              rec.packed_reads, rec.packs)
 

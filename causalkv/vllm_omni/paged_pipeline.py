@@ -100,14 +100,13 @@ class PagedLingBotMixin:
         branches = tuple(CausalKVBranchSpec(b.name, b.local_index, quant=self.causalkv_quant,
                                             head_offset=int(offset()) if callable(offset) else 0)
                          for b in spec.kv_branches)
-        spec = dataclasses.replace(spec, kv_branches=branches)
         od_config = self.od_config  # type: ignore[attr-defined]
         from vllm_omni.platforms import current_omni_platform
 
         free = current_omni_platform.get_free_memory(torch.device(self.device))  # type: ignore[attr-defined]
         capacity = declared_capacity(spec, resolve_ar_diffusion_kv_config(od_config),
                                      od_config.dtype, free, self.causalkv_quant)
-        return dataclasses.replace(spec, session_capacity=capacity)
+        return dataclasses.replace(spec, kv_branches=branches, session_capacity=capacity)
 
     @contextlib.contextmanager
     def bind_ar_diffusion_state(self, session_id: str, state: Any) -> Iterator[None]:
