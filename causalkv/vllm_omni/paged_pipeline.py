@@ -153,14 +153,13 @@ class PagedLingBotMixin:
                     sid, tick.chunk_index, self._causalkv_evicted[sid],
                     cache.session_capacity if cache is not None else None, self.causalkv_quant))
             del self._causalkv_evicted[sid]
+        if tick.close_session:  # the runner releases it after the forward: no eviction
+            self._causalkv_ending.add(sid)
         try:
-            out = super().forward(req)  # type: ignore[misc]
+            return super().forward(req)  # type: ignore[misc]
         except Exception:
             self._causalkv_ending.add(sid)
             raise
-        if tick.close_session:
-            self._causalkv_ending.add(sid)
-        return out
 
 
 @functools.cache
