@@ -303,9 +303,7 @@ def engine_stream(eng: EngineGeometry) -> tuple[ModelGeometry, StreamLayout]:
                          frames_per_chunk=fpb, sink_frames=eng.sink_frames,
                          global_sink_frames=eng.sink_frames, window_frames=total,
                          height=eng.tokens_per_frame, width=1)
-    chunks = total // fpb + _EXTRA_CHUNKS
-    lay = stream_layout(geom, MemoryRequest(latent_frames=chunks * fpb, dtype=eng.dtype))
-    return geom, lay
+    return geom, stream_layout(geom, MemoryRequest(latent_frames=total + _EXTRA_CHUNKS * fpb, dtype=eng.dtype))
 
 
 def causalkv_layout(eng: EngineGeometry, quant: QVGKVQuantArgs, setting: str = "") -> SessionLayout:
@@ -447,10 +445,9 @@ def plan_admission(budget: int | None, *, rows: tuple[str, ...] = ADMISSION_ROWS
     for row in rows:
         layout = stock_layout(eng) if row == "stock" else causalkv_layout(
             eng, SETTINGS[ROWS[row]].quant_args(), row)
-        cap = LINGBOT_STOCK_CAPACITY if row == "stock" else None
         available = required_bytes(eng, layout, 1) if budget is None else budget
         out.append(admit(eng, layout, available_bytes=available, gpu_memory_fraction=1.0,
-                         requested_capacity=cap))
+                         requested_capacity=LINGBOT_STOCK_CAPACITY if row == "stock" else None))
     return out
 
 

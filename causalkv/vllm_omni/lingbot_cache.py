@@ -121,13 +121,13 @@ class LingBotLayerKV:
                 "the layer's cache was allocated for another sink"
             )
         incoming_sink = max(0, min(n, sink_tokens - current_start))
+        next_sink_end = self.sink_end + incoming_sink  # a first or new chunk (a rewrite keeps it)
         if self.last_start is None:
             if n > capacity:
                 raise ValueError(
                     f"Current chunk has {n} tokens but the cache can hold only {capacity}; "
                     "the full current chunk must remain visible."
                 )
-            next_sink_end = incoming_sink
         elif current_start == self.last_start:
             if current_start + n != self.absolute_end:
                 raise ValueError("A repeated current_start must overwrite the same-size current chunk.")
@@ -147,7 +147,6 @@ class LingBotLayerKV:
                 raise ValueError(
                     f"New chunks must be contiguous: current_start={current_start}, expected {self.absolute_end}."
                 )
-            next_sink_end = self.sink_end + incoming_sink
             if n - incoming_sink > capacity - next_sink_end:  # the new local tokens do not fit
                 raise ValueError("The configured cache cannot retain all sink tokens and the full current chunk.")
         if not update_cache and self.last_start is None:  # a probe of the first chunk sees the chunk only
@@ -181,5 +180,4 @@ def allocate_layers(
     global head ``head_offset``.
     """
     ledger = KVLedger(dense_bytes=num_layers * spec.dense_nbytes(), num_layers=num_layers)
-    layers = [LingBotLayerKV(spec, quant, ledger=ledger, layer=i, build=build) for i in range(num_layers)]
-    return layers, ledger
+    return [LingBotLayerKV(spec, quant, ledger=ledger, layer=i, build=build) for i in range(num_layers)], ledger

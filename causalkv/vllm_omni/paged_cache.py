@@ -106,7 +106,6 @@ logger = logging.getLogger(__name__)
 SEED = 1234
 #: the pool dtypes causalkv counts: `causalkv.config.DTYPES`, by torch dtype
 _DTYPES = {getattr(torch, name): name for name in DTYPES}
-_SCRATCH_ENV = "AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH"
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ def engine_geometry(config: Any, *, num_layers: int, num_kv_heads: int, head_siz
         model_state_bytes=int(model_owned_state_bytes_per_session),
         scratch_blocks_per_branch=max(  # the engine's scratch rule (ARDiffusionKVCache.__init__)
             frames_per_block + (max_scratch_tokens_per_branch + block_size - 1) // block_size,
-            int(os.environ.get(_SCRATCH_ENV, "0") or 0)),
+            int(os.environ.get("AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH", "0") or 0)),
     )
 
 
@@ -260,19 +259,19 @@ def declared_capacity(spec: Any, kv_config: Any, dtype: torch.dtype, available_b
 
 #: the session caches built in this process, oldest first: causalkv's, and vLLM-Omni's own
 #: that `session_cache` built (for a measurement of the stock pool)
-_LIVE: list[weakref.ref[ARDiffusionKVCache]] = []
+#: (by id; an entry goes when its cache is collected)
+_LIVE: weakref.WeakValueDictionary[int, ARDiffusionKVCache] = weakref.WeakValueDictionary()
 
 
-def _track(cache: ARDiffusionKVCache) -> None:
-    _LIVE[:] = [ref for ref in _LIVE if ref() is not None]
-    _LIVE.append(weakref.ref(cache))
+def _track(cache: ARDiffusionKVCache) -> ARDiffusionKVCache:
+    _LIVE[id(cache)] = cache
+    return cache
 
 
 def live_caches(*, stock: bool = False) -> list[Any]:
     """The `CausalKVPagedKVCache` objects alive in this process (the worker's, when it runs in
     process), oldest first; ``stock``: vLLM-Omni's own caches `session_cache` built instead."""
-    caches = [c for ref in _LIVE if (c := ref()) is not None]
-    return [c for c in caches if isinstance(c, CausalKVPagedKVCache) is not stock]
+    return [c for c in list(_LIVE.values()) if isinstance(c, CausalKVPagedKVCache) is not stock]
 
 
 class CausalKVPagedKVCache(ARDiffusionKVCache):
@@ -306,8 +305,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 f"causalkv's paged cache holds one KV branch (LingBot-World's), the spec declares "
                 f"{[b.name for b in shape['kv_branches']]}")
         eng = engine_geometry(config, **shape)
-        layout = causalkv_layout(eng, quant)
-        adm = admit(eng, layout, available_bytes=available_bytes,
+        adm = admit(eng, causalkv_layout(eng, quant), available_bytes=available_bytes,
                     gpu_memory_fraction=config.gpu_memory_fraction,
                     requested_capacity=session_capacity)
         # vLLM-Omni's constructor: its checks, the ChunkWindowSpec, the scratch, cross-attention
@@ -332,7 +330,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         self.quant = quant.validate()
         self.head_offset = int(head_offset)
         self.geometry = eng
-        self.layout: SessionLayout = layout
+        self.layout: SessionLayout = adm.layout
         self.admission: Admission = adm
         self.requested_session_capacity = session_capacity
         self.available_memory_bytes = available_bytes
@@ -353,7 +351,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 self.num_blocks_total, self.block_size, self.num_layers, self.num_kv_heads,
                 self.head_size, self.dtype, device)
         self.tiering = tier_policy(self.quant, ENGINE_CACHE.min_tokens_per_centroid, 1, self.num_kv_heads,
-                                   self.head_size, torch.empty((), dtype=self.dtype).element_size())
+                                   self.head_size, self.geometry.itemsize)
         self.packer = Packer(self.device, self.dtype, SEED, self.head_offset, False)
         self._records: dict[str, _Session] = {}
         self._bound: Any = None
@@ -398,13 +396,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
     def allocate_token_slots(self, adapter: Any, num_tokens: int) -> list[int]:
         """vLLM-Omni's allocation for the committing forward; the new pages' logical frames are
         noted (the session's logical-to-physical map: page ``i`` of the compact table at or past
-        the storage position holds logical frame ``absolute + (i - storage)``)."""
+        the storage position holds logical frame ``i`` plus the frames compacted away, the
+        adapter's absolute position less its storage position)."""
         rec = self._record(adapter)
-        tpf = self.block_size
-        absolute = adapter.absolute_num_computed_tokens // tpf
-        storage = adapter.num_computed_tokens // tpf
         table = super().allocate_token_slots(adapter, num_tokens)
-        rec.frames.extend(absolute + (i - storage) for i in range(len(rec.frames), len(table)))
+        compacted = adapter.compacted_tokens // self.block_size
+        rec.frames.extend(i + compacted for i in range(len(rec.frames), len(table)))
         return table
 
     def commit_chunk(self, adapter: Any) -> None:
@@ -426,14 +423,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if book is not None and not any(s.packed and book.used_by(s.layers[0]) for s in segs):
             rec.book, rec.books = None, [None] * self.num_layers  # every group using it rolled out
         if self.quant.enabled:
-            ahead = g + 1
-
             def pack(step: Packed[PagedGroup], book: BookState | None) -> tuple[PagedGroup, BookState | None]:
                 return self._pack(adapter, rec, step), book if step.tier else step.book_after
 
             segs, rec.book, _ = self.tiering.settle(
-                ENGINE_CACHE.policy, segs, ahead, rec.book, pack, sink_end=ctx.sink_end,
-                pinned=ctx.pinned, sink_open=ctx.sink_end > ahead * n, chunk_tokens=n,
+                ENGINE_CACHE.policy, segs, g + 1, rec.book, pack, sink_end=ctx.sink_end,
+                pinned=ctx.pinned, sink_open=ctx.sink_end > (g + 1) * n, chunk_tokens=n,
                 finite=lambda pieces: self._finite(adapter, rec, pieces))
         keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
         rec.groups = segs
@@ -487,10 +482,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 mgr._remove_blocks_in_range(rid, i, i + 1)
         blocks = mgr.req_to_blocks.get(rid, [])
         kept = [(b, f) for b, f in zip(blocks, rec.frames) if f in keep]
-        removed = len(blocks) - len(kept)
+        adapter.compacted_tokens += (len(blocks) - len(kept)) * self.block_size
         blocks[:] = [b for b, _ in kept]
         rec.frames = [f for _, f in kept]
-        adapter.compacted_tokens += removed * self.block_size
 
     # -- what a session holds ----------------------------------------------------------------
     def report(self, request_id: str) -> SessionReport:
@@ -498,8 +492,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         rec, bs = self._records[request_id], self.block_size
         packed = [g for g in rec.groups if g.packed]
         pages = len(rec.frames)
-        nbytes = held_nbytes(seg for g in packed for seg in g.layers)
-        return SessionReport(pages, pages * self.geometry.page_bytes, nbytes,
+        return SessionReport(pages, pages * self.geometry.page_bytes,
+                             held_nbytes(seg for g in packed for seg in g.layers),
                              tuple((g.start // bs, g.end // bs) for g in packed),
                              rec.packed_reads, rec.packs)
 
@@ -537,10 +531,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         if not commit and not all(b >= self.managed_num_blocks for b in current):
             raise RuntimeError("causalkv's paged attention: the forward's current pages are neither "
                                "the session's newest pages nor scratch")
-        hist_pages = rec.frames[:-len(current)] if commit else list(rec.frames)
         where = dict(zip(rec.frames, table))
         # logical frame -> pool page id, or (packed group, offset in it)
-        history: dict[int, Any] = {f: where[f] for f in hist_pages}
+        history: dict[int, Any] = {f: where[f] for f in (rec.frames[:-len(current)] if commit else rec.frames)}
         for g in rec.groups:
             for f in range(g.start // bs, g.end // bs):
                 if any(a <= f * bs < b for a, b in rec.held):  # a packed span's rolled-out part: not shown
@@ -676,9 +669,7 @@ def session_cache(config: Any, **kwargs: Any) -> ARDiffusionKVCache:
     pipeline's spec carries a `CausalKVBranchSpec`, vLLM-Omni's own cache otherwise."""
     ours = [b for b in kwargs.get("kv_branches", ()) if isinstance(b, CausalKVBranchSpec)]
     if not ours:
-        cache = _STOCK_CACHE(config, **kwargs)
-        _track(cache)
-        return cache
+        return _track(_STOCK_CACHE(config, **kwargs))
     return CausalKVPagedKVCache(config, quant=ours[0].quant, head_offset=ours[0].head_offset, **kwargs)
 
 

@@ -100,14 +100,13 @@ class PagedLingBotMixin:
         branches = tuple(CausalKVBranchSpec(b.name, b.local_index, quant=self.causalkv_quant,
                                             head_offset=int(offset()) if callable(offset) else 0)
                          for b in spec.kv_branches)
-        spec = dataclasses.replace(spec, kv_branches=branches)
         od_config = self.od_config  # type: ignore[attr-defined]
         from vllm_omni.platforms import current_omni_platform
 
         free = current_omni_platform.get_free_memory(torch.device(self.device))  # type: ignore[attr-defined]
         capacity = declared_capacity(spec, resolve_ar_diffusion_kv_config(od_config),
                                      od_config.dtype, free, self.causalkv_quant)
-        return dataclasses.replace(spec, session_capacity=capacity)
+        return dataclasses.replace(spec, kv_branches=branches, session_capacity=capacity)
 
     @contextlib.contextmanager
     def bind_ar_diffusion_state(self, session_id: str, state: Any) -> Iterator[None]:
@@ -154,14 +153,13 @@ class PagedLingBotMixin:
                     sid, tick.chunk_index, self._causalkv_evicted[sid],
                     cache.session_capacity if cache is not None else None, self.causalkv_quant))
             del self._causalkv_evicted[sid]
+        if tick.close_session:  # the runner releases it after the forward: no eviction
+            self._causalkv_ending.add(sid)
         try:
-            out = super().forward(req)  # type: ignore[misc]
+            return super().forward(req)  # type: ignore[misc]
         except Exception:
             self._causalkv_ending.add(sid)
             raise
-        if tick.close_session:
-            self._causalkv_ending.add(sid)
-        return out
 
 
 @functools.cache

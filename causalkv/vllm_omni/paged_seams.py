@@ -23,6 +23,7 @@ Importing this module imports neither vLLM nor vLLM-Omni (`check_seams` does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -164,13 +165,6 @@ def installed_versions() -> tuple[str | None, str | None]:
     return installed("vllm-omni"), installed("vllm")
 
 
-def _resolve(seam: Seam) -> Any:
-    obj: Any = importlib.import_module(seam.module)
-    for part in seam.path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _probe_cache() -> Any:
     """An ``ARDiffusionKVCache`` at a tiny geometry, built without tensors (``device=None``)."""
     import torch
@@ -193,7 +187,7 @@ _ABSENT = {"parameter": "no parameter(s) {}", "field": "no field(s) {}",
 
 def _problem(seam: Seam, probe: Callable[[], Any]) -> str | None:
     try:
-        obj = _resolve(seam)
+        obj = functools.reduce(getattr, seam.path.split("."), importlib.import_module(seam.module))
     except ImportError as exc:
         return f"cannot import {seam.module} ({exc})"
     except AttributeError:

@@ -114,8 +114,7 @@ class CausalKVLingBotTransformer(CausalLingBotWorldTransformer3DModel):
         """
         stock = super().allocate_cache(batch_size=batch_size, latent_height=latent_height,
                                        latent_width=latent_width, device=device, dtype=dtype)
-        first = stock.self_attention[0]
-        _, max_tokens, heads, head_dim = first.key.shape
+        _, max_tokens, heads, head_dim = stock.self_attention[0].key.shape
         del stock
         tokens_per_frame = frame_tokens(latent_height, latent_width, self.config.patch_size[1:])
         spec = CausalCacheSpec(
