@@ -290,7 +290,6 @@ def quantize(
     flat_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg()).reshape(-1)
     impl = _IMPLS[resolve_backend(backend, x.device)]
     BH = B * H
-    K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
     # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
     # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
     finite = torch.isfinite(flat_amax)
@@ -315,7 +314,7 @@ def quantize(
             xg, norm[g0:g1], args, impl, seed=seed,
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
             codebooks=None if codebooks is None else [
-                c.reshape(BH, K, D)[g0:g1] for c in codebooks],
+                c.reshape(BH, -1, D)[g0:g1] for c in codebooks],
             poisoned=None if poisoned is None else poisoned[g0:g1],
         ))
     seg = PackedSegment.cat_heads(parts)._map(lambda t: t.view(B, H, *t.shape[2:]),
