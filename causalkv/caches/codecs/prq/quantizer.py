@@ -107,8 +107,7 @@ def _block_scales(
     r: torch.Tensor, bits: int, block: int, grid: str, asymmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Raw fp32 block scales ``[N, nb]`` for residual ``r [N, D]`` (and block minima if asym)."""
-    N, D = r.shape
-    r3 = r.view(N, D // block, block)
+    r3 = r.unflatten(-1, (-1, block))  # [N, nb, block]
     if asymmetric or grid == "reference":
         mn, mx = r3.amin(-1), r3.amax(-1)  # two vectorized reads, no temporary
         amax = torch.maximum(mn.abs(), mx.abs())  # abs: +0.0 for an all-zero block
