@@ -78,13 +78,12 @@ class CodecSetting:
         """The codec class (imports its module)."""
         module, _, attr = self.target.partition(":")
         try:
-            cls = getattr(importlib.import_module(module), attr)
+            return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(
                 f"codec setting {self.name!r}: cannot import {self.target!r} ({exc}); "
                 "check the plugin that registered it"
             ) from exc
-        return cls
 
 
 _SETTINGS: dict[str, CodecSetting] = {}

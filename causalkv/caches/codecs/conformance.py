@@ -160,8 +160,7 @@ def stored_tensors(record: object) -> list[torch.Tensor]:
     values = list(getattr(record, "__dict__", {}).values())
     values += [getattr(record, n) for n in getattr(type(record), "__slots__", ()) if hasattr(record, n)]
     found: dict[tuple[Hashable, ...], torch.Tensor] = {}
-    for value in values:
-        _tensors(value, found)
+    _tensors(values, found, depth=-1)  # the attributes' values at depth 0
     return list(found.values())
 
 

@@ -43,10 +43,8 @@ class FP8Record(TensorRecord):
 
 def _decode_into(record: FP8Record, out: torch.Tensor) -> None:
     values, scales = record.parts["values"], record.parts["scales"]
-    B, H, S, D = record.shape
-    G = scales.shape[-1]
-    x = values.float().reshape(B, H, S, G, D // G) * scales.unsqueeze(-1)
-    out.copy_(x.reshape(B, H, S, D))
+    x = values.float().unflatten(-1, (scales.shape[-1], -1)) * scales.unsqueeze(-1)
+    out.copy_(x.flatten(-2))
 
 
 register_record(FP8Record, decode_into=_decode_into)
@@ -84,14 +82,12 @@ class FP8Codec(KVCodec):
         codebooks: list[torch.Tensor] | None = None,
     ) -> FP8Record:
         self.check_encode(x)
-        B, H, S, D = x.shape
-        G = self._groups(D)
-        xf = x.float().reshape(B, H, S, G, D // G)
+        xf = x.float().unflatten(-1, (self._groups(x.shape[-1]), -1))
         scale = xf.abs().amax(dim=-1) / E4M3_MAX  # [B, H, S, G]
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         v = (xf / safe.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
-        values = v.to(torch.float8_e4m3fn).reshape(B, H, S, D)
-        return FP8Record((B, H, S, D), x.dtype, {"values": values, "scales": scale.contiguous()})
+        values = v.to(torch.float8_e4m3fn).flatten(-2)
+        return FP8Record(tuple(x.shape), x.dtype, {"values": values, "scales": scale.contiguous()})
 
     def decode_into(self, record: FP8Record, out: torch.Tensor) -> None:  # type: ignore[override]
         self.check_out(record, out)
@@ -105,9 +101,7 @@ class FP8Codec(KVCodec):
         """The module docstring's bound per element: ``2**-4 * |x| + 2**-10 * scale`` with
         ``scale = amax / 448`` of the element's group, plus float32 rounding (``2**-22 * |x|``
         covers the division and the product)."""
-        B, H, S, D = x.shape
-        G = self._groups(D)
-        xd = x.detach().double().reshape(B, H, S, G, D // G)
+        xd = x.detach().double().unflatten(-1, (self._groups(x.shape[-1]), -1))
         scale = xd.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
         bound = (2.0**-4 + 2.0**-22) * xd.abs() + 2.0**-10 * scale
-        return bound.reshape(B, H, S, D)
+        return bound.flatten(-2)

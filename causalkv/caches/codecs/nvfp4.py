@@ -57,12 +57,10 @@ class NVFP4Record(TensorRecord):
 def _decode_into(record: NVFP4Record, out: torch.Tensor) -> None:
     codes, scales = record.parts["codes"], record.parts["scales"]
     g = record.whole["global_scale"].to(codes.device)
-    B, H, S, D = record.shape
     table = _table(codes.device)
-    lo, hi = (codes & 0xF).long(), (codes >> 4).long()
-    vals = torch.stack([table[lo], table[hi]], dim=-1).reshape(B, H, S, D // BLOCK, BLOCK)
+    vals = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1)
     s = scales.float() * g
-    out.copy_((vals * s.unsqueeze(-1)).reshape(B, H, S, D))
+    out.copy_((vals.flatten(-2).unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2))
 
 
 register_record(NVFP4Record, decode_into=_decode_into)
@@ -92,8 +90,7 @@ class NVFP4Codec(KVCodec):
         codebooks: list[torch.Tensor] | None = None,
     ) -> NVFP4Record:
         self.check_encode(x)
-        B, H, S, D = x.shape
-        xf = x.float().reshape(B, H, S, D // BLOCK, BLOCK)
+        xf = x.float().unflatten(-1, (-1, BLOCK))
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
         g = (amax / (_E4M3_MAX * 6.0)).float()
         g_safe = torch.where(g > 0, g, torch.ones_like(g))
@@ -106,9 +103,9 @@ class NVFP4Codec(KVCodec):
         idx = (a.unsqueeze(-1) > mids).sum(-1)  # the lower index on a tie
         tie = (a.unsqueeze(-1) == mids).any(-1)
         idx = idx + (tie & (idx % 2 == 1))  # ties to the even index
-        code = (idx | ((v < 0) & (idx > 0)).long() << 3).to(torch.uint8).reshape(B, H, S, D // 2, 2)
-        codes = code[..., 0] | (code[..., 1] << 4)
-        return NVFP4Record((B, H, S, D), x.dtype, {"codes": codes.contiguous(), "scales": scales},
+        code = (idx | ((v < 0) & (idx > 0)).long() << 3).to(torch.uint8).flatten(-2)
+        codes = code[..., 0::2] | (code[..., 1::2] << 4)
+        return NVFP4Record(tuple(x.shape), x.dtype, {"codes": codes.contiguous(), "scales": scales},
                            {"global_scale": g.reshape(())})
 
     def decode_into(self, record: NVFP4Record, out: torch.Tensor) -> None:  # type: ignore[override]
@@ -124,9 +121,8 @@ class NVFP4Codec(KVCodec):
         """The module docstring's bound per element: ``bmax / 4`` in a block whose e4m3 scale
         is normal (``bmax >= amax / 28672``), ``amax / 14336`` in any other (the larger of
         the two is taken everywhere), plus float32 rounding (``2**-22 * |x|``)."""
-        B, H, S, D = x.shape
-        xd = x.detach().double().reshape(B, H, S, D // BLOCK, BLOCK)
+        xd = x.detach().double().unflatten(-1, (-1, BLOCK))
         amax = xd.abs().amax() if xd.numel() else xd.new_zeros(())
         bmax = xd.abs().amax(dim=-1, keepdim=True)
         bound = torch.maximum(bmax / 4, amax / 14336) + 2.0**-22 * xd.abs()
-        return bound.reshape(B, H, S, D)
+        return bound.flatten(-2)

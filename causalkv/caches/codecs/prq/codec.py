@@ -84,22 +84,20 @@ class PRQCodec(KVCodec):
         ``2**-20 * (|x| + a)`` (float32 arithmetic).
         """
         st = self.settings
-        B, H, S, D = x.shape
         xd = x.detach().double()
         lo, hi = xd.amin(dim=2, keepdim=True), xd.amax(dim=2, keepdim=True)  # [B, H, 1, D]
         big = xd.abs().amax(dim=2, keepdim=True)
         r = torch.maximum(xd - lo, hi - xd) + 2.0**-9 * big  # stage 1's residual, [B, H, S, D]
         for _ in range(1, st.stages):
             r = r + (1 + 2.0**-9) * r.amax(dim=2, keepdim=True)
-        nb = D // st.block_size
-        a = r.reshape(B, H, S, nb, st.block_size).amax(dim=-1, keepdim=True)
+        a = r.unflatten(-1, (-1, st.block_size)).amax(dim=-1, keepdim=True)  # [B, H, S, nb, 1]
         if st.grid == "mse4" and not st.asymmetric:
             f = 1 + 2.0**-4
         else:
             f = (1 + 2.0**-3) / (2 * (2 ** (st.bits - 1) - 1))
         head = a.amax(dim=(2, 3, 4), keepdim=True)
         bound = f * a + 2.0**-14 * head + 2.0**-20 * a
-        return bound.expand(B, H, S, nb, st.block_size).reshape(B, H, S, D) + 2.0**-20 * xd.abs()
+        return (bound + 2.0**-20 * xd.abs().unflatten(-1, (-1, st.block_size))).flatten(-2)
 
     def request_lines(self, span_tokens: int, whole_sink_tokens: int = 0) -> list[str]:
         """The run header's line: the centroids a packed span of ``span_tokens`` gets (and a

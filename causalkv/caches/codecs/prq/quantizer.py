@@ -107,8 +107,7 @@ def _block_scales(
     r: torch.Tensor, bits: int, block: int, grid: str, asymmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Raw fp32 block scales ``[N, nb]`` for residual ``r [N, D]`` (and block minima if asym)."""
-    N, D = r.shape
-    r3 = r.view(N, D // block, block)
+    r3 = r.unflatten(-1, (-1, block))  # [N, nb, block]
     if asymmetric or grid == "reference":
         mn, mx = r3.amin(-1), r3.amax(-1)  # two vectorized reads, no temporary
         amax = torch.maximum(mn.abs(), mx.abs())  # abs: +0.0 for an all-zero block
@@ -290,7 +289,6 @@ def quantize(
     flat_amax = torch.maximum(x.amax(dim=(2, 3)), x.amin(dim=(2, 3)).neg()).reshape(-1)
     impl = _IMPLS[resolve_backend(backend, x.device)]
     BH = B * H
-    K = min(args.centroids, S) if codebooks is None else int(codebooks[0].shape[2])
     # Normalize each head by a power of two (exact) so |x| <= 1: k-means distances cannot
     # overflow fp32 for any bf16-range input, and the codec is exactly equivariant to 2^k.
     finite = torch.isfinite(flat_amax)
@@ -315,7 +313,7 @@ def quantize(
             xg, norm[g0:g1], args, impl, seed=seed,
             heads=[(i // H, head_offset + i % H) for i in range(g0, g1)],
             codebooks=None if codebooks is None else [
-                c.reshape(BH, K, D)[g0:g1] for c in codebooks],
+                c.reshape(BH, -1, D)[g0:g1] for c in codebooks],
             poisoned=None if poisoned is None else poisoned[g0:g1],
         ))
     seg = PackedSegment.cat_heads(parts)._map(lambda t: t.view(B, H, *t.shape[2:]),

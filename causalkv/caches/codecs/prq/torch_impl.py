@@ -127,8 +127,7 @@ def unpack_levels(codes: torch.Tensor, bits: int, *, odd: bool = False) -> torch
     out = torch.empty(*codes.shape, per, dtype=torch.int8, device=codes.device)
     down = 8 - bits - (1 if odd else 0)
     for j in range(per):
-        up = 8 - bits * (j + 1)
-        top = (codes << up) if up else codes
+        top = codes << (8 - bits * (j + 1))  # field j at the top of the byte
         torch.bitwise_right_shift(top.view(torch.int8), down, out=out[..., j])
     if odd:
         out |= 1
