@@ -253,13 +253,11 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                 f"{debug_name}: heads {list(heads)} differ from the heads {list(self._heads)} "
                 f"written since the last reset; one cache serves one head range"
             )
-        start = current_chunk_start
-        global_end, _ = self._read_indices()
+        start, cur = current_chunk_start, self._cursor()
         m = self.marker
         probe, commit = (m.probe, m.commit) if m is not None else (False, None)
-        if commit is not None and start + n < global_end:
+        if commit is not None and start + n < cur.global_end:
             commit = None  # a commit is the newest chunk's context pass: an older one is unmarked
-        cur = self._cursor()
         plan = cur.plan(start, n, debug_name)
         for a, b in cur.rolled(plan).slots_of(start, start + n):  # its positions in other slots
             if a < plan.local_start or b > plan.local_end:
@@ -278,7 +276,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         else:
             write = KVWrite(start, start + n, heads, key, value)
             # a rewrite in place where it can
-            stored = store.plan(write, after.holding(), advance=start + n > global_end)
+            stored = store.plan(write, after.holding(), advance=start + n > cur.global_end)
             if commit is not None:
                 # the context pass: the chunk moves to its tier, planned with the write; the
                 # store keeps what sglang's buffer keeps after the next advance the commit

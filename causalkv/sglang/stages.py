@@ -225,8 +225,7 @@ def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
     settings = args.describe() if args is not None else (
         f"int{quant.bits}, centroids={quant.centroids}, block={quant.block_size}")
     tier = args.recent_tier if args is not None else "bf16"
-    sink = (f"sink chunks (stream-start and pinned shot sinks) kept {tier}" if not quant.sink
-            else "sink chunks (stream-start and pinned shot sinks) packed")
+    sink = "sink chunks (stream-start and pinned shot sinks) " + ("packed" if quant.sink else f"kept {tier}")
     where = ("denoising passes stored nothing (probes), the context pass stored each chunk "
              "in its tier" if codec == "causalkv"
              else "the chunk being generated held in every block")
