@@ -66,12 +66,10 @@ def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str |
     layout rule (`QVGKVQuantArgs.layout_problem`: PRQ's block size divides ``head_dim``; fp8
     and nvfp4 have their own), or a dtype that is not floating point."""
     problem = quant.layout_problem(head_dim)
-    if problem is not None:
-        return problem
-    if quant.enabled and not dtype.is_floating_point:
-        return (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
-                "float32, or turn quantization off")
-    return None
+    if problem is None and quant.enabled and not dtype.is_floating_point:
+        problem = (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
+                   "float32, or turn quantization off")
+    return problem
 
 
 class SGLangQVGKVCache(_SGLangQVGCache):

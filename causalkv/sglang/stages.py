@@ -163,13 +163,12 @@ def stage_marker(stage: Any) -> Any:
     """The stage's one `causalkv.caches.passes.PassMarker` (its blocks and CFG sets run one
     after another, and share it). Outside the hooked passes it marks nothing: code of
     sglang's that drives the caches directly gets sglang's dense semantics."""
-    marker = stage.__dict__.get(_MARKER)
-    if marker is None:
+    if _MARKER not in stage.__dict__:
         # lazy: this module imports no torch until sglang calls a hook
         from causalkv.caches.passes import PassMarker
 
-        marker = stage.__dict__[_MARKER] = PassMarker()
-    return marker
+        stage.__dict__[_MARKER] = PassMarker()
+    return stage.__dict__[_MARKER]
 
 
 def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
@@ -186,9 +185,8 @@ def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
     use it, else None."""
     marker = stage.__dict__.get(_MARKER) if served_stage(stage) is not None else None
     caches = kw.get("kv_cache") or getattr(kw.get("cache_ctx"), "kv_cache", None)
-    if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
-        return None
-    return marker
+    used = marker is not None and any(getattr(c, "marker", None) is marker for c in caches or ())
+    return marker if used else None
 
 
 def denoise_chunk(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
@@ -265,13 +263,11 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         return sglangs("sglang", f"{ENV_LINGBOT_QVG}=sglang")
     args = request_args(self, quant)  # the cache, the check and the log line share it
     reason = can_serve(args, kw["attention_head_dim"], kw["dtype"])
-    if reason is not None and entry.lingbot:
-        return sglangs("sglang", reason)
     if reason is not None:
-        raise ConfigError(
-            f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache: "
-            f"{reason}"
-        )
+        if entry.lingbot:
+            return sglangs("sglang", reason)
+        raise ConfigError(f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack "
+                          f"this KV cache: {reason}")
     # lazy: this module imports no torch until sglang calls a hook
     import torch
 
