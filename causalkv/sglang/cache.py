@@ -122,9 +122,12 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.marker = marker
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
-    # the cursors' int twins and the pin's reset and test are sglang's dense cache's own code
+    # the cursors' int twins and the pin are sglang's dense cache's own code: the pin is the
+    # last ``current_num_tokens`` slots' first ``sink_tokens`` slots (`RollingSlots.pinned_to`);
+    # without a pin the cursors are not read (its int twins stay unset)
     _read_indices = CausalSelfAttentionKVCache._read_indices
     _write_indices = CausalSelfAttentionKVCache._write_indices
+    pin_current_chunk = CausalSelfAttentionKVCache.pin_current_chunk
     reset_pinned_sink = CausalSelfAttentionKVCache.reset_pinned_sink
     has_pinned = CausalSelfAttentionKVCache._has_pinned_sink
     # can_direct_current_attention and num_cache_heads: sglang's QVG cache's (the dense rule)
@@ -140,16 +143,6 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self._slots = SlotMap()
         self._heads = None
         self.store.reset()
-
-    def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """sglang's pin: the last ``current_num_tokens`` slots' first ``sink_tokens`` slots
-        (`RollingSlots.pinned_to`). Without a pin the cursors are not read (as sglang: its
-        int twins stay unset)."""
-        if self.sink_tokens <= 0 or current_num_tokens <= 0:
-            self.reset_pinned_sink()
-            return
-        st = self._cursor().pinned_to(current_num_tokens).state
-        self.pinned_start, self.pinned_len = st.pinned_start, st.pinned_len
 
     @property
     def quantize_calls(self) -> int:
