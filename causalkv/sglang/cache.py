@@ -209,9 +209,8 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         have no position); ``rows`` counts every row, zeros included (sglang's ``k.shape[1]``).
         """
         cursors, pieces, heads, layout = self._update(**write)
-        rows = sum(n for _, n in pieces)
         return self.store.view(pieces, *heads, layout, make=lambda ranges, **kw: SegmentView(
-            rows=rows, position_ranges=ranges, **cursors, **kw))
+            rows=sum(n for _, n in pieces), position_ranges=ranges, **cursors, **kw))
 
     def _update(
         self,

@@ -106,13 +106,12 @@ def _warn_unserved(self: Any, server_args: Any, why: str, how: str) -> None:
         quant = sglang_quant_args(getattr(server_args, "kv_cache_quant_config", None))
     except ConfigError:
         return  # a bad setting on a stage the bridge does not serve: sglang's to judge
-    if not quant.enabled or type(self)._supports_qvg_kv_cache_quantization(self):
-        return
-    log_once(
-        logger, ("unserved", qualname(self)), logging.WARNING,
-        "causalkv sglang bridge: --kv-cache-quant int%s is not applied to %s: %s, so sglang "
-        "keeps its dense bf16 KV cache; %s", quant.bits, type(self).__name__, why, how,
-    )
+    if quant.enabled and not type(self)._supports_qvg_kv_cache_quantization(self):
+        log_once(
+            logger, ("unserved", qualname(self)), logging.WARNING,
+            "causalkv sglang bridge: --kv-cache-quant int%s is not applied to %s: %s, so sglang "
+            "keeps its dense bf16 KV cache; %s", quant.bits, type(self).__name__, why, how,
+        )
 
 
 def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
