@@ -124,18 +124,11 @@ class _RoutedCache:
         else:
             shape = (cache.batch_size, view.rows, kw["key"].shape[2], cache.head_dim)
             k, v = DeferredKV(view, shape, cache.dtype), DeferredKV(view, shape, cache.dtype)
-        return CausalAttentionKVView(
-            k=k, v=v, local_start_index=view.local_start_index,
-            local_end_index=view.local_end_index, visible_local_end=view.visible_local_end,
-            visible_global_end=view.visible_global_end,
-        )
+        cursors = ("local_start_index", "local_end_index", "visible_local_end", "visible_global_end")
+        return CausalAttentionKVView(k=k, v=v, **{name: getattr(view, name) for name in cursors})
 
 
 # ---- the hooks ------------------------------------------------------------------------------
-def _bridge_cache(args: tuple, kw: dict) -> SGLangQVGKVCache | None:
-    return next((a for a in (*args, *kw.values()) if isinstance(a, SGLangQVGKVCache)), None)
-
-
 def _declined(args: tuple, kw: dict, *, lingbot: bool) -> str | None:
     """Why the route does not serve this call (None: it does)."""
     q = args[0] if args else kw.get("q")
@@ -162,7 +155,7 @@ def self_attention(
     ``LingBotWorldCausalSelfAttention.forward``: sglang's forward with the bridge cache proxied
     (deferred view) when the route serves the call; otherwise sglang's forward (LingBot: always
     for a request that shards the sequence, whose strategies read the view's K/V themselves)."""
-    cache = _bridge_cache(args, kw)
+    cache = next((a for a in (*args, *kw.values()) if isinstance(a, SGLangQVGKVCache)), None)
     if cache is None:
         return original(owner, *args, **kw)
     why = _declined(args, kw, lingbot=lingbot)

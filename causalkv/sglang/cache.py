@@ -21,11 +21,13 @@ This module imports sglang; only the bridge's hooks import it, at hook-applicati
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import torch
 from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
     CausalAttentionKVView,
+    CausalSelfAttentionKVCache,
 )
 from sglang.multimodal_gen.runtime.layers.kvcache.qvg_packed_cache import (
     QVGPackedCausalKVCache as _SGLangQVGCache,
@@ -37,7 +39,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import RECENT_NON_SINK
 from causalkv.caches.qvg.segments import KVWrite, Segment
 from causalkv.caches.qvg.store import SegmentStore
-from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState, WritePlan
+from causalkv.caches.rolling_slots import RollingSlots, SlotMap, SlotState
 from causalkv.caches.spec import CacheWriteError
 from causalkv.caches.spec import CausalAttentionKVView as CausalKVView
 
@@ -64,12 +66,10 @@ def can_serve(quant: QVGKVQuantArgs, head_dim: int, dtype: torch.dtype) -> str |
     layout rule (`QVGKVQuantArgs.layout_problem`: PRQ's block size divides ``head_dim``; fp8
     and nvfp4 have their own), or a dtype that is not floating point."""
     problem = quant.layout_problem(head_dim)
-    if problem is not None:
-        return problem
-    if quant.enabled and not dtype.is_floating_point:
-        return (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
-                "float32, or turn quantization off")
-    return None
+    if problem is None and quant.enabled and not dtype.is_floating_point:
+        problem = (f"dtype {dtype} is not floating point; run the model in bfloat16, float16 or "
+                   "float32, or turn quantization off")
+    return problem
 
 
 class SGLangQVGKVCache(_SGLangQVGCache):
@@ -122,69 +122,27 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         self.marker = marker
 
     # ---- sglang's dense-cache surface ----------------------------------------------------
+    # the cursors' int twins and the pin are sglang's dense cache's own code: the pin is the
+    # last ``current_num_tokens`` slots' first ``sink_tokens`` slots (`RollingSlots.pinned_to`);
+    # without a pin the cursors are not read (its int twins stay unset)
+    _read_indices = CausalSelfAttentionKVCache._read_indices
+    _write_indices = CausalSelfAttentionKVCache._write_indices
+    pin_current_chunk = CausalSelfAttentionKVCache.pin_current_chunk
+    reset_pinned_sink = CausalSelfAttentionKVCache.reset_pinned_sink
+    has_pinned = CausalSelfAttentionKVCache._has_pinned_sink
+    # can_direct_current_attention and num_cache_heads: sglang's QVG cache's (the dense rule)
+
     def _cursor(self) -> RollingSlots:
         """sglang's int fields and the slot map as the slot buffer's cursor."""
-        g, loc = self._read_indices()
-        return RollingSlots(
-            SlotState(
-                cache_size=self.cache_size, sink_tokens=self.sink_tokens,
-                attention_window_size=self.attention_window_size,
-                allow_growth=self.allow_growth, global_sink_tokens=self.global_sink_tokens,
-                pinned_start=self.pinned_start, pinned_len=self.pinned_len,
-            ),
-            self._slots, g, loc,
-        )
-
-    def _read_indices(self) -> tuple[int, int]:
-        g, loc = self.global_end_index_int, self.local_end_index_int
-        if g is None or loc is None:  # sglang reads the tensors once, then keeps int twins
-            g, loc = int(self.global_end_index.item()), int(self.local_end_index.item())
-            self.global_end_index_int, self.local_end_index_int = g, loc
-        return g, loc
-
-    def _write_indices(self, *, global_end_index: int, local_end_index: int, force: bool = False) -> None:
-        if not force and (self.global_end_index_int, self.local_end_index_int) == (global_end_index, local_end_index):
-            return
-        if self.global_end_index_int is not None:
-            self.global_end_index_int = global_end_index
-        if self.local_end_index_int is not None:
-            self.local_end_index_int = local_end_index
-        self.global_end_index.fill_(global_end_index)
-        self.local_end_index.fill_(local_end_index)
+        state = SlotState(**{f.name: getattr(self, f.name) for f in fields(SlotState)})
+        return RollingSlots(state, self._slots, *self._read_indices())
 
     def reset_indices(self) -> None:
         """Forget the stream (sglang's semantics) and free every stored chunk."""
-        self._write_indices(global_end_index=0, local_end_index=0, force=True)
-        self.reset_pinned_sink()
+        CausalSelfAttentionKVCache.reset_indices(self)  # sglang's: the cursors to 0, no pin
         self._slots = SlotMap()
         self._heads = None
         self.store.reset()
-
-    def reset_pinned_sink(self) -> None:
-        self.pinned_start = -1
-        self.pinned_len = 0
-
-    def pin_current_chunk(self, current_num_tokens: int) -> None:
-        """sglang's pin: the last ``current_num_tokens`` slots' first ``sink_tokens`` slots
-        (`RollingSlots.pinned_to`). Without a pin the cursors are not read (as sglang: its
-        int twins stay unset)."""
-        if self.sink_tokens <= 0 or current_num_tokens <= 0:
-            self.reset_pinned_sink()
-            return
-        st = self._cursor().pinned_to(current_num_tokens).state
-        self.pinned_start, self.pinned_len = st.pinned_start, st.pinned_len
-
-    def can_direct_current_attention(self, num_new_tokens: int) -> bool:
-        """sglang's static rule; its attention then skips the write, which is safe only here."""
-        return (
-            self.sink_tokens == 0
-            and self.cache_size == num_new_tokens
-            and self.attention_window_size == num_new_tokens
-        )
-
-    @property
-    def num_cache_heads(self) -> int:
-        return self.num_heads
 
     @property
     def quantize_calls(self) -> int:
@@ -227,9 +185,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         Runs outside torch.compile's graphs (one graph break at sglang's call site): every
         decision here is integer bookkeeping that would only specialize and recompile.
         """
-        plan, pieces, heads, layout = self._update(**write)
+        cursors, pieces, heads, layout = self._update(**write)
         k, v = self.store.gather(pieces, *heads, layout)
-        return CausalAttentionKVView(k=k, v=v, **_cursors(plan))
+        return CausalAttentionKVView(k=k, v=v, **cursors)
 
     @torch.compiler.disable(reason="the cache's bookkeeping is Python ints and lists; one break")
     def update_and_get_segment_view(self, **write: Any) -> SegmentView:
@@ -250,10 +208,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         of it). ``position_ranges`` lists the pieces' position runs in view order (zero pieces
         have no position); ``rows`` counts every row, zeros included (sglang's ``k.shape[1]``).
         """
-        plan, pieces, heads, layout = self._update(**write)
-        rows = sum(n for _, n in pieces)
+        cursors, pieces, heads, layout = self._update(**write)
         return self.store.view(pieces, *heads, layout, make=lambda ranges, **kw: SegmentView(
-            rows=rows, position_ranges=ranges, **_cursors(plan), **kw))
+            rows=sum(n for _, n in pieces), position_ranges=ranges, **cursors, **kw))
 
     def _update(
         self,
@@ -264,9 +221,9 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         cache_head_start: int | None = None,
         recent_window_tokens: int | None = None,
         debug_name: str = "causal KV cache",
-    ) -> tuple[WritePlan, list[tuple[int | None, int]], tuple[int, int], list[Segment]]:
+    ) -> tuple[dict[str, int], list[tuple[int | None, int]], tuple[int, int], list[Segment]]:
         """Plan and commit one write (see `update_and_get_attention_kv`); what the view shows:
-        the plan (its cursors, `_cursors`), the view's pieces (`SegmentStore.gather`'s
+        sglang's view cursors after the write, the view's pieces (`SegmentStore.gather`'s
         ``(position or None, length)``), its heads, and the store's segments it reads (a
         probe's: its own K/V too)."""
         n, h_in = key.shape[1], key.shape[2]
@@ -286,15 +243,19 @@ class SGLangQVGKVCache(_SGLangQVGCache):
                 f"{debug_name}: heads {list(heads)} differ from the heads {list(self._heads)} "
                 f"written since the last reset; one cache serves one head range"
             )
-        start = current_chunk_start
-        global_end, _ = self._read_indices()
+        start, cur = current_chunk_start, self._cursor()
         m = self.marker
         probe, commit = (m.probe, m.commit) if m is not None else (False, None)
-        if commit is not None and start + n < global_end:
+        if commit is not None and start + n < cur.global_end:
             commit = None  # a commit is the newest chunk's context pass: an older one is unmarked
-        cur = self._cursor()
         plan = cur.plan(start, n, debug_name)
-        self._check_consistent(cur.rolled(plan), plan, start, n, debug_name)
+        for a, b in cur.rolled(plan).slots_of(start, start + n):  # its positions in other slots
+            if a < plan.local_start or b > plan.local_end:
+                raise CacheWriteError(
+                    f"{debug_name}: positions [{start}, {start + n}) land in slots "
+                    f"[{plan.local_start}, {plan.local_end}) while slots [{a}, {b}) still hold "
+                    f"some of them; sglang's dense cache would leave two versions (not served)"
+                )
         after = cur.written(plan, start)
         pieces = after.pieces(recent_window_tokens)
         store = self.store
@@ -305,7 +266,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         else:
             write = KVWrite(start, start + n, heads, key, value)
             # a rewrite in place where it can
-            stored = store.plan(write, after.holding(), advance=start + n > global_end)
+            stored = store.plan(write, after.holding(), advance=start + n > cur.global_end)
             if commit is not None:
                 # the context pass: the chunk moves to its tier, planned with the write; the
                 # store keeps what sglang's buffer keeps after the next advance the commit
@@ -327,23 +288,10 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         # and keeps that size through reset_indices: so does this cache, storing nothing more
         self.cache_size = after.state.cache_size
         self.attention_window_size = after.state.attention_window_size
-        return plan, pieces, heads, layout
-
-    def has_pinned(self) -> bool:
-        return self.pinned_start >= 0 and self.pinned_len > 0
-
-    def _check_consistent(
-        self, slots: SlotMap, plan: WritePlan, start: int, n: int, debug_name: str
-    ) -> None:
-        """Refuse a write whose positions also sit in slots it does not overwrite."""
-        for a, b in slots.slots_of(start, start + n):
-            if a < plan.local_start or b > plan.local_end:
-                raise CacheWriteError(
-                    f"{debug_name}: positions [{start}, {start + n}) land in slots "
-                    f"[{plan.local_start}, {plan.local_end}) while slots [{a}, {b}) still hold "
-                    f"some of them; sglang's dense cache would leave two versions (not served)"
-                )
-
+        cursors = {"local_start_index": plan.local_start, "local_end_index": plan.local_end,
+                   "visible_local_end": plan.updated_local_end,
+                   "visible_global_end": plan.updated_global_end}
+        return cursors, pieces, heads, layout
 
 class SegmentView(CausalKVView):
     """causalkv's lazy view (`causalkv.caches.CausalAttentionKVView`) of what sglang's view of
@@ -359,9 +307,3 @@ class SegmentView(CausalKVView):
     def num_rows(self) -> int:
         return self.rows
 
-
-def _cursors(plan: WritePlan) -> dict[str, int]:
-    """sglang's view cursors after ``plan``'s write."""
-    return {"local_start_index": plan.local_start, "local_end_index": plan.local_end,
-            "visible_local_end": plan.updated_local_end,
-            "visible_global_end": plan.updated_global_end}

@@ -32,19 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from causalkv.sglang.settings import load_config, post_init
-from causalkv.sglang.stages import (
-    allocate,
-    apply_overrides,
-    context_update,
-    denoise_chunk,
-    forward,
-    off_prepare_forward_context,
-    prepare_forward_context,
-    prepare_realtime_caches,
-    scene_cut,
-    supports_qvg,
-)
+from causalkv.sglang import settings, stages
 from causalkv.sglang.targets import (
     BASE,
     LINGBOT,
@@ -60,26 +48,19 @@ __all__ = ["FUSED_ATTENTION_HOOKS", "HOOKS", "OFF_HOOKS"]
 
 #: (dotted target, AROUND hook) pairs registered by `causalkv.sglang.register`
 HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
-    (f"{SERVER_ARGS}.__post_init__", post_init),
-    (f"{PIPELINE_BASE}._load_config", load_config),
-    (f"{BASE}._supports_qvg_kv_cache_quantization", supports_qvg),
-    (f"{BASE}._prepare_causal_dmd_forward_context", prepare_forward_context),
-    (f"{BASE}._apply_causal_cache_overrides", apply_overrides),
-    (f"{BASE}._allocate_causal_kv_cache", allocate),
-    (f"{LINGBOT}._allocate_causal_kv_cache", allocate),
-    (f"{BASE}.forward", forward),
-    (f"{BASE}._prepare_realtime_causal_caches", prepare_realtime_caches),
-    (f"{LONGLIVE2}.forward", forward),
-    (f"{LINGBOT}.forward", forward),
-    (f"{BASE}._update_causal_context_cache", context_update),
-    (f"{LONGLIVE2}._update_causal_context_cache", context_update),
-    (f"{LINGBOT}._update_causal_context_cache", context_update),
-    (f"{LONGLIVE2}._is_scene_cut", scene_cut),
-    (f"{BASE}._denoise_causal_dmd_chunk", denoise_chunk),
-    (f"{LONGLIVE2}._denoise_causal_dmd_chunk", denoise_chunk),
-    (f"{LONGLIVE2}._denoise_causal_dmd_chunk_cfg", denoise_chunk),
-    (f"{BASE}._denoise_realtime_causal_chunk", denoise_chunk),
-    (f"{LINGBOT}._denoise_realtime_causal_chunk", denoise_chunk),
+    (f"{SERVER_ARGS}.__post_init__", settings.post_init),
+    (f"{PIPELINE_BASE}._load_config", settings.load_config),
+    (f"{BASE}._supports_qvg_kv_cache_quantization", stages.supports_qvg),
+    (f"{BASE}._prepare_causal_dmd_forward_context", stages.prepare_forward_context),
+    (f"{BASE}._apply_causal_cache_overrides", stages.apply_overrides),
+    (f"{BASE}._prepare_realtime_causal_caches", stages.prepare_realtime_caches),
+    (f"{LONGLIVE2}._is_scene_cut", stages.scene_cut),
+    (f"{LONGLIVE2}._denoise_causal_dmd_chunk_cfg", stages.denoise_chunk),
+    *((f"{cls}.forward", stages.forward) for cls in (BASE, LONGLIVE2, LINGBOT)),
+    *((f"{cls}._update_causal_context_cache", stages.context_update) for cls in (BASE, LONGLIVE2, LINGBOT)),
+    *((f"{cls}._allocate_causal_kv_cache", stages.allocate) for cls in (BASE, LINGBOT)),
+    *((f"{cls}._denoise_causal_dmd_chunk", stages.denoise_chunk) for cls in (BASE, LONGLIVE2)),
+    *((f"{cls}._denoise_realtime_causal_chunk", stages.denoise_chunk) for cls in (BASE, LINGBOT)),
 )
 
 
@@ -108,5 +89,5 @@ FUSED_ATTENTION_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
 
 #: what `causalkv.sglang.register` registers with the bridge off: a warning, no behaviour
 OFF_HOOKS: tuple[tuple[str, Callable[..., Any]], ...] = (
-    (f"{BASE}._prepare_causal_dmd_forward_context", off_prepare_forward_context),
+    (f"{BASE}._prepare_causal_dmd_forward_context", stages.off_prepare_forward_context),
 )

@@ -106,13 +106,12 @@ def _warn_unserved(self: Any, server_args: Any, why: str, how: str) -> None:
         quant = sglang_quant_args(getattr(server_args, "kv_cache_quant_config", None))
     except ConfigError:
         return  # a bad setting on a stage the bridge does not serve: sglang's to judge
-    if not quant.enabled or type(self)._supports_qvg_kv_cache_quantization(self):
-        return
-    log_once(
-        logger, ("unserved", qualname(self)), logging.WARNING,
-        "causalkv sglang bridge: --kv-cache-quant int%s is not applied to %s: %s, so sglang "
-        "keeps its dense bf16 KV cache; %s", quant.bits, type(self).__name__, why, how,
-    )
+    if quant.enabled and not type(self)._supports_qvg_kv_cache_quantization(self):
+        log_once(
+            logger, ("unserved", qualname(self)), logging.WARNING,
+            "causalkv sglang bridge: --kv-cache-quant int%s is not applied to %s: %s, so sglang "
+            "keeps its dense bf16 KV cache; %s", quant.bits, type(self).__name__, why, how,
+        )
 
 
 def prepare_forward_context(original: Callable[..., Any], self: Any, batch: Any, server_args: Any):
@@ -163,13 +162,12 @@ def stage_marker(stage: Any) -> Any:
     """The stage's one `causalkv.caches.passes.PassMarker` (its blocks and CFG sets run one
     after another, and share it). Outside the hooked passes it marks nothing: code of
     sglang's that drives the caches directly gets sglang's dense semantics."""
-    marker = stage.__dict__.get(_MARKER)
-    if marker is None:
+    if _MARKER not in stage.__dict__:
         # lazy: this module imports no torch until sglang calls a hook
         from causalkv.caches.passes import PassMarker
 
-        marker = stage.__dict__[_MARKER] = PassMarker()
-    return marker
+        stage.__dict__[_MARKER] = PassMarker()
+    return stage.__dict__[_MARKER]
 
 
 def scene_cut(original: Callable[..., bool], self: Any, batch: Any, block_index: int) -> bool:
@@ -186,9 +184,8 @@ def _marker_of(stage: Any, kw: dict[str, Any]) -> Any:
     use it, else None."""
     marker = stage.__dict__.get(_MARKER) if served_stage(stage) is not None else None
     caches = kw.get("kv_cache") or getattr(kw.get("cache_ctx"), "kv_cache", None)
-    if marker is None or not any(getattr(c, "marker", None) is marker for c in caches or ()):
-        return None
-    return marker
+    used = marker is not None and any(getattr(c, "marker", None) is marker for c in caches or ())
+    return marker if used else None
 
 
 def denoise_chunk(original: Callable[..., Any], self: Any, *args: Any, **kw: Any) -> Any:
@@ -225,8 +222,7 @@ def describe(caches: list, quant: Any, stage: Any, codec: str, note: str = "",
     settings = args.describe() if args is not None else (
         f"int{quant.bits}, centroids={quant.centroids}, block={quant.block_size}")
     tier = args.recent_tier if args is not None else "bf16"
-    sink = (f"sink chunks (stream-start and pinned shot sinks) kept {tier}" if not quant.sink
-            else "sink chunks (stream-start and pinned shot sinks) packed")
+    sink = "sink chunks (stream-start and pinned shot sinks) " + ("packed" if quant.sink else f"kept {tier}")
     where = ("denoising passes stored nothing (probes), the context pass stored each chunk "
              "in its tier" if codec == "causalkv"
              else "the chunk being generated held in every block")
@@ -266,13 +262,11 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
         return sglangs("sglang", f"{ENV_LINGBOT_QVG}=sglang")
     args = request_args(self, quant)  # the cache, the check and the log line share it
     reason = can_serve(args, kw["attention_head_dim"], kw["dtype"])
-    if reason is not None and entry.lingbot:
-        return sglangs("sglang", reason)
     if reason is not None:
-        raise ConfigError(
-            f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack this KV cache: "
-            f"{reason}"
-        )
+        if entry.lingbot:
+            return sglangs("sglang", reason)
+        raise ConfigError(f"causalkv sglang bridge, {type(self).__name__}: causalkv cannot pack "
+                          f"this KV cache: {reason}")
     # lazy: this module imports no torch until sglang calls a hook
     import torch
 
