@@ -289,6 +289,29 @@ def test_a_request_that_does_not_fit_in_memory_is_refused(
     )
 
 
+def test_a_cuda_index_beyond_the_machine_s_devices_is_refused_as_absent(
+    tmp_path: Path, empty_home: Path, counter: ChunkCounter, loads: list[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a machine with one CUDA device, ``--device cuda:1`` gets the absent-device line (exit
+    2): the memory check, which runs before the device check, asks only a device that exists
+    for its memory (torch's ``get_device_properties`` asserts on any other index)."""
+
+    def properties(index: int) -> Any:
+        assert index < 1, "Invalid device id"  # as torch.cuda.get_device_properties does
+        return type("Props", (), {"total_memory": 80 * 2**30})()
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert_refused_up_front(
+        ["--device", "cuda:1", "--no-video"],
+        ["--device 'cuda:1' is not available: this machine has 1 CUDA device(s); use --device cpu"],
+        tmp_path, empty_home, counter, loads, capsys,
+    )
+
+
 def test_dtype_the_device_cannot_run_is_refused(
     tmp_path: Path, empty_home: Path, counter: ChunkCounter, loads: list[str],
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
