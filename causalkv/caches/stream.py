@@ -150,14 +150,13 @@ class StreamState:
         chunk: Intervals = ((self.global_end, end),)
         held = iv.union(self.retained, chunk)
         sink = self.sink(held)
-        capacity = self.capacity
-        if iv.count(iv.union(sink, chunk)) > capacity:
-            if not self.allow_growth:
-                raise CacheWriteError(
-                    f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
-                    f"fit cache_size={capacity}; raise cache_size or set allow_growth=True"
-                )
-            capacity = iv.count(iv.union(sink, chunk))
+        need = iv.count(iv.union(sink, chunk))
+        if need > self.capacity and not self.allow_growth:
+            raise CacheWriteError(
+                f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
+                f"fit cache_size={self.capacity}; raise cache_size or set allow_growth=True"
+            )
+        capacity = max(self.capacity, need)  # grown to fit
         retained = iv.union(sink, iv.newest(iv.subtract(held, sink), capacity - iv.count(sink)))
         return replace(
             self, global_end=end, cur_start=self.global_end, cur_n=n, retained=retained,
