@@ -102,8 +102,8 @@ class StreamState:
         now = after.holding()
         try:
             ahead = after.advanced(next_tokens or self.cur_n, "the next chunk")
-        except CacheWriteError:  # the next chunk would not fit: keep everything
-            return replace(now, held=self.retained)
+        except CacheWriteError:  # the next chunk would not fit: keep everything (a pin moves none)
+            return now
         chunk = ((self.global_end, ahead.global_end),)
         return replace(now, held=iv.subtract(ahead.retained, chunk))
 
