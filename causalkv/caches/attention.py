@@ -329,8 +329,6 @@ def _attend_segments(
         st.peak_segment_nbytes = max(st.peak_segment_nbytes, seg)
         merge(k, v, extra)
         del k, v, k_seg, v_seg
-    if st.segments == 0:
-        raise AttendError("attend: the view has no visible tokens; write a chunk first")
     return acc.transpose(1, 2).to(query.dtype)
 
 

@@ -2,7 +2,7 @@
 
 Validation, the pass marks (probe / commit), reads, pins and `can_direct_current_attention`
 live here once, over a `StreamState`. A cache implements only its storage: `_write` (store a
-checked write, classified here with `StreamState.classify`: evict, copy, commit), `probe_view`
+checked write, classified here with `StreamState.written`: evict, copy, commit), `probe_view`
 (the view of a write, nothing stored) and `_view` (build the view).
 """
 
@@ -172,16 +172,8 @@ class StreamCache(ABC):
     ) -> CausalAttentionKVView:
         """A view of ``visible`` carrying the reference cursors; ``storage`` is the view's
         ``k``/``v``/``segments``/``materialize``/``device`` arguments."""
-        st = self.state if state is None else state
-        local_start, local_end, vis_local_end, vis_end = st.cursors(visible)
-        return CausalAttentionKVView(
-            position_ranges=visible,
-            local_start_index=local_start,
-            local_end_index=local_end,
-            visible_local_end=vis_local_end,
-            visible_global_end=vis_end,
-            **storage,  # type: ignore[arg-type]
-        )
+        cursors = (self.state if state is None else state).cursors(visible)
+        return CausalAttentionKVView(position_ranges=visible, **cursors, **storage)  # type: ignore[arg-type]
 
     @abstractmethod
     def _view(self, h0: int, h1: int, recent_window_tokens: int | None) -> CausalAttentionKVView:

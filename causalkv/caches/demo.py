@@ -45,19 +45,17 @@ class DemoConfig:
         return self.frames_per_chunk * self.tokens_per_frame
 
     def spec(self) -> CausalCacheSpec:
-        import torch  # the walkthrough builds tensors; its config (``demo --help``) does not
-
+        # the walkthrough imports torch; its config (``demo --help``) does not
         from causalkv.caches.spec import CausalCacheSpec
 
         sink = self.sink_frames * self.tokens_per_frame
-        return CausalCacheSpec(
+        return CausalCacheSpec(  # bf16, the spec's default dtype
             batch_size=1,
             num_heads=self.num_heads,
             head_dim=self.head_dim,
             cache_size=self.window_frames * self.tokens_per_frame,
             sink_tokens=sink,
             global_sink_tokens=sink,
-            dtype=torch.bfloat16,
         )
 
 
@@ -178,12 +176,10 @@ def format_report(config: DemoConfig, reports: Sequence[ChunkReport], size: Size
 
 def full_scale_line(config: DemoConfig, size: SizeFormat) -> str:
     """The same window at LongLive 2.0 scale: 880 tokens/frame, 30 layers x 24 heads x 128, bf16."""
-    import torch
-
     from causalkv.caches.spec import CausalCacheSpec
 
     tokens = config.window_frames * 880
-    per_layer = CausalCacheSpec(1, 24, 128, tokens, dtype=torch.bfloat16).dense_nbytes()
+    per_layer = CausalCacheSpec(1, 24, 128, tokens).dense_nbytes()  # bf16, the default dtype
     total = 30 * per_layer
     return (
         f"At LongLive 2.0 scale (880 tokens/frame, 30 layers x 24 heads x 128, bf16) this "

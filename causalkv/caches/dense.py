@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
@@ -38,7 +39,7 @@ class DenseCausalKVCache(StreamCache):
     preallocates = True
 
     def __init__(self, spec: CausalCacheSpec, quant: object | None = None) -> None:
-        if quant is not None and getattr(quant, "enabled", False):
+        if getattr(quant, "enabled", False):
             raise ConfigError(
                 "DenseCausalKVCache stores bf16 only; for QVG quantization use "
                 "QVGPackedCausalKVCache (cache 'qvg') or --kv-cache-quant off"
@@ -112,13 +113,10 @@ class DenseCausalKVCache(StreamCache):
         advance, or a commit keeping a subset), and commit ``new``. Heads outside
         ``fresh_heads`` of the new chunk read as zeros until written."""
         old_retained = self.state.retained
-        b, old, h, d = self.k_cache.shape
-        if new.capacity > old:  # grow: the buffers copied into larger zeroed ones
-            for name in ("k_cache", "v_cache"):
-                grown = torch.zeros((b, new.capacity, h, d), dtype=self.spec.dtype,
-                                    device=self.k_cache.device)
-                grown[:, :old] = getattr(self, name)
-                setattr(self, name, grown)
+        grow = new.capacity - self.k_cache.shape[1]
+        if grow > 0:  # the buffers copied into larger ones, the new slots zero
+            self.k_cache = F.pad(self.k_cache, (0, 0, 0, 0, 0, grow))
+            self.v_cache = F.pad(self.v_cache, (0, 0, 0, 0, 0, grow))
         for a, b in iv.intersect(old_retained, new.retained):  # the survivors
             src, dst = iv.rank(old_retained, a), iv.rank(new.retained, a)
             if src != dst:

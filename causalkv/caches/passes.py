@@ -24,7 +24,7 @@ caches' `causalkv.caches.ledger.ByteLedger`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from causalkv.caches.ledger import ByteLedger
@@ -68,25 +68,23 @@ class PassMarker:
         self.commit: Commit | None = None
         self.ledger = ByteLedger()
 
-    @contextmanager
-    def probing(self) -> Iterator[PassMarker]:
+    def probing(self) -> AbstractContextManager[PassMarker]:
         """Writes inside are probes (denoising passes of the chunk being generated)."""
-        with self._marked(True, None):
-            yield self
+        return self._marked(True, None)
 
-    @contextmanager
-    def committing(self, *, pin: bool = False, next_tokens: int | None = None) -> Iterator[PassMarker]:
+    def committing(
+        self, *, pin: bool = False, next_tokens: int | None = None
+    ) -> AbstractContextManager[PassMarker]:
         """Writes inside are the chunk's context pass (`Commit` of ``pin``, ``next_tokens``)."""
-        with self._marked(False, Commit(pin, next_tokens)):
-            yield self
+        return self._marked(False, Commit(pin, next_tokens))
 
     @contextmanager
-    def _marked(self, probe: bool, commit: Commit | None) -> Iterator[None]:
+    def _marked(self, probe: bool, commit: Commit | None) -> Iterator[PassMarker]:
         """The pass marked inside; an inner mark wins, and the outer one is back after it
         (a host's context pass may run inside the scope of its denoising passes)."""
         before = self.probe, self.commit
         self.probe, self.commit = probe, commit
         try:
-            yield
+            yield self
         finally:
             self.probe, self.commit = before

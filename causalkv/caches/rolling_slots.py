@@ -75,9 +75,7 @@ class SlotMap:
         return out
 
     def write(self, a: int, b: int, position: int) -> None:
-        runs = self._cut(a, b)
-        runs.append((a, b, position))
-        self.runs = sorted(runs)
+        self.runs = sorted([*self._cut(a, b), (a, b, position)])
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Slots ``[dst, dst + n)`` take what ``[src, src + n)`` held (the roll)."""
@@ -282,9 +280,7 @@ class RollingSlots:
         slots.write(plan.local_start, plan.local_end, start)
         st = self.state
         moves = st.has_pinned_sink() and st.pinned_start >= plan.sink
-        window = st.attention_window_size
-        if window == st.cache_size:
-            window = plan.grow_to
+        window = plan.grow_to if st.attention_window_size == st.cache_size else st.attention_window_size
         return replace(
             self, state=replace(st, cache_size=plan.grow_to, attention_window_size=window,
                                 pinned_start=st.pinned_start - (plan.evicted if moves else 0)),

@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from causalkv.caches.intervals import Intervals, count, to_positions
-from causalkv.capabilities import (
-    CacheCapabilities,
-)
+from causalkv.capabilities import CacheCapabilities
 from causalkv.errors import CausalKVError, ConfigError, UsageError, check_int, is_int
 
 __all__ = [

@@ -102,8 +102,8 @@ class StreamState:
         now = after.holding()
         try:
             ahead = after.advanced(next_tokens or self.cur_n, "the next chunk")
-        except CacheWriteError:  # the next chunk would not fit: keep everything
-            return replace(now, held=self.retained)
+        except CacheWriteError:  # the next chunk would not fit: keep everything (a pin moves none)
+            return now
         chunk = ((self.global_end, ahead.global_end),)
         return replace(now, held=iv.subtract(ahead.retained, chunk))
 
@@ -112,18 +112,20 @@ class StreamState:
         only what the next advance keeps (`after_context`) stays retained."""
         return replace(self, retained=self.after_context(pin, next_tokens).held)
 
-    def cursors(self, visible: Intervals) -> tuple[int, int, int, int]:
-        """Reference-runtime cursors for a view of ``visible``, in compact retained slots.
-
-        Returns ``(local_start_index, local_end_index, visible_local_end, visible_global_end)``.
-        """
+    def cursors(self, visible: Intervals) -> dict[str, int]:
+        """Reference-runtime cursors for a view of ``visible``, in compact retained slots: the
+        view's ``local_start_index``, ``local_end_index``, ``visible_local_end`` and
+        ``visible_global_end`` (`CausalAttentionKVView`'s keywords)."""
         local_start = iv.rank(self.retained, self.cur_start) if self.cur_start is not None else 0
         vis_end = visible[-1][1] if visible else 0
-        return local_start, local_start + self.cur_n, iv.rank(self.retained, vis_end), vis_end
+        return {"local_start_index": local_start, "local_end_index": local_start + self.cur_n,
+                "visible_local_end": iv.rank(self.retained, vis_end), "visible_global_end": vis_end}
 
     # ---- transitions (pure: return a new state or raise) --------------------------------
-    def classify(self, start: int, n: int, debug_name: str) -> str:
-        """``"rewrite"`` or ``"advance"``; CacheWriteError otherwise."""
+    def written(self, start: int, n: int, debug_name: str) -> StreamState:
+        """The state after a write of ``n`` tokens at ``start``: an advance's (`advanced`) when
+        ``start`` is ``global_end``, this very state for a rewrite of the current chunk (same
+        size); CacheWriteError otherwise."""
         if not is_int(start, None):
             raise CacheWriteError(
                 f"{debug_name}: current_chunk_start must be an int, got {type(start).__name__}"
@@ -134,19 +136,13 @@ class StreamState:
                     f"{debug_name}: rewrite of chunk at {start} changed size: {n} tokens, "
                     f"the chunk has {self.cur_n}"
                 )
-            return "rewrite"
+            return self
         if start == self.global_end:
-            return "advance"
+            return self.advanced(n, debug_name)
         raise CacheWriteError(
             f"{debug_name}: non-sequential write current_start={start} "
             f"global_end={self.global_end} cur={self.cur_start}"
         )
-
-    def written(self, start: int, n: int, debug_name: str) -> StreamState:
-        """The state after a write of ``n`` tokens at ``start`` (`classify`): an advance's
-        (`advanced`), or this very state for a rewrite; CacheWriteError otherwise."""
-        advance = self.classify(start, n, debug_name) == "advance"
-        return self.advanced(n, debug_name) if advance else self
 
     def advanced(self, n: int, debug_name: str) -> StreamState:
         """The state after appending ``n`` tokens at ``global_end`` (eviction applied)."""
@@ -154,14 +150,13 @@ class StreamState:
         chunk: Intervals = ((self.global_end, end),)
         held = iv.union(self.retained, chunk)
         sink = self.sink(held)
-        capacity = self.capacity
-        if iv.count(iv.union(sink, chunk)) > capacity:
-            if not self.allow_growth:
-                raise CacheWriteError(
-                    f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
-                    f"fit cache_size={capacity}; raise cache_size or set allow_growth=True"
-                )
-            capacity = iv.count(iv.union(sink, chunk))
+        need = iv.count(iv.union(sink, chunk))
+        if need > self.capacity and not self.allow_growth:
+            raise CacheWriteError(
+                f"{debug_name}: a chunk of {n} tokens plus {iv.count(sink)} sink tokens does not "
+                f"fit cache_size={self.capacity}; raise cache_size or set allow_growth=True"
+            )
+        capacity = max(self.capacity, need)  # grown to fit
         retained = iv.union(sink, iv.newest(iv.subtract(held, sink), capacity - iv.count(sink)))
         return replace(
             self, global_end=end, cur_start=self.global_end, cur_n=n, retained=retained,

@@ -53,10 +53,7 @@ from causalkv.caches.qvg.policy import PackingPolicy, resolve_policy
 from causalkv.caches.qvg.segments import KVWrite, PackingReport, Segment
 from causalkv.caches.qvg.store import SegmentStore
 from causalkv.caches.qvg.tiering import codec_for
-from causalkv.caches.spec import (
-    CausalAttentionKVView,
-    CausalCacheSpec,
-)
+from causalkv.caches.spec import CausalAttentionKVView, CausalCacheSpec
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
     GROWTH,

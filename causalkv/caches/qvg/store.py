@@ -95,6 +95,13 @@ class SegmentStore:
         ConfigError: settings whose codec (or recency tier) cannot pack ``head_dim``
             channels (the codec's own rule, `QVGKVQuantArgs.layout_problem`), a non-float
             dtype with quantization on, or a bad ``min_tokens_per_centroid``.
+
+    Attributes:
+        segments: the `Segment` s held, ascending position.
+        codebook: the codebook the next span at the cache's codec may join, or None.
+        current: index of the chunk being written (None before the first advance).
+        chunk_tokens: tokens of the stream's first chunk (the ``sink_keep_chunks`` unit of
+            `RECENT_NON_SINK`).
     """
 
     def __init__(
@@ -136,21 +143,14 @@ class SegmentStore:
         #: packs the cold segments as ``tiering`` decides (`causalkv.caches.qvg.store_pack`)
         self.packer = Packer(self.device, dtype, seed, head_offset, offload)
         self.ledger = ledger
-        self.segments: list[Segment] = []
-        self.codebook: Codebook | None = None
-        #: index of the chunk being written (None before the first advance)
-        self.current: int | None = None
-        #: tokens of the stream's first chunk (the ``sink_keep_chunks`` unit of `RECENT_NON_SINK`)
-        self.chunk_tokens = 0
         #: codec calls so far (K and V together): a segment is never packed twice
         self.quantize_calls = 0
         #: the largest dense K+V buffer filled from packed data in one go
         self.peak_transient_nbytes = 0
-        self._next_chunk = 0
-        self._reasons: dict[int, str] = {}
         self._live: dict[int, str] = {}  # completed chunk still held -> "packed" or dense reason
         self._settled: Counter[str] = Counter()  # the same for chunks no longer held
         self._centroids_used: Counter[int] = Counter()
+        self.reset()  # empty: the layout attributes (see the class docstring) set by `commit`
 
     def packing_report(self) -> PackingReport:
         """Chunks packed and kept dense (and why) so far, and the centroids used."""
@@ -232,8 +232,7 @@ class SegmentStore:
             chunk_tokens=plan.chunk_tokens,
             finite=lambda pieces: self.packer.finite([as_dense(p) for p in pieces]),
         )
-        return replace(plan, segments=segments, packs=packs, reasons=reasons,
-                       codebook=codebook)
+        return replace(plan, segments=segments, packs=packs, reasons=reasons, codebook=codebook)
 
     def _held_only(
         self, segs: Sequence[Segment], held: Intervals, book: Codebook | None

@@ -65,12 +65,8 @@ class Packer:
         storage = PackedKV(pk, pv, c, recent=step.recent)
         if self.offload:
             storage = storage.offloaded()
-        seg = Segment(
-            start=pieces[0].start, end=pieces[-1].end,
-            first_chunk=pieces[0].first_chunk, last_chunk=pieces[-1].last_chunk,
-            storage=storage,
-        )
-        return seg, codebook
+        first, last = pieces[0], pieces[-1]
+        return Segment(first.start, last.end, first.first_chunk, last.last_chunk, storage), codebook
 
     def finite(self, pieces: Sequence[Segment]) -> bool:
         """False when ``pieces`` (dense) hold NaN or inf, checked where the codec would refuse

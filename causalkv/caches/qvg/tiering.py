@@ -340,14 +340,10 @@ def keep_held(segs: Sequence[S], held: Intervals, cut: Callable[[S, int, int], S
     still held (``cut(seg, a, b)`` makes the part ``[a, b)``), a packed one kept whole while
     any of it is."""
     kept: list[S] = []
-    j, m = 0, len(held)
     for seg in segs:
-        while j < m and held[j][1] <= seg.start:
-            j += 1
-        if j == m or held[j][0] >= seg.end:
-            continue  # none of it held
-        if seg.packed or (held[j][0] <= seg.start and seg.end <= held[j][1]):
+        runs = iv.intersect(seg.run, held)  # none: none of it held
+        if runs and (seg.packed or runs == seg.run):
             kept.append(seg)
         else:
-            kept.extend(cut(seg, a, b) for a, b in iv.intersect(seg.run, held))
+            kept.extend(cut(seg, a, b) for a, b in runs)
     return kept
