@@ -26,7 +26,7 @@ from causalkv.memory import (
     stream_layout,
 )
 from causalkv.memory.records import Setting
-from causalkv.plugin import collect
+from causalkv.plugin import PluginConflictError, collect
 from causalkv.plugin.testing import temporary_plugin
 
 
@@ -106,6 +106,41 @@ def test_causalkv_register_codecs_taking_a_builtin_name_sets_the_plugin_aside(pm
     (failure,) = registry.failures
     assert failure.name == "clash" and "'fp8' is registered twice" in failure.error
     assert codecs.codec_setting("fp8").target == "causalkv.caches.codecs.fp8:FP8Codec"
+
+
+class _SecondCodecClashes:
+    @hookimpl
+    def causalkv_register_codecs(self):
+        return [CodecRegistration("int8a", "toy_codec_plugin:Int8Codec"),
+                CodecRegistration("fp8", "toy_codec_plugin:Int8Codec")]
+
+
+class _NameTwice:
+    @hookimpl
+    def causalkv_register_codecs(self):
+        return [CodecRegistration("int8b", "toy_codec_plugin:Int8Codec"),
+                CodecRegistration("int8b", "causalkv.caches.codecs.fp8:FP8Codec")]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize(("plugin", "error"), [
+    (_SecondCodecClashes(), "'fp8' is registered twice"),  # refused by the codec registry itself
+    (_NameTwice(), "its codec setting 'int8b' is taken by codec 'int8b' of plugin 'half'"),
+], ids=["registry-refuses-the-second", "the-plugin-names-one-twice"])
+def test_a_plugin_set_aside_keeps_none_of_its_codec_settings(pm, monkeypatch, plugin, error, strict):
+    """A plugin set aside registers no codec (docs/plugins.md), even one it offered before the
+    record that set it aside: the codec registry is as it was before `collect`."""
+    monkeypatch.setattr(codecs, "_SETTINGS", dict(codecs._SETTINGS))
+    before = dict(codecs._SETTINGS)
+    with temporary_plugin(pm, plugin, name="half"):
+        if strict:
+            with pytest.raises(PluginConflictError, match=error):
+                collect(pm, report=None, strict=True)
+        else:
+            registry = collect(pm, report=None)
+            (failure,) = registry.failures
+            assert registry.codecs == () and failure.name == "half" and error in failure.error
+    assert codecs._SETTINGS == before
 
 
 def test_causalkv_memory_gives_every_registered_codec_its_rows(toy, capsys):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from causalkv.caches.codecs import codec_names, register_codec
+from causalkv.caches.codecs import codec_names, register_codec, unregister_codec
 from causalkv.errors import (
     ConfigError,
     ImportPathError,
@@ -260,12 +260,18 @@ def collect(
                 if (name := getattr(r, what)) is not None and name not in known[what]:
                     clash = clash or (f"its host class {r.target} names {what} {name!r}, which no plugin registers "
                                       f"({what}s: {', '.join(sorted(known[what]))})", f"name a registered {what}")
+        added: list[str] = []  # the codec settings this plugin adds: all of them, or none
+        for r in records if clash is None and plugin not in failed else ():
             if isinstance(r, CodecRegistration) and clash is None:
+                new = r.name not in codec_names()  # the same setting again is a no-op, kept
                 try:
                     register_codec(r.name, r.codec, help=r.help, source=plugin, **dict(r.params))
+                    added += [r.name] if new else []
                 except ConfigError as exc:
                     clash = (str(exc), "rename the codec setting")
         if clash is not None:
+            for name in added:
+                unregister_codec(name)
             set_aside(plugin, clash[0], f"{clash[1]}, or turn the plugin off with {ENV_BLOCK}={plugin}", PluginConflictError)
         if plugin in failed:
             continue

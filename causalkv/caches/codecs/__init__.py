@@ -53,6 +53,7 @@ __all__ = [
     "codec_setting",
     "make_codec",
     "register_codec",
+    "unregister_codec",
 ]
 
 
@@ -114,6 +115,12 @@ def register_codec(
             f"{old.source}) and {new.target} {new.params} (by {source}); rename one"
         )
     return _SETTINGS.setdefault(name, new)
+
+
+def unregister_codec(name: str) -> None:
+    """Remove the setting ``name`` (absent: nothing): a plugin set aside takes back the settings
+    it registered (`causalkv.plugin.collect`), so a refused plugin leaves the registry as it was."""
+    _SETTINGS.pop(name, None)
 
 
 def codec_names() -> tuple[str, ...]:
