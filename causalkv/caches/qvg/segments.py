@@ -285,8 +285,9 @@ class PackingReport:
 class KVWrite:
     """A write of global positions ``[start, end)``, heads ``[h0, h1)`` (``heads``).
 
-    ``key``/``value`` ``[B, end - start, h1 - h0, D]``, or None: then the positions are only
-    allocated (zeros) and the host writes them afterwards with `SegmentStore.write`.
+    ``key``/``value`` ``[B, end - start, h1 - h0, D]``, or None: a write of no K/V, which
+    copies nothing (the store's own plans that only keep or pack, `SegmentStore.plan_commit`
+    and ``reset``, carry one of no positions).
     """
 
     start: int
