@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -69,4 +70,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head`: end quietly, as a pipe's reader left
     sys.exit(main())
