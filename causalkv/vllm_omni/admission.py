@@ -336,7 +336,8 @@ class Admission:
             caches and model-owned state (all branches).
         fixed_bytes: what does not grow with sessions: the scratch pool,
             the in-flight tick's blocks and the pool's two spare blocks.
-        capacity: the sessions admitted: ``min(requested, (budget - fixed) // session)``.
+        capacity: the sessions admitted: ``min(requested, (budget - fixed) // session)``
+            (a session of 0 bytes: ``requested``).
         pool_blocks: the managed pool's blocks: what the budget leaves after scratch
             and the admitted sessions' cross-attention, model state and packed groups.
         requested_capacity: the pipeline's upper bound (None: none).
@@ -416,7 +417,14 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
         )
     configured = int(available_bytes * gpu_memory_fraction)
     budget = max(configured, one)
-    capacity = (budget - fixed) // session
+    if session == 0 and requested_capacity is None:  # the engine always passes its cap
+        raise ConfigError(
+            f"{eng.name} ({layout.setting}): a session holds no bytes between ticks (no sink, a "
+            "window of one tick, no cross-attention or model state), so the memory bounds no "
+            "session count; pass session_capacity"
+        )
+    # as the engine's search: the most sessions whose bytes fit, at most the cap
+    capacity = (budget - fixed) // session if session else requested_capacity
     if requested_capacity is not None:
         capacity = min(capacity, requested_capacity)
     pool = (budget - eng.scratch_bytes - capacity * beside) // eng.page_bytes

@@ -56,10 +56,9 @@ the stock accepts beyond the documented prefill refusal.
 `EXAMPLES` examples (``CAUSALKV_MACHINE_EXAMPLES``), `STEPS` ops each, derandomized unless
 ``CAUSALKV_MACHINE_RANDOM=1`` (tests/cache_machine.py's conventions; tests/README.md).
 
-Two streams the machine leaves out are causalkv bugs, each pinned by an ``xfail(strict=True)``
-test below: its cache cannot be built with no sink and a one-tick window
-(`test_one_tick_window_no_sink`), and a committing forward of two ticks loses the second
-tick's pages (`test_committing_forward_of_two_ticks`; LingBot's forwards are one tick each).
+A stream the machine leaves out is a causalkv bug, pinned by an ``xfail(strict=True)`` test
+below: a committing forward of two ticks loses the second tick's pages
+(`test_committing_forward_of_two_ticks`; LingBot's forwards are one tick each).
 Several sessions each holding an uncommitted committing forward are left out too: the runner
 runs one request at a time, and causalkv's pool counts one in-flight tick (the stock's slack
 serves more).
@@ -149,8 +148,7 @@ class Geometry:
 def geometries(draw: st.DrawFn) -> Geometry:
     quant = draw(st.sampled_from(list(QUANTS)))
     sink = draw(st.integers(0, 2))
-    # no sink and a one-tick window: causalkv's cache cannot be built (`test_one_tick_window_no_sink`)
-    window = draw(st.integers(1 if sink else 2, 3))
+    window = draw(st.integers(1, 3))  # no sink and one tick: a session holds nothing between ticks
     return Geometry(fpb=draw(st.integers(1, 3)), sink_ticks=sink, window_ticks=window, quant=quant,
                     routed=quant != "off" and draw(st.booleans()))
 
@@ -580,16 +578,21 @@ def test_examples_ran():
 
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError, reason=(
-    "causalkv bug: with no sink and a window of one tick (sink_chunks=0, window_chunks="
-    "frames_per_block) a session holds nothing between ticks, its bytes are 0 and "
-    "causalkv.vllm_omni.admission.admit divides by them (capacity = (budget - fixed) // 0); "
-    "vLLM-Omni's own cache is built at the same geometry"))
 @pytest.mark.parametrize("quant", ["off", "int2"])
 def test_one_tick_window_no_sink(quant):
-    """The geometry the machine leaves out: the stock cache builds, causalkv's should too."""
+    """No sink and a window of one tick: a session holds no bytes between ticks (and this
+    geometry has no cross-attention or model state), so the memory bounds no session count.
+    Both caches are built at the engine's cap (`build` asserts it: ``admit`` divided by the 0
+    bytes before); without a cap, ``admit`` refuses naming the cap to pass."""
+    from causalkv.errors import ConfigError
+    from causalkv.vllm_omni.admission import admit
+
     geo = Geometry(fpb=2, sink_ticks=0, window_ticks=1, quant=quant, routed=False)
-    build(geo)
+    _, sub, _ = build(geo)
+    adm = sub.admission
+    assert adm.session_bytes == 0 and adm.capacity == CAPACITY
+    with pytest.raises(ConfigError, match="a session holds no bytes between ticks .* pass session_capacity"):
+        admit(sub.geometry, adm.layout, available_bytes=10**9)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
