@@ -431,6 +431,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 pinned=ctx.pinned, sink_open=ctx.sink_end > (g + 1) * n, chunk_tokens=n,
                 finite=lambda pieces: self._finite(adapter, rec, pieces))
         keep = {f for s in segs if not s.packed for f in range(s.start // tpf, s.end // tpf)}
+        # a committing forward of several ticks: its later ticks' pages wait for their commits
+        keep.update(f for f in rec.frames if f >= adapter.completed_chunks)
         rec.groups = segs
         rec.held = tuple(ctx.held)
         self._release(adapter, rec, keep)

@@ -56,9 +56,8 @@ the stock accepts beyond the documented prefill refusal.
 `EXAMPLES` examples (``CAUSALKV_MACHINE_EXAMPLES``), `STEPS` ops each, derandomized unless
 ``CAUSALKV_MACHINE_RANDOM=1`` (tests/cache_machine.py's conventions; tests/README.md).
 
-A stream the machine leaves out is a causalkv bug, pinned by an ``xfail(strict=True)`` test
-below: a committing forward of two ticks loses the second tick's pages
-(`test_committing_forward_of_two_ticks`; LingBot's forwards are one tick each).
+A committing forward of several ticks (LingBot's forwards are one tick each) is left out of
+the machine: `test_committing_forward_of_two_ticks` drives one such stream.
 Several sessions each holding an uncommitted committing forward are left out too: the runner
 runs one request at a time, and causalkv's pool counts one in-flight tick (the stock's slack
 serves more).
@@ -595,14 +594,13 @@ def test_one_tick_window_no_sink(quant):
         admit(sub.geometry, adm.layout, available_bytes=10**9)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "causalkv bug (outside LingBot's protocol, whose forwards are one tick each): a committing "
-    "forward of two ticks, which vLLM-Omni's state and cache accept, is settled at the first "
-    "tick's last frame: the second tick's pages go back to the pool with the rest, and the next "
-    "forward's view (_forward_view) fails with KeyError on the missing frame"))
 def test_committing_forward_of_two_ticks():
-    """The stream: one frame per tick, sink 1 + window 2; open a session; a committing forward
-    of 2 frames; its commit; a probe (the stock serves it, causalkv raises ``KeyError(1)``)."""
+    """A committing forward of two ticks (outside LingBot's protocol, whose forwards are one
+    tick each; vLLM-Omni's state and cache accept it). The stream: one frame per tick, sink 1 +
+    window 2; open a session; a committing forward of 2 frames; its commit; a probe: causalkv's
+    view is the stock's (`_forward` checks it). causalkv settled the first tick at its last
+    frame and gave the second tick's page back to the pool with the rest: the probe's view
+    failed with ``KeyError(1)``."""
     machine = PagedMachine()
     machine.setup(Geometry(fpb=1, sink_ticks=1, window_ticks=2, quant="off", routed=False))
     try:
