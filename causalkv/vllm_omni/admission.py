@@ -398,8 +398,9 @@ def admit(eng: EngineGeometry, layout: SessionLayout, *, available_bytes: int,
     causalkv's paged cache admits by it.
 
     Raises:
-        ConfigError: a bad budget or fraction, or one session does not fit the free memory
-            (the engine refuses to start then).
+        ConfigError: a bad budget or fraction, one session does not fit the free memory
+            (the engine refuses to start then), or a session of 0 bytes with no
+            ``requested_capacity`` (the memory bounds no count).
     """
     check_int("available_bytes", available_bytes, minimum=0, hint="pass the free device memory")
     if not is_number(gpu_memory_fraction) or not 0.0 < gpu_memory_fraction <= 1.0:
