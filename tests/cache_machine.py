@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -83,13 +84,28 @@ MAX_ABS = 19 * A  # 6 * 3 + 1
 DT = torch.bfloat16
 B, D = 1, 64
 
-#: examples per machine in `make test` (``CAUSALKV_MACHINE_EXAMPLES`` for a longer run)
-EXAMPLES = int(os.environ.get("CAUSALKV_MACHINE_EXAMPLES", "500"))
-#: ops per example (``CAUSALKV_MACHINE_STEPS`` for longer streams)
-STEPS = int(os.environ.get("CAUSALKV_MACHINE_STEPS", "12"))
 #: `make test` draws the same examples every run (a red CI is reproducible);
 #: ``CAUSALKV_MACHINE_RANDOM=1`` draws new ones (``--hypothesis-seed=N`` then picks them)
 DERANDOMIZE = os.environ.get("CAUSALKV_MACHINE_RANDOM", "") != "1"
+
+
+def machine_size(examples: int, steps: int) -> tuple[int, int]:
+    """A contract state machine's examples and ops per example: its defaults in `make test`,
+    or ``CAUSALKV_MACHINE_EXAMPLES`` / ``CAUSALKV_MACHINE_STEPS`` for a longer hunt."""
+    return (int(os.environ.get("CAUSALKV_MACHINE_EXAMPLES", examples)),
+            int(os.environ.get("CAUSALKV_MACHINE_STEPS", steps)))
+
+
+#: examples per machine in `make test` and ops per example
+EXAMPLES, STEPS = machine_size(500, 12)
+
+
+def machine_settings(examples: int = EXAMPLES, steps: int = STEPS) -> settings:
+    """The hypothesis settings every contract state machine runs under (this module's and
+    vLLM-Omni's paged one): no deadline, derandomized unless ``CAUSALKV_MACHINE_RANDOM=1``."""
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    derandomize=DERANDOMIZE,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 def codec_bound(bits: int | None, expected: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from cache_machine import (
-    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -23,9 +22,9 @@ from cache_machine import (
     Stats,
     assert_values,
     cursors,
+    machine_settings,
     make_machine,
 )
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from causalkv.caches import CausalCacheSpec, DenseCausalKVCache, PassMarker, attend
@@ -166,10 +165,7 @@ ATTEND_TOL = 0.25
 STATS = Stats()
 Machine = make_machine(CausalkvEnv(), STATS)
 TestCacheStateMachine = Machine.TestCase
-TestCacheStateMachine.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=DERANDOMIZE,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestCacheStateMachine.settings = machine_settings(EXAMPLES, STEPS)
 
 
 def test_examples_ran():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from cache_machine import (
-    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -30,9 +29,9 @@ from cache_machine import (
     Stats,
     assert_values,
     cursors,
+    machine_settings,
     make_machine,
 )
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import (
@@ -177,10 +176,7 @@ class SGLangEnv(Env):
 STATS = Stats()
 Machine = make_machine(SGLangEnv(), STATS)
 TestBridgeStateMachine = Machine.TestCase
-TestBridgeStateMachine.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=DERANDOMIZE,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestBridgeStateMachine.settings = machine_settings(EXAMPLES, STEPS)
 
 
 def test_examples_ran():

@@ -66,22 +66,18 @@ serves more).
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from cache_machine import machine_settings, machine_size
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-#: examples in `make test` (``CAUSALKV_MACHINE_EXAMPLES`` for a longer run)
-EXAMPLES = int(os.environ.get("CAUSALKV_MACHINE_EXAMPLES", "50"))
-#: ops per example (``CAUSALKV_MACHINE_STEPS``)
-STEPS = int(os.environ.get("CAUSALKV_MACHINE_STEPS", "30"))
-#: the same examples every run unless ``CAUSALKV_MACHINE_RANDOM=1``
-DERANDOMIZE = os.environ.get("CAUSALKV_MACHINE_RANDOM", "") != "1"
+#: examples in `make test` and ops per example (``CAUSALKV_MACHINE_EXAMPLES`` /
+#: ``CAUSALKV_MACHINE_STEPS`` for a longer run)
+EXAMPLES, STEPS = machine_size(50, 30)
 
 LAYERS, HEADS, HEAD_DIM, TOKENS_PER_FRAME = 2, 2, 64, 4
 DTYPE = torch.float32
@@ -559,10 +555,7 @@ class PagedMachine(RuleBasedStateMachine):
 
 
 TestPagedStateMachine = PagedMachine.TestCase
-TestPagedStateMachine.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=DERANDOMIZE,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TestPagedStateMachine.settings = machine_settings(EXAMPLES, STEPS)
 
 
 def test_examples_ran():
