@@ -128,6 +128,25 @@ def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, proble
             args.check_layout(head_dim)
 
 
+@pytest.mark.xfail(strict=True, reason="the whole-bytes rule lives in the generic record and reads "
+                   "the codec's bits only: a PRQ recency tier is refused as a conformance failure")
+@pytest.mark.parametrize(("kwargs", "head_dim", "problem"), [
+    (dict(codec="fp8", recent_tier="int2", block_size=7), 56,
+     "kv-cache-quant-block-size 7 x 2 bits is not a whole number of bytes; use a block size "
+     "divisible by 4"),
+    (dict(codec="nvfp4", recent_tier="int4", block_size=3), 48,
+     "kv-cache-quant-block-size 3 x 4 bits is not a whole number of bytes; use a block size "
+     "divisible by 2"),
+])
+def test_a_prq_recency_tier_gets_prqs_block_size_refusal(kwargs, head_dim, problem):
+    """PRQ packs each scale block's codes in whole bytes (docs/qvg.md): a block size that does
+    not is refused by PRQ's own layout rule with the flag and the fix, wherever PRQ packs: as
+    the recency tier too, not only as the codec (the block divides ``head_dim`` here, so only
+    that rule can refuse it)."""
+    args = QVGKVQuantArgs(**kwargs)
+    assert args.layout_problem(head_dim) == problem
+
+
 def test_importing_the_settings_loads_no_torch():
     """The QVG settings are torch-free: the record imports without torch (the caches packages
     export lazily)."""
