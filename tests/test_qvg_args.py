@@ -78,10 +78,6 @@ def test_flags():
         (dict(codec="int2", keep_recent_chunks=-1), "kv-cache-quant-keep-recent must be >= 0"),
         (dict(codec="int2", sink_span="frames"), "kv-cache-quant-sink-span must be one of"),
         (dict(codec="int2", grid="nf4"), "kv-cache-quant-grid must be one of"),
-        (dict(codec="int2", block_size=7), "block-size 7 x 2 bits is not a whole number of bytes; "
-                                     "use a block size divisible by 4"),
-        (dict(codec="int4", block_size=3), "block-size 3 x 4 bits is not a whole number of bytes; "
-                                     "use a block size divisible by 2"),
     ],
 )
 def test_validate_messages(kwargs, message):
@@ -116,6 +112,13 @@ def test_block_size_with_quant_off_is_not_a_layout():
          "[4, 8, 16, 32, 64, 128]"),
         (dict(codec="int4", block_size=64), 32,
          "kv-cache-quant-block-size 64 does not divide head_dim=32; choose one of [2, 4, 8, 16, 32]"),
+        # PRQ's other block-size rule, said first: a block's codes fill whole bytes
+        (dict(codec="int2", block_size=7), 128,
+         "kv-cache-quant-block-size 7 x 2 bits is not a whole number of bytes; use a block size "
+         "divisible by 4"),
+        (dict(codec="int4", block_size=3), 48,
+         "kv-cache-quant-block-size 3 x 4 bits is not a whole number of bytes; use a block size "
+         "divisible by 2"),
     ],
 )
 def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, problem):
@@ -128,8 +131,6 @@ def test_layout_problem_names_the_flag_and_the_divisors(kwargs, head_dim, proble
             args.check_layout(head_dim)
 
 
-@pytest.mark.xfail(strict=True, reason="the whole-bytes rule lives in the generic record and reads "
-                   "the codec's bits only: a PRQ recency tier is refused as a conformance failure")
 @pytest.mark.parametrize(("kwargs", "head_dim", "problem"), [
     (dict(codec="fp8", recent_tier="int2", block_size=7), 56,
      "kv-cache-quant-block-size 7 x 2 bits is not a whole number of bytes; use a block size "

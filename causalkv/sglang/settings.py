@@ -200,7 +200,8 @@ def check_settings(pipeline_name: str | None, quant: Any, head_dim: int | None,
     the environment). Resolves what the bridge serves first (`served_stages`: once per
     process, logged); pipelines it does not serve, quant off, and LingBot-World (or a served
     subclass of its stage) with ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` are not checked
-    (sglang's own code decides there). A ``head_dim`` the block size does not divide is refused
+    (sglang's own code decides there). A ``head_dim`` the codec cannot lay out (the codec's
+    layout rule: PRQ's block size of partial bytes, or one that does not divide it) is refused
     except for LingBot-World, where sglang's own QVG cache takes over (said in the log).
     """
     stage = served_stages().get(pipeline_name or "")

@@ -240,8 +240,8 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     factory (`causalkv.sglang.targets.ServedStage.cache`: `SGLangQVGKVCache` or a subclass), global sinks, pins and
     growth included, with the request's causalkv settings (`request_args`: converted once per
     request, shared by its allocations); LingBot-World keeps sglang's own QVG cache when
-    ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when the block size does not divide its
-    head_dim. Every allocation is logged once per stage and settings, and tracked for the
+    ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when causalkv's codec cannot lay out its head_dim
+    (`can_serve`: PRQ's block size of partial bytes, or one that does not divide it). Every allocation is logged once per stage and settings, and tracked for the
     request's summary line.
     """
     entry = served_stage(self)

@@ -152,11 +152,6 @@ class QVGCodecOptions(_ReferenceMessages, CacheOptions):
             raise ConfigError(
                 f"kv-cache-quant-centroids must be <= 256 (cluster ids are uint8), got {self.centroids}"
             )
-        if self.bits is not None and (self.block_size * self.bits) % 8:
-            raise ConfigError(
-                f"kv-cache-quant-block-size {self.block_size} x {self.bits} bits is not a whole "
-                f"number of bytes; use a block size divisible by {8 // self.bits}"
-            )
         return super().validate()
 
     def layout_problem(self, head_dim: int) -> str | None:

@@ -15,7 +15,12 @@ import torch
 from causalkv.caches.codecs.base import KVCodec
 from causalkv.caches.codecs.prq import quantizer
 from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID, centroids_for
-from causalkv.caches.codecs.prq.format import CodecSettings, PackedSegment, packed_nbytes_formula
+from causalkv.caches.codecs.prq.format import (
+    CodecSettings,
+    PackedSegment,
+    block_fills_bytes,
+    packed_nbytes_formula,
+)
 from causalkv.env import text as env_text
 
 __all__ = ["PRQCodec"]
@@ -125,10 +130,15 @@ class PRQCodec(KVCodec):
         return None
 
     def layout_problem(self, head_dim: int) -> str | None:
+        """PRQ's block-size rules: a block's codes fill whole bytes (`block_fills_bytes`) and
+        ``block_size`` divides ``head_dim``; the message names the flag and the fix."""
         s = self.settings
+        if not block_fills_bytes(s.block_size, s.bits):
+            return (f"kv-cache-quant-block-size {s.block_size} x {s.bits} bits is not a whole "
+                    f"number of bytes; use a block size divisible by {8 // s.bits}")
         if head_dim % s.block_size:
             divisors = [d for d in range(8 // s.bits, head_dim + 1)
-                        if head_dim % d == 0 and (d * s.bits) % 8 == 0]
+                        if head_dim % d == 0 and block_fills_bytes(d, s.bits)]
             return (
                 f"kv-cache-quant-block-size {s.block_size} does not divide head_dim={head_dim}; "
                 f"choose one of {divisors}"

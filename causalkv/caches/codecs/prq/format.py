@@ -45,6 +45,7 @@ __all__ = [
     "CodecSettings",
     "PackedSegment",
     "bits_per_element",
+    "block_fills_bytes",
     "encode_scales",
     "packed_nbytes_formula",
     "pow2",
@@ -182,6 +183,14 @@ class PackedSegment(RecordViews):
 # ---------------------------------------------------------------------------------------------
 # Byte accounting (docs/design.md, "Memory math")
 # ---------------------------------------------------------------------------------------------
+def block_fills_bytes(block_size: int, bits: int) -> bool:
+    """Whether a scale block of ``block_size`` channels fills whole bytes of ``bits``-bit codes
+    (the Triton kernels read a block's codes as bytes of its own): PRQ's block-size rule beside
+    ``head_dim % block_size == 0``, read by the codec's layout rule
+    (`causalkv.caches.codecs.prq.codec.PRQCodec.layout_problem`) and `quantize`'s checks."""
+    return block_size * bits % 8 == 0
+
+
 def packed_nbytes_formula(shape: tuple[int, int, int, int], args: CodecSettings) -> int:
     """Stored bytes of a segment ``shape = (B, H, S, D)`` packed with ``args``.
 

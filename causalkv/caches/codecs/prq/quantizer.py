@@ -49,6 +49,7 @@ from causalkv.caches.codecs.prq.format import (
     Backend,
     CodecSettings,
     PackedSegment,
+    block_fills_bytes,
     encode_scales,
     pow2,
     scale_exponents,
@@ -150,7 +151,7 @@ def _check_args(args: CodecSettings, D: int) -> None:
     if D % args.block_size:
         raise CodecError(f"quantize: head_dim {D} is not divisible by block_size "
                          f"{args.block_size}; choose a block size that divides {D}")
-    if (args.block_size * args.bits) % 8:
+    if not block_fills_bytes(args.block_size, args.bits):
         raise CodecError(f"quantize: block_size {args.block_size} x {args.bits} bits is not a "
                          f"whole number of bytes; use a block size divisible by {8 // args.bits}")
 
