@@ -136,7 +136,6 @@ def _raw_reads(tree) -> list[tuple[int, object]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="launch.py reads CAUSALKV_RANK_REPORTS from os.environ")
 def test_causalkvs_own_variables_are_read_through_the_helper() -> None:
     """A ``CAUSALKV_*`` variable is read by `causalkv.env` alone (one rule for unset and blank);
     the variables of a host or a launcher (torchrun's ``WORLD_SIZE``) may be read its way."""

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from causalkv.env import text as env_text
 from causalkv.errors import ConfigError, print_stderr
 
 __all__ = [
@@ -109,7 +110,7 @@ def launched_by_torchrun() -> bool:
 
 def reports_to_launcher() -> bool:
     """True in a rank started by `run_supervised` (it reports its end instead of printing it)."""
-    return bool(os.environ.get(ENV_REPORTS)) and launched_by_torchrun()
+    return env_text(ENV_REPORTS) is not None and launched_by_torchrun()
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -124,7 +125,7 @@ def register_rank() -> None:
         return
     _die_with_parent(signal.SIGTERM)
     with contextlib.suppress(OSError):
-        _write_json(Path(os.environ[ENV_REPORTS]) / f"pid-rank{env_world()[0]}.json", {"pid": os.getpid()})
+        _write_json(Path(env_text(ENV_REPORTS)) / f"pid-rank{env_world()[0]}.json", {"pid": os.getpid()})
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -168,8 +169,9 @@ def report_end(
     (without a newline; empty for a success), exit ``code``, chunks ``done`` of ``total``,
     whether the fault is a `is_peer_failure`, the files it ``written``."""
     report = RankReport(env_world()[0], line, int(code), time.time_ns(), done, total, peer_failure, tuple(written))
-    with contextlib.suppress(OSError, KeyError):
-        _write_json(Path(os.environ[ENV_REPORTS]) / f"end-rank{env_world()[0]}.json", dataclasses.asdict(report))
+    if (folder := env_text(ENV_REPORTS)) is not None:  # unset: no launcher to report to
+        with contextlib.suppress(OSError):
+            _write_json(Path(folder) / f"end-rank{env_world()[0]}.json", dataclasses.asdict(report))
 
 
 def _read_each(folder: Path, pattern: str, make: Callable[[dict[str, Any]], T]) -> list[T]:
