@@ -1,6 +1,9 @@
 """Environment variables: the one way causalkv reads them (a leaf: imports only causalkv.errors, no torch).
 
-Every variable causalkv, its hosts and its bridges read goes through one of these:
+Every ``CAUSALKV_*`` variable causalkv, its hosts and its bridges read goes through one of
+these (tests/test_env.py scans for raw reads); a variable another program defines may be
+read that program's way (torchrun's ``WORLD_SIZE`` and ``RANK``: ints; vLLM-Omni's
+``AR_DIFFUSION_KV_SCRATCH_BLOCKS_PER_BRANCH``, an int its engine checks):
 
 - `text`: a free value (a path: ``CAUSALKV_HOME``), None when unset or blank;
 - `names`: a comma-separated list of names (``CAUSALKV_PLUGINS``), None when unset;
