@@ -42,6 +42,9 @@ BREAKS = [
     # the core reaching into a bridge: the runtime's request checks importing the sglang bridge
     ("causalkv/runtime/host/request_checks.py", "import causalkv.sglang  # noqa",
      "causalkv.runtime is not allowed to import causalkv.sglang"),
+    # the core importing a host itself: a cache reaching into vLLM
+    ("causalkv/caches/attention.py", "import vllm  # noqa",
+     "causalkv.caches is not allowed to import vllm"),
     # a cycle between siblings two levels down, hidden in a function body
     ("causalkv/caches/codecs/prq/format.py",
      "def _f():\n    from causalkv.caches.codecs.prq import torch_impl  # noqa",
