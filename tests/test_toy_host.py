@@ -64,3 +64,27 @@ def test_unmarked_writes_keep_the_dense_semantics(dense):
     for key, (k, v, pos) in got.views.items():
         want_k, want_v, want_pos = dense.views[key]
         assert pos == want_pos and torch.equal(k, want_k) and torch.equal(v, want_v), key
+
+
+@pytest.mark.xfail(strict=True, reason="docs/hosts.md lists advanced(n) without debug_name and "
+                   "omits opened and visible_rows")
+def test_the_host_contract_lists_the_cursor_protocol_as_the_code_declares_it():
+    """docs/hosts.md, "Its cursor as positions": the calls it lists are every member of
+    `PositionModel` (what a new cursor model implements), each with as many arguments as the
+    protocol's method takes."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from causalkv.caches.positions import PositionModel
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hosts.md").read_text()
+    item = re.search(r"1\. \*\*Its cursor as positions\.\*\*(.*?)\n2\. ", text, re.S).group(1)
+    listed = {m[1]: [a for a in m[2].split(",") if a.strip()]
+              for m in re.finditer(r"`(\w+)\(([^)`]*)\)`", item)}
+    declared = {name: [p for p in inspect.signature(getattr(PositionModel, name)).parameters
+                       if p != "self"]
+                for name in vars(PositionModel) if not name.startswith("_")}
+    assert set(listed) == set(declared), (sorted(listed), sorted(declared))
+    for name, params in declared.items():
+        assert len(listed[name]) == len(params), (name, listed[name], params)
