@@ -66,8 +66,6 @@ def test_unmarked_writes_keep_the_dense_semantics(dense):
         assert pos == want_pos and torch.equal(k, want_k) and torch.equal(v, want_v), key
 
 
-@pytest.mark.xfail(strict=True, reason="docs/hosts.md lists advanced(n) without debug_name and "
-                   "omits opened and visible_rows")
 def test_the_host_contract_lists_the_cursor_protocol_as_the_code_declares_it():
     """docs/hosts.md, "Its cursor as positions": the calls it lists are every member of
     `PositionModel` (what a new cursor model implements), each with as many arguments as the
