@@ -162,7 +162,7 @@ def test_the_scan_sees_every_mechanism(tmp_path: Path) -> None:
 
 
 def test_the_caches_print_nothing() -> None:
-    """The cache layer logs, prints and warns nothing: it records the fact (e.g.
+    """The cache layer logs, prints, warns and writes to stdout/stderr nothing: it records the fact (e.g.
     `AttendStats.decode_reasons`) and the host that called it reports it."""
     found = []
     for path in sorted((PKG / "caches").rglob("*.py")):
@@ -173,6 +173,8 @@ def test_the_caches_print_nothing() -> None:
                       if n.split(".")[0] in ("logging", "warnings")]
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "print":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} calls print")
+            if isinstance(node, ast.Attribute) and ast.unparse(node) in ("sys.stdout", "sys.stderr"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} writes {ast.unparse(node)}")
     assert not found, "\n".join(found)
 
 
