@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from cache_machine import (
+    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -261,7 +262,7 @@ TestCacheStateMachine.settings = machine_settings(EXAMPLES, STEPS)
 def test_examples_ran():
     """Runs after the machine (file order): the runs covered what they are meant to: every
     codec, recency tiers (re-packed or not), spans and codebooks of several chunks drawn, and
-    views that showed each of them packed."""
+    (the derandomized run) views that showed each of them packed."""
     if STATS.runs == 0:  # the machine test was deselected
         return
     assert STATS.runs >= EXAMPLES
@@ -272,6 +273,8 @@ def test_examples_ran():
     drawn = {f"codec={c}" for c in ("off", *CODECS)} | {f"tier={c}" for c in CODECS} | {
         "tier=codec", "tier re-packed", "span>1", "codebook>1"}
     assert drawn <= set(STATS.kinds), f"never drawn: {sorted(drawn - set(STATS.kinds))}"
+    if not DERANDOMIZE:  # new examples cluster (a few configs, many op sequences): the
+        return  # counts above say what their views showed; `make test`'s run must show all
     shown = {f"packed {c}" for c in CODECS} | {
         "packed span of chunks", "packed shared codebook", "re-packed from the tier"} | {
         f"packed {c} at the tier" for c in CODECS}

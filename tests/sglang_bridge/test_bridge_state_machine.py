@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 from cache_machine import (
+    DERANDOMIZE,
     DT,
     EXAMPLES,
     STEPS,
@@ -246,8 +247,8 @@ TestBridgeStateMachine.settings = machine_settings(EXAMPLES, STEPS)
 
 def test_examples_ran():
     """Runs after the machine (file order): the runs covered what they are meant to: every
-    codec and recency tiers (re-packed or not) drawn, and views of caches holding each of
-    them packed."""
+    codec and recency tiers (re-packed or not) drawn, and (the derandomized run) views of
+    caches holding each of them packed."""
     if STATS.runs == 0:  # the machine test was deselected
         return
     assert STATS.runs >= EXAMPLES
@@ -258,6 +259,8 @@ def test_examples_ran():
     drawn = {f"codec={c}" for c in ("off", *CODECS)} | {f"tier={c}" for c in CODECS} | {
         "tier=codec", "tier re-packed"}
     assert drawn <= set(STATS.kinds), f"never drawn: {sorted(drawn - set(STATS.kinds))}"
+    if not DERANDOMIZE:  # new examples cluster (a few configs, many op sequences): the
+        return  # counts above say what their views showed; `make test`'s run must show all
     shown = {f"packed {c}" for c in CODECS} | {"re-packed from the tier"} | {
         f"packed {c} at the tier" for c in CODECS}
     assert shown <= set(STATS.viewed), f"no view showed: {sorted(shown - set(STATS.viewed))}"
