@@ -6,14 +6,17 @@ the op, before the next layer writes): a *reference* dense cache per layer again
 *subject* cache per layer. `Env` says which caches and which semantics:
 
 - tests/test_cache_state_machine.py: causalkv's `DenseCausalKVCache` against
-  `QVGPackedCausalKVCache` (quant off / int4 / int2), both given the same marks (call
-  arguments, or one `PassMarker` shared by the layers): the dense cache is the contract's
-  answer to a probe and a commit too;
+  `QVGPackedCausalKVCache` (quant off or any built-in codec: int4, int2, fp8, nvfp4; a
+  recency tier of any of them; spans and shared codebooks of several chunks), both given the
+  same marks (call arguments, or one `PassMarker` shared by the layers): the dense cache is
+  the contract's answer to a probe and a commit too;
 - tests/sglang_bridge/test_bridge_state_machine.py: sglang's own
   ``CausalSelfAttentionKVCache`` against the bridge's ``SGLangQVGKVCache`` allocated as sglang's
-  stages allocate them (the bridge's ``allocate`` hook, or exactly its arguments); the
-  bridge's marks come from its stage marker, and sglang's cache, which hears none, stores
-  every write: there a commit is a promise (the next chunk's size, the pin) the machine keeps.
+  stages allocate them (the bridge's ``allocate`` hook, or exactly its arguments; sglang's
+  ``--kv-cache-quant`` int4/int2 with causalkv's codec and recency tier from
+  ``CAUSALKV_SGLANG_CODEC`` / ``CAUSALKV_SGLANG_RECENT_TIER``); the bridge's marks come from
+  its stage marker, and sglang's cache, which hears none, stores every write: there a commit
+  is a promise (the next chunk's size, the pin) the machine keeps.
 
 Ops: unmarked advances by a chunk (sizes drawn, mostly equal) and rewrites of the current
 chunk, probes (of a new chunk, again and again, or of the chunk stored last), commits (of the
@@ -29,8 +32,8 @@ Checks after every op, on every layer's view:
   ``iter_segments()`` concatenated and ``attend(q, view)`` agree with the positions (the same
   number of tokens; attention over exactly the tokens the view reports);
 - quant off: K/V and attention bit for bit the reference's;
-- int4/int2: every element within `codec_bound` of the reference's (derived below from the
-  codec's definition); pieces the view yields stored dense (``iter_stored_segments``) bit
+- a codec on: every element within `codec_bound` of the reference's (derived below from the
+  codecs' definitions); pieces the view yields stored dense (``iter_stored_segments``) bit
   for bit;
 - refusals: when the reference refuses, the subject refuses with an exception of the same
   type; the subject never refuses a call the reference accepts (beyond an environment's
@@ -39,31 +42,87 @@ Checks after every op, on every layer's view:
 
 **Values.** ``key[b, t, h, d] = A * (6 * m + s)`` with ``m = 1 + (layer + h + chunk) % 3`` and
 ``s = +-1`` a hash of (position, head, write id, layer, d, K or V); the value is the same with
-another hash and ``m`` shifted by one. So a token of another chunk, head or layer is off by at
-least ``6A - 2A = 4A`` (beyond every bound below), and a stale or misplaced token of the same
-chunk by ``2A`` in the channels whose sign differs (beyond the int4 bound, within int2's).
-Every value is a small integer: exact in bf16.
+another hash and ``m`` shifted by one. So every value lies in ``[5A, 19A]`` (``MIN_ABS``,
+``MAX_ABS``: ``M = 19A``), one chunk's values in one head within ``2A`` (``6m +- 1``, every
+channel of a token-head too), a token of another chunk, head or layer is off by at least
+``6A - 2A = 4A`` (``10A`` when its ``m`` differs by two), and a stale or misplaced token of
+the same chunk by ``2A`` in the channels whose sign differs. Every value is a small integer:
+exact in bf16. Which of these a bound tells apart is the table at the end.
 
-**The codec bound.** PRQ stores ``x = c + level * s + e`` per (token, block of channels): ``c``
-a k-means centroid of the packed span (a mean of some of its tokens, stored bf16: within the
-span's range widened by ``2**-9`` of the largest |x|), ``level`` in ``-q..q`` (``q = 2**(bits-1)
-- 1``: 1 for int2, 7 for int4, the reference grid), the scale ``s`` rounded *up* to an e4m3 value
-(4 significant bits: ``s <= (1 + 2**-3) * absmax(x - c) / q``) so no code clips and
-``|e| <= s / 2`` (tests/test_codec.py: test_error_within_half_step_of_stored_scale). A packed
-span is one chunk or a part of one (``span_chunks = codebook_chunks = 1``), and within a chunk
-and head every token comes from one write, so ``|x - c| <= 2A + 2**-8 * M`` (``M = 19A`` the
-largest |x|). With the bf16 rounding of the decoded value (``2**-8`` relative):
+**The codec bounds.** Each codec's error is derived from its definition; the decode into the
+cache's bf16 adds half an ulp, ``2**-8 * |decoded| <= 2**-8 * (|x| + e)`` (`_rounded`).
 
-    |decoded - x| <= (1 + 2**-3) / (2 q) * (2A + 2**-8 M) + 2**-8 |x| + 2**-12 A
+- PRQ (int4, int2) stores ``x = c + level * s + e`` per (token, block of channels): ``c`` a
+  k-means centroid (a mean of some tokens, stored bf16: within their range widened by
+  ``2**-8`` of their largest |x|), ``level`` in ``-q..q`` (``q = 2**(bits-1) - 1``: 1 for int2,
+  7 for int4, the reference grid), the scale ``s`` rounded *up* to an e4m3 value (4
+  significant bits: ``s <= (1 + 2**-3) * absmax(x - c) / q``) so no code clips and ``|e| <= s
+  / 2`` (tests/test_codec.py: test_error_within_half_step_of_stored_scale). So, with ``R``
+  the range and ``S`` the largest |x| of the tokens the centroid may come from:
 
-(the last term covers e4m3's flushing of tiny block scales). int4: about 0.24A; int2: about
-1.25A.
+      e <= (1 + 2**-3) / (2 q) * (R + 2**-8 S) + 2**-12 A + 2**-20 (|x| + R)
+
+  (``2**-12 A``: e4m3's flushing of tiny block scales; ``2**-20``: float32 arithmetic). A
+  span of one chunk with its own codebook (``span_chunks = codebook_chunks = 1``, and every
+  recency-tier pack): within a chunk and head every token comes from one write, so ``R =
+  2A`` and ``S = 6m + 1``: int4 about 0.24A, int2 about 1.25A. A span of several chunks, or
+  a codebook shared with other spans (``span_chunks`` or ``codebook_chunks`` > 1): the
+  centroid may be a mean of tokens of other chunks (the codebook's first span, which may
+  have rolled out of the window since), whose values differ from x's by up to the range of
+  all values, so ``R = 19A - 5A = 14A`` and ``S = M``: int4 about 1.2A, int2 about 8.0A.
+- fp8 (``causalkv/caches/codecs/fp8.py``) stores ``e4m3(x / scale)`` with ``scale = amax /
+  448`` per token and head: the quotient is normal here (``>= 448 * 5 / 19``), so rounded to
+  3 mantissa bits, ``|e| <= 2**-4 |x|``, plus ``2**-10 * scale`` (half the subnormal step;
+  ``amax <= 6m + 1``) and float32 (``2**-22 |x|``): about 1.27A at ``|x| = 19A``, 0.33A at 5A.
+- nvfp4 (``causalkv/caches/codecs/nvfp4.py``) stores per block of 16 channels an e2m1 code of
+  ``x / s`` with ``s = e4m3(bmax / (6 g)) * g`` (``g`` the record's ``amax / 2688``, ``bmax``
+  the block's largest |x|): the scale is normal here (``bmax >= amax / 28672``) and rounded
+  to nearest, so ``s <= (1 + 2**-4) bmax / 6``; ``|x / s| <= 6 / (1 - 2**-4) = 6.4``, and
+  rounding to the nearest e2m1 magnitude (gaps 0.5, 1, 2: at most 1 off) or saturating at 6
+  (at most 0.4 off) leaves ``|e| <= s <= (1 + 2**-4) bmax / 6`` (tighter than the codec's own
+  promise, ``bmax / 4``, which adds the two); ``bmax <= 6m + 1``: about 3.45A at ``m = 3``.
+  (Any other block: ``amax / 14336``; float32: ``2**-22 |x|``.)
+- a recency tier ``t`` under the cache's codec ``c`` (``recent_tier`` another codec): a
+  chunk kept for recency (or a sink chunk kept out of ``c``) is packed with ``t``, one chunk
+  with its own codebook, and once it leaves recency decoded (into bf16, ``y``, ``|y - x| <=
+  e_t``) and re-packed with ``c``, its span included. So ``e <= e_t + e_c(y)``, with ``e_c``
+  taken at ``|y| <= |x| + e_t``, the group's largest ``|y|`` widened by the tier's error at
+  ``6m + 1`` and the span's range by twice the tier's largest error in it (at ``6m + 1``, or
+  at ``M`` in a span of several chunks). A chunk packed with ``c`` directly, or held at the
+  tier, is within this too (`Quant.bound` takes the largest of the three); ``t == c`` is
+  never re-packed: ``e_c``.
+
+`Quant.bound` is this per element (looked up by |x|: the bounds depend on |x| alone).
+What the bound at ``|x| = 19A`` is, and what it tells apart (``sign``: even a stale token of
+the same chunk, 2A; ``chunk``: a token of another chunk, 4A; ``far``: one whose ``m`` differs
+by two, 10A; ``none``), tier by tier (``bf16``: no tier), one-chunk spans / spans or
+codebooks of several chunks (tests/test_cache_state_machine.py's
+test_what_the_bound_tells_apart pins the table):
+
+======  ====================  ====================  ====================  ====================  ====================
+codec   bf16                  int4                  int2                  fp8                   nvfp4
+======  ====================  ====================  ====================  ====================  ====================
+int4    sign/sign 0.24/1.21   sign/sign 0.24/1.21   sign/chunk 1.69/2.66  sign/chunk 1.72/2.69  far/far 4.27/5.23
+int2    sign/far 1.25/8.02    sign/far 1.76/8.54    sign/far 1.25/8.02    chunk/none 3.95/10.7  far/none 8.62/15.4
+fp8     sign 1.27             sign 1.52             chunk 2.60            sign 1.27             far 4.95
+nvfp4   chunk 3.45            chunk 3.74            far 4.92              far 4.95              chunk 3.45
+======  ====================  ====================  ====================  ====================  ====================
+
+(fp8 and nvfp4 read no codebook: spans leave their bound as it is.) Where a bound tells
+less than ``chunk`` (int2 with spans or codebooks of several chunks, a recency tier coarser
+than the codec it hands over to), a token of the neighbouring chunk can pass it: there the
+machine still tells apart what the table says (``far``: a token two chunks away; ``none``:
+no value), and positions (causalkv's views, exactly), cursors, and attention over exactly
+the view's tokens; the configurations the machine drew before (int4, int2, one-chunk
+spans, no tier) still tell even ``sign``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -108,13 +167,102 @@ def machine_settings(examples: int = EXAMPLES, steps: int = STEPS) -> settings:
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-def codec_bound(bits: int | None, expected: torch.Tensor) -> torch.Tensor:
+#: every value the machine writes lies in ``[MIN_ABS, MAX_ABS]`` (``6 m +- 1``, ``m`` in 1..3)
+MIN_ABS = 5 * A
+#: the range of one chunk's values in one head (``6 m +- 1``), and of all values
+RANGE_CHUNK = 2 * A
+RANGE_ALL = MAX_ABS - MIN_ABS  # 14A
+
+
+def _codec_error(name: str, mag: Any, group: Any, rng: Any, span_max: Any, seg_max: Any) -> Any:
+    """The codec ``name``'s error before the bf16 rounding of its decode (module docstring):
+    ``mag`` bounds ``|x|``, ``group`` the largest ``|x|`` of the element's token-head (fp8's
+    scale group, nvfp4's block), ``rng`` the range and ``span_max`` the largest ``|x|`` of
+    the tokens its PRQ centroid may come from, ``seg_max`` the largest ``|x|`` of the record."""
+    if name in ("int4", "int2"):
+        q = 2 ** (int(name[3:]) - 1) - 1
+        return ((1 + 2**-3) / (2 * q) * (rng + 2**-8 * span_max) + 2**-12 * A
+                + 2**-20 * (mag + rng))
+    if name == "fp8":
+        return (2**-4 + 2**-22) * mag + 2**-10 * group / 448
+    if name == "nvfp4":
+        normal = (1 + 2**-4) * (1 + 2**-20) * group / 6
+        return torch.maximum(torch.as_tensor(normal, dtype=torch.float64),
+                             torch.as_tensor(seg_max / 14336, dtype=torch.float64)) + 2**-22 * mag
+    raise AssertionError(f"no bound derived for codec {name!r}")
+
+
+def _rounded(err: Any, mag: Any) -> Any:
+    """``err`` plus the bf16 rounding of the decoded value (half an ulp: ``2**-8`` of
+    ``|decoded| <= mag + err``)."""
+    return err + 2**-8 * (mag + err)
+
+
+@dataclass(frozen=True)
+class Quant:
+    """What packs a run's cold chunks, as the bound needs it (module docstring).
+
+    Attributes:
+        codec: the cache's codec setting (``int4``, ``int2``, ``fp8``, ``nvfp4``).
+        recent_tier: the recency tier's (``bf16``: none).
+        shared: a PRQ centroid may come from tokens of another chunk: spans or codebooks of
+            several chunks (``span_chunks`` or ``codebook_chunks`` > 1).
+    """
+
+    codec: str
+    recent_tier: str = "bf16"
+    shared: bool = False
+
+    def __str__(self) -> str:
+        tier = "" if self.recent_tier == "bf16" else f"+{self.recent_tier} recent"
+        return f"{self.codec}{tier}{' shared' if self.shared else ''}"
+
+    def bound(self, expected: torch.Tensor) -> torch.Tensor:
+        """Largest ``|decoded - expected|`` per element (the module docstring's derivation):
+        looked up by ``|expected|`` where every value is an integer multiple of ``A`` up to
+        `MAX_ABS` (the machine's values, and 0), else computed."""
+        mag = expected.abs()
+        idx = mag.long()
+        if idx.numel() and int(idx.max()) <= MAX_ABS and torch.equal(idx.to(mag.dtype), mag):
+            return _bound_table(self)[idx]
+        return self.of(mag.double())
+
+    def of(self, mag: torch.Tensor) -> torch.Tensor:
+        """The bound at magnitudes ``mag`` (float64)."""
+        # the element's chunk's largest value in its head (every channel of the token-head too)
+        group = A * (6 * torch.round(mag / (6 * A)) + 1)
+        rng, span_max = (RANGE_ALL, MAX_ABS) if self.shared else (RANGE_CHUNK, group)
+        main = _rounded(_codec_error(self.codec, mag, group, rng, span_max, MAX_ABS), mag)
+        if self.recent_tier in ("bf16", self.codec):
+            return main
+        t = self.recent_tier  # a recency-tier pack holds one chunk, with its own codebook
+
+        def tier(m: Any, g: Any) -> Any:
+            return _rounded(_codec_error(t, m, g, RANGE_CHUNK, g, MAX_ABS), m)
+
+        e_t = tier(mag, group)
+        e_group = tier(group, group)  # worst tier error in the element's chunk and head
+        e_all = tier(torch.tensor(MAX_ABS, dtype=torch.float64), MAX_ABS)  # in any chunk
+        e_span = e_all if self.shared else e_group
+        # re-packed at the cache's codec from the tier's decode y: |y - x| <= the tier's error
+        mag_y = mag + e_t
+        chain = e_t + _rounded(_codec_error(self.codec, mag_y, group + e_group, rng + 2 * e_span,
+                                            span_max + e_span, MAX_ABS + e_all), mag_y)
+        return torch.maximum(torch.maximum(main, e_t), chain)
+
+
+@functools.cache
+def _bound_table(quant: Quant) -> torch.Tensor:
+    """``quant``'s bound at ``|x| = 0, A, ..., MAX_ABS`` (A = 1)."""
+    assert A == 1.0
+    return quant.of(torch.arange(int(MAX_ABS) + 1, dtype=torch.float64))
+
+
+def codec_bound(quant: Quant | None, expected: torch.Tensor) -> torch.Tensor:
     """Largest ``|decoded - expected|`` the codec allows per element (module docstring)."""
-    if bits is None:
+    if quant is None:
         return torch.zeros_like(expected, dtype=torch.float64)
-    q = 2 ** (bits - 1) - 1
-    e = expected.double().abs()
-    return (1 + 2**-3) / (2 * q) * (2 * A + 2**-8 * MAX_ABS) + 2**-8 * e + 2**-12 * A
+    return quant.bound(expected)
 
 
 # ---- values -------------------------------------------------------------------------------
@@ -159,16 +307,41 @@ class Config:
     global_sink: int
     window: int | None
     growth: bool
-    bits: int | None
+    codec: str | None  # the codec setting cold chunks are packed with (None: quant off)
     keep_recent: int
     quant_sink: bool
     marks: str  # how marks reach the caches: "args" | "marker" | "hook" (sglang's allocate)
     head_slice: tuple[int, int] | None = None  # sglang: the run's fixed head slice
     int_indices: bool = False
+    recent_tier: str = "bf16"  # the recency tier's codec setting (bf16: none)
+    span_chunks: int = 1
+    codebook_chunks: int = 1
+    bits: int | None = None  # sglang: its own selector (its QVGKVQuantArgs.bits)
+    #: chunks advanced (unmarked, ``chunk`` tokens each) before the first drawn op: runs whose
+    #: spans or codebooks take several cold chunks reach them within ``STEPS`` ops
+    prefill: int = 0
 
     @property
     def cache_size(self) -> int:
         return self.sink + self.slots * self.chunk
+
+    @property
+    def quant(self) -> Quant | None:
+        """What the bound needs of the run's packing (None: quant off, values exact)."""
+        if self.codec is None:
+            return None
+        return Quant(self.codec, self.recent_tier,
+                     shared=self.span_chunks > 1 or self.codebook_chunks > 1)
+
+    def kinds(self) -> list[str]:
+        """The kinds of packing this run draws (`Stats.kinds`): its codec, its recency tier's,
+        spans and codebooks of several chunks."""
+        out = [f"codec={self.codec or 'off'}"]
+        if self.recent_tier != "bf16":  # and whether its chunks are re-packed when they leave
+            out += [f"tier={self.recent_tier}",
+                    "tier=codec" if self.recent_tier == self.codec else "tier re-packed"]
+        out += ["span>1"] * (self.span_chunks > 1) + ["codebook>1"] * (self.codebook_chunks > 1)
+        return out
 
 
 class Env:
@@ -231,25 +404,67 @@ def cursors(view: Any) -> tuple[int, int, int, int]:
             view.visible_global_end)
 
 
-def assert_values(bits: int | None, got: torch.Tensor, want: torch.Tensor, where: str) -> None:
-    """``got`` equals ``want`` (quant off) or is within `codec_bound` of it."""
+def assert_values(quant: Quant | None, got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    """``got`` equals ``want`` (``quant`` None: off, or stored dense) or is within `codec_bound`
+    of it."""
     assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
-    if bits is None:
+    if quant is None:
         if not torch.equal(got, want):
             bad = (got != want).nonzero()[0].tolist()
             raise AssertionError(f"{where}: element {bad} = {got[tuple(bad)].item()}, "
                                  f"the reference has {want[tuple(bad)].item()} (quant off)")
         return
     err = (got.double() - want.double()).abs()
-    bound = codec_bound(bits, want)
+    bound = codec_bound(quant, want)
     if not bool((err <= bound).all()):
         bad = (err > bound).nonzero()[0].tolist()
         raise AssertionError(
             f"{where}: element {bad} = {got[tuple(bad)].item()}, the reference has "
-            f"{want[tuple(bad)].item()}: error {err[tuple(bad)].item():.3f} > int{bits} "
+            f"{want[tuple(bad)].item()}: error {err[tuple(bad)].item():.3f} > {quant} "
             f"bound {bound[tuple(bad)].item():.3f}")
 
+
+class PackedKinds:
+    """The kinds of packed segment a subject's view shows, read from its segment store
+    (``store.segments``): ``packed CODEC`` at the cache's codec, ``packed CODEC at the tier``
+    (a recency-tier pack to be re-packed), ``packed span of chunks``, ``packed shared
+    codebook`` (its codebook tensors held by another segment too), ``re-packed from the
+    tier`` (at the cache's codec over positions the store held at the tier when last seen)."""
+
+    def __init__(self) -> None:
+        #: per store, the runs it held packed at the recency tier when last seen
+        self.tiered: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def of(self, store: Any, shown: Sequence[tuple[int, int]] | None = None) -> set[str]:
+        """The kinds among the packed segments of ``store`` over positions ``shown`` (None:
+        every segment it holds, for views without positions)."""
+        from causalkv.caches import intervals as iv
+
+        segs = [s for s in store.segments if s.packed]
+        books: dict[int, int] = {}
+        for s in segs:
+            for t in s.storage.shared_tensors():
+                books[id(t)] = books.get(id(t), 0) + 1
+        before = self.tiered.get(store, ())
+        self.tiered[store] = iv.normalize((s.start, s.end) for s in segs if s.recent)
+        kinds: set[str] = set()
+        for s in segs:
+            run = ((s.start, s.end),)
+            if shown is not None and not iv.intersect(run, shown):
+                continue
+            name = s.storage.codec.name
+            if s.recent:
+                kinds.add(f"packed {name} at the tier")
+                continue
+            kinds.add(f"packed {name}")
+            if s.last_chunk > s.first_chunk:
+                kinds.add("packed span of chunks")
+            if any(books[id(t)] > 1 for t in s.storage.shared_tensors()):
+                kinds.add("packed shared codebook")
+            if iv.intersect(run, before):
+                kinds.add("re-packed from the tier")
+        return kinds
 
 
 # ---- the machine ----------------------------------------------------------------------------
@@ -262,6 +477,15 @@ class Stats:
     commits: int = 0
     unmarked: int = 0
     by_config: dict[str, int] = field(default_factory=dict)
+    #: runs per kind of packing drawn (`Config.kinds`): a machine fails if one never ran
+    kinds: dict[str, int] = field(default_factory=dict)
+    #: views checked per kind of packed segment they showed (`PackedKinds`): a machine fails
+    #: if one never showed
+    viewed: dict[str, int] = field(default_factory=dict)
+
+    def saw(self, kinds: Any) -> None:
+        for kind in kinds:
+            self.viewed[kind] = self.viewed.get(kind, 0) + 1
 
 
 @dataclass
@@ -310,9 +534,13 @@ def make_machine(
             self.log: list[str] = []
             g = torch.Generator().manual_seed(7)
             self.q_full = (torch.randn(B, 2, cfg.heads, D, generator=g) * 0.05).to(DT)
+            for _ in range(cfg.prefill):
+                self.advance(size="same", other=cfg.chunk, halves=False, recent=None)
             stats.runs += 1
-            key = f"bits={cfg.bits} marks={cfg.marks} layers={cfg.layers}"
+            key = f"{cfg.codec or 'off'} marks={cfg.marks} layers={cfg.layers}"
             stats.by_config[key] = stats.by_config.get(key, 0) + 1
+            for kind in cfg.kinds():
+                stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
 
         # ---- helpers ----------------------------------------------------------------------
         def _q(self, h0: int, h1: int) -> torch.Tensor:
