@@ -786,3 +786,29 @@ def test_committing_forward_of_two_ticks():
         machine._forward(s, False, 1, 1)
     finally:
         machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, reason="causalkv answers a forward of part of a tick with less "
+                   "history than the stock (it settled the last tick for a whole next tick)")
+def test_a_forward_of_part_of_a_tick_is_refused():
+    """A forward of part of a tick (outside LingBot's protocol, whose transformer takes exactly
+    ``num_frames_per_block`` frames per forward; vLLM-Omni's state and cache take any whole
+    number of frames). The stream: 2 frames per tick, no sink, a window of one tick, quant off;
+    open a session; a committing forward of one tick; its commit; a probe of 1 frame. The
+    stock reads the tick's last frame and the probe's; causalkv had settled the tick for a next
+    forward of a whole tick, which reads none of it, and dropped it: its output differed from
+    the stock's. causalkv refuses such a forward (`ConfigError`, documented, nothing changed),
+    a probe or a committing forward of 3 frames (then the session is closed in both, as the
+    runner releases a failed forward)."""
+    machine = PagedMachine()
+    machine.start(Geometry(fpb=2, sink_ticks=0, window_ticks=1, quant="off", routed=False))
+    try:
+        s = machine.open["a"] = Session("a", machine.stock, machine.sub)
+        machine._forward(s, True, 0, 2)
+        machine._commit(s)
+        documented = STATS.documented
+        assert machine._forward(s, False, 1, 1)
+        assert not machine._forward(s, True, 2, 3)
+        assert STATS.documented == documented + 2 and "a" not in machine.open
+    finally:
+        machine.teardown()
