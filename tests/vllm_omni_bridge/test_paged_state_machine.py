@@ -75,8 +75,12 @@ cache had fewer free pages than the forward needs (and, for causalkv, more than 
 admission reserves), causalkv left unchanged; then, as the runner does with a failed forward,
 the session is closed in both.
 
-`EXAMPLES` examples (``CAUSALKV_MACHINE_EXAMPLES``), `STEPS` ops each, derandomized unless
-``CAUSALKV_MACHINE_RANDOM=1`` (tests/cache_machine.py's conventions; tests/README.md).
+`EXAMPLES` examples of each machine (``CAUSALKV_MACHINE_EXAMPLES``), `STEPS` ops each,
+derandomized unless ``CAUSALKV_MACHINE_RANDOM=1`` (tests/cache_machine.py's conventions;
+tests/README.md). What a derandomized run draws shifts with any change to the rules, so the
+reads each setting of `CodecMachine` makes (a recency-tier group, a group re-packed from the
+tier, a group joining another's codebook, after committing forwards of two ticks) are also
+driven by one fixed stream per setting through the same checks (`test_codec_stream`).
 
 Several sessions each holding an uncommitted committing forward are left out too: the runner
 runs one request at a time, and causalkv's pool counts one in-flight tick (the stock's slack
@@ -86,6 +90,7 @@ serves more).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -747,10 +752,41 @@ def test_examples_ran():
         if runs:  # (not deselected)
             assert runs >= EXAMPLES
             assert set(machine.quants) <= set(STATS.by_quant), STATS.by_quant
-    if STATS.by_machine.get(CodecMachine.__name__):
-        # groups read at the recency tier, re-packed from it, and sharing a codebook
-        assert STATS.tier_reads and STATS.repacked_reads and STATS.book_reads, STATS
 
+
+
+#: what `test_codec_stream` reads of each setting besides packed groups: groups at the recency
+#: tier and re-packed from it, groups joining another's codebook
+STREAM_READS = {"fp8": (), "nvfp4": (), "int2-recent-int4": ("tier_reads", "repacked_reads"),
+                "nvfp4-recent-fp8-sink": ("tier_reads", "repacked_reads"), "int2-codebook3": ("book_reads",)}
+
+
+@pytest.mark.parametrize("quant", CODEC_QUANTS)
+def test_codec_stream(quant):
+    """One fixed stream per setting of `CodecMachine`, through the machine's own checks, so
+    every run reads what the setting makes whatever the machine's draws: 2 frames per tick,
+    sink 1 + window 3 ticks, two ticks of spare pages; session a runs six ticks (a probe, the
+    committing forward, its commit), session b between them committing forwards of two ticks
+    and probes; then each packed kind the setting makes was read (`STREAM_READS`)."""
+    before = dataclasses.replace(STATS)
+    machine = PagedMachine()
+    machine.start(Geometry(fpb=2, sink_ticks=1, window_ticks=3, quant=quant,
+                           routed=CODEC_QUANTS.index(quant) % 2 == 1, spare_ticks=2))
+    try:
+        a = machine.open["a"] = Session("a", machine.stock, machine.sub)
+        b = machine.open["b"] = Session("b", machine.stock, machine.sub)
+        for t in range(6):
+            assert machine._forward(a, False, 10 * t, 2) and machine._forward(a, True, 10 * t + 1, 2)
+            machine._commit(a)
+            if t % 2 == 0:
+                assert machine._forward(b, True, 10 * t + 2, 4)
+                machine._commit(b)
+            assert machine._forward(b, False, 10 * t + 3, 2)
+    finally:
+        machine.teardown()
+    assert STATS.multi_tick - before.multi_tick == 3
+    for counter in ("packed_reads", *STREAM_READS[quant]):
+        assert getattr(STATS, counter) > getattr(before, counter), (counter, STATS)
 
 
 @pytest.mark.parametrize("quant", ["off", "int2"])
