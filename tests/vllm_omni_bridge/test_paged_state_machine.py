@@ -34,8 +34,12 @@ commit a session's tick (also with nothing to commit: a no-op in both); close a 
 LRU eviction and a failed forward are one release path in the runner); reset a session
 (``state.reset()``: the same request id reopened); bad calls: a forward while the session's
 committing forward is not committed, a forward of a closed session, a probe larger than the
-scratch pages, ``allocate_token_slots(adapter, 0)``; and a session opened with a prefill
-prefix, which causalkv documents it refuses (LingBot-World has none) and the stock accepts.
+scratch pages, ``allocate_token_slots(adapter, 0)``; and two calls the stock accepts and
+causalkv documents it refuses (`ConfigError`): a session opened with a prefill prefix
+(LingBot-World has none), and a forward of part of a tick, a probe of fewer frames or a
+committing forward ending inside a tick (LingBot's transformer takes whole ticks, and causalkv
+settles a session at a tick's end for a next forward of whole ticks; a refused committing
+forward closes the session in both, as the runner releases a failed forward).
 
 The oracles, after every forward, on every layer:
 
@@ -63,17 +67,17 @@ The oracles, after every forward, on every layer:
 
 After every op: each cache's free blocks are its initial count less the pages its open sessions
 hold (after a close or reset, a session's pages are back in the pool); causalkv holds no more
-pages per session than the stock; causalkv's records are exactly the open sessions. Refusals:
-a call the stock refuses, causalkv refuses with the same exception type and both are unchanged
+pages per session than the stock; causalkv's records are exactly the open sessions. Refusals: a
+call the stock refuses, causalkv refuses with the same exception type and both are unchanged
 (block tables, free blocks, adapters' positions, causalkv's records); causalkv refuses nothing
-the stock accepts beyond the documented prefill refusal, and a pool exhausted by a forward of
-several ticks: each pool keeps one tick in flight beyond its full sessions (plus one page), the
-engine's rule and causalkv's admission, and a forward of more runs on what the sessions leave
-free. causalkv's sessions hold fewer pages in a smaller pool, so either cache may find its
-pool exhausted where the other does not (vLLM-Omni's own ``RuntimeError``): allowed when that
-cache had fewer free pages than the forward needs (and, for causalkv, more than the tick
-admission reserves), causalkv left unchanged; then, as the runner does with a failed forward,
-the session is closed in both.
+the stock accepts beyond those documented refusals (causalkv unchanged by them), and a pool
+exhausted by a forward of several ticks: each pool keeps one tick in flight beyond its full
+sessions (plus one page), the engine's rule and causalkv's admission, and a forward of more
+runs on what the sessions leave free. causalkv's sessions hold fewer pages in a smaller pool,
+so either cache may find its pool exhausted where the other does not (vLLM-Omni's own
+``RuntimeError``): allowed when that cache had fewer free pages than the forward needs (and,
+for causalkv, more than the tick admission reserves), causalkv left unchanged; then, as the
+runner does with a failed forward, the session is closed in both.
 
 `EXAMPLES` examples of each machine (``CAUSALKV_MACHINE_EXAMPLES``), `STEPS` ops each,
 derandomized unless ``CAUSALKV_MACHINE_RANDOM=1`` (tests/cache_machine.py's conventions;
@@ -82,9 +86,8 @@ reads each setting of `CodecMachine` makes (a recency-tier group, a group re-pac
 tier, a group joining another's codebook, after committing forwards of two ticks) are also
 driven by one fixed stream per setting through the same checks (`test_codec_stream`).
 
-Several sessions each holding an uncommitted committing forward are left out too: the runner
-runs one request at a time, and causalkv's pool counts one in-flight tick (the stock's slack
-serves more).
+Left out: several sessions each holding an uncommitted committing forward (the runner runs one
+request at a time, and causalkv's pool counts one in-flight tick; the stock's slack serves more).
 """
 
 from __future__ import annotations
@@ -364,7 +367,9 @@ class PagedMachine(RuleBasedStateMachine):
     def _both(self, what: str, call: Any, *, allowed: type | None = None,
               pages: int = 0) -> tuple[Any, Any] | str | None:
         """``call(stock_side)`` and ``call(causalkv_side)`` (0, 1); refusals compared. Returns
-        both results, or None when refused (by both, or by causalkv as documented).
+        both results, or None when both refused, or ``"documented"`` when causalkv refused
+        with ``allowed`` (its documented refusals; the stock's refusal of the same call, for
+        whatever reason, counts as both refusing), causalkv unchanged.
 
         ``pages``: the pool pages a committing forward allocates. Each pool keeps
         ``frames_per_block + 1`` pages beyond its full sessions (the in-flight tick, the
@@ -400,6 +405,8 @@ class PagedMachine(RuleBasedStateMachine):
                 assert self._snapshot()[1] == before[1], f"causalkv's refusal changed it: {where}"
             STATS.pool_refusals = tuple(n + (i == side) for i, n in enumerate(STATS.pool_refusals))
             return "pool"
+        if errors[0] is not None and allowed is not None and isinstance(errors[1], allowed):
+            errors[0] = errors[1]  # both refuse, causalkv for its documented reason
         if errors[0] is not None:
             assert errors[1] is not None, f"the stock refused ({errors[0]!r}), causalkv accepted: {where}"
             assert type(errors[1]) is type(errors[0]), (
@@ -410,7 +417,8 @@ class PagedMachine(RuleBasedStateMachine):
         if errors[1] is not None:
             if allowed is not None and isinstance(errors[1], allowed):
                 STATS.documented += 1
-                return None
+                assert self._snapshot()[1] == before[1], f"causalkv's refusal changed it: {where}"
+                return "documented"
             raise AssertionError(f"causalkv refused what the stock accepts: {errors[1]!r}: {where}") from errors[1]
         return results[0], results[1]
 
@@ -515,15 +523,24 @@ class PagedMachine(RuleBasedStateMachine):
         else:
             self._commit(s)
 
-    @rule(data=st.data(), kind=st.sampled_from(["oversized_probe", "closed", "allocate_nothing", "prefill"]),
+    @rule(data=st.data(), kind=st.sampled_from(["oversized_probe", "closed", "allocate_nothing", "prefill",
+                                                "part_of_tick"]),
           seed=st.integers(0, 2**31 - 1))
     def bad_call(self, data: st.DataObject, kind: str, seed: int) -> None:
         """A probe of two ticks (more frames than the scratch pages: both refuse); a forward of
         a closed session (both refuse); ``allocate_token_slots(adapter, 0)`` (both refuse); a
         branch opened with a prefill prefix (the stock opens it, and it is ended again;
-        causalkv refuses, documented: LingBot-World has none)."""
+        causalkv refuses, documented: LingBot-World has none); a probe of part of a tick, or a
+        committing forward of up to 3 ticks ending inside one (the stock takes it; causalkv refuses,
+        documented: LingBot's transformer takes whole ticks, and causalkv settles a session for
+        a next forward of whole ticks)."""
+        fpb = self.geo.fpb
         if kind == "oversized_probe" and self.open:
-            self._forward(self._pick(data), False, seed, 2 * self.geo.fpb)
+            self._forward(self._pick(data), False, seed, 2 * fpb)
+        elif kind == "part_of_tick" and self.open and fpb > 1:
+            commit = bool(seed & 1)
+            frames = data.draw(st.integers(1, 3 * fpb if commit else fpb - 1).filter(lambda n: n % fpb))
+            self._forward(self._pick(data), commit, seed, frames)
         elif kind == "closed" and self.closed:
             self._forward(data.draw(st.sampled_from(self.closed)), bool(seed & 1), seed, self.geo.fpb)
         elif kind == "allocate_nothing" and self.open:
@@ -575,12 +592,14 @@ class PagedMachine(RuleBasedStateMachine):
                         seen[("stock", layer)] = self._stock_view(cache, inputs[layer])
             return outs
 
+        from causalkv.errors import ConfigError
+
         got = self._both(f"{'commit-forward' if commit else 'probe'} {s.name} ({frames} frames)", run,
-                         pages=frames if commit else 0)
-        if got == "pool":  # the runner's release of a failed forward
+                         pages=frames if commit else 0, allowed=ConfigError if frames % self.geo.fpb else None)
+        if got == "pool" or (got == "documented" and commit):  # the runner's release of a failed forward
             self._release(s, reset=False)
             return False
-        if got is None:
+        if got is None or got == "documented":
             return True
         STATS.forwards += 1
         STATS.multi_tick += commit and frames > self.geo.fpb
@@ -824,8 +843,6 @@ def test_committing_forward_of_two_ticks():
         machine.teardown()
 
 
-@pytest.mark.xfail(strict=True, reason="causalkv answers a forward of part of a tick with less "
-                   "history than the stock (it settled the last tick for a whole next tick)")
 def test_a_forward_of_part_of_a_tick_is_refused():
     """A forward of part of a tick (outside LingBot's protocol, whose transformer takes exactly
     ``num_frames_per_block`` frames per forward; vLLM-Omni's state and cache take any whole
