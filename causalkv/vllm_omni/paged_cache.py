@@ -293,7 +293,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         ConfigError: more than one KV branch (LingBot-World has one), a sink or window that is
             not a whole number of ticks, settings the codec cannot pack at ``head_size``, a
             pool dtype or option causalkv does not model, or one session not fitting the free
-            memory; the engine's own errors for the rest.
+            memory; the engine's own errors for the rest. At run time: a prefill prefix, and a
+            forward (probe or committing) that is not a whole number of ticks.
     """
 
     def __init__(self, config: Any, *, quant: QVGKVQuantArgs, head_offset: int = 0,
@@ -399,10 +400,23 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         the storage position holds logical frame ``i`` plus the frames compacted away, the
         adapter's absolute position less its storage position)."""
         rec = self._record(adapter)
+        self._check_whole_ticks(num_tokens)
         table = super().allocate_token_slots(adapter, num_tokens)
         compacted = adapter.compacted_tokens // self.block_size
         rec.frames.extend(i + compacted for i in range(len(rec.frames), len(table)))
         return table
+
+    def _check_whole_ticks(self, tokens: int) -> None:
+        """`ConfigError` for a forward of ``tokens`` that is not a whole number of ticks: a
+        session is settled at each tick's end for a next forward of whole ticks, so a forward
+        ending inside a tick would read frames already dropped. LingBot-World's transformer
+        takes exactly one tick per forward; vLLM-Omni's state and cache take any frames."""
+        tick = self.frames_per_block * self.block_size
+        if tokens % tick:
+            raise ConfigError(
+                f"causalkv's paged cache runs forwards of whole ticks ({self.frames_per_block} "
+                f"frames of {self.block_size} tokens, as LingBot-World's), got {tokens} tokens; "
+                "forward a multiple of frames_per_block frames")
 
     def commit_chunk(self, adapter: Any) -> None:
         """A frame committed (the engine's per-frame call). At a tick's end causalkv settles
@@ -569,6 +583,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         the transient buffer)."""
         if k_act is not None and k_act.shape[0] > 0:
             raise ConfigError("causalkv's paged cache does not hold action tokens (LingBot-World has none)")
+        self._check_whole_ticks(int(inputs.video_slots.numel()))  # a probe (a commit: at allocation)
         key_pool, value_pool = inputs.key_pool, inputs.value_pool
         key_pool[inputs.video_slots] = k_curr.to(key_pool.dtype)
         value_pool[inputs.video_slots] = v_curr.to(value_pool.dtype)
