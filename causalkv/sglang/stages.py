@@ -241,8 +241,9 @@ def allocate(original: Callable[..., Any], self: Any, **kw: Any) -> list:
     growth included, with the request's causalkv settings (`request_args`: converted once per
     request, shared by its allocations); LingBot-World keeps sglang's own QVG cache when
     ``CAUSALKV_SGLANG_LINGBOT_QVG=sglang`` or when causalkv's codec cannot lay out its head_dim
-    (`can_serve`: PRQ's block size of partial bytes, or one that does not divide it). Every allocation is logged once per stage and settings, and tracked for the
-    request's summary line.
+    (`can_serve`: PRQ's block size of partial bytes, or one that does not divide it). Every
+    allocation is logged once per stage and settings, and tracked for the request's summary
+    line.
     """
     entry = served_stage(self)
     if entry is None:
