@@ -639,7 +639,7 @@ def make_machine(
                    mark: Any = None, halves: bool = False, dtype: torch.dtype = DT,
                    drop_head_start: bool = False) -> list[bool]:
             """One write (or two half writes) per layer, in layer order; ``mark``: None,
-            ``"probe"`` or a `Commit`."""
+            ``"probe"`` or a `CommitPass`."""
             cfg = self.cfg
             self.wid += 1
             parts = self._halves() if halves else self._heads()
@@ -739,7 +739,7 @@ def make_machine(
             last (where the reference hears the marks), else a new one; telling the next
             chunk's size or not, announcing a pin (then made) or not (``then_pin``: pinned
             anyway, where the reference hears the marks)."""
-            from causalkv.caches.passes import Commit
+            from causalkv.caches.passes import CommitPass
 
             s = self.stream
             halves = halves and env.halves
@@ -752,7 +752,7 @@ def make_machine(
             self.log.append(f"commit({'new' if new else 'current'}, n={n}, next={told}, "
                             f"pin={pin}{', halves' if halves else ''}, recent={recent})")
             ok = self._write("commit", start, n, chunk=chunk, recent=recent,
-                             mark=Commit(pin=pin, next_tokens=told), halves=halves)
+                             mark=CommitPass(pin=pin, next_tokens=told), halves=halves)
             if all(ok):
                 if new:
                     self.chunk += 1

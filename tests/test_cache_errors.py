@@ -8,7 +8,7 @@ import torch
 from oracle import OracleCache, encode_kv, run_sequence
 
 from causalkv.caches import CacheWriteError, CausalCacheSpec, DenseCausalKVCache
-from causalkv.caches.passes import Commit
+from causalkv.caches.passes import CommitPass
 
 SPEC = CausalCacheSpec(
     batch_size=2, num_heads=4, head_dim=4, cache_size=16, sink_tokens=4, global_sink_tokens=2,
@@ -154,19 +154,19 @@ def test_a_commit_whose_pin_is_refused_leaves_the_cache_unchanged(halves):
     cache = busy_cache()
     k, v = encode_kv(SPEC, 15, 3, 0, 4, 100)
     cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
-                                      commit=Commit(next_tokens=9))
+                                      commit=CommitPass(next_tokens=9))
     assert cache.state.retained == ((0, 2), (6, 9), (16, 18))
     parts = [(0, 2), (2, 2)] if halves else [(0, 4)]
     for h0, h in parts[:-1]:
         k, v = encode_kv(SPEC, 15, 3, h0, h, 101)
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
-                                          cache_head_start=h0, commit=Commit(pin=True))
+                                          cache_head_start=h0, commit=CommitPass(pin=True))
     before = snapshot(cache)
     h0, h = parts[-1]
     k, v = encode_kv(SPEC, 15, 3, h0, h, 102)
     with pytest.raises(CacheWriteError, match=r"pin_current_chunk\(3\): range \[15, 18\) is no longer retained"):
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=15,
-                                          cache_head_start=h0, commit=Commit(pin=True))
+                                          cache_head_start=h0, commit=CommitPass(pin=True))
     assert_unchanged(cache, before)
 
 

@@ -2,7 +2,7 @@
 
 tests/cache_machine.py is the machine (ops, checks, the codec bounds, the protocol model);
 this module is causalkv's environment: per layer a dense cache (the reference) and a packed
-cache, both given the same marks: as call arguments (``probe=True``, ``commit=Commit(...)``)
+cache, both given the same marks: as call arguments (``probe=True``, ``commit=CommitPass(...)``)
 or through one `PassMarker` every cache uses (``use_marker``). The packed cache draws quant
 off or any built-in codec (int4, int2, fp8, nvfp4), a recency tier (``recent_tier``, any of
 them, where it holds something: keep-recent 1 or a bf16 sink), and spans and shared

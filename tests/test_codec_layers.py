@@ -4,7 +4,7 @@
   ``causalkv.caches.qvg``, the store over it) and no import inside a function of the codec's
   modules (the edges are read from the source, so a future change that brings a loop back,
   or hides one in a function, fails here).
-- Both backends implement `format.Backend` with the protocol's very signatures.
+- Both backends implement `format.PRQKernels` with the protocol's very signatures.
 - The codec reads only its own settings (`format.CodecSettings`): an object holding just those
   seven attributes packs the very bytes a `QVGKVQuantArgs` does, and counts the same bytes.
 - Without triton the codec still imports and packs (the PyTorch backend, byte for byte what
@@ -116,11 +116,11 @@ def _params(fn) -> list[tuple[str, object, object]]:
 
 
 def test_both_backends_implement_the_protocol():
-    methods = [n for n, v in vars(format.Backend).items() if inspect.isfunction(v) and n[0] != "_"]
+    methods = [n for n, v in vars(format.PRQKernels).items() if inspect.isfunction(v) and n[0] != "_"]
     assert sorted(methods) == ["dequantize_into", "kmeans_assign", "kmeans_update", "quantize_pack"]
     for module in (torch_impl, triton_impl):
         for name in methods:
-            assert _params(getattr(module, name)) == _params(getattr(format.Backend, name)), (
+            assert _params(getattr(module, name)) == _params(getattr(format.PRQKernels, name)), (
                 f"{module.__name__}.{name}"
             )
 

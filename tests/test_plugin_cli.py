@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 
 from causalkv.cli import plugins as plugin_cli
-from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostClassRegistration, StageRegistration, hookimpl
 from causalkv.plugin import get_plugin_manager, reset_plugin_manager
 from causalkv.plugin.testing import temporary_plugin
 from causalkv.stages.base import CausalDenoisingStage
@@ -125,9 +125,9 @@ def test_plugins_text_output(capsys):
 class Hosts:
     @hookimpl
     def causalkv_register_host_classes(self):
-        return [HostRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", "tiny-longlive2",
+        return [HostClassRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", "tiny-longlive2",
                                  cache="qvg"),
-                HostRegistration("causalkv", "pkg.gone:Stage", "GonePipeline", priority=2)]
+                HostClassRegistration("causalkv", "pkg.gone:Stage", "GonePipeline", priority=2)]
 
 
 def test_plugins_lists_host_classes_and_marks_one_that_does_not_import(capsys):

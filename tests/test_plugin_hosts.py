@@ -1,4 +1,4 @@
-"""Host classes in the registry (`HostRegistration`, ``causalkv_register_host_classes``): what
+"""Host classes in the registry (`HostClassRegistration`, ``causalkv_register_host_classes``): what
 the sglang and vLLM-Omni bridges serve is the collected registrations, causalkv's built-in ones
 included, under the same rules as the runtime's stages: the highest priority per host and
 model wins, two at one priority set the later plugin aside, a raising hook sets its plugin
@@ -12,7 +12,7 @@ import pytest
 
 from causalkv.caches import codecs
 from causalkv.errors import InvalidTypeError
-from causalkv.hooks import CacheFactory, CodecRegistration, HostRegistration, hookimpl
+from causalkv.hooks import CacheFactory, CodecRegistration, HostClassRegistration, hookimpl
 from causalkv.plugin import collect, collected, get_plugin_manager, reset_plugin_manager
 from causalkv.plugin.builtin import BUILTIN_PLUGIN_NAME
 from causalkv.plugin.testing import fresh_plugin_manager, temporary_plugin
@@ -23,7 +23,7 @@ SGLANG_STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
 class _Hosts:
     """A plugin registering the host classes it is given (and codecs, optionally)."""
 
-    def __init__(self, *hosts: HostRegistration, codecs: tuple[CodecRegistration, ...] = ()) -> None:
+    def __init__(self, *hosts: HostClassRegistration, codecs: tuple[CodecRegistration, ...] = ()) -> None:
         self.hosts, self.codecs = hosts, codecs
 
     @hookimpl
@@ -42,11 +42,11 @@ def codec_registry(monkeypatch):
 
 
 def test_host_registration_normalizes_and_refuses_bad_values_naming_them():
-    reg = HostRegistration("sglang", "pkg.stage:MyStage", "MyPipeline")
+    reg = HostClassRegistration("sglang", "pkg.stage:MyStage", "MyPipeline")
     assert (reg.models, reg.codec, reg.priority, reg.cache, reg.name) == (
         ("MyPipeline",), None, 0, None, "sglang pkg.stage:MyStage")
     for kwargs, match in [
-        ({"target": "pkg.stage.MyStage"}, r"HostRegistration: target must be a 'module:Class' string, got 'pkg.stage.MyStage'"),
+        ({"target": "pkg.stage.MyStage"}, r"HostClassRegistration: target must be a 'module:Class' string, got 'pkg.stage.MyStage'"),
         ({"host": ""}, r"host must be a host's name such as 'sglang', got ''"),
         ({"models": ()}, r"models must be non-empty strings, got \(\)"),
         ({"codec": 8}, r"codec must be a codec setting's name or None, got 8"),
@@ -56,7 +56,7 @@ def test_host_registration_normalizes_and_refuses_bad_values_naming_them():
     ]:
         args = {"host": "sglang", "target": "pkg.stage:MyStage", "models": "MyPipeline", **kwargs}
         with pytest.raises(InvalidTypeError, match=match):
-            HostRegistration(**args)
+            HostClassRegistration(**args)
 
 
 def test_causalkv_register_host_classes_of_the_builtin_plugin_are_the_bridges_classes(pm):
@@ -80,8 +80,8 @@ def test_causalkv_register_host_classes_of_the_builtin_plugin_are_the_bridges_cl
 def test_causalkv_register_host_classes_the_highest_priority_serves_a_model(pm):
     """A plugin's class for a model causalkv serves wins only at a higher priority; the other
     models stay the built-in plugin's, and another host's registrations are that host's."""
-    mine = _Hosts(HostRegistration("sglang", "pkg.stage:Mine", ("LongLive2Pipeline", "MinePipeline"), priority=1),
-                  HostRegistration("vllm-omni", "pkg.pipe:Mine", "MinePipeline"))
+    mine = _Hosts(HostClassRegistration("sglang", "pkg.stage:Mine", ("LongLive2Pipeline", "MinePipeline"), priority=1),
+                  HostClassRegistration("vllm-omni", "pkg.pipe:Mine", "MinePipeline"))
     with temporary_plugin(pm, mine, name="mine"):
         registry = collect(pm, report=None)
     sglang = registry.host_classes("sglang")
@@ -92,7 +92,7 @@ def test_causalkv_register_host_classes_the_highest_priority_serves_a_model(pm):
 
 
 def test_causalkv_register_host_classes_at_a_taken_priority_sets_the_later_plugin_aside(pm):
-    clash = _Hosts(HostRegistration("sglang", "pkg.stage:Mine", ("MinePipeline", "LongLive2Pipeline")))
+    clash = _Hosts(HostClassRegistration("sglang", "pkg.stage:Mine", ("MinePipeline", "LongLive2Pipeline")))
     with temporary_plugin(pm, clash, name="clash"):
         registry = collect(pm, report=None)
     (failure,) = registry.failures
@@ -110,8 +110,8 @@ def test_causalkv_register_host_classes_naming_an_unknown_codec_sets_the_plugin_
     one registered later, counts); another name sets the plugin aside naming it."""
     int8 = CodecRegistration("int8", "toy_codec_plugin:Int8Codec")
     late = _Hosts(codecs=(int8,))
-    good = _Hosts(HostRegistration("sglang", "pkg.stage:Good", "GoodPipeline", codec="int8"))
-    bad = _Hosts(HostRegistration("vllm-omni", "pkg.pipe:Bad", "BadPipeline", codec="int9"))
+    good = _Hosts(HostClassRegistration("sglang", "pkg.stage:Good", "GoodPipeline", codec="int8"))
+    bad = _Hosts(HostClassRegistration("vllm-omni", "pkg.pipe:Bad", "BadPipeline", codec="int9"))
     with temporary_plugin(pm, good, name="good"), temporary_plugin(pm, bad, name="bad"), \
             temporary_plugin(pm, late, name="late"):
         registry = collect(pm, report=None)
@@ -144,8 +144,8 @@ def test_causalkv_register_host_classes_naming_an_unknown_cache_sets_the_plugin_
         def causalkv_register_cache_factories(self):
             return [ring]
 
-    good = Good(HostRegistration("vllm-omni", "pkg.pipe:Good", "GoodPipeline", cache="ring"))
-    bad = _Hosts(HostRegistration("sglang", "pkg.stage:Bad", "BadPipeline", cache="rnig"))
+    good = Good(HostClassRegistration("vllm-omni", "pkg.pipe:Good", "GoodPipeline", cache="ring"))
+    bad = _Hosts(HostClassRegistration("sglang", "pkg.stage:Bad", "BadPipeline", cache="rnig"))
     with temporary_plugin(pm, good, name="good"), temporary_plugin(pm, bad, name="bad"):
         registry = collect(pm, report=None)
     assert str(registry.failures[0]) == (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalkv.caches import CausalCacheSpec, Commit, DenseCausalKVCache, PassMarker
+from causalkv.caches import CausalCacheSpec, CommitPass, DenseCausalKVCache, PassMarker
 from causalkv.caches.codecs.prq.centroids import centroids_for
 from causalkv.caches.codecs.prq.format import packed_nbytes_formula
 from causalkv.caches.qvg import QVGKVQuantArgs
@@ -114,7 +114,7 @@ def test_a_commit_in_head_slices_drops_once_every_head_is_written():
                 k, v = _kv(c, h0, 0)
                 views.append(cache.update_and_get_attention_kv(
                     key=k[:, :, h0:h0 + 1], value=v[:, :, h0:h0 + 1], current_chunk_start=c * N,
-                    cache_head_start=h0, commit=Commit()))
+                    cache_head_start=h0, commit=CommitPass()))
             assert views[0].position_ranges == views[1].position_ranges
         assert packed.state.retained == dense.state.retained
         for a, b in zip((dense.get_attention_kv(),), (packed.get_attention_kv(),)):
@@ -166,7 +166,7 @@ def test_a_probe_and_a_commit_together_are_refused_before_anything_changes():
     k, v = _kv(0, 0, 0)
     with pytest.raises(UsageError, match="a probe or a commit, not both"):
         cache.update_and_get_attention_kv(key=k, value=v, current_chunk_start=0, probe=True,
-                                          commit=Commit())
+                                          commit=CommitPass())
     assert cache.global_end == 0 and not cache.store.segments
     with pytest.raises(UsageError, match="next_tokens must be a positive int"):
-        Commit(next_tokens=0)
+        CommitPass(next_tokens=0)

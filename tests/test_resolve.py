@@ -12,7 +12,7 @@ from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.cli.plugins import resolution_dict
 from causalkv.config import ModelConfig, ServerArgs
 from causalkv.errors import InvalidTypeError
-from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostClassRegistration, StageRegistration, hookimpl
 from causalkv.plugin import ResolutionError
 from causalkv.plugin.builtin import STAGES
 from causalkv.plugin.testing import RecordsPlugin, temporary_plugin
@@ -333,12 +333,12 @@ LL2 = "causalkv.stages.longlive2:LongLive2Stage"
 
 
 def test_a_host_registration_of_causalkv_names_the_stages_cache(pm):
-    """``HostRegistration("causalkv", <the stage's class>, models, cache=...)``: the named
+    """``HostClassRegistration("causalkv", <the stage's class>, models, cache=...)``: the named
     factory serves the model (over priority, said in the reasons), ``--cache`` wins over it, a
     registration naming another stage class or model leaves the choice as it was, and a named
     factory lacking a requirement is refused naming the registration's plugin."""
-    hosts = [HostRegistration("causalkv", LL2, "tiny-longlive2", cache="tally"),
-             HostRegistration("causalkv", "causalkv.stages.wan:WanCausalDMDStage", "tiny-longlive", cache="tally")]
+    hosts = [HostClassRegistration("causalkv", LL2, "tiny-longlive2", cache="tally"),
+             HostClassRegistration("causalkv", "causalkv.stages.wan:WanCausalDMDStage", "tiny-longlive", cache="tally")]
     with temporary_plugin(pm, _HostCache([TALLY], hosts), name="hosts"):
         res = resolve("tiny-longlive2", _args("int2", multi_shot=True), pm=pm)
         assert (res.cache_factory.name, res.cache_plugin) == ("tally", "hosts")
@@ -347,7 +347,7 @@ def test_a_host_registration_of_causalkv_names_the_stages_cache(pm):
         assert resolve("tiny-longlive2", _args("int2", cache="qvg"), pm=pm).cache_factory.name == "qvg"
         assert resolve("tiny-longlive", _args("int2"), pm=pm).cache_factory.name == "qvg"  # another class
         assert resolve("tiny-longlive2-1k", _args("int2"), pm=pm).cache_factory.name == "qvg"  # another model
-    dense = [HostRegistration("causalkv", LL2, "tiny-longlive2", cache="dense")]
+    dense = [HostClassRegistration("causalkv", LL2, "tiny-longlive2", cache="dense")]
     with temporary_plugin(pm, _HostCache(hosts=dense), name="hosts"):
         with pytest.raises(ResolutionError, match=r"cache 'dense' \(named by plugin hosts's host registration\) "
                                                   r"lacks quant:qvg, which stage longlive2 needs"):

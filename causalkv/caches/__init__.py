@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(("AttendError", "AttendStats", "attend"), "causalkv.caches.attention"),
     "CrossAttentionKVCache": "causalkv.caches.cross",
     "DenseCausalKVCache": "causalkv.caches.dense",
-    **dict.fromkeys(("Commit", "PassMarker"), "causalkv.caches.passes"),
+    **dict.fromkeys(("CommitPass", "PassMarker"), "causalkv.caches.passes"),
     "QVGPackedCausalKVCache": "causalkv.caches.qvg.packed",
     **dict.fromkeys(
         ("CacheWriteError", "CausalAttentionKVView", "CausalKVCache", "CausalCacheSpec"),

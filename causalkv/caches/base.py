@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from causalkv.caches.intervals import Intervals
-from causalkv.caches.passes import Commit, PassMarker
+from causalkv.caches.passes import CommitPass, PassMarker
 from causalkv.caches.spec import (
     CausalAttentionKVView,
     CausalCacheSpec,
@@ -53,19 +53,19 @@ class StreamCache(ABC):
             raise ConfigError(f"use_marker takes a PassMarker or None, got {marker!r}")
         self.marker = marker
 
-    def _marks(self, probe: bool, commit: Commit | None) -> tuple[bool, Commit | None]:
+    def _marks(self, probe: bool, commit: CommitPass | None) -> tuple[bool, CommitPass | None]:
         """The call's marks: its own arguments, else the shared marker's."""
         m = self.marker
         if m is not None and not probe and commit is None:
             probe, commit = m.probe, m.commit
         if probe and commit is not None:
             raise UsageError("a write is a probe or a commit, not both")
-        if commit is not None and not isinstance(commit, Commit):
-            raise UsageError(f"commit must be a causalkv.caches.passes.Commit or None, got {commit!r}")
+        if commit is not None and not isinstance(commit, CommitPass):
+            raise UsageError(f"commit must be a causalkv.caches.passes.CommitPass or None, got {commit!r}")
         return bool(probe), commit
 
     def _commit_pass(
-        self, start: int, heads: tuple[int, int], commit: Commit | None
+        self, start: int, heads: tuple[int, int], commit: CommitPass | None
     ) -> tuple[tuple[int, frozenset[int]], bool]:
         """The pass record once ``heads`` of the chunk at ``start`` are written with
         ``commit``, and whether the chunk is then complete: the commits of this pass have
@@ -89,7 +89,7 @@ class StreamCache(ABC):
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
         probe: bool = False,
-        commit: Commit | None = None,
+        commit: CommitPass | None = None,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` (heads ``[h0, h0 + h)``) and return the view.
 
@@ -97,7 +97,7 @@ class StreamCache(ABC):
         equal to ``global_end`` advances the stream (evicting and, for a packed cache,
         packing). Anything else raises CacheWriteError and leaves the cache unchanged.
         ``probe=True``: the same view, and nothing stored (`probe_view`). ``commit``: the
-        chunk's context pass (`causalkv.caches.passes.Commit`): stored as an unmarked write,
+        chunk's context pass (`causalkv.caches.passes.CommitPass`): stored as an unmarked write,
         then, once every head is written, only what the next advance keeps stays
         (`StreamState.committed`). Unmarked calls follow the `marker`'s pass.
         """
@@ -114,7 +114,7 @@ class StreamCache(ABC):
     @abstractmethod
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
-        recent_window_tokens: int | None, commit: Commit | None,
+        recent_window_tokens: int | None, commit: CommitPass | None,
     ) -> CausalAttentionKVView:
         """Store the write (checked: heads ``heads``, not a probe; ``new``: the state after
         it, `StreamState.written`, the chunk at ``new.cur_start``) and return its view; a

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from causalkv.caches import intervals as iv
 from causalkv.caches.base import StreamCache
-from causalkv.caches.passes import Commit
+from causalkv.caches.passes import CommitPass
 from causalkv.caches.spec import CausalAttentionKVView, CausalCacheSpec, concat_segments
 from causalkv.caches.stream import StreamState
 from causalkv.capabilities import (
@@ -57,7 +57,7 @@ class DenseCausalKVCache(StreamCache):
     # ---- writes -------------------------------------------------------------------
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
-        recent_window_tokens: int | None, commit: Commit | None,
+        recent_window_tokens: int | None, commit: CommitPass | None,
     ) -> CausalAttentionKVView:
         """`StreamCache._write`: an advance moves the survivors (`_relayout`), then the chunk
         is copied into its slots; a complete commit keeps only what the next advance keeps."""

@@ -8,11 +8,11 @@ stores only what a later call reads:
 - a **probe** (a denoising pass) returns the view over the history plus the caller's own K/V
   and stores nothing (`causalkv.caches.base.StreamCache.probe_view`);
 - a **commit** (the context pass) stores the chunk, moves it straight to its tier, and drops
-  at once what the next advance will drop (`Commit`: the next chunk's size, the pin the
+  at once what the next advance will drop (`CommitPass`: the next chunk's size, the pin the
   caller makes right after);
 - an unmarked write keeps the dense cache's semantics.
 
-A call marks itself (``update_and_get_attention_kv(..., probe=True)`` or ``commit=Commit()``),
+A call marks itself (``update_and_get_attention_kv(..., probe=True)`` or ``commit=CommitPass()``),
 or the caller marks every write of a pass at once through the `PassMarker` its caches share
 (``with marker.probing():`` around the denoising passes, ``with marker.committing(...)``
 around the context pass): the attention layers that call the caches need not know. Every
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from causalkv.caches.ledger import ByteLedger
 from causalkv.errors import UsageError, check_int
 
-__all__ = ["Commit", "PassMarker"]
+__all__ = ["CommitPass", "PassMarker"]
 
 
 @dataclass(frozen=True)
-class Commit:
+class CommitPass:
     """A write that is the chunk's context pass, and what the caller does next.
 
     Attributes:
@@ -49,7 +49,7 @@ class Commit:
 
     def __post_init__(self) -> None:
         if self.next_tokens is not None:
-            check_int("Commit.next_tokens", self.next_tokens, minimum=1, hint="or None",
+            check_int("CommitPass.next_tokens", self.next_tokens, minimum=1, hint="or None",
                       error=UsageError)
 
 
@@ -58,14 +58,14 @@ class PassMarker:
 
     Attributes:
         probe: True inside `probing`: every write is a probe.
-        commit: the `Commit` inside `committing`, else None.
+        commit: the `CommitPass` inside `committing`, else None.
         ledger: the caches' `ByteLedger` (each reports what it holds and every one-call
             buffer it fills), so ``ledger.peak_nbytes`` is their peak over a request.
     """
 
     def __init__(self) -> None:
         self.probe = False
-        self.commit: Commit | None = None
+        self.commit: CommitPass | None = None
         self.ledger = ByteLedger()
 
     def probing(self) -> AbstractContextManager[PassMarker]:
@@ -75,11 +75,11 @@ class PassMarker:
     def committing(
         self, *, pin: bool = False, next_tokens: int | None = None
     ) -> AbstractContextManager[PassMarker]:
-        """Writes inside are the chunk's context pass (`Commit` of ``pin``, ``next_tokens``)."""
-        return self._marked(False, Commit(pin, next_tokens))
+        """Writes inside are the chunk's context pass (`CommitPass` of ``pin``, ``next_tokens``)."""
+        return self._marked(False, CommitPass(pin, next_tokens))
 
     @contextmanager
-    def _marked(self, probe: bool, commit: Commit | None) -> Iterator[PassMarker]:
+    def _marked(self, probe: bool, commit: CommitPass | None) -> Iterator[PassMarker]:
         """The pass marked inside; an inner mark wins, and the outer one is back after it
         (a host's context pass may run inside the scope of its denoising passes)."""
         before = self.probe, self.commit

@@ -36,7 +36,7 @@ class CacheReadError(CausalKVError, RuntimeError):
 
 
 class CacheProtocolError(UsageError):
-    """A caller broke a promise it made (a `causalkv.caches.passes.Commit` told a host cache
+    """A caller broke a promise it made (a `causalkv.caches.passes.CommitPass` told a host cache
     whose cursor cannot follow the commit the next chunk's size or pin, and the next call
     differs). The call is refused and the cache is left exactly as it was; the message names
     the positions and the fix. A caller that makes no promise never sees this error."""
@@ -113,7 +113,7 @@ class CausalCacheSpec:
 
 if TYPE_CHECKING:
     from causalkv.caches.codecs.base import PackedRecord
-    from causalkv.caches.passes import Commit
+    from causalkv.caches.passes import CommitPass
 
 KVSegment = tuple[torch.Tensor, torch.Tensor]
 #: one visible piece as stored: dense K/V ``[B, s, h, D]``, or packed K/V ``[B, h, s, D]``
@@ -300,7 +300,7 @@ class CausalKVCache(Protocol):
         recent_window_tokens: int | None = None,
         debug_name: str = "kv_cache",
         probe: bool = False,
-        commit: Commit | None = None,
+        commit: CommitPass | None = None,
     ) -> CausalAttentionKVView:
         """Write ``key``/``value`` ``[B, n, h, D]`` for the chunk starting at
         ``current_chunk_start`` (rewrite or advance) and return the attention view.

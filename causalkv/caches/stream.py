@@ -108,7 +108,7 @@ class StreamState:
         return replace(now, held=iv.subtract(ahead.retained, chunk))
 
     def committed(self, pin: bool = False, next_tokens: int | None = None) -> StreamState:
-        """The state once the current chunk is committed (`causalkv.caches.passes.Commit`):
+        """The state once the current chunk is committed (`causalkv.caches.passes.CommitPass`):
         only what the next advance keeps (`after_context`) stays retained."""
         return replace(self, retained=self.after_context(pin, next_tokens).held)
 

@@ -22,7 +22,7 @@ from causalkv.cli.generate import (
 )
 from causalkv.config import MULTI_SHOT, ServerArgs
 from causalkv.errors import CausalKVError, describe_exception, print_stderr
-from causalkv.hooks import NAME, HostRegistration, import_object
+from causalkv.hooks import NAME, HostClassRegistration, import_object
 from causalkv.plugin import builtin as builtin_plugin
 from causalkv.plugin import collect, get_plugin_manager
 from causalkv.runtime.host.resolve import Resolution, resolve
@@ -112,7 +112,7 @@ def _codec_row(setting: CodecSetting) -> dict[str, Any]:
     return row
 
 
-def _host_row(reg: HostRegistration, plugin: str) -> dict[str, Any]:
+def _host_row(reg: HostClassRegistration, plugin: str) -> dict[str, Any]:
     """A host registration as ``causalkv plugins`` lists it: with ``error`` when its target
     does not import, or ``unchecked`` when its host is not installed in this environment (then
     no host class imports: nothing to judge)."""

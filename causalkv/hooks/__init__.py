@@ -18,7 +18,7 @@ from causalkv.hooks.records import (
     CacheKind,
     CacheReporting,
     CodecRegistration,
-    HostRegistration,
+    HostClassRegistration,
     PackingReport,
     Preset,
     Stage,
@@ -31,6 +31,6 @@ HOOK_NAMES: tuple[str, ...] = tuple(n for n, f in vars(specs).items() if hasattr
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENV_PREFIX", "HOOK_NAMES", "NAME", "CacheFactory", "CacheKind",
-    "CacheReporting", "CodecRegistration", "HostRegistration", "PackingReport", "Preset", "Stage",
+    "CacheReporting", "CodecRegistration", "HostClassRegistration", "PackingReport", "Preset", "Stage",
     "StageRegistration", "hookimpl", "hookspec", "import_object", "specs",
 ]

@@ -1,5 +1,5 @@
 """Records the registration hooks return: `StageRegistration` (with its `Preset`s), `CacheFactory`,
-`CodecRegistration` and `HostRegistration`.
+`CodecRegistration` and `HostClassRegistration`.
 
 Plain frozen dataclasses, torch-free: a ``"module:Class"`` string is imported only by ``load()``.
 A `StageRegistration` is the one place that describes a model family to the host: the stage
@@ -7,7 +7,7 @@ class, the model names it serves, the model-config defaults of those models, tin
 the family's own option records (request knobs, ``causalkv.json`` keys). A `CacheFactory`
 describes a cache: its class, capabilities and settings record. The host builds the command
 line, the config parsing and the validation from those records (`causalkv.options`). A
-`HostRegistration` names a class of a host (a stage of sglang, a pipeline of vLLM-Omni, a
+`HostClassRegistration` names a class of a host (a stage of sglang, a pipeline of vLLM-Omni, a
 stage of causalkv's own runtime) that causalkv serves there, and the cache factory and codec
 it is served with.
 """
@@ -26,7 +26,7 @@ from causalkv.errors import ImportPathError, InvalidTypeError, is_int
 from causalkv.options import CacheOptions, Options, StageOptions
 
 __all__ = [
-    "CacheFactory", "CacheKind", "CodecRegistration", "HostRegistration", "Preset", "Stage",
+    "CacheFactory", "CacheKind", "CodecRegistration", "HostClassRegistration", "Preset", "Stage",
     "StageRegistration", "import_object",
 ]
 
@@ -251,7 +251,7 @@ class CodecRegistration:
 
 
 @dataclass(frozen=True)
-class HostRegistration:
+class HostClassRegistration:
     """A class of another host that causalkv serves there: a stage of sglang's diffusion
     runtime, a pipeline of vLLM-Omni. That host's bridge reads the registrations naming it,
     once per process before any weights load, and serves exactly the classes they name
@@ -284,8 +284,8 @@ class HostRegistration:
     cache: str | None = None
 
     def __post_init__(self) -> None:
-        owner = f"HostRegistration {self.target!r}"
-        _require(isinstance(self.target, str) and ":" in self.target, "HostRegistration", "target",
+        owner = f"HostClassRegistration {self.target!r}"
+        _require(isinstance(self.target, str) and ":" in self.target, "HostClassRegistration", "target",
                  "a 'module:Class' string", self.target)
         _require(_nonempty(self.host), owner, "host", "a host's name such as 'sglang'", self.host)
         for what, value, kind in (("codec", self.codec, "codec setting"), ("cache", self.cache, "cache factory")):

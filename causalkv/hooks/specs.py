@@ -22,7 +22,7 @@ from causalkv.hooks.markers import hookspec
 from causalkv.hooks.records import (
     CacheFactory,
     CodecRegistration,
-    HostRegistration,
+    HostClassRegistration,
     Stage,
     StageRegistration,
 )
@@ -78,7 +78,7 @@ def causalkv_register_codecs() -> Iterable[CodecRegistration] | None:
 
 
 @hookspec
-def causalkv_register_host_classes() -> Iterable[HostRegistration] | None:
+def causalkv_register_host_classes() -> Iterable[HostClassRegistration] | None:
     """Register the host classes causalkv serves (a stage of sglang, a pipeline of vLLM-Omni,
     a stage of causalkv's own runtime) and the cache factory and codec each is served with.
 
@@ -87,7 +87,7 @@ def causalkv_register_host_classes() -> Iterable[HostRegistration] | None:
     it (the highest priority per model). Every implementation runs.
 
     Returns:
-        An iterable of `HostRegistration` (or None). The class is imported only by its host's
+        An iterable of `HostClassRegistration` (or None). The class is imported only by its host's
         bridge. Two registrations serving one model of one host at the same priority, or one
         naming a codec or a cache factory no plugin registers, set the later plugin aside
         (the message names both, or the codec or cache).

@@ -9,7 +9,7 @@ is first resolved; the ``qvg`` factory declares the QVG settings record
 (`causalkv.caches.qvg.options.QVGKVQuantArgs`). Stages and caches are named as
 ``"module:Class"`` strings: registering them imports no torch (``causalkv --help``).
 
-`HOSTS` are the classes of other hosts the bridges serve (`HostRegistration`: names only,
+`HOSTS` are the classes of other hosts the bridges serve (`HostClassRegistration`: names only,
 imported by that host's bridge alone), each with the cache factory that builds its caches:
 sglang's three causal stages (whose methods `causalkv.sglang.hooks` wraps) with ``sglang``
 (`causalkv.sglang.cache.SGLangQVGKVCache`), and, in vLLM-Omni, LingBot-World's pipeline replaced
@@ -19,7 +19,7 @@ by causalkv's subclass, with ``qvg``.
 from __future__ import annotations
 
 from causalkv.caches.qvg.options import QVGKVQuantArgs
-from causalkv.hooks import CacheFactory, HostRegistration, StageRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostClassRegistration, StageRegistration, hookimpl
 from causalkv.stages import families
 
 __all__ = ["BUILTIN_PLUGIN_NAME", "CACHES", "HOSTS", "STAGES"]
@@ -41,14 +41,14 @@ CACHES: tuple[CacheFactory, ...] = (
 )
 
 _SGLANG = "sglang.multimodal_gen.runtime.pipelines_core.stages"
-HOSTS: tuple[HostRegistration, ...] = (
-    HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.longlive2:LongLive2CausalDenoisingStage",
+HOSTS: tuple[HostClassRegistration, ...] = (
+    HostClassRegistration("sglang", f"{_SGLANG}.model_specific_stages.longlive2:LongLive2CausalDenoisingStage",
                      "LongLive2Pipeline", cache="sglang"),
-    HostRegistration("sglang", f"{_SGLANG}.causal_denoising:CausalDMDDenoisingStage", "WanCausalDMDPipeline",
+    HostClassRegistration("sglang", f"{_SGLANG}.causal_denoising:CausalDMDDenoisingStage", "WanCausalDMDPipeline",
                      cache="sglang"),
-    HostRegistration("sglang", f"{_SGLANG}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising:"
+    HostClassRegistration("sglang", f"{_SGLANG}.model_specific_stages.lingbot_world.lingbot_world_causal_denoising:"
                      "LingBotWorldCausalDMDDenoisingStage", "LingBotWorldCausalDMDPipeline", cache="sglang"),
-    HostRegistration("vllm-omni", "causalkv.vllm_omni.pipeline:CausalKVLingBotWorldPipeline",
+    HostClassRegistration("vllm-omni", "causalkv.vllm_omni.pipeline:CausalKVLingBotWorldPipeline",
                      "LingBotWorldCausalDMDPipeline", cache="qvg"),
 )
 
@@ -64,5 +64,5 @@ def causalkv_register_cache_factories() -> tuple[CacheFactory, ...]:
 
 
 @hookimpl
-def causalkv_register_host_classes() -> tuple[HostRegistration, ...]:
+def causalkv_register_host_classes() -> tuple[HostClassRegistration, ...]:
     return HOSTS

@@ -6,7 +6,7 @@ cache or model (at one priority) another plugin holds, or a flag another record 
 holds, is set aside as a whole (`PluginLoadFailure`, one line naming it and the fix); the
 plugins before it, the built-in one first, keep everything they registered. This is the one
 conflict check of the registries, and causalkv's runtime and its bridges (sglang, vLLM-Omni)
-read the same `Registry`: a host class (`HostRegistration`) is served in its host when a
+read the same `Registry`: a host class (`HostClassRegistration`) is served in its host when a
 plugin that is not set aside registers it (`Registry.host_classes`). Codec settings join
 `causalkv.caches.codecs`'s registry (the one the options, the caches and the planner read), a
 name taken there sets the plugin aside too, as does a host class naming a codec or a cache factory
@@ -32,7 +32,7 @@ from causalkv.hooks import (
     NAME,
     CacheFactory,
     CodecRegistration,
-    HostRegistration,
+    HostClassRegistration,
     Preset,
     StageRegistration,
 )
@@ -125,7 +125,7 @@ class Registry:
     #: `causalkv.caches.codecs`'s own)
     codecs: tuple[tuple[CodecRegistration, str], ...] = ()
     #: (host registration, plugin) of the classes of other hosts causalkv serves there
-    hosts: tuple[tuple[HostRegistration, str], ...] = ()
+    hosts: tuple[tuple[HostClassRegistration, str], ...] = ()
 
     def _named(self, kind: str, name: str, entries: tuple[Any, ...]) -> Any:
         found = next((e for e in entries if e.name == name), None)
@@ -152,7 +152,7 @@ class Registry:
     def served_models(self) -> list[str]:
         return sorted({m for e in self.stages for m in e.registration.served})
 
-    def host_classes(self, host: str) -> dict[str, tuple[HostRegistration, str]]:
+    def host_classes(self, host: str) -> dict[str, tuple[HostClassRegistration, str]]:
         """What ``host``'s bridge serves: each model (host pipeline name) -> the registration
         of the highest priority serving it there, and its plugin."""
         ranked = sorted((e for e in self.hosts if e[0].host == host), key=lambda e: e[0].priority)
@@ -180,16 +180,18 @@ def _records(hook: str, result: Any, kind: type) -> tuple[Any, ...]:
 #: each record kind: the registration hook returning it, what a set-aside message calls it
 _KINDS = {StageRegistration: ("causalkv_register_stages", "stage"),
           CacheFactory: ("causalkv_register_cache_factories", "cache"),
-          HostRegistration: ("causalkv_register_host_classes", "host class"),
+          HostClassRegistration: ("causalkv_register_host_classes", "host class"),
           CodecRegistration: ("causalkv_register_codecs", "codec")}
 
 
-def _claims(r: StageRegistration | CacheFactory | CodecRegistration | HostRegistration) -> list[tuple[tuple[Any, ...], str, str]]:
+def _claims(
+    r: StageRegistration | CacheFactory | CodecRegistration | HostClassRegistration,
+) -> list[tuple[tuple[Any, ...], str, str]]:
     """``(key, what it is, the fix)`` of each thing a record claims: its name, the models it
     serves at its priority (a stage; a host class, in its host), the flags of its options record."""
     if isinstance(r, CodecRegistration):
         return [(("codec", r.name), f"codec setting {r.name!r}", "rename the codec setting")]
-    if isinstance(r, HostRegistration):
+    if isinstance(r, HostClassRegistration):
         return [(("host", r.host, m, r.priority), f"{r.host} model {m!r} at priority {r.priority}",
                  "give the registration another priority (the higher wins)") for m in r.models]
     if isinstance(r, StageRegistration):
@@ -256,7 +258,7 @@ def collect(
                 if other is not None and not (key[0] == "flag" and other[1] is options):
                     clash = clash or (f"its {what} is taken by {other[0]}", fix)
                 mine[key] = (f"{_KINDS[type(r)][1]} {r.name!r} of plugin {plugin!r}", options)
-            for what in ("codec", "cache") if isinstance(r, HostRegistration) else ():
+            for what in ("codec", "cache") if isinstance(r, HostClassRegistration) else ():
                 if (name := getattr(r, what)) is not None and name not in known[what]:
                     clash = clash or (f"its host class {r.target} names {what} {name!r}, which no plugin registers "
                                       f"({what}s: {', '.join(sorted(known[what]))})", f"name a registered {what}")
@@ -281,7 +283,7 @@ def collect(
         report(failure)
     of = lambda kind: tuple((r, p) for r, p in kept if isinstance(r, kind))  # noqa: E731
     return Registry(tuple(StageEntry(*e) for e in of(StageRegistration)), tuple(CacheEntry(*e) for e in of(CacheFactory)),
-                    tuple(failed.values()), of(CodecRegistration), of(HostRegistration))
+                    tuple(failed.values()), of(CodecRegistration), of(HostClassRegistration))
 
 
 #: the registry `collected` made for each plugin manager (one per process; tests rebuild it)

@@ -171,7 +171,7 @@ class SGLangQVGKVCache(_SGLangQVGCache):
         write sglang would serve by overwriting slots of other positions (it corrupts them),
         or a head range other than the one written since the last reset; CacheProtocolError
         (a UsageError) for a view that needs positions a commit dropped because it was told
-        a different next chunk or pin (`causalkv.caches.passes.Commit`).
+        a different next chunk or pin (`causalkv.caches.passes.CommitPass`).
 
         Marks come from the stage's `marker`: a probe returns the same view and stores
         nothing (the cursors stay; the chunk's rows are the call's own K/V; with

@@ -8,7 +8,7 @@ its plugins).
   (`causalkv.sglang.hooks`); a subclass of them that does not override a wrapped method
   (or calls the wrapped one through ``super()``) runs the wrapped one.
 - Which stage classes the hooks serve, and the cache factory building their blocks, is the
-  registry's answer (`served_stages`): every ``HostRegistration`` of host ``sglang`` that a
+  registry's answer (`served_stages`): every ``HostClassRegistration`` of host ``sglang`` that a
   plugin not set aside registers, causalkv's built-in plugin included (its three:
   `causalkv.plugin.builtin.HOSTS`, with its cache factory ``sglang``), under
   ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime. Resolved once
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from causalkv.errors import describe_exception
-from causalkv.hooks import HostRegistration, import_object
+from causalkv.hooks import HostClassRegistration, import_object
 from causalkv.plugin import Registry, collected, get_plugin_manager
 from causalkv.plugin.manager import ENV_BLOCK
 
@@ -34,7 +34,7 @@ __all__ = ["HOST", "ServedStage", "log_once", "qualname", "served_stage", "serve
 
 logger = logging.getLogger(__name__)
 
-#: the host name of the registrations this bridge serves (`HostRegistration.host`)
+#: the host name of the registrations this bridge serves (`HostClassRegistration.host`)
 HOST = "sglang"
 STAGES = "sglang.multimodal_gen.runtime.pipelines_core.stages"
 #: sglang's causal DMD stage (Wan causal DMD / Self-Forcing); the others subclass it
@@ -83,7 +83,7 @@ class ServedStage:
 
     Attributes:
         cls: the stage class (a subclass of sglang's ``CausalDMDDenoisingStage``).
-        registration: its ``HostRegistration`` (the pipelines it serves, its codec).
+        registration: its ``HostClassRegistration`` (the pipelines it serves, its codec).
         plugin: the plugin that registered it.
         cache: the kind that builds each block's cache with QVG on: the loaded kind of the
             registration's cache factory (`DEFAULT_CACHE` when it names none), a subclass of
@@ -92,7 +92,7 @@ class ServedStage:
     """
 
     cls: type
-    registration: HostRegistration
+    registration: HostClassRegistration
     plugin: str
     cache: type
     cache_name: str
@@ -111,7 +111,7 @@ class ServedStage:
 _SERVED: weakref.WeakKeyDictionary[Any, dict[str, ServedStage]] = weakref.WeakKeyDictionary()
 
 
-def _served(registry: Registry, reg: HostRegistration, plugin: str) -> ServedStage:
+def _served(registry: Registry, reg: HostClassRegistration, plugin: str) -> ServedStage:
     """The registered class, checked to be one the bridge's hooks reach, and the kind of its
     cache factory, checked to be built with sglang's arguments (raises what an import raises,
     ResolutionError for an unknown cache, or TypeError)."""
@@ -131,7 +131,7 @@ def served_stages() -> Mapping[str, ServedStage]:
     """sglang pipeline name -> the stage class the bridge serves for it, from causalkv's plugin
     registry (`causalkv.plugin.collected`: collected once per process under the switches of
     causalkv's runtime; a plugin set aside is one warning line on stderr): the
-    highest-priority ``HostRegistration`` of host ``sglang`` per pipeline.
+    highest-priority ``HostClassRegistration`` of host ``sglang`` per pipeline.
     Resolved once per process; the first call logs one line naming every served stage, and one
     warning per registration it cannot serve (its class does not import, or is not a subclass
     of sglang's causal DMD stage, or its cache factory is unknown or not sglang's), which then

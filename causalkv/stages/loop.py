@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from causalkv.errors import ConfigError, NonFiniteLatentsError
-from causalkv.stages.records import ChunkStats, ForwardRecord, GenerationResult
+from causalkv.stages.records import ChunkStats, DenoisingResult, ForwardRecord
 
 if TYPE_CHECKING:
     from causalkv.stages.base import CausalDenoisingStage
@@ -94,7 +94,7 @@ class ChunkLoop:
         generator: torch.Generator,
         on_chunk_done: Callable[[int, ChunkStats], None] | None = None,
         on_forward: Callable[[ForwardRecord], None] | None = None,
-    ) -> GenerationResult:
+    ) -> DenoisingResult:
         """Generate every chunk of ``noise`` ``[B, C, F, h, w]`` (one prompt per chunk).
 
         ``stage.begin_request(chunk_prompts)``, the request check, a reset of the stage's
@@ -147,4 +147,4 @@ class ChunkLoop:
             stats_all.append(stats)
             if on_chunk_done is not None:
                 on_chunk_done(i, stats)
-        return GenerationResult(latents=out, chunk_stats=stats_all)
+        return DenoisingResult(latents=out, chunk_stats=stats_all)

@@ -1,5 +1,5 @@
 """What the chunk loop hands back: `ChunkStats` per chunk, `ForwardRecord` per transformer
-call, `GenerationResult` per request. Typed records, read by attribute (the run report, the
+call, `DenoisingResult` per request. Typed records, read by attribute (the run report, the
 command line, the ``causalkv_chunk_done`` hook).
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkStats", "ForwardRecord", "GenerationResult"]
+__all__ = ["ChunkStats", "ForwardRecord", "DenoisingResult"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class ForwardRecord:
 
 
 @dataclass
-class GenerationResult:
+class DenoisingResult:
     """Clean latents ``[B, C, F, h, w]`` (float32) and one `ChunkStats` per chunk."""
 
     latents: torch.Tensor

@@ -5,7 +5,7 @@ vLLM-Omni discovers it through the entry point ``causalkv`` in the group
 engine, each diffusion worker) before any model is built (``load_omni_general_plugins``).
 Which pipelines the bridge serves, and the cache factory building their self-attention caches
 (`cache_factory`), is causalkv's plugin registry's answer (`served_pipelines`:
-the ``HostRegistration`` records of host ``vllm-omni``, collected once per process under
+the ``HostClassRegistration`` records of host ``vllm-omni``, collected once per process under
 ``CAUSALKV_PLUGINS`` and ``CAUSALKV_DISABLE_PLUGINS`` as in causalkv's runtime): `register`
 passes each to vLLM-Omni's ``register_diffusion_model`` (with LingBot-World's pre/post-process
 functions, which the served class's module exposes) and logs one line naming them. The built-in
@@ -26,7 +26,7 @@ import logging
 
 from causalkv import env
 from causalkv.errors import ConfigError
-from causalkv.hooks import CacheFactory, HostRegistration
+from causalkv.hooks import CacheFactory, HostClassRegistration
 from causalkv.plugin import ResolutionError, collected
 
 __all__ = [
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "CAUSALKV_VLLM_OMNI"
 #: the entry point's name in ``vllm_omni.general_plugins`` (what ``VLLM_PLUGINS`` lists)
 ENTRY_POINT_NAME = "causalkv"
-#: the host name of the registrations this bridge serves (`HostRegistration.host`)
+#: the host name of the registrations this bridge serves (`HostClassRegistration.host`)
 HOST = "vllm-omni"
 #: the cache factory of a registration that names none (the built-in plugin registers it)
 DEFAULT_CACHE = "qvg"
@@ -65,8 +65,8 @@ def _log_through_vllm() -> None:
         logger.propagate = True
 
 
-def served_pipelines() -> dict[str, tuple[HostRegistration, str]]:
-    """vLLM-Omni ``model_class_name`` -> (the ``HostRegistration`` the bridge serves it with,
+def served_pipelines() -> dict[str, tuple[HostClassRegistration, str]]:
+    """vLLM-Omni ``model_class_name`` -> (the ``HostClassRegistration`` the bridge serves it with,
     its plugin): the highest priority of host ``vllm-omni`` per name, from the registry
     collected once per process (`causalkv.plugin.collected`; a plugin set aside is one warning
     line on stderr and serves nothing). A served class is

@@ -62,7 +62,7 @@ def test_entry_point_found_and_every_hook_applied():
 
 
 def test_the_builtin_plugin_serves_the_three_stages_the_hooks_wrap():
-    """The built-in plugin's ``HostRegistration`` records for host ``sglang`` resolve to
+    """The built-in plugin's ``HostClassRegistration`` records for host ``sglang`` resolve to
     sglang's own classes: exactly the three whose methods the hooks wrap, per pipeline."""
     stages = served_stages()
     assert {p: f"{s.cls.__module__}.{s.cls.__qualname__}" for p, s in stages.items()} == {

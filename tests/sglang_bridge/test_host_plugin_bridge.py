@@ -28,7 +28,7 @@ from sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache import 
 from test_bridge_stages import HEAD_DIM, _allocate, _stage, stored_after_seven_chunks
 
 from causalkv.errors import ConfigError
-from causalkv.hooks import HostRegistration, hookimpl
+from causalkv.hooks import HostClassRegistration, hookimpl
 from causalkv.plugin import get_plugin_manager
 from causalkv.plugin.manager import ENV_BLOCK
 from causalkv.sglang import targets
@@ -143,9 +143,9 @@ class _Unreachable:
     @hookimpl
     def causalkv_register_host_classes(self):
         stage = f"{targets.STAGES}.causal_denoising:CausalDMDDenoisingStage"
-        return [HostRegistration("sglang", "causalkv.sglang.cache:SGLangQVGKVCache", "OddPipeline"),
-                HostRegistration("sglang", "causalkv_host_plugin.missing:Stage", "GonePipeline"),
-                HostRegistration("sglang", stage, "PackedPipeline", cache="toy-packed")]
+        return [HostClassRegistration("sglang", "causalkv.sglang.cache:SGLangQVGKVCache", "OddPipeline"),
+                HostClassRegistration("sglang", "causalkv_host_plugin.missing:Stage", "GonePipeline"),
+                HostClassRegistration("sglang", stage, "PackedPipeline", cache="toy-packed")]
 
 
 def test_a_class_the_hooks_cannot_reach_is_one_warning_and_not_served(installed, caplog):

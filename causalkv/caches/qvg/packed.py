@@ -47,7 +47,7 @@ import torch
 
 from causalkv.caches.base import StreamCache
 from causalkv.caches.codecs.prq.centroids import MIN_TOKENS_PER_CENTROID
-from causalkv.caches.passes import Commit, PassMarker
+from causalkv.caches.passes import CommitPass, PassMarker
 from causalkv.caches.qvg.options import QVGKVQuantArgs
 from causalkv.caches.qvg.policy import PackingPolicy, resolve_policy
 from causalkv.caches.qvg.segments import KVWrite, PackingReport, Segment
@@ -176,7 +176,7 @@ class QVGPackedCausalKVCache(StreamCache):
 
     def _write(
         self, key: torch.Tensor, value: torch.Tensor, new: StreamState, heads: tuple[int, int],
-        recent_window_tokens: int | None, commit: Commit | None,
+        recent_window_tokens: int | None, commit: CommitPass | None,
     ) -> CausalAttentionKVView:
         """`StreamCache._write`, planned whole. A commit moves the chunk to its tier in the
         same step (packed straight from the write's K/V when the policy does not keep it).

@@ -286,7 +286,7 @@ class SegmentStore:
 
         Raises:
             CacheProtocolError (a UsageError): positions a commit dropped because the caller
-                said the next advance drops them (`causalkv.caches.passes.Commit`), read by a
+                said the next advance drops them (`causalkv.caches.passes.CommitPass`), read by a
                 host whose cursor does not follow the commit (nothing was changed).
         """
         missing = iv.subtract(positions, iv.normalize((s.start, s.end) for s in layout))
@@ -295,7 +295,7 @@ class SegmentStore:
                 f"{what}: the view of positions {iv.describe(positions)} needs "
                 f"{iv.describe(missing)}, which the last commit dropped (it kept what the next "
                 "advance it was told of keeps; nothing was changed); give the commit the next "
-                "chunk's size and pin (Commit(next_tokens=..., pin=...)), or write the context "
+                "chunk's size and pin (CommitPass(next_tokens=..., pin=...)), or write the context "
                 "pass unmarked"
             )
 

@@ -31,7 +31,7 @@ from causalkv.runtime.files.video import check_video_suffix
 from causalkv.runtime.model_io.model_config import (
     REQUIRED_FILES,
     ModelFolderError,
-    ModelInfo,
+    RuntimeModelInfo,
     read_json,
 )
 from causalkv.runtime.model_io.preset_configs import ENV_HOME, causalkv_home
@@ -55,7 +55,7 @@ _WEIGHTED_COMPONENTS = ("transformer", "vae", "text_encoder")
 
 
 # ---- CAUSALKV_HOME ---------------------------------------------------------------------------
-def check_home(info: ModelInfo) -> None:
+def check_home(info: RuntimeModelInfo) -> None:
     """A preset that still has to be built needs a ``CAUSALKV_HOME`` where folders can be
     created; `ConfigError` naming it otherwise (a file, a read-only file system, no rights)."""
     if info.preset is None or info.path is None or is_complete_preset(info.path):
@@ -296,7 +296,7 @@ def _check_shards(index: Path, data: dict, fix: str) -> None:
         raise ModelFolderError(f"{index} lists shard(s) that are missing: {', '.join(missing)}; {fix}")
 
 
-def check_model_files(info: ModelInfo) -> None:
+def check_model_files(info: RuntimeModelInfo) -> None:
     """Refuse a model folder whose files are unreadable (`ModelFolderError`): every JSON file
     of ``model_index.json`` and its component folders parses, every safetensors file is
     complete, the transformer, VAE and text encoder each have weights. A preset is checked

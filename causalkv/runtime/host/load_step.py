@@ -16,7 +16,7 @@ from causalkv.runtime.files.file_checks import fs_error_reason
 from causalkv.runtime.files.outputs import OutputWriteError
 from causalkv.runtime.host.pipeline_records import DEFAULT_PROMPT, Plan
 from causalkv.runtime.model_io.components import Components, load_components
-from causalkv.runtime.model_io.model_config import ModelInfo
+from causalkv.runtime.model_io.model_config import RuntimeModelInfo
 from causalkv.runtime.model_io.preset_configs import causalkv_home
 from causalkv.runtime.model_io.presets import materialize_preset
 from causalkv.runtime.processes.distributed import join_ranks, local_main_first
@@ -24,7 +24,7 @@ from causalkv.runtime.processes.distributed import join_ranks, local_main_first
 __all__ = ["load_for_plan", "model_folder"]
 
 
-def model_folder(info: ModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
+def model_folder(info: RuntimeModelInfo, *, pm: Any = None, registry: Any = None) -> Path:
     """The folder to load from: a preset is created on first use."""
     if info.preset is not None:
         try:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from causalkv.runtime.host.resolve import Resolution
     from causalkv.runtime.model_io.components import Components
-    from causalkv.runtime.model_io.model_config import ModelInfo
+    from causalkv.runtime.model_io.model_config import RuntimeModelInfo
     from causalkv.stages.base import CausalDenoisingStage
     from causalkv.stages.records import ChunkStats
     from causalkv.stages.settings import StreamSettings
@@ -115,7 +115,7 @@ class Plan:
     """A validated request: model, effective server args, resolution, per-chunk prompts and
     their RoPE starts, and the plugins it was planned with."""
 
-    info: ModelInfo
+    info: RuntimeModelInfo
     server_args: ServerArgs
     resolution: Resolution
     num_frames: int

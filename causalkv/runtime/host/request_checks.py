@@ -406,7 +406,7 @@ VIDEO_FLOOR_COMPRESSION = 200
 
 
 def video_nbytes_floor(plan: Plan) -> int:
-    """The least bytes the video of ``plan`` takes: its RGB frames (`ModelInfo.video_frames`:
+    """The least bytes the video of ``plan`` takes: its RGB frames (`RuntimeModelInfo.video_frames`:
     ``1 + 4 (F - 1)`` for Wan's causal VAE) over `VIDEO_FLOOR_COMPRESSION`, plus
     `FILE_OVERHEAD_BYTES`."""
     info = plan.info

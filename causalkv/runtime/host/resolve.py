@@ -2,7 +2,7 @@
 
 The plugin registry (`causalkv.plugin`) collects what every plugin registers; this host picks
 from it (the sglang and vLLM-Omni bridges pick their host classes with
-`causalkv.plugin.Registry.host_classes`). A ``HostRegistration`` of host ``causalkv`` naming the
+`causalkv.plugin.Registry.host_classes`). A ``HostClassRegistration`` of host ``causalkv`` naming the
 chosen stage's class for the model names its cache factory (``cache``), as ``--cache`` does
 (which wins over it); a factory built with another host's arguments is never chosen here.
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from causalkv.capabilities import QUANT_QVG
 from causalkv.config import ModelConfig, ModelRef, ServerArgs
-from causalkv.hooks import NAME, CacheFactory, HostRegistration, StageRegistration
+from causalkv.hooks import NAME, CacheFactory, HostClassRegistration, StageRegistration
 from causalkv.options import (
     CacheOptions,
     StageOptions,
@@ -153,7 +153,7 @@ def _check_stage(entry: StageEntry, serving: list[StageEntry], registry: Registr
 
 def _pick_cache(
     pm: pluggy.PluginManager, registry: Registry, stage: StageEntry, requirements: frozenset[str], args: ServerArgs,
-    hosted: tuple[HostRegistration, str] | None = None,
+    hosted: tuple[HostClassRegistration, str] | None = None,
 ) -> tuple[CacheEntry, str]:
     """The cache for ``stage`` (forced by ``--cache``, named by the stage's host registration
     ``hosted``, chosen by the hook, or the highest priority among those covering

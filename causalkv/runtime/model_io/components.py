@@ -25,7 +25,7 @@ import torch
 from causalkv.config import DTYPES
 from causalkv.errors import CausalKVError, ConfigError, describe_exception
 from causalkv.runtime.model_io.causal_wan import CausalWanTransformer
-from causalkv.runtime.model_io.model_config import ModelFolderError, ModelInfo
+from causalkv.runtime.model_io.model_config import ModelFolderError, RuntimeModelInfo
 from causalkv.runtime.model_io.prompt_encoding import PromptEncoder, warn_line
 
 __all__ = [
@@ -183,7 +183,7 @@ class Components:
 
 
 def load_components(
-    info: ModelInfo, folder: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+    info: RuntimeModelInfo, folder: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
 ) -> Components:
     """Load transformer, text encoder and tokenizer from ``folder`` with ``from_pretrained``."""
     # diffusers and transformers load with a model, not for `causalkv plugins` / `resolve`

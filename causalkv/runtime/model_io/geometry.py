@@ -13,7 +13,7 @@ from causalkv.plugin import Registry, collect, get_plugin_manager
 from causalkv.runtime.model_io.model_config import (
     CAUSALKV_FILE,
     ModelFolderError,
-    ModelInfo,
+    RuntimeModelInfo,
     model_info_from_dicts,
     preset_info,
     read_json,
@@ -32,7 +32,7 @@ _SGLANG_FIELDS = {"num_frames_per_block": "frames_per_chunk", "sink_size": "sink
                   "sliding_window_num_frames": "window_frames"}
 
 
-def _geometry(name: str, info: ModelInfo, registry: Registry, *, local_window: bool = False) -> ModelGeometry:
+def _geometry(name: str, info: RuntimeModelInfo, registry: Registry, *, local_window: bool = False) -> ModelGeometry:
     """The planner's geometry of a model the runtime read (`causalkv.runtime.model_io.model_config`):
     the stream as ``causalkv generate`` runs it (the family's defaults under the model's own
     settings), ``shot_sinks`` when the registered stage serving it declares multi-shot

@@ -38,7 +38,7 @@ __all__ = [
     "CAUSALKV_FILE",
     "REQUIRED_FILES",
     "ModelFolderError",
-    "ModelInfo",
+    "RuntimeModelInfo",
     "is_loadable_model",
     "load_model_info",
     "model_head_dim",
@@ -176,7 +176,7 @@ class ModelFolderError(CausalKVError, ValueError):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class RuntimeModelInfo:
     """A model's `ModelConfig` plus what the runtime needs to load and run it.
 
     Attributes:
@@ -248,8 +248,8 @@ def model_info_from_dicts(
     preset: str | None = None,
     registration: Any = None,
     registry: Registry | None = None,
-) -> ModelInfo:
-    """Build a `ModelInfo` from the parsed config files (see the module docstring).
+) -> RuntimeModelInfo:
+    """Build a `RuntimeModelInfo` from the parsed config files (see the module docstring).
 
     ``registration`` is the model family's stage registration: its ``defaults`` apply under
     ``causalkv.json``, its ``config`` record declares the family's own keys; None: the one
@@ -333,7 +333,7 @@ def model_info_from_dicts(
         path=str(path) if path is not None else None,
         options=records,
     )
-    return ModelInfo(
+    return RuntimeModelInfo(
         config=config,
         path=path,
         preset=preset,
@@ -377,8 +377,8 @@ def resolve_preset(name: str, *, pm: Any = None, registry: Registry | None = Non
     return PresetSpec(preset, entry.registration)
 
 
-def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
-    """The preset's `ModelInfo`, from its declaration (no files needed)."""
+def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) -> RuntimeModelInfo:
+    """The preset's `RuntimeModelInfo`, from its declaration (no files needed)."""
     r = resolve_preset(name, pm=pm, registry=registry)
     return model_info_from_dicts(
         name, {"_class_name": r.model_class}, r.transformer, TINY_VAE, r.settings,
@@ -386,8 +386,8 @@ def preset_info(name: str, *, pm: Any = None, registry: Registry | None = None) 
     )
 
 
-def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
-    """`ModelInfo` of a diffusers-format model folder (JSON only, no weights).
+def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | None = None) -> RuntimeModelInfo:
+    """`RuntimeModelInfo` of a diffusers-format model folder (JSON only, no weights).
 
     Defaults for keys ``causalkv.json`` omits come from the stage registration serving the
     folder's pipeline class (``registry``, else collected from ``pm``, default the
@@ -473,8 +473,8 @@ def is_loadable_model(model: str | Path, *, pm: Any = None, registry: Registry |
     return str(model) in _registry(pm, registry).presets() or Path(str(model)).expanduser().exists()
 
 
-def load_model_info(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> ModelInfo:
-    """`ModelInfo` for a preset name (no files needed yet) or a model folder path.
+def load_model_info(model: str | Path, *, pm: Any = None, registry: Registry | None = None) -> RuntimeModelInfo:
+    """`RuntimeModelInfo` for a preset name (no files needed yet) or a model folder path.
 
     Presets are those the stage registrations of ``registry`` declare (default: collected
     from ``pm``'s plugins). Raises ModelFolderError naming the presets when ``model`` is neither.

@@ -2,7 +2,7 @@
 preset folders live, and a preset with what building it needs (`PresetSpec`, found by
 `causalkv.runtime.model_io.model_config.resolve_preset`).
 
-Read by `causalkv.runtime.model_io.model_config` (a preset's `ModelInfo`, no files needed) and by
+Read by `causalkv.runtime.model_io.model_config` (a preset's `RuntimeModelInfo`, no files needed) and by
 `causalkv.runtime.model_io.presets` (which writes the folders), so neither imports the other.
 """
 

@@ -1,7 +1,7 @@
 """The PRQ packed format: `PackedSegment`, its constants, its byte formula and its scale table.
 
 The leaf of the PRQ codec: the driver (`causalkv.caches.codecs.prq.quantizer`) and both
-backends (`torch_impl`, `triton_impl`) import it, and it imports neither. `Backend` is the protocol
+backends (`torch_impl`, `triton_impl`) import it, and it imports neither. `PRQKernels` is the protocol
 the two backends implement.
 
 Byte layout (all tensors contiguous when produced by `quantize`):
@@ -41,8 +41,8 @@ __all__ = [
     "MIN_SCALE_EXP",
     "POISON_SCALE_EXP",
     "ZERO_BLOCK_SCALE_BYTE",
-    "Backend",
     "CodecSettings",
+    "PRQKernels",
     "PackedSegment",
     "bits_per_element",
     "block_fills_bytes",
@@ -285,7 +285,7 @@ def scale_table(scale_exp: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # What a backend implements
 # ---------------------------------------------------------------------------------------------
-class Backend(Protocol):
+class PRQKernels(Protocol):
     """The kernels a codec backend provides (`torch_impl` and `triton_impl` are modules that
     implement it). Layouts: ``x [G, S, D]`` float32 token vectors of ``G`` (batch, head)
     pairs, ``c [G, K, D]`` float32 centroids, residual ``r [N, D]`` float32 (``N = G * S``),

@@ -14,7 +14,7 @@ Dequantize = sum of the assigned centroids + level x scale, in one pass per stag
 The packed form, its byte layout and its scale table are `causalkv.caches.codecs.prq.format`
 (the leaf both backends import); this module is the driver: it checks the input, normalizes each
 head, draws the k-means initialization, computes the block statistics and encodes the scales,
-and hands the kernels to a `format.Backend`: `torch_impl` (any device) or `triton_impl`
+and hands the kernels to a `format.PRQKernels`: `torch_impl` (any device) or `triton_impl`
 (CUDA, when triton imports), picked by `resolve_backend`. ``args`` is any object with the
 codec's settings (`format.CodecSettings`: ``bits``, ``centroids``, ``block_size``,
 ``stages``, ``kmeans_iters``, ``asymmetric``, ``grid``), e.g. a `QVGKVQuantArgs`; nothing
@@ -46,9 +46,9 @@ from causalkv.caches.codecs.prq import torch_impl, triton_impl
 from causalkv.caches.codecs.prq.format import (
     POISON_SCALE_EXP,
     ZERO_BLOCK_SCALE_BYTE,
-    Backend,
     CodecSettings,
     PackedSegment,
+    PRQKernels,
     block_fills_bytes,
     encode_scales,
     pow2,
@@ -98,7 +98,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 
 #: the backend module `resolve_backend` names
-_IMPLS: dict[str, Backend] = {"torch": torch_impl, "triton": triton_impl}
+_IMPLS: dict[str, PRQKernels] = {"torch": torch_impl, "triton": triton_impl}
 
 
 # ---------------------------------------------------------------------------------------------

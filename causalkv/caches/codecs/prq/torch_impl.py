@@ -1,6 +1,6 @@
 """PyTorch implementation of the PRQ codec's kernels (any device; the CPU reference).
 
-This module is a `causalkv.caches.codecs.prq.format.Backend`: `kmeans_assign`,
+This module is a `causalkv.caches.codecs.prq.format.PRQKernels`: `kmeans_assign`,
 `kmeans_update`, `quantize_pack` and `dequantize_into` have Triton twins in
 `causalkv.caches.codecs.prq.triton_impl` with the same signatures;
 `causalkv.caches.codecs.prq.quantizer` picks one. Layouts: ``x [BH, S, D]`` fp32 token vectors

@@ -1,6 +1,6 @@
 """Triton implementation of the PRQ codec's kernels (CUDA tensors; CPU under TRITON_INTERPRET=1).
 
-A `causalkv.caches.codecs.prq.format.Backend`, with the same functions and layouts as
+A `causalkv.caches.codecs.prq.format.PRQKernels`, with the same functions and layouts as
 `causalkv.caches.codecs.prq.torch_impl`:
 
 - `kmeans_assign`: per (batch-head, token tile) a running argmin of ``||c||^2 - 2 x.c`` over

@@ -12,7 +12,7 @@ host's bridge imports its classes).
   ``--kv-cache-quant``'s).
 """
 
-from causalkv.hooks import CacheFactory, HostRegistration, hookimpl
+from causalkv.hooks import CacheFactory, HostClassRegistration, hookimpl
 
 
 @hookimpl
@@ -27,10 +27,10 @@ def causalkv_register_cache_factories():
 @hookimpl
 def causalkv_register_host_classes():
     return [
-        HostRegistration("sglang", "causalkv_host_plugin.sglang_stage:ToyLongLive2Stage",
+        HostClassRegistration("sglang", "causalkv_host_plugin.sglang_stage:ToyLongLive2Stage",
                          models="ToyLongLive2Pipeline", codec="int8", cache="toy-sglang"),
-        HostRegistration("vllm-omni", "causalkv_host_plugin.vllm_omni_pipeline:ToyLingBotWorldPipeline",
+        HostClassRegistration("vllm-omni", "causalkv_host_plugin.vllm_omni_pipeline:ToyLingBotWorldPipeline",
                          models="ToyLingBotWorldPipeline", codec="int8", cache="toy-packed"),
-        HostRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", models="tiny-longlive2",
+        HostClassRegistration("causalkv", "causalkv.stages.longlive2:LongLive2Stage", models="tiny-longlive2",
                          cache="toy-packed"),
     ]
