@@ -201,6 +201,21 @@ def test_registry_is_lazy_and_refuses_clashes():
         codec_setting("fp6")
 
 
+def test_a_codec_is_named_for_the_setting_it_was_made_from():
+    """A setting a plugin registers over a built-in class (fp8 with a scale per 4 channels)
+    names itself, not the class's default, in what it refuses."""
+    from causalkv.caches.codecs import unregister_codec
+
+    register_codec("fp8-b4", "causalkv.caches.codecs.fp8:FP8Codec", block=4)
+    try:
+        codec = make_codec("fp8-b4", QVGKVQuantArgs(codec="fp8-b4"))
+        assert (codec.name, codec.block, FP8Codec().name) == ("fp8-b4", 4, "fp8")
+        with pytest.raises(CodecError, match=r"^fp8-b4 encode: expected x of shape \[B, H, S, D\]"):
+            codec.encode(torch.zeros(2, 8))
+    finally:
+        unregister_codec("fp8-b4")
+
+
 # ---- any codec in the cache, on any tier --------------------------------------------------------
 @pytest.mark.parametrize(("main", "tier"), [("fp8", "bf16"), ("nvfp4", "fp8"), ("int2", "nvfp4")])
 def test_the_cache_packs_with_any_codec_on_any_tier(main, tier):

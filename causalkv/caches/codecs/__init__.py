@@ -143,6 +143,14 @@ def codec_setting(name: str) -> CodecSetting:
         ) from None
 
 
+def _build(name: str, settings: Any) -> tuple[CodecSetting, KVCodec]:
+    """The setting ``name`` and its codec from ``settings``, named for the setting."""
+    entry = codec_setting(name)
+    codec = entry.load().from_settings(settings, **entry.params)
+    codec.name = entry.name  # messages name the setting the user typed
+    return entry, codec
+
+
 def make_codec(name: str, settings: Any) -> KVCodec:
     """The codec of setting ``name`` configured from the cache's options record ``settings``
     (``QVGKVQuantArgs``: PRQ reads its centroids, block size, stages...).
@@ -155,8 +163,7 @@ def make_codec(name: str, settings: Any) -> KVCodec:
         ConfigError: an unknown setting, or one whose target does not import.
         CodecConformanceError: the codec fails the conformance check (now or earlier).
     """
-    entry = codec_setting(name)
-    codec = entry.load().from_settings(settings, **entry.params)
+    entry, codec = _build(name, settings)
     from causalkv.caches.codecs.conformance import check_first_use  # torch, as the codec
 
     check_first_use(codec, entry, settings)
@@ -176,8 +183,7 @@ def codec_problem(name: str, settings: Any, head_dim: int) -> str | None:
     """
     from causalkv.caches.codecs.conformance import CodecConformanceError, check_first_use
 
-    entry = codec_setting(name)
-    codec = entry.load().from_settings(settings, **entry.params)
+    entry, codec = _build(name, settings)
     problem = codec.layout_problem(head_dim)
     if problem is None:
         try:

@@ -138,7 +138,8 @@ class KVCodec(ABC):
     each codec setting in a process.
 
     Attributes:
-        name: the setting name it was made from (``"fp8"``).
+        name: how messages name it: the setting it was made from (`causalkv.caches.codecs.make_codec`
+            sets it; ``"fp8"`` for a codec built directly).
         shares_codebooks: `encode` accepts ``codebooks`` (segments may share tensors).
         reads: the codec options it reads (see the attribute).
     """

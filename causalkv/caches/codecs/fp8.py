@@ -58,11 +58,12 @@ class FP8Codec(KVCodec):
     in ``x`` on the CPU (elsewhere a non-finite group decodes to non-finite values).
     """
 
-    def __init__(self, block: int | None = None, name: str = "fp8") -> None:
+    name = "fp8"
+
+    def __init__(self, block: int | None = None) -> None:
         if block is not None and not is_int(block):
             raise CodecError(f"fp8 block must be a positive int or None, got {block!r}")
         self.block = block
-        self.name = name
 
     @classmethod
     def from_settings(cls, settings: Any, *, block: int | None = None, **_: Any) -> FP8Codec:

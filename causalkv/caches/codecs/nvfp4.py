@@ -73,8 +73,7 @@ class NVFP4Codec(KVCodec):
     ``x`` on the CPU.
     """
 
-    def __init__(self, name: str = "nvfp4") -> None:
-        self.name = name
+    name = "nvfp4"
 
     @classmethod
     def from_settings(cls, settings: Any, **_: Any) -> NVFP4Codec:

@@ -32,15 +32,14 @@ class PRQCodec(KVCodec):
 
     Args:
         settings: the PRQ settings (residual bits, centroids, block size, ...).
-        name: the codec setting it was made from.
     """
 
     shares_codebooks = True
     reads = frozenset({"centroids", "block_size", "stages", "kmeans_iters", "asymmetric", "grid"})
 
-    def __init__(self, settings: CodecSettings, name: str = "") -> None:
+    def __init__(self, settings: CodecSettings) -> None:
         self.settings = settings
-        self.name = name or f"int{settings.bits}"
+        self.name = f"int{settings.bits}"
 
     @classmethod
     def from_settings(cls, settings: Any, *, bits: int, **_: Any) -> PRQCodec:
