@@ -47,7 +47,6 @@ class KVLedger(ByteLedger):
         dense_bytes: what vLLM-Omni's dense cache allocates for the request
             (``2 * B * max_tokens * H * D * itemsize`` per layer).
         num_layers: the layers reporting.
-        writes: committing calls seen (all layers).
 
     ``peak_nbytes`` is the most held at once: the sum over layers of what they hold plus the
     visible K/V one call built (a materialized ``[B, visible, H, D]`` pair);
@@ -59,7 +58,6 @@ class KVLedger(ByteLedger):
         super().__init__()
         self.dense_bytes = dense_bytes
         self.num_layers = num_layers
-        self.writes = 0
 
     @property
     def dense_peak_bytes(self) -> int:
@@ -162,7 +160,6 @@ class LingBotLayerKV:
             self.absolute_end = current_start + n
             self.last_start = current_start
             self.sink_end = next_sink_end
-            self.ledger.writes += 1
         self.ledger.hold(self.layer, self.cache.resident_nbytes())
         self.ledger.transient(k.nbytes + v.nbytes)
         return k, v

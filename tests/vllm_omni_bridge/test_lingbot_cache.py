@@ -53,7 +53,7 @@ def _schedule(chunks: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_off_returns_exactly_vllm_omnis_visible_kv(dtype):
-    stock, (ours, ledger) = _stock(dtype), _ours(dtype=dtype)
+    stock, (ours, _) = _stock(dtype), _ours(dtype=dtype)
     for i, step, commit in _schedule(7):
         k, v = _chunk(i, step, dtype)
         want = _stock_update(stock, k, v, i * N, commit)
@@ -67,7 +67,6 @@ def test_quant_off_returns_exactly_vllm_omnis_visible_kv(dtype):
         want = _stock_update(stock, k, v, 6 * N, commit)
         got = ours.update(k, v, 6 * N, sink_tokens=SINK, update_cache=commit)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert ledger.writes == 8
 
 
 @pytest.mark.parametrize(("start", "message"), [
