@@ -415,6 +415,11 @@ def read_model_folder(path: str | Path, *, pm: Any = None, registry: Registry | 
     )
 
 
+def _index_folder(path: Path) -> Path:
+    """``path``, or the folder of the ``model_index.json`` it names."""
+    return path.parent if path.is_file() and path.name == "model_index.json" else path
+
+
 def model_ref(model: str | Path) -> ModelRef:
     """What `causalkv.runtime.resolve` matches for a model name or a diffusers-format folder
     (or its ``model_index.json``): reads at most that file, no weights.
@@ -423,9 +428,7 @@ def model_ref(model: str | Path) -> ModelRef:
         ResolutionError: a folder without ``model_index.json``, an index that is not JSON or
             has no ``_class_name``, or a path that does not exist (each names the fix).
     """
-    path = Path(model)
-    if path.is_file() and path.name == "model_index.json":
-        path = path.parent
+    path = _index_folder(Path(model))
     if path.is_dir():
         index = path / "model_index.json"
         if not index.is_file():
@@ -458,10 +461,7 @@ def model_head_dim(model: str | Path, *, pm: Any = None, registry: Registry | No
     if name in registry.presets():
         value = resolve_preset(name, registry=registry).transformer.get("attention_head_dim")
     else:
-        folder = Path(name).expanduser()
-        if folder.is_file() and folder.name == "model_index.json":
-            folder = folder.parent
-        cfg = folder / "transformer" / "config.json"
+        cfg = _index_folder(Path(name).expanduser()) / "transformer" / "config.json"
         if not cfg.is_file():
             return None
         value = read_json(cfg).get("attention_head_dim")
