@@ -388,11 +388,10 @@ def _write(spec: Checkpoint, out: Path) -> None:
     weights = {_rename(k, spec.keys): v.contiguous() for k, v in transformer.state_dict().items()}
     if spec.camera:
         weights.update(_camera_weights(config, spec.seed))
-    (out / "transformer").mkdir()
-    save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
-    presets.write_json(out / "transformer" / "config.json", {
+    presets.write_json(out / "transformer" / "config.json", {  # creates transformer/
         "_class_name": spec.dit_class, "_diffusers_version": diffusers.__version__, **spec.dit_config,
     })
+    save_file(weights, str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     scheduler, arguments = spec.scheduler
     getattr(diffusers, scheduler)(**arguments).save_pretrained(out / "scheduler")
     presets.write_json(out / "model_index.json", presets._model_index(
