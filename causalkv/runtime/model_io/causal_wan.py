@@ -227,9 +227,7 @@ class CausalWanSelfAttnProcessor(_WanProcessor):
         stats = AttendStats()
         out = attend(query.to(dtype), view, stats=stats).to(query.dtype)
         report_attend(stats)
-        if par is not None:  # [B, S, H/N, D] -> [B, S/N, H, D]
-            out = heads_to_seq(out, par)
-        return out
+        return out if par is None else heads_to_seq(out, par)  # [B, S, H/N, D] -> [B, S/N, H, D]
 
 
 class CachedWanCrossAttnProcessor(_WanProcessor):
