@@ -100,10 +100,8 @@ def preset_name(folder: Path) -> str | None:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
+    except OSError as exc:  # PermissionError: exists, owned by someone else
+        return not isinstance(exc, ProcessLookupError)
     return True
 
 
