@@ -84,9 +84,6 @@ _LONGLIVE_KEYS: tuple[tuple[str, str], ...] = (
 #: LingBot-World's checkpoint keys are Wan's original names without LongLive's ``model.``
 _WAN_ORIGINAL_KEYS = tuple((pat, rep.replace("model.", "", 1)) for pat, rep in _LONGLIVE_KEYS)
 
-#: diffusers' Wan names are what sglang's ``WanVideoArchConfig.param_names_mapping`` maps from
-_DIFFUSERS_KEYS: tuple[tuple[str, str], ...] = ((r"^(.*)$", r"\1"),)
-
 #: a tiny Wan 2.2 VAE (residual, 2x2 patchified, 16x spatial like Wan 2.2 TI2V's, which
 #: sglang's LongLive 2.0 config assumes)
 _VAE_22: dict[str, Any] = {
@@ -142,7 +139,8 @@ class Checkpoint:
     transformer: Mapping[str, Any] = field(default_factory=dict)
     vae: Mapping[str, Any] | None = None
     native: Mapping[str, Any] = field(default_factory=dict)
-    keys: tuple[tuple[str, str], ...] = _DIFFUSERS_KEYS
+    #: default: diffusers' Wan names, what sglang's ``WanVideoArchConfig.param_names_mapping`` maps from
+    keys: tuple[tuple[str, str], ...] = ((r"^(.*)$", r"\1"),)
     request: tuple[str, ...] = ()
     camera: bool = False
     null_components: tuple[str, ...] = ()
