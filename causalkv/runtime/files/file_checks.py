@@ -198,8 +198,7 @@ def check_no_other_work(flag: str, path: Path, *, force: bool) -> None:
     elif "latents" in flag:
         expected = "saved latents (safetensors)"
     else:
-        videos = {".mp4": "an MP4 video", ".gif": "a GIF image"}
-        expected = videos.get(path.suffix.lower(), "a video")
+        expected = {".mp4": "an MP4 video", ".gif": "a GIF image"}.get(path.suffix.lower(), "a video")
     if force or held is None or held == expected:
         return
     raise ConfigError(
