@@ -122,8 +122,7 @@ def _value_problem(key: str, v: Any) -> str | None:
             bound = f"> {lo:g}" if open_lo else f">= {lo:g}"
             return f"must be a finite number {bound}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
     elif key == "timesteps":
-        ok = isinstance(v, list) and v and all(is_number(t) and 0 < t <= MAX_TIMESTEP for t in v)
-        if not ok:
+        if not (isinstance(v, list) and v and all(is_number(t) and 0 < t <= MAX_TIMESTEP for t in v)):
             return f"must be a non-empty list of numbers in (0, {MAX_TIMESTEP:g}]"
         if any(b >= a for a, b in zip(v, v[1:])):
             return "must be strictly decreasing (the noise level falls at every step)"
