@@ -248,10 +248,9 @@ class CachedWanCrossAttnProcessor(_WanProcessor):
             cache.store(k, v)
         k, v = cache.get()
         query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        ).transpose(1, 2)
-        return out.type_as(query)
+        ).transpose(1, 2).type_as(query)
 
 
 def install_causal_processors(transformer: torch.nn.Module) -> CausalCallState:
