@@ -213,11 +213,10 @@ class CausalWanSelfAttnProcessor(_WanProcessor):
             query, key, value = qkv.chunk(3, dim=-1)
         cos, sin = st.rope  # the chunk's frames, as diffusers patchified them: one row per token
         query = apply_rotary(query, cos, sin)
-        key = apply_rotary(key, cos, sin)
         cache = st.kv_caches[self.layer_index]
         dtype = cache.spec.dtype
         view = cache.update_and_get_attention_kv(
-            key=key.to(dtype),
+            key=apply_rotary(key, cos, sin).to(dtype),
             value=value.to(dtype),
             current_chunk_start=st.token_start,
             recent_window_tokens=st.recent_window_tokens,
