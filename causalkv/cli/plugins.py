@@ -157,7 +157,6 @@ def plugin_rows(pm: Any) -> list[dict[str, Any]]:
 
 def resolution_dict(res: Resolution) -> dict[str, Any]:
     """A JSON-serializable summary of a `Resolution` (``causalkv resolve --json``)."""
-    reg = res.stage_registration
     return {
         "model": res.model.name,
         "model_class": res.model.model_class,
@@ -165,7 +164,7 @@ def resolution_dict(res: Resolution) -> dict[str, Any]:
             "name": res.stage_name,
             "class": f"{res.stage.__module__}:{res.stage.__qualname__}",
             "plugin": res.stage_plugin,
-            "priority": reg.priority if reg else None,
+            "priority": res.stage_registration.priority,
         },
         "cache": _cache_row(res.cache_factory, res.cache_plugin),
         "requirements": sorted(res.requirements),
