@@ -327,14 +327,13 @@ def _device_memory_bytes(device: str) -> int | None:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):  # `check_device` names it
         return None
+    if dev.type == "cpu":
+        return host_memory_bytes()
     if dev.type == "cuda":  # a device this machine lacks: `check_device` names it
         from causalkv.runtime.processes.distributed import cuda_problem
 
         if cuda_problem(dev.index or 0) is None:
             return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
-        return None
-    if dev.type == "cpu":
-        return host_memory_bytes()
     return None
 
 
