@@ -381,7 +381,6 @@ def _check_memory(plan: Plan) -> None:
     if memory is None or total <= memory:
         return
     part = max(floor, key=floor.__getitem__)
-    where = f"{plan.model.name}'s transformer/config.json"
     fix = {
         "latents": "pass fewer --frames",
         "kv_caches": (
@@ -390,7 +389,7 @@ def _check_memory(plan: Plan) -> None:
             "(--window-frames), or pass --kv-cache-quant int4/int2"
         ),
         "activations": f"lower height and width ({plan.info.height}x{plan.info.width}) or frames_per_chunk",
-        "rope_tables": f"lower rope_max_seq_len in {where} (diffusers' default is 1024)",
+        "rope_tables": f"lower rope_max_seq_len in {_rope_limit(plan)[2]} (diffusers' default is 1024)",
     }[part]
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in floor.items())
     raise ConfigError(
