@@ -369,7 +369,6 @@ def run_supervised(
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        assert proc.stderr is not None
         reader, tail = _pass_stderr(proc.stderr, sys.stderr, debug=debug, seen=seen)
         with _forwarding_signals(proc) as got:
             try:
