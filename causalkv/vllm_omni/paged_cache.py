@@ -528,9 +528,10 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
             self._view = None
 
     def _forward_view(self, inputs: Any) -> list[tuple[str, Any, int, int]]:
-        """The frames one forward reads, in the engine's order, as runs: ``("page", ids, 0, 0)``
-        for pool pages, ``("packed", group, lo, hi)`` for tokens ``[lo, hi)`` of a packed group
-        (relative to its start). Built once per forward (its block table)."""
+        """The frames one forward reads, in the engine's order, as runs of tokens: ``("page",
+        ids, 0, len(ids) x block_size)`` for pool pages, ``("packed", group, lo, hi)`` for
+        tokens ``[lo, hi)`` of a packed group (relative to its start). Built once per forward
+        (its block table)."""
         if self._view is not None and self._view[0] is inputs.block_table:
             return self._view[1]
         state = self._bound
@@ -568,9 +569,9 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 else:
                     runs.append(("packed", g, off, off + bs))
             elif runs and runs[-1][0] == "page":
-                runs[-1][1].append(int(e))
+                runs[-1] = ("page", [*runs[-1][1], int(e)], 0, runs[-1][3] + bs)
             else:
-                runs.append(("page", [int(e)], 0, 0))
+                runs.append(("page", [int(e)], 0, bs))
         self._view = (inputs.block_table, runs)
         return runs
 
@@ -591,7 +592,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         key_cache = key_pool.unflatten(0, (-1, bs))
         value_cache = value_pool.unflatten(0, (-1, bs))
         runs = self._forward_view(inputs)
-        frames = sum(_run_frames(r, bs) for r in runs)
+        frames = sum(hi - lo for _, _, lo, hi in runs) // bs
         width = max(int(inputs.block_table.shape[1]), frames)
         if all(r[0] == "page" for r in runs):  # the pool pages as they are
             ids = [i for r in runs for i in r[1]]
@@ -635,12 +636,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         dev = key_cache.device
 
         def buffer(sel: Sequence[tuple[str, Any, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            m = sum(_run_frames(r, bs) for r in sel)
+            m = sum(hi - lo for _, _, lo, hi in sel) // bs
             k = torch.empty((m, bs, H, D), dtype=key_cache.dtype, device=dev)
             v = torch.empty_like(k)
             at = 0
             for kind, what, lo, hi in sel:
-                n = _run_frames((kind, what, lo, hi), bs)
+                n = (hi - lo) // bs
                 if kind == "page":
                     idx = torch.tensor(what, dtype=torch.long, device=dev)
                     torch.index_select(key_cache, 0, idx, out=k[at:at + n])
@@ -662,17 +663,12 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 return (key_cache[a:b].view(1, -1, H, D), value_cache[a:b].view(1, -1, H, D))
             return buffer([run])
 
-        rows = sum(_run_frames(r, bs) for r in runs) * bs
+        rows = sum(hi - lo for _, _, lo, hi in runs)
         return CausalAttentionKVView(
             position_ranges=((0, rows),), local_start_index=0, local_end_index=rows,
             visible_local_end=rows, visible_global_end=rows, materialize=lambda: buffer(runs),
             segments=lambda: (piece(r, False) for r in runs),
             stored=lambda: (piece(r, True) for r in runs), device=dev)
-
-
-def _run_frames(run: tuple[str, Any, int, int], bs: int) -> int:
-    """Pool frames one of `CausalKVPagedKVCache._forward_view`'s runs covers."""
-    return len(run[1]) if run[0] == "page" else (run[3] - run[2]) // bs
 
 
 # -- the engine's seams: the session cache the runner builds, the attention LingBot calls -------
