@@ -411,8 +411,7 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         session is settled at each tick's end for a next forward of whole ticks, so a forward
         ending inside a tick would read frames already dropped. LingBot-World's transformer
         takes exactly one tick per forward; vLLM-Omni's state and cache take any frames."""
-        tick = self.frames_per_block * self.block_size
-        if tokens % tick:
+        if tokens % (self.frames_per_block * self.block_size):
             raise ConfigError(
                 f"causalkv's paged cache runs forwards of whole ticks ({self.frames_per_block} "
                 f"frames of {self.block_size} tokens, as LingBot-World's), got {tokens} tokens; "
