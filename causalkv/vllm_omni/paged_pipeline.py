@@ -148,10 +148,9 @@ class PagedLingBotMixin:
         sid = tick.session_id
         if sid in self._causalkv_evicted:
             if tick.chunk_index != 0 and not tick.reset:
-                cache = self._causalkv_cache
                 raise ValueError(evicted_message(
                     sid, tick.chunk_index, self._causalkv_evicted[sid],
-                    cache.session_capacity if cache is not None else None, self.causalkv_quant))
+                    getattr(self._causalkv_cache, "session_capacity", None), self.causalkv_quant))
             del self._causalkv_evicted[sid]
         if tick.close_session:  # the runner releases it after the forward: no eviction
             self._causalkv_ending.add(sid)
