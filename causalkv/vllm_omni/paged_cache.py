@@ -635,22 +635,19 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
         dev = key_cache.device
 
         def buffer(sel: Sequence[tuple[str, Any, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            m = sum(hi - lo for _, _, lo, hi in sel) // bs
-            k = torch.empty((m, bs, H, D), dtype=key_cache.dtype, device=dev)
+            k = torch.empty((1, sum(hi - lo for _, _, lo, hi in sel), H, D), dtype=key_cache.dtype, device=dev)
             v = torch.empty_like(k)
             at = 0
             for kind, what, lo, hi in sel:
-                n = (hi - lo) // bs
+                k_run, v_run = k[:, at:at + hi - lo], v[:, at:at + hi - lo]  # the run's rows, in place
                 if kind == "page":
                     idx = torch.tensor(what, dtype=torch.long, device=dev)
-                    torch.index_select(key_cache, 0, idx, out=k[at:at + n])
-                    torch.index_select(value_cache, 0, idx, out=v[at:at + n])
+                    torch.index_select(key_cache, 0, idx, out=k_run.view(-1, bs, H, D))
+                    torch.index_select(value_cache, 0, idx, out=v_run.view(-1, bs, H, D))
                 else:
-                    what.layers[layer].storage.read_into(
-                        lo, hi, 0, H, k[at:at + n].view(1, hi - lo, H, D),
-                        v[at:at + n].view(1, hi - lo, H, D), dev)
-                at += n
-            return k.view(1, m * bs, H, D), v.view(1, m * bs, H, D)
+                    what.layers[layer].storage.read_into(lo, hi, 0, H, k_run, v_run, dev)
+                at += hi - lo
+            return k, v
 
         def piece(run: tuple[str, Any, int, int], stored: bool) -> Any:
             kind, what, lo, hi = run
