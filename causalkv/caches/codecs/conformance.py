@@ -383,14 +383,14 @@ def check_first_use(
             failed = next((o for o in seen if o is not None), None)
             if not seen:
                 head_dim = next((d for d in DEFAULT_HEAD_DIMS if codec.layout_problem(d) is None), None)
-        if head_dim is not None and (key, head_dim) not in _outcomes:
-            label = f"setting {setting.name!r} ({setting.target})"
-            try:
-                check_codec(codec, head_dim=head_dim, name=label, device=device)
-                _outcomes[key, head_dim] = None
-            except CodecConformanceError as exc:
-                _outcomes[key, head_dim] = (exc.codec, exc.check, exc.problem, exc.fix)
         if head_dim is not None:
+            if (key, head_dim) not in _outcomes:
+                label = f"setting {setting.name!r} ({setting.target})"
+                try:
+                    check_codec(codec, head_dim=head_dim, name=label, device=device)
+                    _outcomes[key, head_dim] = None
+                except CodecConformanceError as exc:
+                    _outcomes[key, head_dim] = (exc.codec, exc.check, exc.problem, exc.fix)
             failed = _outcomes[key, head_dim]
     if failed is not None:
         raise CodecConformanceError(*failed)
