@@ -51,7 +51,8 @@ runs on the CPU (a codec's device kernels are not exercised by it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -216,16 +217,25 @@ def check_codec(
     def fail(check: str, problem: str, fix: str) -> CodecConformanceError:
         return CodecConformanceError(label, check, problem, fix)
 
+    @contextmanager
+    def failing(check: str, what: str, fix: str, passing: tuple[type, ...] = ()) -> Iterator[None]:
+        """Any exception of the block but ``passing`` becomes the failure of ``check``: ``what``
+        raised it."""
+        try:
+            yield
+        except passing:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure is the codec's, named
+            raise fail(check, f"{what} raised {describe_exception(exc)}", fix) from exc
+
     x = probe_segment(head_dim, heads=heads, tokens=tokens, dtype=dtype, device=device)
     shape = tuple(x.shape)
     B, H, S, D = shape
-    try:
+    # a ConfigError passes: a setting the codec reads is wrong (its backend, say), the user's to fix
+    with failing("encode", f"encode of a {list(shape)} {_name(dtype)} segment",
+                 "encode must pack any finite [B, H, S, D] float segment of a head_dim it accepts",
+                 passing=(ConfigError,)):
         record = codec.encode(x)
-    except ConfigError:  # a setting the codec reads is wrong (its backend, say): the user's to fix
-        raise
-    except Exception as exc:  # noqa: BLE001 - any other failure is the codec's, named
-        raise fail("encode", f"encode of a {list(shape)} {_name(dtype)} segment raised {describe_exception(exc)}",
-                   "encode must pack any finite [B, H, S, D] float segment of a head_dim it accepts") from exc
 
     # ---- the record ----
     if not isinstance(record, PackedRecord):
@@ -272,13 +282,10 @@ def check_codec(
     def decode(out_dtype: torch.dtype) -> torch.Tensor:
         buf = torch.full((B, S, H, D), float("nan"), dtype=out_dtype, device=x.device)
         out = buf.permute(0, 2, 1, 3)
-        try:
+        with failing("decode", f"decode_into into a {_name(out_dtype)} out of shape {list(shape)} "
+                     f"with strides {list(out.stride())}", "decode_into must write any float out of "
+                     "record.shape, of any strides, on record.device"):
             codec.decode_into(record, out)
-        except Exception as exc:  # noqa: BLE001 - any failure is the codec's, named
-            raise fail("decode", f"decode_into into a {_name(out_dtype)} out of shape {list(shape)} with strides "
-                       f"{list(out.stride())} raised {describe_exception(exc)}",
-                       "decode_into must write any float out of record.shape, of any strides, on "
-                       "record.device") from exc
         bad = ~torch.isfinite(out)
         if bool(bad.any()):
             raise fail("finite", f"decode_into left {int(bad.sum()):,} of {out.numel():,} elements of a "
@@ -289,11 +296,8 @@ def check_codec(
     got = decode(torch.float32)
     xd = x.double()
     err = (got.double() - xd).abs()
-    try:
+    with failing("bound", "error_bound", "error_bound(x) must return the allowed |decoded - x| per element"):
         bound = torch.as_tensor(codec.error_bound(x), dtype=torch.float64, device=x.device)
-    except Exception as exc:  # noqa: BLE001
-        raise fail("bound", f"error_bound raised {describe_exception(exc)}",
-                   "error_bound(x) must return the allowed |decoded - x| per element") from exc
     if tuple(bound.shape) != shape or not bool(torch.isfinite(bound).all()) or bool((bound < 0).any()):
         raise fail("bound", f"error_bound returned {list(bound.shape)} values, not {list(shape)} finite "
                    "ones >= 0", "error_bound(x) must return the allowed |decoded - x| per element of x")
@@ -320,18 +324,15 @@ def check_codec(
 
     # ---- views: what a streaming reader decodes ----
     a, b = S // 4, S // 2 + 1
-    try:
+    with failing("views", f"select_heads(1, {H}).select_tokens({a}, {b}) then its registered decode",
+                 "select_heads/select_tokens must return records of those heads and tokens "
+                 "(views), which the registered decode_into reads"):
         view = record.select_heads(1, H).select_tokens(a, b)
         vshape = tuple(int(v) for v in view.shape)
         if vshape != (B, H - 1, b - a, D):
             raise CodecError(f"the view claims shape {vshape}, not {(B, H - 1, b - a, D)}")
         part = torch.full(vshape, float("nan"), dtype=torch.float32, device=x.device)
         kind.decode_into(view, part)
-    except Exception as exc:  # noqa: BLE001
-        raise fail("views", f"select_heads(1, {H}).select_tokens({a}, {b}) then its registered decode "
-                   f"raised {describe_exception(exc)}",
-                   "select_heads/select_tokens must return records of those heads and tokens "
-                   "(views), which the registered decode_into reads") from exc
     want = got[:, 1:H, a:b]
     if not torch.allclose(part, want, rtol=2.0**-20, atol=0.0, equal_nan=False):
         diff = (part.double() - want.double()).abs().nan_to_num(float("inf"))
