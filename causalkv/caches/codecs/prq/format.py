@@ -257,9 +257,8 @@ def encode_scales(
     up = pow2(exp, torch.float32)
     scaled = (scale * pow2(-exp, torch.float32)).clamp_(0.0, FP8_MAX)
     enc = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    if round_up:
-        low = enc.view(torch.float8_e4m3fn).float() < scaled
-        enc = enc.add_(low)
+    if round_up:  # one step up where the e4m3 value fell below the scale
+        enc.add_(enc.view(torch.float8_e4m3fn).float() < scaled)
     return enc, enc.view(torch.float8_e4m3fn).float().mul_(up)
 
 
