@@ -176,16 +176,14 @@ def _tiles(B: int, H: int, S: int, D: int) -> list[tuple[int, int, int, int, int
     """``(b, h0, h1, s0, s1)`` tiles of about ``_TILE_ELEMS`` outputs each; every tile is one
     contiguous run of the ``B*H*S`` packed rows (one head's token range, or whole heads)."""
     rows = max(1, _TILE_ELEMS // D)
-    tiles = []
-    for b in range(B):
-        if S >= rows:
-            n = -(-S // rows)
-            step = -(-S // n)
-            tiles += [(b, h, h + 1, s, min(s + step, S)) for h in range(H) for s in range(0, S, step)]
-        else:
-            hh = rows // S
-            tiles += [(b, h, min(h + hh, H), 0, S) for h in range(0, H, hh)]
-    return tiles
+    if S >= rows:  # (h0, h1, s0, s1): the same for every batch index
+        n = -(-S // rows)
+        step = -(-S // n)
+        spans = [(h, h + 1, s, min(s + step, S)) for h in range(H) for s in range(0, S, step)]
+    else:
+        hh = rows // S
+        spans = [(h, min(h + hh, H), 0, S) for h in range(0, H, hh)]
+    return [(b, *span) for b in range(B) for span in spans]
 
 
 def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
