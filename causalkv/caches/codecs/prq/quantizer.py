@@ -113,8 +113,7 @@ def _block_scales(
         mn, mx = r3.amin(-1), r3.amax(-1)  # two vectorized reads, no temporary
         amax = torch.maximum(mn.abs(), mx.abs())  # abs: +0.0 for an all-zero block
         if asymmetric:
-            s = torch.maximum((mx - mn) / float(2**bits - 1), amax / _MAX_ZERO_RANGE)
-            return s, mn
+            return torch.maximum((mx - mn) / float(2**bits - 1), amax / _MAX_ZERO_RANGE), mn
         return amax / float(2 ** (bits - 1) - 1), None
     amax = r3.abs().amax(-1)
     # "mse4": levels (2v+1)*s over all 2^bits codes; alternate nearest-level assignment and
