@@ -399,8 +399,7 @@ def _quantize_heads(
     dec.masked_fill_(zero_block, 0.0)
     zeros = None
     if args.asymmetric:
-        safe = torch.where(dec > 0, dec, 1.0)
-        z = torch.floor(-bmin / safe + 0.5) - 2 ** (bits - 1)
+        z = torch.floor(-bmin / torch.where(dec > 0, dec, 1.0) + 0.5) - 2 ** (bits - 1)
         zeros = torch.where(dec > 0, z, 0.0).to(torch.int8)
     packed = impl.quantize_pack(r, dec, zeros, bits=bits, block=block, grid=grid)
     return PackedSegment(
