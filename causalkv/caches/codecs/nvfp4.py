@@ -56,10 +56,9 @@ class NVFP4Record(TensorRecord):
 
 def _decode_into(record: NVFP4Record, out: torch.Tensor) -> None:
     codes, scales = record.parts["codes"], record.parts["scales"]
-    g = record.whole["global_scale"].to(codes.device)
     table = _table(codes.device)
     vals = torch.stack([table[(codes & 0xF).long()], table[(codes >> 4).long()]], dim=-1)
-    s = scales.float() * g
+    s = scales.float() * record.whole["global_scale"].to(codes.device)
     out.copy_((vals.flatten(-2).unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2))
 
 
