@@ -252,7 +252,6 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         bh0 = b * H + h0
         torch.add(sb_t, s_off[bh0 : bh0 + hh], out=sbi.view(hh, ss, nb))
         s_t = torch.index_select(s_table, 0, sbi.view(-1), out=_temporary("s", t * nb, work, dev))
-        s_t = s_t.view(t, nb, 1)
 
         acc = _temporary("acc", t * nb * bs, work, dev).view(t * nb, bs)
         for st, (table, ids) in enumerate(stages):
@@ -286,7 +285,7 @@ def dequantize_into(packed: PackedSegment, out: torch.Tensor) -> None:
         if out.dtype == work:  # write straight into out (its rows, or the strided tile view)
             torch.addcmul(acc.view(shape4), lv.view(shape4), s_t.view(hh, ss, nb, 1), out=dst)
         else:  # e.g. float16 out: compute in float32, cast once
-            acc.addcmul_(lv, s_t)
+            acc.addcmul_(lv, s_t.view(t, nb, 1))
             dst.copy_(acc.view(shape4))
 
 
