@@ -238,24 +238,17 @@ def plan_setting(
         resident.append(_resident(segs, per_token))
         if record:
             tiers.append({c: s.codec for s in segs for c in s.chunks})
-    transient = max((max(deno, ctx) for deno, ctx, _ in window), default=0) * per_token
     # while chunk i is generated every layer holds chunk i-1's context (its denoising passes:
     # probes store nothing),
     # then, layer by layer, chunk i's (its context pass): when layer j fills its buffer, the
     # layers before it (and, when it fills it after its move, layer j too) hold chunk i's
-    # context, the others chunk i-1's; the most over j is at one end
-
-    def context(before: int, after: int, moved: bool) -> int:
-        if moved:
-            return max(LS * after, after + (LS - 1) * before)
-        return max(LS * before, (LS - 1) * after + before)
-
-    peak = max(
-        (max(LS * before + deno * per_token, LS * after,
-             context(before, after, moved) + ctx * per_token)
-         for before, after, (deno, ctx, moved) in zip((0, *resident), resident, window)),
-        default=0,
-    )
+    # context (``held``), the others chunk i-1's (``other``); the most over j is at one end
+    transient = peak = 0
+    for before, after, (deno, ctx, moved) in zip((0, *resident), resident, window):
+        held, other = (after, before) if moved else (before, after)
+        transient = max(transient, max(deno, ctx) * per_token)
+        peak = max(peak, LS * before + deno * per_token, LS * after,
+                   max(LS * held, held + (LS - 1) * other) + ctx * per_token)
     return SettingPlan(
         setting=setting.name, kv_bytes=LS * max(resident, default=0), peak_bytes=peak,
         dense_bytes=LS * lay.cache_tokens * per_token, chunk_bytes=n * per_token,
