@@ -75,14 +75,6 @@ def plannable(chunks: int, slots: int) -> bool:
     return chunks <= MAX_CHUNKS and chunks * min(chunks, slots) <= MAX_WORK
 
 
-def _most_chunks(slots: int) -> int:
-    """The most chunks a plan with ``slots`` chunk slots steps through (`MAX_CHUNKS`,
-    `MAX_WORK`)."""
-    if slots * slots >= MAX_WORK:
-        return max(1, math.isqrt(MAX_WORK))
-    return max(1, min(MAX_CHUNKS, MAX_WORK // slots))
-
-
 def min_window(geom: ModelGeometry, multi: bool) -> int:
     """The fewest frames a window holds: the sink (``multi``: the global sink plus a pinned
     shot sink) plus a chunk."""
@@ -124,7 +116,9 @@ def stream_layout(geom: ModelGeometry, req: MemoryRequest) -> StreamLayout:
         )
     slots = window // fpc
     if not plannable(num_chunks, slots):
-        most = _most_chunks(slots)
+        # the most chunks a plan with ``slots`` chunk slots steps through
+        most = max(1, math.isqrt(MAX_WORK) if slots * slots >= MAX_WORK
+                   else min(MAX_CHUNKS, MAX_WORK // slots))
         raise ConfigError(
             f"{latent} latent frames = {num_chunks:,} chunks with {slots:,} chunk slots is more "
             f"than the planner steps through ({MAX_CHUNKS:,} chunks, {MAX_WORK:,} chunk x slot "
