@@ -568,7 +568,8 @@ class CausalKVPagedKVCache(ARDiffusionKVCache):
                 else:
                     runs.append(("packed", g, off, off + bs))
             elif runs and runs[-1][0] == "page":
-                runs[-1] = ("page", [*runs[-1][1], int(e)], 0, runs[-1][3] + bs)
+                runs[-1][1].append(int(e))  # the same list, its span one page longer
+                runs[-1] = (*runs[-1][:3], runs[-1][3] + bs)
             else:
                 runs.append(("page", [int(e)], 0, bs))
         self._view = (inputs.block_table, runs)
