@@ -23,9 +23,9 @@ and block size are set only where a PRQ codec reads them (the bridge refuses the
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
+import pytest
 import torch
 from cache_machine import (
     DERANDOMIZE,
@@ -115,20 +115,13 @@ def environment(env: EnvSettings):
     """``CAUSALKV_SGLANG_CODEC`` / ``CAUSALKV_SGLANG_RECENT_TIER`` set to ``env`` (unset where it
     is the default), restored after."""
     values = {ENV_CODEC: env.codec, ENV_RECENT_TIER: None if env.recent_tier == "bf16" else env.recent_tier}
-    saved = {name: os.environ.get(name) for name in values}
-    try:
+    with pytest.MonkeyPatch.context() as mp:
         for name, value in values.items():
             if value is None:
-                os.environ.pop(name, None)
+                mp.delenv(name, raising=False)
             else:
-                os.environ[name] = value
+                mp.setenv(name, value)
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _allocate_args(cfg: Config) -> dict:

@@ -780,6 +780,21 @@ STREAM_READS = {"fp8": (), "nvfp4": (), "int2-recent-int4": ("tier_reads", "repa
                 "nvfp4-recent-fp8-sink": ("tier_reads", "repacked_reads"), "int2-codebook3": ("book_reads",)}
 
 
+@contextlib.contextmanager
+def running(geo: Geometry, *names: str):
+    """A `PagedMachine` started on ``geo`` with a session open in both caches under each of
+    ``names``, yielded as ``(machine, *sessions)`` and torn down after (a regression test's
+    fixed stream, driven through the machine's own checks)."""
+    machine = PagedMachine()
+    machine.start(geo)
+    try:
+        for name in names:
+            machine.open[name] = Session(name, machine.stock, machine.sub)
+        yield (machine, *(machine.open[name] for name in names))
+    finally:
+        machine.teardown()
+
+
 @pytest.mark.parametrize("quant", CODEC_QUANTS)
 def test_codec_stream(quant):
     """One fixed stream per setting of `CodecMachine`, through the machine's own checks, so
@@ -788,12 +803,9 @@ def test_codec_stream(quant):
     committing forward, its commit), session b between them committing forwards of two ticks
     and probes; then each packed kind the setting makes was read (`STREAM_READS`)."""
     before = dataclasses.replace(STATS)
-    machine = PagedMachine()
-    machine.start(Geometry(fpb=2, sink_ticks=1, window_ticks=3, quant=quant,
-                           routed=CODEC_QUANTS.index(quant) % 2 == 1, spare_ticks=2))
-    try:
-        a = machine.open["a"] = Session("a", machine.stock, machine.sub)
-        b = machine.open["b"] = Session("b", machine.stock, machine.sub)
+    geo = Geometry(fpb=2, sink_ticks=1, window_ticks=3, quant=quant,
+                   routed=CODEC_QUANTS.index(quant) % 2 == 1, spare_ticks=2)
+    with running(geo, "a", "b") as (machine, a, b):
         for t in range(6):
             assert machine._forward(a, False, 10 * t, 2) and machine._forward(a, True, 10 * t + 1, 2)
             machine._commit(a)
@@ -801,8 +813,6 @@ def test_codec_stream(quant):
                 assert machine._forward(b, True, 10 * t + 2, 4)
                 machine._commit(b)
             assert machine._forward(b, False, 10 * t + 3, 2)
-    finally:
-        machine.teardown()
     assert STATS.multi_tick - before.multi_tick == 3
     for counter in ("packed_reads", *STREAM_READS[quant]):
         assert getattr(STATS, counter) > getattr(before, counter), (counter, STATS)
@@ -832,15 +842,10 @@ def test_committing_forward_of_two_ticks():
     view is the stock's (`_forward` checks it). causalkv settled the first tick at its last
     frame and gave the second tick's page back to the pool with the rest: the probe's view
     failed with ``KeyError(1)``."""
-    machine = PagedMachine()
-    machine.start(Geometry(fpb=1, sink_ticks=1, window_ticks=2, quant="off", routed=False))
-    try:
-        s = machine.open["a"] = Session("a", machine.stock, machine.sub)
+    with running(Geometry(fpb=1, sink_ticks=1, window_ticks=2, quant="off", routed=False), "a") as (machine, s):
         machine._forward(s, True, 0, 2)
         machine._commit(s)
         machine._forward(s, False, 1, 1)
-    finally:
-        machine.teardown()
 
 
 def test_a_forward_of_part_of_a_tick_is_refused():
@@ -853,15 +858,10 @@ def test_a_forward_of_part_of_a_tick_is_refused():
     the stock's. causalkv refuses such a forward (`ConfigError`, documented, nothing changed),
     a probe or a committing forward of 3 frames (then the session is closed in both, as the
     runner releases a failed forward)."""
-    machine = PagedMachine()
-    machine.start(Geometry(fpb=2, sink_ticks=0, window_ticks=1, quant="off", routed=False))
-    try:
-        s = machine.open["a"] = Session("a", machine.stock, machine.sub)
+    with running(Geometry(fpb=2, sink_ticks=0, window_ticks=1, quant="off", routed=False), "a") as (machine, s):
         machine._forward(s, True, 0, 2)
         machine._commit(s)
         documented = STATS.documented
         assert machine._forward(s, False, 1, 1)
         assert not machine._forward(s, True, 2, 3)
         assert STATS.documented == documented + 2 and "a" not in machine.open
-    finally:
-        machine.teardown()
