@@ -257,6 +257,92 @@ def test_which_rank_speaks_for_the_job() -> None:
     assert _signalled_line(prog, signal.SIGTERM, None) == "causalkv generate: terminated before the first chunk; nothing written"
 
 
+#: torchrun's failure report when rank 1 was killed and torchrun stopped rank 0, which exited
+#: with causalkv's status for SIGTERM before it could report
+TORCHRUN_TAIL = [
+    "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)", "  exitcode  : 143 (pid: 11)",
+    "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+    "  exitcode  : -9 (pid: 12)  (SIGKILL)",
+]
+
+
+def test_the_silent_rank_named_is_the_one_that_failed_on_its_own() -> None:
+    """Of several ranks that ended without a report, the launcher names the first that torchrun
+    did not stop (its exit code is not SIGINT's or SIGTERM's): before, it named the lowest,
+    rank 0 "exited with status 143", for a job whose rank 1 was killed."""
+    from causalkv.runtime.processes.launch import _died
+
+    def who(line: str) -> str:
+        return line.split(" before it could report")[0]
+
+    assert who(_died([0, 1], TORCHRUN_TAIL, 1)) == "error: rank 1 was killed by SIGKILL"
+    assert who(_died([], TORCHRUN_TAIL, 1)) == "error: rank 1 was killed by SIGKILL"
+    assert who(_died([0], TORCHRUN_TAIL, 1)) == "error: rank 0 exited with status 143"  # the only one
+    assert who(_died([0, 1], TORCHRUN_TAIL[:4], 1)) == "error: rank 0 exited with status 143"
+    assert who(_died([1], [], 7)) == "error: rank 1 failed (torchrun exit status 7)"
+
+
+def _as_rank_of_a_supervised_job(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    from causalkv.runtime.processes.launch import ENV_REPORTS
+
+    for name, value in ((ENV_REPORTS, str(folder)), ("WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+
+
+def test_a_sigterm_while_a_rank_reports_its_fault_leaves_the_report_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun stops a rank (SIGTERM) as soon as its peer dies, maybe while the rank reports
+    the peer's failure: `run_guarded` reports outside its own SIGTERM block, inside `main`'s.
+    The report is written whole and the fault's status returned. Before, `main`'s handler,
+    armed again when the inner block ended, raised in the middle of the report: the rank
+    printed "terminated while starting", wrote no report, and the launcher named it instead
+    of the peer that died (seen under load in `make test`)."""
+    from causalkv.cli import sigterm_raises
+    from causalkv.cli.faults import Progress, run_guarded
+    from causalkv.runtime.processes import launch
+
+    _as_rank_of_a_supervised_job(monkeypatch, tmp_path)
+    classify = launch.is_peer_failure
+
+    def signalled_while_reporting(exc: BaseException) -> bool:
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun stopping this rank
+        time.sleep(0.2)  # a handler runs by now
+        return classify(exc)
+
+    def body() -> int:
+        raise RuntimeError("[gloo] Connection reset by peer")
+
+    monkeypatch.setattr(launch, "is_peer_failure", signalled_while_reporting)
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_raises():  # `main`'s, around every command
+        code = run_guarded("causalkv generate", body, progress=Progress())
+    assert code == 1
+    (report,) = launch._read_each(tmp_path, "end-rank*.json", lambda d: d)
+    assert report["code"] == 1 and report["peer_failure"], report
+    assert report["line"].startswith("causalkv generate: unexpected error (RuntimeError: [gloo] Connection")
+    assert capsys.readouterr().err == ""  # the launcher prints the job's line
+    assert signal.getsignal(signal.SIGTERM) == before  # the outer block restored what it found
+
+
+def test_a_rank_stopped_while_starting_reports_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank of a supervised job stopped while the commands import reports its line to the
+    launcher instead of printing it (the launcher prints one line for the job)."""
+    import causalkv.cli.commands
+    from causalkv.cli import STARTING, Terminated, main
+    from causalkv.runtime.processes.launch import _read_each
+
+    def stopped(argv: object) -> int:
+        raise Terminated()
+
+    _as_rank_of_a_supervised_job(monkeypatch, tmp_path)
+    monkeypatch.setattr(causalkv.cli.commands, "main", stopped)
+    assert main(["generate"]) == 143
+    (report,) = _read_each(tmp_path, "end-rank*.json", lambda d: d)
+    assert (report["line"], report["code"]) == (STARTING.format(how="terminated"), 143)
+    assert capsys.readouterr().err == ""
+
+
 def test_print_stderr_is_one_line_and_nothing_when_stderr_is_gone(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`print_stderr` (the one way to stderr of the commands, the launcher, the plugin reports

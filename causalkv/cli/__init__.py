@@ -34,6 +34,7 @@ from typing import Any
 
 from causalkv.errors import print_stderr
 from causalkv.lazy import lazy_names
+from causalkv.runtime.processes import launch
 
 __all__ = ["Terminated", "build_parser", "main"]
 
@@ -65,11 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         silence_stdout()
         return 0
     except KeyboardInterrupt:
-        print_stderr(STARTING.format(how="interrupted"))
-        return 128 + signal.SIGINT
+        return _ended_starting("interrupted", 128 + signal.SIGINT)
     except Terminated:
-        print_stderr(STARTING.format(how="terminated"))
-        return 128 + signal.SIGTERM
+        return _ended_starting("terminated", 128 + signal.SIGTERM)
+
+
+def _ended_starting(how: str, code: int) -> int:
+    """The `STARTING` line and ``code``: printed, or in a rank of a supervised job
+    (`causalkv.runtime.processes.launch`) reported to the launcher, which prints the job's one
+    line (this rank was stopped: a peer's fault or the user's signal speaks for the job)."""
+    line = STARTING.format(how=how)
+    if launch.reports_to_launcher():
+        launch.report_end(line, code)
+    else:
+        print_stderr(line)
+    return code
 
 
 class Terminated(BaseException):
@@ -77,24 +88,33 @@ class Terminated(BaseException):
     ``BaseException``, so ``except Exception`` cleanup code lets it through)."""
 
 
+def _raise_terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM is ignored
+    raise Terminated()
+
+
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """Within the block, SIGTERM raises `Terminated` in the main thread (once: a second
-    SIGTERM during the clean-up is ignored). An inherited ``SIG_IGN`` is kept."""
+    """Within the block, SIGTERM raises `Terminated` in the main thread, once. An inherited
+    ``SIG_IGN`` is kept.
+
+    Nested in another such block (`causalkv.cli.faults.run_guarded`'s in `main`'s), a block
+    that ends by an exception leaves SIGTERM ignored instead of raising again: the command is
+    ending, and the handler of that exception prints its line or reports it to the launcher
+    outside the inner block. A SIGTERM then (torchrun stopping a rank whose peer died, while
+    the rank reports the peer's failure) must not cut that short. The outermost block restores
+    what it found."""
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
         yield
         return
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if previous is _raise_terminated else previous)
+        raise
+    signal.signal(signal.SIGTERM, previous)
 
 
 def silence_stdout() -> None:

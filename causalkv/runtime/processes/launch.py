@@ -15,7 +15,8 @@
   line for the job: on a signal, rank 0's line ("interrupted after chunk i of N; nothing
   written"; after rank 0 finished: what it wrote); on a fault, the first rank's that failed on its own (not one stopped by a
   signal or by a peer that died after it); a rank that died without reporting (killed,
-  crashed) is named with torchrun's exit code for it. The exit status is that line's.
+  crashed; of several, the first not stopped by SIGINT or SIGTERM) is named with torchrun's
+  exit code for it. The exit status is that line's.
 - The ranks' stderr (torchrun's log, warnings, tracebacks, C++ stack traces) passes through
   this process: with ``--debug`` all of it, otherwise only causalkv's own lines
   (``causalkv: warning: ...``), each once. ``OMP_NUM_THREADS`` is set for the ranks (cores /
@@ -158,7 +159,7 @@ class RankReport:
     def consequence(self) -> bool:
         """Ended because of another process: stopped by SIGINT/SIGTERM (torchrun stopping it, or
         the user), or a peer that went away."""
-        return self.peer_failure or self.code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+        return self.peer_failure or _stopped_by_signal(self.code)
 
 
 def report_end(
@@ -202,22 +203,33 @@ def describe_exit(code: int) -> str:
         return f"was killed by signal {-code}"
 
 
-def _died(rank: int | None, torchrun_tail: Sequence[str], rc: int) -> str:
-    """The line for a job whose ``rank`` ended without reporting (killed, crashed), with the
-    exit code torchrun's failure report gives for it."""
-    code, current = None, None
+def _died(silent: Sequence[int], torchrun_tail: Sequence[str], rc: int) -> str:
+    """The line for a job whose ``silent`` ranks ended without reporting (killed, crashed):
+    the first of them that failed on its own by the exit code torchrun's failure report gives
+    for it, not stopped by SIGINT or SIGTERM (torchrun stops the others when one dies; a rank
+    stopped before it could report is silent too); else the first with a code, else the first."""
+    codes: dict[int, int] = {}
+    current = None
     for line in torchrun_tail:
         if m := _ROOT_RANK.match(line):
             current = int(m.group(1))
-        elif (m := _ROOT_EXIT.match(line)) and current is not None and (rank is None or current == rank):
-            code, rank = int(m.group(1)), current
-            break
+        elif (m := _ROOT_EXIT.match(line)) and current is not None:
+            codes.setdefault(current, int(m.group(1)))
+    known = [r for r in (silent or codes) if r in codes]
+    own = [r for r in known if not _stopped_by_signal(codes[r])]
+    rank = next(iter(own or known or silent), None)
     who = f"rank {rank}" if rank is not None else "a rank"
-    how = describe_exit(code) if code is not None else f"failed (torchrun exit status {rc})"
+    how = describe_exit(codes[rank]) if rank in codes else f"failed (torchrun exit status {rc})"
     return (
         f"error: {who} {how} before it could report a fault; the job is stopped and nothing "
         "was written; rerun with --debug for the ranks' output"
     )
+
+
+def _stopped_by_signal(code: int) -> bool:
+    """An exit ``code`` of a process that SIGINT or SIGTERM ended: its own status for them
+    (``128 + signal``: causalkv's commands exit so) or killed by one (a negative code)."""
+    return code in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def choose_report(
@@ -398,6 +410,6 @@ def run_supervised(
     elif chosen is not None:
         line, code = chosen.line, chosen.code
     else:
-        line, code = f"{prog}: {_died(silent[0] if silent else None, list(tail), rc)}", 1
+        line, code = f"{prog}: {_died(silent, list(tail), rc)}", 1
     print_stderr(line)
     return code
