@@ -322,6 +322,14 @@ def test_a_sigterm_while_a_rank_reports_its_fault_leaves_the_report_whole(
     assert report["line"].startswith("causalkv generate: unexpected error (RuntimeError: [gloo] Connection")
     assert capsys.readouterr().err == ""  # the launcher prints the job's line
     assert signal.getsignal(signal.SIGTERM) == before  # the outer block restored what it found
+    # a rank that finished: a SIGTERM after its report (the job shutting down) replaces nothing
+    with sigterm_raises():
+        assert run_guarded("causalkv generate", lambda: 0, progress=Progress()) == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    (report,) = launch._read_each(tmp_path, "end-rank*.json", lambda d: d)
+    assert (report["code"], report["line"]) == (0, "")
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_a_rank_stopped_while_starting_reports_it(

@@ -98,12 +98,12 @@ def sigterm_raises() -> Iterator[None]:
     """Within the block, SIGTERM raises `Terminated` in the main thread, once. An inherited
     ``SIG_IGN`` is kept.
 
-    Nested in another such block (`causalkv.cli.faults.run_guarded`'s in `main`'s), a block
-    that ends by an exception leaves SIGTERM ignored instead of raising again: the command is
-    ending, and the handler of that exception prints its line or reports it to the launcher
-    outside the inner block. A SIGTERM then (torchrun stopping a rank whose peer died, while
-    the rank reports the peer's failure) must not cut that short. The outermost block restores
-    what it found."""
+    Nested in another such block (`causalkv.cli.faults.run_guarded`'s in `main`'s), the inner
+    block's end leaves SIGTERM ignored instead of raising again: the command is ending, and
+    its line or its report to the launcher is written after that block, inside the outer one.
+    A SIGTERM then (torchrun stopping a rank whose peer died, while the rank reports the
+    peer's failure) must not cut that short or replace it. The outermost block restores what
+    it found."""
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
         yield
@@ -111,10 +111,8 @@ def sigterm_raises() -> Iterator[None]:
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
-    except BaseException:
+    finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN if previous is _raise_terminated else previous)
-        raise
-    signal.signal(signal.SIGTERM, previous)
 
 
 def silence_stdout() -> None:
